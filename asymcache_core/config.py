@@ -1,0 +1,130 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PRIORITIES = ("fcfs", "program")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine instance. Bad values raise ``ValueError`` naming the field.
+
+    Attributes:
+        model: ``smollm2-135m`` (the packaged GGUF), a local HF folder, a ``.gguf`` path, or
+            ``dummy:<config>`` (a shipped config name such as ``llama-3.1-8b``, or a path to a
+            ``config.json``) with random weights.
+        device: ``cpu``, ``cuda``, ``cuda:N``.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``float16``, ``bfloat16``.
+        block_size: tokens per KV block.
+        num_kv_blocks: KV pool size in blocks; ``None`` derives it from ``kv_memory_fraction``.
+        kv_memory_fraction: share of the device's free memory (after weights) for the KV pool;
+            on CPU, share of available RAM capped at 4 GiB.
+        max_num_batched_tokens: token budget of one step (fixed chunking).
+        max_num_seqs: running requests at most.
+        max_model_len: longest prompt + output; ``None`` takes the model's own limit.
+        eviction_policy: a registered policy name (``lru``, ``vllm-apc``, ``pensieve``, ``asymcache``).
+        hole_reuse: keep cache hits after a missing block (``None``: the policy's default).
+        chunking: ``fixed`` (``max_num_batched_tokens``), ``fixed:N`` or ``adaptive``.
+        tpot_slo_ms: time-per-output-token target the adaptive budget keeps.
+        latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
+        priority: admission order of waiting work: ``fcfs`` (by request) or ``program`` (by job).
+        attention_backend: ``auto``, ``torch``, ``naive`` or ``triton``.
+        seed: seeds dummy weights and random sampling without a per-request seed.
+    """
+
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.5
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    eviction_policy: str = "vllm-apc"
+    hole_reuse: bool | None = None
+    chunking: str = "fixed"
+    tpot_slo_ms: float = 50.0
+    latency_profile: str | None = None
+    priority: str = "fcfs"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model: must be a non-empty string")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device: {self.device!r} is not a device ({exc})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: only cpu and cuda are supported, got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction: must be in (0, 1], got {self.kv_memory_fraction}")
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        from asymcache_core.eviction import registered_policies
+
+        if self.eviction_policy not in registered_policies():
+            raise ValueError(
+                f"eviction_policy: unknown policy {self.eviction_policy!r}; "
+                f"registered: {', '.join(registered_policies())}"
+            )
+        self.chunk_budget()  # validates `chunking`
+        if self.tpot_slo_ms <= 0:
+            raise ValueError(f"tpot_slo_ms: must be > 0, got {self.tpot_slo_ms}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority: one of {PRIORITIES}, got {self.priority!r}")
+        from kernels.dispatch import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend: one of {BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+
+    def chunk_budget(self) -> int | None:
+        """Fixed per-step token budget, or ``None`` when chunking is adaptive."""
+        if self.chunking == "adaptive":
+            return None
+        if self.chunking == "fixed":
+            return self.max_num_batched_tokens
+        if self.chunking.startswith("fixed:"):
+            try:
+                value = int(self.chunking.split(":", 1)[1])
+            except ValueError:
+                value = 0
+            if value >= 1:
+                return value
+        raise ValueError(f"chunking: 'adaptive', 'fixed' or 'fixed:N' (N >= 1), got {self.chunking!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = DTYPES[self.dtype]
+        if dtype is None:
+            return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
+        return dtype
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")

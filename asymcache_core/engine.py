@@ -1,0 +1,500 @@
+"""The engine: ``step()`` is schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from asymcache_core.block_pool import BlockPool
+from asymcache_core.budget import AdaptiveBudget, FixedBudget
+from asymcache_core.config import EngineConfig
+from asymcache_core.eviction import PolicyContext, create_policy
+from asymcache_core.kv_cache_manager import KVCacheManager
+from asymcache_core.latency_model import LatencyModel
+from asymcache_core.pins import PinManager
+from asymcache_core.request import Request, RequestOutput, RequestStatus
+from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.scheduler import Scheduler, SchedulerOutput, fcfs_key
+from asymcache_core.session_stats import SessionStats
+
+
+class Runner(Protocol):
+    """Runs a planned step and returns ``request_id -> sampled token`` for finished contexts."""
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, int]: ...
+
+
+@dataclass
+class StepStats:
+    """Per-step metrics.
+
+    Attributes:
+        start: engine time the step began.
+        duration_s: its wall (or virtual) duration.
+        budget: token budget chosen.
+        num_tokens: tokens computed.
+        num_segments: MSA segments in the launch.
+        num_seqs: sequences in the batch.
+        num_decodes: sequences that computed exactly one token.
+        blocks_in_use: pool blocks held or pinned after the step.
+    """
+
+    start: float
+    duration_s: float
+    budget: int
+    num_tokens: int
+    num_segments: int
+    num_seqs: int
+    num_decodes: int
+    blocks_in_use: int
+
+
+@dataclass
+class EngineCounters:
+    """Run-wide cache counters (never inflated by preemption recompute)."""
+
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    hole_tokens: int = 0
+    suffix_recomputed_tokens: int = 0
+    preempted_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_requests: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """Result of :meth:`Engine.generate` for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: Any
+
+
+class Engine:
+    """Embedded inference engine.
+
+    Args:
+        config: the engine configuration (keyword overrides are applied on top).
+        clock: time source (virtual in the simulator); ``time.monotonic`` by default.
+        runner_factory: builds a :class:`Runner` instead of loading the model (the simulator);
+            receives the engine and returns the runner.
+        model_config: the model's shape when ``runner_factory`` is given (else read from the spec).
+        tokenizer: a tokenizer when ``runner_factory`` is given.
+        loaded: an already loaded model (:class:`~asymcache_core.loaders.LoadedModel`) to share
+            between engines, e.g. one per policy of a benchmark grid; it must match ``model``,
+            ``device`` and ``dtype``.
+        **overrides: fields of :class:`EngineConfig`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+        runner_factory: Callable[[Engine], Runner] | None = None,
+        model_config: Any = None,
+        tokenizer: Any = None,
+        loaded: Any = None,
+        **overrides: Any,
+    ) -> None:
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            from dataclasses import replace
+
+            config = replace(config, **overrides)
+        self.config = config
+        self.clock = clock or time.monotonic
+        device, dtype = config.torch_device, config.torch_dtype
+
+        self.loaded = None
+        if runner_factory is None:
+            from asymcache_core.loaders import load_model
+
+            if loaded is not None:
+                if loaded.name != config.model:
+                    raise ValueError(f"model: the shared model is {loaded.name!r}, not {config.model!r}")
+                self.loaded = loaded
+            else:
+                self.loaded = load_model(config.model, device, dtype, config.seed, config.max_model_len)
+            self.model_config = self.loaded.config
+            self.tokenizer = self.loaded.tokenizer
+        else:
+            from asymcache_core.loaders import resolve_hf_config
+            from asymcache_core.models import ModelConfig
+
+            self.model_config = model_config or ModelConfig.from_hf(resolve_hf_config(config.model)[0])
+            self.tokenizer = tokenizer
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        dtype_bytes = torch.finfo(dtype).bits // 8
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(dtype_bytes)
+        self.block_size = config.block_size
+
+        if config.latency_profile is not None:
+            self.latency = LatencyModel.from_json(config.latency_profile)
+        else:
+            self.latency = LatencyModel.analytic(mc, device.type, dtype_bytes, config.model)
+        self.sessions = SessionStats()
+        policy = create_policy(
+            config.eviction_policy, PolicyContext(config.block_size, self.latency, self.sessions)
+        )
+        self.pool = BlockPool(self.num_blocks, policy, self.clock)
+        hole_reuse = policy.hole_reuse if config.hole_reuse is None else config.hole_reuse
+        self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse)
+        self.pins = PinManager(self.pool)
+        fixed = config.chunk_budget()
+        self.budget = (
+            FixedBudget(fixed)
+            if fixed is not None
+            else AdaptiveBudget(self.latency, config.tpot_slo_ms / 1e3, config.block_size, config.max_num_batched_tokens)
+        )
+        self._job_first_arrival: dict[str, float] = {}
+        self.scheduler = Scheduler(
+            self.kv,
+            config.block_size,
+            config.max_num_seqs,
+            self.budget,
+            self._program_key if config.priority == "program" else fcfs_key,
+            reclaim=self.pins.release_for_pressure,
+            on_admit=self._on_admit,
+        )
+        if runner_factory is None:
+            from asymcache_core.model_runner import ModelRunner
+            from kernels.dispatch import select_attention_backend
+
+            backend = select_attention_backend(device, config.attention_backend)
+            self.runner: Runner = ModelRunner(
+                self.loaded, self.num_blocks, config.block_size, device, dtype, backend, config.seed
+            )
+            self.attention_backend = backend.name
+        else:
+            self.runner = runner_factory(self)
+            self.attention_backend = "simulated"
+        self.requests: dict[str, Request] = {}
+        self.counters = EngineCounters()
+        self.step_log: list[StepStats] = []
+        self._ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+
+    # -- setup helpers -----------------------------------------------------------------------
+    def _blocks_from_memory(self, dtype_bytes: int) -> int:
+        per_block = self.model_config.kv_bytes_per_token(dtype_bytes) * self.config.block_size
+        device = self.config.torch_device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free * self.config.kv_memory_fraction
+        else:
+            import os
+
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(avail * self.config.kv_memory_fraction, 4 << 30)
+        return max(16, int(budget // per_block))
+
+    # -- requests ----------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt (strings go through the tokenizer)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer (dummy weights); pass token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        session_id: str | None = None,
+        job_id: str | None = None,
+        request_id: str | None = None,
+        is_last_step: bool = False,
+        priority: float = 0.0,
+    ) -> str:
+        """Queues a request.
+
+        Args:
+            prompt: token ids, or a string for models with a tokenizer.
+            params: sampling parameters (defaults: greedy, 16 tokens).
+            session_id: the conversation/job whose blocks the eviction policy groups.
+            job_id: Continuum job (defaults ``session_id`` to it).
+            request_id: a caller-chosen id (unique among unfinished requests).
+            is_last_step: the job ends with this request (its blocks will not be reused).
+            priority: smaller runs first among equal keys.
+
+        Returns:
+            The request id.
+
+        Raises:
+            ValueError: empty prompt, ids out of vocabulary, too long for ``max_model_len`` or
+                for the KV pool, or a duplicate request id.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
+                "(at least one token must be generated)"
+            )
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        blocks = -(-longest // self.block_size)
+        if blocks > self.num_blocks:
+            raise ValueError(
+                f"num_kv_blocks: the request needs up to {blocks} KV blocks "
+                f"(prompt {len(ids)} + max_tokens {params.max_tokens}) but the pool has {self.num_blocks}"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        now = self.clock()
+        request = Request(
+            request_id, ids, params, now, session_id=session_id, job_id=job_id,
+            priority=priority, is_last_step=is_last_step,
+        )
+        request.had_pin = self.pins.is_pinned(request.session_id)  # type: ignore[attr-defined]
+        if job_id is not None:
+            self._job_first_arrival.setdefault(job_id, now)
+        if request.session_id is not None:
+            self.sessions.on_arrival(request.session_id, now, len(ids))
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.counters.num_requests += 1
+        self.counters.prompt_tokens += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request and frees its blocks; returns False when it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._finish(request, self.clock())
+        self._pending_outputs.append(self._output(request, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step: schedule -> run -> postprocess. Returns this step's outputs."""
+        start = self.clock()
+        self.pins.expire(start)
+        plan = self.scheduler.schedule()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if plan.is_empty:
+            return outputs
+        sampled = self.runner.execute(plan)
+        end = self.clock()
+        self._log_step(plan, start, end)
+        return outputs + self._postprocess(plan, sampled, end)
+
+    def _postprocess(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for item in plan.scheduled:
+            request = item.request
+            metrics = request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            if not item.sample:
+                continue
+            token = sampled[request.request_id]
+            request.append_output(token)
+            self.counters.generated_tokens += 1
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.token_times.append(now)
+            self._check_stop(request, token)
+            if request.finished:
+                self._finish(request, now)
+            outputs.append(self._output(request, [token]))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif token in params.stop_token_ids:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            for stop in params.stop:
+                idx = text.find(stop)
+                if idx >= 0:
+                    request.text = text[:idx]
+                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                    return
+        if request.finished:
+            return
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _finish(self, request: Request, now: float) -> None:
+        request.metrics.finish_time = now
+        if request.session_id is not None:
+            held = [
+                (b, self.pool.blocks[b].block_hash)
+                for b in self.kv.held_blocks(request)
+                if self.pool.blocks[b].block_hash is not None
+            ]
+            self.pins.remember(request.session_id, held)  # type: ignore[arg-type]
+            self.sessions.on_finish(request.session_id, now, request.is_last_step)
+            if request.is_last_step:
+                self.pins.forget(request.session_id)
+        self.scheduler.finish(request)
+        runner_sampler = getattr(self.runner, "sampler", None)
+        if runner_sampler is not None:
+            runner_sampler.forget(request.request_id)
+        m = request.metrics
+        c = self.counters
+        c.hit_tokens += m.cached_tokens
+        c.hole_tokens += m.hole_tokens
+        c.suffix_recomputed_tokens += m.suffix_recomputed_tokens
+        c.preempted_tokens += m.preempted_tokens
+        c.computed_tokens += m.computed_tokens
+        c.num_preemptions += m.num_preemptions
+        if request.job_id is not None and request.is_last_step:
+            self._job_first_arrival.pop(request.job_id, None)
+        del self.requests[request.request_id]
+
+    def _output(self, request: Request, new: list[int]) -> RequestOutput:
+        text = request.text
+        if self.tokenizer is not None and not (request.params.stop and request.stop_reason in request.params.stop):
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        request.text = text
+        reason = request.status.value if request.finished else None
+        return RequestOutput(
+            request.request_id, new, list(request.output_token_ids), text, request.finished,
+            reason, request.metrics, request.num_prompt_tokens,
+        )
+
+    def _log_step(self, plan: SchedulerOutput, start: float, end: float) -> None:
+        self.step_log.append(
+            StepStats(
+                start=start,
+                duration_s=end - start,
+                budget=plan.budget,
+                num_tokens=plan.num_tokens,
+                num_segments=sum(len(s.segments) for s in plan.scheduled),
+                num_seqs=len(plan.scheduled),
+                num_decodes=sum(1 for s in plan.scheduled if s.num_tokens == 1),
+                blocks_in_use=self.pool.num_in_use,
+            )
+        )
+
+    # -- priority and pins ------------------------------------------------------------------
+    def _program_key(self, request: Request) -> tuple:
+        """Continuum's program-level FCFS: pinned jobs first, then by the job's first arrival."""
+        pinned = 0 if getattr(request, "had_pin", False) else 1
+        first = self._job_first_arrival.get(request.job_id or "", request.metrics.arrival_time)
+        return (pinned, first, request.metrics.arrival_time)
+
+    def _on_admit(self, request: Request) -> None:
+        # NOTE: the pin is released only now, once the request holds its blocks: releasing it
+        # at arrival would leave them evictable while the request waits in the queue.
+        if request.session_id is not None:
+            self.pins.unpin(request.session_id)
+
+    def pin_session(self, session_id: str, ttl_s: float) -> int:
+        """Pins the blocks of ``session_id``'s last finished request for ``ttl_s`` seconds.
+
+        Returns:
+            Blocks pinned (0 when the pin was refused or nothing was cached).
+        """
+        return self.pins.pin(session_id, ttl_s, self.clock())
+
+    def unpin_session(self, session_id: str) -> bool:
+        return self.pins.unpin(session_id)
+
+    def hint_session(self, session_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
+        """Passes the runtime's reuse hints (tool-pause estimate, job done) to the policies."""
+        self.sessions.hint(session_id, expected_gap_s, finished)
+        if finished:
+            self.pins.forget(session_id)
+
+    # -- blocking API ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        session_ids: Sequence[str | None] | None = None,
+    ) -> list[GenerationOutput]:
+        """Runs prompts to completion; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError("params: one SamplingParams per prompt, or a single one")
+        ids: list[str] = []
+        prompt_ids: dict[str, list[int]] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+                sid = session_ids[i] if session_ids else None
+                encoded = self.encode(prompt)  # type: ignore[arg-type]
+                rid = self.add_request(encoded, p, session_id=sid)
+                ids.append(rid)
+                prompt_ids[rid] = encoded
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in ids]
+            raise
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        results = []
+        for rid in ids:
+            out = finals[rid]
+            results.append(
+                GenerationOutput(rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics)
+            )
+        return results
+
+    # -- checks and stats ----------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Pool invariants plus: every block held by a request is counted by its ref count."""
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for request in self.scheduler.running + self.scheduler.waiting:
+            for b in self.kv.held_blocks(request):
+                refs[b] = refs.get(b, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {refs.get(block.block_id, 0)}"
+            )
+        pinned: dict[int, int] = {}
+        for pin in self.pins.pins.values():
+            for b in pin.block_ids:
+                pinned[b] = pinned.get(b, 0) + 1
+        for block in self.pool.blocks:
+            assert block.pin_cnt == pinned.get(block.block_id, 0), f"block {block.block_id}: pin count"

@@ -1,0 +1,69 @@
+"""AsymCache: evict the block whose loss costs least in expected future latency."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from asymcache_core.eviction.base import EvictionPolicy, PolicyContext
+from asymcache_core.latency_model import LatencyModel
+from asymcache_core.session_stats import SessionStats
+
+if TYPE_CHECKING:
+    from asymcache_core.block_pool import KVBlock
+
+
+class AsymCachePolicy(EvictionPolicy):
+    """``cost(block) = P(reuse) x marginal rebuild latency``; lowest cost goes first.
+
+    - P(reuse) comes from :class:`~asymcache_core.session_stats.SessionStats`: the session's
+      own inter-turn gaps learned online, the runtime's tool-pause hint, finished jobs (0), and
+      shared-prefix blocks (any of their sessions coming back).
+    - The rebuild latency is position-aware (the block's tokens attend over everything before
+      it) and marginal: the block is rebuilt in the same step as the session's next new tokens,
+      so tokens that fit under the latency model's knee only pay their attention.
+    - Ties (e.g. equal zero cost) go to the least recently used.
+
+    Scores change as time passes (sessions idle past their usual gap lose probability), so they
+    are computed when victims are chosen, once per allocation, over all candidates.
+    """
+
+    name = "asymcache"
+    hole_reuse = True
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self._blocks: dict[int, KVBlock] = {}
+        self.sessions: SessionStats = ctx.sessions if ctx.sessions is not None else SessionStats()
+        self.latency: LatencyModel = ctx.latency_model or LatencyModel(1e-3, 1e-5, 1e-9, 64)
+
+    def add(self, block: KVBlock, now: float) -> None:
+        self._blocks[block.block_id] = block
+
+    def remove(self, block: KVBlock) -> None:
+        del self._blocks[block.block_id]
+
+    def score(self, block: KVBlock, now: float) -> float:
+        """Expected latency lost by evicting ``block`` now (seconds)."""
+        p_reuse = self.sessions.block_reuse_probability(block.sessions, block.session_id, now)
+        if p_reuse <= 0.0:
+            return 0.0
+        base = self.sessions.expected_next_tokens(block.session_id)
+        rebuild = self.latency.block_rebuild_latency(block.position, self.ctx.block_size, base)
+        return p_reuse * rebuild
+
+    def pop_victims(self, count: int, now: float) -> list[KVBlock]:
+        ranked = sorted(
+            self._blocks.values(),
+            key=lambda b: (self.score(b, now), b.last_access, -b.position),
+        )
+        victims = ranked[:count]
+        for block in victims:
+            del self._blocks[block.block_id]
+        return victims
+
+    def candidates(self) -> Iterator[KVBlock]:
+        return iter(list(self._blocks.values()))
+
+    def __len__(self) -> int:
+        return len(self._blocks)

@@ -1,0 +1,156 @@
+"""KV cache manager: hash-chain lookup with holes, per-request block tables, allocation.
+
+Block hashes chain over every earlier token, so a cached block after a missing one still holds
+the exact K/V of its tokens at their positions (K/V of token i depend only on tokens <= i).
+With ``hole_reuse`` the lookup keeps every hit; the scheduler then recomputes only the holes.
+Without it, the lookup stops at the first miss, as vLLM's ``find_longest_cache_hit`` does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from asymcache_core.block_pool import BlockPool
+from asymcache_core.request import HOLE, Request
+
+_ROOT_HASH = 0x5A17C0DE
+
+
+def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash (deterministic across processes)."""
+    return hash((parent, tokens))
+
+
+class CacheHit(NamedTuple):
+    """Result of a lookup.
+
+    Attributes:
+        block_table: one entry per looked-up logical block: a cached block id or ``HOLE``.
+        leading_tokens: tokens covered by the leading run of hits (a plain prefix hit).
+        hit_tokens: tokens covered by all hits (holes excluded).
+        hole_tokens: tokens in holes before the last hit (recomputed although later blocks hit).
+        skipped_hit_tokens: tokens in blocks that were cached but unusable (prefix-only mode:
+            past the first miss).
+    """
+
+    block_table: list[int]
+    leading_tokens: int
+    hit_tokens: int
+    hole_tokens: int
+    skipped_hit_tokens: int
+
+
+class KVCacheManager:
+    """Maps requests to blocks of the :class:`BlockPool`.
+
+    Args:
+        pool: the block pool.
+        block_size: tokens per block.
+        hole_reuse: keep hits after a miss.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, hole_reuse: bool) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.hole_reuse = hole_reuse
+
+    # -- hashing ---------------------------------------------------------------------------
+    def ensure_hashes(self, request: Request) -> list[int]:
+        """Extends ``request.block_hashes`` to every full block of its tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        full = request.num_tokens // bs
+        tokens = request.all_token_ids
+        while len(hashes) < full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+        return hashes
+
+    # -- lookup and admission --------------------------------------------------------------
+    def lookup(self, request: Request) -> CacheHit:
+        """Finds the cached blocks of ``request``'s context (the last token is never a hit)."""
+        hashes = self.ensure_hashes(request)
+        # NOTE: the last token must run to produce logits, so its block is never taken from cache.
+        max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        table: list[int] = []
+        leading = -1
+        skipped = 0
+        for i in range(max_blocks):
+            block_id = self.pool.lookup(hashes[i])
+            if block_id is None:
+                if leading < 0:
+                    leading = i
+                if not self.hole_reuse:
+                    skipped = sum(
+                        self.pool.lookup(h) is not None for h in hashes[i + 1 : max_blocks]
+                    )
+                    break
+                table.append(HOLE)
+            else:
+                table.append(block_id)
+        while table and table[-1] == HOLE:
+            table.pop()
+        if leading < 0:
+            leading = len(table)
+        hits = sum(b != HOLE for b in table)
+        bs = self.block_size
+        return CacheHit(
+            block_table=table,
+            leading_tokens=leading * bs,
+            hit_tokens=hits * bs,
+            hole_tokens=(len(table) - hits) * bs,
+            skipped_hit_tokens=skipped * bs,
+        )
+
+    def num_blocks_to_take(self, hit: CacheHit) -> int:
+        """Free blocks that taking ``hit``'s blocks would consume (hits that are candidates)."""
+        return sum(1 for b in hit.block_table if b != HOLE and self.pool.is_candidate(b))
+
+    def admit(self, request: Request, hit: CacheHit) -> None:
+        """Takes references on ``hit``'s blocks and installs them as ``request``'s table."""
+        self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
+        request.block_ids = list(hit.block_table)
+        request.num_computed_tokens = hit.leading_tokens
+
+    # -- allocation ------------------------------------------------------------------------
+    def blocks_needed(self, request: Request, segments: list[tuple[int, int]]) -> list[int]:
+        """Logical block indices that ``segments`` write to and that have no block yet."""
+        bs = self.block_size
+        needed: list[int] = []
+        for start, end in segments:
+            for idx in range(start // bs, (end - 1) // bs + 1):
+                if idx >= len(request.block_ids) or request.block_ids[idx] == HOLE:
+                    if not needed or needed[-1] != idx:
+                        needed.append(idx)
+        return needed
+
+    def allocate(self, request: Request, block_indices: list[int]) -> None:
+        """Allocates fresh blocks for ``block_indices`` of ``request`` (caller checked room)."""
+        if not block_indices:
+            return
+        fresh = self.pool.allocate(len(block_indices), request.session_id)
+        table = request.block_ids
+        for idx, block_id in zip(block_indices, fresh, strict=True):
+            if idx >= len(table):
+                table.extend([HOLE] * (idx + 1 - len(table)))
+            table[idx] = block_id
+
+    def commit(self, request: Request) -> None:
+        """Registers every block below the frontier that is full and not cached yet."""
+        bs = self.block_size
+        hashes = self.ensure_hashes(request)
+        full = min(request.num_computed_tokens // bs, len(hashes))
+        for idx in range(full):
+            block_id = request.block_ids[idx]
+            block = self.pool.blocks[block_id]
+            if block.block_hash is None:
+                self.pool.cache_block(block_id, hashes[idx], idx)
+
+    def free(self, request: Request) -> None:
+        """Drops ``request``'s references, tail first (vLLM's order)."""
+        self.pool.free(b for b in reversed(request.block_ids) if b != HOLE)
+        request.block_ids = []
+
+    def held_blocks(self, request: Request) -> list[int]:
+        return [b for b in request.block_ids if b != HOLE]

@@ -1,0 +1,115 @@
+"""Step-latency model: what a forward step costs on this device and model.
+
+``latency(T, A) = floor + per_token * max(0, T - knee) + per_attn * A``
+
+- ``T``: tokens computed in the step (prefill, hole and decode tokens alike);
+- ``A``: attention work, the sum over segments of ``q_len * context`` (query x key pairs);
+- ``floor``: what any step costs (launches, reading the weights once);
+- ``knee``: the token count up to which the step stays at its floor: below it the device is
+  under-used and extra tokens ride almost free; above it every token costs ``per_token``.
+
+A profile (``asymcache profile``) fits these numbers from the engine's own steps; without one the
+analytic default derives them from the model's FLOPs and bytes and the device's nominal peaks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from asymcache_core.models.config import ModelConfig
+
+# Nominal peaks of the analytic default: (FLOP/s, bytes/s, per-step overhead s).
+_DEVICE_PEAKS = {
+    "cpu": (6.0e10, 1.5e10, 4.0e-3),
+    "cuda": (7.0e14, 4.0e12, 2.0e-3),
+}
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """A fitted or analytic step-latency model.
+
+    Attributes:
+        floor_s: latency of a step at or below the knee.
+        per_token_s: marginal latency of a token above the knee.
+        per_attn_s: latency per query-key pair.
+        knee_tokens: tokens a step can take at its floor.
+        source: ``analytic`` or the profile path.
+        model: the model the numbers belong to.
+        device: the device type.
+        fit_error: mean relative error of the fit on its samples (profiles only).
+    """
+
+    floor_s: float
+    per_token_s: float
+    per_attn_s: float
+    knee_tokens: int
+    source: str = "analytic"
+    model: str = ""
+    device: str = "cpu"
+    fit_error: float | None = None
+
+    def step_latency(self, num_tokens: int, attn_pairs: float) -> float:
+        """Predicted latency of a step with ``num_tokens`` tokens and ``attn_pairs`` pairs."""
+        return (
+            self.floor_s
+            + self.per_token_s * max(0, num_tokens - self.knee_tokens)
+            + self.per_attn_s * attn_pairs
+        )
+
+    def marginal_latency(self, base_tokens: int, extra_tokens: int, extra_attn_pairs: float) -> float:
+        """What adding ``extra_tokens`` to a step that already has ``base_tokens`` costs."""
+        over_before = max(0, base_tokens - self.knee_tokens)
+        over_after = max(0, base_tokens + extra_tokens - self.knee_tokens)
+        return self.per_token_s * (over_after - over_before) + self.per_attn_s * extra_attn_pairs
+
+    def block_rebuild_latency(self, position: int, block_size: int, base_tokens: int) -> float:
+        """Marginal latency of recomputing the block at logical index ``position``.
+
+        Its ``block_size`` tokens attend over ``position * block_size`` earlier tokens plus a
+        causal half of the block; they join a step that already carries ``base_tokens``.
+        """
+        ctx = position * block_size + (block_size + 1) / 2
+        return self.marginal_latency(base_tokens, block_size, block_size * ctx)
+
+    def max_tokens_within(self, target_s: float, attn_per_token: float) -> int:
+        """Largest token count whose step stays under ``target_s`` (attention per token given)."""
+        if self.step_latency(self.knee_tokens, attn_per_token * self.knee_tokens) >= target_s:
+            # Below the knee only attention grows with tokens.
+            if self.per_attn_s * attn_per_token <= 0:
+                return self.knee_tokens
+            room = target_s - self.floor_s
+            return max(0, int(room / (self.per_attn_s * attn_per_token)))
+        per = self.per_token_s + self.per_attn_s * attn_per_token
+        room = target_s - self.floor_s + self.per_token_s * self.knee_tokens
+        return max(self.knee_tokens, int(room / per)) if per > 0 else 1 << 30
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> LatencyModel:
+        """Loads a profile.
+
+        Raises:
+            ValueError: unreadable file or missing fields.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"latency_profile: cannot read {str(path)!r} ({exc})") from None
+
+    @classmethod
+    def analytic(cls, cfg: ModelConfig, device_type: str, dtype_bytes: int, name: str = "") -> LatencyModel:
+        """Default from FLOPs and bytes: floor = weight read + overhead; knee where compute
+        time equals the floor; attention at 4 * layers * heads * head_dim FLOPs per pair."""
+        flops, bandwidth, overhead = _DEVICE_PEAKS.get(device_type, _DEVICE_PEAKS["cpu"])
+        weight_read = cfg.num_params * dtype_bytes / bandwidth
+        per_token = 2.0 * cfg.num_params / flops
+        floor = overhead + weight_read
+        knee = max(1, int(weight_read / per_token))
+        per_attn = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim / flops
+        return cls(floor, per_token, per_attn, knee, "analytic", name, device_type)

@@ -1,0 +1,129 @@
+"""GGUF checkpoints (llama.cpp format), dequantized to torch at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _reader(path: Path) -> Any:
+    import gguf
+
+    if not path.is_file():
+        raise ValueError(f"model: GGUF file {str(path)!r} does not exist")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises many types on corrupt files
+        raise ValueError(f"model: {str(path)!r} is not a readable GGUF file ({exc})") from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def open_gguf(path: Path) -> Any:
+    """Parses a GGUF file once (metadata and tensor index; the payload stays memory-mapped)."""
+    return _reader(path)
+
+
+def gguf_hf_config(path: Path, reader: Any = None) -> dict[str, Any]:
+    """Translates a llama-architecture GGUF's metadata into an HF ``config.json`` dict."""
+    reader = reader if reader is not None else _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"architectures: GGUF architecture {arch!r} is not supported")
+    p = f"{arch}."
+    heads = int(_field(reader, p + "attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    return {
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "vocab_size": int(_field(reader, p + "vocab_size", len(tokens))),
+        "hidden_size": int(_field(reader, p + "embedding_length")),
+        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
+        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, p + "context_length", 8192)),
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _reverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undoes llama.cpp's q/k row permutation (interleaved rope -> HF's half-split layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: Any = None) -> dict[str, torch.Tensor]:
+    """Dequantizes every tensor into HF names and layouts (float32).
+
+    Raises:
+        ValueError: unknown tensor names or a corrupt payload.
+    """
+    from gguf.quants import dequantize
+
+    reader = reader if reader is not None else _reader(path)
+    is_llama = cfg["architectures"][0] == "LlamaForCausalLM"
+    out: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk":
+            base = _LAYER_NAMES.get(parts[2])
+            if base is None:
+                continue
+            name = f"model.layers.{parts[1]}.{base}.{parts[-1]}"
+        else:
+            base = _GLOBAL_NAMES.get(parts[0])
+            if base is None:
+                continue
+            name = f"{base}.{parts[-1]}"
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise ValueError(f"model: tensor {tensor.name!r} of {str(path)!r} is corrupt ({exc})") from None
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
+        if is_llama and parts[0] == "blk" and parts[2] == "attn_q":
+            weight = _reverse_permute(weight, cfg["num_attention_heads"])
+        elif is_llama and parts[0] == "blk" and parts[2] == "attn_k":
+            weight = _reverse_permute(weight, cfg["num_key_value_heads"])
+        out[name] = weight
+    return out
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The HF fast tokenizer embedded in the GGUF (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ValueError(f"model: cannot read the tokenizer of {str(path)!r} ({exc})") from None

@@ -1,0 +1,16 @@
+"""Model implementations chosen from ``config.json``'s ``architectures``."""
+
+from __future__ import annotations
+
+from asymcache_core.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from asymcache_core.models.llama import LlamaForCausalLM, load_hf_state_dict
+
+
+def build_model(cfg: ModelConfig, max_len: int) -> LlamaForCausalLM:
+    """Instantiates the module for ``cfg.architecture`` (all supported ones are Llama-shaped)."""
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architectures: unsupported {cfg.architecture!r}")
+    return LlamaForCausalLM(cfg, max_len)
+
+
+__all__ = ["ModelConfig", "LlamaForCausalLM", "build_model", "load_hf_state_dict"]

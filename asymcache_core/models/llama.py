@@ -1,0 +1,244 @@
+"""Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2; GQA; tied embeddings).
+
+Attention goes through an explicit :class:`~kernels.dispatch.AttentionBackend` and
+:class:`~kernels.metadata.MSAMetadata` passed to ``forward``: no global state.
+Projections are fused (``qkv_proj``, ``gate_up_proj``) because one matmul beats three on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asymcache_core.models.config import ModelConfig
+from kernels.dispatch import AttentionBackend
+from kernels.metadata import MSAMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with llama3 scaling when the config asks for it."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope_scaling: unsupported rope type {kind!r}")
+    return inv.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (neox layout)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        inv = rope_inv_freq(cfg)
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x [T, H, D]`` by ``positions [T]``."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: MSAMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotary(q.view(-1, self.num_heads, self.head_dim), positions)
+        k = rotary(k.view(-1, self.num_kv_heads, self.head_dim), positions)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        # NOTE: every new K/V of the step is stored before any query attends, so holes and
+        # suffixes computed in the same step see each other at their absolute positions.
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model; ``forward`` runs a packed multi-segment step and returns selected logits."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg, max_len)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: MSAMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs one step.
+
+        Args:
+            input_ids: ``[T]`` packed tokens of every segment.
+            positions: ``[T]`` their absolute positions.
+            kv_caches: per layer ``(k_cache, v_cache)``.
+            meta: the step's MSA metadata.
+            backend: the attention backend.
+            logits_indices: rows of the packed batch whose next-token logits are needed.
+
+        Returns:
+            ``[len(logits_indices), vocab]`` float32 logits.
+        """
+        h = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if residual is None:
+                residual = h
+            else:
+                residual = residual + h
+            h = layer.self_attn(
+                layer.input_layernorm(residual), positions, self.rotary, kv_cache, meta, backend
+            )
+            residual = residual + h
+            h = layer.mlp(layer.post_attention_layernorm(residual))
+        assert residual is not None
+        out = residual + h
+        out = self.norm(out[logits_indices])
+        return self.lm_head(out).float()
+
+
+# Legacy per-projection names in checkpoints -> (fused param, slice index).
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_hf_state_dict(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
+    """Copies HF-named weights (``model.layers.N.self_attn.q_proj.weight`` ...) into ``model``.
+
+    Raises:
+        ValueError: a weight is missing or has the wrong shape.
+    """
+    cfg = model.config
+    params = dict(model.named_parameters())
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    splits = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            target = name.removeprefix("model.")
+            if target.startswith("lm_head") and cfg.tie_word_embeddings:
+                continue
+            if "rotary_emb" in target:
+                continue
+            parts = target.split(".")
+            offset = 0
+            if len(parts) >= 2 and parts[-2] in FUSED:
+                fused, idx = FUSED[parts[-2]]
+                sizes = splits[fused]
+                offset = sum(sizes[:idx])
+                parts[-2] = fused
+                target = ".".join(parts)
+                if target not in params:
+                    raise ValueError(f"weights: unexpected tensor {name!r}")
+                dest = params[target][offset : offset + sizes[idx]]
+            else:
+                if target not in params:
+                    raise ValueError(f"weights: unexpected tensor {name!r}")
+                dest = params[target]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor.to(dest.dtype))
+            seen.add(f"{target}@{offset}")
+    expected = 0
+    for pname in params:
+        if pname.startswith("lm_head") and cfg.tie_word_embeddings:
+            continue
+        base = pname.split(".")[-2] if "." in pname else pname
+        expected += len(splits.get(base, [0]))
+    if len(seen) != expected:
+        raise ValueError(f"weights: checkpoint covers {len(seen)} of {expected} tensors")

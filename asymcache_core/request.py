@@ -1,0 +1,161 @@
+"""Requests and their outputs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from asymcache_core.sampling_params import SamplingParams
+
+HOLE = -1
+"""Block-table entry of a logical block that is neither cached nor allocated yet."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """Timings (seconds on the engine clock) and token counters of one request.
+
+    Attributes:
+        arrival_time: when ``add_request`` took it.
+        first_scheduled_time: first step that ran any of its tokens.
+        first_token_time: when its first output token was sampled.
+        finish_time: when it finished.
+        cached_tokens: prompt tokens served from the cache at first admission (not inflated by
+            re-admission after a preemption).
+        hole_tokens: tokens recomputed inside holes (missing blocks before a later cache hit).
+        suffix_recomputed_tokens: prompt tokens computed after a missing block in prefix-only
+            mode although a later block of theirs was cached (what hole reuse would have saved).
+        preempted_tokens: tokens computed again because of a preemption.
+        computed_tokens: every token the model ran for this request.
+        num_preemptions: times it was preempted.
+    """
+
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    cached_tokens: int = 0
+    hole_tokens: int = 0
+    suffix_recomputed_tokens: int = 0
+    preempted_tokens: int = 0
+    computed_tokens: int = 0
+    num_preemptions: int = 0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time between output tokens after the first."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+class Request:
+    """One generation request as the scheduler and cache manager see it.
+
+    The request's context is ``prompt + output`` tokens. ``num_computed_tokens`` is the
+    *frontier*: every position below it is computed or held as a cache hit. Positions beyond
+    the frontier may already be cache hits too (``block_ids[i] != HOLE`` at a block boundary
+    past the frontier): the scheduler skips them and computes only the holes between them.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        session_id: str | None = None,
+        job_id: str | None = None,
+        priority: float = 0.0,
+        is_last_step: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.session_id = session_id if session_id is not None else job_id
+        self.job_id = job_id
+        self.priority = priority
+        self.is_last_step = is_last_step
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.admitted_once = False
+        self.max_computed_ever = 0
+        self.stop_reason: int | str | None = None
+        self.text = ""
+        self.text_offset = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (streaming: ``new_token_ids`` are this step's).
+
+    Attributes:
+        request_id: the id ``add_request`` returned.
+        new_token_ids: tokens sampled in this step.
+        token_ids: every generated token so far.
+        text: detokenised ``token_ids`` (stop strings removed); empty without a tokenizer.
+        finished: whether the request ended in this step.
+        finish_reason: ``stop``, ``length`` or ``abort`` once finished.
+        metrics: the request's metrics (shared, updated in place).
+        num_prompt_tokens: prompt length.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    num_prompt_tokens: int

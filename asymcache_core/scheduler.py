@@ -1,0 +1,269 @@
+"""Phase-less scheduler (vLLM V1 style) with hole-aware segments.
+
+There are no prefill or decode phases: every request catches its computed tokens up to its
+total. Each step has a token budget; running requests go first (decodes cost one token each),
+then waiting requests are admitted in priority order. A request's scheduled tokens form one or
+more *segments*: runs of positions between cache hits (holes), then its new suffix. When blocks
+run out, the lowest-priority running request is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import NamedTuple
+
+from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
+from asymcache_core.request import HOLE, Request, RequestStatus
+
+PriorityKey = Callable[[Request], tuple]
+BudgetFn = Callable[[list[Request], list[Request]], int]
+AdmitHook = Callable[[Request], None]
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step.
+
+    Attributes:
+        request: the request.
+        segments: ``(start, end)`` absolute positions to compute, ascending.
+        sample: whether the step reaches the end of its context (a token is sampled).
+    """
+
+    request: Request
+    segments: list[tuple[int, int]]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(end - start for start, end in self.segments)
+
+
+class SchedulerOutput(NamedTuple):
+    """A step's plan.
+
+    Attributes:
+        scheduled: requests with their segments, in batch order.
+        preempted: requests preempted while planning this step.
+        budget: the token budget the step was planned under.
+        num_tokens: tokens scheduled in all.
+    """
+
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    budget: int
+    num_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def fcfs_key(request: Request) -> tuple:
+    """vLLM's default: by arrival."""
+    return (request.priority, request.metrics.arrival_time)
+
+
+class Scheduler:
+    """Plans steps over the waiting and running queues.
+
+    Args:
+        kv: the cache manager.
+        block_size: tokens per block.
+        max_num_seqs: running requests at most.
+        budget_fn: token budget of the next step given the running requests.
+        priority_key: admission/preemption order (smaller first).
+        reclaim: frees pinned blocks under memory pressure (returns False when it cannot);
+            tried before any preemption and before an admission gives up.
+        on_admit: called when a waiting request is admitted (after its cache hits are held).
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        block_size: int,
+        max_num_seqs: int,
+        budget_fn: BudgetFn,
+        priority_key: PriorityKey = fcfs_key,
+        reclaim: Callable[[], bool] | None = None,
+        on_admit: AdmitHook | None = None,
+    ) -> None:
+        self.reclaim = reclaim
+        self.on_admit = on_admit
+        self.kv = kv
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.budget_fn = budget_fn
+        self.priority_key = priority_key
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._order = itertools.count()
+        self._seq: dict[str, int] = {}
+
+    # -- queues ----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self._seq[request.request_id] = next(self._order)
+        self.waiting.append(request)
+
+    def _key(self, request: Request) -> tuple:
+        return (*self.priority_key(request), self._seq[request.request_id])
+
+    def remove(self, request: Request) -> None:
+        """Drops a request from whichever queue holds it and frees its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self._seq.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning --------------------------------------------------------------------------
+    def _skip_cached(self, request: Request, pos: int) -> int:
+        """Moves ``pos`` past cache hits that start at it."""
+        bs = self.block_size
+        table = request.block_ids
+        while pos % bs == 0 and pos // bs < len(table) and table[pos // bs] != HOLE:
+            pos += bs
+        return pos
+
+    def plan_segments(self, request: Request, max_tokens: int) -> list[tuple[int, int]]:
+        """Up to ``max_tokens`` positions from the frontier, skipping cached blocks."""
+        bs = self.block_size
+        table = request.block_ids
+        total = request.num_tokens
+        segments: list[tuple[int, int]] = []
+        pos = self._skip_cached(request, request.num_computed_tokens)
+        left = max_tokens
+        while left > 0 and pos < total:
+            next_hit = total
+            for idx in range(pos // bs + 1, len(table)):
+                if table[idx] != HOLE:
+                    next_hit = idx * bs
+                    break
+            end = min(pos + left, next_hit, total)
+            segments.append((pos, end))
+            left -= end - pos
+            pos = self._skip_cached(request, end)
+        return segments
+
+    def remaining_tokens(self, request: Request) -> int:
+        """Tokens still to compute (cached blocks ahead of the frontier excluded)."""
+        bs = self.block_size
+        start = request.num_computed_tokens
+        ahead = sum(
+            1 for idx in range(-(-start // bs), len(request.block_ids))
+            if request.block_ids[idx] != HOLE
+        )
+        return request.num_tokens - start - ahead * bs
+
+    def schedule(self) -> SchedulerOutput:
+        """Plans one step."""
+        self.running.sort(key=self._key)
+        budget = self.budget_fn(self.running, self.waiting)
+        left = budget
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and left > 0:
+            request = self.running[i]
+            segments = self.plan_segments(request, left)
+            if not segments:
+                i += 1
+                continue
+            needed = self.kv.blocks_needed(request, segments)
+            while len(needed) > self.kv.pool.num_free_blocks:
+                if self.reclaim is not None and self.reclaim():
+                    continue
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # the request itself was preempted; running[i] is now the next one
+            self._commit(request, segments, needed, scheduled)
+            left -= scheduled[-1].num_tokens
+            i += 1
+
+        if not preempted:
+            left = self._admit_waiting(left, scheduled)
+        return SchedulerOutput(scheduled, preempted, budget, budget - left)
+
+    def _admit_waiting(self, left: int, scheduled: list[ScheduledRequest]) -> int:
+        self.waiting.sort(key=self._key)
+        while self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.kv.lookup(request)
+            self.kv.admit(request, hit)
+            segments = self.plan_segments(request, left)
+            needed = self.kv.blocks_needed(request, segments)
+            while len(needed) > self.kv.pool.num_free_blocks and self.reclaim is not None:
+                if not self.reclaim():
+                    break
+            if len(needed) > self.kv.pool.num_free_blocks:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            self._on_admitted(request, hit)
+            if self.on_admit is not None:
+                self.on_admit(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._commit(request, segments, needed, scheduled)
+            left -= scheduled[-1].num_tokens
+        return left
+
+    def _on_admitted(self, request: Request, hit: CacheHit) -> None:
+        metrics = request.metrics
+        if not request.admitted_once:
+            request.admitted_once = True
+            metrics.cached_tokens = hit.hit_tokens
+            metrics.hole_tokens += hit.hole_tokens
+            metrics.suffix_recomputed_tokens += hit.skipped_hit_tokens
+
+    def _commit(
+        self,
+        request: Request,
+        segments: list[tuple[int, int]],
+        needed: list[int],
+        scheduled: list[ScheduledRequest],
+    ) -> None:
+        self.kv.allocate(request, needed)
+        end = segments[-1][1]
+        request.num_computed_tokens = self._skip_cached(request, end)
+        self.kv.commit(request)
+        sample = end == request.num_tokens
+        scheduled.append(ScheduledRequest(request, segments, sample))
+        computed = sum(e - s for s, e in segments)
+        metrics = request.metrics
+        metrics.computed_tokens += computed
+        redo = min(end, request.max_computed_ever) - segments[0][0]
+        if request.metrics.num_preemptions and redo > 0:
+            metrics.preempted_tokens += min(redo, computed)
+        request.max_computed_ever = max(request.max_computed_ever, end)
+
+    def _pick_victim(self, current: int) -> Request:
+        """Lowest-priority running request at or after ``current`` (never one already planned).
+
+        Requests on their job's last step are spared while another victim exists (Continuum).
+        """
+        tail = self.running[current:]
+        spare = [r for r in tail if not r.is_last_step]
+        return (spare or tail)[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """Releases a finished request's blocks."""
+        self.remove(request)

@@ -1,0 +1,128 @@
+"""Per-session reuse statistics, learned online, that eviction policies consult."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SessionState:
+    """What the engine knows about one session (a chat or an agent job).
+
+    Attributes:
+        last_active: engine time of its last request arrival or finish.
+        last_finish: when its last request finished (``None`` while one runs).
+        running: requests of the session in flight.
+        gaps: recent inter-turn gaps (finish -> next arrival), seconds.
+        expected_gap: a hint from the runtime (e.g. the tool-duration estimate), seconds.
+        finished: the job said its last step is done: its blocks will not be reused.
+        new_tokens: recent per-turn new-token counts (the size of its next step).
+    """
+
+    last_active: float = 0.0
+    last_finish: float | None = None
+    running: int = 0
+    gaps: list[float] = field(default_factory=list)
+    expected_gap: float | None = None
+    finished: bool = False
+    new_tokens: list[int] = field(default_factory=list)
+
+
+class SessionStats:
+    """Tracks sessions and estimates the probability that a session's blocks are reused.
+
+    Args:
+        prior_reuse: probability used for a session with no history.
+        history: gaps and turn sizes kept per session.
+    """
+
+    def __init__(self, prior_reuse: float = 0.5, history: int = 16) -> None:
+        self.prior_reuse = prior_reuse
+        self.history = history
+        self.sessions: dict[str, SessionState] = {}
+        self.global_gaps: list[float] = []
+
+    def state(self, session_id: str) -> SessionState:
+        state = self.sessions.get(session_id)
+        if state is None:
+            state = self.sessions[session_id] = SessionState()
+        return state
+
+    def last_active(self, session_id: str, default: float) -> float:
+        state = self.sessions.get(session_id)
+        return default if state is None else state.last_active
+
+    def on_arrival(self, session_id: str, now: float, new_tokens: int) -> None:
+        state = self.state(session_id)
+        if state.last_finish is not None and state.running == 0:
+            gap = max(0.0, now - state.last_finish)
+            state.gaps = (state.gaps + [gap])[-self.history :]
+            self.global_gaps = (self.global_gaps + [gap])[-256:]
+        state.new_tokens = (state.new_tokens + [new_tokens])[-self.history :]
+        state.running += 1
+        state.last_active = now
+        state.expected_gap = None
+
+    def on_finish(self, session_id: str, now: float, last_step: bool) -> None:
+        state = self.state(session_id)
+        state.running = max(0, state.running - 1)
+        state.last_finish = now
+        state.last_active = now
+        if last_step:
+            state.finished = True
+
+    def hint(self, session_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
+        """Runtime hints: the next request is expected in ``expected_gap_s``; or the job is done."""
+        state = self.state(session_id)
+        if expected_gap_s is not None:
+            state.expected_gap = max(0.0, expected_gap_s)
+        if finished is not None:
+            state.finished = finished
+
+    def expected_next_tokens(self, session_id: str | None) -> int:
+        if session_id is None or session_id not in self.sessions:
+            return 0
+        sizes = self.sessions[session_id].new_tokens
+        return int(sum(sizes) / len(sizes)) if sizes else 0
+
+    def reuse_probability(self, session_id: str | None, now: float) -> float:
+        """P(the session comes back for its blocks), from its state at ``now``.
+
+        - a finished job: 0;
+        - a running session: 1 (its blocks are in use or about to be);
+        - otherwise the idle time is compared with the expected gap (the runtime's hint, else
+          the mean of its own gaps, else the mean over all sessions): the probability stays high
+          until about the expected gap and then decays exponentially with that scale, so a
+          session that overstays its usual pause is treated as gone.
+        """
+        if session_id is None:
+            return self.prior_reuse
+        state = self.sessions.get(session_id)
+        if state is None:
+            return self.prior_reuse
+        if state.finished:
+            return 0.0
+        if state.running > 0 or state.last_finish is None:
+            return 1.0
+        idle = max(0.0, now - state.last_finish)
+        if state.expected_gap is not None:
+            expected, base = state.expected_gap, 0.95
+        elif state.gaps:
+            expected, base = sum(state.gaps) / len(state.gaps), 0.9
+        elif self.global_gaps:
+            expected, base = sum(self.global_gaps) / len(self.global_gaps), self.prior_reuse
+        else:
+            return self.prior_reuse
+        scale = max(expected, 1e-3)
+        overstay = max(0.0, idle - 1.5 * scale)
+        return base * math.exp(-overstay / scale)
+
+    def block_reuse_probability(self, sessions: set[str], session_id: str | None, now: float) -> float:
+        """A block shared by several sessions is reused if any of them comes back."""
+        if not sessions:
+            return self.reuse_probability(session_id, now)
+        miss = 1.0
+        for sid in sessions:
+            miss *= 1.0 - self.reuse_probability(sid, now)
+        return 1.0 - miss

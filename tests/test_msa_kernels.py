@@ -1,0 +1,400 @@
+"""MSA kernels against the float64 oracle :func:`kernels.reference.msa_naive`.
+
+- CPU (default suite): the Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1``),
+  on small shapes in float32; the torch fast path :func:`msa_torch`; the KV store.
+- GPU (``-m gpu``): the compiled kernels at larger sizes in bf16/fp16.
+
+The interpreter is chosen when a ``@triton.jit`` function is decorated, so the interpreted
+kernels are a fresh copy of ``kernels/msa_triton.py`` loaded under another module name while
+the variable is set; whatever imported ``kernels.msa_triton`` before is left untouched.
+
+Every case draws fresh random inputs (its own seed; ``MSA_TEST_SEED`` shifts them all): 1-6
+segments per sequence (holes at random offsets, often block-aligned, plus a suffix), ragged
+contexts, shuffled packing, caches whose unused blocks and slots hold NaN, and an output buffer
+poisoned with NaN.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from kernels.metadata import MSAMetadata, build_msa_metadata
+from kernels.reference import msa_naive, msa_torch, store_kv_torch
+
+_SEED = int(os.environ.get("MSA_TEST_SEED", "0"))
+_MSA_PATH = Path(__file__).resolve().parents[1] / "kernels" / "msa_triton.py"
+
+# (relative Frobenius error, max abs error) bounds against the float64 oracle.
+def _seed(*parts: object) -> int:
+    """A stable per-case seed (``hash`` of strings changes between processes)."""
+    return zlib.crc32(repr(parts).encode()) % 100_000
+
+
+_TOL = {
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 2e-4),
+    torch.float16: (3e-3, 2e-2),
+    torch.bfloat16: (1.5e-2, 6e-2),
+}
+
+
+@dataclass
+class Case:
+    """One random MSA step: inputs, metadata and the float64 reference output."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: MSAMetadata
+    scale: float
+    ref: torch.Tensor
+    covered: torch.Tensor  # [T] bool, token belongs to a segment
+
+
+def _segments_for(
+    gen: torch.Generator, ctx: int, kind: str, block_size: int, max_segs: int
+) -> list[tuple[int, int]]:
+    """``(pos_start, q_len)`` segments of one sequence of context ``ctx`` (sorted, disjoint)."""
+    if kind == "decode":
+        return [(ctx - 1, 1)]
+
+    def randint(lo: int, hi: int) -> int:  # inclusive
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    if kind == "prefill-full":
+        return [(0, ctx)]
+    suffix = randint(1, max(1, min(ctx - 1, 3 * block_size)))
+    segs = [(ctx - suffix, suffix)]
+    n_holes = randint(0, max_segs - 1)
+    free_end = ctx - suffix
+    for _ in range(n_holes):
+        if free_end < 2:
+            break
+        start = randint(0, free_end - 1)
+        if randint(0, 2) > 0:  # mostly block-aligned holes
+            start = start // block_size * block_size
+        length = randint(1, min(free_end - start, 2 * block_size + 5))
+        segs.append((start, length))
+        free_end = start - 1  # keep a gap of at least one cached token
+    return sorted(segs)
+
+
+def make_case(
+    seed: int,
+    *,
+    kind: str,
+    num_seqs: int,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_ctx: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    max_segs: int = 6,
+    pad_tokens: int = 0,
+) -> Case:
+    """Builds a random step; ``kind`` is decode, prefill (holes + suffix), prefill-full or mixed."""
+    gen = torch.Generator().manual_seed(seed + 7919 * _SEED)
+    ctxs = torch.randint(2, max_ctx + 1, (num_seqs,), generator=gen).tolist()
+    kinds = [kind] * num_seqs
+    if kind == "mixed":
+        kinds = ["decode" if i % 2 == 0 else "prefill" for i in range(num_seqs)]
+    blocks_per_seq = [-(-c // block_size) for c in ctxs]
+    num_blocks = sum(blocks_per_seq) + 3  # a few blocks that belong to nobody
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, i = [], 0
+    for n in blocks_per_seq:
+        tables.append(perm[i : i + n])
+        i += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(shape, generator=gen, dtype=torch.float64)
+    valid = torch.zeros((num_blocks, block_size), dtype=torch.bool)
+    for table, ctx in zip(tables, ctxs, strict=True):
+        valid[table] = True
+        valid[table[-1], ctx - (len(table) - 1) * block_size :] = False
+    k_cache[~valid] = float("nan")  # nothing outside a context may leak into the result
+    v_cache[~valid] = float("nan")
+
+    seg_list = []  # (seq, pos_start, q_len)
+    for s, (ctx, k) in enumerate(zip(ctxs, kinds, strict=True)):
+        seg_list += [(s, p, n) for p, n in _segments_for(gen, ctx, k, block_size, max_segs)]
+    order = torch.randperm(len(seg_list), generator=gen).tolist()
+    segments, slots, q_start = [], [], 0
+    for j in order:
+        seq, pos, n = seg_list[j]
+        segments.append((seq, q_start, n, pos))
+        slots += [tables[seq][p // block_size] * block_size + p % block_size for p in range(pos, pos + n)]
+        q_start += n
+    covered = torch.ones(q_start + pad_tokens, dtype=torch.bool)
+    if pad_tokens:
+        covered[q_start:] = False
+        slots += [-1] * pad_tokens
+    num_tokens = q_start + pad_tokens
+    q = torch.randn((num_tokens, num_kv_heads * group, head_dim), generator=gen, dtype=torch.float64)
+    meta = build_msa_metadata(tables, segments, slots, block_size, device=device)
+    scale = head_dim**-0.5
+    q, k_cache, v_cache = q.to(device), k_cache.to(device), v_cache.to(device)
+    ref = msa_naive(q, k_cache, v_cache, meta, scale).cpu()
+
+    def cast(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=dtype)
+
+    return Case(cast(q), cast(k_cache), cast(v_cache), meta, scale, ref, covered)
+
+
+def check_close(out: torch.Tensor, case: Case, dtype: torch.dtype) -> None:
+    """Fails unless every element was written and ``out`` matches the oracle within bounds."""
+    out = out.detach().to("cpu", torch.float64)
+    assert out.shape == case.ref.shape
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements not written/finite"
+    ref = case.ref
+    if not case.covered.all():
+        assert (out[~case.covered] == 0).all(), "rows outside segments must be zero"
+    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    max_abs = float((out - ref).abs().max())
+    rel_tol, abs_tol = _TOL[dtype]
+    assert rel <= rel_tol and max_abs <= abs_tol, f"rel {rel:.3g} (<= {rel_tol}), max abs {max_abs:.3g} (<= {abs_tol})"
+
+
+def _load_fresh_msa(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, _MSA_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _triton_python_modules() -> dict[str, ModuleType]:
+    """Triton's Python modules (its compiled extension ``triton._C`` excluded)."""
+    return {
+        name: mod
+        for name, mod in sys.modules.items()
+        if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
+    }
+
+
+@pytest.fixture(scope="module")
+def interp() -> Iterator[ModuleType]:
+    """``kernels/msa_triton.py`` decorated under Triton's interpreter (CPU tensors).
+
+    Triton's own ``@jit`` helpers (``tl.zeros``, ``tl.cdiv``...) are decorated when triton is
+    imported, so the interpreter needs triton imported while ``TRITON_INTERPRET=1``. Usually
+    nothing imported triton before this fixture on a CPU machine; if something did, its Python
+    modules (not the compiled extension) are set aside and imported afresh, and put back after.
+    On CUDA machines the compiled kernels are tested instead (``-m gpu``).
+    """
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA machine: the compiled kernels are tested by the gpu tests")
+    saved: dict[str, ModuleType] = {}
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        saved = _triton_python_modules()
+        for name in saved:
+            del sys.modules[name]
+    name = "kernels._msa_triton_interpreted"
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "1")
+            module = _load_fresh_msa(name)
+            yield module
+    finally:
+        sys.modules.pop(name, None)
+        if saved:
+            for fresh in _triton_python_modules():
+                del sys.modules[fresh]
+            sys.modules.update(saved)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> ModuleType:
+    """``kernels.msa_triton`` compiled for the GPU."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        if "kernels.msa_triton" in sys.modules:
+            return _load_fresh_msa("kernels._msa_triton_compiled")
+        import kernels.msa_triton as module
+
+        return module
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: Triton interpreter, float32
+# --------------------------------------------------------------------------------------------
+
+# (kind, num_seqs, block_size, kv_heads, group, head_dim, max_ctx, config)
+# config: None = choose_config; (block_m, block_n, num_splits) forces one.
+_INTERP_CASES = [
+    ("decode", 3, 16, 1, 4, 64, 150, None),
+    ("decode", 2, 32, 2, 3, 64, 200, (4, 32, 3)),  # split-K path
+    ("decode", 2, 16, 1, 8, 128, 120, (2, 16, 4)),  # split-K, GQA 8, d 128
+    ("prefill", 2, 16, 1, 1, 64, 120, None),
+    ("prefill", 2, 32, 1, 3, 64, 140, (8, 32, 1)),
+    ("prefill", 1, 16, 1, 4, 128, 100, (4, 16, 2)),  # split-K on prefill tiles
+    ("prefill-full", 1, 16, 1, 8, 64, 70, None),
+    ("mixed", 3, 16, 1, 4, 64, 100, None),
+    ("mixed", 3, 32, 2, 1, 64, 90, (16, 16, 3)),
+    ("mixed", 2, 16, 1, 3, 128, 80, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "num_seqs", "block_size", "kv_heads", "group", "head_dim", "max_ctx", "config"),
+    _INTERP_CASES,
+)
+def test_msa_triton_interpreter(
+    interp: ModuleType,
+    kind: str,
+    num_seqs: int,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_ctx: int,
+    config: tuple[int, int, int] | None,
+) -> None:
+    seed = _seed(kind, num_seqs, block_size, kv_heads, group, head_dim, max_ctx)
+    case = make_case(
+        seed, kind=kind, num_seqs=num_seqs, block_size=block_size, num_kv_heads=kv_heads,
+        group=group, head_dim=head_dim, max_ctx=max_ctx, dtype=torch.float32,
+        pad_tokens=1 if kind == "mixed" else 0,
+    )
+    cfg = None
+    if config is not None:
+        cfg = interp.MSAConfig(config[0], config[1], 4, 1, config[2])
+    out = torch.full_like(case.q, float("nan"))
+    res = interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=out, config=cfg)
+    assert res.data_ptr() == out.data_ptr()
+    check_close(out, case, torch.float32)
+
+
+def test_msa_triton_interpreter_allocates_output(interp: ModuleType) -> None:
+    case = make_case(
+        11, kind="mixed", num_seqs=2, block_size=16, num_kv_heads=1, group=2, head_dim=64,
+        max_ctx=40, dtype=torch.float32,
+    )
+    out = interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    check_close(out, case, torch.float32)
+
+
+def test_store_kv_triton_interpreter(interp: ModuleType) -> None:
+    gen = torch.Generator().manual_seed(5 + _SEED)
+    num_blocks, block_size, heads, dim, num_tokens = 6, 16, 3, 64, 20
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    k = torch.randn((num_tokens, heads, dim), generator=gen)
+    v = torch.randn((num_tokens, heads, dim), generator=gen)
+    caches = [torch.randn((num_blocks, block_size, heads, dim), generator=gen) for _ in range(2)]
+    expect = [c.clone() for c in caches]
+    store_kv_torch(k, v, expect[0], expect[1], slots)
+    interp.store_kv_triton(k, v, caches[0], caches[1], slots)
+    assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
+    # a negative slot (padding) writes nothing
+    before = [c.clone() for c in caches]
+    interp.store_kv_triton(k[:1] + 1, v[:1] + 1, caches[0], caches[1], torch.tensor([-1]))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
+def test_choose_config_splits_long_decode(interp: ModuleType) -> None:
+    case = make_case(
+        3, kind="decode", num_seqs=1, block_size=16, num_kv_heads=1, group=4, head_dim=64,
+        max_ctx=40, dtype=torch.float32,
+    )
+    long = build_msa_metadata([[0] * 1024], [(0, 0, 1, 16_000)], [0], 16)
+    cfg = interp.choose_config(long, 32, 8, 128, torch.device("cpu"))
+    assert cfg.num_splits > 1 and cfg.block_m * 4 == 16
+    cfg = interp.choose_config(case.meta, 4, 1, 64, torch.device("cpu"))
+    assert cfg.num_splits == 1
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the torch fast path
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "prefill-full", "mixed"])
+@pytest.mark.parametrize(("block_size", "group", "head_dim"), [(16, 1, 64), (32, 3, 64), (16, 4, 128), (32, 8, 64)])
+def test_msa_torch_matches_naive(kind: str, block_size: int, group: int, head_dim: int) -> None:
+    seed = _seed(kind, block_size, group, head_dim, "torch")
+    case = make_case(
+        seed, kind=kind, num_seqs=3, block_size=block_size, num_kv_heads=2, group=group,
+        head_dim=head_dim, max_ctx=160, dtype=torch.float32,
+        pad_tokens=1 if kind == "mixed" else 0,
+    )
+    out = msa_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    check_close(out, case, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: compiled kernels, bf16/fp16
+# --------------------------------------------------------------------------------------------
+
+_GPU_CASES = [
+    # kind, num_seqs, block_size, kv_heads, group, head_dim, max_ctx
+    ("decode", 16, 16, 8, 4, 128, 20_000),  # long-context decode: split-K
+    ("decode", 1, 16, 8, 4, 128, 33_000),  # one sequence: many splits
+    ("decode", 24, 32, 2, 8, 64, 3000),
+    ("prefill", 3, 16, 8, 4, 128, 5000),
+    ("prefill", 2, 32, 4, 3, 64, 3000),
+    ("prefill-full", 1, 16, 8, 4, 128, 4096),
+    ("prefill-full", 2, 32, 4, 1, 128, 2000),
+    ("mixed", 8, 16, 8, 4, 128, 6000),
+    ("mixed", 6, 16, 2, 8, 64, 3000),
+    ("mixed", 5, 32, 3, 3, 128, 2500),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("kind", "num_seqs", "block_size", "kv_heads", "group", "head_dim", "max_ctx"), _GPU_CASES
+)
+def test_msa_triton_gpu(
+    compiled: ModuleType,
+    dtype: torch.dtype,
+    kind: str,
+    num_seqs: int,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    max_ctx: int,
+) -> None:
+    seed = _seed(kind, num_seqs, block_size, kv_heads, group, head_dim, max_ctx, str(dtype))
+    case = make_case(
+        seed, kind=kind, num_seqs=num_seqs, block_size=block_size, num_kv_heads=kv_heads,
+        group=group, head_dim=head_dim, max_ctx=max_ctx, dtype=dtype, device="cuda",
+        max_segs=6, pad_tokens=2 if kind == "mixed" else 0,
+    )
+    out = torch.full_like(case.q, float("nan"))
+    compiled.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=out)
+    torch.cuda.synchronize()
+    check_close(out, case, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_store_kv_triton_gpu(compiled: ModuleType, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(17 + _SEED)
+    num_blocks, block_size, heads, dim, num_tokens = 300, 16, 8, 128, 1000
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].cuda()
+    k = torch.randn((num_tokens, heads, dim), generator=gen).to("cuda", dtype)
+    v = torch.randn((num_tokens, heads, dim), generator=gen).to("cuda", dtype)
+    caches = [torch.randn((num_blocks, block_size, heads, dim), generator=gen).to("cuda", dtype) for _ in range(2)]
+    expect = [c.clone() for c in caches]
+    store_kv_torch(k, v, expect[0], expect[1], slots)
+    compiled.store_kv_triton(k, v, caches[0], caches[1], slots)
+    torch.cuda.synchronize()
+    assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])

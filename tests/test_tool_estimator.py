@@ -1,0 +1,171 @@
+"""Continuum estimators and TTL choice, driven by a virtual clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agent_runtime.tool_estimator import (
+    COLD_START_S,
+    MemoryfulnessEstimator,
+    QueueDelayTracker,
+    ToolDurationEstimator,
+    choose_ttl,
+    pin_benefit_s,
+)
+
+
+def reload_cost(tokens: int) -> float:
+    """Prefill cost model: 1 ms per token."""
+    return tokens * 1e-3
+
+
+def test_cold_start() -> None:
+    est = ToolDurationEstimator()
+    assert est.mean("new") == COLD_START_S == 2.0
+    assert est.cdf("new", 1.99) == 0.0 and est.cdf("new", 2.0) == 1.0
+    assert 2.0 in est.candidates("new")
+    # Big benefit (10 s reload): pin exactly the cold-start 2 s.
+    assert est.choose_ttl("new", 10_000, reload_cost, 0.0, 0.5) == 2.0
+    # Benefit below 2 s: pinning 2 s costs more than it can save.
+    assert est.choose_ttl("new", 1_000, reload_cost, 0.0, 0.5) == 0.0
+    # The preview rule pins 2 s for an unseen tool whatever the benefit.
+    assert est.choose_ttl("new", 1_000, reload_cost, 0.0, 0.5, policy="preview") == 2.0
+
+
+def test_fast_tool_with_big_reload_gets_about_one_second() -> None:
+    rng = random.Random(0)
+    est = ToolDurationEstimator()
+    for _ in range(200):
+        est.record("pytest", rng.uniform(0.3, 1.0))
+    tau = est.choose_ttl("pytest", 20_000, reload_cost, queue_delay_s=1.0, eta=0.8)
+    # All returns happen by the max sample (< 1 s): tau* is that max, nothing longer.
+    assert tau == pytest.approx(max(est.samples("pytest")))
+    assert 0.95 <= tau <= 1.0
+    d = est.explain_ttl("pytest", 20_000, reload_cost, 1.0, 0.8)
+    assert d.p_return == 1.0 and d.benefit_s == pytest.approx(20.8)
+    assert d.objective == pytest.approx(20.8 - tau)
+
+
+def test_slow_tool_gets_no_pin() -> None:
+    est = ToolDurationEstimator()
+    for i in range(50):
+        est.record("build", 60.0 + i)
+    assert est.choose_ttl("build", 20_000, reload_cost, queue_delay_s=2.0, eta=1.0) == 0.0
+    assert est.choose_ttl("build", 20_000, reload_cost, 2.0, 1.0, policy="preview") == 0.0
+
+
+def test_bimodal_tool_pins_for_fast_mode_only_when_worth_it() -> None:
+    est = ToolDurationEstimator()
+    for _ in range(70):
+        est.record("grep", 0.5)
+    for _ in range(30):
+        est.record("grep", 40.0)
+    # 0.7 * 10 - 0.5 > 0 and beats 1.0 * 10 - 40.
+    assert est.choose_ttl("grep", 10_000, reload_cost, 0.0, 0.0) == 0.5
+    # With a huge benefit, waiting for the slow mode too pays off.
+    assert est.choose_ttl("grep", 1_000_000, reload_cost, 0.0, 0.0) == 40.0
+    # Small benefit: 0.7 * 0.5 - 0.5 < 0.
+    assert est.choose_ttl("grep", 500, reload_cost, 0.0, 0.0) == 0.0
+
+
+def test_explicit_candidates_and_ties() -> None:
+    est = ToolDurationEstimator()
+    est.record("t", 1.0)
+    assert est.choose_ttl("t", 5_000, reload_cost, 0, 0, candidates=[0.5, 3.0]) == 3.0
+    # Objective 0 at tau = benefit: not better than not pinning -> 0 (tie goes to smaller).
+    d = choose_ttl(lambda tau: 1.0, benefit_s=1.0, candidates=[1.0])
+    assert d.ttl_s == 0.0
+    assert choose_ttl(lambda tau: 1.0, 5.0, [float("nan"), -1.0, float("inf")]).ttl_s == 0.0
+
+
+def test_window_and_quantiles() -> None:
+    est = ToolDurationEstimator(window=10)
+    for i in range(100):
+        est.record("t", float(i))
+    assert est.samples("t") == [float(i) for i in range(90, 100)]
+    assert est.cdf("t", 94.0) == 0.5
+    assert est.quantile("t", 0.5) == 94.0 and est.quantile("t", 1.0) == 99.0
+    est.record("t", float("nan"))
+    est.record("t", -3.0)
+    assert est.count("t") == 10 and est.samples("t")[-1] == 0.0
+    with pytest.raises(ValueError, match="window"):
+        ToolDurationEstimator(window=0)
+
+
+def test_preview_rule_uses_mean() -> None:
+    est = ToolDurationEstimator()
+    for d in (1.0, 2.5):  # mean 1.75 <= 2
+        est.record("a", d)
+    for d in (1.0, 4.0):  # mean 2.5 > 2
+        est.record("b", d)
+    assert est.choose_ttl("a", 1, reload_cost, 0, 0, policy="preview") == 2.0
+    assert est.choose_ttl("b", 1, reload_cost, 0, 0, policy="preview") == 0.0
+
+
+def test_pin_benefit_clips() -> None:
+    assert pin_benefit_s(1000, reload_cost, 4.0, 0.5) == pytest.approx(3.0)
+    assert pin_benefit_s(1000, reload_cost, 4.0, 7.0) == pytest.approx(5.0)
+    assert pin_benefit_s(-5, reload_cost, -1.0, -1.0) == 0.0
+
+
+def test_memoryfulness() -> None:
+    est = MemoryfulnessEstimator(min_jobs=5, default=0.3)
+    assert est.eta() == 0.3
+    for _ in range(10):
+        est.record_job(10)  # identical lengths: done fully determines remaining
+    assert est.eta() == pytest.approx(1.0)
+
+    # Geometric (memoryless) lengths: done says little about remaining.
+    rng = random.Random(1)
+    geo = MemoryfulnessEstimator(window=5000)
+    for _ in range(3000):
+        n = 1
+        while rng.random() < 0.9:
+            n += 1
+        geo.record_job(n)
+    assert geo.eta() < 0.15
+
+    # Lengths tightly clustered around 10: strongly memoryful.
+    near = MemoryfulnessEstimator()
+    for _ in range(200):
+        near.record_job(rng.randint(9, 11))
+    assert 0.9 < near.eta() <= 1.0
+
+    # Too few jobs or degenerate data -> default.
+    ones = MemoryfulnessEstimator(min_jobs=2, default=0.4)
+    for _ in range(5):
+        ones.record_job(1)
+    assert ones.eta() == 0.4
+    ones.record_job(0)
+    assert ones.num_jobs == 5
+
+
+def test_memoryfulness_matches_brute_force() -> None:
+    rng = random.Random(2)
+    lengths = [rng.randint(1, 30) for _ in range(40)]
+    est = MemoryfulnessEstimator(min_jobs=1)
+    for n in lengths:
+        est.record_job(n)
+    xs = [k for n in lengths for k in range(1, n + 1)]
+    ys = [n - k for n in lengths for k in range(1, n + 1)]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    vx = sum((x - mx) ** 2 for x in xs)
+    vy = sum((y - my) ** 2 for y in ys)
+    corr = cov / (vx * vy) ** 0.5
+    assert est.eta() == pytest.approx(min(1.0, max(0.0, -corr)))
+
+
+def test_queue_delay_tracker_virtual_clock() -> None:
+    q = QueueDelayTracker(window=3, horizon_s=10.0)
+    assert q.mean(now_s=0.0) == 0.0
+    q.record(1.0, now_s=0.0)
+    q.record(3.0, now_s=5.0)
+    assert q.mean(now_s=5.0) == 2.0
+    assert q.mean(now_s=12.0) == 3.0  # the sample at t=0 is older than 10 s
+    for d in (4.0, 5.0, 6.0):
+        q.record(d, now_s=13.0)
+    assert q.mean(now_s=13.0) == 5.0  # window keeps the last 3
+    assert q.mean(now_s=100.0) == 0.0
