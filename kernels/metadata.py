@@ -75,7 +75,7 @@ def build_msa_metadata(
     """
     max_blocks = max((len(t) for t in block_tables), default=1) or 1
     padded = [t + [0] * (max_blocks - len(t)) for t in block_tables] or [[0]]
-    seg = list(zip(*segments)) if segments else [(), (), (), ()]
+    seg = list(zip(*segments, strict=True)) if segments else [(), (), (), ()]
 
     def as_tensor(values: object, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

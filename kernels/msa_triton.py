@@ -327,7 +327,8 @@ def choose_config(
 
     Rows per program are ``block_m * next_pow2(G)``: 16 for decode-only steps (the smallest
     tensor-core tile), up to 256 once segments are long. Split-K turns on when the programs
-    (q-tiles times KV heads) would fill fewer than ~3 waves of the GPU and contexts are long.
+    (q-tiles times KV heads) cannot fill the GPU and contexts are long: ~3 programs per SM for
+    decode tiles, two waves for prefill tiles.
     """
     g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     min_m = max(1, 16 // g_pad)
@@ -343,11 +344,17 @@ def choose_config(
     else:
         block_n, num_warps, num_stages = 64, 8, 3
     num_tiles = sum(-(-s[2] // block_m) for s in meta.host_segments)
-    programs = num_tiles * num_kv_heads
-    target = 3 * _num_sms(device)
+    programs = max(num_tiles * num_kv_heads, 1)
+    num_sms = _num_sms(device)
     num_splits = 1
-    if programs < target and meta.max_ctx_len > 1024:
-        num_splits = min(-(-target // max(programs, 1)), -(-meta.max_ctx_len // 512))
+    if rows <= 16:
+        # bandwidth-bound decode tiles: ~3 programs per SM, chunks of >= 512 keys
+        if programs < 3 * num_sms and meta.max_ctx_len > 1024:
+            num_splits = min(-(-3 * num_sms // programs), -(-meta.max_ctx_len // 512))
+    elif programs < 2 * num_sms:
+        # compute-bound tiles (one 8-warp program per SM): split only long contexts, into
+        # chunks of >= 4k keys, to fill two waves (measured: the merge costs more below that)
+        num_splits = max(1, min(-(-2 * num_sms // programs), meta.max_ctx_len // 4096))
     return MSAConfig(block_m, block_n, num_warps, num_stages, max(num_splits, 1))
 
 

@@ -1,0 +1,105 @@
+"""Serving policy names shared by the runtime, the server and the evaluation harness.
+
+A *policy* is an engine configuration (eviction policy, admission priority) plus whether the
+runtime pins a job's KV across tool pauses (Continuum). The table below is the single place
+that maps the names the harness uses onto those pieces; ablations are new rows, never code.
+
+=========================  =============  ===========  =========
+name                       eviction       priority     TTL pins
+=========================  =============  ===========  =========
+``vllm-apc``               vllm-apc       fcfs         no
+``lru``                    lru            fcfs         no
+``pensieve``               pensieve       fcfs         no
+``asymcache``              asymcache      fcfs         no
+``continuum``              vllm-apc       program      yes
+``asymcache+continuum``    asymcache      program      yes
+``continuum-preview``      vllm-apc       program      yes (preview TTL rule: 2 s if mean <= 2 s)
+``asymcache+continuum-preview``  asymcache  program    yes (preview TTL rule)
+=========================  =============  ===========  =========
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+TTLRule = Literal["continuum", "preview"]
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One named serving policy.
+
+    Attributes:
+        name: the policy's name (a key of the table).
+        engine_overrides: :class:`asymcache_core.EngineConfig` fields the policy sets
+            (``eviction_policy``, ``priority``); a fresh dict per lookup, safe to mutate.
+        pinning: the runtime pins a job's KV for a TTL when a turn ends in a tool call.
+        ttl_rule: how the TTL is chosen (``continuum``: the tau* argmax; ``preview``: the public
+            preview code's fixed 2 s rule).
+        description: one line for help texts and reports.
+    """
+
+    name: str
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    pinning: bool = False
+    ttl_rule: TTLRule = "continuum"
+    description: str = ""
+
+
+def _row(
+    eviction: str, priority: str, pinning: bool, description: str, ttl_rule: TTLRule = "continuum"
+) -> tuple[dict[str, Any], bool, TTLRule, str]:
+    return ({"eviction_policy": eviction, "priority": priority}, pinning, ttl_rule, description)
+
+
+# Read-only table: name -> (engine overrides, pinning, ttl rule, description).
+_TABLE: Mapping[str, tuple[dict[str, Any], bool, TTLRule, str]] = MappingProxyType(
+    {
+        "vllm-apc": _row("vllm-apc", "fcfs", False, "vLLM automatic prefix caching (LRU, prefix-only reuse)"),
+        "lru": _row("lru", "fcfs", False, "plain block LRU"),
+        "pensieve": _row("pensieve", "fcfs", False, "Pensieve: cheapest leading blocks of idle sessions first"),
+        "asymcache": _row("asymcache", "fcfs", False, "AsymCache expected-latency eviction with hole reuse"),
+        "continuum": _row("vllm-apc", "program", True, "Continuum: TTL pins across tool pauses + program FCFS"),
+        "asymcache+continuum": _row(
+            "asymcache", "program", True, "Continuum pins over AsymCache eviction (holes refilled)"
+        ),
+        "continuum-preview": _row(
+            "vllm-apc", "program", True, "Continuum with the preview code's fixed 2 s TTL", "preview"
+        ),
+        "asymcache+continuum-preview": _row(
+            "asymcache", "program", True, "AsymCache + Continuum with the fixed 2 s TTL", "preview"
+        ),
+    }
+)
+
+
+def policy_names() -> list[str]:
+    """Every policy name, in table order.
+
+    Returns:
+        The names.
+    """
+    return list(_TABLE)
+
+
+def resolve_policy(name: str) -> PolicySpec:
+    """Look a policy up by name.
+
+    Args:
+        name: a name from :func:`policy_names` (case-insensitive, surrounding blanks ignored).
+
+    Returns:
+        The policy (a fresh ``engine_overrides`` dict each call).
+
+    Raises:
+        ValueError: unknown name (the message names ``policy`` and lists the known ones).
+    """
+    key = name.strip().lower() if isinstance(name, str) else name
+    row = _TABLE.get(key) if isinstance(key, str) else None
+    if row is None:
+        raise ValueError(f"policy: unknown policy {name!r}; known: {', '.join(_TABLE)}")
+    overrides, pinning, ttl_rule, description = row
+    return PolicySpec(key, dict(overrides), pinning, ttl_rule, description)

@@ -1,0 +1,1 @@
+"""Evaluation: harness (policy grid x workload), metrics, reports, benchmarks and the CLI."""

@@ -1,0 +1,105 @@
+"""Engine speed against transformers' ``generate`` on the same model, side by side.
+
+``python -m eval.bench_engine`` (or ``asymcache bench-engine``) prints prefill and decode tokens/s
+of this engine and of HF ``generate`` at batch 1 and 16, measured in one run on one machine.
+
+Prefill is timed as the first step of a batch (all prompts, one token sampled); decode is the
+rest of a ``max_tokens`` generation divided by its generated tokens. Both engines run greedy,
+float32, with EOS ignored so that every row generates exactly ``new_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SpeedRow:
+    """One measurement: engine, batch, prefill tok/s, decode tok/s."""
+
+    engine: str
+    batch: int
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab - 100, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+
+
+def bench_ours(loaded, batch: int, prompt_len: int, new_tokens: int, seed: int) -> SpeedRow:
+    from asymcache_core import Engine, SamplingParams
+
+    prompts = _prompts(batch, prompt_len, loaded.config.vocab_size, seed)
+    blocks = batch * (-(-(prompt_len + new_tokens) // 16) + 1) + 16
+    engine = Engine(model=loaded.name, loaded=loaded, num_kv_blocks=blocks, max_num_batched_tokens=max(2048, batch * prompt_len))
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    engine.pool.evict_all()
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    start = time.perf_counter()
+    engine.step()  # the whole batch's prefill (budget covers it) and the first token
+    prefill = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    total = time.perf_counter() - start
+    return SpeedRow("asymcache", batch, batch * prompt_len / prefill, batch * (new_tokens - 1) / (total - prefill))
+
+
+def bench_hf(hf_model, batch: int, prompt_len: int, new_tokens: int, seed: int, vocab: int) -> SpeedRow:
+    prompts = torch.tensor(_prompts(batch, prompt_len, vocab, seed))
+    mask = torch.ones_like(prompts)
+    with torch.no_grad():
+        hf_model.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        hf_model.generate(prompts, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        hf_model.generate(
+            prompts, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+        )
+        total = time.perf_counter() - start
+    return SpeedRow("transformers", batch, batch * prompt_len / prefill, batch * (new_tokens - 1) / max(total - prefill, 1e-9))
+
+
+def run(batches: tuple[int, ...] = (1, 16), prompt_len: int = 128, new_tokens: int = 64, seed: int = 0) -> list[SpeedRow]:
+    """Measures both engines; returns the rows (also printed as a table)."""
+    from transformers import AutoModelForCausalLM
+
+    from asymcache_core.loaders import load_model, packaged_smollm2_path
+
+    loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32, seed)
+    path = packaged_smollm2_path()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    rows: list[SpeedRow] = []
+    for batch in batches:
+        ours = bench_ours(loaded, batch, prompt_len, new_tokens, seed)
+        hf = bench_hf(hf_model, batch, prompt_len, new_tokens, seed, loaded.config.vocab_size)
+        rows += [ours, hf]
+    print_table(rows, prompt_len, new_tokens)
+    return rows
+
+
+def print_table(rows: list[SpeedRow], prompt_len: int, new_tokens: int) -> None:
+    print(f"# SmolLM2-135M fp32, prompt {prompt_len}, {new_tokens} new tokens, "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}")
+    by_batch: dict[int, dict[str, SpeedRow]] = {}
+    for row in rows:
+        by_batch.setdefault(row.batch, {})[row.engine] = row
+    for batch, pair in by_batch.items():
+        hf = pair.get("transformers")
+        for row in pair.values():
+            px = row.prefill_tok_s / hf.prefill_tok_s if hf else float("nan")
+            dx = row.decode_tok_s / hf.decode_tok_s if hf else float("nan")
+            print(f"{row.engine:<14}{batch:>6}{row.prefill_tok_s:>15.1f}{row.decode_tok_s:>14.1f}{px:>10.2f}x{dx:>9.2f}x")
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,307 @@
+"""The ``results.json`` schema of an eval run, and helpers to build, save and load it.
+
+One eval run (a workload replayed against a grid of KV-cache policies) writes one folder::
+
+    RUN_DIR/
+      results.json         # a ``Results`` document (this module)
+      results.schema.json  # ``Results.model_json_schema()``, for other tools and for humans
+      report.md, report.html, *.png   # written by ``eval.report`` from results.json alone
+
+All times are in seconds. They are wall-clock seconds for the ``real`` and ``http`` backends and
+virtual seconds for the ``sim`` backend; ``RunInfo.backend`` says which.
+
+This module depends only on pydantic and numpy (no torch, no engine code) so that reading a run
+back, e.g. ``asymcache report RUN_DIR``, stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+#: The schema version this module writes and reads. Bump it on an incompatible change.
+SCHEMA_VERSION = 1
+
+RESULTS_FILE = "results.json"
+SCHEMA_FILE = "results.schema.json"
+
+
+class _Model(BaseModel):
+    """Base of every schema model: unknown fields are errors, so typos in a writer show up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Summary(_Model):
+    """Distribution summary of one latency metric, in seconds.
+
+    Percentiles use numpy's default (linear interpolation). When ``count`` is 0 the statistics
+    are ``None``; when ``count`` is positive they must all be present.
+    """
+
+    mean: float | None = Field(description="Arithmetic mean (s); None when count == 0.")
+    p50: float | None = Field(description="Median (s); None when count == 0.")
+    p95: float | None = Field(description="95th percentile (s); None when count == 0.")
+    p99: float | None = Field(description="99th percentile (s); None when count == 0.")
+    count: int = Field(ge=0, description="Number of samples summarized.")
+
+    @model_validator(mode="after")
+    def _stats_match_count(self) -> Summary:
+        stats = (self.mean, self.p50, self.p95, self.p99)
+        if self.count > 0 and any(v is None for v in stats):
+            raise ValueError(f"count is {self.count} but some statistics are null")
+        if self.count == 0 and any(v is not None for v in stats):
+            raise ValueError("count is 0 but some statistics are set")
+        return self
+
+
+class Recompute(_Model):
+    """Prompt tokens whose KV had to be computed again although it had been computed before.
+
+    ``hole``: tokens inside a reused prefix whose blocks had been evicted (a "hole" refilled);
+    ``suffix``: evicted tokens at the end of a reused prefix; ``preempted``: tokens recomputed
+    because their request was preempted. ``total`` is at least the sum of the three (a writer may
+    count other causes in ``total`` only).
+    """
+
+    hole: int = Field(ge=0)
+    suffix: int = Field(ge=0)
+    preempted: int = Field(ge=0)
+    total: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _total_covers_parts(self) -> Recompute:
+        parts = self.hole + self.suffix + self.preempted
+        if self.total < parts:
+            raise ValueError(
+                f"total ({self.total}) is less than hole + suffix + preempted ({parts})"
+            )
+        return self
+
+
+class Series(_Model):
+    """Raw per-job / per-request / per-step data behind the summaries and the plots."""
+
+    jct: list[float] = Field(default_factory=list, description="Job completion time per job (s).")
+    ttft: list[float] = Field(
+        default_factory=list, description="Time to first token per request (s)."
+    )
+    tpot: list[float] = Field(
+        default_factory=list, description="Time per output token per request (s)."
+    )
+    blocks_in_use: list[tuple[float, int]] = Field(
+        default_factory=list, description="(time in s since the start, KV blocks in use) samples."
+    )
+    budget: list[int] = Field(
+        default_factory=list, description="Token budget per engine step (may be empty)."
+    )
+
+
+class PolicyResult(_Model):
+    """Everything measured for one KV-cache policy on the run's workload."""
+
+    jct: Summary = Field(description="Job (whole agent task) completion time.")
+    ttft: Summary = Field(description="Time to first token, per request.")
+    tpot: Summary = Field(description="Time per output token after the first, per request.")
+    queue: Summary = Field(description="Time a request waited before its first scheduling.")
+    hit_rate: float = Field(ge=0.0, le=1.0, description="hit_tokens / prompt_tokens.")
+    recomputed_tokens: Recompute
+    evictions: int = Field(ge=0, description="KV blocks evicted.")
+    throughput_tok_s: float = Field(ge=0.0, description="Generated tokens / run time (tok/s).")
+    lossless_agreement: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Fraction of requests whose generated tokens equal those of the unbounded-pool run; "
+            "None if not checked."
+        ),
+    )
+    num_jobs: int = Field(ge=0)
+    num_requests: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    hit_tokens: int = Field(ge=0)
+    computed_tokens: int = Field(ge=0)
+    generated_tokens: int = Field(ge=0)
+    peak_blocks_in_use: int = Field(ge=0)
+    pinned_blocks_peak: int = Field(default=0, ge=0)
+    duration_s: float = Field(ge=0.0, description="Run time of this policy (s).")
+    series: Series = Field(default_factory=Series)
+
+
+class RunInfo(_Model):
+    """What was run, where and how: enough to reproduce the run and to label the report."""
+
+    workload: str
+    backend: Literal["real", "sim", "http"]
+    model: str
+    device: str
+    seed: int
+    num_jobs: int = Field(ge=0)
+    kv_blocks: int | None = Field(default=None, ge=0, description="KV pool size; None = unbounded.")
+    block_size: int = Field(gt=0, description="Tokens per KV block.")
+    latency_profile: str
+    started: str = Field(description="Start time, ISO 8601.")
+    duration_s: float = Field(ge=0.0, description="Wall time of the whole run (s).")
+    command: str = Field(description="The command line that produced the run.")
+    machine: str = Field(description="Host description (CPU/GPU, OS, Python, torch).")
+    notes: list[str] = Field(default_factory=list)
+
+
+class Results(_Model):
+    """The whole ``results.json`` document of one eval run."""
+
+    schema_version: int = Field(default=SCHEMA_VERSION, description="Format version.")
+    run: RunInfo
+    policies: dict[str, PolicyResult] = Field(
+        description="Results per policy name; insertion order is the display order."
+    )
+
+    @model_validator(mode="after")
+    def _known_version(self) -> Results:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version {self.schema_version} is not supported (expected {SCHEMA_VERSION})"
+            )
+        return self
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    """Summarize a list of latencies.
+
+    Args:
+        values: Samples in seconds, any order. Must be finite: a NaN or infinite latency is a
+            bug in the caller, and silently dropping it would shift the statistics.
+
+    Returns:
+        A ``Summary`` with mean and p50/p95/p99 (numpy linear interpolation) and the count;
+        all statistics are ``None`` for an empty input.
+
+    Raises:
+        ValueError: If a value is NaN or infinite.
+    """
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        return Summary(mean=None, p50=None, p95=None, p99=None, count=0)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("summarize() got NaN or infinite values")
+    p50, p95, p99 = np.percentile(arr, [50.0, 95.0, 99.0])
+    return Summary(
+        mean=float(arr.mean()), p50=float(p50), p95=float(p95), p99=float(p99), count=int(arr.size)
+    )
+
+
+def results_json_schema() -> dict[str, Any]:
+    """The JSON schema of ``results.json``.
+
+    Returns:
+        ``Results.model_json_schema()``, a JSON-serializable dict.
+    """
+    return Results.model_json_schema()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_finite(results: Results) -> None:
+    """Refuse NaN/inf floats: JSON has no spelling for them and they would be written as null."""
+    stack: list[tuple[str, Any]] = [("", results.model_dump())]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"results{where} is {value}; only finite numbers can be saved")
+        if isinstance(value, dict):
+            stack.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+
+
+def save_results(results: Results, run_dir: str | Path) -> Path:
+    """Write ``results.json`` and ``results.schema.json`` into ``run_dir``.
+
+    Args:
+        results: The run's results.
+        run_dir: The run folder; created if missing.
+
+    Returns:
+        The path of the written ``results.json``.
+
+    Raises:
+        ValueError: If a float in ``results`` is NaN or infinite.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_finite(results)
+    path = run_dir / RESULTS_FILE
+    _atomic_write_text(path, results.model_dump_json(indent=2) + "\n")
+    _atomic_write_text(run_dir / SCHEMA_FILE, json.dumps(results_json_schema(), indent=2) + "\n")
+    return path
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    """One line per problem, with the JSON location of the offending field."""
+    lines = []
+    for item in err.errors():
+        loc = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  - {loc}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_results(path_or_dir: str | Path) -> Results:
+    """Read and validate a ``results.json``.
+
+    Args:
+        path_or_dir: The ``results.json`` file or the run folder that holds it.
+
+    Returns:
+        The validated ``Results``.
+
+    Raises:
+        ValueError: If the file is missing or unreadable, is not valid JSON, or does not match
+            the schema. The message names the file and says what is wrong (for schema errors,
+            each offending field).
+    """
+    path = Path(path_or_dir)
+    if path.is_dir():
+        path = path / RESULTS_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: results file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read results file: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: expected a JSON object at the top level, got {type(data).__name__}"
+        )
+    try:
+        return Results.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(
+            f"{path}: does not match the results schema "
+            f"(version {SCHEMA_VERSION}), {exc.error_count()} problem(s):\n"
+            + _format_validation_error(exc)
+        ) from exc

@@ -1,0 +1,407 @@
+"""Tests of the eval report layer: the results.json schema, report files, and a real browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eval.report import rebuild_report, write_report
+from eval.results import (
+    PolicyResult,
+    Recompute,
+    Results,
+    RunInfo,
+    Series,
+    Summary,
+    load_results,
+    save_results,
+    summarize,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BROWSER_TIMEOUT_S = 60
+PLOT_IDS = ("plot-jct-cdf", "plot-ttft-tpot", "plot-hit-rate", "plot-blocks-in-use")
+
+
+def _policy(jct_mean: float, seed: int, *, hit_rate: float, throughput: float) -> PolicyResult:
+    """A synthetic policy whose JCT mean is exactly ``jct_mean`` and whose series are non-empty."""
+    rng = np.random.default_rng(seed)
+    jct = list(jct_mean + rng.normal(0.0, 0.1, size=20))
+    jct = [v - (sum(jct) / len(jct) - jct_mean) for v in jct]  # shift so the mean is exact
+    ttft = list(np.abs(rng.normal(0.2, 0.05, size=60)))
+    tpot = list(np.abs(rng.normal(0.02, 0.005, size=60)))
+    queue = list(np.abs(rng.normal(0.05, 0.01, size=60)))
+    blocks = [(0.5 * i, int(40 + 30 * np.sin(i / 5.0 + seed))) for i in range(50)]
+    return PolicyResult(
+        jct=summarize(jct),
+        ttft=summarize(ttft),
+        tpot=summarize(tpot),
+        queue=summarize(queue),
+        hit_rate=hit_rate,
+        recomputed_tokens=Recompute(
+            hole=100 * seed, suffix=50, preempted=10, total=100 * seed + 60
+        ),
+        evictions=30 + seed,
+        throughput_tok_s=throughput,
+        lossless_agreement=1.0,
+        num_jobs=20,
+        num_requests=60,
+        prompt_tokens=10_000,
+        hit_tokens=int(10_000 * hit_rate),
+        computed_tokens=10_000 - int(10_000 * hit_rate),
+        generated_tokens=3_000,
+        peak_blocks_in_use=70,
+        pinned_blocks_peak=4,
+        duration_s=25.0,
+        series=Series(jct=jct, ttft=ttft, tpot=tpot, blocks_in_use=blocks, budget=[256] * 10),
+    )
+
+
+def _run_info(**overrides: object) -> RunInfo:
+    fields: dict[str, object] = {
+        "workload": "swe-agent-mini",
+        "backend": "sim",
+        "model": "smollm2-135m",
+        "device": "cpu",
+        "seed": 0,
+        "num_jobs": 20,
+        "kv_blocks": 128,
+        "block_size": 16,
+        "latency_profile": "h200-8b",
+        "started": "2026-11-29T12:00:00+00:00",
+        "duration_s": 75.0,
+        "command": "asymcache eval --workload swe-agent-mini --policies lru,vllm-apc,asymcache",
+        "machine": "test machine",
+        "notes": ["synthetic results for tests", "<script>alert('x')</script> | pipe"],
+    }
+    fields.update(overrides)
+    return RunInfo.model_validate(fields)
+
+
+def _results() -> Results:
+    """Three policies; the baseline ``vllm-apc`` is deliberately not first."""
+    return Results(
+        run=_run_info(),
+        policies={
+            "lru": _policy(12.0, 1, hit_rate=0.40, throughput=110.0),
+            "vllm-apc": _policy(10.0, 2, hit_rate=0.50, throughput=120.0),
+            "asymcache": _policy(8.2, 3, hit_rate=0.75, throughput=150.0),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder with results.json and a full report, written once for the module."""
+    run_dir = tmp_path_factory.mktemp("run")
+    save_results(_results(), run_dir)
+    write_report(_results(), run_dir)
+    return run_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema and helpers
+
+
+def test_summarize_known_data() -> None:
+    s = summarize([float(v) for v in range(1, 101)])  # 1..100
+    assert s.count == 100
+    assert s.mean == pytest.approx(50.5)
+    assert s.p50 == pytest.approx(50.5)
+    assert s.p95 == pytest.approx(95.05)
+    assert s.p99 == pytest.approx(99.01)
+    single = summarize([2.5])
+    assert (single.mean, single.p50, single.p95, single.p99, single.count) == (
+        2.5,
+        2.5,
+        2.5,
+        2.5,
+        1,
+    )
+
+
+def test_summarize_empty_and_non_finite() -> None:
+    empty = summarize([])
+    assert empty.count == 0
+    assert empty.mean is None and empty.p50 is None and empty.p95 is None and empty.p99 is None
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        summarize([1.0, float("nan")])
+
+
+def test_summary_rejects_inconsistent_count() -> None:
+    with pytest.raises(ValueError, match="null"):
+        Summary(mean=None, p50=None, p95=None, p99=None, count=3)
+    with pytest.raises(ValueError, match="total"):
+        Recompute(hole=5, suffix=5, preempted=0, total=3)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    results = _results()
+    path = save_results(results, tmp_path / "run")
+    assert path == tmp_path / "run" / "results.json"
+    loaded = load_results(path)
+    assert loaded == results
+    assert load_results(path.parent) == results  # a folder works too
+    assert list(loaded.policies) == ["lru", "vllm-apc", "asymcache"]  # display order kept
+    assert loaded.policies["asymcache"].series.blocks_in_use[0] == (
+        0.0,
+        results.policies["asymcache"].series.blocks_in_use[0][1],
+    )
+    schema = json.loads((path.parent / "results.schema.json").read_text())
+    assert schema == Results.model_json_schema()
+    assert {"schema_version", "run", "policies"} <= set(schema["properties"])
+
+
+def test_save_refuses_non_finite(tmp_path: Path) -> None:
+    results = _results()
+    results.policies["lru"].series.jct.append(float("inf"))
+    with pytest.raises(ValueError, match=r"series\.jct\[20\]"):
+        save_results(results, tmp_path)
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "results.json"))) as err:
+        load_results(tmp_path)
+    assert "not found" in str(err.value)
+
+
+def test_load_malformed_json(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    path.write_text('{"schema_version": 1, "run": ')
+    with pytest.raises(ValueError, match=re.escape(str(path))) as err:
+        load_results(path)
+    assert "not valid JSON" in str(err.value) and "line 1" in str(err.value)
+
+
+def test_load_wrong_fields(tmp_path: Path) -> None:
+    data = json.loads(_results().model_dump_json())
+    data["run"]["backend"] = "quantum"
+    del data["policies"]["lru"]["hit_rate"]
+    data["policies"]["lru"]["hit_ratio"] = 0.4  # a typo must not pass silently
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as err:
+        load_results(path)
+    msg = str(err.value)
+    assert str(path) in msg and "does not match the results schema" in msg
+    assert "run.backend" in msg
+    assert "policies.lru.hit_rate" in msg
+    assert "policies.lru.hit_ratio" in msg
+
+
+def test_load_wrong_version_and_top_level(tmp_path: Path) -> None:
+    data = json.loads(_results().model_dump_json())
+    data["schema_version"] = 99
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="schema_version 99"):
+        load_results(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_results(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Report files
+
+
+def test_report_files(report_dir: Path) -> None:
+    for name in (
+        "report.md",
+        "report.html",
+        "jct_cdf.png",
+        "ttft_tpot.png",
+        "hit_rate.png",
+        "blocks_in_use.png",
+    ):
+        assert (report_dir / name).is_file(), name
+    for png in report_dir.glob("*.png"):
+        data = png.read_bytes()
+        assert data.startswith(PNG_MAGIC), png
+        assert len(data) > 10_000, f"{png} is suspiciously small ({len(data)} bytes)"
+
+
+def test_report_markdown(report_dir: Path) -> None:
+    md = (report_dir / "report.md").read_text()
+    # The baseline is vllm-apc even though it is not the first policy: 8.2 / 10.0 and 12 / 10.
+    assert "JCT mean vs vllm-apc: 0.82x" in md
+    assert "JCT mean vs vllm-apc: 1.20x" in md
+    assert "Throughput vs vllm-apc: 1.25x" in md
+    assert "Hit rate vs vllm-apc: 1.50x" in md
+    assert "| Metric | lru | vllm-apc | asymcache |" in md
+    for label in (
+        "JCT p95",
+        "TTFT p99",
+        "TPOT p50",
+        "Queueing mean",
+        "Recomputed tokens (hole)",
+        "Recomputed tokens (suffix)",
+        "Recomputed tokens (preempted)",
+        "Evictions",
+        "Throughput",
+        "Lossless agreement",
+    ):
+        assert f"| {label}" in md, label
+    assert "\\| pipe" in md and "<script>" not in md  # table cells and notes are escaped
+    assert "![" in md and "(jct_cdf.png)" in md
+
+
+def test_report_html(report_dir: Path) -> None:
+    html = (report_dir / "report.html").read_text()
+    for table_id in ("table-run", "table-summary", "table-ratios", "table-volume"):
+        assert f'<table id="{table_id}">' in html
+    for plot_id in PLOT_IDS:
+        assert re.search(
+            rf'<img id="{plot_id}" src="data:image/png;base64,[A-Za-z0-9+/=]{{1000,}}" '
+            r'alt="[^"]+">',
+            html,
+        ), plot_id
+    assert "&lt;script&gt;alert(" in html and "<script>alert(" not in html
+    # Self-contained: nothing is fetched from anywhere.
+    assert not re.search(r'(src|href)="(https?:)?//', html)
+    assert "0.82x" in html
+
+
+def test_report_with_empty_data(tmp_path: Path) -> None:
+    """A policy without samples: plots with no data are skipped with a placeholder, no crash."""
+    empty = PolicyResult(
+        jct=summarize([]),
+        ttft=summarize([]),
+        tpot=summarize([]),
+        queue=summarize([]),
+        hit_rate=0.0,
+        recomputed_tokens=Recompute(hole=0, suffix=0, preempted=0, total=0),
+        evictions=0,
+        throughput_tok_s=0.0,
+        num_jobs=0,
+        num_requests=0,
+        prompt_tokens=0,
+        hit_tokens=0,
+        computed_tokens=0,
+        generated_tokens=0,
+        peak_blocks_in_use=0,
+        duration_s=0.0,
+    )
+    (tmp_path / "jct_cdf.png").write_bytes(PNG_MAGIC)  # stale plot from an earlier rendering
+    results = Results(run=_run_info(kv_blocks=None), policies={"lru": empty, "other": empty})
+    written = write_report(results, tmp_path)
+    assert {p.name for p in written} == {"report.md", "report.html", "hit_rate.png"}
+    assert not (tmp_path / "jct_cdf.png").exists()
+    html = (tmp_path / "report.html").read_text()
+    assert 'id="plot-jct-cdf-placeholder"' in html and "no per-job JCT data" in html
+    assert 'id="plot-blocks-in-use-placeholder"' in html
+    md = (tmp_path / "report.md").read_text()
+    assert "n/a" in md and "unbounded" in md and "JCT mean vs lru: n/a" in md
+
+
+def test_rebuild_report(tmp_path: Path) -> None:
+    save_results(_results(), tmp_path)
+    written = rebuild_report(tmp_path)
+    assert (tmp_path / "report.html") in written and (tmp_path / "report.md") in written
+    with pytest.raises(ValueError, match="not found"):
+        rebuild_report(tmp_path / "nowhere")
+
+
+def test_report_module_stays_light() -> None:
+    """`asymcache report` must not pay for torch or the engine: check in a fresh interpreter."""
+    code = (
+        "import sys, eval.report\n"
+        "heavy = [m for m in ('torch', 'asymcache_core', 'agent_runtime', 'matplotlib') "
+        "if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=BROWSER_TIMEOUT_S,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A real headless browser
+
+
+def _chromium() -> str:
+    """Path of Debian's chromium; fails under CI (it must be installed there), else skips."""
+    # ASYMCACHE_CHROMIUM overrides the PATH lookup (another build or location).
+    path = os.environ.get("ASYMCACHE_CHROMIUM") or shutil.which("chromium")
+    if path is None:
+        msg = "chromium not found: install it with `apt-get update && apt-get install -y chromium`"
+        if os.environ.get("CI"):
+            pytest.fail(msg + " (required when CI is set)")
+        pytest.skip(msg)
+    return path
+
+
+def _run_chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    cmd = [
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        # Containers often have a tiny /dev/shm; without this the renderer can crash there.
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, timeout=BROWSER_TIMEOUT_S)
+    assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]!r}"
+    return proc
+
+
+def test_report_renders_in_chromium(report_dir: Path, tmp_path: Path) -> None:
+    chromium = _chromium()
+    url = (report_dir / "report.html").resolve().as_uri()
+
+    # 1. The DOM after load: the tables are there, and the inline script counted every plot
+    #    image as decoded (naturalWidth > 0), which only happens if the data URIs are valid PNGs.
+    dom = _run_chromium(
+        chromium, tmp_path / "profile-dom", "--virtual-time-budget=5000", "--dump-dom", url
+    ).stdout.decode("utf-8", "replace")
+    for table_id in ("table-run", "table-summary", "table-ratios", "table-volume"):
+        assert f'<table id="{table_id}">' in dom, table_id
+    for plot_id in PLOT_IDS:
+        assert f'id="{plot_id}"' in dom, plot_id
+    m = re.search(r'<body[^>]*data-images-loaded="(\d+)"', dom)
+    assert m, "the page's load script did not run: " + dom[:500]
+    assert int(m.group(1)) == len(PLOT_IDS), f"only {m.group(1)} of {len(PLOT_IDS)} plots decoded"
+    assert f'data-images-total="{len(PLOT_IDS)}"' in dom
+
+    # 2. A screenshot: the page is not blank, and the plots' colored lines/bars are on screen.
+    #    Tables and text are black/gray on white, so strongly saturated pixels come from plots.
+    shot = tmp_path / "shot.png"
+    _run_chromium(
+        chromium,
+        tmp_path / "profile-shot",
+        f"--screenshot={shot}",
+        "--window-size=1280,2400",
+        "--hide-scrollbars",
+        url,
+    )
+    assert shot.is_file() and shot.read_bytes().startswith(PNG_MAGIC)
+    from PIL import Image
+
+    with Image.open(shot) as im:
+        rgb = np.asarray(im.convert("RGB"), dtype=np.int16)
+    assert rgb.shape[:2] == (2400, 1280)
+    assert rgb.std() > 20, "screenshot is (nearly) uniform"
+    non_white = (rgb < 235).any(axis=2).mean()
+    assert non_white > 0.02, f"only {non_white:.2%} of the screenshot is not white"
+    saturation = rgb.max(axis=2) - rgb.min(axis=2)
+    colored = int((saturation > 80).sum())
+    assert colored > 40_000, f"only {colored} colored pixels: plots did not render on screen"
