@@ -260,6 +260,7 @@ class _Submit:
     parse_format: ToolCallFormat | None
     pinning: bool | None
     ttl_rule: str | None
+    pause_tool: str | None
     sink: _Sink
     accepted: concurrent.futures.Future[tuple[str, list[int]]]
 
@@ -522,6 +523,7 @@ class AgentRuntime:
         parse_format: ToolCallFormat | None = None,
         pinning: bool | None = None,
         ttl_rule: str | None = None,
+        pause_tool: str | None = None,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -538,6 +540,9 @@ class AgentRuntime:
                 pinning); None: no parsing.
             pinning: per-request override of the policy's pinning.
             ttl_rule: per-request override of the TTL rule.
+            pause_tool: for a job request that is not its last step and whose text has no
+                parsed tool call (token-level clients such as ``/v1/completions``): the job
+                pauses for this tool after it, so it is pinned as after a tool call.
 
         Returns:
             The stream.
@@ -555,7 +560,7 @@ class AgentRuntime:
             params or SamplingParams(),
             job_id, session_id, request_id, is_last_step,
             [dict(t) for t in tools] if tools else None,
-            tool_choice, parse_format, pinning, ttl_rule, sink, accepted,
+            tool_choice, parse_format, pinning, ttl_rule, pause_tool, sink, accepted,
         )
         self._commands.put(cmd)
         try:
@@ -773,6 +778,8 @@ class AgentRuntime:
         if isinstance(cmd, _Abort):
             engine.abort(cmd.request_id)
             return
+        if not cmd.accepted.set_running_or_notify_cancel():
+            return  # the submitter cancelled before the engine saw it
         try:
             params = cmd.params
             processor = None
@@ -836,10 +843,11 @@ class AgentRuntime:
             if sub.is_last_step:
                 ctl.on_job_finished(job)
                 self._job_tokens.pop(job, None)
-            elif parsed is not None and parsed.tool_calls:
+            elif (parsed is not None and parsed.tool_calls) or sub.pause_tool is not None:
+                names = [c.name for c in parsed.tool_calls] if parsed is not None else []
                 pin = ctl.on_tool_call(
                     job,
-                    [c.name for c in parsed.tool_calls],
+                    names or [sub.pause_tool or "unknown"],
                     len(all_ids),
                     ended_at=m.finish_time,
                     pinning=sub.pinning,

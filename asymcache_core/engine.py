@@ -170,6 +170,7 @@ class Engine:
             self._program_key if config.priority == "program" else fcfs_key,
             reclaim=self.pins.release_for_pressure,
             on_admit=self._on_admit,
+            align_chunks=fixed is None,
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner
@@ -311,15 +312,17 @@ class Engine:
         sampled = self.runner.execute(plan)
         end = self.clock()
         self._log_step(plan, start, end)
-        return outputs + self._postprocess(plan, sampled, end)
+        return outputs + self._postprocess(plan, sampled, start, end)
 
-    def _postprocess(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[RequestOutput]:
+    def _postprocess(
+        self, plan: SchedulerOutput, sampled: dict[str, int], start: float, now: float
+    ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for item in plan.scheduled:
             request = item.request
             metrics = request.metrics
             if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+                metrics.first_scheduled_time = start
             if not item.sample:
                 continue
             token = sampled[request.request_id]

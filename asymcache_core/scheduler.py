@@ -76,6 +76,8 @@ class Scheduler:
         reclaim: frees pinned blocks under memory pressure (returns False when it cannot);
             tried before any preemption and before an admission gives up.
         on_admit: called when a waiting request is admitted (after its cache hits are held).
+        align_chunks: end budget-cut chunks on block boundaries (adaptive chunking), so a
+            chunk never leaves a half-computed block for the next step.
     """
 
     def __init__(
@@ -87,7 +89,9 @@ class Scheduler:
         priority_key: PriorityKey = fcfs_key,
         reclaim: Callable[[], bool] | None = None,
         on_admit: AdmitHook | None = None,
+        align_chunks: bool = False,
     ) -> None:
+        self.align_chunks = align_chunks
         self.reclaim = reclaim
         self.on_admit = on_admit
         self.kv = kv
@@ -144,6 +148,12 @@ class Scheduler:
                     next_hit = idx * bs
                     break
             end = min(pos + left, next_hit, total)
+            if self.align_chunks and end == pos + left and end < min(next_hit, total) and end % bs:
+                # NOTE: the budget ends inside a block: stop at that block's start instead, so
+                # the next chunk begins on a boundary (nothing, if that leaves no whole block).
+                if end - end % bs > pos:
+                    segments.append((pos, end - end % bs))
+                break
             segments.append((pos, end))
             left -= end - pos
             pos = self._skip_cached(request, end)
@@ -200,6 +210,10 @@ class Scheduler:
             hit = self.kv.lookup(request)
             self.kv.admit(request, hit)
             segments = self.plan_segments(request, left)
+            if not segments:  # the budget's remainder is less than a whole block
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                break
             needed = self.kv.blocks_needed(request, segments)
             while len(needed) > self.kv.pool.num_free_blocks and self.reclaim is not None:
                 if not self.reclaim():

@@ -13,6 +13,27 @@ if TYPE_CHECKING:
     from asymcache_core.block_pool import KVBlock
 
 
+def expected_latency_cost(
+    p_reuse: float, position: int, block_size: int, base_tokens: int, latency: LatencyModel
+) -> float:
+    """AsymCache's eviction score of one block, shared with the vLLM integration.
+
+    Args:
+        p_reuse: probability that the block is needed again.
+        position: logical block index in its sequence.
+        block_size: tokens per block.
+        base_tokens: tokens the step that would rebuild it already carries (the session's next
+            new tokens): under the latency model's knee extra tokens ride almost free.
+        latency: the step-latency model.
+
+    Returns:
+        Expected latency (seconds) that evicting the block adds to the future.
+    """
+    if p_reuse <= 0.0:
+        return 0.0
+    return p_reuse * latency.block_rebuild_latency(position, block_size, base_tokens)
+
+
 class AsymCachePolicy(EvictionPolicy):
     """``cost(block) = P(reuse) x marginal rebuild latency``; lowest cost goes first.
 
@@ -46,11 +67,8 @@ class AsymCachePolicy(EvictionPolicy):
     def score(self, block: KVBlock, now: float) -> float:
         """Expected latency lost by evicting ``block`` now (seconds)."""
         p_reuse = self.sessions.block_reuse_probability(block.sessions, block.session_id, now)
-        if p_reuse <= 0.0:
-            return 0.0
         base = self.sessions.expected_next_tokens(block.session_id)
-        rebuild = self.latency.block_rebuild_latency(block.position, self.ctx.block_size, base)
-        return p_reuse * rebuild
+        return expected_latency_cost(p_reuse, block.position, self.ctx.block_size, base, self.latency)
 
     def pop_victims(self, count: int, now: float) -> list[KVBlock]:
         ranked = sorted(

@@ -1,0 +1,68 @@
+"""Agent runtime: jobs and tool loops over the embedded engine, Continuum pins, OpenAI server.
+
+Public API (imported lazily, so that e.g. ``agent_runtime.policies`` works on machines without
+FastAPI or xgrammar)::
+
+    from agent_runtime import AgentRuntime, resolve_policy, builtin_registry
+    runtime = AgentRuntime.from_model("smollm2-135m", policy="continuum")
+    job = runtime.job(tools=builtin_registry("."))
+    result = await job.run("What does README.md say?", max_turns=4, tool_choice=["required"])
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> module that defines it (a constant table, resolved on first access).
+_EXPORTS: dict[str, str] = {
+    "AgentRuntime": "agent_runtime.runtime",
+    "AssistantTurn": "agent_runtime.runtime",
+    "Job": "agent_runtime.runtime",
+    "JobMetrics": "agent_runtime.runtime",
+    "JobResult": "agent_runtime.runtime",
+    "RequestStream": "agent_runtime.runtime",
+    "StreamEvent": "agent_runtime.runtime",
+    "ToolCallRecord": "agent_runtime.runtime",
+    "TurnMetrics": "agent_runtime.runtime",
+    "TurnRecord": "agent_runtime.runtime",
+    "ContinuumController": "agent_runtime.continuum",
+    "PinDecision": "agent_runtime.continuum",
+    "PolicySpec": "agent_runtime.policies",
+    "policy_names": "agent_runtime.policies",
+    "resolve_policy": "agent_runtime.policies",
+    "Tool": "agent_runtime.tools",
+    "ToolRegistry": "agent_runtime.tools",
+    "ToolResult": "agent_runtime.tools",
+    "builtin_registry": "agent_runtime.tools",
+    "ParsedMessage": "agent_runtime.tool_parsing",
+    "ParsedToolCall": "agent_runtime.tool_parsing",
+    "parse_tool_calls": "agent_runtime.tool_parsing",
+    "ChatRenderer": "agent_runtime.chat_template",
+    "GrammarCache": "agent_runtime.constrained",
+    "make_tool_call_processor": "agent_runtime.constrained",
+    "ToolDurationEstimator": "agent_runtime.tool_estimator",
+    "MemoryfulnessEstimator": "agent_runtime.tool_estimator",
+    "QueueDelayTracker": "agent_runtime.tool_estimator",
+    "create_app": "agent_runtime.server",
+    "serve": "agent_runtime.server",
+    "AsymCacheClient": "agent_runtime.client",
+    "AsyncAsymCacheClient": "agent_runtime.client",
+    "AsymCacheAPIError": "agent_runtime.client",
+    "run_agent": "agent_runtime.commands",
+    "run_chat": "agent_runtime.commands",
+    "run_serve": "agent_runtime.commands",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'agent_runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

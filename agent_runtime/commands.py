@@ -1,0 +1,262 @@
+"""Plain functions behind the CLI's ``serve``, ``agent`` and ``chat`` commands.
+
+They validate their arguments first and raise ``ValueError`` with a one-line message naming
+the bad argument (the CLI turns that into exit code 2), then do the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from agent_runtime.policies import resolve_policy
+from agent_runtime.runtime import AgentRuntime, JobResult, TurnRecord
+
+DEFAULT_AGENT_SYSTEM_PROMPT = (
+    "You are a careful software agent working inside a project directory. Use the tools to "
+    "look at the files, then answer the user's question briefly."
+)
+
+
+def _check_common(model: str, policy: str, num_kv_blocks: int | None = None,
+                  max_model_len: int | None = None) -> None:
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError("model: must be a non-empty model name or path")
+    resolve_policy(policy)
+    for name, value in (("num_kv_blocks", num_kv_blocks), ("max_model_len", max_model_len)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+
+
+def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs: Any) -> AgentRuntime:
+    """A runtime for ``model``; loading failures become ``ValueError: model: ...``."""
+    try:
+        return AgentRuntime.from_model(model, policy, loaded=loaded, **engine_kwargs)
+    except ValueError:
+        raise
+    except (OSError, ImportError, KeyError, RuntimeError) as e:
+        raise ValueError(f"model: cannot load {model!r}: {e}") from None
+
+
+def run_serve(
+    model: str = "smollm2-135m",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    policy: str = "vllm-apc",
+    num_kv_blocks: int | None = None,
+    max_model_len: int | None = None,
+) -> None:
+    """``asymcache serve``: the OpenAI-compatible server (blocks until interrupted).
+
+    Args:
+        model: model spec (``smollm2-135m``, an HF folder, a ``.gguf`` file, ``dummy:<config>``).
+        host: bind address.
+        port: TCP port (0-65535).
+        api_key: require this bearer key on ``/v1/*``.
+        policy: serving policy (``vllm-apc``, ``asymcache``, ``continuum``, ...).
+        num_kv_blocks: KV pool size in blocks (None: from memory).
+        max_model_len: context limit (None: the model's).
+
+    Raises:
+        ValueError: a bad argument (one line naming it).
+    """
+    _check_common(model, policy, num_kv_blocks, max_model_len)
+    if not isinstance(host, str) or not host.strip():
+        raise ValueError("host: must be a non-empty address")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key: must not be empty when given")
+    from agent_runtime.server import serve
+
+    try:
+        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len)
+    except (OSError, ImportError) as e:
+        raise ValueError(f"model: cannot load {model!r}: {e}") from None
+
+
+def run_agent(
+    task: str,
+    workdir: str | Path,
+    model: str = "smollm2-135m",
+    max_turns: int = 8,
+    policy: str = "vllm-apc",
+    *,
+    forced_tool_turns: int = 1,
+    max_tokens: int = 256,
+    tools: Sequence[str] | None = None,
+    print_fn: Callable[[str], None] = print,
+    loaded: Any = None,
+    num_kv_blocks: int | None = None,
+) -> JobResult:
+    """``asymcache agent``: a real tool loop on the local model with the built-in tools.
+
+    The built-ins (``bash``, ``read_file``, ``list_files``, ``write_file``) are confined to
+    ``workdir`` (``bash`` only by its working directory: it is not a sandbox). Small models do
+    not call tools unprompted, so the first ``forced_tool_turns`` turns are constrained to a
+    tool call (``tool_choice="required"``); later turns are free.
+
+    Args:
+        task: the task for the agent.
+        workdir: directory the tools work in.
+        model: model spec.
+        max_turns: LLM calls at most.
+        policy: serving policy.
+        forced_tool_turns: leading turns forced into a tool call.
+        max_tokens: generated tokens per turn.
+        tools: restrict to these built-in tool names (default: all four).
+        print_fn: where each turn is printed.
+        loaded: an already loaded model to share (tests).
+        num_kv_blocks: KV pool size.
+
+    Returns:
+        The job's result.
+
+    Raises:
+        ValueError: a bad argument (one line naming it).
+    """
+    from agent_runtime.tools import ToolRegistry, builtin_registry
+
+    if not isinstance(task, str) or not task.strip():
+        raise ValueError("task: must be a non-empty string")
+    wd = Path(workdir)
+    if not wd.is_dir():
+        raise ValueError(f"workdir: {str(wd)!r} is not a directory")
+    if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+        raise ValueError(f"max_turns: must be an integer >= 1, got {max_turns!r}")
+    if not isinstance(forced_tool_turns, int) or forced_tool_turns < 0:
+        raise ValueError(f"forced_tool_turns: must be an integer >= 0, got {forced_tool_turns!r}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
+    _check_common(model, policy, num_kv_blocks)
+    registry = builtin_registry(wd.resolve())
+    if tools is not None:
+        unknown = [t for t in tools if t not in registry]
+        if unknown or not tools:
+            raise ValueError(f"tools: choose among {registry.names}, got {list(tools)!r}")
+        chosen = ToolRegistry(max_output_chars=registry.max_output_chars)
+        for name in tools:
+            tool = registry.get(name)
+            assert tool is not None
+            chosen.register(tool)
+        registry = chosen
+
+    def show(record: TurnRecord) -> None:
+        turn = record.turn
+        m = turn.metrics
+        head = (f"[turn {record.index + 1}] ttft={_fmt(m.ttft)} cached={m.cached_tokens}/{m.prompt_tokens}"
+                f" recomputed={m.recomputed_tokens}" + (f" pinned {m.pinned_blocks} blocks for {m.ttl_s:g}s"
+                                                        if m.pinned_blocks else ""))
+        print_fn(head)
+        if turn.parsed.content:
+            print_fn(f"assistant: {turn.parsed.content}")
+        for rec in record.tool_calls:
+            print_fn(f"tool call: {rec.call.name}({rec.call.arguments_json()})")
+            status = "error" if rec.result.is_error else "ok"
+            print_fn(f"tool result ({status}, {rec.result.duration_s:.2f}s): {_clip(rec.result.content)}")
+        if turn.parsed.tool_calls and not record.tool_calls:
+            print_fn("(tool call not executed: out of turns)")
+
+    async def main() -> JobResult:
+        runtime = _build_runtime(model, policy, loaded, num_kv_blocks=num_kv_blocks)
+        try:
+            job = runtime.job(tools=registry, system_prompt=DEFAULT_AGENT_SYSTEM_PROMPT)
+            result = await job.run(
+                task, max_turns=max_turns, tool_choice=["required"] * forced_tool_turns,
+                max_tokens=max_tokens, on_turn=show,
+            )
+        finally:
+            await runtime.close()
+        jm = result.metrics
+        print_fn(f"[done: {result.finish_reason}] turns={jm.num_turns} tool_calls={jm.num_tool_calls} "
+                 f"jct={jm.jct_s:.2f}s cached={jm.cached_tokens} recomputed={jm.recomputed_tokens}")
+        if result.answer:
+            print_fn(f"answer: {result.answer}")
+        return result
+
+    return asyncio.run(main())
+
+
+def run_chat(
+    model: str = "smollm2-135m",
+    *,
+    policy: str = "vllm-apc",
+    max_tokens: int = 256,
+    system_prompt: str | None = None,
+    input_fn: Callable[[str], str] | None = None,
+    print_fn: Callable[[str], None] = print,
+    loaded: Any = None,
+    num_kv_blocks: int | None = None,
+) -> int:
+    """``asymcache chat``: an interactive chat over stdin/stdout; ``/exit`` (or EOF) quits.
+
+    The whole history is resent each turn under one job id, so the engine reuses its KV and
+    each turn only prefills the new message.
+
+    Args:
+        model: model spec.
+        policy: serving policy.
+        max_tokens: generated tokens per reply.
+        system_prompt: optional system message.
+        input_fn: reads one line given a prompt (default: :func:`input`; EOF ends the chat).
+        print_fn: writes one reply.
+        loaded: an already loaded model to share (tests).
+        num_kv_blocks: KV pool size.
+
+    Returns:
+        The number of replies given.
+
+    Raises:
+        ValueError: a bad argument (one line naming it).
+    """
+    _check_common(model, policy, num_kv_blocks)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
+    read = input_fn or input
+
+    async def main() -> int:
+        runtime = _build_runtime(model, policy, loaded, num_kv_blocks=num_kv_blocks)
+        replies = 0
+        try:
+            job = runtime.job()
+            messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            while True:
+                try:
+                    line = await asyncio.to_thread(read, "you> ")
+                except EOFError:
+                    break
+                text = line.strip()
+                if text in ("/exit", "/quit"):
+                    break
+                if not text:
+                    continue
+                messages.append({"role": "user", "content": text})
+                turn = await job.chat(messages, max_tokens=max_tokens)
+                messages.append({"role": "assistant", "content": turn.text})
+                replies += 1
+                m = turn.metrics
+                print_fn(f"assistant> {turn.text.strip()}")
+                print_fn(f"  (ttft {_fmt(m.ttft)}, cached {m.cached_tokens}/{m.prompt_tokens} prompt tokens)")
+            await job.finish()
+        finally:
+            await runtime.close()
+        return replies
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 0
+
+
+def _fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}s"
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    one = text.replace("\n", "\\n")
+    return one if len(one) <= limit else one[: limit - 3] + "..."

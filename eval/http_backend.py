@@ -1,0 +1,124 @@
+"""The ``http`` backend: the same workloads against any OpenAI-compatible server.
+
+Every turn is a streamed ``/v1/completions`` call whose prompt is the job's token ids so far
+(servers that accept token-id prompts: ours and vLLM). The answer's token ids come back with
+``return_token_ids`` (vLLM's extension, also ours); a server without it gets deterministic
+stand-in ids appended instead, which keeps the prefix structure the cache sees. ``job_id`` and
+``is_last_step`` travel in the request body for servers that pin (Continuum).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from eval.harness import BenchPolicy, RequestRecord, RunOutcome
+from workloads import Trace, job_token_stream
+
+
+async def _one_call(client: Any, url: str, body: dict[str, Any]) -> tuple[list[int], float | None, list[float], int, int]:
+    """Streams one completion; returns (token ids, first-token time, chunk times, prompt, cached)."""
+    first: float | None = None
+    times: list[float] = []
+    token_ids: list[int] = []
+    prompt_tokens = len(body["prompt"])
+    cached = 0
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code >= 400:
+            detail = (await response.aread()).decode(errors="replace")[:300]
+            raise ValueError(f"url: server answered {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            usage = chunk.get("usage")
+            if usage:
+                prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
+                details = usage.get("prompt_tokens_details") or {}
+                cached = int(details.get("cached_tokens") or 0)
+            for choice in chunk.get("choices") or []:
+                ids = choice.get("token_ids")
+                text = choice.get("text")
+                if ids or text:
+                    now = time.monotonic()
+                    if first is None:
+                        first = now
+                    times.append(now)
+                if ids:
+                    token_ids.extend(int(t) for t in ids)
+    return token_ids, first, times, prompt_tokens, cached
+
+
+async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int) -> RunOutcome:
+    import httpx
+
+    url = cfg.url.rstrip("/") + "/v1/completions"
+    t0 = time.monotonic()
+    records: list[RequestRecord] = []
+    jct: dict[str, float] = {}
+    limit = asyncio.Semaphore(cfg.concurrency if cfg.rate is None else len(trace.jobs))
+
+    async def run_job(job: Any, client: Any) -> None:
+        async with limit:
+            if cfg.rate is not None:
+                await asyncio.sleep(max(0.0, t0 + job.arrival_s * cfg.time_scale - time.monotonic()))
+            inputs = job_token_stream(job, vocab, cfg.seed)
+            context: list[int] = []
+            start = time.monotonic()
+            for k, turn in enumerate(job.turns):
+                context = context + inputs[k]
+                last = k == len(job.turns) - 1
+                body = {
+                    "model": model, "prompt": context, "max_tokens": max(1, turn.output_tokens),
+                    "temperature": 0.0, "stream": True, "ignore_eos": True, "return_token_ids": True,
+                    "stream_options": {"include_usage": True},
+                    "job_id": job.job_id, "is_last_step": last,
+                }
+                arrival = time.monotonic()
+                ids, first, times, prompt_tokens, cached = await _one_call(client, url, body)
+                end = time.monotonic()
+                if not ids:  # NOTE: stand-ins keep the prefix structure when ids are not returned
+                    ids = [100 + ((len(context) + i) * 7919) % max(1, vocab - 200) for i in range(turn.output_tokens)]
+                tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+                records.append(RequestRecord(
+                    job.job_id, k, arrival, first, first, end, prompt_tokens, cached, ids,
+                    None if first is None else first - arrival, tpot,
+                ))
+                context = context + ids
+                if not last:
+                    await asyncio.sleep(job.pause_after(k) * cfg.time_scale)
+            jct[job.job_id] = time.monotonic() - start
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        await asyncio.gather(*(run_job(job, client) for job in trace.jobs))
+    prompt = sum(r.prompt_tokens for r in records)
+    hits = sum(r.cached_tokens for r in records)
+    generated = sum(len(r.output) for r in records)
+    stats = {
+        "prompt_tokens": prompt, "hit_tokens": hits, "hole_tokens": 0, "suffix_recomputed_tokens": 0,
+        "preempted_tokens": 0, "computed_tokens": prompt - hits, "generated_tokens": generated,
+        "evictions": 0, "peak_blocks_in_use": 0, "num_preemptions": 0,
+    }
+    return RunOutcome(label, records, jct, time.monotonic() - t0, stats)
+
+
+def run_http(cfg: Any, trace: Trace, policies: list[BenchPolicy], progress: Any = None) -> dict[str, RunOutcome]:
+    """Runs the workload once per label against ``cfg.url`` (the server decides the policy;
+    the labels name the server configurations being compared, one run each)."""
+    import httpx
+
+    try:
+        models = httpx.get(cfg.url.rstrip("/") + "/v1/models", timeout=10.0).json()
+        model = models["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"url: no OpenAI-compatible server at {cfg.url} ({exc})") from None
+    vocab = 49152 if cfg.model == "smollm2-135m" else 32000
+    outcomes = {}
+    for policy in policies:
+        outcomes[policy.name] = asyncio.run(_run(cfg, trace, policy.name, model, vocab))
+    return outcomes

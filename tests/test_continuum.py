@@ -1,0 +1,208 @@
+"""Continuum on the real SmolLM2 with a virtual clock: policies, TTL pins, expiry, pressure, the
+pin cap, is_last_step, and program-level FCFS admission order."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent_runtime.continuum import ContinuumController
+from agent_runtime.policies import policy_names, resolve_policy
+from asymcache_core import SamplingParams
+from tests.conftest import make_engine
+
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+class FakeClock:
+    """A virtual clock the test advances by hand."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    """Distinct token-id prompts (no shared prefix between seeds)."""
+    return [1000 + (seed * 997 + i * 31) % 40000 for i in range(n)]
+
+
+def _run(engine, prompt: list[int], job: str, params: SamplingParams = ONE, **kw) -> list[str]:
+    """Add one request and step until it finishes; returns the ids finishing, in order."""
+    rid = engine.add_request(prompt, params, job_id=job, **kw)
+    done = []
+    while engine.has_unfinished():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert rid in done
+    return done
+
+
+def _continuum_engine(smollm, clock: FakeClock, **kw):
+    return make_engine(smollm, clock=clock, **resolve_policy("continuum").engine_overrides, **kw)
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+
+def test_policy_table():
+    assert {"vllm-apc", "lru", "pensieve", "asymcache", "continuum", "asymcache+continuum"} <= set(policy_names())
+    for name in ("vllm-apc", "lru", "pensieve", "asymcache"):
+        spec = resolve_policy(name)
+        assert spec.engine_overrides == {"eviction_policy": name, "priority": "fcfs"} and not spec.pinning
+    c = resolve_policy("continuum")
+    assert c.engine_overrides == {"eviction_policy": "vllm-apc", "priority": "program"} and c.pinning
+    ac = resolve_policy("asymcache+continuum")
+    assert ac.engine_overrides == {"eviction_policy": "asymcache", "priority": "program"} and ac.pinning
+    c.engine_overrides["priority"] = "fcfs"  # a fresh dict each time: the table is not touched
+    assert resolve_policy("continuum").engine_overrides["priority"] == "program"
+    with pytest.raises(ValueError, match="^policy: unknown policy 'nope'"):
+        resolve_policy("nope")
+
+
+# -- pins --------------------------------------------------------------------------------------
+
+
+def test_tool_call_pins_then_next_request_unpins_and_hits(smollm):
+    clock = FakeClock(10.0)
+    engine = _continuum_engine(smollm, clock)
+    ctl = ContinuumController(engine)
+    for _ in range(4):
+        ctl.durations.record("grep", 0.2)
+    first = _prompt(1, 100)
+    _run(engine, first, "a")
+    finished_at = clock()
+    decision = ctl.on_tool_call("a", ["grep"], 101, ended_at=finished_at)
+    # C_reload(101) on the CPU latency model is well above the 0.2 s pin it buys.
+    assert ctl.reload_cost(101) > 0.2
+    assert decision.ttl_s == pytest.approx(0.2)
+    assert decision.blocks_pinned == 100 // 16 == engine.pins.num_pinned_blocks
+    assert engine.sessions.state("a").expected_gap == pytest.approx(0.2)  # the pause hint
+    engine.check_integrity()
+
+    clock.advance(0.15)
+    out_tokens = engine.pins.last_blocks["a"]
+    assert len(out_tokens) == 6
+    rid = engine.add_request(first + [42] + _prompt(2, 20), ONE, job_id="a")
+    assert ctl.on_request_arrival("a") == pytest.approx(0.15)
+    assert ctl.durations.samples("grep")[-1] == pytest.approx(0.15)
+    assert engine.pins.is_pinned("a")  # still pinned while it waits in the queue
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert not engine.pins.is_pinned("a") and engine.pins.num_pinned_blocks == 0
+    assert outs[0].request_id == rid and outs[0].metrics.cached_tokens == 96
+    engine.check_integrity()
+
+
+def test_abandoned_job_loses_pin_at_expiry(smollm):
+    clock = FakeClock()
+    engine = _continuum_engine(smollm, clock)
+    ctl = ContinuumController(engine)
+    ctl.durations.record("test", 0.3)
+    _run(engine, _prompt(3, 100), "gone")
+    decision = ctl.on_tool_call("gone", ["test"], 101)
+    assert decision.ttl_s == pytest.approx(0.3) and decision.blocks_pinned > 0
+    clock.advance(0.2)
+    engine.step()  # before the TTL: still pinned
+    assert engine.pins.is_pinned("gone")
+    clock.advance(0.2)
+    engine.step()  # the job never came back: the pin expires
+    assert not engine.pins.is_pinned("gone") and engine.pins.num_expired == 1
+    assert engine.pins.num_pinned_blocks == 0
+    # its blocks are ordinary evictable cache now, still hit while nobody needed them
+    assert engine.pool.num_free_blocks == engine.num_blocks
+    assert ctl.paused_jobs() == ["gone"]
+    engine.check_integrity()
+
+
+def test_memory_pressure_releases_latest_expiring_pin_first(smollm):
+    clock = FakeClock()
+    engine = _continuum_engine(smollm, clock, num_kv_blocks=20)
+    engine.pins.max_pinned_fraction = 1.0  # only pressure, not the cap, may release here
+    _run(engine, _prompt(4, 100), "a")
+    _run(engine, _prompt(5, 100), "b")
+    assert engine.pin_session("a", 5.0) == 6
+    assert engine.pin_session("b", 10.0) == 6
+    assert engine.pool.num_free_blocks == 8
+    # 150 prompt tokens + 1 need 10 blocks: one pin must go, the latest-expiring (b)
+    _run(engine, _prompt(6, 150), "c")
+    assert engine.pins.is_pinned("a") and not engine.pins.is_pinned("b")
+    assert engine.pins.num_released_pressure == 1
+    engine.check_integrity()
+
+
+def test_pin_cap_never_lets_pins_starve_admissions(smollm):
+    clock = FakeClock()
+    engine = _continuum_engine(smollm, clock, num_kv_blocks=40)
+    engine.pins.max_pinned_fraction = 0.25  # at most 10 idle pinned blocks
+    _run(engine, _prompt(7, 100), "a")
+    _run(engine, _prompt(8, 100), "b")
+    assert engine.pin_session("a", 5.0) == 6
+    assert engine.pin_session("b", 10.0) == 0  # 12 > 10: the latest-expiring pin is refused
+    assert engine.pins.is_pinned("a") and engine.pins.num_pinned_blocks == 6
+    engine.check_integrity()
+
+
+def test_last_step_releases_everything(smollm):
+    clock = FakeClock()
+    engine = _continuum_engine(smollm, clock)
+    ctl = ContinuumController(engine)
+    ctl.durations.record("t", 0.1)
+    _run(engine, _prompt(9, 100), "j")
+    ctl.on_request_arrival("j")
+    assert ctl.on_tool_call("j", ["t"], 101).blocks_pinned > 0
+    ctl.on_job_finished("j")
+    assert engine.pins.num_pinned_blocks == 0 and not engine.pins.is_pinned("j")
+    assert engine.sessions.reuse_probability("j", clock()) == 0.0
+    assert ctl.memoryfulness.num_jobs == 1 and ctl.paused_jobs() == []
+    # an is_last_step request also drops what it leaves behind
+    _run(engine, _prompt(10, 40), "k", is_last_step=True)
+    assert engine.pin_session("k", 5.0) == 0
+    engine.check_integrity()
+
+
+def test_no_pin_when_benefit_is_below_the_ttl(smollm):
+    clock = FakeClock()
+    engine = _continuum_engine(smollm, clock)
+    ctl = ContinuumController(engine)
+    _run(engine, _prompt(11, 40), "s")
+    # cold start: the tool is assumed to take 2 s; reloading 41 tokens costs far less
+    decision = ctl.on_tool_call("s", ["new_tool"], 41)
+    assert decision.ttl_s == 0.0 and decision.blocks_pinned == 0
+    assert decision.expected_duration_s == 2.0
+    assert engine.pins.num_pinned_blocks == 0
+    preview = ContinuumController(engine, ttl_rule="preview")
+    assert preview.on_tool_call("s", ["new_tool"], 41).ttl_s == 2.0  # the preview code's rule
+    assert engine.pins.is_pinned("s")
+    engine.check_integrity()
+
+
+# -- program-level FCFS ------------------------------------------------------------------------
+
+
+def _admission_order(smollm, priority: str) -> list[str]:
+    clock = FakeClock()
+    engine = make_engine(smollm, clock=clock, priority=priority, max_num_seqs=1)
+    _run(engine, _prompt(20, 24), "old")  # t=0: job "old" starts
+    clock.advance(1.0)
+    _run(engine, _prompt(21, 24), "pinned")  # t=1: job "pinned" starts, then calls a tool
+    assert engine.pin_session("pinned", 100.0) > 0
+    ids = {}
+    for t, job, seed in ((5.0, "new", 22), (6.0, "old", 23), (7.0, "pinned", 24)):
+        clock.t = t
+        ids[engine.add_request(_prompt(seed, 24), ONE, job_id=job)] = job
+    order = []
+    while engine.has_unfinished():
+        order += [ids[o.request_id] for o in engine.step() if o.finished]
+    engine.check_integrity()
+    return order
+
+
+def test_program_fcfs_admission_order(smollm):
+    # pinned jobs first, then by the job's first arrival (not the request's)
+    assert _admission_order(smollm, "program") == ["pinned", "old", "new"]
+    assert _admission_order(smollm, "fcfs") == ["new", "old", "pinned"]

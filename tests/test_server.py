@@ -1,0 +1,286 @@
+"""The OpenAI-compatible server live on 127.0.0.1 (uvicorn in a thread) over the real SmolLM2:
+the official openai client, raw httpx (SSE), our client, errors, auth, and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from agent_runtime.client import AsymCacheAPIError, AsymCacheClient
+from agent_runtime.policies import resolve_policy
+from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server import create_app
+from tests.conftest import make_engine
+
+MODEL = "smollm2-135m"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "list_files",
+            "description": "List the files of the project.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read one file of the project.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "enum": ["notes.txt", "todo.md"]}},
+                "required": ["path"],
+            },
+        },
+    },
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Live:
+    """A running server and what the tests need to inspect it."""
+
+    def __init__(self, base: str, runtime: AgentRuntime) -> None:
+        self.base = base
+        self.runtime = runtime
+
+    def engine(self, fn):
+        return self.runtime.call_threadsafe(fn).result(timeout=30)
+
+    def check(self) -> None:
+        """Integrity, and the server still answers."""
+        self.engine(lambda e: e.check_integrity())
+        assert httpx.get(f"{self.base}/health", timeout=10).json() == {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def live(smollm) -> Iterator[Live]:
+    engine = make_engine(smollm, max_model_len=1024, **resolve_policy("continuum").engine_overrides)
+    runtime = AgentRuntime(engine, policy="continuum")
+    app = create_app(runtime, MODEL)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield Live(f"http://127.0.0.1:{port}", runtime)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        runtime.close_sync()
+
+
+@pytest.fixture(scope="module")
+def oa(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_health_metrics(live, oa):
+    assert [m.id for m in oa.models.list().data] == [MODEL]
+    live.check()
+    text = httpx.get(f"{live.base}/metrics", timeout=10).text
+    for name in (
+        "asymcache_requests_total", "asymcache_time_to_first_token_seconds_bucket",
+        "asymcache_time_per_output_token_seconds_count", "asymcache_cache_hit_tokens_total",
+        "asymcache_recomputed_tokens_total", "asymcache_pinned_blocks", "asymcache_evictions_total",
+    ):
+        assert name in text, name
+
+
+def test_tool_loop_through_openai_client(live, oa):
+    messages = [{"role": "user", "content": "What is the secret word in notes.txt?"}]
+    first = oa.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "read_file"}},
+        max_tokens=40, extra_body={"job_id": "job-http"},
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "read_file" and json.loads(call.function.arguments)["path"] in ("notes.txt", "todo.md")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "The secret word is banana."},
+    ]
+    second = oa.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8,
+        extra_body={"job_id": "job-http", "is_last_step": True},
+    )
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    usage = second.usage
+    # the first turn's prompt and generated call come from the cache
+    prev = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= (prev - 16) // 16 * 16 > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert live.engine(lambda e: e.pins.num_pinned_blocks) == 0  # last step released the job
+    live.check()
+
+
+def test_streaming_chat_with_required_tool_call(live, oa):
+    stream = oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Show me the files."}], tools=TOOLS,
+        tool_choice="required", max_tokens=40, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name in ("list_files", "read_file")
+    json.loads(calls[0].function.arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    live.check()
+
+
+def test_streaming_completions_raw_sse_and_our_client(live):
+    body = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "return_token_ids": True, "job_id": "cjob", "tool_name": "sleep"}
+    with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert len([t for e in events for t in e["choices"][0]["token_ids"]]) == 4
+    # a job's non-last completion is followed by a tool pause: Continuum decided on it
+    decision = live.engine(lambda e: live.runtime.controller.decisions[-1])
+    assert decision.job_id == "cjob" and decision.tool == "sleep" and decision.context_tokens == 44
+
+    with AsymCacheClient(live.base) as client:
+        assert client.health() and client.models() == [MODEL]
+        same = client.completion(list(range(300, 340)), max_tokens=4, ignore_eos=True)
+        assert same["choices"][0]["text"] == text
+        assert same["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # the same 40 ids again
+        chunks = list(client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=3))
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["usage"]["completion_tokens"] == 3
+        reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=3)
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert reply["choices"][0]["message"]["content"] == streamed.strip()
+        with pytest.raises(AsymCacheAPIError) as info:
+            client.chat([{"role": "user", "content": "Hi"}], max_tokens=0)
+        assert info.value.status == 400 and info.value.param == "max_tokens"
+    live.check()
+
+
+def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
+    user = [{"role": "user", "content": "hi"}]
+    chat = "/v1/chat/completions"
+    return [
+        ("malformed json", chat, b'{"model": "smollm2-135m", "messages": [', 400, None, "invalid_json"),
+        ("body not an object", chat, b"[1, 2]", 400, None, "invalid_json"),
+        ("unknown model", chat, {"model": "gpt-9", "messages": user}, 404, "model", "model_not_found"),
+        ("missing messages", chat, {"model": MODEL}, 400, "messages", None),
+        ("bad role", chat, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
+        ("prompt over max_model_len", chat, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]},
+         400, "messages", "context_length_exceeded"),
+        ("invalid tool schema", chat, {"model": MODEL, "messages": user, "tools": [
+            {"type": "function", "function": {"name": "bad name!", "parameters": {"type": "object"}}}]},
+         400, "tools[0].function.name", None),
+        ("tool param type", chat, {"model": MODEL, "messages": user, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"x": {"type": "strng"}}}}}]},
+         400, "tools[0].function.parameters.properties.x.type", None),
+        ("bad tool_choice", chat, {"model": MODEL, "messages": user, "tools": TOOLS, "tool_choice": "sometimes"},
+         400, "tool_choice", None),
+        ("required without tools", chat, {"model": MODEL, "messages": user, "tool_choice": "required"},
+         400, "tool_choice", None),
+        ("unknown named tool", chat, {"model": MODEL, "messages": user, "tools": TOOLS,
+                                      "tool_choice": {"type": "function", "function": {"name": "rm"}}},
+         400, "tool_choice.function.name", None),
+        ("zero max_tokens", chat, {"model": MODEL, "messages": user, "max_tokens": 0}, 400, "max_tokens", None),
+        ("negative max_tokens", chat, {"model": MODEL, "messages": user, "max_tokens": -5}, 400, "max_tokens", None),
+        ("bad temperature", chat, {"model": MODEL, "messages": user, "temperature": "hot"}, 400, "temperature", None),
+        ("bad job_id", chat, {"model": MODEL, "messages": user, "job_id": 7}, 400, "job_id", None),
+        ("bad prompt", "/v1/completions", {"model": MODEL, "prompt": {"x": 1}}, 400, "prompt", None),
+        ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", None),
+        ("negative completion max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -1},
+         400, "max_tokens", None),
+    ]
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_input_is_a_4xx_with_openai_error_body(live, name, path, body, status, param, code):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{live.base}{path}", timeout=30, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["code"] == code
+    assert live.engine(lambda e: e.has_unfinished()) is False
+    live.check()
+
+
+def test_bad_input_through_openai_client(live, oa):
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        oa.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    live.check()
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(live):
+    before = live.engine(lambda e: e.counters.generated_tokens)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{live.base}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                got += 1
+                if got == 3:
+                    break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 30
+    while live.engine(lambda e: e.has_unfinished()):
+        assert time.monotonic() < deadline, "the request kept running after the client left"
+        time.sleep(0.1)
+    generated = live.engine(lambda e: e.counters.generated_tokens) - before
+    assert generated < 400
+    assert live.engine(lambda e: sum(b.ref_cnt for b in e.pool.blocks)) == 0
+    assert "asymcache_aborted_requests_total 1" in httpx.get(f"{live.base}/metrics", timeout=10).text
+    live.check()
+
+
+def test_api_key(live):
+    app = create_app(live.runtime, MODEL, api_key="sekret")  # a second app over the same runtime
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            missing = await c.get("/v1/models")
+            wrong = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": []},
+                                 headers={"Authorization": "Bearer nope"})
+            right = await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+            health = await c.get("/health")
+            return missing, wrong, right, health
+
+    missing, wrong, right, health = asyncio.run(main())
+    for r in (missing, wrong):
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert right.status_code == 200 and right.json()["data"][0]["id"] == MODEL
+    assert health.status_code == 200
+    live.check()

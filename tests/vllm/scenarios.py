@@ -1,0 +1,144 @@
+"""Scenarios on a real in-process vLLM, one per subprocess; the result is JSON on the last line.
+
+Usage: ``python tests/vllm/scenarios.py agent MODEL_DIR {plugin,baseline} [PROFILE_JSON]``
+
+NOTE: one engine per process: vLLM keeps process-wide state (distributed groups, compile
+caches), so the tests start a fresh interpreter per configuration.
+
+The ``agent`` scenario, on a pool of 20 blocks of 32 tokens:
+
+1. job K runs a turn and pauses longer than its pin's TTL (its pin must expire);
+2. job J runs a turn (not its last step: pinned for the estimator's TTL) and "runs a tool";
+3. job D runs its last step (its blocks lose all value) and an anonymous request F1 runs;
+4. request F2 needs more blocks than are free without evicting: something is evicted;
+5. job J's next turn (its first prompt + output + the tool's result) arrives within the TTL.
+
+After every request the scenario records, for every prompt seen so far, which of its block
+hashes are still cached, so orphans (a cached block whose ancestor is gone) are visible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+SCHEDULER_CLS = "asymcache_core.integrations.vllm.scheduler.AsymCacheScheduler"
+
+
+def tokens(base: int, n: int) -> list[int]:
+    """A prompt of exactly ``n`` token ids, distinct per ``base``."""
+    return [base + (i * 7) % 997 for i in range(n)]
+
+
+def make_llm(model: str, plugin: bool, profile: str | None) -> Any:
+    """An in-process vLLM with a 20-block pool of 32-token blocks."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if plugin:
+        kwargs["scheduler_cls"] = SCHEDULER_CLS
+        if profile:
+            kwargs["additional_config"] = {"asymcache": {"latency_profile": profile}}
+    return LLM(
+        model=model,
+        block_size=32,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=20,
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        gpu_memory_utilization=0.15,
+        **kwargs,
+    )
+
+
+def agent(model: str, plugin: bool, profile: str | None) -> dict[str, Any]:
+    """Runs the ``agent`` scenario (module docstring) and reports what happened."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    llm = make_llm(model, plugin, profile)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    # NOTE: the engine's internal request ids differ from the outputs'; requests run one at a
+    # time, so the chain added last belongs to the request that just ran.
+    added: list[list[Any]] = []
+    chains: dict[str, list[Any]] = {}
+    orig_add = scheduler.add_request
+
+    def add_request(request: Any) -> None:
+        added.append(list(request.block_hashes))
+        orig_add(request)
+
+    scheduler.add_request = add_request
+    report: dict[str, Any] = {
+        "scheduler": type(scheduler).__name__,
+        "queue": type(pool.free_block_queue).__name__,
+        "requests": {},
+        "orphans": [],
+    }
+
+    def resident(name: str) -> list[bool]:
+        return [
+            pool.cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(h, 0))
+            is not None
+            for h in chains[name]
+        ]
+
+    def run(name: str, prompt: list[int], **extra: Any) -> Any:
+        params = SamplingParams(max_tokens=8, temperature=0.0, extra_args=extra or None)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        chains[name] = added[-1]
+        report["requests"][name] = {
+            "prompt_tokens": len(out.prompt_token_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "output": list(out.outputs[0].token_ids),
+        }
+        for req_name in report["requests"]:
+            flags = resident(req_name)
+            first_miss = flags.index(False) if False in flags else len(flags)
+            if any(flags[first_miss:]):
+                report["orphans"].append({"after": name, "request": req_name, "resident": flags})
+        return out
+
+    run("k1", tokens(1000, 100), job_id="K", is_last_step=0, tool_name="slow")
+    time.sleep(2.3)  # longer than K's 2 s TTL (cold-start estimate)
+    j_prompt = tokens(3000, 200)
+    j1 = run("j1", j_prompt, job_id="J", is_last_step=0, tool_name="grep")
+    t_pause = time.monotonic()
+    run("d1", tokens(5000, 160), job_id="D", is_last_step=1)
+    run("f1", tokens(7000, 128))
+    run("f2", tokens(9000, 300))
+    report["pause_s"] = time.monotonic() - t_pause
+    j2_prompt = j_prompt + list(j1.outputs[0].token_ids) + tokens(11000, 10)
+    run("j2", j2_prompt, job_id="J", is_last_step=1)
+    report["resident_after"] = {
+        name: sum(resident(name)) for name in report["requests"]
+    }
+    if plugin:
+        report["stats"] = scheduler.asymcache_stats()
+        report["latency_source"] = scheduler.asymcache_scorer.latency.source
+    return report
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: prints the scenario's JSON report as the last line."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    name, model, mode = argv[1], argv[2], argv[3]
+    profile = argv[4] if len(argv) > 4 else None
+    if name != "agent":
+        raise SystemExit(f"unknown scenario {name!r}")
+    report = agent(model, mode == "plugin", profile)
+    print("\n" + json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
