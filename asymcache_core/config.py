@@ -23,7 +23,7 @@ class EngineConfig:
         block_size: tokens per KV block.
         num_kv_blocks: KV pool size in blocks; ``None`` derives it from ``kv_memory_fraction``.
         kv_memory_fraction: share of the device's free memory (after weights) for the KV pool;
-            on CPU, share of available RAM capped at 4 GiB.
+            on CPU, share of available RAM capped at 1 GiB.
         max_num_batched_tokens: token budget of one step (fixed chunking).
         max_num_seqs: running requests at most.
         max_model_len: longest prompt + output; ``None`` takes the model's own limit.

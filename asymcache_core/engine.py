@@ -205,7 +205,7 @@ class Engine:
             import os
 
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(avail * self.config.kv_memory_fraction, 4 << 30)
+            budget = min(avail * self.config.kv_memory_fraction, 1 << 30)
         return max(16, int(budget // per_block))
 
     # -- requests ----------------------------------------------------------------------------

@@ -141,16 +141,20 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self.ensure_hashes(request)
         full = min(request.num_computed_tokens // bs, len(hashes))
-        for idx in range(full):
+        # NOTE: blocks below ``num_committed_blocks`` were registered (or were hits) in earlier
+        # steps; scanning only the new ones keeps this O(new blocks) on the step's hot path.
+        for idx in range(request.num_committed_blocks, full):
             block_id = request.block_ids[idx]
             block = self.pool.blocks[block_id]
             if block.block_hash is None:
                 self.pool.cache_block(block_id, hashes[idx], idx)
+        request.num_committed_blocks = max(request.num_committed_blocks, full)
 
     def free(self, request: Request) -> None:
         """Drops ``request``'s references, tail first (vLLM's order)."""
         self.pool.free(b for b in reversed(request.block_ids) if b != HOLE)
         request.block_ids = []
+        request.num_committed_blocks = 0
 
     def held_blocks(self, request: Request) -> list[int]:
         return [b for b in request.block_ids if b != HOLE]

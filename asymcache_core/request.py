@@ -106,6 +106,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
+        self.num_committed_blocks = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.admitted_once = False
         self.max_computed_ever = 0

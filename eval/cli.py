@@ -64,6 +64,8 @@ def bench(
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
     no_lossless_check: bool = typer.Option(False, help="Skip the unbounded-pool reference run."),
     latency_profile: str = typer.Option(None, help="Latency profile JSON (asymcache profile)."),
+    tpot_slo_ms: float = typer.Option(100.0, min=0.1, help="Adaptive chunking's time-per-output-token target."),
+    max_batched_tokens: int = typer.Option(512, min=1, help="Per-step token cap (fixed chunking's budget)."),
 ) -> None:
     """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures."""
     from rich.console import Console
@@ -77,6 +79,7 @@ def bench(
         concurrency=concurrency, time_scale=time_scale, token_scale=token_scale,
         kv_blocks=kv_blocks, kv_fraction=kv_fraction, max_context=max_context, seed=seed, out=out,
         check_lossless=not no_lossless_check, latency_profile=latency_profile,
+        tpot_slo_ms=tpot_slo_ms, max_num_batched_tokens=max_batched_tokens,
     )
     if not cfg.policies:
         raise ValueError("policies: give at least one policy")

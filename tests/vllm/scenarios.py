@@ -1,6 +1,8 @@
 """Scenarios on a real in-process vLLM, one per subprocess; the result is JSON on the last line.
 
-Usage: ``python tests/vllm/scenarios.py agent MODEL_DIR {plugin,baseline} [PROFILE_JSON]``
+Usage: ``python tests/vllm/scenarios.py {agent,load} MODEL_DIR {plugin,baseline,entrypoint}
+[PROFILE_JSON]`` (``entrypoint``: no ``scheduler_cls``; the ``vllm.general_plugins`` function
+with ``$ASYMCACHE_VLLM_SCHEDULER`` picks the scheduler).
 
 NOTE: one engine per process: vLLM keeps process-wide state (distributed groups, compile
 caches), so the tests start a fresh interpreter per configuration.
@@ -33,12 +35,17 @@ def tokens(base: int, n: int) -> list[int]:
     return [base + (i * 7) % 997 for i in range(n)]
 
 
-def make_llm(model: str, plugin: bool, profile: str | None) -> Any:
+def make_llm(model: str, mode: str, profile: str | None) -> Any:
     """An in-process vLLM with a 20-block pool of 32-token blocks."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}
-    if plugin:
+    if mode == "entrypoint":
+        from asymcache_core.integrations.vllm.plugin import ENV, register
+
+        os.environ[ENV] = "1"
+        register()
+    elif mode == "plugin":
         kwargs["scheduler_cls"] = SCHEDULER_CLS
         if profile:
             kwargs["additional_config"] = {"asymcache": {"latency_profile": profile}}
@@ -58,12 +65,32 @@ def make_llm(model: str, plugin: bool, profile: str | None) -> Any:
     )
 
 
-def agent(model: str, plugin: bool, profile: str | None) -> dict[str, Any]:
+def load(model: str, mode: str, profile: str | None) -> dict[str, Any]:
+    """Starts the engine, runs one request, reports the scheduler and queue classes."""
+    from vllm import SamplingParams
+
+    llm = make_llm(model, mode, profile)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    out = llm.generate(
+        [{"prompt_token_ids": tokens(1000, 70)}],
+        SamplingParams(max_tokens=4, temperature=0.0, extra_args={"job_id": "L", "pin_ttl_s": 9}),
+        use_tqdm=False,
+    )[0]
+    return {
+        "scheduler": type(scheduler).__name__,
+        "queue": type(scheduler.kv_cache_manager.block_pool.free_block_queue).__name__,
+        "output": list(out.outputs[0].token_ids),
+        "pinned_jobs": scheduler.asymcache_stats()["pinned_jobs"] if hasattr(scheduler, "asymcache_stats") else None,
+    }
+
+
+def agent(model: str, mode: str, profile: str | None) -> dict[str, Any]:
     """Runs the ``agent`` scenario (module docstring) and reports what happened."""
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    llm = make_llm(model, plugin, profile)
+    plugin = mode != "baseline"
+    llm = make_llm(model, mode, profile)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
     # NOTE: the engine's internal request ids differ from the outputs'; requests run one at a
@@ -114,7 +141,21 @@ def agent(model: str, plugin: bool, profile: str | None) -> dict[str, Any]:
     t_pause = time.monotonic()
     run("d1", tokens(5000, 160), job_id="D", is_last_step=1)
     run("f1", tokens(7000, 128))
+    queue = pool.free_block_queue
+    predicted = [b.block_id for b in queue.get_all_free_blocks() if b.block_hash is not None]
+    evicted: list[int] = []
+    orig_evict = pool._maybe_evict_cached_block
+
+    def maybe_evict(block: Any) -> bool:
+        if block.block_hash is not None:
+            evicted.append(block.block_id)
+        return orig_evict(block)
+
+    pool._maybe_evict_cached_block = maybe_evict
     run("f2", tokens(9000, 300))
+    pool._maybe_evict_cached_block = orig_evict
+    report["f2_predicted"] = predicted
+    report["f2_evicted"] = evicted
     report["pause_s"] = time.monotonic() - t_pause
     j2_prompt = j_prompt + list(j1.outputs[0].token_ids) + tokens(11000, 10)
     run("j2", j2_prompt, job_id="J", is_last_step=1)
@@ -133,9 +174,10 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     name, model, mode = argv[1], argv[2], argv[3]
     profile = argv[4] if len(argv) > 4 else None
-    if name != "agent":
-        raise SystemExit(f"unknown scenario {name!r}")
-    report = agent(model, mode == "plugin", profile)
+    scenarios = {"agent": agent, "load": load}
+    if name not in scenarios or mode not in ("plugin", "baseline", "entrypoint"):
+        raise SystemExit(f"usage: scenarios.py {{agent,load}} MODEL {{plugin,baseline,entrypoint}}; got {name} {mode}")
+    report = scenarios[name](model, mode, profile)
     print("\n" + json.dumps(report), flush=True)
     return 0
 

@@ -1,0 +1,38 @@
+"""Helpers of the real-vLLM tests: run a scenario of ``scenarios.py`` in a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def run_scenario(name: str, model: Path, mode: str, profile: Path | None = None, timeout: int = 400) -> dict[str, Any]:
+    """Runs ``scenarios.py`` in a fresh interpreter (one vLLM engine per process).
+
+    Args:
+        name: scenario (``agent`` or ``load``).
+        model: model folder.
+        mode: ``plugin``, ``baseline`` or ``entrypoint``.
+        profile: latency profile for the plugin.
+        timeout: seconds.
+
+    Returns:
+        The scenario's JSON report.
+    """
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [sys.executable, str(HERE / "scenarios.py"), name, str(model), mode]
+    if profile is not None:
+        cmd.append(str(profile))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise AssertionError(f"scenario {name}/{mode} failed (rc {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1])

