@@ -22,7 +22,7 @@ from asymcache_core.models.config import ModelConfig
 
 # Nominal peaks of the analytic default: (FLOP/s, bytes/s, per-step overhead s).
 _DEVICE_PEAKS = {
-    "cpu": (6.0e10, 1.5e10, 4.0e-3),
+    "cpu": (1.2e11, 1.5e10, 4.0e-3),
     "cuda": (7.0e14, 4.0e12, 2.0e-3),
 }
 

@@ -42,7 +42,8 @@ class BenchConfig:
         time_scale: multiplies tool pauses and arrivals.
         token_scale: multiplies the generators' token lengths (small models, CPU runs).
         kv_blocks: pool size in blocks (overrides ``kv_fraction``).
-        kv_fraction: pool as a fraction of the workload's working set.
+        kv_fraction: pool as a fraction of the workload's working set; ``None``: 0.5, raised to
+            what the largest job needs (an explicit fraction that cannot hold it is an error).
         block_size: tokens per block.
         max_context: jobs are cut to turns whose context fits (the model's limit by default).
         seed: workload and token seed.
@@ -65,7 +66,7 @@ class BenchConfig:
     time_scale: float = 0.05
     token_scale: float = 0.05
     kv_blocks: int | None = None
-    kv_fraction: float = 0.5
+    kv_fraction: float | None = None
     block_size: int = 16
     max_context: int | None = 512
     seed: int = 0
@@ -121,6 +122,8 @@ def pool_blocks(cfg: BenchConfig, trace: Any) -> int:
     need = largest_request_blocks(trace, cfg.block_size)
     if cfg.kv_blocks is not None:
         blocks = cfg.kv_blocks
+    elif cfg.kv_fraction is None:
+        blocks = max(need, int(0.5 * working_set_blocks(trace, cfg.block_size)))
     else:
         if not 0 < cfg.kv_fraction:
             raise BenchError(f"kv_fraction: must be > 0, got {cfg.kv_fraction}")
@@ -157,8 +160,15 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             policies.append(resolve_bench_policy(name))
         except ValueError as exc:
             raise BenchError(str(exc)) from None
+    if cfg.backend != "http":
+        from asymcache_core.loaders import resolve_hf_config
+
+        try:
+            resolve_hf_config(cfg.model)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
     trace = load_workload(cfg)
-    started = dt.datetime.now(dt.timezone.utc)
+    started = dt.datetime.now(dt.UTC)
     run_dir = cfg.out or Path("runs") / started.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []

@@ -58,7 +58,9 @@ def bench(
     time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and arrivals."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
     kv_blocks: int = typer.Option(None, min=1, help="KV pool size in blocks."),
-    kv_fraction: float = typer.Option(0.5, help="Pool as a fraction of the workload's working set."),
+    kv_fraction: float = typer.Option(
+        None, help="Pool as a fraction of the workload's working set (default 0.5, at least the largest job)."
+    ),
     max_context: int = typer.Option(512, min=16, help="Cut jobs whose context would exceed this."),
     seed: int = typer.Option(0),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),

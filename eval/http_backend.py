@@ -109,6 +109,16 @@ async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int) -> Ru
     return RunOutcome(label, records, jct, time.monotonic() - t0, stats)
 
 
+def _vocab_size(model: str) -> int:
+    """Vocabulary of ``--model`` when it is a spec we can read; token ids stay below it."""
+    from asymcache_core.loaders import resolve_hf_config
+
+    try:
+        return int(resolve_hf_config(model)[0]["vocab_size"])
+    except (ValueError, KeyError):
+        return 32000  # NOTE: every Llama-family vocabulary is at least this large
+
+
 def run_http(cfg: Any, trace: Trace, policies: list[BenchPolicy], progress: Any = None) -> dict[str, RunOutcome]:
     """Runs the workload once per label against ``cfg.url`` (the server decides the policy;
     the labels name the server configurations being compared, one run each)."""
@@ -119,7 +129,7 @@ def run_http(cfg: Any, trace: Trace, policies: list[BenchPolicy], progress: Any 
         model = models["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"url: no OpenAI-compatible server at {cfg.url} ({exc})") from None
-    vocab = 49152 if cfg.model == "smollm2-135m" else 32000
+    vocab = _vocab_size(cfg.model)
     outcomes = {}
     for policy in policies:
         outcomes[policy.name] = asyncio.run(_run(cfg, trace, policy.name, model, vocab))

@@ -21,7 +21,7 @@ def multi_turn(engine: Engine, sessions: int, turns: int, seed: int) -> list[lis
     system = torch.randint(1000, vocab - 1000, (512,), generator=gen).tolist()
     ctx = {s: system + torch.randint(1000, vocab - 1000, (200,), generator=gen).tolist() for s in range(sessions)}
     outs = []
-    for turn in range(turns):
+    for _ in range(turns):
         ids = {s: engine.add_request(ctx[s], SamplingParams(max_tokens=16, ignore_eos=True), session_id=f"s{s}") for s in range(sessions)}
         done = {}
         while len(done) < sessions:

@@ -16,30 +16,41 @@ runner = CliRunner()
 
 def small(backend: str, policies: tuple[str, ...], out, **kw) -> BenchConfig:
     base = dict(
-        workload="chat", jobs=6, concurrency=3, token_scale=0.5, time_scale=0.02, kv_blocks=40,
-        max_context=320, seed=3, out=out, policies=policies, backend=backend, check_lossless=backend == "real",
+        workload="chat", jobs=6, concurrency=2, token_scale=0.5, time_scale=0.02, kv_blocks=20,
+        max_context=320, seed=3, out=out, policies=policies, backend=backend, check_lossless=False,
     )
     base.update(kw)
     return BenchConfig(**base)
 
 
-def test_sim_reproduces_real_ranking(tmp_path):
+def calibrated_profile(smollm, path) -> str:
+    """A quick latency profile of this machine (the sim is only as good as its profile)."""
+    from asymcache_core.profiler import ProfileGrid, fit, measure
+    from tests.conftest import make_engine
+
+    grid = ProfileGrid(chunk_tokens=(1, 16, 64, 160), contexts=(0, 192), decode_batches=(1, 2, 4),
+                       decode_context=160, repeats=2)
+    engine = make_engine(smollm, num_kv_blocks=64)
+    fit(measure(engine, grid), model="smollm2-135m", source=str(path)).to_json(path)
+    return str(path)
+
+
+def test_sim_reproduces_real_ranking(smollm, tmp_path):
     policies = ("lru", "asymcache")
-    real, _ = run_bench(small("real", policies, tmp_path / "real"))
-    sim, _ = run_bench(small("sim", policies, tmp_path / "sim"))
+    profile = calibrated_profile(smollm, tmp_path / "profile.json")
+    real, _ = run_bench(small("real", policies, tmp_path / "real", latency_profile=profile))
+    sim, _ = run_bench(small("sim", policies, tmp_path / "sim", latency_profile=profile))
     for results in (real, sim):
         assert set(results.policies) == set(policies)
+        assert results.run.latency_profile == profile
     # the prefix-only LRU recomputes far more than hole-aware AsymCache, in both backends
-    for metric in ("computed_tokens",):
-        r = {p: getattr(real.policies[p], metric) for p in policies}
-        s = {p: getattr(sim.policies[p], metric) for p in policies}
-        assert (r["lru"] > r["asymcache"]) == (s["lru"] > s["asymcache"])
+    r = {p: real.policies[p].computed_tokens for p in policies}
+    s = {p: sim.policies[p].computed_tokens for p in policies}
+    assert r["lru"] > r["asymcache"] and s["lru"] > s["asymcache"]
+    # NOTE: TTFT, where recomputation shows; JCT here is mostly think time, a few % apart.
     rank_real = sorted(policies, key=lambda p: real.policies[p].ttft.mean)
     rank_sim = sorted(policies, key=lambda p: sim.policies[p].ttft.mean)
     assert rank_real == rank_sim
-    # greedy outputs under pressure equal the unbounded run's
-    for p in policies:
-        assert real.policies[p].lossless_agreement == 1.0
 
 
 def test_cli_bench_end_to_end_writes_valid_results(tmp_path):
@@ -80,6 +91,7 @@ def test_cli_sim_bench_scales(tmp_path):
         (["--policies", "asymcache/bogus"], "ablation"),
         (["--model", "no-such-model", "--backend", "sim"], "model"),
         (["--kv-blocks", "3", "--backend", "sim"], "kv_blocks"),
+        (["--kv-fraction", "0.01", "--backend", "sim"], "kv_blocks"),
         (["--backend", "carrier-pigeon"], "backend"),
         (["--backend", "http"], "url"),
     ],
@@ -97,7 +109,7 @@ def test_cli_malformed_trace_names_the_line(tmp_path):
     trace.write_text('{"job_id": "a", "arrival_s": 0, "turns": [{"input_tokens": 5, "output_tokens": 2}]}\n{broken\n')
     result = runner.invoke(app, ["bench", "--workload", f"trace:{trace}", "--backend", "sim", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2
-    assert "line 2" in result.output and "Traceback" not in result.output
+    assert "t.jsonl:2:" in result.output and "Traceback" not in result.output
 
 
 def test_cli_report_on_missing_run(tmp_path):

@@ -284,3 +284,21 @@ def test_api_key(live):
     assert right.status_code == 200 and right.json()["data"][0]["id"] == MODEL
     assert health.status_code == 200
     live.check()
+
+
+def test_harness_http_backend_against_live_server(live, tmp_path):
+    """``asymcache bench --backend http`` drives the same workload through the server."""
+    from eval.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(
+        workload="chat", jobs=3, concurrency=3, token_scale=0.3, time_scale=0.01, max_context=256,
+        seed=5, backend="http", url=live.base, policies=("our-server",), out=tmp_path / "http",
+    )
+    results, run_dir = run_bench(cfg)
+    r = results.policies["our-server"]
+    assert r.num_jobs == 3 and r.num_requests >= 3
+    assert r.ttft.count == r.num_requests and r.ttft.mean > 0
+    # later turns of each job extend the earlier ones: the server reports cache hits
+    assert r.hit_tokens > 0 and 0 < r.hit_rate < 1
+    assert (run_dir / "report.html").is_file()
+    live.check()

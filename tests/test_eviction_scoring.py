@@ -1,0 +1,120 @@
+"""AsymCache's expected-latency order, pinned down case by case (no model needed)."""
+
+from __future__ import annotations
+
+from asymcache_core.block_pool import BlockPool
+from asymcache_core.eviction import PolicyContext, create_policy
+from asymcache_core.eviction.asymcache import expected_latency_cost
+from asymcache_core.latency_model import LatencyModel
+from asymcache_core.session_stats import SessionStats
+
+LAT = LatencyModel(floor_s=0.01, per_token_s=1e-4, per_attn_s=1e-8, knee_tokens=64)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_pool(blocks: int = 16):
+    clock = Clock()
+    sessions = SessionStats()
+    policy = create_policy("asymcache", PolicyContext(16, LAT, sessions))
+    return BlockPool(blocks, policy, clock), sessions, clock
+
+
+def cached(pool: BlockPool, session: str, positions: list[int], base_hash: int) -> list[int]:
+    """Blocks of ``session`` at ``positions``, computed, cached and released."""
+    ids = pool.allocate(len(positions), session_id=session)
+    for bid, pos in zip(ids, positions, strict=True):
+        pool.cache_block(bid, base_hash + pos, pos)
+    pool.free(reversed(ids))
+    return ids
+
+
+def victims(pool: BlockPool, count: int) -> list[int]:
+    return [b.block_id for b in pool.policy.pop_victims(count, pool.clock())]
+
+
+def test_deep_block_of_active_session_outlives_shallow_block_of_finished_job():
+    pool, sessions, clock = make_pool()
+    sessions.on_arrival("active", 0.0, 100)
+    sessions.on_arrival("done", 0.0, 100)
+    (deep,) = cached(pool, "active", [30], 1000)
+    (shallow,) = cached(pool, "done", [0], 2000)
+    sessions.on_finish("active", 1.0, last_step=False)
+    sessions.on_finish("done", 1.0, last_step=True)
+    clock.now = 1.5
+    assert victims(pool, 1) == [shallow]
+    assert victims(pool, 1) == [deep]
+
+
+def test_deeper_blocks_cost_more_to_rebuild_within_a_session():
+    pool, sessions, clock = make_pool()
+    sessions.on_arrival("s", 0.0, 100)
+    blocks = cached(pool, "s", [0, 5, 20, 60], 1000)
+    sessions.on_finish("s", 1.0, last_step=False)
+    clock.now = 1.1
+    assert victims(pool, 4) == blocks  # position 0 first, position 60 last
+
+
+def test_session_that_overstays_its_usual_gap_loses_priority():
+    pool, sessions, clock = make_pool()
+    # "regular" comes back every ~2 s; "stale" used to, but has now been idle for 60 s
+    for sid in ("regular", "stale"):
+        sessions.on_arrival(sid, 0.0, 50)
+        sessions.on_finish(sid, 1.0, last_step=False)
+        sessions.on_arrival(sid, 3.0, 50)
+    (stale_block,) = cached(pool, "stale", [10], 1000)
+    sessions.on_finish("stale", 4.0, last_step=False)
+    clock.now = 62.0
+    sessions.on_finish("regular", 61.0, last_step=False)
+    (regular_block,) = cached(pool, "regular", [10], 2000)
+    assert sessions.reuse_probability("stale", 64.0) < 0.01 < sessions.reuse_probability("regular", 64.0)
+    clock.now = 64.0
+    assert victims(pool, 1) == [stale_block]
+    assert regular_block in {b.block_id for b in pool.policy.candidates()}
+
+
+def test_tool_pause_hint_protects_a_job_and_shared_prefix_aggregates():
+    pool, sessions, clock = make_pool()
+    for sid in ("a", "b", "c"):
+        sessions.on_arrival(sid, 0.0, 50)
+    shared = pool.allocate(1, session_id="a")[0]
+    pool.cache_block(shared, 77, 3)
+    pool.touch([shared], session_id="b")  # a shared-prefix block held by two jobs
+    pool.free([shared, shared])
+    (own_a,) = cached(pool, "a", [3], 1000)
+    (own_c,) = cached(pool, "c", [3], 3000)
+    sessions.on_finish("a", 1.0, last_step=True)   # a is done ...
+    sessions.on_finish("b", 1.0, last_step=False)  # ... b will come back after its tool
+    sessions.hint("b", expected_gap_s=5.0)
+    sessions.on_finish("c", 1.0, last_step=False)  # c: no history, prior probability
+    clock.now = 2.0
+    # a's own block goes first (P=0); the block shared with b outlives c's (b's hint > prior)
+    assert victims(pool, 1) == [own_a]
+    assert victims(pool, 1) == [own_c]
+    assert victims(pool, 1) == [shared]
+
+
+def test_pinned_and_referenced_blocks_are_never_candidates():
+    pool, sessions, clock = make_pool(blocks=4)
+    sessions.on_arrival("s", 0.0, 10)
+    blocks = cached(pool, "s", [0, 1, 2], 1000)
+    pool.pin([blocks[0]])
+    pool.touch([blocks[1]], session_id="s")
+    sessions.on_finish("s", 1.0, last_step=True)  # zero reuse: first in line if it could go
+    got = pool.allocate(2)
+    assert blocks[0] not in got and blocks[1] not in got
+    assert pool.blocks[blocks[0]].block_hash is not None and pool.blocks[blocks[1]].block_hash is not None
+    pool.check_integrity()
+
+
+def test_marginal_cost_is_cheaper_under_the_knee():
+    under = expected_latency_cost(1.0, position=10, block_size=16, base_tokens=0, latency=LAT)
+    over = expected_latency_cost(1.0, position=10, block_size=16, base_tokens=500, latency=LAT)
+    assert 0 < under < over
+    assert expected_latency_cost(0.0, 10, 16, 500, LAT) == 0.0
