@@ -32,12 +32,11 @@ from workloads import Job, Trace, job_token_stream
 
 ABLATIONS: dict[str, dict[str, Any]] = {
     "no-holes": {"hole_reuse": False},
-    "fixed": {"chunking": "fixed"},
     "no-msa": {"attention_backend": "torch"},
 }
-"""``POLICY/ABLATION`` suffixes: AsymCache without hole reuse, without adaptive chunking, or
-with the torch attention path instead of the MSA kernel (one launch per segment on GPU).
-``POLICY/fixed:N`` and ``POLICY/adaptive`` set the chunking of any policy (budget sweeps)."""
+"""``POLICY/ABLATION`` suffixes: without hole reuse, or with the torch attention path instead of
+the MSA kernel (one launch per segment on GPU). ``POLICY/adaptive`` turns on adaptive chunking
+and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5)."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,9 @@ class BenchPolicy:
 def resolve_bench_policy(name: str) -> BenchPolicy:
     """Resolves ``name`` or ``name/ablation``.
 
-    AsymCache policies run with adaptive chunking (part of AsymCache); the ablations turn its
-    pieces off one at a time.
+    Every policy runs with the engine's fixed chunking unless the name asks for ``/adaptive``,
+    so that eviction policies are compared at equal chunking (adaptive chunking trades TTFT for
+    TPOT, and on a device without a utilization knee it only adds steps; BENCHMARKS.md).
 
     Raises:
         ValueError: unknown policy or ablation (message names ``policy``).
@@ -62,8 +62,6 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
     base, _, ablation = name.partition("/")
     spec = resolve_policy(base)
     overrides = dict(spec.engine_overrides)
-    if overrides.get("eviction_policy") == "asymcache":
-        overrides["chunking"] = "adaptive"
     if ablation.startswith("fixed:") or ablation == "adaptive":
         overrides["chunking"] = ablation
     elif ablation:

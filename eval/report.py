@@ -17,14 +17,12 @@ a Content-Security-Policy forbids loading anything else. Its one tiny inline scr
 from __future__ import annotations
 
 import base64
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from eval.results import PolicyResult, Results, load_results
+from eval.results import PolicyResult, Results, atomic_write_text, load_results
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -581,16 +579,6 @@ def _render_html(
     return template.render(run=results.run, tables=tables, headlines=headlines, plots=plots)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write through a temporary file so a reader never sees half a report."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_report(results: Results, run_dir: str | Path) -> list[Path]:
@@ -614,8 +602,8 @@ def write_report(results: Results, run_dir: str | Path) -> list[Path]:
 
     md_path = run_dir / REPORT_MD
     html_path = run_dir / REPORT_HTML
-    _atomic_write_text(md_path, _render_markdown(results, tables, headlines, plots))
-    _atomic_write_text(html_path, _render_html(results, tables, headlines, plots))
+    atomic_write_text(md_path, _render_markdown(results, tables, headlines, plots))
+    atomic_write_text(html_path, _render_html(results, tables, headlines, plots))
     return [md_path, html_path, *(p.path for p in plots if p.path is not None)]
 
 

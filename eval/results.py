@@ -208,7 +208,7 @@ def results_json_schema() -> dict[str, Any]:
     return Results.model_json_schema()
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file, so a crash never leaves half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -250,8 +250,8 @@ def save_results(results: Results, run_dir: str | Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     _check_finite(results)
     path = run_dir / RESULTS_FILE
-    _atomic_write_text(path, results.model_dump_json(indent=2) + "\n")
-    _atomic_write_text(run_dir / SCHEMA_FILE, json.dumps(results_json_schema(), indent=2) + "\n")
+    atomic_write_text(path, results.model_dump_json(indent=2) + "\n")
+    atomic_write_text(run_dir / SCHEMA_FILE, json.dumps(results_json_schema(), indent=2) + "\n")
     return path
 
 

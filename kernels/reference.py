@@ -139,13 +139,19 @@ def _decode_batched(
     num_blocks = (max_ctx + block_size - 1) // block_size
     tables = meta.block_tables[seqs, :num_blocks].long()  # [B, NB]
     shape = (len(decodes), num_blocks * block_size, *k_cache.shape[2:])
-    k = k_cache[tables].reshape(shape)[:, :max_ctx].transpose(1, 2)  # [B, HKV, S, D]
-    v = v_cache[tables].reshape(shape)[:, :max_ctx].transpose(1, 2)
+    k = k_cache[tables].reshape(shape)[:, :max_ctx]  # [B, S, HKV, D], a fresh gather
+    v = v_cache[tables].reshape(shape)[:, :max_ctx]
     mask = torch.arange(max_ctx, device=q.device)[None, :] < ctx[:, None]  # [B, S]
     # Slots past a context hold whatever the pool left there (NaN included): a masked score
-    # still multiplies its V by 0, and 0 * NaN = NaN, so zero them.
-    k = k.masked_fill(~mask[:, None, :, None], 0)
-    v = v.masked_fill(~mask[:, None, :, None], 0)
+    # still multiplies its V by 0, and 0 * NaN = NaN, so zero them. Only columns past the
+    # shortest context can be masked: zero just that tail, in place (decode hot path).
+    lo = int(min(s[3] + 1 for s in decodes))
+    if lo < max_ctx:
+        pad = ~mask[:, lo:, None, None]
+        k[:, lo:].masked_fill_(pad, 0)
+        v[:, lo:].masked_fill_(pad, 0)
+    k = k.transpose(1, 2)  # [B, HKV, S, D]
+    v = v.transpose(1, 2)
     qs = q[rows].unsqueeze(2)  # [B, HQ, 1, D]
     o = F.scaled_dot_product_attention(
         qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],

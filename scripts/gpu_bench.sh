@@ -11,7 +11,7 @@ profile=bench_traces/profile_h200_llama8b.json
 case $stage in
   grid-chat)
     python -m eval.cli bench "${common[@]}" --workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10 \
-      --latency-profile "$profile" --policies vllm-apc,lru,pensieve,asymcache,continuum,asymcache+continuum \
+      --latency-profile "$profile" --policies vllm-apc,lru,pensieve,asymcache,continuum,asymcache+continuum,asymcache/adaptive \
       --out "$out/chat" 2>&1 | grep -v "━" ;;
   grid-swe)
     python -m eval.cli bench "${common[@]}" --workload trace:bench_traces/gpu_swe.jsonl --jobs 10 --concurrency 5 \
@@ -20,6 +20,6 @@ case $stage in
   chunking)
     python -m eval.cli bench "${common[@]}" --workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10 \
       --latency-profile "$profile" \
-      --policies asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache \
+      --policies asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache/adaptive \
       --max-batched-tokens 8192 --out "$out/chunking" 2>&1 | grep -v "━" ;;
 esac
