@@ -45,3 +45,15 @@ def make_engine(loaded, **overrides):
 
     overrides.setdefault("num_kv_blocks", 256)
     return Engine(model=loaded.name, loaded=loaded, **overrides)
+
+
+@pytest.fixture(scope="session")
+def expensive_reload_profile(tmp_path_factory) -> str:
+    """A latency profile where rebuilding a context is costly (a slow CPU): Continuum's TTL
+    rule then pins short tool pauses. Tests that check pin decisions use it instead of the
+    analytic default, whose constants are tuning, not contract."""
+    from asymcache_core.latency_model import LatencyModel
+
+    path = tmp_path_factory.mktemp("profiles") / "expensive_reload.json"
+    LatencyModel(floor_s=0.04, per_token_s=0.0045, per_attn_s=1.15e-6, knee_tokens=8, source="test").to_json(path)
+    return str(path)

@@ -41,7 +41,9 @@ def _run(engine, prompt: list[int], job: str, params: SamplingParams = ONE, **kw
     return done
 
 
-def _continuum_engine(smollm, clock: FakeClock, **kw):
+def _continuum_engine(smollm, clock: FakeClock, profile: str | None = None, **kw):
+    if profile is not None:
+        kw["latency_profile"] = profile
     return make_engine(smollm, clock=clock, **resolve_policy("continuum").engine_overrides, **kw)
 
 
@@ -98,9 +100,9 @@ def test_tool_call_pins_then_next_request_unpins_and_hits(smollm):
     engine.check_integrity()
 
 
-def test_abandoned_job_loses_pin_at_expiry(smollm):
+def test_abandoned_job_loses_pin_at_expiry(smollm, expensive_reload_profile):
     clock = FakeClock()
-    engine = _continuum_engine(smollm, clock)
+    engine = _continuum_engine(smollm, clock, expensive_reload_profile)
     ctl = ContinuumController(engine)
     ctl.durations.record("test", 0.3)
     _run(engine, _prompt(3, 100), "gone")

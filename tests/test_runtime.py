@@ -100,9 +100,12 @@ def test_job_run_tool_loop_end_to_end(smollm, tmp_path):
     assert pinned == 0  # the job is over: nothing stays pinned
 
 
-def test_virtual_clock_tool_pause_pin_jct_and_abandoned_job(smollm):
+def test_virtual_clock_tool_pause_pin_jct_and_abandoned_job(smollm, expensive_reload_profile):
     clock = FakeClock(100.0)
-    engine = make_engine(smollm, clock=clock, **resolve_policy("continuum").engine_overrides)
+    engine = make_engine(
+        smollm, clock=clock, latency_profile=expensive_reload_profile,
+        **resolve_policy("continuum").engine_overrides,
+    )
 
     def slow_tool() -> str:
         """Take three (virtual) seconds."""
