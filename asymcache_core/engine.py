@@ -276,7 +276,7 @@ class Engine:
             request_id, ids, params, now, session_id=session_id, job_id=job_id,
             priority=priority, is_last_step=is_last_step,
         )
-        request.had_pin = self.pins.is_pinned(request.session_id)  # type: ignore[attr-defined]
+        request.had_pin = self.pins.is_pinned(request.session_id)
         if job_id is not None:
             self._job_first_arrival.setdefault(job_id, now)
         if request.session_id is not None:
@@ -345,6 +345,7 @@ class Engine:
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         if params.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            request.text = text
             for stop in params.stop:
                 idx = text.find(stop)
                 if idx >= 0:
@@ -385,10 +386,10 @@ class Engine:
         del self.requests[request.request_id]
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
+        # NOTE: with stop strings, _check_stop already decoded (and cut) this step's text.
+        if self.tokenizer is not None and not request.params.stop:
+            request.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
         text = request.text
-        if self.tokenizer is not None and not (request.params.stop and request.stop_reason in request.params.stop):
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        request.text = text
         reason = request.status.value if request.finished else None
         return RequestOutput(
             request.request_id, new, list(request.output_token_ids), text, request.finished,
@@ -412,7 +413,7 @@ class Engine:
     # -- priority and pins ------------------------------------------------------------------
     def _program_key(self, request: Request) -> tuple:
         """Continuum's program-level FCFS: pinned jobs first, then by the job's first arrival."""
-        pinned = 0 if getattr(request, "had_pin", False) else 1
+        pinned = 0 if request.had_pin else 1
         first = self._job_first_arrival.get(request.job_id or "", request.metrics.arrival_time)
         return (pinned, first, request.metrics.arrival_time)
 

@@ -103,10 +103,6 @@ class KVCacheManager:
             skipped_hit_tokens=skipped * bs,
         )
 
-    def num_blocks_to_take(self, hit: CacheHit) -> int:
-        """Free blocks that taking ``hit``'s blocks would consume (hits that are candidates)."""
-        return sum(1 for b in hit.block_table if b != HOLE and self.pool.is_candidate(b))
-
     def admit(self, request: Request, hit: CacheHit) -> None:
         """Takes references on ``hit``'s blocks and installs them as ``request``'s table."""
         self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)

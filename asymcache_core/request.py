@@ -109,6 +109,7 @@ class Request:
         self.num_committed_blocks = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.admitted_once = False
+        self.had_pin = False  # its session held a Continuum pin when it arrived
         self.max_computed_ever = 0
         self.stop_reason: int | str | None = None
         self.text = ""

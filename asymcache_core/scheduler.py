@@ -159,16 +159,6 @@ class Scheduler:
             pos = self._skip_cached(request, end)
         return segments
 
-    def remaining_tokens(self, request: Request) -> int:
-        """Tokens still to compute (cached blocks ahead of the frontier excluded)."""
-        bs = self.block_size
-        start = request.num_computed_tokens
-        ahead = sum(
-            1 for idx in range(-(-start // bs), len(request.block_ids))
-            if request.block_ids[idx] != HOLE
-        )
-        return request.num_tokens - start - ahead * bs
-
     def schedule(self) -> SchedulerOutput:
         """Plans one step."""
         self.running.sort(key=self._key)
