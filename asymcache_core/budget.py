@@ -53,7 +53,7 @@ class AdaptiveBudget:
             mean_prefill_ctx = (
                 sum(r.num_computed_tokens for r in prefilling) / len(prefilling) if prefilling else 0.0
             )
-            decode_cost = self.latency.step_latency(len(decodes), ctx)
+            decode_cost = self.latency.step_latency(len(decodes), ctx, decode_only=True)
             room = self.tpot_slo_s - decode_cost
             extra = 0
             if room > 0:

@@ -34,6 +34,8 @@ class EngineConfig:
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
         priority: admission order of waiting work: ``fcfs`` (by request) or ``program`` (by job).
         attention_backend: ``auto``, ``torch``, ``naive`` or ``triton``.
+        enforce_eager: never capture CUDA graphs (vLLM's flag). Otherwise decode-only steps
+            replay a CUDA graph on CUDA with the Triton backend; other steps always run eagerly.
         seed: seeds dummy weights and random sampling without a per-request seed.
     """
 
@@ -53,6 +55,7 @@ class EngineConfig:
     latency_profile: str | None = None
     priority: str = "fcfs"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -95,6 +98,8 @@ class EngineConfig:
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: one of {BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
 

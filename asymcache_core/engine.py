@@ -178,7 +178,10 @@ class Engine:
 
             backend = select_attention_backend(device, config.attention_backend)
             self.runner: Runner = ModelRunner(
-                self.loaded, self.num_blocks, config.block_size, device, dtype, backend, config.seed
+                self.loaded, self.num_blocks, config.block_size, device, dtype, backend, config.seed,
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                cuda_graphs=not config.enforce_eager and device.type == "cuda" and backend.name == "triton",
             )
             self.attention_backend = backend.name
         else:

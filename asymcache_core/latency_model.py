@@ -2,6 +2,9 @@
 
 ``latency(T, A) = floor + per_token * max(0, T - knee) + per_attn * A``
 
+(with ``decode_floor`` in place of ``floor`` for a decode-only step, when the engine replays
+those as CUDA graphs and they cost far less than an eager step)
+
 - ``T``: tokens computed in the step (prefill, hole and decode tokens alike);
 - ``A``: attention work, the sum over segments of ``q_len * context`` (query x key pairs);
 - ``floor``: what any step costs (launches, reading the weights once);
@@ -40,6 +43,8 @@ class LatencyModel:
         model: the model the numbers belong to.
         device: the device type.
         fit_error: mean relative error of the fit on its samples (profiles only).
+        decode_floor_s: floor of a decode-only step when it differs from ``floor_s`` (CUDA
+            graph replays); ``None``: the same.
     """
 
     floor_s: float
@@ -50,11 +55,21 @@ class LatencyModel:
     model: str = ""
     device: str = "cpu"
     fit_error: float | None = None
+    decode_floor_s: float | None = None
 
-    def step_latency(self, num_tokens: int, attn_pairs: float) -> float:
-        """Predicted latency of a step with ``num_tokens`` tokens and ``attn_pairs`` pairs."""
+    def step_latency(self, num_tokens: int, attn_pairs: float, decode_only: bool = False) -> float:
+        """Predicted latency of a step with ``num_tokens`` tokens and ``attn_pairs`` pairs.
+
+        Args:
+            num_tokens: tokens computed in the step.
+            attn_pairs: query-key pairs of the step.
+            decode_only: every token is a decode (one per sequence): ``decode_floor_s`` applies.
+        """
+        floor = self.floor_s
+        if decode_only and self.decode_floor_s is not None:
+            floor = self.decode_floor_s
         return (
-            self.floor_s
+            floor
             + self.per_token_s * max(0, num_tokens - self.knee_tokens)
             + self.per_attn_s * attn_pairs
         )

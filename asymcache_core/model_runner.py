@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from asymcache_core.cuda_graphs import DecodeGraphs, decode_batch
 from asymcache_core.loaders import LoadedModel
 from asymcache_core.sampler import Sampler
 from asymcache_core.scheduler import SchedulerOutput
@@ -42,6 +43,9 @@ class ModelRunner:
         dtype: cache dtype (the model's).
         backend: attention backend.
         seed: sampler seed.
+        max_model_len: longest context (sizes the CUDA graphs' buffers).
+        max_num_seqs: most sequences in one step (the largest CUDA graph).
+        cuda_graphs: capture decode-only steps as CUDA graphs (CUDA with the Triton backend).
     """
 
     def __init__(
@@ -53,6 +57,9 @@ class ModelRunner:
         dtype: torch.dtype,
         backend: AttentionBackend,
         seed: int,
+        max_model_len: int = 0,
+        max_num_seqs: int = 0,
+        cuda_graphs: bool = False,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -66,6 +73,11 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, backend, block_size, max_model_len, max_num_seqs, device
+            )
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         """Packs the plan's segments into flat host lists and the MSA metadata."""
@@ -91,11 +103,20 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 sample_index.append(seq)
         meta = build_msa_metadata(tables, segments, slots, bs, self.device)
+        cfg = self.loaded.config
+        # NOTE: once per step, not once per layer: the backend's launch plan (the Triton tile
+        # table and its copy to the device) is shared by all layers.
+        meta = self.backend.prepare(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         return StepInputs(input_ids, positions, meta, logits_rows, sample_index)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Runs the step; returns the sampled token of every request that reached its end."""
+        if self.decode_graphs is not None:
+            batch = decode_batch(plan, self.block_size)
+            logits = self.decode_graphs.run(batch) if batch is not None else None
+            if logits is not None:
+                return self._sample(plan, list(range(len(plan.scheduled))), logits)
         inputs = self.prepare(plan)
         dev = self.device
         logits = self.model(
@@ -106,9 +127,13 @@ class ModelRunner:
             self.backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long).to(dev, non_blocking=True),
         )
-        if not inputs.sample_index:
+        return self._sample(plan, inputs.sample_index, logits)
+
+    def _sample(self, plan: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> dict[str, int]:
+        """Samples one token per row of ``logits`` for ``plan.scheduled[sample_index[row]]``."""
+        if not sample_index:
             return {}
-        requests = [plan.scheduled[i].request for i in inputs.sample_index]
+        requests = [plan.scheduled[i].request for i in sample_index]
         tokens = self.sampler.sample(
             logits,
             [r.request_id for r in requests],

@@ -8,9 +8,10 @@ uses, timed after a warm-up (median of ``repeats``). The fit is the piecewise-li
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -73,9 +74,11 @@ def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | No
         grid: what to measure.
         progress: called with ``(done, total)`` after each point.
     """
+    from asymcache_core.cuda_graphs import DecodeBatch
     from kernels.metadata import build_msa_metadata
 
     runner = engine.runner
+    cfg = engine.model_config
     bs = engine.block_size
     device = runner.device
     vocab = engine.model_config.vocab_size
@@ -100,13 +103,22 @@ def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | No
         ids = torch.randint(0, vocab, (len(positions),)).to(device)
         pos = torch.tensor(positions).to(device)
         rows = torch.tensor([segments[s][1] + per_seq - 1 for s in range(batch)]).to(device)
+        graphs = getattr(runner, "decode_graphs", None)
+        if kind == "decode" and graphs is not None and batch <= graphs.max_batch:
+            # NOTE: the engine replays decode-only steps as CUDA graphs: time what it runs.
+            kind = "graph"
+            forward = functools.partial(graphs.run, DecodeBatch(ids.tolist(), positions, slots, tables))
+        else:
+            meta = runner.backend.prepare(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            forward = functools.partial(runner.model, ids, pos, runner.kv_caches, meta, runner.backend, rows)
+
         times = []
         with torch.inference_mode():
             for rep in range(grid.repeats + 1):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                runner.model(ids, pos, runner.kv_caches, meta, runner.backend, rows)
+                forward()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if rep > 0:  # the first run warms caches and compiles kernels
@@ -121,12 +133,19 @@ def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | No
 def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source: str = "profile") -> LatencyModel:
     """Fits ``floor + per_token * max(0, T - knee) + per_attn * A`` (least squares, knee by search).
 
+    Points of kind ``graph`` (decode steps replayed as CUDA graphs) do not pay the eager floor:
+    the curve is fitted on the other points, and ``decode_floor_s`` is the median of what the
+    graph points spend beyond the curve's token and attention terms.
+
     Returns:
-        The model with the lowest mean relative error; ``fit_error`` holds that error.
+        The model with the lowest mean relative error; ``fit_error`` holds that error (over
+        every point).
     """
-    tokens = np.array([p.num_tokens for p in points], dtype=float)
-    pairs = np.array([p.attn_pairs for p in points], dtype=float)
-    lat = np.array([p.latency_s for p in points], dtype=float)
+    graph_points = [p for p in points if p.kind == "graph"]
+    eager = [p for p in points if p.kind != "graph"] or graph_points
+    tokens = np.array([p.num_tokens for p in eager], dtype=float)
+    pairs = np.array([p.attn_pairs for p in eager], dtype=float)
+    lat = np.array([p.latency_s for p in eager], dtype=float)
     best: tuple[float, LatencyModel] | None = None
     for knee in sorted({0.0, *tokens.tolist()}):
         design = np.stack([np.ones_like(tokens), np.maximum(0.0, tokens - knee), pairs], axis=1)
@@ -142,7 +161,19 @@ def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source
         if best is None or err < best[0] - 1e-9:
             best = (err, candidate)
     assert best is not None
-    return best[1]
+    result = best[1]
+    if graph_points and len(eager) < len(points):
+        beyond = [
+            p.latency_s - (result.step_latency(p.num_tokens, p.attn_pairs) - result.floor_s)
+            for p in graph_points
+        ]
+        result = replace(result, decode_floor_s=max(float(np.median(beyond)), 1e-6))
+        errors = [
+            abs(result.step_latency(p.num_tokens, p.attn_pairs, p.kind == "graph") - p.latency_s) / p.latency_s
+            for p in points
+        ]
+        result = replace(result, fit_error=float(np.mean(errors)))
+    return result
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:

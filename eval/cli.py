@@ -159,6 +159,8 @@ def profile(
         f"{latency.knee_tokens} tokens, attention {latency.per_attn_s * 1e9:.3f} ns/pair, "
         f"fit error {latency.fit_error:.1%} -> {out}"
     )
+    if latency.decode_floor_s is not None:
+        typer.echo(f"decode-only steps (CUDA graphs): floor {latency.decode_floor_s * 1e3:.2f} ms")
 
 
 @app.command("bench-engine")

@@ -5,6 +5,7 @@ No import-time globals: the engine asks once, with its config, and keeps the res
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,14 @@ StoreFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 ]
 
+PrepareFn = Callable[[MSAMetadata, int, int, int], MSAMetadata]
+
 BACKENDS = ("auto", "torch", "naive", "triton")
+
+
+def no_plan(meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int) -> MSAMetadata:
+    """``prepare`` of backends that need no per-step launch plan."""
+    return meta
 
 
 @dataclass(frozen=True)
@@ -29,11 +37,15 @@ class AttentionBackend:
         name: ``torch``, ``naive`` or ``triton``.
         store_kv: writes ``k, v [T, HKV, D]`` into ``k_cache, v_cache`` at ``slot_mapping``.
         attend: ``(q, k_cache, v_cache, meta, scale) -> out`` with the MSA contract.
+        prepare: ``(meta, num_q_heads, num_kv_heads, head_dim) -> meta`` run once per step
+            before the layers: returns the metadata with the backend's launch plan attached,
+            so that host work (tile tables, their copy to the device) is not paid per layer.
     """
 
     name: str
     store_kv: StoreFn
     attend: MSAFn
+    prepare: PrepareFn = no_plan
 
 
 def triton_available(device: torch.device) -> bool:
@@ -66,9 +78,14 @@ def select_attention_backend(device: torch.device | str, preference: str = "auto
     if preference == "triton":
         if not triton_available(device) and not _interpreting():
             raise ValueError("attention_backend: 'triton' needs a CUDA device and triton")
-        from kernels.msa_triton import msa_triton, store_kv_triton
+        from kernels.msa_triton import msa_triton, plan_msa, store_kv_triton
 
-        return AttentionBackend("triton", store_kv_triton, msa_triton)
+        def prepare(meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int) -> MSAMetadata:
+            device = meta.block_tables.device
+            plan = plan_msa(meta, num_q_heads, num_kv_heads, head_dim, device)
+            return dataclasses.replace(meta, plan=plan)
+
+        return AttentionBackend("triton", store_kv_triton, msa_triton, prepare)
     if preference == "naive":
         return AttentionBackend("naive", store_kv_torch, msa_naive)
     return AttentionBackend("torch", store_kv_torch, msa_torch)

@@ -10,6 +10,7 @@ keys at positions ``<= p`` of its own sequence; the cache already holds this ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class MSAMetadata:
         max_ctx_len: largest ``seg_pos_start + seg_q_len``.
         host_segments: the same segments as host tuples ``(seq, q_start, q_len, pos_start)``,
             for the torch paths that loop on the host.
+        plan: a backend's launch plan, prepared once per step and shared by every layer
+            (``AttentionBackend.prepare``; the Triton backend's ``MSAPlan``); ``None`` lets the
+            backend plan on each call.
     """
 
     block_tables: torch.Tensor
@@ -44,6 +48,7 @@ class MSAMetadata:
     max_q_len: int
     max_ctx_len: int
     host_segments: tuple[tuple[int, int, int, int], ...]
+    plan: Any = None
 
     @property
     def num_segments(self) -> int:

@@ -320,6 +320,17 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _tile_shape(rows: int) -> tuple[int, int, int]:
+    """``(block_n, num_warps, num_stages)`` for programs of ``rows`` query rows."""
+    # Measured on an H200 (BENCHMARKS.md): decode-like tiles are bandwidth-bound and prefer
+    # few warps; long segments prefer 256-row tiles on 8 warps.
+    if rows <= 16:
+        return 64, 2, 3
+    if rows <= 64:
+        return 64, 4, 3
+    return 64, 8, 3
+
+
 def choose_config(
     meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> MSAConfig:
@@ -335,14 +346,7 @@ def choose_config(
     max_m = max(min_m, min(128, 256 // g_pad))
     block_m = min(max(triton.next_power_of_2(max(meta.max_q_len, 1)), min_m), max_m)
     rows = block_m * g_pad
-    # Measured on an H200 (BENCHMARKS.md): decode-like tiles are bandwidth-bound and prefer
-    # few warps; long segments prefer 256-row tiles on 8 warps.
-    if rows <= 16:
-        block_n, num_warps, num_stages = 64, 2, 3
-    elif rows <= 64:
-        block_n, num_warps, num_stages = 64, 4, 3
-    else:
-        block_n, num_warps, num_stages = 64, 8, 3
+    block_n, num_warps, num_stages = _tile_shape(rows)
     num_tiles = sum(-(-s[2] // block_m) for s in meta.host_segments)
     programs = max(num_tiles * num_kv_heads, 1)
     num_sms = _num_sms(device)
@@ -358,15 +362,87 @@ def choose_config(
     return MSAConfig(block_m, block_n, num_warps, num_stages, max(num_splits, 1))
 
 
-def _tile_table(meta: MSAMetadata, block_m: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Host-built ``[num_tiles, 4]`` int32 table ``(seq, row0, n_q, pos0)``, heaviest first."""
+@dataclass(frozen=True)
+class MSAPlan:
+    """One MSA launch, prepared on the host once per step and shared by every layer.
+
+    Attributes:
+        config: tile sizes and launch parameters.
+        tiles: ``[num_tiles, 4]`` int32 device table ``(seq, row0, n_q, pos0)``; a tile with
+            ``n_q = 0`` is padding and writes nothing.
+        num_tiles: grid size along the tile axis.
+        chunk: keys per KV split (a multiple of ``config.block_n``).
+        num_splits: KV splits (grid axis 2); 1 writes the output directly.
+        covered_rows: packed rows that some tile writes; when fewer than ``T``, the output is
+            zeroed first (``0`` for graph plans, whose tiles change between replays).
+    """
+
+    config: MSAConfig
+    tiles: torch.Tensor
+    num_tiles: int
+    chunk: int
+    num_splits: int
+    covered_rows: int
+
+
+def _split_chunk(max_ctx: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """``(chunk, num_splits)``: ``num_splits`` chunks of whole KV tiles covering ``max_ctx``."""
+    chunk = -(-max(max_ctx, 1) // max(num_splits, 1))
+    chunk = -(-chunk // block_n) * block_n
+    return chunk, -(-max(max_ctx, 1) // chunk)
+
+
+def plan_msa(
+    meta: MSAMetadata,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    config: MSAConfig | None = None,
+) -> MSAPlan:
+    """Builds the step's launch: config, and the tile table copied to ``device`` (no sync).
+
+    Tiles are heaviest first (longest causal context), so the tail of the launch is short.
+    """
+    cfg = config or choose_config(meta, num_q_heads, num_kv_heads, head_dim, device)
     rows: list[tuple[int, int, int, int]] = []
     for seq, q_start, q_len, pos_start in meta.host_segments:
-        for off in range(0, q_len, block_m):
-            rows.append((seq, q_start + off, min(block_m, q_len - off), pos_start + off))
+        for off in range(0, q_len, cfg.block_m):
+            rows.append((seq, q_start + off, min(cfg.block_m, q_len - off), pos_start + off))
     rows.sort(key=lambda r: -(r[3] + r[2]))
-    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
-    return table.to(device, non_blocking=True), len(rows)
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device, non_blocking=True)
+    chunk, num_splits = _split_chunk(meta.max_ctx_len, cfg.num_splits, cfg.block_n)
+    covered = sum(s[2] for s in meta.host_segments)
+    return MSAPlan(cfg, table, len(rows), chunk, num_splits, covered)
+
+
+def decode_graph_plan(
+    tiles: torch.Tensor, num_q_heads: int, num_kv_heads: int, max_context: int
+) -> MSAPlan:
+    """A fixed launch for a CUDA-graph decode batch of ``tiles.shape[0]`` sequences.
+
+    The launch may not depend on the step (a graph replays it as captured), so the tile table
+    is a static buffer the caller refills before each replay (one ``(i, i, 1, ctx - 1)`` row per
+    sequence, ``n_q = 0`` for padding), and the KV split uses a fixed chunk sized for
+    ``max_context``: splits past a sequence's context do no work, and the merge reads only
+    the splits a tile's context reaches.
+
+    Args:
+        tiles: ``[batch, 4]`` int32 device buffer.
+        num_q_heads: query heads.
+        num_kv_heads: KV heads.
+        max_context: longest context a replay may see (the engine's ``max_model_len``).
+    """
+    g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    block_m = max(1, 16 // g_pad)
+    block_n, num_warps, num_stages = _tile_shape(block_m * g_pad)
+    programs = max(tiles.shape[0] * num_kv_heads, 1)
+    target = max(1, -(-3 * _num_sms(tiles.device) // programs))
+    # NOTE: chunks of >= 512 keys, as in choose_config: smaller ones cost more to merge.
+    chunk = max(512, -(-max(max_context, 1) // target))
+    chunk, num_splits = _split_chunk(max_context, -(-max(max_context, 1) // chunk), block_n)
+    cfg = MSAConfig(block_m, block_n, num_warps, num_stages, num_splits)
+    return MSAPlan(cfg, tiles, int(tiles.shape[0]), chunk, num_splits, 0)
 
 
 def msa_triton(
@@ -385,23 +461,26 @@ def msa_triton(
         q: ``[T, HQ, D]`` packed queries (last dim contiguous).
         k_cache: ``[num_blocks, block_size, HKV, D]``.
         v_cache: same shape as ``k_cache``.
-        meta: the step's segments (:class:`~kernels.metadata.MSAMetadata`).
+        meta: the step's segments (:class:`~kernels.metadata.MSAMetadata`); its ``plan``, when
+            set (:func:`plan_msa` once per step), is used as is.
         scale: softmax scale.
         out: optional ``[T, HQ, D]`` buffer to write into (tests poison it first).
         config: optional launch configuration (benchmarks); chosen by
-            :func:`choose_config` when ``None``.
+            :func:`choose_config` when ``None``. Ignored when ``meta.plan`` is set.
 
     Returns:
         ``[T, HQ, D]`` in ``q``'s dtype; rows of tokens that belong to no segment are zero.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
-    covered = sum(s[2] for s in meta.host_segments)
+    plan = meta.plan
+    if plan is None:
+        plan = plan_msa(meta, num_q_heads, num_kv_heads, head_dim, q.device, config)
     if out is None:
-        out = torch.empty_like(q) if covered >= num_tokens else torch.zeros_like(q)
-    elif covered < num_tokens:
+        out = torch.empty_like(q) if plan.covered_rows >= num_tokens else torch.zeros_like(q)
+    elif plan.covered_rows < num_tokens:
         out.zero_()
-    if num_tokens == 0 or not meta.host_segments:
+    if num_tokens == 0 or plan.num_tiles == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -411,12 +490,9 @@ def msa_triton(
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"msa_triton: head_dim must be a power of two >= 16, got {head_dim}")
     group = num_q_heads // num_kv_heads
-    cfg = config or choose_config(meta, num_q_heads, num_kv_heads, head_dim, q.device)
-    tiles, num_tiles = _tile_table(meta, cfg.block_m, q.device)
+    cfg, tiles, num_tiles = plan.config, plan.tiles, plan.num_tiles
+    chunk, num_splits = plan.chunk, plan.num_splits
     block_d = triton.next_power_of_2(head_dim)
-    chunk = -(-max(meta.max_ctx_len, 1) // cfg.num_splits)
-    chunk = -(-chunk // cfg.block_n) * cfg.block_n
-    num_splits = -(-max(meta.max_ctx_len, 1) // chunk)
     split = num_splits > 1
     if split:
         o_part = torch.empty(
@@ -488,4 +564,12 @@ def store_kv_triton(
     )
 
 
-__all__ = ["MSAConfig", "choose_config", "msa_triton", "store_kv_triton"]
+__all__ = [
+    "MSAConfig",
+    "MSAPlan",
+    "choose_config",
+    "decode_graph_plan",
+    "msa_triton",
+    "plan_msa",
+    "store_kv_triton",
+]

@@ -1,60 +1,106 @@
-"""Where a GPU engine step spends its time (torch profiler, one table). GPU machine only."""
+"""Engine step time on the GPU: eager vs CUDA-graph decode, and a mixed step. GPU machine only.
+
+``python scripts/gpu_profile_step.py [--model dummy:llama-3.1-8b]`` prints one table: the
+median ``engine.step()`` wall time of decode-only steps at several batch sizes with and without
+CUDA graphs, the weight-read floor (bytes of weights / measured copy bandwidth) beside them, and
+an eager mixed step (decodes plus a prefill chunk); then the busiest ops of an eager decode step.
+"""
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from asymcache_core import Engine, SamplingParams
+from asymcache_core.loaders import load_model
+
+
+def step_times(engine: Engine, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def decode_ms(engine: Engine, batch: int, context: int, gen: torch.Generator) -> float:
+    """Median decode-only step of ``batch`` sequences at ``context`` tokens."""
+    vocab = engine.model_config.vocab_size
+    for _ in range(batch):
+        prompt = torch.randint(1000, vocab - 1000, (context,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()
+    step_times(engine, 3)
+    ms = statistics.median(step_times(engine, 20)) * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    return ms
 
 
 def main() -> None:
-    eng = Engine(model="dummy:llama-3.1-8b", device="cuda", num_kv_blocks=8192, max_num_batched_tokens=8192)
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(32):
-        eng.add_request(torch.randint(1000, 100000, (2048,), generator=gen).tolist(), SamplingParams(max_tokens=200, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running + eng.scheduler.waiting):
-        eng.step()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    loaded = load_model(args.model, dev, torch.bfloat16, seed=0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     for _ in range(5):
-        eng.step()
+        dst.copy_(src)
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        eng.step()
-    torch.cuda.synchronize()
-    print(f"engine.step decode x32: {(time.perf_counter() - t) / 10 * 1e3:.2f} ms")
-    plan = eng.scheduler.schedule()
-    t = time.perf_counter()
-    inputs = eng.runner.prepare(plan)
-    print(f"prepare: {(time.perf_counter() - t) * 1e3:.2f} ms")
-    ids = torch.tensor(inputs.input_ids, device="cuda")
-    pos = torch.tensor(inputs.positions, device="cuda")
-    rows = torch.tensor(inputs.logits_rows, device="cuda")
-    model, r = eng.runner.model, eng.runner
-    with torch.inference_mode():
-        for _ in range(3):
-            model(ids, pos, r.kv_caches, inputs.meta, r.backend, rows)
+    bandwidth = 2 * src.numel() * 5 / (time.perf_counter() - start)  # read + write
+    del src, dst
+    floor_ms = weight_bytes / bandwidth * 1e3
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}: "
+          f"{weight_bytes / 1e9:.1f} GB of weights, copy {bandwidth / 1e12:.2f} TB/s, weight-read floor {floor_ms:.2f} ms")
+    engines = {}
+    for eager in (True, False):
+        start = time.perf_counter()
+        engines[eager] = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=16384,
+                                max_num_batched_tokens=8192, max_model_len=32768, enforce_eager=eager)
+        print(f"engine (enforce_eager={eager}) ready in {time.perf_counter() - start:.1f} s")
+    print("| step | batch | context | eager ms | graph ms | speed-up | graph / weight floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for batch, context in ((1, 2048), (8, 2048), (32, 2048), (64, 1024)):
+        eager = decode_ms(engines[True], batch, context, torch.Generator().manual_seed(batch))
+        graph = decode_ms(engines[False], batch, context, torch.Generator().manual_seed(batch))
+        print(f"| decode | {batch} | {context} | {eager:.2f} | {graph:.2f} | {eager / graph:.2f}x | {graph / floor_ms:.2f}x |")
+    engine = engines[True]
+    gen = torch.Generator().manual_seed(7)
+    vocab = engine.model_config.vocab_size
+    for _ in range(16):
+        engine.add_request(torch.randint(1000, vocab - 1000, (1024,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=200, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()
+    engine.step()
+    times = []
+    for _ in range(6):
+        engine.add_request(torch.randint(1000, vocab - 1000, (512,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=1, ignore_eos=True))
+        times += step_times(engine, 1)
+        engine.step()
+    print(f"| mixed (16 decodes + 512 prefill) | 17 | 1024 | {statistics.median(times) * 1e3:.2f} | - | - | - |")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.step()
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(10):
-            model(ids, pos, r.kv_caches, inputs.meta, r.backend, rows)
-        torch.cuda.synchronize()
-        print(f"model forward only: {(time.perf_counter() - t) / 10 * 1e3:.2f} ms")
-        q = torch.randn(32, 32, 128, device="cuda", dtype=torch.bfloat16)
-        kc, vc = r.kv_caches[0]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(100):
-            r.backend.attend(q, kc, vc, inputs.meta, 0.088)
-        torch.cuda.synchronize()
-        print(f"msa call: {(time.perf_counter() - t) / 100 * 1e3:.3f} ms")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            model(ids, pos, r.kv_caches, inputs.meta, r.backend, rows)
-            torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=50))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"eager decode step x16: {launches} kernel launches, {gpu_ms:.2f} ms of GPU time")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=50))
 
 
 if __name__ == "__main__":

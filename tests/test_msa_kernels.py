@@ -16,6 +16,7 @@ poisoned with NaN.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -305,6 +306,48 @@ def test_store_kv_triton_interpreter(interp: ModuleType) -> None:
     before = [c.clone() for c in caches]
     interp.store_kv_triton(k[:1] + 1, v[:1] + 1, caches[0], caches[1], torch.tensor([-1]))
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
+@pytest.mark.parametrize(("group", "max_ctx", "max_context"), [(4, 150, 400), (2, 1100, 1400)])
+def test_msa_triton_interpreter_decode_graph_plan(
+    interp: ModuleType, group: int, max_ctx: int, max_context: int
+) -> None:
+    """The CUDA-graph launch: a fixed KV chunk sized for ``max_context`` (splits past a context
+    do no work), one tile per sequence from a device table, padding tiles writing zeros."""
+    case = make_case(
+        _seed("graph", group, max_ctx), kind="decode", num_seqs=3, block_size=16, num_kv_heads=2,
+        group=group, head_dim=64, max_ctx=max_ctx, dtype=torch.float32,
+    )
+    num_pad = 2
+    tiles = [(seq, q_start, q_len, pos) for seq, q_start, q_len, pos in case.meta.host_segments]
+    tiles += [(0, 0, 0, 0)] * num_pad
+    plan = interp.decode_graph_plan(torch.tensor(tiles, dtype=torch.int32), 2 * group, 2, max_context)
+    if max_context > 512:
+        # the split-K path: some contexts span two chunks, others leave splits idle
+        assert plan.num_splits > 1
+        ends = [pos + 1 for _, _, _, pos in tiles[:-num_pad]]
+        assert max(ends) > plan.chunk and min(ends) <= plan.chunk
+    q = torch.cat((case.q, torch.randn((num_pad, *case.q.shape[1:]))))
+    meta = dataclasses.replace(case.meta, plan=plan)
+    out = torch.full_like(q, float("nan"))
+    interp.msa_triton(q, case.k_cache, case.v_cache, meta, case.scale, out=out)
+    assert (out[-num_pad:] == 0).all()
+    check_close(out[:-num_pad], case, torch.float32)
+
+
+def test_plan_msa_is_what_msa_triton_plans(interp: ModuleType) -> None:
+    """A plan made once per step gives the same output as planning inside the call."""
+    case = make_case(
+        21, kind="mixed", num_seqs=3, block_size=16, num_kv_heads=1, group=4, head_dim=64,
+        max_ctx=90, dtype=torch.float32, pad_tokens=1,
+    )
+    plan = interp.plan_msa(case.meta, 4, 1, 64, torch.device("cpu"))
+    assert plan.num_tiles >= case.meta.num_segments and plan.covered_rows == case.q.shape[0] - 1
+    planned = interp.msa_triton(
+        case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale
+    )
+    check_close(planned, case, torch.float32)
+    assert torch.equal(planned, interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale))
 
 
 def test_choose_config_splits_long_decode(interp: ModuleType) -> None:

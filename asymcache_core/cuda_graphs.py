@@ -1,0 +1,187 @@
+"""CUDA graphs for decode-only steps.
+
+An eager decode step of an 8B model issues ~1,000 kernel launches for ~10 ms of GPU work, so the
+host, not the GPU, sets its pace. A decode-only step has a fixed shape for a given batch size,
+so it can be captured once per batch size and replayed: one launch for the whole forward pass.
+
+What a replay may change lives in static device buffers the runner refills before each replay:
+token ids, positions, KV slots, block tables and the MSA tile table (one tile per sequence, see
+:func:`kernels.msa_triton.decode_graph_plan`). Batches are padded up to the next captured size;
+padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``) and their logits are
+dropped. Steps with prefill or hole tokens run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from asymcache_core.scheduler import SchedulerOutput
+from kernels.dispatch import AttentionBackend
+from kernels.metadata import MSAMetadata
+
+# Captured batch sizes: every size up to 8, then steps of 8 (vLLM captures a similar ladder).
+_SMALL_SIZES = (1, 2, 4, 8)
+_STEP = 8
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture for at most ``max_batch`` sequences, ascending."""
+    sizes = [s for s in _SMALL_SIZES if s < max_batch]
+    sizes += list(range(_STEP * 2, max_batch, _STEP))
+    return sorted({*sizes, max_batch})
+
+
+class DecodeBatch(NamedTuple):
+    """Host inputs of a decode-only step, one row per sequence.
+
+    Attributes:
+        input_ids: the last token of each sequence.
+        positions: its absolute position (context length - 1).
+        slots: flat KV slot of that token.
+        block_tables: each sequence's physical blocks.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+
+
+def decode_batch(plan: SchedulerOutput, block_size: int) -> DecodeBatch | None:
+    """The plan as a :class:`DecodeBatch` when it is decode-only (every request runs exactly
+    its last token and samples), else ``None``."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for item in plan.scheduled:
+        request = item.request
+        if not item.sample or len(item.segments) != 1:
+            return None
+        start, end = item.segments[0]
+        if end - start != 1 or end != request.num_tokens:
+            return None
+        table = request.block_ids
+        ids.append(request.all_token_ids[start])
+        positions.append(start)
+        slots.append(table[start // block_size] * block_size + start % block_size)
+        tables.append(table)
+    if not ids:
+        return None
+    return DecodeBatch(ids, positions, slots, tables)
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    """One captured decode forward per batch size, sharing one memory pool and one set of
+    static input buffers.
+
+    Args:
+        model: the causal LM (``forward(ids, positions, kv_caches, meta, backend, rows)``).
+        kv_caches: the per-layer paged caches the graphs read and write.
+        backend: the attention backend; must be ``triton`` (its MSA takes a device tile table).
+        block_size: tokens per KV block.
+        max_model_len: longest context a replay may see (sizes the KV split and block tables).
+        max_batch: largest batch to capture; larger decode steps run eagerly.
+        device: a CUDA device.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        block_size: int,
+        max_model_len: int,
+        max_batch: int,
+        device: torch.device,
+    ) -> None:
+        if backend.name != "triton" or device.type != "cuda":
+            raise ValueError("enforce_eager: CUDA graphs need the triton attention backend on CUDA")
+        from kernels.msa_triton import decode_graph_plan
+
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.max_batch = max_batch
+        cfg = model.config
+        max_blocks = -(-max_model_len // block_size)
+        # rows: input ids, positions, slots (int64); tiles and block tables (int32)
+        self.token_rows = torch.zeros((3, max_batch), dtype=torch.long, device=device)
+        self.tiles = torch.zeros((max_batch, 4), dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
+        self.logits_rows = torch.arange(max_batch, dtype=torch.long, device=device)
+        self.sizes = graph_batch_sizes(max_batch)
+        self.graphs: dict[int, _Captured] = {}
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        pool = None
+        self._reset_padding(0)
+        with torch.inference_mode():
+            # NOTE: largest first, so the smaller graphs fit in the memory pool it leaves.
+            for size in reversed(self.sizes):
+                plan = decode_graph_plan(
+                    self.tiles[:size], cfg.num_attention_heads, cfg.num_key_value_heads, max_model_len
+                )
+                meta = MSAMetadata(
+                    block_tables=self.block_tables[:size], seg_seq=empty, seg_q_start=empty,
+                    seg_q_len=empty, seg_pos_start=empty, slot_mapping=self.token_rows[2, :size],
+                    block_size=block_size, max_q_len=1, max_ctx_len=max_model_len,
+                    host_segments=(), plan=plan,
+                )
+                args = (
+                    self.token_rows[0, :size], self.token_rows[1, :size], kv_caches, meta, backend,
+                    self.logits_rows[:size],
+                )
+                model(*args)  # warm-up: compiles the Triton kernels outside the capture
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = model(*args)
+                pool = graph.pool()
+                self.graphs[size] = _Captured(graph, logits)
+        torch.cuda.synchronize(device)
+
+    def _reset_padding(self, start: int) -> None:
+        """Rows from ``start`` on become padding: slot -1 (no store), empty tile."""
+        self.token_rows[:, start:].zero_()
+        self.token_rows[2, start:] = -1
+        self.tiles[start:].zero_()
+
+    def run(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """Replays the smallest graph that fits ``batch``.
+
+        Returns:
+            ``[len(batch.input_ids), vocab]`` float32 logits (a view of the graph's output, valid
+            until the next replay), or ``None`` when the batch is larger than any graph.
+        """
+        num = len(batch.input_ids)
+        size = next((s for s in self.sizes if s >= num), None)
+        if size is None:
+            return None
+        width = max(len(t) for t in batch.block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in batch.block_tables], dtype=torch.int32)
+        tiles = torch.tensor([(i, i, 1, p) for i, p in enumerate(batch.positions)], dtype=torch.int32)
+        pad = size - num
+        token_rows = torch.tensor(
+            [
+                batch.input_ids + [0] * pad,
+                batch.positions + [0] * pad,
+                batch.slots + [-1] * pad,
+            ],
+            dtype=torch.long,
+        )
+        self.token_rows[:, :size].copy_(token_rows, non_blocking=True)
+        self.tiles[:num].copy_(tiles, non_blocking=True)
+        if pad:
+            self.tiles[num:size].zero_()
+        self.block_tables[:num, :width].copy_(tables, non_blocking=True)
+        captured = self.graphs[size]
+        captured.graph.replay()
+        return captured.logits[:num]
