@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # GPU benchmarks of issues #4 and #5 on a dummy-weight Llama-3.1-8B (run on the GPU machine).
-# Usage: scripts/gpu_bench.sh STAGE OUT_DIR   (STAGE: grid-chat | grid-swe | chunking)
+# Usage: scripts/gpu_bench.sh OUT_DIR STAGE...
+#   grid-chat | grid-swe     eviction policies side by side (issue #4)
+#   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction (issue #5)
+# Each stage writes OUT_DIR/STAGE.log (the table) and OUT_DIR/STAGE.tar.gz (report.md and
+# results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`).
 set -uo pipefail
-stage=$1; out=$2
+out=$1; shift
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-common=(--backend real --device cuda --model dummy:llama-3.1-8b --max-context 32768 --kv-fraction 0.3
-        --time-scale 0.05 --no-lossless-check --tpot-slo-ms 40 --max-batched-tokens 2048)
 profile=bench_traces/profile_h200_llama8b.json
-[ -f "$profile" ] || python -m eval.cli profile --model dummy:llama-3.1-8b --device cuda --out "$profile" 2>&1 | tail -1
-case $stage in
-  grid-chat)
-    python -m eval.cli bench "${common[@]}" --workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10 \
-      --latency-profile "$profile" --policies vllm-apc,lru,pensieve,asymcache,continuum,asymcache+continuum,asymcache/adaptive \
-      --out "$out/chat" 2>&1 | grep -v "━" ;;
-  grid-swe)
-    python -m eval.cli bench "${common[@]}" --workload trace:bench_traces/gpu_swe.jsonl --jobs 10 --concurrency 5 \
-      --latency-profile "$profile" --policies vllm-apc,continuum,asymcache,asymcache+continuum \
-      --out "$out/swe" 2>&1 | grep -v "━" ;;
-  chunking)
-    python -m eval.cli bench "${common[@]}" --workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10 \
-      --latency-profile "$profile" \
-      --policies asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache/adaptive \
-      --max-batched-tokens 8192 --out "$out/chunking" 2>&1 | grep -v "━" ;;
-esac
+common=(--backend real --device cuda --model dummy:llama-3.1-8b --max-context 32768 --kv-fraction 0.3
+        --time-scale 0.05 --no-lossless-check --tpot-slo-ms 40 --latency-profile "$profile")
+chat=(--workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10)
+swe=(--workload trace:bench_traces/gpu_swe.jsonl --jobs 10 --concurrency 5)
+grid=vllm-apc,lru,asymcache,continuum,asymcache+continuum
+chunks=asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache/adaptive
+for stage in "$@"; do
+  case $stage in
+    grid-chat) args=("${chat[@]}" --policies "$grid" --max-batched-tokens 2048) ;;
+    grid-swe) args=("${swe[@]}" --policies "$grid" --max-batched-tokens 2048) ;;
+    chunk-chat) args=("${chat[@]}" --policies "$chunks" --max-batched-tokens 8192) ;;
+    chunk-swe) args=("${swe[@]}" --policies "$chunks" --max-batched-tokens 8192) ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+  start=$(date +%s)
+  python -m eval.cli bench "${common[@]}" "${args[@]}" --out "/tmp/bench/$stage" 2>&1 | grep -v "━" | tee "$out/$stage.log"
+  echo "$stage: $(( $(date +%s) - start )) s" | tee -a "$out/$stage.log"
+  tar -czf "$out/$stage.tar.gz" -C /tmp/bench "$stage/report.md" "$stage/results.json"
+done
