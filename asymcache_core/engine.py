@@ -283,7 +283,10 @@ class Engine:
         if job_id is not None:
             self._job_first_arrival.setdefault(job_id, now)
         if request.session_id is not None:
-            self.sessions.on_arrival(request.session_id, now, len(ids))
+            # NOTE: the turn's new tokens, not the whole prompt: they size the step that will
+            # rebuild the session's evicted blocks (AsymCache's marginal cost under the knee).
+            new_tokens = self.sessions.turn_tokens(request.session_id, len(ids))
+            self.sessions.on_arrival(request.session_id, now, new_tokens)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.counters.num_requests += 1
@@ -369,7 +372,7 @@ class Engine:
                 if self.pool.blocks[b].block_hash is not None
             ]
             self.pins.remember(request.session_id, held)  # type: ignore[arg-type]
-            self.sessions.on_finish(request.session_id, now, request.is_last_step)
+            self.sessions.on_finish(request.session_id, now, request.is_last_step, request.num_tokens)
             if request.is_last_step:
                 self.pins.forget(request.session_id)
         self.scheduler.finish(request)

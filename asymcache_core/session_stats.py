@@ -18,6 +18,8 @@ class SessionState:
         expected_gap: a hint from the runtime (e.g. the tool-duration estimate), seconds.
         finished: the job said its last step is done: its blocks will not be reused.
         new_tokens: recent per-turn new-token counts (the size of its next step).
+        last_arrival: arrival time of its latest request.
+        context_tokens: tokens its last finished request ended with (prompt + output).
     """
 
     last_active: float = 0.0
@@ -27,6 +29,8 @@ class SessionState:
     expected_gap: float | None = None
     finished: bool = False
     new_tokens: list[int] = field(default_factory=list)
+    last_arrival: float = 0.0
+    context_tokens: int = 0
 
 
 class SessionStats:
@@ -62,10 +66,23 @@ class SessionStats:
         state.new_tokens = (state.new_tokens + [new_tokens])[-self.history :]
         state.running += 1
         state.last_active = now
+        state.last_arrival = now
         state.expected_gap = None
 
-    def on_finish(self, session_id: str, now: float, last_step: bool) -> None:
+    def turn_tokens(self, session_id: str, prompt_tokens: int) -> int:
+        """New tokens of a prompt of ``prompt_tokens`` (its length beyond the context the
+        session's last request ended with): the size of the step that will rebuild its blocks."""
+        state = self.sessions.get(session_id)
+        before = 0 if state is None else state.context_tokens
+        return prompt_tokens - before if prompt_tokens >= before else prompt_tokens
+
+    def on_finish(
+        self, session_id: str, now: float, last_step: bool, context_tokens: int | None = None
+    ) -> None:
+        """The session's request ended at ``now`` with ``context_tokens`` tokens (when known)."""
         state = self.state(session_id)
+        if context_tokens is not None:
+            state.context_tokens = context_tokens
         state.running = max(0, state.running - 1)
         state.last_finish = now
         state.last_active = now
@@ -85,6 +102,19 @@ class SessionStats:
             return 0
         sizes = self.sessions[session_id].new_tokens
         return int(sum(sizes) / len(sizes)) if sizes else 0
+
+    def demand_since(self, session_id: str | None) -> float | None:
+        """Arrival time of the session's request in flight, ``None`` when it has none (or is done).
+
+        An unreferenced block of such a session is wanted by a request that is waiting for
+        admission (or was preempted): its reuse is certain and imminent.
+        """
+        if session_id is None:
+            return None
+        state = self.sessions.get(session_id)
+        if state is None or state.finished or state.running == 0:
+            return None
+        return state.last_arrival
 
     def reuse_probability(self, session_id: str | None, now: float) -> float:
         """P(the session comes back for its blocks), from its state at ``now``.

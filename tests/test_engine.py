@@ -194,3 +194,18 @@ def test_dummy_model_runs_without_tokenizer():
     assert len(out.token_ids) == 4 and out.text == ""
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("text needs a tokenizer")
+
+
+def test_session_turn_size_is_the_new_tokens_of_each_turn(smollm, chat_prompts):
+    """AsymCache prices a rebuild by the size of the session's next step: a turn's new tokens,
+    not its whole prompt."""
+    engine = make_engine(smollm)
+    first = chat_prompts[0]
+    out = engine.generate([first], SamplingParams(max_tokens=3, ignore_eos=True), session_ids=["s"])[0]
+    follow_up = first + out.token_ids + chat_prompts[1][:10]
+    engine.generate([follow_up], SamplingParams(max_tokens=2, ignore_eos=True), session_ids=["s"])
+    assert engine.sessions.sessions["s"].new_tokens == [len(first), 10]
+    assert engine.sessions.expected_next_tokens("s") == (len(first) + 10) // 2
+    # a prompt that does not extend the last context counts whole
+    engine.generate([chat_prompts[2][:7]], SamplingParams(max_tokens=1), session_ids=["s"])
+    assert engine.sessions.sessions["s"].new_tokens[-1] == 7

@@ -118,3 +118,26 @@ def test_marginal_cost_is_cheaper_under_the_knee():
     over = expected_latency_cost(1.0, position=10, block_size=16, base_tokens=500, latency=LAT)
     assert 0 < under < over
     assert expected_latency_cost(0.0, 10, 16, 500, LAT) == 0.0
+
+
+def test_blocks_wanted_by_a_waiting_request_go_last_latest_arrival_first():
+    pool, sessions, clock = make_pool()
+    # "idle" finished its turn and is thinking; "early" and "late" have requests waiting for
+    # admission (arrived, not yet holding their cached blocks), "late" arrived after "early"
+    for sid in ("idle", "early", "late"):
+        sessions.on_arrival(sid, 0.0, 100)
+        sessions.on_finish(sid, 1.0, last_step=False)
+    sessions.hint("idle", expected_gap_s=10.0)  # it will come back, but not for a while
+    (idle_deep,) = cached(pool, "idle", [200], 1000)
+    early = cached(pool, "early", [0, 1], 2000)
+    late = cached(pool, "late", [0, 1], 3000)
+    sessions.on_arrival("early", 2.0, 100)
+    sessions.on_arrival("late", 2.5, 100)
+    clock.now = 3.0
+    # the idle block has the highest expected cost (the old order kept it over both waiting
+    # requests' blocks), but its reuse is the furthest off
+    assert pool.policy.score(pool.blocks[idle_deep], 3.0) > pool.policy.score(pool.blocks[late[0]], 3.0)
+    assert victims(pool, 1) == [idle_deep]
+    # then the request admitted last (FCFS) loses its blocks, cheapest rebuild first
+    assert victims(pool, 2) == late
+    assert victims(pool, 2) == early

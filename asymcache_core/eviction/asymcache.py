@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -44,9 +45,16 @@ class AsymCachePolicy(EvictionPolicy):
       it) and marginal: the block is rebuilt in the same step as the session's next new tokens,
       so tokens that fit under the latency model's knee only pay their attention.
     - Ties (e.g. equal zero cost) go to the least recently used.
+    - Blocks *in demand* come last: their session has a request in flight that does not hold
+      them, i.e. one waiting for admission (or preempted). Their reuse is certain and comes
+      before any idle session's, so evicting one only trades it for another miss moments later
+      (and a preempted request would recompute what it had just prefilled). When nothing else
+      is left, the request that arrived last (admitted last under FCFS) loses its blocks first,
+      cheapest rebuild first: the misses fall on one request instead of on every waiting one.
 
     Scores change as time passes (sessions idle past their usual gap lose probability), so they
-    are computed when victims are chosen, once per allocation, over all candidates.
+    are computed when victims are chosen, once per allocation, over all candidates (each
+    session's state once per call).
     """
 
     name = "asymcache"
@@ -70,12 +78,28 @@ class AsymCachePolicy(EvictionPolicy):
         base = self.sessions.expected_next_tokens(block.session_id)
         return expected_latency_cost(p_reuse, block.position, self.ctx.block_size, base, self.latency)
 
+    def _demand(self, block: KVBlock, cache: dict[str | None, float | None]) -> float | None:
+        """Earliest arrival among the block's sessions with a request waiting for it, or None."""
+        sids = block.sessions or (block.session_id,)
+        demand: float | None = None
+        for sid in sids:
+            if sid not in cache:
+                cache[sid] = self.sessions.demand_since(sid)
+            since = cache[sid]
+            if since is not None and (demand is None or since < demand):
+                demand = since
+        return demand
+
+    def eviction_key(self, block: KVBlock, now: float, cache: dict[str | None, float | None] | None = None) -> tuple:
+        """Sort key of ``block`` (smallest goes first); ``cache`` memoises per-session state."""
+        demand = self._demand(block, {} if cache is None else cache)
+        if demand is None:
+            return (0, 0.0, self.score(block, now), block.last_access, -block.position)
+        return (1, -demand, self.score(block, now), block.last_access, -block.position)
+
     def pop_victims(self, count: int, now: float) -> list[KVBlock]:
-        ranked = sorted(
-            self._blocks.values(),
-            key=lambda b: (self.score(b, now), b.last_access, -b.position),
-        )
-        victims = ranked[:count]
+        cache: dict[str | None, float | None] = {}
+        victims = heapq.nsmallest(count, self._blocks.values(), key=lambda b: self.eviction_key(b, now, cache))
         for block in victims:
             del self._blocks[block.block_id]
         return victims
