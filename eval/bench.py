@@ -18,6 +18,7 @@ from eval.harness import (
     make_engine,
     policy_result,
     resolve_bench_policy,
+    warm_up,
     working_set_blocks,
 )
 from eval.results import Results, RunInfo, save_results
@@ -199,6 +200,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                 loaded = load_model(cfg.model, base.torch_device, base.torch_dtype, cfg.seed)
             except ValueError as exc:
                 raise BenchError(str(exc)) from None
+            if base.torch_device.type == "cuda":
+                warm_up(loaded, base)
         outcomes = {}
         reference = None
         runs = list(policies)

@@ -21,7 +21,7 @@ import itertools
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent_runtime.continuum import ContinuumController
@@ -307,6 +307,35 @@ def machine_description(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         desc += f", {torch.cuda.get_device_name(0)}"
     return desc
+
+
+def warm_up(loaded: Any, config: EngineConfig, long_context: int = 10_000) -> None:
+    """Runs the kernels' launch shapes once on a throwaway engine sharing ``loaded``.
+
+    NOTE: Triton compiles each MSA tile configuration (tile height, KV split or not) on its
+    first use, about a second each on a GPU. Without a warm-up the first policy of a grid pays
+    every compile inside its TTFTs. The compiled kernels are process-wide, so a separate engine
+    (its own pool, nothing left in the measured engines' caches) is enough.
+
+    Args:
+        loaded: the shared model.
+        config: the benchmark's engine config (its pool size is replaced).
+        long_context: a context long enough for split-K launches.
+    """
+    blocks = 2 * (-(-(long_context + 64) // config.block_size)) + 64
+    engine = Engine(
+        replace(config, num_kv_blocks=blocks, eviction_policy="vllm-apc", hole_reuse=None, enforce_eager=True),
+        loaded=loaded,
+    )
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    long_prompt = [(7 * i) % (vocab - 3) + 3 for i in range(long_context)]
+    prompts = [[5 + n] * n for n in (3, 6, 12, 24, 48, 100)]  # each tile height, no split
+    prompts.append(long_prompt)
+    prompts += [long_prompt + [4] * n for n in (3, 6, 12, 24, 48)]  # the same, split over long KV
+    for prompt in prompts:
+        engine.generate([prompt], params)
+    engine.check_integrity()
 
 
 def make_engine(

@@ -115,3 +115,25 @@ def test_cli_malformed_trace_names_the_line(tmp_path):
 def test_cli_report_on_missing_run(tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path / "nothing")])
     assert result.exit_code == 2 and "error:" in result.output
+
+
+def test_warm_up_runs_every_launch_shape_on_its_own_engine(smollm, monkeypatch):
+    """The GPU warm-up drives short prompts and a long context extended by short suffixes on a
+    throwaway engine; here, on the CPU, it must run them all and leave a sound pool."""
+    from asymcache_core import Engine, EngineConfig
+    from eval.harness import warm_up
+
+    seen: list[tuple[int, int, int]] = []
+    original = Engine.generate
+
+    def spy(self, prompts, params=None, session_ids=None):  # type: ignore[no-untyped-def]
+        outputs = original(self, prompts, params, session_ids)
+        seen.append((len(prompts[0]), outputs[0].metrics.cached_tokens, self.num_blocks))
+        return outputs
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    warm_up(smollm, EngineConfig(model="smollm2-135m", num_kv_blocks=8), long_context=160)
+    assert [n for n, _, _ in seen] == [3, 6, 12, 24, 48, 100, 160, 163, 166, 172, 184, 208]
+    # the suffixed prompts reuse the long context, so each computes only its short suffix
+    assert all(cached >= 144 for n, cached, _ in seen[7:])
+    assert all(blocks > 8 for _, _, blocks in seen)  # its own pool, sized for the long context
