@@ -2,7 +2,8 @@
 # GPU benchmarks of issues #4 and #5 on a dummy-weight Llama-3.1-8B (run on the GPU machine).
 # Usage: scripts/gpu_bench.sh OUT_DIR STAGE...
 #   grid-chat | grid-swe     eviction policies side by side (issue #4)
-#   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction (issue #5)
+#   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction (issue #5;
+#                            CHUNK_POLICIES=... runs a subset)
 # Each stage writes OUT_DIR/STAGE.log (the table) and OUT_DIR/STAGE.tar.gz (report.md and
 # results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`).
 set -uo pipefail
@@ -14,7 +15,7 @@ common=(--backend real --device cuda --model dummy:llama-3.1-8b --max-context 32
 chat=(--workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10)
 swe=(--workload trace:bench_traces/gpu_swe.jsonl --jobs 10 --concurrency 5)
 grid=vllm-apc,lru,asymcache,continuum,asymcache+continuum
-chunks=asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache/adaptive
+chunks=${CHUNK_POLICIES:-asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache/adaptive}
 for stage in "$@"; do
   case $stage in
     grid-chat) args=("${chat[@]}" --policies "$grid" --max-batched-tokens 2048) ;;
