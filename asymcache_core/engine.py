@@ -159,9 +159,7 @@ class Engine:
         self.budget = (
             FixedBudget(fixed)
             if fixed is not None
-            else AdaptiveBudget(
-                self.latency, config.tpot_slo_ms / 1e3, config.block_size, config.max_num_batched_tokens, self.clock
-            )
+            else AdaptiveBudget(self.latency, config.tpot_slo_ms / 1e3, config.block_size, config.max_num_batched_tokens)
         )
         self._job_first_arrival: dict[str, float] = {}
         self.scheduler = Scheduler(
