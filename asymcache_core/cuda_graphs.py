@@ -50,27 +50,18 @@ class DecodeBatch(NamedTuple):
 
 
 def decode_batch(plan: SchedulerOutput, block_size: int) -> DecodeBatch | None:
-    """The plan as a :class:`DecodeBatch` when it is decode-only (every request runs exactly
-    its last token and samples), else ``None``."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    tables: list[list[int]] = []
-    for item in plan.scheduled:
-        request = item.request
-        if not item.sample or len(item.segments) != 1:
-            return None
-        start, end = item.segments[0]
-        if end - start != 1 or end != request.num_tokens:
-            return None
-        table = request.block_ids
-        ids.append(request.all_token_ids[start])
-        positions.append(start)
-        slots.append(table[start // block_size] * block_size + start % block_size)
-        tables.append(table)
-    if not ids:
+    """The plan as a :class:`DecodeBatch` when it is decode-only
+    (:attr:`SchedulerOutput.is_decode_only`), else ``None``."""
+    if not plan.is_decode_only:
         return None
-    return DecodeBatch(ids, positions, slots, tables)
+    requests = [item.request for item in plan.scheduled]
+    positions = [r.num_tokens - 1 for r in requests]
+    return DecodeBatch(
+        [r.all_token_ids[-1] for r in requests],
+        positions,
+        [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(requests, positions, strict=True)],
+        [r.block_ids for r in requests],
+    )
 
 
 class _Captured(NamedTuple):
@@ -122,7 +113,7 @@ class DecodeGraphs:
         self.graphs: dict[int, _Captured] = {}
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         pool = None
-        self._reset_padding(0)
+        self.token_rows[2] = -1  # every row starts as padding: no KV store, empty tile
         with torch.inference_mode():
             # NOTE: largest first, so the smaller graphs fit in the memory pool it leaves.
             for size in reversed(self.sizes):
@@ -147,12 +138,6 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[size] = _Captured(graph, logits)
         torch.cuda.synchronize(device)
-
-    def _reset_padding(self, start: int) -> None:
-        """Rows from ``start`` on become padding: slot -1 (no store), empty tile."""
-        self.token_rows[:, start:].zero_()
-        self.token_rows[2, start:] = -1
-        self.tiles[start:].zero_()
 
     def run(self, batch: DecodeBatch) -> torch.Tensor | None:
         """Replays the smallest graph that fits ``batch``.

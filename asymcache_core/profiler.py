@@ -142,7 +142,9 @@ def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source
         every point).
     """
     graph_points = [p for p in points if p.kind == "graph"]
-    eager = [p for p in points if p.kind != "graph"] or graph_points
+    eager = [p for p in points if p.kind != "graph"]
+    if not eager:  # graphs only: nothing to tell their floor from
+        eager, graph_points = graph_points, []
     tokens = np.array([p.num_tokens for p in eager], dtype=float)
     pairs = np.array([p.attn_pairs for p in eager], dtype=float)
     lat = np.array([p.latency_s for p in eager], dtype=float)
@@ -162,7 +164,7 @@ def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source
             best = (err, candidate)
     assert best is not None
     result = best[1]
-    if graph_points and len(eager) < len(points):
+    if graph_points:
         beyond = [
             p.latency_s - (result.step_latency(p.num_tokens, p.attn_pairs) - result.floor_s)
             for p in graph_points

@@ -58,6 +58,15 @@ class SchedulerOutput(NamedTuple):
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def is_decode_only(self) -> bool:
+        """Every scheduled request runs exactly one token, its last, and samples (a decode)."""
+        # NOTE: each scheduled request runs >= 1 token, so one token per request means one
+        # length-1 segment each; sampling means that token is the request's last.
+        return bool(self.scheduled) and self.num_tokens == len(self.scheduled) and all(
+            item.sample for item in self.scheduled
+        )
+
 
 def fcfs_key(request: Request) -> tuple:
     """vLLM's default: by arrival."""

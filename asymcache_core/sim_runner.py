@@ -52,15 +52,12 @@ class SimulatedRunner:
     def step_cost(self, plan: SchedulerOutput) -> float:
         tokens = 0
         pairs = 0.0
-        decode_only = True
         for item in plan.scheduled:
-            decode_only = decode_only and item.sample and len(item.segments) == 1
             for start, end in item.segments:
                 n = end - start
                 tokens += n
                 pairs += n * start + n * (n + 1) / 2
-                decode_only = decode_only and n == 1
-        return self.latency.step_latency(tokens, pairs, decode_only=decode_only and tokens > 0)
+        return self.latency.step_latency(tokens, pairs, decode_only=plan.is_decode_only)
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         self.clock.advance(self.step_cost(plan))

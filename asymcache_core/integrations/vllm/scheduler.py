@@ -239,7 +239,6 @@ class _AsymCacheMixin:
         self.asymcache_forest = CachedForest()
         self._asymcache_hints: dict[str, JobHints] = {}
         self._asymcache_first_scheduled: set[str] = set()
-        self._asymcache_context: dict[str, int] = {}
         pool = self.kv_cache_manager.block_pool
         self.asymcache_pool = pool
         self.asymcache_pins = PinSet(int(opts.max_pinned_fraction * pool.num_gpu_blocks))
@@ -281,8 +280,7 @@ class _AsymCacheMixin:
             if hints.job_id is not None:
                 now = self.asymcache_clock()
                 self.asymcache_policy.on_arrival(hints.job_id, now)
-                before = self._asymcache_context.get(hints.job_id, 0)
-                new_tokens = max(0, int(request.num_prompt_tokens) - before)
+                new_tokens = self.asymcache_sessions.turn_tokens(hints.job_id, int(request.num_prompt_tokens))
                 self.asymcache_sessions.on_arrival(hints.job_id, now, new_tokens)
         super().add_request(request)  # type: ignore[misc]
 
@@ -327,14 +325,12 @@ class _AsymCacheMixin:
         if job is None:
             return
         last = hints.is_last_step
-        self.asymcache_sessions.on_finish(job, now, last_step=last)
         context = int(request.num_tokens)
+        self.asymcache_sessions.on_finish(job, now, last_step=last, context_tokens=context)
         ttl = self.asymcache_policy.on_finish(hints, context, now)
         if last:
-            self._asymcache_context.pop(job, None)
             self.asymcache_pins.unpin(job, reason="other")
             return
-        self._asymcache_context[job] = context
         self.asymcache_sessions.hint(job, expected_gap_s=self.asymcache_policy.expected_pause(hints.tool_name))
         if self.asymcache_options.pinning and self.asymcache_queue is not None and ttl > 0:
             cached = [
