@@ -29,7 +29,9 @@ class EngineConfig:
         max_model_len: longest prompt + output; ``None`` takes the model's own limit.
         eviction_policy: a registered policy name (``lru``, ``vllm-apc``, ``pensieve``, ``asymcache``).
         hole_reuse: keep cache hits after a missing block (``None``: the policy's default).
-        chunking: ``fixed`` (``max_num_batched_tokens``), ``fixed:N`` or ``adaptive``.
+        chunking: ``fixed`` (``max_num_batched_tokens``), ``fixed:N``, ``adaptive`` (every step
+            meets ``tpot_slo_ms``) or ``adaptive:slack`` (every request's TPOT meets it: a step
+            may spend half of what fast steps saved; :class:`~asymcache_core.budget.AdaptiveBudget`).
         tpot_slo_ms: time-per-output-token target the adaptive budget keeps.
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
         priority: admission order of waiting work: ``fcfs`` (by request) or ``program`` (by job).
@@ -105,7 +107,7 @@ class EngineConfig:
 
     def chunk_budget(self) -> int | None:
         """Fixed per-step token budget, or ``None`` when chunking is adaptive."""
-        if self.chunking == "adaptive":
+        if self.chunking in ("adaptive", "adaptive:slack"):
             return None
         if self.chunking == "fixed":
             return self.max_num_batched_tokens
@@ -116,7 +118,9 @@ class EngineConfig:
                 value = 0
             if value >= 1:
                 return value
-        raise ValueError(f"chunking: 'adaptive', 'fixed' or 'fixed:N' (N >= 1), got {self.chunking!r}")
+        raise ValueError(
+            f"chunking: 'adaptive', 'adaptive:slack', 'fixed' or 'fixed:N' (N >= 1), got {self.chunking!r}"
+        )
 
     @property
     def torch_device(self) -> torch.device:

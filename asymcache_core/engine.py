@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from asymcache_core.block_pool import BlockPool
-from asymcache_core.budget import AdaptiveBudget, FixedBudget
+from asymcache_core.budget import AdaptiveBudget, FixedBudget, LatencyFeedback
 from asymcache_core.config import EngineConfig
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.kv_cache_manager import KVCacheManager
@@ -42,6 +42,12 @@ class StepStats:
         num_seqs: sequences in the batch.
         num_decodes: sequences that computed exactly one token.
         blocks_in_use: pool blocks held or pinned after the step.
+        schedule_s: the part of ``duration_s`` spent planning (host only).
+        attn_pairs: query-key pairs of the step (the latency model's ``A``).
+        num_hole_tokens: tokens refilling holes (segments before a request's last one).
+        decode_only: every sequence ran one token, its last (CUDA-graph eligible).
+        predicted_s: what the engine's latency model predicted for the step; the gap to
+            ``duration_s`` is the model's error on live traffic.
     """
 
     start: float
@@ -52,6 +58,11 @@ class StepStats:
     num_seqs: int
     num_decodes: int
     blocks_in_use: int
+    schedule_s: float = 0.0
+    attn_pairs: float = 0.0
+    num_hole_tokens: int = 0
+    decode_only: bool = False
+    predicted_s: float = 0.0
 
 
 @dataclass
@@ -156,10 +167,15 @@ class Engine:
         self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse)
         self.pins = PinManager(self.pool)
         fixed = config.chunk_budget()
+        # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
+        self.latency_feedback = LatencyFeedback()
         self.budget = (
             FixedBudget(fixed)
             if fixed is not None
-            else AdaptiveBudget(self.latency, config.tpot_slo_ms / 1e3, config.block_size, config.max_num_batched_tokens)
+            else AdaptiveBudget(
+                self.latency, config.tpot_slo_ms / 1e3, config.block_size, config.max_num_batched_tokens,
+                feedback=self.latency_feedback, clock=self.clock, slack=config.chunking == "adaptive:slack",
+            )
         )
         self._job_first_arrival: dict[str, float] = {}
         self.scheduler = Scheduler(
@@ -315,9 +331,10 @@ class Engine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if plan.is_empty:
             return outputs
+        planned = self.clock()
         sampled = self.runner.execute(plan)
         end = self.clock()
-        self._log_step(plan, start, end)
+        self._log_step(plan, start, planned, end)
         return outputs + self._postprocess(plan, sampled, start, end)
 
     def _postprocess(
@@ -402,7 +419,11 @@ class Engine:
             reason, request.metrics, request.num_prompt_tokens,
         )
 
-    def _log_step(self, plan: SchedulerOutput, start: float, end: float) -> None:
+    def _log_step(self, plan: SchedulerOutput, start: float, planned: float, end: float) -> None:
+        pairs = plan.attn_pairs
+        decode_only = plan.is_decode_only
+        predicted = self.latency.step_latency(plan.num_tokens, pairs, decode_only)
+        self.latency_feedback.observe(predicted, end - start, decode_only)
         self.step_log.append(
             StepStats(
                 start=start,
@@ -413,6 +434,11 @@ class Engine:
                 num_seqs=len(plan.scheduled),
                 num_decodes=sum(1 for s in plan.scheduled if s.num_tokens == 1),
                 blocks_in_use=self.pool.num_in_use,
+                schedule_s=planned - start,
+                attn_pairs=pairs,
+                num_hole_tokens=plan.num_hole_tokens,
+                decode_only=decode_only,
+                predicted_s=predicted,
             )
         )
 

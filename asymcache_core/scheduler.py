@@ -67,6 +67,23 @@ class SchedulerOutput(NamedTuple):
             item.sample for item in self.scheduled
         )
 
+    @property
+    def attn_pairs(self) -> float:
+        """Query-key pairs of the step: a segment ``[start, end)`` of ``n`` tokens attends over
+        ``start`` earlier keys per query plus a causal triangle of its own (the ``A`` of the
+        latency model)."""
+        pairs = 0.0
+        for item in self.scheduled:
+            for start, end in item.segments:
+                n = end - start
+                pairs += n * start + n * (n + 1) / 2
+        return pairs
+
+    @property
+    def num_hole_tokens(self) -> int:
+        """Tokens of segments before each request's last one: holes refilled in the middle."""
+        return sum(end - start for item in self.scheduled for start, end in item.segments[:-1])
+
 
 def fcfs_key(request: Request) -> tuple:
     """vLLM's default: by arrival."""

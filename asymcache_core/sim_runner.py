@@ -50,14 +50,7 @@ class SimulatedRunner:
         self.vocab_size = vocab_size
 
     def step_cost(self, plan: SchedulerOutput) -> float:
-        tokens = 0
-        pairs = 0.0
-        for item in plan.scheduled:
-            for start, end in item.segments:
-                n = end - start
-                tokens += n
-                pairs += n * start + n * (n + 1) / 2
-        return self.latency.step_latency(tokens, pairs, decode_only=plan.is_decode_only)
+        return self.latency.step_latency(plan.num_tokens, plan.attn_pairs, decode_only=plan.is_decode_only)
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         self.clock.advance(self.step_cost(plan))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ class BenchConfig:
         latency_profile: JSON profile for the latency model (default: analytic).
         tpot_slo_ms: adaptive chunking's target.
         max_num_batched_tokens: per-step token cap.
+        step_log: also write every engine step (``StepStats``, with the latency model's
+            prediction) to ``steps/<policy>.jsonl`` in the run folder.
     """
 
     workload: str = "swe"
@@ -76,7 +79,26 @@ class BenchConfig:
     latency_profile: str | None = None
     tpot_slo_ms: float = 100.0
     max_num_batched_tokens: int = 512
+    step_log: bool = False
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
+
+
+def step_log_name(policy: str) -> str:
+    """A file name for ``policy`` (``asymcache/fixed:256`` -> ``asymcache_fixed-256``)."""
+    return policy.replace("/", "_").replace(":", "-").replace("+", "-")
+
+
+def write_step_log(steps: list[Any], path: Path) -> Path:
+    """Writes one JSON object per engine step (the fields of ``StepStats``).
+
+    Returns:
+        ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for step in steps:
+            f.write(json.dumps(asdict(step)) + "\n")
+    return path
 
 
 class BenchError(ValueError):
@@ -231,6 +253,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                 reference = outcome.outputs()
             else:
                 outcomes[policy.name] = outcome
+                if cfg.step_log:
+                    write_step_log(engine.step_log, run_dir / "steps" / f"{step_log_name(policy.name)}.jsonl")
         if reference is not None:
             notes.append("lossless_agreement: tokens of every request compared with an unbounded-pool vllm-apc run")
         if cfg.backend == "sim":

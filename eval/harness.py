@@ -36,7 +36,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 """``POLICY/ABLATION`` suffixes: without hole reuse, or with the torch attention path instead of
 the MSA kernel (one launch per segment on GPU). ``POLICY/adaptive`` turns on adaptive chunking
-and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5)."""
+(``POLICY/adaptive:slack`` its per-request TPOT variant) and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
     base, _, ablation = name.partition("/")
     spec = resolve_policy(base)
     overrides = dict(spec.engine_overrides)
-    if ablation.startswith("fixed:") or ablation == "adaptive":
+    if ablation.startswith("fixed:") or ablation in ("adaptive", "adaptive:slack"):
         overrides["chunking"] = ablation
     elif ablation:
         if ablation not in ABLATIONS:

@@ -19,6 +19,9 @@ Launch plan (all host side, no device sync):
 - When the tiles times KV heads cannot fill the GPU (long-context decode), the KV range is split
   into chunks over a third grid axis (split-K / flash decoding); each split writes a partial
   output and its log-sum-exp, and a second small kernel merges them.
+- Short segments (decodes, one-block holes) and long ones (prefill chunks) are two tile
+  classes, each launched with its own tile size and split (:class:`MSAStepPlan`): in a shared
+  launch a decode row would take a prefill-sized tile and walk its context in one program.
 """
 
 from __future__ import annotations
@@ -156,8 +159,10 @@ def _msa_fwd_kernel(
 
     Rows are ``r = token * G_PAD + g``: the tile's ``BLOCK_M`` tokens times the ``G`` query
     heads of KV head ``i_kvh``. q ``[T, HQ, D]``, caches ``[NB, PAGE, HKV, D]``; without
-    ``SPLIT`` writes o ``[T, HQ, D]``, with it o_part ``[S, T, HQ, D]`` (fp32, normalised) and
-    lse_part ``[S, T, HQ]`` (base 2).
+    ``SPLIT`` writes o ``[T, HQ, D]``, with it o_part ``[S, R, HQ, D]`` (fp32, normalised) and
+    lse_part ``[S, R, HQ]`` (base 2), where ``R = num_tiles * BLOCK_M``: tile ``i`` owns partial
+    rows ``i * BLOCK_M ..``, so a launch over a few of the step's tokens needs partials for
+    those only.
     """
     i_tile, i_kvh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_seq = tl.load(tiles + i_tile * 4 + 0)
@@ -207,10 +212,11 @@ def _msa_fwd_kernel(
         b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
         b_o = b_acc / b_l_safe[:, None]
         b_lse = b_m + tl.log2(b_l_safe)
-        p_op = o_part + i_split * stride_ps + o_t[:, None] * stride_pt
+        o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
+        p_op = o_part + i_split * stride_ps + o_pt[:, None] * stride_pt
         p_op = p_op + o_h[:, None] * stride_ph + o_d[None, :]
         tl.store(p_op, b_o, mask=m_o)
-        p_lse = lse_part + i_split * stride_ls + o_t * stride_lt + o_h
+        p_lse = lse_part + i_split * stride_ls + o_pt * stride_lt + o_h
         tl.store(p_lse, b_lse, mask=m_r)
     else:
         b_o = b_acc / b_l[:, None]
@@ -237,7 +243,7 @@ def _msa_reduce_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Merges the split partials of one (q-tile, q head): o_part ``[S, T, HQ, D]`` -> o."""
+    """Merges the split partials of one (q-tile, q head): o_part ``[S, R, HQ, D]`` -> o."""
     i_tile, i_h = tl.program_id(0), tl.program_id(1)
     i_row0 = tl.load(tiles + i_tile * 4 + 1)
     n_q = tl.load(tiles + i_tile * 4 + 2)
@@ -249,13 +255,14 @@ def _msa_reduce_kernel(
     m_t = o_tok < n_q
     m_o = m_t[:, None] & (o_d < D)[None, :]
     o_t = (i_row0 + o_tok).to(tl.int64)
+    o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_w = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for i_s in range(0, n_split):
-        b_lse = tl.load(lse_part + i_s * stride_ls + o_t * stride_lt + i_h, mask=m_t, other=0.0)
-        p_op = o_part + i_s * stride_ps + o_t[:, None] * stride_pt + i_h * stride_ph
+        b_lse = tl.load(lse_part + i_s * stride_ls + o_pt * stride_lt + i_h, mask=m_t, other=0.0)
+        p_op = o_part + i_s * stride_ps + o_pt[:, None] * stride_pt + i_h * stride_ph
         b_o = tl.load(p_op + o_d[None, :], mask=m_o, other=0.0)
         b_m_new = tl.maximum(b_m, b_lse)
         b_alpha = tl.exp2(b_m - b_m_new)
@@ -339,26 +346,39 @@ def choose_config(
     Rows per program are ``block_m * next_pow2(G)``: 16 for decode-only steps (the smallest
     tensor-core tile), up to 256 once segments are long. Split-K turns on when the programs
     (q-tiles times KV heads) cannot fill the GPU and contexts are long: ~3 programs per SM for
-    decode tiles, two waves for prefill tiles.
+    short tiles (up to 64 rows), two waves for prefill tiles.
     """
+    return _config_for(meta.host_segments, num_q_heads, num_kv_heads, device)
+
+
+def _config_for(
+    segments: tuple[tuple[int, int, int, int], ...] | list[tuple[int, int, int, int]],
+    num_q_heads: int,
+    num_kv_heads: int,
+    device: torch.device,
+) -> MSAConfig:
+    """:func:`choose_config` for a launch over ``segments`` ``(seq, q_start, q_len, pos_start)``."""
+    max_q_len = max((seg[2] for seg in segments), default=0)
+    max_ctx = max((seg[3] + seg[2] for seg in segments), default=0)
     g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     min_m = max(1, 16 // g_pad)
     max_m = max(min_m, min(128, 256 // g_pad))
-    block_m = min(max(triton.next_power_of_2(max(meta.max_q_len, 1)), min_m), max_m)
+    block_m = min(max(triton.next_power_of_2(max(max_q_len, 1)), min_m), max_m)
     rows = block_m * g_pad
     block_n, num_warps, num_stages = _tile_shape(rows)
-    num_tiles = sum(-(-s[2] // block_m) for s in meta.host_segments)
+    num_tiles = sum(-(-seg[2] // block_m) for seg in segments)
     programs = max(num_tiles * num_kv_heads, 1)
     num_sms = _num_sms(device)
     num_splits = 1
-    if rows <= 16:
-        # bandwidth-bound decode tiles: ~3 programs per SM, chunks of >= 512 keys
-        if programs < 3 * num_sms and meta.max_ctx_len > 1024:
-            num_splits = min(-(-3 * num_sms // programs), -(-meta.max_ctx_len // 512))
+    if rows <= 64:
+        # short tiles (decodes, one-block holes) are bandwidth-bound and their merge is cheap:
+        # ~3 programs per SM, chunks of >= 512 keys
+        if programs < 3 * num_sms and max_ctx > 1024:
+            num_splits = min(-(-3 * num_sms // programs), -(-max_ctx // 512))
     elif programs < 2 * num_sms:
         # compute-bound tiles (one 8-warp program per SM): split only long contexts, into
         # chunks of >= 4k keys, to fill two waves (measured: the merge costs more below that)
-        num_splits = max(1, min(-(-2 * num_sms // programs), meta.max_ctx_len // 4096))
+        num_splits = max(1, min(-(-2 * num_sms // programs), max_ctx // 4096))
     return MSAConfig(block_m, block_n, num_warps, num_stages, max(num_splits, 1))
 
 
@@ -385,11 +405,49 @@ class MSAPlan:
     covered_rows: int
 
 
+@dataclass(frozen=True)
+class MSAStepPlan:
+    """A step's MSA: one launch per tile class, all writing disjoint rows of one output.
+
+    Decode rows and one-block holes (short segments) get their own launch, with small tiles
+    and the KV split of a decode; the prefill segments get big tiles. In one shared launch a
+    short segment would take a big tile (its rows mostly masked) and walk its whole context in
+    one program per KV head: measured on the H200, one decode at 8k keys added ~9 ms to a
+    mixed step that way (BENCHMARKS.md).
+
+    Attributes:
+        launches: the launches, heaviest class first.
+        covered_rows: packed rows that some launch writes.
+    """
+
+    launches: tuple[MSAPlan, ...]
+    covered_rows: int
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(launch.num_tiles for launch in self.launches)
+
+
 def _split_chunk(max_ctx: int, num_splits: int, block_n: int) -> tuple[int, int]:
     """``(chunk, num_splits)``: ``num_splits`` chunks of whole KV tiles covering ``max_ctx``."""
     chunk = -(-max(max_ctx, 1) // max(num_splits, 1))
     chunk = -(-chunk // block_n) * block_n
     return chunk, -(-max(max_ctx, 1) // chunk)
+
+
+def _plan_launch(
+    segments: list[tuple[int, int, int, int]], cfg: MSAConfig, device: torch.device
+) -> MSAPlan:
+    """One launch over ``segments`` with ``cfg``: its tile table, heaviest tiles first."""
+    rows: list[tuple[int, int, int, int]] = []
+    for seq, q_start, q_len, pos_start in segments:
+        for off in range(0, q_len, cfg.block_m):
+            rows.append((seq, q_start + off, min(cfg.block_m, q_len - off), pos_start + off))
+    rows.sort(key=lambda r: -(r[3] + r[2]))
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device, non_blocking=True)
+    max_ctx = max((seg[3] + seg[2] for seg in segments), default=0)
+    chunk, num_splits = _split_chunk(max_ctx, cfg.num_splits, cfg.block_n)
+    return MSAPlan(cfg, table, len(rows), chunk, num_splits, sum(seg[2] for seg in segments))
 
 
 def plan_msa(
@@ -399,21 +457,25 @@ def plan_msa(
     head_dim: int,
     device: torch.device,
     config: MSAConfig | None = None,
-) -> MSAPlan:
-    """Builds the step's launch: config, and the tile table copied to ``device`` (no sync).
+    short_q_len: int = 16,
+) -> MSAStepPlan:
+    """Builds the step's launches: configs, and tile tables copied to ``device`` (no sync).
 
-    Tiles are heaviest first (longest causal context), so the tail of the launch is short.
+    Segments of at most ``short_q_len`` tokens (decodes, one-block holes) form their own launch
+    when longer segments share the step (see :class:`MSAStepPlan`). A forced ``config``
+    (benchmarks, tests) makes one launch of everything.
     """
-    cfg = config or choose_config(meta, num_q_heads, num_kv_heads, head_dim, device)
-    rows: list[tuple[int, int, int, int]] = []
-    for seq, q_start, q_len, pos_start in meta.host_segments:
-        for off in range(0, q_len, cfg.block_m):
-            rows.append((seq, q_start + off, min(cfg.block_m, q_len - off), pos_start + off))
-    rows.sort(key=lambda r: -(r[3] + r[2]))
-    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device, non_blocking=True)
-    chunk, num_splits = _split_chunk(meta.max_ctx_len, cfg.num_splits, cfg.block_n)
-    covered = sum(s[2] for s in meta.host_segments)
-    return MSAPlan(cfg, table, len(rows), chunk, num_splits, covered)
+    segments = list(meta.host_segments)
+    covered = sum(seg[2] for seg in segments)
+    if config is not None:
+        return MSAStepPlan((_plan_launch(segments, config, device),), covered)
+    long = [seg for seg in segments if seg[2] > short_q_len]
+    short = [seg for seg in segments if seg[2] <= short_q_len]
+    classes = [c for c in (long, short) if c] or [segments]
+    launches = tuple(
+        _plan_launch(c, _config_for(c, num_q_heads, num_kv_heads, device), device) for c in classes
+    )
+    return MSAStepPlan(launches, covered)
 
 
 def decode_graph_plan(
@@ -455,24 +517,26 @@ def msa_triton(
     out: torch.Tensor | None = None,
     config: MSAConfig | None = None,
 ) -> torch.Tensor:
-    """Multi-Segment Attention over a paged KV cache, all segments in one launch.
+    """Multi-Segment Attention over a paged KV cache: every segment of the step, holes and
+    decodes included, in one call (one launch per tile class, :class:`MSAStepPlan`).
 
     Args:
         q: ``[T, HQ, D]`` packed queries (last dim contiguous).
         k_cache: ``[num_blocks, block_size, HKV, D]``.
         v_cache: same shape as ``k_cache``.
         meta: the step's segments (:class:`~kernels.metadata.MSAMetadata`); its ``plan``, when
-            set (:func:`plan_msa` once per step), is used as is.
+            set (:func:`plan_msa` once per step, or a graph's :func:`decode_graph_plan`), is
+            used as is.
         scale: softmax scale.
         out: optional ``[T, HQ, D]`` buffer to write into (tests poison it first).
-        config: optional launch configuration (benchmarks); chosen by
-            :func:`choose_config` when ``None``. Ignored when ``meta.plan`` is set.
+        config: optional launch configuration (benchmarks): one launch of every segment;
+            chosen per tile class when ``None``. Ignored when ``meta.plan`` is set.
 
     Returns:
         ``[T, HQ, D]`` in ``q``'s dtype; rows of tokens that belong to no segment are zero.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     plan = meta.plan
     if plan is None:
         plan = plan_msa(meta, num_q_heads, num_kv_heads, head_dim, q.device, config)
@@ -489,22 +553,39 @@ def msa_triton(
     assert out.stride(-1) == 1, "msa_triton: out needs a contiguous last dimension"
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"msa_triton: head_dim must be a power of two >= 16, got {head_dim}")
+    launches = plan.launches if isinstance(plan, MSAStepPlan) else (plan,)
+    for launch in launches:
+        if launch.num_tiles:
+            _launch(q, k_cache, v_cache, out, meta.block_tables, launch, scale)
+    return out
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    plan: MSAPlan,
+    scale: float,
+) -> None:
+    """Runs one launch of a plan (and its split merge) into ``out``."""
+    _, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     cfg, tiles, num_tiles = plan.config, plan.tiles, plan.num_tiles
     chunk, num_splits = plan.chunk, plan.num_splits
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
     if split:
-        o_part = torch.empty(
-            (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device
-        )
-        lse_part = torch.empty(
-            (num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device
-        )
+        # partial rows are tile-local (tile i owns rows i * block_m ..): see _msa_fwd_kernel
+        part_rows = num_tiles * cfg.block_m
+        o_part = torch.empty((num_splits, part_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_splits, part_rows, num_q_heads), dtype=torch.float32, device=q.device)
     else:
         o_part = out
         lse_part = out
-    bt = meta.block_tables
+    bt = block_tables
     _msa_fwd_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse_part, bt, tiles,
         float(scale) * _LOG2E, chunk,
@@ -526,7 +607,6 @@ def msa_triton(
             lse_part.stride(0), lse_part.stride(1),
             BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, num_warps=4,
         )
-    return out
 
 
 def store_kv_triton(
@@ -567,6 +647,7 @@ def store_kv_triton(
 __all__ = [
     "MSAConfig",
     "MSAPlan",
+    "MSAStepPlan",
     "choose_config",
     "decode_graph_plan",
     "msa_triton",

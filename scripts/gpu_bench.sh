@@ -4,6 +4,7 @@
 #   grid-chat | grid-swe     eviction policies side by side (issue #4)
 #   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction (issue #5;
 #                            CHUNK_POLICIES=... runs a subset)
+# GRID_POLICIES=... runs a subset of the grid; BENCH_EXTRA="--step-log ..." adds bench options.
 # Each stage writes OUT_DIR/STAGE.log (the table) and OUT_DIR/STAGE.tar.gz (report.md and
 # results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`).
 set -uo pipefail
@@ -14,7 +15,7 @@ common=(--backend real --device cuda --model dummy:llama-3.1-8b --max-context 32
         --time-scale 0.05 --no-lossless-check --tpot-slo-ms 40 --latency-profile "$profile")
 chat=(--workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10)
 swe=(--workload trace:bench_traces/gpu_swe.jsonl --jobs 10 --concurrency 5)
-grid=vllm-apc,lru,asymcache,continuum,asymcache+continuum
+grid=${GRID_POLICIES:-vllm-apc,lru,asymcache,continuum,asymcache+continuum}
 chunks=${CHUNK_POLICIES:-asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache/adaptive}
 for stage in "$@"; do
   case $stage in
@@ -25,7 +26,10 @@ for stage in "$@"; do
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
   start=$(date +%s)
-  python -m eval.cli bench "${common[@]}" "${args[@]}" --out "/tmp/bench/$stage" 2>&1 | grep -v "━" | tee "$out/$stage.log"
+  # shellcheck disable=SC2086
+  python -m eval.cli bench "${common[@]}" "${args[@]}" ${BENCH_EXTRA:-} --out "/tmp/bench/$stage" 2>&1 | grep -v "━" | tee "$out/$stage.log"
   echo "$stage: $(( $(date +%s) - start )) s" | tee -a "$out/$stage.log"
-  tar -czf "$out/$stage.tar.gz" -C /tmp/bench "$stage/report.md" "$stage/results.json"
+  files=("$stage/report.md" "$stage/results.json")
+  [ -d "/tmp/bench/$stage/steps" ] && files+=("$stage/steps")
+  tar -czf "$out/$stage.tar.gz" -C /tmp/bench "${files[@]}"
 done

@@ -128,3 +128,90 @@ def test_adaptive_and_fixed_give_identical_tokens(smollm, chat_prompts):
     fixed = make_engine(smollm, chunking="fixed:64").generate(chat_prompts, params)
     adaptive = make_engine(smollm, chunking="adaptive", tpot_slo_ms=5.0).generate(chat_prompts, params)
     assert [o.token_ids for o in fixed] == [o.token_ids for o in adaptive]
+
+
+def _decoding(first_token_time: float, tokens: int):
+    from asymcache_core.request import Request
+
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=500), arrival_time=0.0)
+    for t in range(tokens):
+        request.append_output(4 + t)
+    request.num_computed_tokens = request.num_tokens - 1
+    request.metrics.first_token_time = first_token_time
+    return request
+
+
+def test_slack_sets_the_step_target():
+    """A request ahead of its TPOT target lends the step half its excess slack; one behind it
+    gets one target-sized step; the per-step variant always targets the TPOT."""
+    from asymcache_core.budget import AdaptiveBudget
+    from asymcache_core.request import Request
+
+    slo = 0.020
+    ahead = _decoding(0.0, 100)  # 100 tokens in 1.0 s: a step may last 2.0 - 1.0 = 1.0 s
+    behind = _decoding(0.0, 10)  # 10 tokens in 1.0 s: 100 ms each
+    slack = AdaptiveBudget(PROFILE, slo, 16, 8192, clock=lambda: 1.0, slack=True)
+    per_step = AdaptiveBudget(PROFILE, slo, 16, 8192, clock=lambda: 1.0)
+    assert slack.step_target([ahead]) == pytest.approx(slo + 0.5 * (1.0 - slo))
+    assert slack.step_target([ahead, behind]) == slo  # the tightest request decides
+    assert per_step.step_target([ahead]) == slo
+    waiting = [Request("w", list(range(5000)), SamplingParams(max_tokens=1), arrival_time=0.0)]
+    assert slack([ahead], waiting) > per_step([ahead], waiting)
+    assert slack([ahead, behind], waiting) == per_step([ahead, behind], waiting)
+    with pytest.raises(ValueError, match="clock"):
+        AdaptiveBudget(PROFILE, slo, 16, 8192, slack=True)
+
+
+def test_slack_keeps_every_request_on_target(tmp_path):
+    """With ``adaptive:slack`` some prefill steps run longer than the TPOT target, yet every
+    decoding request's TPOT (mean time per output token) stays on it."""
+    slo = 0.030
+    engine, _ = sim_engine(tmp_path, chunking="adaptive:slack", tpot_slo_ms=slo * 1e3, max_num_batched_tokens=4096)
+    decode_ids = [engine.add_request([10 + i] * 8, SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(4)]
+    for _ in range(12):  # decode-only steps (10 ms) build slack
+        engine.step()
+    for i in range(3):
+        engine.add_request(list(range(20 + i, 1220 + i)), SamplingParams(max_tokens=2, ignore_eos=True))
+    finished, mixed = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        last = engine.step_log[-1]
+        if last.num_decodes and last.num_tokens > last.num_decodes:
+            mixed.append(last)
+    for rid in decode_ids:
+        m = finished[rid].metrics
+        tpot = (m.finish_time - m.first_token_time) / (len(finished[rid].token_ids) - 1)
+        assert tpot <= slo * 1.02, f"{rid}: TPOT {tpot * 1e3:.1f} ms over {slo * 1e3} ms"
+    assert max(step.duration_s for step in mixed) > slo * 1.5
+
+
+def test_feedback_corrects_a_model_that_runs_fast(tmp_path):
+    """The device is 8 ms slower per step than the profile says: with the measured residuals
+    the adaptive budget brings mixed steps back within the TPOT target; without, they overshoot."""
+    from dataclasses import replace
+
+    slo = 0.040
+    slow = replace(PROFILE, floor_s=PROFILE.floor_s + 0.008)
+
+    def run(feedback: bool) -> list:
+        engine, clock = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=slo * 1e3, max_num_batched_tokens=4096)
+        engine.runner = SimulatedRunner(slow, clock, engine.model_config.vocab_size)
+        engine.latency_feedback.alpha = 0.3
+        if not feedback:
+            engine.budget.feedback = None
+        for i in range(4):
+            engine.add_request([10 + i] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
+        for i in range(12):
+            engine.add_request(list(range(30 + i, 630 + i)), SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        if feedback:
+            assert engine.latency_feedback.mixed_residual_s == pytest.approx(0.008, rel=0.05)
+            assert engine.latency_feedback.decode_residual_s == pytest.approx(0.008, rel=0.05)
+        mixed = [s for s in engine.step_log if s.num_decodes and s.num_tokens - s.num_decodes > engine.block_size]
+        return mixed[len(mixed) // 2 :]  # once the residuals have settled
+
+    assert all(s.duration_s <= slo * 1.02 for s in run(feedback=True))
+    assert any(s.duration_s > slo * 1.1 for s in run(feedback=False))

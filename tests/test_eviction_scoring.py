@@ -141,3 +141,28 @@ def test_blocks_wanted_by_a_waiting_request_go_last_latest_arrival_first():
     # then the request admitted last (FCFS) loses its blocks, cheapest rebuild first
     assert victims(pool, 2) == late
     assert victims(pool, 2) == early
+
+
+def test_pop_victims_follows_eviction_key_on_a_mixed_pool():
+    """The memoised victim search gives exactly the order of the reference key."""
+    import random
+
+    rng = random.Random(7)
+    pool, sessions, clock = make_pool(blocks=120)
+    names = [f"s{i}" for i in range(8)]
+    for i, sid in enumerate(names):
+        sessions.on_arrival(sid, 0.1 * i, rng.randint(16, 600))
+        sessions.on_finish(sid, 0.5 + 0.1 * i, last_step=(i == 3), context_tokens=800)
+    sessions.hint("s5", expected_gap_s=0.2)
+    positions = {sid: rng.sample(range(60), 10) for sid in names}
+    for i, sid in enumerate(names):
+        clock.now = 1.0 + i
+        cached(pool, sid, positions[sid], 10_000 * (i + 1))
+    # shared-prefix blocks: one hash reached by two sessions (the second use finds it cached)
+    for bid in list(pool.policy.candidates())[:6]:
+        pool.blocks[bid.block_id].sessions |= {"s1", "s6"}
+    sessions.on_arrival("s2", 9.0, 40)  # a request waiting for admission
+    sessions.on_arrival("s7", 9.5, 40)
+    clock.now = 12.0
+    expected = sorted(pool.policy.candidates(), key=lambda b: pool.policy.eviction_key(b, 12.0))
+    assert [b.block_id for b in pool.policy.pop_victims(len(expected), 12.0)] == [b.block_id for b in expected]

@@ -350,6 +350,29 @@ def test_plan_msa_is_what_msa_triton_plans(interp: ModuleType) -> None:
     assert torch.equal(planned, interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale))
 
 
+def test_plan_msa_gives_short_segments_their_own_split_launch(interp: ModuleType) -> None:
+    """Decodes and one-block holes next to a prefill chunk: two launches, the short class with
+    decode tiles split over a long context; the output is the same as the oracle's."""
+    for seed in range(200):  # the first random step with a long decode and a long segment
+        case = make_case(
+            _seed("classes", seed), kind="mixed", num_seqs=4, block_size=16, num_kv_heads=1, group=4,
+            head_dim=64, max_ctx=1500, dtype=torch.float32, pad_tokens=1,
+        )
+        segs = case.meta.host_segments
+        if any(s[2] == 1 and s[3] > 1100 for s in segs) and any(s[2] > 16 for s in segs):
+            break
+    else:
+        pytest.fail("no step with a long decode and a long segment among 200 seeds")
+    plan = interp.plan_msa(case.meta, 4, 1, 64, torch.device("cpu"))
+    long_launch, short_launch = plan.launches
+    assert long_launch.config.block_m >= 32 and short_launch.config.block_m * 4 <= 64
+    assert short_launch.num_splits > 1 and long_launch.num_splits == 1
+    assert plan.covered_rows == case.q.shape[0] - 1
+    out = torch.full_like(case.q, float("nan"))
+    interp.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale, out=out)
+    check_close(out, case, torch.float32)
+
+
 def test_choose_config_splits_long_decode(interp: ModuleType) -> None:
     case = make_case(
         3, kind="decode", num_seqs=1, block_size=16, num_kv_heads=1, group=4, head_dim=64,
