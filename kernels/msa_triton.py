@@ -209,15 +209,24 @@ def _msa_fwd_kernel(
 
     m_o = m_r[:, None]
     if SPLIT:
+        # NOTE: splits are per launch, but a tile whose context fits in one chunk has nothing
+        # to merge: it writes its output directly and the merge skips it. Only the long-context
+        # tiles pay for partials.
+        n_tile_splits = tl.cdiv(ctx_end, chunk)
         b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
         b_o = b_acc / b_l_safe[:, None]
         b_lse = b_m + tl.log2(b_l_safe)
+        o_zero = o_r * 0  # per-row copies of the tile's scalars, for the store masks
+        m_part = ((o_zero + n_tile_splits) > 1) & ((o_zero + i_split) < n_tile_splits)
         o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
         p_op = o_part + i_split * stride_ps + o_pt[:, None] * stride_pt
         p_op = p_op + o_h[:, None] * stride_ph + o_d[None, :]
-        tl.store(p_op, b_o, mask=m_o)
+        tl.store(p_op, b_o, mask=m_o & m_part[:, None])
         p_lse = lse_part + i_split * stride_ls + o_pt * stride_lt + o_h
-        tl.store(p_lse, b_lse, mask=m_r)
+        tl.store(p_lse, b_lse, mask=m_r & m_part)
+        m_direct = ((o_zero + n_tile_splits) == 1) & ((o_zero + i_split) == 0)
+        p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o & m_direct[:, None])
     else:
         b_o = b_acc / b_l[:, None]
         p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
@@ -273,7 +282,8 @@ def _msa_reduce_kernel(
     b_w = tl.where(b_w == 0.0, 1.0, b_w)
     b_out = b_acc / b_w[:, None]
     p_o = o + o_t[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
-    tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o)
+    # a tile within one chunk was written by the forward kernel itself
+    tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o & ((o_tok * 0 + n_split) > 1)[:, None])
 
 
 @triton.jit
@@ -436,9 +446,20 @@ def _split_chunk(max_ctx: int, num_splits: int, block_n: int) -> tuple[int, int]
 
 
 def _plan_launch(
-    segments: list[tuple[int, int, int, int]], cfg: MSAConfig, device: torch.device
+    segments: list[tuple[int, int, int, int]],
+    cfg: MSAConfig,
+    device: torch.device,
+    num_kv_heads: int = 0,
+    min_chunk: int = 4096,
 ) -> MSAPlan:
-    """One launch over ``segments`` with ``cfg``: its tile table, heaviest tiles first."""
+    """One launch over ``segments`` with ``cfg``: its tile table, heaviest tiles first.
+
+    With ``num_kv_heads`` (automatic configs), no program walks more keys than its share of
+    the launch: when one tile's causal context exceeds the keys per SM of the whole launch (a
+    deep hole next to a prefill chunk at the start of its history), the KV split grows until
+    that tile's chunks fit, in chunks of at least ``min_chunk`` keys. Tiles within one chunk
+    still write their output directly (see ``_msa_fwd_kernel``).
+    """
     rows: list[tuple[int, int, int, int]] = []
     for seq, q_start, q_len, pos_start in segments:
         for off in range(0, q_len, cfg.block_m):
@@ -447,6 +468,11 @@ def _plan_launch(
     table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device, non_blocking=True)
     max_ctx = max((seg[3] + seg[2] for seg in segments), default=0)
     chunk, num_splits = _split_chunk(max_ctx, cfg.num_splits, cfg.block_n)
+    if num_kv_heads and rows:
+        keys_per_sm = sum(r[3] + r[2] for r in rows) * num_kv_heads / _num_sms(device)
+        balanced = -(-max(min_chunk, int(keys_per_sm)) // cfg.block_n) * cfg.block_n
+        if balanced < chunk:
+            chunk, num_splits = balanced, -(-max_ctx // balanced)
     return MSAPlan(cfg, table, len(rows), chunk, num_splits, sum(seg[2] for seg in segments))
 
 
@@ -458,12 +484,15 @@ def plan_msa(
     device: torch.device,
     config: MSAConfig | None = None,
     short_q_len: int = 16,
+    min_split_keys: int = 4096,
 ) -> MSAStepPlan:
     """Builds the step's launches: configs, and tile tables copied to ``device`` (no sync).
 
     Segments of at most ``short_q_len`` tokens (decodes, one-block holes) form their own launch
-    when longer segments share the step (see :class:`MSAStepPlan`). A forced ``config``
-    (benchmarks, tests) makes one launch of everything.
+    when longer segments share the step (see :class:`MSAStepPlan`). Within a launch, a tile
+    whose context is far deeper than the rest is split into chunks of at least
+    ``min_split_keys`` keys (the H200 measurement: split-K on prefill tiles pays from ~4k keys
+    a chunk). A forced ``config`` (benchmarks, tests) makes one launch of everything.
     """
     segments = list(meta.host_segments)
     covered = sum(seg[2] for seg in segments)
@@ -473,7 +502,8 @@ def plan_msa(
     short = [seg for seg in segments if seg[2] <= short_q_len]
     classes = [c for c in (long, short) if c] or [segments]
     launches = tuple(
-        _plan_launch(c, _config_for(c, num_q_heads, num_kv_heads, device), device) for c in classes
+        _plan_launch(c, _config_for(c, num_q_heads, num_kv_heads, device), device, num_kv_heads, min_split_keys)
+        for c in classes
     )
     return MSAStepPlan(launches, covered)
 

@@ -366,10 +366,51 @@ def test_plan_msa_gives_short_segments_their_own_split_launch(interp: ModuleType
     plan = interp.plan_msa(case.meta, 4, 1, 64, torch.device("cpu"))
     long_launch, short_launch = plan.launches
     assert long_launch.config.block_m >= 32 and short_launch.config.block_m * 4 <= 64
-    assert short_launch.num_splits > 1 and long_launch.num_splits == 1
+    assert short_launch.num_splits > 1
     assert plan.covered_rows == case.q.shape[0] - 1
     out = torch.full_like(case.q, float("nan"))
     interp.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale, out=out)
+    check_close(out, case, torch.float32)
+
+
+def test_plan_msa_splits_a_deep_tile_beside_shallow_ones(interp: ModuleType) -> None:
+    """A multi-block hole deep in one history next to prefill chunks at the start of others:
+    the deep tile alone would be the launch's critical path, so its context is split (chunks
+    of >= ``min_split_keys``), while the shallow tiles, within one chunk, write their output
+    directly."""
+    gen = torch.Generator().manual_seed(_seed("deep-hole"))
+    bs, heads, group, dim = 16, 1, 4, 64
+    ctxs = [2600, 120, 100]
+    tables, start = [], 0
+    for c in ctxs:
+        n = -(-c // bs)
+        tables.append(list(range(start, start + n)))
+        start += n
+    k_cache = torch.randn((start, bs, heads, dim), generator=gen, dtype=torch.float64)
+    v_cache = torch.randn((start, bs, heads, dim), generator=gen, dtype=torch.float64)
+    # seq 0: a 48-token hole at 2400 (tile contexts ~2450); seqs 1, 2: prefill from 0
+    segs = [(0, 2400, 48), (1, 0, 120), (2, 0, 100)]
+    segments, slots, q_start = [], [], 0
+    for seq, pos, n in segs:
+        segments.append((seq, q_start, n, pos))
+        slots += [tables[seq][p // bs] * bs + p % bs for p in range(pos, pos + n)]
+        q_start += n
+    q = torch.randn((q_start, heads * group, dim), generator=gen, dtype=torch.float64)
+    meta = build_msa_metadata(tables, segments, slots, bs)
+    scale = dim**-0.5
+    ref = msa_naive(q, k_cache, v_cache, meta, scale)
+    # NOTE: 1024 keys a chunk instead of the GPU's 4096 keeps the interpreted case small
+    (unsplit,) = interp.plan_msa(meta, heads * group, heads, dim, torch.device("cpu")).launches
+    assert unsplit.num_splits == 1  # 2448 keys: under the default 4096-key chunk
+    plan = interp.plan_msa(meta, heads * group, heads, dim, torch.device("cpu"), min_split_keys=1024)
+    (launch,) = plan.launches
+    assert launch.num_splits > 1 and launch.chunk >= 1024
+    deepest = max(int(t[3] + t[2]) for t in launch.tiles)
+    shallow = sorted(int(t[3] + t[2]) for t in launch.tiles)[0]
+    assert deepest > launch.chunk >= shallow  # merged tiles and directly written ones
+    out = torch.full((q_start, heads * group, dim), float("nan"))
+    case = Case(q.float(), k_cache.float(), v_cache.float(), meta, scale, ref, torch.ones(q_start, dtype=torch.bool))
+    interp.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(meta, plan=plan), scale, out=out)
     check_close(out, case, torch.float32)
 
 
