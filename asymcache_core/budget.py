@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asymcache_core.latency_model import LatencyModel
+from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.request import Request
 
 
@@ -17,40 +17,6 @@ class FixedBudget:
 
     def __call__(self, running: list[Request], waiting: list[Request]) -> int:
         return self.tokens
-
-
-@dataclass
-class LatencyFeedback:
-    """Online correction of the latency model from the engine's measured steps.
-
-    A profile times forward passes in isolation; a live step also pays scheduling, input
-    preparation and sampling, and mixes shapes the profile never ran. The running gap between
-    measured and predicted step time (an exponential moving average, one per step kind: CUDA
-    graph decode steps and eager mixed steps) is added to later predictions.
-
-    Attributes:
-        alpha: weight of the newest step in the averages.
-        decode_residual_s: measured minus predicted, decode-only steps.
-        mixed_residual_s: measured minus predicted, other steps.
-        observed: steps seen.
-    """
-
-    alpha: float = 0.05
-    decode_residual_s: float = 0.0
-    mixed_residual_s: float = 0.0
-    observed: int = 0
-
-    def observe(self, predicted_s: float, measured_s: float, decode_only: bool) -> None:
-        """Folds one step's measured time into the residual of its kind."""
-        gap = measured_s - predicted_s
-        self.observed += 1
-        if decode_only:
-            self.decode_residual_s += self.alpha * (gap - self.decode_residual_s)
-        else:
-            self.mixed_residual_s += self.alpha * (gap - self.mixed_residual_s)
-
-    def residual(self, decode_only: bool) -> float:
-        return self.decode_residual_s if decode_only else self.mixed_residual_s
 
 
 @dataclass

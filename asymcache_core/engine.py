@@ -11,11 +11,11 @@ from typing import Any, Protocol
 import torch
 
 from asymcache_core.block_pool import BlockPool
-from asymcache_core.budget import AdaptiveBudget, FixedBudget, LatencyFeedback
+from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.kv_cache_manager import KVCacheManager
-from asymcache_core.latency_model import LatencyModel
+from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.pins import PinManager
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams

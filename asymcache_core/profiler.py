@@ -191,3 +191,48 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         active = [c for c, v in zip(active, sol, strict=True) if v >= 0]
     coef[0] = max(coef[0], 1e-6)
     return coef
+
+
+def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrated") -> LatencyModel:
+    """Shifts a profile's floors by what live engine steps cost beyond its predictions.
+
+    A profile times forward passes alone; a live step also pays scheduling, input preparation
+    and sampling, and mixes shapes the grid never ran. Given step records (``StepStats`` as
+    written by ``asymcache bench --step-log``: ``num_tokens``, ``attn_pairs``, ``decode_only``,
+    ``duration_s``), the floors move by the mean residual (measured minus this model's
+    prediction) of each step kind, so that the simulator's total time matches the live runs';
+    the token and attention terms stay.
+
+    Args:
+        latency: the profile to correct.
+        steps: step records from one or more live runs on the profile's model and device.
+        source: the result's ``source``.
+
+    Raises:
+        ValueError: no steps, or a record without the fields above.
+
+    Returns:
+        The corrected model; ``fit_error`` is its mean relative error on ``steps``.
+    """
+    if not steps:
+        raise ValueError("steps: no step records to calibrate with")
+    try:
+        tokens = [int(s["num_tokens"]) for s in steps]
+        pairs = [float(s["attn_pairs"]) for s in steps]
+        decode = np.array([bool(s["decode_only"]) for s in steps])
+        measured = np.array([float(s["duration_s"]) for s in steps])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"steps: each record needs num_tokens, attn_pairs, decode_only, duration_s ({exc})") from None
+
+    def predict(model: LatencyModel) -> np.ndarray:
+        return np.array([model.step_latency(t, a, bool(d)) for t, a, d in zip(tokens, pairs, decode, strict=True)])
+
+    residual = measured - predict(latency)
+    floor = latency.floor_s + (float(residual[~decode].mean()) if (~decode).any() else 0.0)
+    decode_floor = latency.decode_floor_s
+    if decode.any():
+        base = latency.decode_floor_s if latency.decode_floor_s is not None else latency.floor_s
+        decode_floor = max(base + float(residual[decode].mean()), 0.0)
+    out = replace(latency, floor_s=max(floor, 0.0), decode_floor_s=decode_floor, source=source)
+    error = float(np.mean(np.abs(predict(out) - measured) / np.maximum(measured, 1e-9)))
+    return replace(out, fit_error=error)

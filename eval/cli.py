@@ -164,6 +164,36 @@ def profile(
         typer.echo(f"decode-only steps (CUDA graphs): floor {latency.decode_floor_s * 1e3:.2f} ms")
 
 
+@app.command()
+@clean_errors
+def calibrate(
+    steps: list[Path] = typer.Argument(..., help="Step logs (steps/<policy>.jsonl of bench --step-log)."),
+    latency_profile: Path = typer.Option(..., help="The profile to correct."),
+    out: Path = typer.Option(Path("profile_live.json"), help="Where to write the corrected profile."),
+) -> None:
+    """Shift a latency profile's floors by what live steps cost beyond it (for the simulator)."""
+    import json
+
+    from asymcache_core.latency_model import LatencyModel
+    from asymcache_core.profiler import calibrate as calibrate_profile
+
+    base = LatencyModel.from_json(latency_profile)
+    records = []
+    for path in steps:
+        try:
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"steps: {path} is not JSON lines ({exc})") from None
+    latency = calibrate_profile(base, records, source=str(out))
+    latency.to_json(out)
+    before = base.decode_floor_s if base.decode_floor_s is not None else base.floor_s
+    after = latency.decode_floor_s if latency.decode_floor_s is not None else latency.floor_s
+    typer.echo(
+        f"{len(records)} steps: floor {base.floor_s * 1e3:.2f} -> {latency.floor_s * 1e3:.2f} ms, decode-only "
+        f"{before * 1e3:.2f} -> {after * 1e3:.2f} ms, error on these steps {latency.fit_error:.1%} -> {out}"
+    )
+
+
 @app.command("bench-engine")
 @clean_errors
 def bench_engine(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from asymcache_core.latency_model import LatencyModel
@@ -46,3 +47,54 @@ def test_profile_command_writes_a_profile(tmp_path):
     assert data["floor_s"] > 0 and data["fit_error"] is not None
     assert "knee" in result.output and "fit error" in result.output
     assert LatencyModel.from_json(out).model == "dummy:tiny"
+
+
+def _live_steps(truth: LatencyModel, count: int = 60) -> list[dict]:
+    """Step records as ``bench --step-log`` writes them, timed by ``truth``."""
+    steps = []
+    for i in range(count):
+        decode_only = i % 3 != 0
+        tokens = 4 + i % 4 if decode_only else 200 + 37 * i
+        pairs = float(tokens * (300 + 11 * i))
+        steps.append({
+            "num_tokens": tokens, "attn_pairs": pairs, "decode_only": decode_only,
+            "duration_s": truth.step_latency(tokens, pairs, decode_only),
+        })
+    return steps
+
+
+def test_calibrate_shifts_the_floors_by_the_live_residuals():
+    from dataclasses import replace
+
+    from asymcache_core.profiler import calibrate
+
+    profile = LatencyModel(floor_s=0.017, per_token_s=2e-5, per_attn_s=1.5e-9, knee_tokens=512, decode_floor_s=0.011)
+    # the live engine pays 6 ms more per eager step and 1.5 ms more per graph step
+    truth = replace(profile, floor_s=0.023, decode_floor_s=0.0125)
+    live = calibrate(profile, _live_steps(truth), source="live.json")
+    assert live.floor_s == pytest.approx(0.023) and live.decode_floor_s == pytest.approx(0.0125)
+    assert live.per_token_s == profile.per_token_s and live.knee_tokens == profile.knee_tokens
+    assert live.source == "live.json" and live.fit_error == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="steps"):
+        calibrate(profile, [])
+    with pytest.raises(ValueError, match="steps"):
+        calibrate(profile, [{"num_tokens": 3}])
+
+
+def test_calibrate_command(tmp_path):
+    from dataclasses import replace
+
+    profile = LatencyModel(floor_s=0.010, per_token_s=1e-4, per_attn_s=1e-9, knee_tokens=64)
+    base = tmp_path / "profile.json"
+    profile.to_json(base)
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in _live_steps(replace(profile, floor_s=0.014))))
+    out = tmp_path / "live.json"
+    result = CliRunner().invoke(app, ["calibrate", str(log), "--latency-profile", str(base), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "floor 10.00 -> 14.00 ms" in result.output
+    assert LatencyModel.from_json(out).floor_s == pytest.approx(0.014)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    result = CliRunner().invoke(app, ["calibrate", str(bad), "--latency-profile", str(base), "--out", str(out)])
+    assert result.exit_code == 2 and result.output.startswith("error: steps:")
