@@ -18,6 +18,7 @@ from eval.harness import (
     machine_description,
     make_engine,
     policy_result,
+    repeated_result,
     resolve_bench_policy,
     warm_up,
     working_set_blocks,
@@ -56,6 +57,9 @@ class BenchConfig:
         max_num_batched_tokens: per-step token cap.
         step_log: also write every engine step (``StepStats``, with the latency model's
             prediction) to ``steps/<policy>.jsonl`` in the run folder.
+        repeats: runs of each policy, in rounds over all policies (policy A, B, A, B...), so
+            that slow drift of the machine hits every policy alike; the report pools them and
+            keeps each run's means.
     """
 
     workload: str = "swe"
@@ -80,6 +84,7 @@ class BenchConfig:
     tpot_slo_ms: float = 100.0
     max_num_batched_tokens: int = 512
     step_log: bool = False
+    repeats: int = 1
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
 
 
@@ -172,6 +177,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
     from asymcache_core import EngineConfig
     from eval.report import write_report
 
+    if cfg.repeats < 1:
+        raise BenchError(f"repeats: must be >= 1, got {cfg.repeats}")
     if cfg.backend not in ("real", "sim", "http"):
         raise BenchError(f"backend: one of real, sim, http; got {cfg.backend!r}")
     policies = []
@@ -202,6 +209,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
 
         if not cfg.url:
             raise BenchError("url: --backend http needs --url")
+        if cfg.repeats > 1:
+            raise BenchError("repeats: the http backend runs each server once (--repeats 1)")
         outcomes = run_http(cfg, trace, policies, progress)
         latency_source = "server"
     else:
@@ -224,14 +233,15 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                 raise BenchError(str(exc)) from None
             if base.torch_device.type == "cuda":
                 warm_up(loaded, base)
-        outcomes = {}
+        outcomes: dict[str, list[Any]] = {p.name: [] for p in policies}
         reference = None
-        runs = list(policies)
+        # NOTE: repeats go in rounds over the policies, so drift of the machine hits all alike.
+        runs: list[tuple[BenchPolicy, int | None]] = [(p, r) for r in range(cfg.repeats) for p in policies]
         if cfg.backend == "real" and cfg.check_lossless:
-            runs.append(resolve_bench_policy("vllm-apc"))
+            runs.append((resolve_bench_policy("vllm-apc"), None))
         latency_source = "analytic"
-        for i, policy in enumerate(runs):
-            is_reference = i == len(policies)
+        for policy, repeat in runs:
+            is_reference = repeat is None
             config = replace(base, **policy.engine_overrides)
             if is_reference:
                 # NOTE: the reference holds the whole working set: nothing is ever evicted.
@@ -242,6 +252,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                 raise BenchError(str(exc)) from None
             latency_source = engine.latency.source
             label = "unbounded reference" if is_reference else policy.name
+            if not is_reference and cfg.repeats > 1:
+                label = f"{policy.name} ({repeat + 1}/{cfg.repeats})"
             task = progress.add_task(label, total=len(trace.jobs)) if progress is not None else None
             outcome = drive(
                 engine, trace, policy, time_scale=cfg.time_scale, seed=cfg.seed,
@@ -251,15 +263,16 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             )
             if is_reference:
                 reference = outcome.outputs()
-            else:
-                outcomes[policy.name] = outcome
-                if cfg.step_log:
-                    write_step_log(engine.step_log, run_dir / "steps" / f"{step_log_name(policy.name)}.jsonl")
+                continue
+            outcomes[policy.name].append(outcome)
+            if cfg.step_log:
+                name = step_log_name(policy.name) + (f"-run{repeat + 1}" if cfg.repeats > 1 else "")
+                write_step_log(engine.step_log, run_dir / "steps" / f"{name}.jsonl")
         if reference is not None:
             notes.append("lossless_agreement: tokens of every request compared with an unbounded-pool vllm-apc run")
         if cfg.backend == "sim":
             notes.append("sim backend: latency model on a virtual clock; tokens are synthetic")
-        results_policies = {name: policy_result(o, reference) for name, o in outcomes.items()}
+        results_policies = {name: repeated_result(o, reference) for name, o in outcomes.items()}
     if cfg.backend == "http":
         results_policies = {name: policy_result(o, None) for name, o in outcomes.items()}
     results = Results(

@@ -69,6 +69,7 @@ def bench(
     tpot_slo_ms: float = typer.Option(100.0, min=0.1, help="Adaptive chunking's time-per-output-token target."),
     max_batched_tokens: int = typer.Option(512, min=1, help="Per-step token cap (fixed chunking's budget)."),
     step_log: bool = typer.Option(False, help="Also write every engine step to steps/<policy>.jsonl."),
+    repeats: int = typer.Option(1, min=1, help="Runs of each policy, in rounds; the report keeps each run's means."),
 ) -> None:
     """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures."""
     from rich.console import Console
@@ -83,6 +84,7 @@ def bench(
         kv_blocks=kv_blocks, kv_fraction=kv_fraction, max_context=max_context, seed=seed, out=out,
         check_lossless=not no_lossless_check, latency_profile=latency_profile,
         tpot_slo_ms=tpot_slo_ms, max_num_batched_tokens=max_batched_tokens, step_log=step_log,
+        repeats=repeats,
     )
     if not cfg.policies:
         raise ValueError("policies: give at least one policy")

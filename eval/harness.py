@@ -27,7 +27,7 @@ from typing import Any
 from agent_runtime.continuum import ContinuumController
 from agent_runtime.policies import resolve_policy
 from asymcache_core import Engine, EngineConfig, SamplingParams
-from eval.results import PolicyResult, Recompute, Series, summarize
+from eval.results import PolicyResult, Recompute, RunMeans, Series, summarize
 from workloads import Job, Trace, job_token_stream
 
 ABLATIONS: dict[str, dict[str, Any]] = {
@@ -297,6 +297,46 @@ def policy_result(outcome: RunOutcome, reference: dict[tuple[str, int], list[int
         pinned_blocks_peak=outcome.pinned_peak,
         duration_s=outcome.duration_s,
         series=Series(jct=jcts, ttft=ttft, tpot=tpot, blocks_in_use=outcome.blocks_in_use, budget=outcome.budgets),
+    )
+
+
+def repeated_result(
+    outcomes: list[RunOutcome], reference: dict[tuple[str, int], list[int]] | None
+) -> PolicyResult:
+    """Summarises one or more runs of the same policy (``--repeats``).
+
+    Latency summaries pool the requests and jobs of every run; counters (tokens, evictions) and
+    the run time are per-run means; lossless agreement is the mean of each run's; ``runs``
+    holds each run's own means, so the run-to-run spread stays visible.
+    """
+    if not outcomes:
+        raise ValueError("outcomes: no run to summarise")
+    single = [policy_result(o, reference) for o in outcomes]
+    if len(outcomes) == 1:
+        return single[0]
+    stats = {k: round(sum(o.engine_stats[k] for o in outcomes) / len(outcomes)) for k in outcomes[0].engine_stats}
+    merged = RunOutcome(
+        outcomes[0].policy,
+        [r for o in outcomes for r in o.records],
+        {f"{job}#{i}": t for i, o in enumerate(outcomes) for job, t in o.jct.items()},
+        sum(o.duration_s for o in outcomes) / len(outcomes),
+        stats,
+        outcomes[0].blocks_in_use,
+        outcomes[0].budgets,
+        max(o.pinned_peak for o in outcomes),
+    )
+    pooled = policy_result(merged, None)
+    agreements = [r.lossless_agreement for r in single if r.lossless_agreement is not None]
+    runs = [
+        RunMeans(jct_mean=r.jct.mean, ttft_mean=r.ttft.mean, tpot_mean=r.tpot.mean, computed_tokens=r.computed_tokens)
+        for r in single
+    ]
+    return pooled.model_copy(
+        update={
+            "lossless_agreement": sum(agreements) / len(agreements) if agreements else None,
+            "num_jobs": single[0].num_jobs,
+            "runs": runs,
+        }
     )
 
 

@@ -253,6 +253,35 @@ def _headlines(results: Results, baseline: str | None) -> tuple[_Headline, ...]:
     return tuple(out)
 
 
+def _runs_table(results: Results) -> _Table:
+    """Each run's means, for policies that ran more than once (``--repeats``)."""
+
+    def per_run(values: Sequence[float | None], scale: float, fmt: str) -> str:
+        return ", ".join("-" if v is None else format(v * scale, fmt) for v in values)
+
+    def spread(values: Sequence[float | None]) -> str:
+        vals = [v for v in values if v is not None]
+        if len(vals) < 2 or sum(vals) <= 0:
+            return "-"
+        return f"{(max(vals) - min(vals)) / (sum(vals) / len(vals)):.0%}"
+
+    rows = []
+    for name, pol in results.policies.items():
+        if len(pol.runs) < 2:
+            continue
+        ttft = [r.ttft_mean for r in pol.runs]
+        rows.append((
+            name, per_run(ttft, 1e3, ".0f"), spread(ttft), per_run([r.tpot_mean for r in pol.runs], 1e3, ".1f"),
+            per_run([r.jct_mean for r in pol.runs], 1.0, ".2f"), ", ".join(f"{r.computed_tokens:,}" for r in pol.runs),
+        ))
+    note = (
+        "Spread = (max - min) / mean of the runs' mean TTFT. A difference between policies smaller "
+        "than their spread is not a result."
+    )
+    header = ("Policy", "TTFT mean per run (ms)", "TTFT spread", "TPOT mean per run (ms)", "JCT mean per run (s)", "Tokens computed per run")
+    return _Table("table-runs", "Run to run", header, tuple(rows), note, numeric=False)
+
+
 def _tables(results: Results, baseline: str | None) -> tuple[_Table, ...]:
     """Every table of the report, in display order."""
     tables = [
@@ -270,6 +299,8 @@ def _tables(results: Results, baseline: str | None) -> tuple[_Table, ...]:
     if baseline is not None and len(results.policies) > 1:
         tables.append(_ratio_table(results, baseline))
     tables.append(_metric_table("table-volume", "Volumes", _VOLUME_METRICS, results))
+    if any(len(p.runs) > 1 for p in results.policies.values()):
+        tables.append(_runs_table(results))
     return tuple(tables)
 
 

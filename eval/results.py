@@ -105,8 +105,21 @@ class Series(_Model):
     )
 
 
+class RunMeans(_Model):
+    """The headline means of one run of a policy (``--repeats``: one per repetition)."""
+
+    jct_mean: float | None = Field(default=None, description="Mean JCT of the run (s).")
+    ttft_mean: float | None = Field(default=None, description="Mean TTFT of the run (s).")
+    tpot_mean: float | None = Field(default=None, description="Mean TPOT of the run (s).")
+    computed_tokens: int = Field(ge=0, description="Tokens computed in the run.")
+
+
 class PolicyResult(_Model):
-    """Everything measured for one KV-cache policy on the run's workload."""
+    """Everything measured for one KV-cache policy on the run's workload.
+
+    When the policy ran more than once (``--repeats``), latency summaries pool the requests of
+    every run, counters and volumes are per-run means, and ``runs`` keeps each run's means.
+    """
 
     jct: Summary = Field(description="Job (whole agent task) completion time.")
     ttft: Summary = Field(description="Time to first token, per request.")
@@ -135,6 +148,9 @@ class PolicyResult(_Model):
     pinned_blocks_peak: int = Field(default=0, ge=0)
     duration_s: float = Field(ge=0.0, description="Run time of this policy (s).")
     series: Series = Field(default_factory=Series)
+    runs: list[RunMeans] = Field(
+        default_factory=list, description="Each run's means when the policy ran more than once."
+    )
 
 
 class RunInfo(_Model):

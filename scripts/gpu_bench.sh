@@ -4,7 +4,8 @@
 #   grid-chat | grid-swe     eviction policies side by side (issue #4)
 #   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction (issue #5;
 #                            CHUNK_POLICIES=... runs a subset)
-# GRID_POLICIES=... runs a subset of the grid; BENCH_EXTRA="--step-log ..." adds bench options.
+# GRID_POLICIES=... runs a subset of the grid; BENCH_EXTRA="--step-log ..." adds bench options
+# (BENCH_EXTRA="--repeats 3": chat TTFT varies ~20% between runs of one policy, BENCHMARKS.md).
 # Each stage writes OUT_DIR/STAGE.log (the table) and OUT_DIR/STAGE.tar.gz (report.md and
 # results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`).
 set -uo pipefail

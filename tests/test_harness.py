@@ -137,3 +137,60 @@ def test_warm_up_runs_every_launch_shape_on_its_own_engine(smollm, monkeypatch):
     # the suffixed prompts reuse the long context, so each computes only its short suffix
     assert all(cached >= 144 for n, cached, _ in seen[7:])
     assert all(blocks > 8 for _, _, blocks in seen)  # its own pool, sized for the long context
+
+
+def _outcome(ttfts: list[float], computed: int, tokens: list[int]):
+    from eval.harness import RequestRecord, RunOutcome
+
+    records = [
+        RequestRecord(f"j{i}", 0, 0.0, 0.0, t, 1.0, 10, 4, tokens, t, 0.01 * (i + 1))
+        for i, t in enumerate(ttfts)
+    ]
+    stats = {
+        "prompt_tokens": 10 * len(ttfts), "hit_tokens": 4 * len(ttfts), "hole_tokens": 0,
+        "suffix_recomputed_tokens": 0, "preempted_tokens": 0, "computed_tokens": computed,
+        "generated_tokens": 3 * len(ttfts), "evictions": computed // 10, "peak_blocks_in_use": 5,
+        "num_preemptions": 0,
+    }
+    return RunOutcome("p", records, {r.job_id: 1.0 + r.ttft for r in records}, 2.0, stats)
+
+
+def test_repeated_result_pools_latencies_and_keeps_each_run():
+    from eval.harness import repeated_result
+
+    reference = {(f"j{i}", 0): [1, 2, 3] for i in range(3)}
+    first = _outcome([0.1, 0.2, 0.3], 900, [1, 2, 3])
+    second = _outcome([0.5, 0.6, 0.7], 1100, [9, 9, 9])  # a run whose tokens all differ
+    result = repeated_result([first, second], reference)
+    assert result.ttft.count == 6 and result.ttft.mean == pytest.approx(0.4)
+    assert result.jct.count == 6 and result.num_jobs == 3
+    assert result.computed_tokens == 1000 and result.evictions == 100  # per-run means
+    assert result.lossless_agreement == pytest.approx(0.5)
+    assert [r.ttft_mean for r in result.runs] == pytest.approx([0.2, 0.6])
+    assert [r.computed_tokens for r in result.runs] == [900, 1100]
+    single = repeated_result([first], reference)
+    assert single.runs == [] and single.ttft.count == 3 and single.lossless_agreement == 1.0
+    with pytest.raises(ValueError, match="outcomes"):
+        repeated_result([], None)
+
+
+def test_cli_bench_repeats_reports_each_run(tmp_path):
+    out = tmp_path / "rep"
+    result = runner.invoke(
+        app, ["bench", "--backend", "sim", "--jobs", "4", "--concurrency", "2", "--repeats", "3",
+              "--policies", "vllm-apc,asymcache", "--step-log", "--out", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    results = load_results(out)
+    for pol in results.policies.values():
+        assert len(pol.runs) == 3 and pol.num_jobs == 4 and pol.jct.count == 12
+    assert "## Run to run" in (out / "report.md").read_text()
+    assert sorted(p.name for p in (out / "steps").iterdir())[:3] == [
+        "asymcache-run1.jsonl", "asymcache-run2.jsonl", "asymcache-run3.jsonl",
+    ]
+    steps = [json.loads(line) for line in (out / "steps" / "asymcache-run1.jsonl").read_text().splitlines()]
+    # the sim prices each step with the model itself: prediction and duration coincide
+    assert steps and all(s["predicted_s"] == pytest.approx(s["duration_s"]) for s in steps)
+    assert sum(s["num_tokens"] for s in steps) == results.policies["asymcache"].runs[0].computed_tokens
+    with pytest.raises(ValueError, match="repeats"):
+        run_bench(small("sim", ("lru",), tmp_path / "bad", repeats=0))
