@@ -86,8 +86,14 @@ class LatencyModel:
         Its ``block_size`` tokens attend over ``position * block_size`` earlier tokens plus a
         causal half of the block; they join a step that already carries ``base_tokens``.
         """
-        ctx = position * block_size + (block_size + 1) / 2
-        return self.marginal_latency(base_tokens, block_size, block_size * ctx)
+        fixed, slope = self.block_rebuild_line(block_size, base_tokens)
+        return fixed + slope * position
+
+    def block_rebuild_line(self, block_size: int, base_tokens: int) -> tuple[float, float]:
+        """``(fixed, slope)`` with ``block_rebuild_latency(p) = fixed + slope * p``: one pair per
+        session lets eviction price every block of it without calling the model per block."""
+        fixed = self.marginal_latency(base_tokens, block_size, block_size * (block_size + 1) / 2)
+        return fixed, self.per_attn_s * block_size * block_size
 
     def max_tokens_within(self, target_s: float, attn_per_token: float) -> int:
         """Largest token count whose step stays under ``target_s`` (attention per token given)."""
@@ -143,18 +149,15 @@ class LatencyFeedback:
         alpha: weight of the newest step in the averages.
         decode_residual_s: measured minus predicted, decode-only steps.
         mixed_residual_s: measured minus predicted, other steps.
-        observed: steps seen.
     """
 
     alpha: float = 0.05
     decode_residual_s: float = 0.0
     mixed_residual_s: float = 0.0
-    observed: int = 0
 
     def observe(self, predicted_s: float, measured_s: float, decode_only: bool) -> None:
         """Folds one step's measured time into the residual of its kind."""
         gap = measured_s - predicted_s
-        self.observed += 1
         if decode_only:
             self.decode_residual_s += self.alpha * (gap - self.decode_residual_s)
         else:

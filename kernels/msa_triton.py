@@ -348,6 +348,14 @@ def _tile_shape(rows: int) -> tuple[int, int, int]:
     return 64, 8, 3
 
 
+def _short_tile_splits(programs: int, max_ctx: int, num_sms: int) -> int:
+    """KV splits of a launch of short tiles (decodes, one-block holes): they are
+    bandwidth-bound and their merge is cheap, so ~3 programs per SM, in chunks of >= 512 keys."""
+    if programs >= 3 * num_sms or max_ctx <= 1024:
+        return 1
+    return min(-(-3 * num_sms // programs), -(-max_ctx // 512))
+
+
 def choose_config(
     meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> MSAConfig:
@@ -381,10 +389,7 @@ def _config_for(
     num_sms = _num_sms(device)
     num_splits = 1
     if rows <= 64:
-        # short tiles (decodes, one-block holes) are bandwidth-bound and their merge is cheap:
-        # ~3 programs per SM, chunks of >= 512 keys
-        if programs < 3 * num_sms and max_ctx > 1024:
-            num_splits = min(-(-3 * num_sms // programs), -(-max_ctx // 512))
+        num_splits = _short_tile_splits(programs, max_ctx, num_sms)
     elif programs < 2 * num_sms:
         # compute-bound tiles (one 8-warp program per SM): split only long contexts, into
         # chunks of >= 4k keys, to fill two waves (measured: the merge costs more below that)
@@ -414,6 +419,11 @@ class MSAPlan:
     num_splits: int
     covered_rows: int
 
+    @property
+    def launches(self) -> tuple[MSAPlan, ...]:
+        """A single launch, so that any plan can be run as :class:`MSAStepPlan` is."""
+        return (self,)
+
 
 @dataclass(frozen=True)
 class MSAStepPlan:
@@ -427,15 +437,18 @@ class MSAStepPlan:
 
     Attributes:
         launches: the launches, heaviest class first.
-        covered_rows: packed rows that some launch writes.
     """
 
     launches: tuple[MSAPlan, ...]
-    covered_rows: int
 
     @property
     def num_tiles(self) -> int:
         return sum(launch.num_tiles for launch in self.launches)
+
+    @property
+    def covered_rows(self) -> int:
+        """Packed rows that some launch writes."""
+        return sum(launch.covered_rows for launch in self.launches)
 
 
 def _split_chunk(max_ctx: int, num_splits: int, block_n: int) -> tuple[int, int]:
@@ -495,9 +508,8 @@ def plan_msa(
     a chunk). A forced ``config`` (benchmarks, tests) makes one launch of everything.
     """
     segments = list(meta.host_segments)
-    covered = sum(seg[2] for seg in segments)
     if config is not None:
-        return MSAStepPlan((_plan_launch(segments, config, device),), covered)
+        return MSAStepPlan((_plan_launch(segments, config, device),))
     long = [seg for seg in segments if seg[2] > short_q_len]
     short = [seg for seg in segments if seg[2] <= short_q_len]
     classes = [c for c in (long, short) if c] or [segments]
@@ -505,7 +517,7 @@ def plan_msa(
         _plan_launch(c, _config_for(c, num_q_heads, num_kv_heads, device), device, num_kv_heads, min_split_keys)
         for c in classes
     )
-    return MSAStepPlan(launches, covered)
+    return MSAStepPlan(launches)
 
 
 def decode_graph_plan(
@@ -529,10 +541,8 @@ def decode_graph_plan(
     block_m = max(1, 16 // g_pad)
     block_n, num_warps, num_stages = _tile_shape(block_m * g_pad)
     programs = max(tiles.shape[0] * num_kv_heads, 1)
-    target = max(1, -(-3 * _num_sms(tiles.device) // programs))
-    # NOTE: chunks of >= 512 keys, as in choose_config: smaller ones cost more to merge.
-    chunk = max(512, -(-max(max_context, 1) // target))
-    chunk, num_splits = _split_chunk(max_context, -(-max(max_context, 1) // chunk), block_n)
+    splits = _short_tile_splits(programs, max_context, _num_sms(tiles.device))
+    chunk, num_splits = _split_chunk(max_context, splits, block_n)
     cfg = MSAConfig(block_m, block_n, num_warps, num_stages, num_splits)
     return MSAPlan(cfg, tiles, int(tiles.shape[0]), chunk, num_splits, 0)
 
@@ -583,8 +593,7 @@ def msa_triton(
     assert out.stride(-1) == 1, "msa_triton: out needs a contiguous last dimension"
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"msa_triton: head_dim must be a power of two >= 16, got {head_dim}")
-    launches = plan.launches if isinstance(plan, MSAStepPlan) else (plan,)
-    for launch in launches:
+    for launch in plan.launches:
         if launch.num_tiles:
             _launch(q, k_cache, v_cache, out, meta.block_tables, launch, scale)
     return out

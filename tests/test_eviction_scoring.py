@@ -143,8 +143,10 @@ def test_blocks_wanted_by_a_waiting_request_go_last_latest_arrival_first():
     assert victims(pool, 2) == early
 
 
-def test_pop_victims_follows_eviction_key_on_a_mixed_pool():
-    """The memoised victim search gives exactly the order of the reference key."""
+def test_pop_victims_follows_the_expected_cost_on_a_mixed_pool():
+    """The per-session victim search gives exactly the order of the policy's definition:
+    blocks in demand last (latest arrival first among them), then expected cost
+    (``score``, the function shared with the vLLM integration), then LRU."""
     import random
 
     rng = random.Random(7)
@@ -164,5 +166,11 @@ def test_pop_victims_follows_eviction_key_on_a_mixed_pool():
     sessions.on_arrival("s2", 9.0, 40)  # a request waiting for admission
     sessions.on_arrival("s7", 9.5, 40)
     clock.now = 12.0
-    expected = sorted(pool.policy.candidates(), key=lambda b: pool.policy.eviction_key(b, 12.0))
+    def reference(block) -> tuple:
+        demands = [sessions.demand_since(sid) for sid in (block.sessions or {block.session_id})]
+        demands = [d for d in demands if d is not None]
+        tier = (1, -min(demands)) if demands else (0, 0.0)
+        return (*tier, pool.policy.score(block, 12.0), block.last_access, -block.position)
+
+    expected = sorted(pool.policy.candidates(), key=reference)
     assert [b.block_id for b in pool.policy.pop_victims(len(expected), 12.0)] == [b.block_id for b in expected]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from asymcache_core.eviction.base import EvictionPolicy, PolicyContext
@@ -78,33 +78,20 @@ class AsymCachePolicy(EvictionPolicy):
         base = self.sessions.expected_next_tokens(block.session_id)
         return expected_latency_cost(p_reuse, block.position, self.ctx.block_size, base, self.latency)
 
-    def _demand(self, block: KVBlock, cache: dict[str | None, float | None]) -> float | None:
+    def _demand(self, block: KVBlock) -> float | None:
         """Earliest arrival among the block's sessions with a request waiting for it, or None."""
-        sids = block.sessions or (block.session_id,)
-        demand: float | None = None
-        for sid in sids:
-            if sid not in cache:
-                cache[sid] = self.sessions.demand_since(sid)
-            since = cache[sid]
-            if since is not None and (demand is None or since < demand):
-                demand = since
-        return demand
+        arrivals = (self.sessions.demand_since(sid) for sid in (block.sessions or (block.session_id,)))
+        return min((t for t in arrivals if t is not None), default=None)
 
-    def eviction_key(self, block: KVBlock, now: float, cache: dict[str | None, float | None] | None = None) -> tuple:
-        """Sort key of ``block`` (smallest goes first); ``cache`` memoises per-session state."""
-        demand = self._demand(block, {} if cache is None else cache)
-        if demand is None:
-            return (0, 0.0, self.score(block, now), block.last_access, -block.position)
-        return (1, -demand, self.score(block, now), block.last_access, -block.position)
+    def key_function(self, now: float) -> Callable[[KVBlock], tuple]:
+        """The eviction order at ``now``: a sort key per block, smallest goes first.
 
-    def pop_victims(self, count: int, now: float) -> list[KVBlock]:
-        # NOTE: this runs on every allocation that must evict, over every candidate, on the
-        # engine's critical path (2-3 ms a prefill step on the H200's host before memoising).
-        # A block's key only depends on its sessions' state and its own position, so the
-        # per-session terms are computed once per call: same order as ``eviction_key``.
-        sessions = self.sessions
+        ``(in demand, -arrival if in demand, expected cost, last access, -position)``. A
+        block's key only depends on its sessions' state and its own position, so the
+        per-session terms (demand, P(reuse), the rebuild cost as a line in the position) are
+        computed once per session, not per block.
+        """
         bs = self.ctx.block_size
-        lat = self.latency
         per_session: dict[object, tuple[int, float, float, float]] = {}
 
         def key(block: KVBlock) -> tuple:
@@ -112,19 +99,21 @@ class AsymCachePolicy(EvictionPolicy):
             group: object = (frozenset(block.sessions), block.session_id) if block.sessions else block.session_id
             terms = per_session.get(group)
             if terms is None:
-                demand = self._demand(block, {})
-                p_reuse = sessions.block_reuse_probability(block.sessions, block.session_id, now)
-                base = sessions.expected_next_tokens(block.session_id)
-                # p * block_rebuild_latency(position) = fixed + slope * position (see the model)
-                over = max(0, base + bs - lat.knee_tokens) - max(0, base - lat.knee_tokens)
-                fixed = p_reuse * (lat.per_token_s * over + lat.per_attn_s * bs * (bs + 1) / 2)
-                slope = p_reuse * lat.per_attn_s * bs * bs
+                demand = self._demand(block)
+                p_reuse = self.sessions.block_reuse_probability(block.sessions, block.session_id, now)
+                base = self.sessions.expected_next_tokens(block.session_id)
+                fixed, slope = self.latency.block_rebuild_line(bs, base)
                 tier, since = (0, 0.0) if demand is None else (1, -demand)
-                terms = per_session[group] = (tier, since, fixed, slope)
+                terms = per_session[group] = (tier, since, p_reuse * fixed, p_reuse * slope)
             tier, since, fixed, slope = terms
             return (tier, since, fixed + slope * block.position, block.last_access, -block.position)
 
-        victims = heapq.nsmallest(count, self._blocks.values(), key=key)
+        return key
+
+    def pop_victims(self, count: int, now: float) -> list[KVBlock]:
+        # NOTE: runs on every allocation that must evict, over every candidate, on the engine's
+        # critical path: hence the per-session terms of key_function.
+        victims = heapq.nsmallest(count, self._blocks.values(), key=self.key_function(now))
         for block in victims:
             del self._blocks[block.block_id]
         return victims
