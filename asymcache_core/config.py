@@ -36,8 +36,13 @@ class EngineConfig:
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
         priority: admission order of waiting work: ``fcfs`` (by request) or ``program`` (by job).
         attention_backend: ``auto``, ``torch``, ``naive`` or ``triton``.
-        enforce_eager: never capture CUDA graphs (vLLM's flag). Otherwise decode-only steps
-            replay a CUDA graph on CUDA with the Triton backend; other steps always run eagerly.
+        enforce_eager: never capture CUDA graphs (vLLM's flag). Otherwise, on CUDA with the
+            Triton backend, decode-only steps replay one CUDA graph and other steps of at most
+            ``mixed_graph_max_tokens`` tokens replay piecewise graphs around the eager MSA
+            (:mod:`~asymcache_core.piecewise_graphs`).
+        mixed_graph_max_tokens: largest step (tokens) captured piecewise; ``0`` runs every
+            step with prefill or hole tokens eagerly. Above ~1,000 tokens a step is GPU-bound,
+            so capturing it saves nothing.
         seed: seeds dummy weights and random sampling without a per-request seed.
     """
 
@@ -58,6 +63,7 @@ class EngineConfig:
     priority: str = "fcfs"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    mixed_graph_max_tokens: int = 1024
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -102,6 +108,12 @@ class EngineConfig:
             raise ValueError(f"attention_backend: one of {BACKENDS}, got {self.attention_backend!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
+        if (
+            not isinstance(self.mixed_graph_max_tokens, int)
+            or isinstance(self.mixed_graph_max_tokens, bool)
+            or self.mixed_graph_max_tokens < 0
+        ):
+            raise ValueError(f"mixed_graph_max_tokens: must be an integer >= 0, got {self.mixed_graph_max_tokens!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
 

@@ -198,6 +198,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 cuda_graphs=not config.enforce_eager and device.type == "cuda" and backend.name == "triton",
+                mixed_graph_tokens=config.mixed_graph_max_tokens,
             )
             self.attention_backend = backend.name
         else:

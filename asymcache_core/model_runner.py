@@ -8,6 +8,7 @@ import torch
 
 from asymcache_core.cuda_graphs import DecodeGraphs, decode_batch
 from asymcache_core.loaders import LoadedModel
+from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import Sampler
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
@@ -20,6 +21,7 @@ class StepInputs(NamedTuple):
     Attributes:
         input_ids: packed token ids.
         positions: their absolute positions.
+        slots: their KV slots.
         meta: MSA metadata (segments, block tables, slot mapping).
         logits_rows: packed row of each sampling request's last token.
         sample_index: index into ``SchedulerOutput.scheduled`` of each sampling row.
@@ -27,6 +29,7 @@ class StepInputs(NamedTuple):
 
     input_ids: list[int]
     positions: list[int]
+    slots: list[int]
     meta: MSAMetadata
     logits_rows: list[int]
     sample_index: list[int]
@@ -46,6 +49,8 @@ class ModelRunner:
         max_model_len: longest context (sizes the CUDA graphs' buffers).
         max_num_seqs: most sequences in one step (the largest CUDA graph).
         cuda_graphs: capture decode-only steps as CUDA graphs (CUDA with the Triton backend).
+        mixed_graph_tokens: with ``cuda_graphs``, also capture other steps of up to this many
+            tokens piecewise (:class:`~asymcache_core.piecewise_graphs.PiecewiseGraphs`); 0: no.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class ModelRunner:
         max_model_len: int = 0,
         max_num_seqs: int = 0,
         cuda_graphs: bool = False,
+        mixed_graph_tokens: int = 0,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -77,6 +83,11 @@ class ModelRunner:
         if cuda_graphs:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, backend, block_size, max_model_len, max_num_seqs, device
+            )
+        self.mixed_graphs: PiecewiseGraphs | None = None
+        if cuda_graphs and mixed_graph_tokens > 0:
+            self.mixed_graphs = PiecewiseGraphs(
+                self.model, self.kv_caches, backend, piecewise_sizes(mixed_graph_tokens), device
             )
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
@@ -107,7 +118,7 @@ class ModelRunner:
         # NOTE: once per step, not once per layer: the backend's launch plan (the Triton tile
         # table and its copy to the device) is shared by all layers.
         meta = self.backend.prepare(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        return StepInputs(input_ids, positions, meta, logits_rows, sample_index)
+        return StepInputs(input_ids, positions, slots, meta, logits_rows, sample_index)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
@@ -119,14 +130,19 @@ class ModelRunner:
                 return self._sample(plan, list(range(len(plan.scheduled))), logits)
         inputs = self.prepare(plan)
         dev = self.device
-        logits = self.model(
-            torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
-            self.kv_caches,
-            inputs.meta,
-            self.backend,
-            torch.tensor(inputs.logits_rows, dtype=torch.long).to(dev, non_blocking=True),
-        )
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.long).to(dev, non_blocking=True)
+        logits = None
+        if self.mixed_graphs is not None:
+            logits = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.meta, rows)
+        if logits is None:
+            logits = self.model(
+                torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
+                self.kv_caches,
+                inputs.meta,
+                self.backend,
+                rows,
+            )
         return self._sample(plan, inputs.sample_index, logits)
 
     def _sample(self, plan: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> dict[str, int]:

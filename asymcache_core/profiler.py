@@ -111,6 +111,10 @@ def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | No
         else:
             meta = runner.backend.prepare(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
             forward = functools.partial(runner.model, ids, pos, runner.kv_caches, meta, runner.backend, rows)
+            pieces = getattr(runner, "mixed_graphs", None)
+            if pieces is not None and pieces.size_for(len(positions)) is not None:
+                # NOTE: likewise, steps up to the largest piecewise size replay graph pieces.
+                forward = functools.partial(pieces.run, ids.tolist(), positions, slots, meta, rows)
 
         times = []
         with torch.inference_mode():

@@ -27,8 +27,12 @@ def store_kv_torch(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes this step's K/V ``[T, HKV, D]`` into their slots of the paged caches."""
+    """Writes this step's K/V ``[T, HKV, D]`` into their slots of the paged caches; a negative
+    slot (padding) is skipped, as in the Triton store."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = k
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = v
 

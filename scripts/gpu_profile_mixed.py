@@ -51,16 +51,21 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, nargs="+", default=[0, 1, 4, 8])
     ap.add_argument("--chunks", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run of the script)")
+    ap.add_argument("--mixed-graph-tokens", type=int, default=1024,
+                    help="largest step replayed as piecewise CUDA graphs (0: mixed steps run eagerly)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     loaded = load_model(args.model, dev, dtype, seed=0)
     engine = Engine(model=args.model, device=args.device, loaded=loaded, num_kv_blocks=16384,
-                    max_num_batched_tokens=8192, max_model_len=32768, latency_profile=args.profile or None)
+                    max_num_batched_tokens=8192, max_model_len=32768, latency_profile=args.profile or None,
+                    mixed_graph_max_tokens=args.mixed_graph_tokens)
     runner = engine.runner
     phases: dict[str, list[float]] = defaultdict(list)
     runner.prepare = timed(runner.prepare, phases["prepare"])  # type: ignore[method-assign]
     runner.model = timed(runner.model, phases["forward"])  # type: ignore[method-assign]
+    if runner.mixed_graphs is not None:
+        runner.mixed_graphs.run = timed(runner.mixed_graphs.run, phases["forward"])  # type: ignore[method-assign]
     runner._sample = timed(runner._sample, phases["sample"])  # type: ignore[method-assign]
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(3)
@@ -69,7 +74,8 @@ def main() -> None:
         return torch.randint(1000, vocab - 1000, (n,), generator=gen).tolist()
 
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
-    print(f"# {name}, torch {torch.__version__}, {args.model}, profile {args.profile}")
+    print(f"# {name}, torch {torch.__version__}, {args.model}, profile {args.profile}, "
+          f"mixed steps up to {args.mixed_graph_tokens} tokens as piecewise graphs")
     print("| decodes x context | prefill | step ms | schedule | prepare | forward | sample | other | predicted ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     last = None

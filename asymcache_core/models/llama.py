@@ -97,26 +97,29 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(
+    def project(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: MSAMetadata,
+        slot_mapping: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        """Projects ``x [T, hidden]``, rotates q and k, stores k and v at ``slot_mapping``.
+
+        Returns:
+            ``q [T, HQ, D]`` (a view of the fused projection).
+        """
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
         # NOTE: q and k are adjacent in the fused projection: rotate them in one pass.
         qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].reshape(-1, heads, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].reshape(-1, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
         # NOTE: every new K/V of the step is stored before any query attends, so holes and
         # suffixes computed in the same step see each other at their absolute positions.
-        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        backend.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        return q
 
 
 class MLP(nn.Module):
@@ -179,18 +182,60 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            if residual is None:
-                residual = h
-            else:
-                residual = residual + h
-            h = layer.self_attn(layer.input_layernorm(residual), rope, kv_cache, meta, backend)
-            residual = residual + h
-            h = layer.mlp(layer.post_attention_layernorm(residual))
+        for index, kv_cache in enumerate(kv_caches):
+            q, residual = self.pre_attention(index, h, residual, rope, kv_cache, meta.slot_mapping, backend)
+            o = backend.attend(q, kv_cache[0], kv_cache[1], meta, self.layers[index].self_attn.scale)
+            h, residual = self.post_attention(index, o, residual)
         assert residual is not None
+        return self.compute_logits(h, residual, logits_indices)
+
+    # NOTE: the step is split at attention so that piecewise CUDA graphs
+    # (asymcache_core.piecewise_graphs) can capture everything between two attention calls;
+    # ``forward`` is the same pieces run eagerly, so both paths share one definition.
+    def pre_attention(
+        self,
+        index: int,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index`` up to attention: adds ``h`` (the previous layer's output; the
+        embeddings for layer 0, with ``residual=None``) to the residual stream, normalises,
+        projects and stores this step's K/V.
+
+        Returns:
+            ``(q [T, HQ, D], residual [T, hidden])``.
+        """
+        residual = h if residual is None else residual + h
+        layer = self.layers[index]
+        q = layer.self_attn.project(layer.input_layernorm(residual), rope, kv_cache, slot_mapping, backend)
+        return q, residual
+
+    def post_attention(
+        self, index: int, o: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index`` after attention: output projection, residual, MLP.
+
+        Args:
+            index: the layer.
+            o: ``[T, HQ, D]`` or ``[T, HQ * D]`` attention output.
+            residual: the residual stream from :meth:`pre_attention`.
+
+        Returns:
+            ``(h, residual)``: the MLP output (not yet added) and the residual stream.
+        """
+        layer = self.layers[index]
+        attn = layer.self_attn
+        residual = residual + attn.o_proj(o.reshape(-1, attn.q_size))
+        return layer.mlp(layer.post_attention_layernorm(residual)), residual
+
+    def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """``[len(logits_indices), vocab]`` float32 logits of the selected rows."""
         out = residual + h
-        out = self.norm(out[logits_indices])
-        return self.lm_head(out).float()
+        return self.lm_head(self.norm(out[logits_indices])).float()
 
 
 # Legacy per-projection names in checkpoints -> (fused param, slice index).
