@@ -161,8 +161,10 @@ def test_pop_victims_follows_the_expected_cost_on_a_mixed_pool():
         clock.now = 1.0 + i
         cached(pool, sid, positions[sid], 10_000 * (i + 1))
     # shared-prefix blocks: one hash reached by two sessions (the second use finds it cached)
-    for bid in list(pool.policy.candidates())[:6]:
-        pool.blocks[bid.block_id].sessions |= {"s1", "s6"}
+    for block in list(pool.policy.candidates())[:6]:
+        pool.touch([block.block_id], session_id="s1")
+        pool.touch([block.block_id], session_id="s6")
+        pool.free([block.block_id, block.block_id])
     sessions.on_arrival("s2", 9.0, 40)  # a request waiting for admission
     sessions.on_arrival("s7", 9.5, 40)
     clock.now = 12.0
@@ -174,3 +176,44 @@ def test_pop_victims_follows_the_expected_cost_on_a_mixed_pool():
 
     expected = sorted(pool.policy.candidates(), key=reference)
     assert [b.block_id for b in pool.policy.pop_victims(len(expected), 12.0)] == [b.block_id for b in expected]
+
+
+def test_grouped_victim_search_matches_the_key_under_churn():
+    """Blocks come and go (cache hits take them back, evictions pop them) while sessions
+    arrive, finish and end: every call's victims are exactly the smallest keys of
+    ``key_function`` over the candidates at that moment, ties by candidacy order."""
+    import random
+
+    rng = random.Random(11)
+    pool, sessions, clock = make_pool(blocks=400)
+    names = [f"s{i}" for i in range(12)]
+    next_hash = iter(range(1, 10**9))
+    for step in range(60):
+        clock.now = float(step)
+        sid = rng.choice(names)
+        event = rng.random()
+        if event < 0.35:
+            sessions.on_arrival(sid, clock.now, rng.randint(16, 900))
+        elif event < 0.7:
+            sessions.on_finish(sid, clock.now, last_step=rng.random() < 0.1, context_tokens=rng.randint(100, 900))
+        if pool.num_free_blocks >= 8:
+            ids = pool.allocate(rng.randint(1, 8), session_id=sid)
+            for bid in ids:
+                pool.cache_block(bid, next(next_hash), rng.randint(0, 80))
+            pool.free(ids)
+        held = list(pool.policy.candidates())
+        if held and rng.random() < 0.5:  # cache hits by another session, released again
+            hits = [b.block_id for b in rng.sample(held, min(len(held), 3))]
+            pool.touch(hits, session_id=rng.choice(names))
+            pool.free(hits)
+        if len(pool.policy) > 20 and rng.random() < 0.4:
+            count = rng.randint(1, 6)
+            key = pool.policy.key_function(clock.now)
+            expected = sorted(pool.policy.candidates(), key=key)[:count]
+            got = pool.policy.pop_victims(count, clock.now)
+            assert [b.block_id for b in got] == [b.block_id for b in expected]
+            for block in got:  # evicted: the pool recycles them (as BlockPool.allocate does)
+                del pool.cached[block.block_hash]
+                block.reset()
+                pool.free_uncached.append(block.block_id)
+    assert len(pool.policy) > 0

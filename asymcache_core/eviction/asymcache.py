@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from asymcache_core.eviction.base import EvictionPolicy, PolicyContext
@@ -53,8 +55,12 @@ class AsymCachePolicy(EvictionPolicy):
       cheapest rebuild first: the misses fall on one request instead of on every waiting one.
 
     Scores change as time passes (sessions idle past their usual gap lose probability), so they
-    are computed when victims are chosen, once per allocation, over all candidates (each
-    session's state once per call).
+    are computed when victims are chosen. A block's key only depends on its sessions' state and
+    its own position and last access, so candidates are kept in groups that share their sessions:
+    each group's terms are computed once per call, and within a group the order is fixed (by
+    position when the rebuild cost grows with it, else by recency), so a call merges the groups'
+    heads instead of scoring every candidate (O(groups + victims x log groups), not
+    O(candidates): vLLM-sized pools hold tens of thousands of candidates).
     """
 
     name = "asymcache"
@@ -62,15 +68,39 @@ class AsymCachePolicy(EvictionPolicy):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        self._blocks: dict[int, KVBlock] = {}
         self.sessions: SessionStats = ctx.sessions if ctx.sessions is not None else SessionStats()
         self.latency: LatencyModel = ctx.latency_model or LatencyModel(1e-3, 1e-5, 1e-9, 64)
+        self._live: dict[int, tuple[int, KVBlock, _GroupKey]] = {}
+        self._groups: dict[_GroupKey, _Group] = {}
+        self._tick = itertools.count()
 
     def add(self, block: KVBlock, now: float) -> None:
-        self._blocks[block.block_id] = block
+        tick = next(self._tick)
+        key = _group_key(block)
+        self._live[block.block_id] = (tick, block, key)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group()
+        heapq.heappush(group.by_position, (block.position, block.last_access, tick, block.block_id))
+        heapq.heappush(group.by_recency, (block.last_access, -block.position, tick, block.block_id))
+        group.live += 1
 
     def remove(self, block: KVBlock) -> None:
-        del self._blocks[block.block_id]
+        _, _, key = self._live.pop(block.block_id)
+        group = self._groups[key]
+        group.live -= 1
+        if group.live == 0:
+            del self._groups[key]
+        elif len(group.by_position) > 4 * group.live + 64:
+            # NOTE: removed blocks stay in the heaps until they surface; bound the garbage.
+            group.by_position = [e for e in group.by_position if self._is_live(e)]
+            group.by_recency = [e for e in group.by_recency if self._is_live(e)]
+            heapq.heapify(group.by_position)
+            heapq.heapify(group.by_recency)
+
+    def _is_live(self, entry: tuple) -> bool:
+        live = self._live.get(entry[-1])
+        return live is not None and live[0] == entry[-2]
 
     def score(self, block: KVBlock, now: float) -> float:
         """Expected latency lost by evicting ``block`` now (seconds)."""
@@ -78,48 +108,92 @@ class AsymCachePolicy(EvictionPolicy):
         base = self.sessions.expected_next_tokens(block.session_id)
         return expected_latency_cost(p_reuse, block.position, self.ctx.block_size, base, self.latency)
 
-    def _demand(self, block: KVBlock) -> float | None:
-        """Earliest arrival among the block's sessions with a request waiting for it, or None."""
-        arrivals = (self.sessions.demand_since(sid) for sid in (block.sessions or (block.session_id,)))
-        return min((t for t in arrivals if t is not None), default=None)
+    def _terms(self, key: _GroupKey, now: float) -> tuple[int, float, float, float]:
+        """A group's key terms at ``now``: ``(in demand, -arrival if in demand, cost at position
+        0, cost per position)``; the cost is P(reuse) x the model's rebuild line."""
+        sessions, session_id = key
+        arrivals = (self.sessions.demand_since(sid) for sid in (sessions or (session_id,)))
+        demand = min((t for t in arrivals if t is not None), default=None)
+        p_reuse = self.sessions.block_reuse_probability(set(sessions), session_id, now)
+        base = self.sessions.expected_next_tokens(session_id)
+        fixed, slope = self.latency.block_rebuild_line(self.ctx.block_size, base)
+        tier, since = (0, 0.0) if demand is None else (1, -demand)
+        return tier, since, p_reuse * fixed, p_reuse * slope
 
     def key_function(self, now: float) -> Callable[[KVBlock], tuple]:
-        """The eviction order at ``now``: a sort key per block, smallest goes first.
-
-        ``(in demand, -arrival if in demand, expected cost, last access, -position)``. A
-        block's key only depends on its sessions' state and its own position, so the
-        per-session terms (demand, P(reuse), the rebuild cost as a line in the position) are
-        computed once per session, not per block.
-        """
-        bs = self.ctx.block_size
-        per_session: dict[object, tuple[int, float, float, float]] = {}
+        """The eviction order at ``now`` as a sort key per block, smallest goes first:
+        ``(in demand, -arrival if in demand, expected cost, last access, -position)``.
+        ``pop_victims`` yields this order (ties by when blocks became candidates)."""
+        terms: dict[_GroupKey, tuple[int, float, float, float]] = {}
 
         def key(block: KVBlock) -> tuple:
-            # the shared-prefix probability depends on all its sessions, the turn size on the last
-            group: object = (frozenset(block.sessions), block.session_id) if block.sessions else block.session_id
-            terms = per_session.get(group)
-            if terms is None:
-                demand = self._demand(block)
-                p_reuse = self.sessions.block_reuse_probability(block.sessions, block.session_id, now)
-                base = self.sessions.expected_next_tokens(block.session_id)
-                fixed, slope = self.latency.block_rebuild_line(bs, base)
-                tier, since = (0, 0.0) if demand is None else (1, -demand)
-                terms = per_session[group] = (tier, since, p_reuse * fixed, p_reuse * slope)
-            tier, since, fixed, slope = terms
+            group = _group_key(block)
+            if group not in terms:
+                terms[group] = self._terms(group, now)
+            tier, since, fixed, slope = terms[group]
             return (tier, since, fixed + slope * block.position, block.last_access, -block.position)
 
         return key
 
     def pop_victims(self, count: int, now: float) -> list[KVBlock]:
-        # NOTE: runs on every allocation that must evict, over every candidate, on the engine's
-        # critical path: hence the per-session terms of key_function.
-        victims = heapq.nsmallest(count, self._blocks.values(), key=self.key_function(now))
-        for block in victims:
-            del self._blocks[block.block_id]
+        # NOTE: runs on every allocation that must evict, on the engine's critical path.
+        frontier: list[tuple[tuple, int, _GroupKey]] = []
+        ordered: dict[_GroupKey, tuple[list[tuple], tuple[int, float, float, float]]] = {}
+        for key, group in self._groups.items():
+            terms = self._terms(key, now)
+            # NOTE: with a cost that grows with position, a group's order is by position (then
+            # recency); with a flat cost (P(reuse) = 0, or no attention term) it is by recency.
+            heap = group.by_position if terms[3] > 0 else group.by_recency
+            ordered[key] = (heap, terms)
+            self._push_head(frontier, key, heap, terms)
+        victims: list[KVBlock] = []
+        while len(victims) < count and frontier:
+            _, _, key = heapq.heappop(frontier)
+            heap, terms = ordered[key]
+            entry = heapq.heappop(heap)
+            _, block, _ = self._live.pop(entry[-1])
+            victims.append(block)
+            group = self._groups[key]
+            group.live -= 1
+            if group.live == 0:
+                del self._groups[key]
+                continue
+            self._push_head(frontier, key, heap, terms)
         return victims
 
+    def _push_head(
+        self, frontier: list, key: _GroupKey, heap: list[tuple], terms: tuple[int, float, float, float]
+    ) -> None:
+        """Pushes the group's next live candidate (dropping stale heap rows) onto ``frontier``."""
+        while heap and not self._is_live(heap[0]):
+            heapq.heappop(heap)
+        if not heap:
+            return
+        block = self._live[heap[0][-1]][1]
+        tier, since, fixed, slope = terms
+        full = (tier, since, fixed + slope * block.position, block.last_access, -block.position)
+        heapq.heappush(frontier, (full, heap[0][-2], key))
+
     def candidates(self) -> Iterator[KVBlock]:
-        return iter(list(self._blocks.values()))
+        return iter([block for _, block, _ in self._live.values()])
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._live)
+
+
+_GroupKey = tuple[frozenset[str], "str | None"]
+
+
+def _group_key(block: KVBlock) -> _GroupKey:
+    """Candidates with the same sessions (and last session) share every per-session term."""
+    return (frozenset(block.sessions), block.session_id)
+
+
+@dataclass
+class _Group:
+    """One group's candidates in its two possible orders (heaps with lazy deletion: rows of
+    removed blocks are skipped when they surface). Rows end with ``(tick, block_id)``."""
+
+    by_position: list[tuple[int, float, int, int]] = field(default_factory=list)
+    by_recency: list[tuple[float, int, int, int]] = field(default_factory=list)
+    live: int = 0
