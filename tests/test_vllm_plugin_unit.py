@@ -326,11 +326,33 @@ def test_note_hash_change_and_refile() -> None:
     assert pool.queue.num_free_blocks == 3
 
 
+def _check_pops_against_dry_run(pool: FakePool, pins: PinSet) -> list[int]:
+    """Wraps the queue's ``popleft_n``: every live pop (indexed plan) must give the blocks that
+    a dry run (full scan on a copy of the forest) would give first. Returns the pop sizes."""
+    queue = pool.queue
+    live_pop = queue.popleft_n
+    sizes: list[int] = []
+
+    def popleft_n(n: int) -> list[FakeBlock]:
+        pins.expire(pool.clock())  # the live pop expires pins first; so must the reference
+        expected = [b.block_id for b in queue.get_all_free_blocks()][:n]
+        got = live_pop(n)
+        assert [b.block_id for b in got] == expected
+        sizes.append(n)
+        return got
+
+    queue.popleft_n = popleft_n  # type: ignore[method-assign]
+    return sizes
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workload_never_orphans(seed: int) -> None:
+    """Random jobs with shared prefixes, pins and a small pool: no cached block is ever left
+    unreachable, and every pop follows the full-scan reference plan."""
     rng = random.Random(seed)
     pins = PinSet(capacity_blocks=6)
     pool = FakePool(24, pins)
+    pops = _check_pops_against_dry_run(pool, pins)
     prefixes = [chain(f"sys{i}_", rng.randint(1, 3)) for i in range(3)]
     live: list[tuple[str, str]] = []
     for step in range(120):
@@ -355,6 +377,7 @@ def test_random_workload_never_orphans(seed: int) -> None:
         assert pool.reachable_violations() == []
     assert pool.queue.stats.forced_orphans == 0
     assert pool.queue.stats.evicted_cached > 0
+    assert len(pops) > 20
 
 
 def test_parse_job_hints() -> None:

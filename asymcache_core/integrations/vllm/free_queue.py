@@ -23,6 +23,12 @@ tracks the cached hash chains (copies per hash, cached children per hash); the l
 forest, and hashes held by more than one block, are the candidates. Evicting a leaf may turn its
 parent into a leaf within the same allocation.
 
+An eviction does not scan the free blocks: the queue indexes them by forest key and keeps the
+set of keys that are evictable now (the forest reports every count change), so a plan scores
+only the current leaves and wakes a parent's blocks when its last child goes. A dry run
+(:meth:`ExpectedLatencyFreeQueue.get_all_free_blocks`) scans everything on a copy of the forest:
+the reference the indexed plan is tested against.
+
 Everything here is plain Python over duck-typed blocks (``block_id``, ``block_hash``,
 ``ref_cnt``): the vLLM scheduler (``scheduler.py``) wires it to real ``KVCacheBlock`` objects
 and tests drive it with fakes.
@@ -58,6 +64,11 @@ class CachedForest:
     Keys are vLLM's hash keys (block hash + group id). A key's parent is the key of the block
     before it in the same request's chain; the chain is a pure function of the tokens, so a key
     always has the same parent and the relation, once learned, never changes.
+
+    Attributes:
+        watcher: called with every key whose :meth:`evictable` answer may have changed (and
+            with ``None`` when every key's may have: :meth:`clear`); the free queue keeps its
+            index of evictable keys current with it.
     """
 
     def __init__(self) -> None:
@@ -65,6 +76,11 @@ class CachedForest:
         self._copies: dict[Hashable, int] = {}
         self._children: dict[Hashable, int] = {}
         self._key_of: dict[int, Hashable] = {}
+        self.watcher: Callable[[Hashable | None], None] | None = None
+
+    def _changed(self, key: Hashable | None) -> None:
+        if self.watcher is not None:
+            self.watcher(key)
 
     def learn_chain(self, keys: Sequence[Hashable], start: int = 0) -> None:
         """Records parent links of a request's chain of keys.
@@ -83,6 +99,7 @@ class CachedForest:
             copies = self._copies.get(key, 0)
             if parent is not None and copies:
                 self._children[parent] = self._children.get(parent, 0) + copies
+                self._changed(parent)
 
     def add(self, block_id: int, key: Hashable) -> None:
         """Block ``block_id`` now caches ``key`` (its primary hash)."""
@@ -91,9 +108,11 @@ class CachedForest:
         self.remove(block_id)
         self._key_of[block_id] = key
         self._copies[key] = self._copies.get(key, 0) + 1
+        self._changed(key)
         parent = self._parent.get(key)
         if parent is not None:
             self._children[parent] = self._children.get(parent, 0) + 1
+            self._changed(parent)
 
     def remove(self, block_id: int) -> Hashable | None:
         """Block ``block_id`` lost its cached content (idempotent).
@@ -109,6 +128,7 @@ class CachedForest:
             self._copies[key] = left
         else:
             self._copies.pop(key, None)
+        self._changed(key)
         parent = self._parent.get(key)
         if parent is None:
             return None
@@ -117,6 +137,7 @@ class CachedForest:
             self._children[parent] = kids
         else:
             self._children.pop(parent, None)
+        self._changed(parent)
         return parent
 
     def clear(self) -> None:
@@ -124,6 +145,7 @@ class CachedForest:
         self._copies.clear()
         self._children.clear()
         self._key_of.clear()
+        self._changed(None)
 
     def key_of(self, block_id: int) -> Hashable | None:
         """The key ``block_id`` is counted under, or ``None``."""
@@ -146,7 +168,7 @@ class CachedForest:
         return self._copies.get(key, 0) > 1 or self._children.get(key, 0) == 0
 
     def copy(self) -> CachedForest:
-        """A copy whose counts can be changed without touching this one."""
+        """A copy whose counts can be changed without touching this one (and unwatched)."""
         twin = CachedForest()
         twin._parent = self._parent  # NOTE: links are immutable facts; sharing them is safe.
         twin._copies = dict(self._copies)
@@ -287,6 +309,13 @@ class ExpectedLatencyFreeQueue:
         self.stats = QueueStats()
         self._uncached: OrderedDict[int, FreeBlock] = OrderedDict()
         self._cached: dict[int, tuple[int, FreeBlock]] = {}
+        # Index of the cached free blocks by forest key, and the keys that are evictable now:
+        # a plan starts from these instead of scanning every free block (vLLM pools hold tens of
+        # thousands); the forest reports every key whose evictability may change.
+        self._key_blocks: dict[Hashable, set[int]] = {}
+        self._index_key: dict[int, Hashable] = {}
+        self._evictable_keys: set[Hashable] = set()
+        self.forest.watcher = self._on_forest_change
         self._tick = itertools.count()
         # NOTE: blocks prepended as "evict first" get ticks below every appended block.
         self._front_tick = itertools.count(-1, -1)
@@ -333,7 +362,7 @@ class ExpectedLatencyFreeQueue:
                 self.pins.expire(now)
             chosen, released, forced = self._plan(n - len(out), now, self.forest, mutate=True)
             for block_id in chosen:
-                out.append(self._cached.pop(block_id)[1])
+                out.append(self._pop_cached(block_id))
             self.stats.pressure_unpins += released
             self.stats.forced_orphans += forced
             self.stats.evicted_cached += len(chosen)
@@ -349,7 +378,8 @@ class ExpectedLatencyFreeQueue:
         block_id = block.block_id
         if self._uncached.pop(block_id, None) is not None:
             return
-        if self._cached.pop(block_id, None) is not None:
+        if block_id in self._cached:
+            self._pop_cached(block_id)
             return
         raise RuntimeError(f"remove() called on a block that is not free: {block_id}")
 
@@ -393,14 +423,14 @@ class ExpectedLatencyFreeQueue:
             del self._uncached[block_id]
             self._add(block, front=False)
         elif block_id in self._cached and block.block_hash is None:
-            del self._cached[block_id]
+            self._pop_cached(block_id)
             self._add(block, front=True)
 
     def refile_all(self) -> None:
         """Re-files every free block by its current hash (after a prefix-cache reset)."""
         for block_id, (_, block) in list(self._cached.items()):
             if block.block_hash is None:
-                del self._cached[block_id]
+                self._pop_cached(block_id)
                 self._add(block, front=True)
 
     def __contains__(self, block: object) -> bool:
@@ -423,6 +453,43 @@ class ExpectedLatencyFreeQueue:
         else:
             tick = next(self._front_tick) if front else next(self._tick)
             self._cached[block_id] = (tick, block)
+            self._index(block)
+
+    def _pop_cached(self, block_id: int) -> FreeBlock:
+        """Takes a cached block out of the free set and the index."""
+        _, block = self._cached.pop(block_id)
+        key = self._index_key.pop(block_id)
+        ids = self._key_blocks[key]
+        ids.discard(block_id)
+        if not ids:
+            del self._key_blocks[key]
+        self._refresh(key)
+        return block
+
+    def _index(self, block: FreeBlock) -> None:
+        key = self.forest.key_of(block.block_id) or block.block_hash
+        self._index_key[block.block_id] = key
+        self._key_blocks.setdefault(key, set()).add(block.block_id)
+        self._refresh(key)
+
+    def _refresh(self, key: Hashable) -> None:
+        """Files ``key`` as evictable or not, by the forest's current counts."""
+        if key in self._key_blocks and self.forest.evictable(key):
+            self._evictable_keys.add(key)
+        else:
+            self._evictable_keys.discard(key)
+
+    def _on_forest_change(self, key: Hashable | None) -> None:
+        if key is not None:
+            self._refresh(key)
+            return
+        # Every count changed (a reset): re-key every cached free block.
+        blocks = [block for _, block in self._cached.values()]
+        self._key_blocks.clear()
+        self._index_key.clear()
+        self._evictable_keys.clear()
+        for block in blocks:
+            self._index(block)
 
     def _plan(
         self, k: int, now: float, forest: CachedForest, mutate: bool
@@ -438,11 +505,15 @@ class ExpectedLatencyFreeQueue:
         Returns:
             (victim block ids in order, pins released under pressure, forced orphans).
         """
+        # NOTE: a live plan (the queue's own forest, pins released for real) starts from the
+        # index of evictable keys and wakes parked keys from it; a dry run, on a copy of the
+        # forest, scans every free block (the reference the live plan is tested against).
+        live = mutate and forest is self.forest
         pressure = list(self.pins.pressure_order()) if self.pins is not None else []
         pinned: set[int] = set()
         for _, block_ids in pressure:
             pinned.update(b for b in block_ids if b in self._cached)
-        if self.pins is not None:
+        if self.pins is not None and not live:
             # NOTE: pressure_order covers every pin; re-check in case a registry filters it.
             pinned.update(b for b in self._cached if self.pins.is_pinned(b))
 
@@ -465,6 +536,8 @@ class ExpectedLatencyFreeQueue:
         def consider(block_id: int) -> None:
             if block_id in taken or block_id in pinned:
                 return
+            if live and self.pins is not None and self.pins.is_pinned(block_id):
+                return
             block = self._cached[block_id][1]
             key = block.block_hash
             if key is None or forest.evictable(forest.key_of(block_id) or key):
@@ -472,15 +545,27 @@ class ExpectedLatencyFreeQueue:
             else:
                 waiting.setdefault(forest.key_of(block_id) or key, []).append(block_id)
 
-        for block_id in self._cached:
-            consider(block_id)
+        if live:
+            for key in list(self._evictable_keys):
+                for block_id in list(self._key_blocks[key]):
+                    consider(block_id)
+        else:
+            for block_id in self._cached:
+                consider(block_id)
+
+        def parked(key: Hashable) -> list[int]:
+            """Free blocks of ``key`` not yet in the heap (it just became evictable)."""
+            ids = waiting.pop(key, [])
+            if live:
+                ids += [b for b in self._key_blocks.get(key, ()) if b not in taken]
+            return ids
 
         def take(block_id: int) -> None:
             chosen.append(block_id)
             taken.add(block_id)
             parent = forest.remove(block_id)
             if parent is not None and forest.evictable(parent):
-                for other in waiting.pop(parent, []):
+                for other in parked(parent):
                     consider(other)
 
         while len(chosen) < k:
