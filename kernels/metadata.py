@@ -78,7 +78,12 @@ def build_msa_metadata(
     Returns:
         The metadata, tensors on ``device``.
     """
+    # NOTE: the width (the table's row stride) is padded to a multiple of 16: Triton compiles
+    # one kernel variant per divisibility of an integer argument, so a width that is sometimes
+    # a multiple of 16 and sometimes not would compile every MSA configuration twice, the
+    # second time in the middle of a run (about a second each on a GPU).
     max_blocks = max((len(t) for t in block_tables), default=1) or 1
+    max_blocks = -(-max_blocks // 16) * 16
     padded = [t + [0] * (max_blocks - len(t)) for t in block_tables] or [[0]]
     seg = list(zip(*segments, strict=True)) if segments else [(), (), (), ()]
 
