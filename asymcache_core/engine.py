@@ -13,6 +13,7 @@ import torch
 from asymcache_core.block_pool import BlockPool
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
+from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
@@ -367,18 +368,27 @@ class Engine:
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif token in params.stop_token_ids:
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            request.text = text
-            for stop in params.stop:
-                idx = text.find(stop)
-                if idx >= 0:
-                    request.text = text[:idx]
+        at_length = len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
+        if self.tokenizer is not None:
+            detok = request.detok
+            before = len(detok.text)
+            new = detokenize_incrementally(
+                self.tokenizer, request.output_token_ids, detok, final=request.finished or at_length
+            )
+            request.text = detok.text
+            # NOTE: only text that can contain a stop string for the first time is searched:
+            # the new piece and the longest stop string's length before it.
+            longest = max((len(stop) for stop in params.stop), default=0)
+            start = max(0, before - longest + 1)
+            for stop in params.stop if new else ():
+                idx = detok.text.find(stop, start)
+                if idx >= 0:  # NOTE: the first stop string of the list that occurs wins (vLLM's rule)
+                    request.text = detok.text[:idx]
                     request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
                     return
         if request.finished:
             return
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if at_length:
             request.status = RequestStatus.FINISHED_LENGTH
 
     def _finish(self, request: Request, now: float) -> None:
@@ -410,9 +420,11 @@ class Engine:
         del self.requests[request.request_id]
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
-        # NOTE: with stop strings, _check_stop already decoded (and cut) this step's text.
-        if self.tokenizer is not None and not request.params.stop:
-            request.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        # NOTE: _check_stop already decoded this step's tokens (incrementally) and cut the text
+        # at a stop string; an aborted request flushes what it held back.
+        if self.tokenizer is not None and request.finished and request.text == request.detok.text:
+            detokenize_incrementally(self.tokenizer, request.output_token_ids, request.detok, final=True)
+            request.text = request.detok.text
         text = request.text
         reason = request.status.value if request.finished else None
         return RequestOutput(

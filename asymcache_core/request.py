@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from asymcache_core.detokenizer import DetokenizerState
 from asymcache_core.sampling_params import SamplingParams
 
 HOLE = -1
@@ -113,7 +114,7 @@ class Request:
         self.max_computed_ever = 0
         self.stop_reason: int | str | None = None
         self.text = ""
-        self.text_offset = 0
+        self.detok = DetokenizerState()
 
     @property
     def num_tokens(self) -> int:
