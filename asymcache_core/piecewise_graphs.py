@@ -115,7 +115,7 @@ class PiecewiseGraphs:
         self.token_rows[2] = -1
         self.query = torch.zeros((largest, cfg.num_attention_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attn_out = torch.zeros((largest, cfg.num_attention_heads * cfg.head_dim), dtype=dtype, device=device)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = model.layers[0].self_attn.scale  # the model's own softmax scale
         self.pieces: dict[int, tuple[list[_Piece], dict[str, Any]]] = {}
         pool = None
         with torch.inference_mode():
