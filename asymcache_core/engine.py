@@ -317,6 +317,9 @@ class Engine:
         if request is None or request.finished:
             return False
         request.status = RequestStatus.FINISHED_ABORTED
+        if self.tokenizer is not None:  # flush text held back inside an unfinished character
+            detokenize_incrementally(self.tokenizer, request.output_token_ids, request.detok, final=True)
+            request.text = request.detok.text
         self._finish(request, self.clock())
         self._pending_outputs.append(self._output(request, []))
         return True
@@ -376,16 +379,17 @@ class Engine:
                 self.tokenizer, request.output_token_ids, detok, final=request.finished or at_length
             )
             request.text = detok.text
-            # NOTE: only text that can contain a stop string for the first time is searched:
-            # the new piece and the longest stop string's length before it.
-            longest = max((len(stop) for stop in params.stop), default=0)
-            start = max(0, before - longest + 1)
-            for stop in params.stop if new else ():
-                idx = detok.text.find(stop, start)
-                if idx >= 0:  # NOTE: the first stop string of the list that occurs wins (vLLM's rule)
-                    request.text = detok.text[:idx]
-                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                    return
+            if new and params.stop:
+                # NOTE: only text that can hold a stop string for the first time is searched:
+                # the new piece and the longest stop string's length before it. The first stop
+                # string of the list that occurs wins (vLLM's rule).
+                start = max(0, before - max(len(stop) for stop in params.stop) + 1)
+                for stop in params.stop:
+                    idx = detok.text.find(stop, start)
+                    if idx >= 0:
+                        request.text = detok.text[:idx]
+                        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+                        return
         if request.finished:
             return
         if at_length:
@@ -420,11 +424,7 @@ class Engine:
         del self.requests[request.request_id]
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
-        # NOTE: _check_stop already decoded this step's tokens (incrementally) and cut the text
-        # at a stop string; an aborted request flushes what it held back.
-        if self.tokenizer is not None and request.finished and request.text == request.detok.text:
-            detokenize_incrementally(self.tokenizer, request.output_token_ids, request.detok, final=True)
-            request.text = request.detok.text
+        # NOTE: _check_stop keeps request.text current (decoded incrementally, cut at a stop).
         text = request.text
         reason = request.status.value if request.finished else None
         return RequestOutput(

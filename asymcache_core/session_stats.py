@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 
@@ -148,7 +149,7 @@ class SessionStats:
         overstay = max(0.0, idle - 1.5 * scale)
         return base * math.exp(-overstay / scale)
 
-    def block_reuse_probability(self, sessions: set[str], session_id: str | None, now: float) -> float:
+    def block_reuse_probability(self, sessions: AbstractSet[str], session_id: str | None, now: float) -> float:
         """A block shared by several sessions is reused if any of them comes back."""
         if not sessions:
             return self.reuse_probability(session_id, now)

@@ -78,3 +78,14 @@ def test_stop_string_across_tokens_cuts_at_its_first_occurrence(smollm, chat_pro
     cut = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,)))[0]
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.find(stop)]
+
+
+def test_aborted_request_text_is_the_full_decode(smollm, chat_prompts) -> None:
+    engine = make_engine(smollm)
+    rid = engine.add_request(chat_prompts[1], SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    assert engine.abort(rid)
+    out = next(o for o in engine.step() if o.request_id == rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert out.text == smollm.tokenizer.decode(out.token_ids, skip_special_tokens=True)

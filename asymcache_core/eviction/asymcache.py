@@ -114,7 +114,7 @@ class AsymCachePolicy(EvictionPolicy):
         sessions, session_id = key
         arrivals = (self.sessions.demand_since(sid) for sid in (sessions or (session_id,)))
         demand = min((t for t in arrivals if t is not None), default=None)
-        p_reuse = self.sessions.block_reuse_probability(set(sessions), session_id, now)
+        p_reuse = self.sessions.block_reuse_probability(sessions, session_id, now)
         base = self.sessions.expected_next_tokens(session_id)
         fixed, slope = self.latency.block_rebuild_line(self.ctx.block_size, base)
         tier, since = (0, 0.0) if demand is None else (1, -demand)
@@ -130,8 +130,7 @@ class AsymCachePolicy(EvictionPolicy):
             group = _group_key(block)
             if group not in terms:
                 terms[group] = self._terms(group, now)
-            tier, since, fixed, slope = terms[group]
-            return (tier, since, fixed + slope * block.position, block.last_access, -block.position)
+            return _full_key(terms[group], block)
 
         return key
 
@@ -170,9 +169,7 @@ class AsymCachePolicy(EvictionPolicy):
         if not heap:
             return
         block = self._live[heap[0][-1]][1]
-        tier, since, fixed, slope = terms
-        full = (tier, since, fixed + slope * block.position, block.last_access, -block.position)
-        heapq.heappush(frontier, (full, heap[0][-2], key))
+        heapq.heappush(frontier, (_full_key(terms, block), heap[0][-2], key))
 
     def candidates(self) -> Iterator[KVBlock]:
         return iter([block for _, block, _ in self._live.values()])
@@ -182,6 +179,12 @@ class AsymCachePolicy(EvictionPolicy):
 
 
 _GroupKey = tuple[frozenset[str], "str | None"]
+
+
+def _full_key(terms: tuple[int, float, float, float], block: KVBlock) -> tuple:
+    """A block's eviction key from its group's terms (see ``AsymCachePolicy.key_function``)."""
+    tier, since, fixed, slope = terms
+    return (tier, since, fixed + slope * block.position, block.last_access, -block.position)
 
 
 def _group_key(block: KVBlock) -> _GroupKey:
