@@ -45,7 +45,7 @@ class StepStats:
         blocks_in_use: pool blocks held or pinned after the step.
         schedule_s: the part of ``duration_s`` spent planning (host only).
         attn_pairs: query-key pairs of the step (the latency model's ``A``).
-        num_hole_tokens: tokens refilling holes (segments before a request's last one).
+        num_hole_tokens: tokens refilling holes (positions below a request's last cache hit).
         decode_only: every sequence ran one token, its last (CUDA-graph eligible).
         predicted_s: what the engine's latency model predicted for the step; the gap to
             ``duration_s`` is the model's error on live traffic.

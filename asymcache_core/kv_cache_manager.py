@@ -108,6 +108,7 @@ class KVCacheManager:
         self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
         request.block_ids = list(hit.block_table)
         request.num_computed_tokens = hit.leading_tokens
+        request.hit_end = len(hit.block_table) * self.block_size
 
     # -- allocation ------------------------------------------------------------------------
     def blocks_needed(self, request: Request, segments: list[tuple[int, int]]) -> list[int]:

@@ -112,6 +112,8 @@ class Request:
         self.admitted_once = False
         self.had_pin = False  # its session held a Continuum pin when it arrived
         self.max_computed_ever = 0
+        # End of its last cache hit at admission: positions below it that run refill holes.
+        self.hit_end = 0
         self.stop_reason: int | str | None = None
         self.text = ""
         self.detok = DetokenizerState()

@@ -81,8 +81,15 @@ class SchedulerOutput(NamedTuple):
 
     @property
     def num_hole_tokens(self) -> int:
-        """Tokens of segments before each request's last one: holes refilled in the middle."""
-        return sum(end - start for item in self.scheduled for start, end in item.segments[:-1])
+        """Tokens that refill holes: positions below each request's last cache hit.
+
+        NOTE: not "segments before the last one": a hole cut by the budget ends its step's last
+        segment, and a leading hole is a request's first segment; both are refills."""
+        total = 0
+        for item in self.scheduled:
+            hit_end = item.request.hit_end
+            total += sum(max(0, min(end, hit_end) - start) for start, end in item.segments)
+        return total
 
 
 def fcfs_key(request: Request) -> tuple:

@@ -106,6 +106,20 @@ def write_step_log(steps: list[Any], path: Path) -> Path:
     return path
 
 
+def write_request_log(outcome: Any, path: Path) -> Path:
+    """Writes one JSON object per request of a run (``RequestRecord.log_row``), in the order
+    they finished.
+
+    Returns:
+        ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for record in outcome.records:
+            f.write(json.dumps(record.log_row(outcome.start)) + "\n")
+    return path
+
+
 class BenchError(ValueError):
     """A bad option or an impossible setup (the CLI prints it on one line, exit code 2)."""
 
@@ -176,6 +190,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
     """
     from asymcache_core import EngineConfig
     from eval.report import write_report
+    from kernels.dispatch import compiled_kernel_count
 
     if cfg.repeats < 1:
         raise BenchError(f"repeats: must be >= 1, got {cfg.repeats}")
@@ -233,6 +248,9 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                 raise BenchError(str(exc)) from None
             if base.torch_device.type == "cuda":
                 warm_up(loaded, base)
+                warmed = compiled_kernel_count(cfg.device)
+                if warmed is not None:
+                    notes.append(f"warm-up: {warmed} Triton kernel variant(s) compiled before the runs")
         outcomes: dict[str, list[Any]] = {p.name: [] for p in policies}
         reference = None
         # NOTE: repeats go in rounds over the policies, so drift of the machine hits all alike.
@@ -243,8 +261,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
         for policy, repeat in runs:
             is_reference = repeat is None
             config = replace(base, **policy.engine_overrides)
-            if is_reference:
-                # NOTE: the reference holds the whole working set: nothing is ever evicted.
+            if is_reference or policy.unbounded_pool:
+                # NOTE: the pool holds the whole working set: nothing is ever evicted.
                 config = replace(config, num_kv_blocks=working_set_blocks(trace, cfg.block_size) + blocks)
             try:
                 engine = make_engine(config, cfg.backend, loaded)
@@ -255,12 +273,18 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             if not is_reference and cfg.repeats > 1:
                 label = f"{policy.name} ({repeat + 1}/{cfg.repeats})"
             task = progress.add_task(label, total=len(trace.jobs)) if progress is not None else None
+            compiled_before = compiled_kernel_count(cfg.device) if cfg.backend == "real" else None
             outcome = drive(
                 engine, trace, policy, time_scale=cfg.time_scale, seed=cfg.seed,
                 concurrency=None if cfg.rate is not None else cfg.concurrency,
                 sleep=None if cfg.backend == "sim" else time.sleep,
                 on_progress=(lambda n, t=task: progress.update(t, completed=n)) if progress is not None else None,
             )
+            if compiled_before is not None:
+                compiled = (compiled_kernel_count(cfg.device) or 0) - compiled_before
+                if compiled:
+                    # NOTE: a compile (about a second each) inside a run lands in its latencies.
+                    notes.append(f"{label}: {compiled} Triton kernel variant(s) compiled during the run")
             if is_reference:
                 reference = outcome.outputs()
                 continue
@@ -268,6 +292,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             if cfg.step_log:
                 name = step_log_name(policy.name) + (f"-run{repeat + 1}" if cfg.repeats > 1 else "")
                 write_step_log(engine.step_log, run_dir / "steps" / f"{name}.jsonl")
+                write_request_log(outcome, run_dir / "requests" / f"{name}.jsonl")
         if reference is not None:
             notes.append("lossless_agreement: tokens of every request compared with an unbounded-pool vllm-apc run")
         if cfg.backend == "sim":

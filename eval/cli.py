@@ -68,7 +68,9 @@ def bench(
     latency_profile: str = typer.Option(None, help="Latency profile JSON (asymcache profile)."),
     tpot_slo_ms: float = typer.Option(100.0, min=0.1, help="Adaptive chunking's time-per-output-token target."),
     max_batched_tokens: int = typer.Option(512, min=1, help="Per-step token cap (fixed chunking's budget)."),
-    step_log: bool = typer.Option(False, help="Also write every engine step to steps/<policy>.jsonl."),
+    step_log: bool = typer.Option(
+        False, help="Also write every engine step to steps/<policy>.jsonl and every request to requests/<policy>.jsonl."
+    ),
     repeats: int = typer.Option(1, min=1, help="Runs of each policy, in rounds; the report keeps each run's means."),
 ) -> None:
     """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures."""

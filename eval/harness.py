@@ -33,9 +33,12 @@ from workloads import Job, Trace, job_token_stream
 ABLATIONS: dict[str, dict[str, Any]] = {
     "no-holes": {"hole_reuse": False},
     "no-msa": {"attention_backend": "torch"},
+    "unbounded": {},
 }
-"""``POLICY/ABLATION`` suffixes: without hole reuse, or with the torch attention path instead of
-the MSA kernel (one launch per segment on GPU). ``POLICY/adaptive`` turns on adaptive chunking
+"""``POLICY/ABLATION`` suffixes: without hole reuse, with the torch attention path instead of
+the MSA kernel (one launch per segment on GPU), or ``unbounded``: a pool that holds the whole
+working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
+load). ``POLICY/adaptive`` turns on adaptive chunking
 (``POLICY/adaptive:slack`` its per-request TPOT variant) and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5)."""
 
 
@@ -47,6 +50,7 @@ class BenchPolicy:
     engine_overrides: dict[str, Any]
     pinning: bool
     ttl_rule: str
+    unbounded_pool: bool = False
 
 
 def resolve_bench_policy(name: str) -> BenchPolicy:
@@ -68,7 +72,7 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
         if ablation not in ABLATIONS:
             raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
         overrides.update(ABLATIONS[ablation])
-    return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule)
+    return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule, unbounded_pool=ablation == "unbounded")
 
 
 @dataclass
@@ -86,6 +90,24 @@ class RequestRecord:
     output: list[int]
     ttft: float | None
     tpot: float | None
+    computed_tokens: int = 0
+    hole_tokens: int = 0
+    preemptions: int = 0
+
+    def log_row(self, t0: float) -> dict[str, Any]:
+        """The record as one row of a request log (times in seconds from the run's start)."""
+
+        def rel(t: float | None) -> float | None:
+            return None if t is None else t - t0
+
+        return {
+            "job_id": self.job_id, "turn": self.turn, "arrival": rel(self.arrival),
+            "first_scheduled": rel(self.first_scheduled), "first_token": rel(self.first_token),
+            "finish": rel(self.finish), "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens, "computed_tokens": self.computed_tokens,
+            "hole_tokens": self.hole_tokens, "preemptions": self.preemptions,
+            "output_tokens": len(self.output), "ttft": self.ttft, "tpot": self.tpot,
+        }
 
 
 @dataclass
@@ -100,6 +122,7 @@ class RunOutcome:
     blocks_in_use: list[tuple[float, int]] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
     pinned_peak: int = 0
+    start: float = 0.0
 
     def outputs(self) -> dict[tuple[str, int], list[int]]:
         return {(r.job_id, r.turn): r.output for r in self.records}
@@ -213,6 +236,7 @@ def drive(
                     RequestRecord(
                         job_id, st.turn, m.arrival_time, m.first_scheduled_time, m.first_token_time, end,
                         out.num_prompt_tokens, m.cached_tokens, list(out.token_ids), m.ttft, m.tpot,
+                        m.computed_tokens, m.hole_tokens, m.num_preemptions,
                     )
                 )
                 st.context = st.context + list(out.token_ids)
@@ -260,7 +284,7 @@ def drive(
     stride = max(1, len(series) // 400)
     return RunOutcome(
         policy.name, records, jct, clock() - t0, stats, series[::stride],
-        [s.budget for s in engine.step_log][::stride], pinned_peak,
+        [s.budget for s in engine.step_log][::stride], pinned_peak, t0,
     )
 
 

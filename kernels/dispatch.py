@@ -59,6 +59,16 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
+def compiled_kernel_count(device: torch.device | str) -> int | None:
+    """Triton kernel binaries compiled so far in this process (``None`` off CUDA or without
+    Triton): see :func:`kernels.msa_triton.compiled_variants`."""
+    if not triton_available(torch.device(device)):
+        return None
+    from kernels.msa_triton import compiled_variants
+
+    return compiled_variants()
+
+
 def select_attention_backend(device: torch.device | str, preference: str = "auto") -> AttentionBackend:
     """Returns the backend for ``device``.
 

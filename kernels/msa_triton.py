@@ -233,7 +233,9 @@ def _msa_fwd_kernel(
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
 
 
-@triton.jit
+# NOTE: ``num_splits`` is only a loop bound; left specialized, a launch with 16 or 32 splits (a
+# value divisible by 16) compiled a second binary mid-benchmark, after the warm-up.
+@triton.jit(do_not_specialize=["num_splits"])
 def _msa_reduce_kernel(
     o,
     o_part,
@@ -646,6 +648,25 @@ def _launch(
             lse_part.stride(0), lse_part.stride(1),
             BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, num_warps=4,
         )
+
+
+def compiled_variants() -> int | None:
+    """Binaries Triton has compiled so far in this process for this module's kernels.
+
+    Each new combination of constexprs (and of integer-argument specializations) compiles on
+    first use, about a second on a GPU: a benchmark compares this count before and after a run
+    to tell whether compiles landed inside it. ``None`` where the Triton build keeps no
+    per-device kernel cache (the CPU interpreter).
+    """
+    total = 0
+    for fn in (_msa_fwd_kernel, _msa_reduce_kernel, _store_kv_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return None
+        # NOTE: Triton 3.x keeps ``device -> (kernel cache, ...)``; the cache maps one
+        # specialization key to its compiled kernel.
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
 
 
 def store_kv_triton(

@@ -43,6 +43,18 @@ def timed(fn: Callable[..., Any], bucket: list[float]) -> Callable[..., Any]:
     return wrapper
 
 
+def instrument(runner: Any) -> dict[str, list[float]]:
+    """Wraps the model runner's phases with synchronised timers: ``prepare`` (host input
+    preparation), ``forward`` (eager or piecewise graphs) and ``sample``; returns their buckets."""
+    phases: dict[str, list[float]] = defaultdict(list)
+    runner.prepare = timed(runner.prepare, phases["prepare"])
+    runner.model = timed(runner.model, phases["forward"])
+    if runner.mixed_graphs is not None:
+        runner.mixed_graphs.run = timed(runner.mixed_graphs.run, phases["forward"])
+    runner._sample = timed(runner._sample, phases["sample"])
+    return phases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
@@ -60,13 +72,7 @@ def main() -> None:
     engine = Engine(model=args.model, device=args.device, loaded=loaded, num_kv_blocks=16384,
                     max_num_batched_tokens=8192, max_model_len=32768, latency_profile=args.profile or None,
                     mixed_graph_max_tokens=args.mixed_graph_tokens)
-    runner = engine.runner
-    phases: dict[str, list[float]] = defaultdict(list)
-    runner.prepare = timed(runner.prepare, phases["prepare"])  # type: ignore[method-assign]
-    runner.model = timed(runner.model, phases["forward"])  # type: ignore[method-assign]
-    if runner.mixed_graphs is not None:
-        runner.mixed_graphs.run = timed(runner.mixed_graphs.run, phases["forward"])  # type: ignore[method-assign]
-    runner._sample = timed(runner._sample, phases["sample"])  # type: ignore[method-assign]
+    phases = instrument(engine.runner)
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(3)
 

@@ -192,5 +192,23 @@ def test_cli_bench_repeats_reports_each_run(tmp_path):
     # the sim prices each step with the model itself: prediction and duration coincide
     assert steps and all(s["predicted_s"] == pytest.approx(s["duration_s"]) for s in steps)
     assert sum(s["num_tokens"] for s in steps) == results.policies["asymcache"].runs[0].computed_tokens
+    requests = [json.loads(line) for line in (out / "requests" / "asymcache-run1.jsonl").read_text().splitlines()]
+    assert len(requests) == results.policies["asymcache"].num_requests // 3
+    assert sum(r["computed_tokens"] for r in requests) == results.policies["asymcache"].runs[0].computed_tokens
+    for r in requests:
+        assert 0 <= r["arrival"] <= r["first_scheduled"] <= r["first_token"] <= r["finish"]
+        assert r["ttft"] == pytest.approx(r["first_token"] - r["arrival"])
     with pytest.raises(ValueError, match="repeats"):
         run_bench(small("sim", ("lru",), tmp_path / "bad", repeats=0))
+
+
+def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path):
+    # a pool of 20 blocks thrashes; the same policy with the whole working set evicts nothing
+    results, _ = run_bench(small("sim", ("vllm-apc", "asymcache", "vllm-apc/unbounded"), tmp_path / "u"))
+    ceiling = results.policies["vllm-apc/unbounded"]
+    assert ceiling.evictions == 0 and ceiling.recomputed_tokens.total == 0
+    assert results.policies["vllm-apc"].evictions > 0
+    for name in ("vllm-apc", "asymcache"):
+        assert ceiling.computed_tokens < results.policies[name].computed_tokens
+        assert ceiling.ttft.mean <= results.policies[name].ttft.mean
+    assert results.run.kv_blocks == 20  # the run's pool is still the one the others got

@@ -89,7 +89,25 @@ def test_hole_refill_recomputes_only_the_hole(smollm, policy):
     assert m.computed_tokens == bs + suffix + (TURN.max_tokens - 1)
     # the hole and the new suffix ran as two segments of one step
     assert any(s.num_segments >= 2 for s in engine.step_log)
+    assert sum(s.num_hole_tokens for s in engine.step_log) == bs
     engine.check_integrity()
+
+
+def test_step_log_counts_a_hole_that_fills_a_whole_step(smollm):
+    # a one-block budget: the refill of a leading hole is a step of its own, with one segment
+    engine = make_engine(smollm, num_kv_blocks=64, eviction_policy="asymcache", max_num_batched_tokens=16)
+    first_prompt = SYSTEM + user_tokens(0, 0, length=32)
+    first = engine.generate([first_prompt], TURN, session_ids=["job"])[0]
+    second_prompt = first_prompt + first.token_ids + user_tokens(0, 1)
+    hashes = engine.kv.ensure_hashes(_probe(engine, second_prompt))
+    for i in (0, 1):
+        engine.pool.evict_block(engine.pool.lookup(hashes[i]))
+    engine.step_log.clear()
+    out = engine.generate([second_prompt], TURN, session_ids=["job"])[0]
+    bs = engine.block_size
+    assert out.metrics.hole_tokens == 2 * bs
+    hole_steps = [s for s in engine.step_log if s.num_hole_tokens]
+    assert [(s.num_tokens, s.num_segments, s.num_hole_tokens) for s in hole_steps] == [(bs, 1, bs)] * 2
 
 
 def _probe(engine, prompt):

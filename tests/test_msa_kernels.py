@@ -505,3 +505,29 @@ def test_store_kv_triton_gpu(compiled: ModuleType, dtype: torch.dtype) -> None:
     compiled.store_kv_triton(k, v, caches[0], caches[1], slots)
     torch.cuda.synchronize()
     assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
+
+
+def test_compiled_kernel_count_is_none_off_cuda() -> None:
+    from kernels.dispatch import compiled_kernel_count
+
+    assert compiled_kernel_count("cpu") is None
+
+
+@pytest.mark.gpu
+def test_compiled_variants_counts_new_specializations_only(compiled: ModuleType) -> None:
+    def run(kind: str, kv_heads: int, group: int, head_dim: int) -> None:
+        case = make_case(
+            _seed("count", kind, kv_heads, group, head_dim), kind=kind, num_seqs=3, block_size=16,
+            num_kv_heads=kv_heads, group=group, head_dim=head_dim, max_ctx=2000,
+            dtype=torch.bfloat16, device="cuda",
+        )
+        compiled.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        torch.cuda.synchronize()
+
+    run("prefill", 8, 4, 128)
+    first = compiled.compiled_variants()
+    assert first is not None and first >= 1
+    run("prefill", 8, 4, 128)  # the same shapes again: nothing new to compile
+    assert compiled.compiled_variants() == first
+    run("prefill", 3, 5, 64)  # a query-head group no other test uses: new constexprs
+    assert compiled.compiled_variants() > first
