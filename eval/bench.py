@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import shlex
 import sys
@@ -104,6 +105,38 @@ def write_step_log(steps: list[Any], path: Path) -> Path:
         for step in steps:
             f.write(json.dumps(asdict(step)) + "\n")
     return path
+
+
+def run_order(policies: list[BenchPolicy], repeats: int) -> list[tuple[BenchPolicy, int]]:
+    """``(policy, repeat)`` in the order they run: rounds over the policies, each round's order
+    rotated by one.
+
+    NOTE: rounds spread the machine's drift over all policies alike. The rotation is there
+    because on the GPU the policy that ran first in its round had the lower chat TTFT in 6 of
+    8 pairs (BENCHMARKS.md, session 5). Rotating puts every policy first equally often when
+    ``repeats`` is a multiple of the number of policies.
+    """
+    runs: list[tuple[BenchPolicy, int]] = []
+    for r in range(repeats):
+        shift = r % max(1, len(policies))
+        runs += [(p, r) for p in policies[shift:] + policies[:shift]]
+    return runs
+
+
+def release_device_memory(device: str) -> None:
+    """Collects the last run's engine before the next is built.
+
+    NOTE: otherwise its garbage (requests, blocks, CUDA graphs and the KV pool) can be
+    collected in the middle of the next policy's run, and two pools are held while the next
+    one is allocated.
+    """
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
 
 def write_request_log(outcome: Any, path: Path) -> Path:
@@ -253,8 +286,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                     notes.append(f"warm-up: {warmed} Triton kernel variant(s) compiled before the runs")
         outcomes: dict[str, list[Any]] = {p.name: [] for p in policies}
         reference = None
-        # NOTE: repeats go in rounds over the policies, so drift of the machine hits all alike.
-        runs: list[tuple[BenchPolicy, int | None]] = [(p, r) for r in range(cfg.repeats) for p in policies]
+        runs: list[tuple[BenchPolicy, int | None]] = list(run_order(policies, cfg.repeats))
         if cfg.backend == "real" and cfg.check_lossless:
             runs.append((resolve_bench_policy("vllm-apc"), None))
         latency_source = "analytic"
@@ -287,12 +319,14 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                     notes.append(f"{label}: {compiled} Triton kernel variant(s) compiled during the run")
             if is_reference:
                 reference = outcome.outputs()
-                continue
-            outcomes[policy.name].append(outcome)
-            if cfg.step_log:
-                name = step_log_name(policy.name) + (f"-run{repeat + 1}" if cfg.repeats > 1 else "")
-                write_step_log(engine.step_log, run_dir / "steps" / f"{name}.jsonl")
-                write_request_log(outcome, run_dir / "requests" / f"{name}.jsonl")
+            else:
+                outcomes[policy.name].append(outcome)
+                if cfg.step_log:
+                    name = step_log_name(policy.name) + (f"-run{repeat + 1}" if cfg.repeats > 1 else "")
+                    write_step_log(engine.step_log, run_dir / "steps" / f"{name}.jsonl")
+                    write_request_log(outcome, run_dir / "requests" / f"{name}.jsonl")
+            del engine
+            release_device_memory(cfg.device)
         if reference is not None:
             notes.append("lossless_agreement: tokens of every request compared with an unbounded-pool vllm-apc run")
         if cfg.backend == "sim":

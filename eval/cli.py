@@ -71,7 +71,7 @@ def bench(
     step_log: bool = typer.Option(
         False, help="Also write every engine step to steps/<policy>.jsonl and every request to requests/<policy>.jsonl."
     ),
-    repeats: int = typer.Option(1, min=1, help="Runs of each policy, in rounds; the report keeps each run's means."),
+    repeats: int = typer.Option(1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report keeps each run's means."),
 ) -> None:
     """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures."""
     from rich.console import Console

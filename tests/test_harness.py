@@ -212,3 +212,19 @@ def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path):
         assert ceiling.computed_tokens < results.policies[name].computed_tokens
         assert ceiling.ttft.mean <= results.policies[name].ttft.mean
     assert results.run.kv_blocks == 20  # the run's pool is still the one the others got
+
+
+def test_rounds_rotate_so_each_policy_runs_first_equally_often():
+    from eval.bench import run_order
+    from eval.harness import resolve_bench_policy
+
+    policies = [resolve_bench_policy(n) for n in ("vllm-apc", "lru", "asymcache")]
+    order = [(p.name, r) for p, r in run_order(policies, 3)]
+    assert order == [
+        ("vllm-apc", 0), ("lru", 0), ("asymcache", 0),
+        ("lru", 1), ("asymcache", 1), ("vllm-apc", 1),
+        ("asymcache", 2), ("vllm-apc", 2), ("lru", 2),
+    ]
+    firsts = [order[i][0] for i in range(0, len(order), len(policies))]
+    assert sorted(firsts) == sorted(p.name for p in policies)
+    assert [(p.name, r) for p, r in run_order(policies[:1], 2)] == [("vllm-apc", 0), ("vllm-apc", 1)]
