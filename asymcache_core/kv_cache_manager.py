@@ -103,12 +103,31 @@ class KVCacheManager:
             skipped_hit_tokens=skipped * bs,
         )
 
-    def admit(self, request: Request, hit: CacheHit) -> None:
-        """Takes references on ``hit``'s blocks and installs them as ``request``'s table."""
-        self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
+    def install(self, request: Request, hit: CacheHit) -> None:
+        """Installs ``hit`` as ``request``'s table and frontier, without taking references (so
+        the scheduler can plan the request's first chunk before deciding to admit it)."""
         request.block_ids = list(hit.block_table)
         request.num_computed_tokens = hit.leading_tokens
         request.hit_end = len(hit.block_table) * self.block_size
+
+    def uninstall(self, request: Request) -> None:
+        """Undoes :meth:`install` of a request that was not admitted."""
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.hit_end = 0
+
+    def num_candidate_hits(self, hit: CacheHit) -> int:
+        """Hits that are eviction candidates: holding them takes them out of the free count."""
+        return sum(1 for b in hit.block_table if b != HOLE and self.pool.is_candidate(b))
+
+    def hold(self, request: Request, hit: CacheHit) -> None:
+        """Takes references on ``hit``'s blocks (the request is admitted)."""
+        self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
+
+    def admit(self, request: Request, hit: CacheHit) -> None:
+        """Takes references on ``hit``'s blocks and installs them as ``request``'s table."""
+        self.install(request, hit)
+        self.hold(request, hit)
 
     # -- allocation ------------------------------------------------------------------------
     def blocks_needed(self, request: Request, segments: list[tuple[int, int]]) -> list[int]:

@@ -231,20 +231,23 @@ class Scheduler:
         while self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit = self.kv.lookup(request)
-            self.kv.admit(request, hit)
+            # NOTE: as in vLLM, check the room before taking references: a request that does
+            # not fit leaves its cached blocks where they were in the eviction order (holding
+            # and releasing them would refresh them, protecting a waiting request's blocks
+            # under every policy).
+            self.kv.install(request, hit)
             segments = self.plan_segments(request, left)
             if not segments:  # the budget's remainder is less than a whole block
-                self.kv.free(request)
-                request.num_computed_tokens = 0
+                self.kv.uninstall(request)
                 break
             needed = self.kv.blocks_needed(request, segments)
-            while len(needed) > self.kv.pool.num_free_blocks and self.reclaim is not None:
+            while self._lacks_room(needed, hit) and self.reclaim is not None:
                 if not self.reclaim():
                     break
-            if len(needed) > self.kv.pool.num_free_blocks:
-                self.kv.free(request)
-                request.num_computed_tokens = 0
+            if self._lacks_room(needed, hit):
+                self.kv.uninstall(request)
                 break
+            self.kv.hold(request, hit)
             self.waiting.pop(0)
             self._on_admitted(request, hit)
             if self.on_admit is not None:
@@ -254,6 +257,11 @@ class Scheduler:
             self._commit(request, segments, needed, scheduled)
             left -= scheduled[-1].num_tokens
         return left
+
+    def _lacks_room(self, needed: list[int], hit: CacheHit) -> bool:
+        """A waiting request's first chunk does not fit: its own candidate hits leave the free
+        count once it holds them."""
+        return len(needed) + self.kv.num_candidate_hits(hit) > self.kv.pool.num_free_blocks
 
     def _on_admitted(self, request: Request, hit: CacheHit) -> None:
         metrics = request.metrics

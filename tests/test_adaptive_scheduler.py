@@ -215,3 +215,29 @@ def test_feedback_corrects_a_model_that_runs_fast(tmp_path):
 
     assert all(s.duration_s <= slo * 1.02 for s in run(feedback=True))
     assert any(s.duration_s > slo * 1.1 for s in run(feedback=False))
+
+
+@pytest.mark.parametrize("policy", ["vllm-apc", "lru", "asymcache"])
+def test_waiting_request_that_does_not_fit_leaves_its_blocks_alone(tmp_path, policy):
+    # As in vLLM, room is checked before references are taken: a waiting request that does not
+    # fit must not refresh (and so protect) its cached blocks on every step it waits.
+    engine, clock = sim_engine(tmp_path, num_kv_blocks=24, max_num_batched_tokens=1024, eviction_policy=policy)
+    first = list(range(1000, 1080))  # 5 blocks, cached once the turn ends
+    out = engine.generate([first], SamplingParams(max_tokens=1, ignore_eos=True), session_ids=["b"])[0]
+    cached = [b for b in engine.pool.blocks if b.block_hash is not None and b.ref_cnt == 0]
+    assert len(cached) == 5
+    engine.add_request(list(range(2000, 2240)), SamplingParams(max_tokens=40, ignore_eos=True), session_id="a")
+    engine.step()  # "a" holds 15 blocks: 4 uncached + 5 candidates stay free
+    before = {b.block_id: b.last_access for b in cached}
+    clock.advance(1.0)
+    second = first + out.token_ids + list(range(3000, 3200))  # its 5 hits + 13 new blocks
+    rid = engine.add_request(second, SamplingParams(max_tokens=1, ignore_eos=True), session_id="b")
+    for _ in range(3):
+        engine.step()
+        assert any(r.request_id == rid for r in engine.scheduler.waiting)
+        assert {b.block_id: b.last_access for b in cached} == before
+        assert all(b.ref_cnt == 0 and b.block_hash is not None for b in cached)
+        engine.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
