@@ -43,6 +43,12 @@ class EngineConfig:
         mixed_graph_max_tokens: largest step (tokens) captured piecewise; ``0`` runs every
             step with prefill or hole tokens eagerly. Above ~1,000 tokens a step is GPU-bound,
             so capturing it saves nothing.
+        admit_full_prompt: admit a waiting request only when its whole prompt fits in the free
+            and evictable blocks, not just its first chunk (vLLM's ``scheduler_reserve_full_isl``,
+            on by default in vLLM 0.32). Chunked prefills admitted on their first chunk alone can
+            outgrow the pool together and preempt each other. A request is still admitted on its
+            first chunk when nothing else runs. Off by default here: in the simulator it costs
+            the baselines' TTFT more queueing than the preemptions it saves (BENCHMARKS.md).
         seed: seeds dummy weights and random sampling without a per-request seed.
     """
 
@@ -64,6 +70,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     mixed_graph_max_tokens: int = 1024
+    admit_full_prompt: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

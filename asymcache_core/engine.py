@@ -188,6 +188,7 @@ class Engine:
             reclaim=self.pins.release_for_pressure,
             on_admit=self._on_admit,
             align_chunks=fixed is None,
+            admit_full_prompt=config.admit_full_prompt,
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner

@@ -111,6 +111,8 @@ class Scheduler:
         on_admit: called when a waiting request is admitted (after its cache hits are held).
         align_chunks: end budget-cut chunks on block boundaries (adaptive chunking), so a
             chunk never leaves a half-computed block for the next step.
+        admit_full_prompt: while other requests run, admit a waiting one only when the blocks
+            its whole prompt lacks fit (see ``EngineConfig.admit_full_prompt``).
     """
 
     def __init__(
@@ -123,8 +125,10 @@ class Scheduler:
         reclaim: Callable[[], bool] | None = None,
         on_admit: AdmitHook | None = None,
         align_chunks: bool = False,
+        admit_full_prompt: bool = False,
     ) -> None:
         self.align_chunks = align_chunks
+        self.admit_full_prompt = admit_full_prompt
         self.reclaim = reclaim
         self.on_admit = on_admit
         self.kv = kv
@@ -241,10 +245,15 @@ class Scheduler:
                 self.kv.uninstall(request)
                 break
             needed = self.kv.blocks_needed(request, segments)
-            while self._lacks_room(needed, hit) and self.reclaim is not None:
+            # NOTE: room is checked for the whole prompt (vLLM's default) when others run: the
+            # first chunk alone lets several long prefills in that then preempt each other.
+            reserve = needed
+            if self.admit_full_prompt and self.running:
+                reserve = self.kv.blocks_needed(request, [(request.num_computed_tokens, request.num_tokens)])
+            while self._lacks_room(reserve, hit) and self.reclaim is not None:
                 if not self.reclaim():
                     break
-            if self._lacks_room(needed, hit):
+            if self._lacks_room(reserve, hit):
                 self.kv.uninstall(request)
                 break
             self.kv.hold(request, hit)

@@ -241,3 +241,30 @@ def test_waiting_request_that_does_not_fit_leaves_its_blocks_alone(tmp_path, pol
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_admit_full_prompt_waits_for_room_for_the_whole_prompt(tmp_path, reserve):
+    # 24 blocks; "a" holds 9 and decodes. "b" (16 blocks of prompt) fits its first 4-block chunk
+    # but not its whole prompt beside "a": admitted at once on its first chunk, or held back
+    # until "a" finishes when the whole prompt must fit.
+    engine, _ = sim_engine(tmp_path, num_kv_blocks=24, max_num_batched_tokens=64, admit_full_prompt=reserve)
+    a = engine.add_request(list(range(2000, 2140)), SamplingParams(max_tokens=30, ignore_eos=True), session_id="a")
+    while not any(r.num_computed_tokens >= 140 for r in engine.scheduler.running):
+        engine.step()  # "a" prefilled: the next steps have room in their budget for "b"
+    b = engine.add_request(list(range(3000, 3256)), SamplingParams(max_tokens=1, ignore_eos=True), session_id="b")
+    engine.step()
+    waiting = {r.request_id for r in engine.scheduler.waiting}
+    assert (b in waiting) == reserve
+    done: dict[str, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.metrics.first_token_time
+        engine.check_integrity()
+    assert set(done) == {a, b}
+    preemptions = engine.counters.num_preemptions
+    if reserve:
+        assert preemptions == 0
+    else:
+        assert preemptions > 0  # "a" grows into blocks the half-prefilled "b" took

@@ -228,3 +228,10 @@ def test_rounds_rotate_so_each_policy_runs_first_equally_often():
     firsts = [order[i][0] for i in range(0, len(order), len(policies))]
     assert sorted(firsts) == sorted(p.name for p in policies)
     assert [(p.name, r) for p, r in run_order(policies[:1], 2)] == [("vllm-apc", 0), ("vllm-apc", 1)]
+
+
+def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
+    from eval.harness import resolve_bench_policy
+
+    assert resolve_bench_policy("vllm-apc/reserve-prompt").engine_overrides["admit_full_prompt"] is True
+    assert "admit_full_prompt" not in resolve_bench_policy("vllm-apc").engine_overrides
