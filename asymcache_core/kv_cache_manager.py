@@ -124,11 +124,6 @@ class KVCacheManager:
         """Takes references on ``hit``'s blocks (the request is admitted)."""
         self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
 
-    def admit(self, request: Request, hit: CacheHit) -> None:
-        """Takes references on ``hit``'s blocks and installs them as ``request``'s table."""
-        self.install(request, hit)
-        self.hold(request, hit)
-
     # -- allocation ------------------------------------------------------------------------
     def blocks_needed(self, request: Request, segments: list[tuple[int, int]]) -> list[int]:
         """Logical block indices that ``segments`` write to and that have no block yet."""

@@ -250,10 +250,10 @@ class Scheduler:
             reserve = needed
             if self.admit_full_prompt and self.running:
                 reserve = self.kv.blocks_needed(request, [(request.num_computed_tokens, request.num_tokens)])
-            while self._lacks_room(reserve, hit) and self.reclaim is not None:
-                if not self.reclaim():
-                    break
-            if self._lacks_room(reserve, hit):
+            short = self._lacks_room(reserve, hit)
+            while short and self.reclaim is not None and self.reclaim():
+                short = self._lacks_room(reserve, hit)
+            if short:
                 self.kv.uninstall(request)
                 break
             self.kv.hold(request, hit)
@@ -268,8 +268,8 @@ class Scheduler:
         return left
 
     def _lacks_room(self, needed: list[int], hit: CacheHit) -> bool:
-        """A waiting request's first chunk does not fit: its own candidate hits leave the free
-        count once it holds them."""
+        """The ``needed`` blocks of a waiting request do not fit: its own candidate hits leave
+        the free count once it holds them."""
         return len(needed) + self.kv.num_candidate_hits(hit) > self.kv.pool.num_free_blocks
 
     def _on_admitted(self, request: Request, hit: CacheHit) -> None:

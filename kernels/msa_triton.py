@@ -650,23 +650,29 @@ def _launch(
         )
 
 
-def compiled_variants() -> int | None:
-    """Binaries Triton has compiled so far in this process for this module's kernels.
+def compiled_keys() -> dict[str, set[str]] | None:
+    """Specialization keys Triton has compiled so far in this process, per kernel of this module.
 
     Each new combination of constexprs (and of integer-argument specializations) compiles on
-    first use, about a second on a GPU: a benchmark compares this count before and after a run
-    to tell whether compiles landed inside it. ``None`` where the Triton build keeps no
-    per-device kernel cache (the CPU interpreter).
+    first use, about a second on a GPU. ``None`` where the Triton build keeps no per-device
+    kernel cache (the CPU interpreter).
     """
-    total = 0
+    keys: dict[str, set[str]] = {}
     for fn in (_msa_fwd_kernel, _msa_reduce_kernel, _store_kv_kernel):
         caches = getattr(fn, "device_caches", None)
         if caches is None:
             return None
         # NOTE: Triton 3.x keeps ``device -> (kernel cache, ...)``; the cache maps one
         # specialization key to its compiled kernel.
-        total += sum(len(entry[0]) for entry in caches.values())
-    return total
+        keys[fn.__name__] = {str(key) for entry in caches.values() for key in entry[0]}
+    return keys
+
+
+def compiled_variants() -> int | None:
+    """How many binaries :func:`compiled_keys` holds: a benchmark compares this count before and
+    after a run to tell whether compiles landed inside it."""
+    keys = compiled_keys()
+    return None if keys is None else sum(len(k) for k in keys.values())
 
 
 def store_kv_triton(

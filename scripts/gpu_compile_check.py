@@ -18,11 +18,7 @@ from kernels import msa_triton
 
 def keys() -> dict[str, set[str]]:
     """Specialization keys compiled so far, per kernel."""
-    out: dict[str, set[str]] = {}
-    for fn in (msa_triton._msa_fwd_kernel, msa_triton._msa_reduce_kernel, msa_triton._store_kv_kernel):
-        caches = getattr(fn, "device_caches", {})
-        out[fn.__name__] = {str(k) for entry in caches.values() for k in entry[0]}
-    return out
+    return msa_triton.compiled_keys() or {}
 
 
 def main() -> None:
