@@ -2,6 +2,8 @@
 # GPU benchmarks of issues #4 and #5 on a dummy-weight Llama-3.1-8B (run on the GPU machine).
 # Usage: scripts/gpu_bench.sh OUT_DIR STAGE...
 #   grid-chat | grid-swe     eviction policies side by side (issue #4)
+#   grid-longchat            the same on long chat turns (median 4000 tokens, contexts up to 64k);
+#                            LONGCHAT_KV_FRACTION=... sets its pool (default 0.3)
 #   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction (issue #5;
 #                            CHUNK_POLICIES=... runs a subset)
 # GRID_POLICIES=... runs a subset of the grid; BENCH_EXTRA="--step-log ..." adds bench options
@@ -16,12 +18,16 @@ common=(--backend real --device cuda --model dummy:llama-3.1-8b --max-context 32
         --time-scale 0.05 --no-lossless-check --tpot-slo-ms 40 --latency-profile "$profile")
 chat=(--workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10)
 swe=(--workload trace:bench_traces/gpu_swe.jsonl --jobs 10 --concurrency 5)
+# NOTE: later options override the common ones (typer keeps the last value).
+longchat=(--workload trace:bench_traces/gpu_longchat.jsonl --jobs 20 --concurrency 10 --max-context 65536
+          --kv-fraction "${LONGCHAT_KV_FRACTION:-0.3}")
 grid=${GRID_POLICIES:-vllm-apc,lru,asymcache,continuum,asymcache+continuum}
 chunks=${CHUNK_POLICIES:-asymcache/fixed:256,asymcache/fixed:512,asymcache/fixed:2048,asymcache/fixed:8192,asymcache/adaptive}
 for stage in "$@"; do
   case $stage in
     grid-chat) args=("${chat[@]}" --policies "$grid" --max-batched-tokens 2048) ;;
     grid-swe) args=("${swe[@]}" --policies "$grid" --max-batched-tokens 2048) ;;
+    grid-longchat) args=("${longchat[@]}" --policies "$grid" --max-batched-tokens 2048) ;;
     chunk-chat) args=("${chat[@]}" --policies "$chunks" --max-batched-tokens 8192) ;;
     chunk-swe) args=("${swe[@]}" --policies "$chunks" --max-batched-tokens 8192) ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
@@ -32,5 +38,6 @@ for stage in "$@"; do
   echo "$stage: $(( $(date +%s) - start )) s" | tee -a "$out/$stage.log"
   files=("$stage/report.md" "$stage/results.json")
   [ -d "/tmp/bench/$stage/steps" ] && files+=("$stage/steps")
+  [ -d "/tmp/bench/$stage/requests" ] && files+=("$stage/requests")
   tar -czf "$out/$stage.tar.gz" -C /tmp/bench "${files[@]}"
 done

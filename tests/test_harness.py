@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -235,3 +236,27 @@ def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
 
     assert resolve_bench_policy("vllm-apc/reserve-prompt").engine_overrides["admit_full_prompt"] is True
     assert "admit_full_prompt" not in resolve_bench_policy("vllm-apc").engine_overrides
+
+
+def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
+    # The GPU grid's long-chat trace (BENCHMARKS.md, "Long contexts"), simulated with the H200
+    # profile: with contexts up to 64k a token's attention costs as much as its linear layers,
+    # so evicting shallow blocks (refilled as holes) beats vLLM's tail-first order.
+    from workloads.schema import Trace
+
+    traces = Path(__file__).resolve().parents[1] / "bench_traces"
+    trace = Trace.load_jsonl(traces / "gpu_longchat.jsonl")
+    assert trace.params["user_median"] == 4000.0 and len(trace.jobs) == 40
+    policies = ("vllm-apc", "lru", "asymcache")
+    config = BenchConfig(
+        workload=f"trace:{traces / 'gpu_longchat.jsonl'}", jobs=20, concurrency=10, time_scale=0.05,
+        kv_fraction=0.35, max_context=65536, model="dummy:llama-3.1-8b", backend="sim",
+        latency_profile=str(traces / "profile_h200_llama8b_live.json"), max_num_batched_tokens=2048,
+        policies=policies, out=tmp_path / "long", check_lossless=False,
+    )
+    results, _ = run_bench(config)
+    p = results.policies
+    for baseline in ("vllm-apc", "lru"):
+        assert p["asymcache"].computed_tokens < 0.85 * p[baseline].computed_tokens
+        assert p["asymcache"].ttft.mean < 0.8 * p[baseline].ttft.mean
+    assert p["asymcache"].recomputed_tokens.hole > 0 and p["vllm-apc"].recomputed_tokens.hole == 0
