@@ -42,7 +42,8 @@ working set, so nothing is ever evicted (the ceiling any eviction policy can rea
 load; see ``BenchPolicy.unbounded_pool``); ``reserve-prompt``, admission only when a request's
 whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``). ``POLICY/adaptive``
 turns on adaptive chunking (``POLICY/adaptive:slack`` its per-request TPOT variant) and
-``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5)."""
+``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5).
+Suffixes combine: ``asymcache/reserve-prompt/adaptive:slack``."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class BenchPolicy:
 
 
 def resolve_bench_policy(name: str) -> BenchPolicy:
-    """Resolves ``name`` or ``name/ablation``.
+    """Resolves ``name``, ``name/ablation`` or ``name/ablation/...`` (suffixes combine, e.g.
+    ``asymcache/reserve-prompt/adaptive:slack``; at most one chunking suffix).
 
     Every policy runs with the engine's fixed chunking unless the name asks for ``/adaptive``,
     so that eviction policies are compared at equal chunking (adaptive chunking trades TTFT for
@@ -66,16 +68,22 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
     Raises:
         ValueError: unknown policy or ablation (message names ``policy``).
     """
-    base, _, ablation = name.partition("/")
+    base, *suffixes = name.split("/")
     spec = resolve_policy(base)
     overrides = dict(spec.engine_overrides)
-    if ablation.startswith("fixed:") or ablation in ("adaptive", "adaptive:slack"):
-        overrides["chunking"] = ablation
-    elif ablation:
-        if ablation not in ABLATIONS:
+    chunking = [s for s in suffixes if s.startswith("fixed:") or s in ("adaptive", "adaptive:slack")]
+    if len(chunking) > 1:
+        raise ValueError(f"policy: more than one chunking suffix in {name!r}")
+    for ablation in suffixes:
+        if ablation in chunking:
+            overrides["chunking"] = ablation
+        elif ablation not in ABLATIONS:
             raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
-        overrides.update(ABLATIONS[ablation])
-    return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule, unbounded_pool=ablation == "unbounded")
+        else:
+            overrides.update(ABLATIONS[ablation])
+    if len(set(suffixes)) < len(suffixes):
+        raise ValueError(f"policy: a suffix repeats in {name!r}")
+    return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule, unbounded_pool="unbounded" in suffixes)
 
 
 @dataclass

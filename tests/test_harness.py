@@ -260,3 +260,17 @@ def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
         assert p["asymcache"].computed_tokens < 0.85 * p[baseline].computed_tokens
         assert p["asymcache"].ttft.mean < 0.8 * p[baseline].ttft.mean
     assert p["asymcache"].recomputed_tokens.hole > 0 and p["vllm-apc"].recomputed_tokens.hole == 0
+
+
+def test_ablation_suffixes_combine():
+    from eval.harness import resolve_bench_policy
+
+    full = resolve_bench_policy("asymcache/reserve-prompt/adaptive:slack")
+    assert full.engine_overrides["admit_full_prompt"] is True
+    assert full.engine_overrides["chunking"] == "adaptive:slack"
+    assert full.engine_overrides["eviction_policy"] == "asymcache"
+    assert resolve_bench_policy("vllm-apc/unbounded/reserve-prompt").unbounded_pool
+    for bad, field in (("asymcache/adaptive/fixed:512", "chunking"), ("lru/no-holes/no-holes", "repeats"),
+                       ("lru/reserve-prompt/bogus", "bogus")):
+        with pytest.raises(ValueError, match=field):
+            resolve_bench_policy(bad)
