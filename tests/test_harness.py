@@ -239,7 +239,7 @@ def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
 
 
 def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
-    # The GPU grid's long-chat trace (BENCHMARKS.md, "Long contexts"), simulated with the H200
+    # The GPU grid's long-chat trace (BENCHMARKS.md, eviction on the GPU, session 6), simulated with the H200
     # profile: with contexts up to 64k a token's attention costs as much as its linear layers,
     # so evicting shallow blocks (refilled as holes) beats vLLM's tail-first order.
     from workloads.schema import Trace
