@@ -71,18 +71,17 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
     base, *suffixes = name.split("/")
     spec = resolve_policy(base)
     overrides = dict(spec.engine_overrides)
-    chunking = [s for s in suffixes if s.startswith("fixed:") or s in ("adaptive", "adaptive:slack")]
-    if len(chunking) > 1:
-        raise ValueError(f"policy: more than one chunking suffix in {name!r}")
-    for ablation in suffixes:
-        if ablation in chunking:
-            overrides["chunking"] = ablation
-        elif ablation not in ABLATIONS:
-            raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
-        else:
-            overrides.update(ABLATIONS[ablation])
     if len(set(suffixes)) < len(suffixes):
         raise ValueError(f"policy: a suffix repeats in {name!r}")
+    for ablation in suffixes:
+        if ablation.startswith("fixed:") or ablation in ("adaptive", "adaptive:slack"):
+            if "chunking" in overrides:
+                raise ValueError(f"policy: more than one chunking suffix in {name!r}")
+            overrides["chunking"] = ablation
+        elif ablation in ABLATIONS:
+            overrides.update(ABLATIONS[ablation])
+        else:
+            raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
     return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule, unbounded_pool="unbounded" in suffixes)
 
 
