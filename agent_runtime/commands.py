@@ -49,6 +49,7 @@ def run_serve(
     policy: str = "vllm-apc",
     num_kv_blocks: int | None = None,
     max_model_len: int | None = None,
+    least_work_first: bool = False,
 ) -> None:
     """``asymcache serve``: the OpenAI-compatible server (blocks until interrupted).
 
@@ -60,11 +61,15 @@ def run_serve(
         policy: serving policy (``vllm-apc``, ``asymcache``, ``continuum``, ...).
         num_kv_blocks: KV pool size in blocks (None: from memory).
         max_model_len: context limit (None: the model's).
+        least_work_first: schedule the requests with the fewest tokens left to compute first
+            (``EngineConfig.least_work_first``); off: by arrival, as vLLM.
 
     Raises:
         ValueError: a bad argument (one line naming it).
     """
     _check_common(model, policy, num_kv_blocks, max_model_len)
+    if not isinstance(least_work_first, bool):
+        raise ValueError(f"least_work_first: must be a bool, got {least_work_first!r}")
     if not isinstance(host, str) or not host.strip():
         raise ValueError("host: must be a non-empty address")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -74,7 +79,7 @@ def run_serve(
     from agent_runtime.server import serve
 
     try:
-        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len)
+        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, least_work_first=least_work_first)
     except (OSError, ImportError) as e:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
 

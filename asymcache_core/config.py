@@ -49,6 +49,14 @@ class EngineConfig:
             outgrow the pool together and preempt each other. A request is still admitted on its
             first chunk when nothing else runs. Off by default here: in the simulator it costs
             the baselines' TTFT more queueing than the preemptions it saves (BENCHMARKS.md).
+        least_work_first: schedule the requests with the fewest tokens left to compute first,
+            cache hits excluded (decodes, then short or mostly cached prefills; shortest
+            remaining prefill first, like SGLang's cache-aware orders); explicit request
+            priorities still come first. Off: by arrival (or by job under ``program``), as
+            vLLM. It keeps returning turns whose context is cached from waiting behind long
+            prefills while their blocks are evicted, which cuts mean TTFT and recomputed
+            tokens under every eviction policy (BENCHMARKS.md); a long prefill can wait while
+            shorter ones keep arriving.
         seed: seeds dummy weights and random sampling without a per-request seed.
     """
 
@@ -71,6 +79,7 @@ class EngineConfig:
     enforce_eager: bool = False
     mixed_graph_max_tokens: int = 1024
     admit_full_prompt: bool = False
+    least_work_first: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -121,6 +130,9 @@ class EngineConfig:
             or self.mixed_graph_max_tokens < 0
         ):
             raise ValueError(f"mixed_graph_max_tokens: must be an integer >= 0, got {self.mixed_graph_max_tokens!r}")
+        for flag in ("admit_full_prompt", "least_work_first"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
 

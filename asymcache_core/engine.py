@@ -189,6 +189,7 @@ class Engine:
             on_admit=self._on_admit,
             align_chunks=fixed is None,
             admit_full_prompt=config.admit_full_prompt,
+            least_work_first=config.least_work_first,
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner

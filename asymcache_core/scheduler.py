@@ -5,6 +5,9 @@ total. Each step has a token budget; running requests go first (decodes cost one
 then waiting requests are admitted in priority order. A request's scheduled tokens form one or
 more *segments*: runs of positions between cache hits (holes), then its new suffix. When blocks
 run out, the lowest-priority running request is preempted by recompute.
+
+The order is by arrival (vLLM's), or, with ``least_work_first``, by the tokens each request
+still has to compute once its cache hits are counted (shortest remaining prefill first).
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ class Scheduler:
             chunk never leaves a half-computed block for the next step.
         admit_full_prompt: while other requests run, admit a waiting one only when the blocks
             its whole prompt lacks fit (see ``EngineConfig.admit_full_prompt``).
+        least_work_first: order requests by :meth:`remaining_work` (after their explicit
+            ``priority``, before ``priority_key``): decodes first, then the prefills with the
+            fewest tokens left to compute (see ``EngineConfig.least_work_first``).
     """
 
     def __init__(
@@ -126,8 +132,10 @@ class Scheduler:
         on_admit: AdmitHook | None = None,
         align_chunks: bool = False,
         admit_full_prompt: bool = False,
+        least_work_first: bool = False,
     ) -> None:
         self.align_chunks = align_chunks
+        self.least_work_first = least_work_first
         self.admit_full_prompt = admit_full_prompt
         self.reclaim = reclaim
         self.on_admit = on_admit
@@ -147,7 +155,27 @@ class Scheduler:
         self.waiting.append(request)
 
     def _key(self, request: Request) -> tuple:
+        if self.least_work_first:
+            work = self.remaining_work(request)
+            return (request.priority, work, *self.priority_key(request), self._seq[request.request_id])
         return (*self.priority_key(request), self._seq[request.request_id])
+
+    def remaining_work(self, request: Request) -> int:
+        """Tokens ``request`` still has to compute to reach its next sample, cache hits excluded.
+
+        A running request's hits are the cached blocks past its frontier (its holes and suffix
+        are the work); a waiting request's are what a lookup finds now, the hits admission would
+        take (a prefix only when hole reuse is off). A decode's work is 1.
+        """
+        if request.status is RequestStatus.RUNNING:
+            bs = self.block_size
+            table = request.block_ids
+            start = request.num_computed_tokens
+            # NOTE: only whole blocks at or past the frontier count: the block the frontier is
+            # in was allocated for the positions computed so far, not found in the cache.
+            hits = sum(table[i] != HOLE for i in range(-(-start // bs), len(table))) * bs
+            return max(1, request.num_tokens - start - hits)
+        return max(1, request.num_tokens - self.kv.lookup(request).hit_tokens)
 
     def remove(self, request: Request) -> None:
         """Drops a request from whichever queue holds it and frees its blocks."""

@@ -241,12 +241,15 @@ def serve(
     policy: str = typer.Option("asymcache+continuum"),
     kv_blocks: int = typer.Option(2048, min=1),
     max_model_len: int = typer.Option(None, min=16),
+    least_work_first: bool = typer.Option(
+        False, help="Run the requests with the fewest tokens left to compute first (default: by arrival)."
+    ),
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics)."""
     from agent_runtime.commands import run_serve
 
     run_serve(model=model, host=host, port=port, api_key=api_key, policy=policy,
-              num_kv_blocks=kv_blocks, max_model_len=max_model_len)
+              num_kv_blocks=kv_blocks, max_model_len=max_model_len, least_work_first=least_work_first)
 
 
 @app.command()

@@ -35,12 +35,15 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-msa": {"attention_backend": "torch"},
     "unbounded": {},
     "reserve-prompt": {"admit_full_prompt": True},
+    "least-work": {"least_work_first": True},
 }
 """``POLICY/ABLATION`` suffixes: without hole reuse; with the torch attention path instead of
 the MSA kernel (one launch per segment on GPU); ``unbounded``, a pool that holds the whole
 working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
 load; see ``BenchPolicy.unbounded_pool``); ``reserve-prompt``, admission only when a request's
-whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``). ``POLICY/adaptive``
+whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-work``, the
+requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``).
+``POLICY/adaptive``
 turns on adaptive chunking (``POLICY/adaptive:slack`` its per-request TPOT variant) and
 ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5).
 Suffixes combine: ``asymcache/reserve-prompt/adaptive:slack``."""

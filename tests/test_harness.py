@@ -238,6 +238,31 @@ def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
     assert "admit_full_prompt" not in resolve_bench_policy("vllm-apc").engine_overrides
 
 
+def gpu_longchat_sim(policies: tuple[str, ...], out: Path) -> BenchConfig:
+    """The GPU long-chat grid (pool 35%, 2,048-token budget) on the simulator, H200 profile."""
+    traces = Path(__file__).resolve().parents[1] / "bench_traces"
+    return BenchConfig(
+        workload=f"trace:{traces / 'gpu_longchat.jsonl'}", jobs=20, concurrency=10, time_scale=0.05,
+        kv_fraction=0.35, max_context=65536, model="dummy:llama-3.1-8b", backend="sim",
+        latency_profile=str(traces / "profile_h200_llama8b_live.json"), max_num_batched_tokens=2048,
+        policies=policies, out=out, check_lossless=False,
+    )
+
+
+def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path):
+    # The long-chat grid again (BENCHMARKS.md, session 7): under FCFS, returning turns whose
+    # context is cached wait behind long prefills while vLLM's order evicts their blocks; with
+    # the least work first they run before that happens.
+    from eval.harness import resolve_bench_policy
+
+    assert resolve_bench_policy("vllm-apc/least-work").engine_overrides["least_work_first"] is True
+    policies = ("vllm-apc/reserve-prompt", "vllm-apc/reserve-prompt/least-work")
+    results, _ = run_bench(gpu_longchat_sim(policies, tmp_path / "order"))
+    fcfs, least_work = (results.policies[name] for name in policies)
+    assert least_work.ttft.mean < 0.7 * fcfs.ttft.mean
+    assert least_work.computed_tokens < 0.8 * fcfs.computed_tokens
+
+
 def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
     # The GPU grid's long-chat trace (BENCHMARKS.md, eviction on the GPU, session 6), simulated with the H200
     # profile: with contexts up to 64k a token's attention costs as much as its linear layers,
@@ -248,13 +273,7 @@ def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
     trace = Trace.load_jsonl(traces / "gpu_longchat.jsonl")
     assert trace.params["user_median"] == 4000.0 and len(trace.jobs) == 40
     policies = ("vllm-apc", "lru", "asymcache")
-    config = BenchConfig(
-        workload=f"trace:{traces / 'gpu_longchat.jsonl'}", jobs=20, concurrency=10, time_scale=0.05,
-        kv_fraction=0.35, max_context=65536, model="dummy:llama-3.1-8b", backend="sim",
-        latency_profile=str(traces / "profile_h200_llama8b_live.json"), max_num_batched_tokens=2048,
-        policies=policies, out=tmp_path / "long", check_lossless=False,
-    )
-    results, _ = run_bench(config)
+    results, _ = run_bench(gpu_longchat_sim(policies, tmp_path / "long"))
     p = results.policies
     for baseline in ("vllm-apc", "lru"):
         assert p["asymcache"].computed_tokens < 0.85 * p[baseline].computed_tokens

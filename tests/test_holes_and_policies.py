@@ -62,6 +62,18 @@ def test_lossless_under_pressure(smollm, unbounded, policy):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["vllm-apc", "asymcache"])
+def test_lossless_under_pressure_with_least_work_first(smollm, unbounded, policy):
+    # the same script when the scheduler reorders requests by their work left (whole-prompt
+    # admission as vLLM): other interleavings, other victims, the same tokens
+    engine = make_engine(
+        smollm, num_kv_blocks=12, eviction_policy=policy, least_work_first=True, admit_full_prompt=True
+    )
+    assert run_script(engine) == unbounded
+    assert engine.pool.num_evictions > 0
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("policy", ["asymcache", "pensieve"])
 def test_hole_refill_recomputes_only_the_hole(smollm, policy):
     engine = make_engine(smollm, num_kv_blocks=64, eviction_policy=policy)

@@ -250,6 +250,8 @@ def test_commands(smollm, tmp_path, capsys):
         run_serve(port=70000)
     with pytest.raises(ValueError, match="^num_kv_blocks:"):
         run_serve(num_kv_blocks=0)
+    with pytest.raises(ValueError, match="^least_work_first:"):
+        run_serve(least_work_first="yes")
 
     lines: list[str] = []
     result = run_agent(
@@ -265,3 +267,23 @@ def test_commands(smollm, tmp_path, capsys):
     replies = run_chat(input_fn=lambda _prompt: next(inputs), print_fn=out.append, max_tokens=3, loaded=smollm,
                        num_kv_blocks=64)
     assert replies == 1 and out[0].startswith("assistant> ")
+
+
+def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
+    # `asymcache serve --least-work-first` builds its runtime's engine with the flag
+    from typer.testing import CliRunner
+
+    import agent_runtime.server as server
+    from eval.cli import app
+
+    built: list[AgentRuntime] = []
+
+    def fake_serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, **engine_kwargs):
+        built.append(AgentRuntime.from_model(model, policy, loaded=smollm, num_kv_blocks=num_kv_blocks,
+                                             **engine_kwargs))
+
+    monkeypatch.setattr(server, "serve", fake_serve)
+    for args, want in (([], False), (["--least-work-first"], True)):
+        result = CliRunner().invoke(app, ["serve", "--kv-blocks", "64", *args])
+        assert result.exit_code == 0, result.output
+        assert built[-1].engine.config.least_work_first is want

@@ -1,0 +1,93 @@
+"""Scheduling order: by arrival (vLLM's) or least work first (``least_work_first``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asymcache_core import EngineConfig, SamplingParams
+from asymcache_core.request import Request
+from tests.test_adaptive_scheduler import sim_engine
+
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
+FOUR = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def first_token_order(engine, ids: list[str]) -> list[str]:
+    """Runs the engine dry; returns ``ids`` in the order their first tokens came."""
+    order: list[str] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in ids and out.request_id not in order and out.token_ids:
+                order.append(out.request_id)
+        engine.check_integrity()
+    return order
+
+
+@pytest.mark.parametrize("least_work", [False, True])
+def test_a_cached_turn_overtakes_a_long_prefill_only_with_least_work_first(tmp_path, least_work):
+    engine, _ = sim_engine(tmp_path, max_num_batched_tokens=64, least_work_first=least_work)
+    first_turn = list(range(100, 196))  # 6 blocks, cached once the turn ends
+    answer = engine.generate([first_turn], FOUR, session_ids=["b"])[0].token_ids
+    long_prompt = list(range(500, 820))  # 320 uncached tokens: 5 steps of 64
+    a = engine.add_request(long_prompt, ONE, session_id="a")
+    b = engine.add_request(first_turn + answer + list(range(900, 908)), ONE, session_id="b")
+    waiting = {r.request_id: r for r in engine.scheduler.waiting}
+    # the returning turn only lacks its last partial block: 108 tokens, 96 cached
+    assert engine.scheduler.remaining_work(waiting[b]) == 12
+    assert engine.scheduler.remaining_work(waiting[a]) == 320
+    assert first_token_order(engine, [a, b]) == ([b, a] if least_work else [a, b])
+
+
+def test_remaining_work_counts_holes_and_matches_what_is_computed(tmp_path):
+    engine, _ = sim_engine(tmp_path, max_num_batched_tokens=32, eviction_policy="asymcache", least_work_first=True)
+    first_turn = list(range(100, 228))  # 8 blocks
+    answer = engine.generate([first_turn], FOUR, session_ids=["s"])[0].token_ids
+    prompt = first_turn + answer + list(range(900, 940))
+    probe = Request("probe", prompt, ONE, 0.0)
+    hashes = engine.kv.ensure_hashes(probe)
+    for i in (2, 5):  # two holes in the middle of the history
+        engine.pool.evict_block(engine.pool.lookup(hashes[i]))
+    rid = engine.add_request(prompt, ONE, session_id="s")
+    request = engine.requests[rid]
+    bs = engine.block_size
+    expected = len(prompt) - (len(first_turn) // bs - 2) * bs  # all but the 6 cached blocks
+    assert engine.scheduler.remaining_work(request) == expected
+    computed = 0
+    while request.metrics.first_token_time is None:
+        engine.step()
+        step = engine.step_log[-1]
+        computed += step.num_tokens
+        if request.metrics.first_token_time is None:
+            # running: the work left is what the following steps will compute
+            assert engine.scheduler.remaining_work(request) == expected - computed
+    assert computed == expected == request.metrics.computed_tokens
+    assert request.metrics.hole_tokens == 2 * bs
+    engine.check_integrity()
+
+
+def test_a_step_serves_decodes_then_the_smallest_prefill(tmp_path):
+    engine, _ = sim_engine(tmp_path, max_num_batched_tokens=64, least_work_first=True)
+    decoding = engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()  # prefilled: it decodes from now on
+    big = engine.add_request(list(range(200, 400)), ONE)
+    small = engine.add_request(list(range(600, 650)), ONE)
+    sampled = {out.request_id for out in engine.step() if out.new_token_ids}
+    # one step of 64: the decode (1), the whole small prefill (50), the rest to the big one (13)
+    assert sampled == {decoding, small}
+    assert engine.requests[big].num_computed_tokens == 64 - 1 - 50
+    assert engine.scheduler.remaining_work(engine.requests[decoding]) == 1
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
+def test_explicit_priority_still_comes_before_the_work(tmp_path):
+    engine, _ = sim_engine(tmp_path, max_num_batched_tokens=64, least_work_first=True)
+    small = engine.add_request(list(range(600, 650)), ONE)
+    urgent = engine.add_request(list(range(200, 400)), ONE, priority=-1.0)
+    assert first_token_order(engine, [small, urgent]) == [urgent, small]
+
+
+def test_least_work_first_must_be_a_bool():
+    with pytest.raises(ValueError, match="least_work_first"):
+        EngineConfig(model="dummy:smollm2-135m", least_work_first="yes")
