@@ -54,9 +54,10 @@ class EngineConfig:
             remaining prefill first, like SGLang's cache-aware orders); explicit request
             priorities still come first. Off: by arrival (or by job under ``program``), as
             vLLM. It keeps returning turns whose context is cached from waiting behind long
-            prefills while their blocks are evicted, which cuts mean TTFT and recomputed
-            tokens under every eviction policy (BENCHMARKS.md); a long prefill can wait while
-            shorter ones keep arriving.
+            prefills while their blocks are evicted: on the GPU grids it cut mean TTFT
+            1.1-2.0x under both ``vllm-apc`` and ``asymcache`` eviction, but not on this CPU's
+            demo workload (BENCHMARKS.md). A long prefill can wait while shorter ones keep
+            arriving (higher TTFT p99).
         seed: seeds dummy weights and random sampling without a per-request seed.
     """
 

@@ -166,6 +166,9 @@ class Scheduler:
         A running request's hits are the cached blocks past its frontier (its holes and suffix
         are the work); a waiting request's are what a lookup finds now, the hits admission would
         take (a prefix only when hole reuse is off). A decode's work is 1.
+
+        NOTE: a waiting request's lookup walks its block hashes on every step it waits (about
+        0.5 ms for a 64k-token context on a 2-core CPU); the GPU runs showed no TPOT cost.
         """
         if request.status is RequestStatus.RUNNING:
             bs = self.block_size
