@@ -262,7 +262,12 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted, budget, budget - left)
 
     def _admit_waiting(self, left: int, scheduled: list[ScheduledRequest]) -> int:
-        self.waiting.sort(key=self._key)
+        if left <= 0 or len(self.running) >= self.max_num_seqs:
+            # NOTE: nothing can be admitted: skip the sort, whose keys cost a cache lookup per
+            # waiting request under ``least_work_first`` (most steps of a loaded engine).
+            return left
+        if len(self.waiting) > 1:
+            self.waiting.sort(key=self._key)
         while self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit = self.kv.lookup(request)

@@ -43,9 +43,9 @@ working set, so nothing is ever evicted (the ceiling any eviction policy can rea
 load; see ``BenchPolicy.unbounded_pool``); ``reserve-prompt``, admission only when a request's
 whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-work``, the
 requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``).
-``POLICY/adaptive``
-turns on adaptive chunking (``POLICY/adaptive:slack`` its per-request TPOT variant) and
-``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of issue #5).
+``POLICY/adaptive`` turns on adaptive chunking (``POLICY/adaptive:slack`` its per-request TPOT
+variant) and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of
+issue #5).
 Suffixes combine: ``asymcache/reserve-prompt/adaptive:slack``."""
 
 
