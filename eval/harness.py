@@ -45,7 +45,8 @@ whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-
 requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``).
 ``POLICY/adaptive`` turns on adaptive chunking (``POLICY/adaptive:slack`` its per-request TPOT
 variant) and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of
-issue #5).
+issue #5); ``POLICY/adaptive/slo:MS`` gives that policy its own TPOT target instead of the run's
+``--tpot-slo-ms``, so one run can sweep targets side by side.
 Suffixes combine: ``asymcache/reserve-prompt/adaptive:slack``."""
 
 
@@ -62,7 +63,8 @@ class BenchPolicy:
 
 def resolve_bench_policy(name: str) -> BenchPolicy:
     """Resolves ``name``, ``name/ablation`` or ``name/ablation/...`` (suffixes combine, e.g.
-    ``asymcache/reserve-prompt/adaptive:slack``; at most one chunking suffix).
+    ``asymcache/reserve-prompt/adaptive:slack``; at most one chunking suffix; ``slo:MS`` only
+    beside an adaptive one).
 
     Every policy runs with the engine's fixed chunking unless the name asks for ``/adaptive``,
     so that eviction policies are compared at equal chunking (adaptive chunking trades TTFT for
@@ -81,11 +83,28 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
             if "chunking" in overrides:
                 raise ValueError(f"policy: more than one chunking suffix in {name!r}")
             overrides["chunking"] = ablation
+        elif ablation.startswith("slo:"):
+            overrides["tpot_slo_ms"] = _parse_slo(ablation, name)
         elif ablation in ABLATIONS:
             overrides.update(ABLATIONS[ablation])
         else:
             raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
+    if "tpot_slo_ms" in overrides and not str(overrides.get("chunking", "")).startswith("adaptive"):
+        # NOTE: only adaptive chunking reads the target; accepting it elsewhere would label a
+        # fixed-budget run with a target it never used.
+        raise ValueError(f"policy: slo:MS needs /adaptive or /adaptive:slack in {name!r}")
     return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule, unbounded_pool="unbounded" in suffixes)
+
+
+def _parse_slo(suffix: str, name: str) -> float:
+    """The milliseconds of an ``slo:MS`` suffix (a positive number)."""
+    try:
+        value = float(suffix.split(":", 1)[1])
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"policy: slo:MS needs a positive number of milliseconds, got {suffix!r} in {name!r}")
+    return value
 
 
 @dataclass

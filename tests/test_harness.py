@@ -289,7 +289,24 @@ def test_ablation_suffixes_combine():
     assert full.engine_overrides["chunking"] == "adaptive:slack"
     assert full.engine_overrides["eviction_policy"] == "asymcache"
     assert resolve_bench_policy("vllm-apc/unbounded/reserve-prompt").unbounded_pool
+    assert resolve_bench_policy("asymcache/adaptive/slo:28").engine_overrides["tpot_slo_ms"] == 28.0
+    assert "tpot_slo_ms" not in resolve_bench_policy("asymcache/adaptive").engine_overrides
     for bad, field in (("asymcache/adaptive/fixed:512", "chunking"), ("lru/no-holes/no-holes", "repeats"),
-                       ("lru/reserve-prompt/bogus", "bogus")):
+                       ("lru/reserve-prompt/bogus", "bogus"), ("asymcache/slo:28", "adaptive"),
+                       ("asymcache/fixed:512/slo:28", "adaptive"), ("asymcache/adaptive/slo:0", "positive"),
+                       ("asymcache/adaptive/slo:fast", "positive"), ("asymcache/adaptive/slo:inf", "positive")):
         with pytest.raises(ValueError, match=field):
             resolve_bench_policy(bad)
+
+
+def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path):
+    # One run sweeps adaptive targets side by side (BENCHMARKS.md, session 8): the tighter
+    # target must give smaller steps, so lower TPOT, whatever the run's --tpot-slo-ms says.
+    from dataclasses import replace
+
+    policies = ("asymcache/adaptive/slo:20", "asymcache/adaptive/slo:60")
+    cfg = replace(gpu_longchat_sim(policies, tmp_path / "slo"), tpot_slo_ms=40.0, max_num_batched_tokens=8192)
+    results, _ = run_bench(cfg)
+    tight, loose = (results.policies[name] for name in policies)
+    assert tight.tpot.mean < 0.8 * loose.tpot.mean
+    assert tight.tpot.p99 < 0.8 * loose.tpot.p99
