@@ -13,7 +13,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def run_scenario(name: str, model: Path, mode: str, profile: Path | None = None, timeout: int = 400) -> dict[str, Any]:
+def run_scenario(
+    name: str, model: Path, mode: str, profile: Path | None = None, timeout: int = 400,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Runs ``scenarios.py`` in a fresh interpreter (one vLLM engine per process).
 
     Args:
@@ -22,15 +25,16 @@ def run_scenario(name: str, model: Path, mode: str, profile: Path | None = None,
         mode: ``plugin``, ``baseline`` or ``entrypoint``.
         profile: latency profile for the plugin.
         timeout: seconds.
+        env: extra environment variables (e.g. ``ASYMCACHE_VLLM_OPTIONS``).
 
     Returns:
         The scenario's JSON report.
     """
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    proc_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     cmd = [sys.executable, str(HERE / "scenarios.py"), name, str(model), mode]
     if profile is not None:
         cmd.append(str(profile))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=proc_env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stdout + proc.stderr)[-4000:]

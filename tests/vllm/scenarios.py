@@ -1,6 +1,6 @@
 """Scenarios on a real in-process vLLM, one per subprocess; the result is JSON on the last line.
 
-Usage: ``python tests/vllm/scenarios.py {agent,load} MODEL_DIR {plugin,baseline,entrypoint}
+Usage: ``python tests/vllm/scenarios.py {agent,load,order} MODEL_DIR {plugin,baseline,entrypoint}
 [PROFILE_JSON]`` (``entrypoint``: no ``scheduler_cls``; the ``vllm.general_plugins`` function
 with ``$ASYMCACHE_VLLM_SCHEDULER`` picks the scheduler).
 
@@ -36,7 +36,8 @@ def tokens(base: int, n: int) -> list[int]:
 
 
 def make_llm(model: str, mode: str, profile: str | None) -> Any:
-    """An in-process vLLM with a 20-block pool of 32-token blocks."""
+    """An in-process vLLM with a 20-block pool of 32-token blocks (vLLM's scheduling policy
+    from ``$SCENARIO_SCHEDULING_POLICY`` when set)."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = {}
@@ -49,6 +50,8 @@ def make_llm(model: str, mode: str, profile: str | None) -> Any:
         kwargs["scheduler_cls"] = SCHEDULER_CLS
         if profile:
             kwargs["additional_config"] = {"asymcache": {"latency_profile": profile}}
+    if os.environ.get("SCENARIO_SCHEDULING_POLICY"):
+        kwargs["scheduling_policy"] = os.environ["SCENARIO_SCHEDULING_POLICY"]
     return LLM(
         model=model,
         block_size=32,
@@ -168,15 +171,51 @@ def agent(model: str, mode: str, profile: str | None) -> dict[str, Any]:
     return report
 
 
+def order(model: str, mode: str, profile: str | None) -> dict[str, Any]:
+    """The ``order`` scenario: admission order of a long uncached prompt and a mostly cached one.
+
+    A 320-token context W runs and stays cached (10 of the 20 blocks). Then, in one batch, a
+    400-token uncached prompt L arrives before S = W + 40 new tokens. The pool cannot hold both:
+    FCFS admits L, whose blocks displace part of W, so S waits and refills; the least work
+    first admits S (40 tokens to compute) while W is still cached. ``$ASYMCACHE_VLLM_OPTIONS``
+    picks the order.
+    """
+    from vllm import SamplingParams
+
+    llm = make_llm(model, mode, profile)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    admitted: list[int] = []
+    orig_schedule = scheduler.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        output = orig_schedule(*args, **kwargs)
+        admitted.extend(len(new.prompt_token_ids or []) for new in output.scheduled_new_reqs)
+        return output
+
+    scheduler.schedule = schedule
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    warm = tokens(3000, 320)
+    llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
+    admitted.clear()
+    long_prompt, short_prompt = tokens(5000, 400), warm + tokens(7000, 40)
+    outs = llm.generate([{"prompt_token_ids": long_prompt}, {"prompt_token_ids": short_prompt}], params, use_tqdm=False)
+    return {
+        "order": scheduler.asymcache_options.order,
+        "admitted_prompt_lengths": admitted,
+        "cached_tokens": {"long": outs[0].num_cached_tokens, "short": outs[1].num_cached_tokens},
+        "outputs": {"long": list(outs[0].outputs[0].token_ids), "short": list(outs[1].outputs[0].token_ids)},
+    }
+
+
 def main(argv: list[str]) -> int:
     """Entry point: prints the scenario's JSON report as the last line."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     name, model, mode = argv[1], argv[2], argv[3]
     profile = argv[4] if len(argv) > 4 else None
-    scenarios = {"agent": agent, "load": load}
+    scenarios = {"agent": agent, "load": load, "order": order}
     if name not in scenarios or mode not in ("plugin", "baseline", "entrypoint"):
-        raise SystemExit(f"usage: scenarios.py {{agent,load}} MODEL {{plugin,baseline,entrypoint}}; got {name} {mode}")
+        raise SystemExit(f"usage: scenarios.py {{agent,load,order}} MODEL {{plugin,baseline,entrypoint}}; got {name} {mode}")
     report = scenarios[name](model, mode, profile)
     print("\n" + json.dumps(report), flush=True)
     return 0

@@ -76,6 +76,47 @@ def test_outputs_unchanged(agent_runs: dict[str, Any]) -> None:
         assert plugin["requests"][name]["output"] == base["requests"][name]["output"], name
 
 
+def test_least_work_order_admits_the_cached_request_first(tiny_model: Path) -> None:
+    # The ``order`` scenario (scenarios.py): L (400 uncached tokens) arrives before S (W's 320
+    # cached tokens + 40 new) and the pool cannot hold both.
+    import json
+
+    runs = {
+        order: run_scenario("order", tiny_model, "plugin", env={"ASYMCACHE_VLLM_OPTIONS": json.dumps({"order": order})})
+        for order in ("fcfs", "least-work")
+    }
+    fcfs, least_work = runs["fcfs"], runs["least-work"]
+    assert fcfs["order"] == "fcfs" and least_work["order"] == "least-work"
+    assert fcfs["admitted_prompt_lengths"] == [400, 360]
+    assert least_work["admitted_prompt_lengths"] == [360, 400]
+    # admitted first, S finds all of W; behind L it finds only what L's blocks left of it
+    assert least_work["cached_tokens"]["short"] == 320
+    assert fcfs["cached_tokens"]["short"] < 320
+    assert least_work["outputs"] == fcfs["outputs"]
+
+
+def test_bad_order_option_is_a_clear_error() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+
+    from asymcache_core.integrations.vllm.scheduler import AsymCacheOptions
+
+    config = SimpleNamespace(additional_config={"asymcache": {"order": "shortest"}})
+    with pytest.raises(ValueError, match="order must be fcfs or least-work"):
+        AsymCacheOptions.from_vllm_config(config)
+    config = SimpleNamespace(additional_config={"asymcache": {"order": "least-work"}})
+    assert AsymCacheOptions.from_vllm_config(config).order == "least-work"
+
+
+def test_least_work_order_refuses_the_priority_policy(tiny_model: Path) -> None:
+    import pytest
+
+    env = {"ASYMCACHE_VLLM_OPTIONS": '{"order": "least-work"}', "SCENARIO_SCHEDULING_POLICY": "priority"}
+    with pytest.raises(AssertionError, match="order least-work needs vLLM's fcfs policy"):
+        run_scenario("load", tiny_model, "plugin", env=env)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -32,6 +32,7 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from asymcache_core.integrations.vllm.free_queue import (
@@ -68,6 +69,9 @@ class AsymCacheOptions:
         ttl_rule: ``continuum`` (argmax TTL) or ``preview`` (2 s when the mean is <= 2 s).
         latency_profile: a JSON profile from ``asymcache profile`` (default: analytic model).
         prior_reuse: P(reuse) of blocks of requests without a job id.
+        order: admission order of waiting requests: ``fcfs`` (vLLM's) or ``least-work``, the
+            fewest tokens left to compute once the prefix cache's hits are counted first
+            (the embedded engine's ``least_work_first``; needs vLLM's ``fcfs`` policy).
     """
 
     eviction: str = "asymcache"
@@ -76,6 +80,7 @@ class AsymCacheOptions:
     ttl_rule: str = "continuum"
     latency_profile: str | None = None
     prior_reuse: float = 0.5
+    order: str = "fcfs"
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> AsymCacheOptions:
@@ -107,6 +112,8 @@ class AsymCacheOptions:
         opts = cls(**raw)
         if opts.eviction not in ("asymcache", "lru"):
             raise ValueError(f"asymcache options: eviction must be asymcache or lru, got {opts.eviction!r}")
+        if opts.order not in ("fcfs", "least-work"):
+            raise ValueError(f"asymcache options: order must be fcfs or least-work, got {opts.order!r}")
         if not 0.0 <= opts.max_pinned_fraction <= 1.0:
             raise ValueError(f"asymcache options: max_pinned_fraction must be in [0, 1], got {opts.max_pinned_fraction}")
         return opts
@@ -223,6 +230,8 @@ class _AsymCacheMixin:
     kv_cache_manager: Any
     requests: dict[str, Any]
     block_size: int
+    policy: Any
+    waiting: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -243,6 +252,12 @@ class _AsymCacheMixin:
         self.asymcache_pool = pool
         self.asymcache_pins = PinSet(int(opts.max_pinned_fraction * pool.num_gpu_blocks))
         self.asymcache_queue: ExpectedLatencyFreeQueue | None = None
+        if opts.order == "least-work" and self.policy is not SchedulingPolicy.FCFS:
+            # NOTE: the priority policy keeps its waiting requests in a heap keyed by
+            # (priority, arrival); reordering it would break the heap.
+            raise ValueError(
+                f"asymcache options: order least-work needs vLLM's fcfs policy, got {self.policy.value!r}"
+            )
         if opts.eviction == "asymcache" and pool.enable_caching:
             queue = ExpectedLatencyFreeQueue(
                 pool.free_block_queue.get_all_free_blocks(),
@@ -258,8 +273,8 @@ class _AsymCacheMixin:
             install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer)
             self.asymcache_queue = queue
         logger.info(
-            "asymcache: eviction=%s pinning=%s latency=%s (%s) blocks=%d",
-            opts.eviction, opts.pinning, latency.source, latency.model, pool.num_gpu_blocks,
+            "asymcache: eviction=%s pinning=%s order=%s latency=%s (%s) blocks=%d",
+            opts.eviction, opts.pinning, opts.order, latency.source, latency.model, pool.num_gpu_blocks,
         )
 
     # ---- request lifecycle ------------------------------------------------------------------
@@ -284,10 +299,35 @@ class _AsymCacheMixin:
                 self.asymcache_sessions.on_arrival(hints.job_id, now, new_tokens)
         super().add_request(request)  # type: ignore[misc]
 
+    def asymcache_remaining_work(self, request: Any) -> int:
+        """Tokens a waiting request would compute if admitted now: its prompt (and any output
+        of an earlier run) minus the prefix the cache holds, as vLLM's admission would find it.
+        """
+        manager = self.kv_cache_manager
+        hit = 0
+        if manager.prefix_cache_lookup_enabled(request):
+            # NOTE: the coordinator's lookup, not ``get_computed_blocks``: the same hit length
+            # without emitting cache events; vLLM's own lookup at admission records the stats.
+            _, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        return max(1, int(request.num_tokens) - int(hit))
+
+    def _asymcache_order_waiting(self) -> None:
+        """Sorts vLLM's waiting deque by remaining work (stable: ties keep vLLM's order)."""
+        waiting = self.waiting
+        if len(waiting) < 2:
+            return
+        ordered = sorted(waiting, key=self.asymcache_remaining_work)
+        waiting.clear()
+        waiting.extend(ordered)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``schedule``; expired pins go first, pins of scheduled jobs after."""
+        """vLLM's ``schedule``; expired pins go first, pins of scheduled jobs after. With
+        ``order="least-work"`` the waiting requests are sorted before vLLM admits them
+        (running requests keep vLLM's order)."""
         now = self.asymcache_clock()
         self.asymcache_pins.expire(now)
+        if self.asymcache_options.order == "least-work":
+            self._asymcache_order_waiting()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         for new in output.scheduled_new_reqs:
             req_id = new.req_id
