@@ -41,6 +41,13 @@ def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
 
 
+#: The ``EngineConfig`` fields ``asymcache serve`` passes on (defaults: the config's own).
+SERVE_ENGINE_SETTINGS: tuple[str, ...] = (
+    "device", "dtype", "max_num_batched_tokens", "max_num_seqs", "chunking", "tpot_slo_ms",
+    "latency_profile", "admit_full_prompt", "least_work_first", "enforce_eager",
+)
+
+
 def run_serve(
     model: str = "smollm2-135m",
     host: str = "127.0.0.1",
@@ -49,7 +56,7 @@ def run_serve(
     policy: str = "vllm-apc",
     num_kv_blocks: int | None = None,
     max_model_len: int | None = None,
-    least_work_first: bool = False,
+    **engine_settings: Any,
 ) -> None:
     """``asymcache serve``: the OpenAI-compatible server (blocks until interrupted).
 
@@ -61,15 +68,28 @@ def run_serve(
         policy: serving policy (``vllm-apc``, ``asymcache``, ``continuum``, ...).
         num_kv_blocks: KV pool size in blocks (None: from memory).
         max_model_len: context limit (None: the model's).
-        least_work_first: schedule the requests with the fewest tokens left to compute first
-            (``EngineConfig.least_work_first``); off: by arrival, as vLLM.
+        **engine_settings: any of :data:`SERVE_ENGINE_SETTINGS` (``EngineConfig`` fields):
+            ``device``, ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``
+            (``fixed``, ``fixed:N``, ``adaptive``, ``adaptive:slack``), ``tpot_slo_ms``,
+            ``latency_profile`` (a JSON file from ``asymcache profile``),
+            ``admit_full_prompt``, ``least_work_first``, ``enforce_eager``.
 
     Raises:
-        ValueError: a bad argument (one line naming it).
+        ValueError: a bad argument (one line naming it), before the model loads.
     """
     _check_common(model, policy, num_kv_blocks, max_model_len)
-    if not isinstance(least_work_first, bool):
-        raise ValueError(f"least_work_first: must be a bool, got {least_work_first!r}")
+    unknown = sorted(set(engine_settings) - set(SERVE_ENGINE_SETTINGS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a serve setting; known: {', '.join(SERVE_ENGINE_SETTINGS)}")
+    settings = {name: value for name, value in engine_settings.items() if value is not None}
+    profile = settings.get("latency_profile")
+    if profile is not None and not Path(profile).is_file():
+        raise ValueError(f"latency_profile: no such file {profile!r}")
+    from asymcache_core import EngineConfig
+
+    # NOTE: the config checks every field (device present, chunking spelled right, ...) in
+    # milliseconds, so a typo fails here and not after a model load of minutes.
+    EngineConfig(model=model, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, **settings)
     if not isinstance(host, str) or not host.strip():
         raise ValueError("host: must be a non-empty address")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -79,7 +99,7 @@ def run_serve(
     from agent_runtime.server import serve
 
     try:
-        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, least_work_first=least_work_first)
+        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, **settings)
     except (OSError, ImportError) as e:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
 

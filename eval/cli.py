@@ -244,12 +244,26 @@ def serve(
     least_work_first: bool = typer.Option(
         False, help="Run the requests with the fewest tokens left to compute first (default: by arrival)."
     ),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
+    max_num_batched_tokens: int = typer.Option(2048, min=1, help="Tokens per step (fixed chunking; the cap of adaptive)."),
+    max_num_seqs: int = typer.Option(64, min=1, help="Running requests at most."),
+    chunking: str = typer.Option("fixed", help="fixed, fixed:N, adaptive (every step meets --tpot-slo-ms) or adaptive:slack."),
+    tpot_slo_ms: float = typer.Option(50.0, min=0.1, help="Adaptive chunking's time-per-output-token target."),
+    latency_profile: str = typer.Option(None, help="Latency profile JSON (asymcache profile) for the eviction cost and adaptive chunking."),
+    admit_full_prompt: bool = typer.Option(
+        False, help="Admit a request only when its whole prompt fits (vLLM 0.32's default), not its first chunk."
+    ),
+    enforce_eager: bool = typer.Option(False, help="Never capture CUDA graphs."),
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics)."""
     from agent_runtime.commands import run_serve
 
     run_serve(model=model, host=host, port=port, api_key=api_key, policy=policy,
-              num_kv_blocks=kv_blocks, max_model_len=max_model_len, least_work_first=least_work_first)
+              num_kv_blocks=kv_blocks, max_model_len=max_model_len, least_work_first=least_work_first,
+              device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+              max_num_seqs=max_num_seqs, chunking=chunking, tpot_slo_ms=tpot_slo_ms,
+              latency_profile=latency_profile, admit_full_prompt=admit_full_prompt, enforce_eager=enforce_eager)
 
 
 @app.command()

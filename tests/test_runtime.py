@@ -252,6 +252,13 @@ def test_commands(smollm, tmp_path, capsys):
         run_serve(num_kv_blocks=0)
     with pytest.raises(ValueError, match="^least_work_first:"):
         run_serve(least_work_first="yes")
+    # every engine setting is checked before the model loads, by the name the CLI shows
+    for bad, field in (({"chunking": "bogus"}, "chunking"), ({"device": "tpu"}, "device"),
+                       ({"tpot_slo_ms": 0.0}, "tpot_slo_ms"), ({"dtype": "int8"}, "dtype"),
+                       ({"latency_profile": str(tmp_path / "none.json")}, "latency_profile"),
+                       ({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_fraction": 0.5}, "kv_fraction")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            run_serve(**bad)
 
     lines: list[str] = []
     result = run_agent(
@@ -287,3 +294,25 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
         result = CliRunner().invoke(app, ["serve", "--kv-blocks", "64", *args])
         assert result.exit_code == 0, result.output
         assert built[-1].engine.config.least_work_first is want
+    # the whole system on the command line: adaptive chunking, its profile, vLLM's admission rule
+    profile = Path(__file__).resolve().parents[1] / "bench_traces" / "profile_h200_llama8b_live.json"
+    result = CliRunner().invoke(app, [
+        "serve", "--kv-blocks", "64", "--policy", "asymcache", "--chunking", "adaptive", "--tpot-slo-ms", "28",
+        "--max-num-batched-tokens", "8192", "--max-num-seqs", "16", "--latency-profile", str(profile),
+        "--admit-full-prompt", "--enforce-eager", "--dtype", "float32",
+    ])
+    assert result.exit_code == 0, result.output
+    config = built[-1].engine.config
+    assert (config.chunking, config.tpot_slo_ms, config.max_num_batched_tokens, config.max_num_seqs) == (
+        "adaptive", 28.0, 8192, 16)
+    assert config.latency_profile == str(profile) and config.admit_full_prompt and config.enforce_eager
+    assert built[-1].engine.latency.source != "analytic"  # the profile was loaded
+    assert config.eviction_policy == "asymcache" and config.dtype == "float32"
+    # a bad setting: one line naming it, exit code 2, and no model load
+    before = len(built)
+    for args, field in ((["--chunking", "fixed:0"], "chunking"), (["--device", "tpu"], "device"),
+                        (["--latency-profile", "missing.json"], "latency_profile")):
+        result = CliRunner().invoke(app, ["serve", *args])
+        assert result.exit_code == 2 and result.output.strip().count("\n") == 0, result.output
+        assert field in result.output
+    assert len(built) == before
