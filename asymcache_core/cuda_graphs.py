@@ -5,21 +5,25 @@ host, not the GPU, sets its pace. A decode-only step has a fixed shape for a giv
 so it can be captured once per batch size and replayed: one launch for the whole forward pass.
 
 What a replay may change lives in static device buffers the runner refills before each replay:
-token ids, positions, KV slots, block tables and the MSA tile table (one tile per sequence, see
-:func:`kernels.msa_triton.decode_graph_plan`). Batches are padded up to the next captured size;
+token ids, positions, KV slots, block tables, the MSA tile table (one tile per sequence, see
+:func:`kernels.msa_triton.decode_graph_plan`) and the keys per KV split, sized for the batch's
+longest context rather than ``max_model_len``. Batches are padded up to the next captured size;
 padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``) and their logits are
 dropped. Steps with prefill or hole tokens run eagerly.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
 from kernels.metadata import MSAMetadata
+
+if TYPE_CHECKING:
+    from kernels.msa_triton import MSAPlan
 
 # Captured batch sizes: every size up to 8, then steps of 8 (vLLM captures a similar ladder).
 _SMALL_SIZES = (1, 2, 4, 8)
@@ -95,7 +99,9 @@ class DecodeGraphs:
     ) -> None:
         if backend.name != "triton" or device.type != "cuda":
             raise ValueError("enforce_eager: CUDA graphs need the triton attention backend on CUDA")
-        from kernels.msa_triton import decode_graph_plan
+        from kernels.msa_triton import decode_graph_chunk, decode_graph_plan
+
+        self._graph_chunk = decode_graph_chunk
 
         self.model = model
         self.kv_caches = kv_caches
@@ -109,8 +115,11 @@ class DecodeGraphs:
         self.tiles = torch.zeros((max_batch, 4), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(max_batch, dtype=torch.long, device=device)
+        # keys per KV split, set before each replay for the batch's longest context
+        self.chunk = torch.zeros(1, dtype=torch.int32, device=device)
         self.sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[int, _Captured] = {}
+        self.plans: dict[int, MSAPlan] = {}
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         pool = None
         self.token_rows[2] = -1  # every row starts as padding: no KV store, empty tile
@@ -118,8 +127,10 @@ class DecodeGraphs:
             # NOTE: largest first, so the smaller graphs fit in the memory pool it leaves.
             for size in reversed(self.sizes):
                 plan = decode_graph_plan(
-                    self.tiles[:size], cfg.num_attention_heads, cfg.num_key_value_heads, max_model_len
+                    self.tiles[:size], cfg.num_attention_heads, cfg.num_key_value_heads, max_model_len,
+                    chunk_buffer=self.chunk,
                 )
+                self.plans[size] = plan
                 meta = MSAMetadata(
                     block_tables=self.block_tables[:size], seg_seq=empty, seg_q_start=empty,
                     seg_q_len=empty, seg_pos_start=empty, slot_mapping=self.token_rows[2, :size],
@@ -167,6 +178,7 @@ class DecodeGraphs:
         if pad:
             self.tiles[num:size].zero_()
         self.block_tables[:num, :width].copy_(tables, non_blocking=True)
+        self.chunk.fill_(self._graph_chunk(self.plans[size], max(batch.positions) + 1))
         captured = self.graphs[size]
         captured.graph.replay()
         return captured.logits[:num]

@@ -131,6 +131,7 @@ def _msa_fwd_kernel(
     tiles,
     scale_log2,
     chunk,
+    p_chunk,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -154,6 +155,7 @@ def _msa_fwd_kernel(
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
     SPLIT: tl.constexpr,
+    DYN_CHUNK: tl.constexpr,
 ):
     """MSA forward for one (q-tile, KV head, KV split).
 
@@ -162,8 +164,11 @@ def _msa_fwd_kernel(
     ``SPLIT`` writes o ``[T, HQ, D]``, with it o_part ``[S, R, HQ, D]`` (fp32, normalised) and
     lse_part ``[S, R, HQ]`` (base 2), where ``R = num_tiles * BLOCK_M``: tile ``i`` owns partial
     rows ``i * BLOCK_M ..``, so a launch over a few of the step's tokens needs partials for
-    those only.
+    those only. With ``DYN_CHUNK`` the keys per split are read from ``p_chunk`` (a graph
+    replay sets them for its batch) instead of ``chunk``.
     """
+    if DYN_CHUNK:
+        chunk = tl.load(p_chunk)
     i_tile, i_kvh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_seq = tl.load(tiles + i_tile * 4 + 0)
     i_row0 = tl.load(tiles + i_tile * 4 + 1)
@@ -242,6 +247,7 @@ def _msa_reduce_kernel(
     lse_part,
     tiles,
     chunk,
+    p_chunk,
     num_splits,
     stride_ot,
     stride_oh,
@@ -253,8 +259,11 @@ def _msa_reduce_kernel(
     BLOCK_M: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DYN_CHUNK: tl.constexpr,
 ):
     """Merges the split partials of one (q-tile, q head): o_part ``[S, R, HQ, D]`` -> o."""
+    if DYN_CHUNK:
+        chunk = tl.load(p_chunk)
     i_tile, i_h = tl.program_id(0), tl.program_id(1)
     i_row0 = tl.load(tiles + i_tile * 4 + 1)
     n_q = tl.load(tiles + i_tile * 4 + 2)
@@ -412,6 +421,9 @@ class MSAPlan:
         num_splits: KV splits (grid axis 2); 1 writes the output directly.
         covered_rows: packed rows that some tile writes; when fewer than ``T``, the output is
             zeroed first (``0`` for graph plans, whose tiles change between replays).
+        chunk_buffer: a graph plan's ``[1]`` int32 device buffer of the keys per split, which
+            the kernels read at run time (``chunk`` is then only its largest value); ``None``:
+            ``chunk`` is passed as is.
     """
 
     config: MSAConfig
@@ -420,6 +432,7 @@ class MSAPlan:
     chunk: int
     num_splits: int
     covered_rows: int
+    chunk_buffer: torch.Tensor | None = None
 
     @property
     def launches(self) -> tuple[MSAPlan, ...]:
@@ -523,21 +536,28 @@ def plan_msa(
 
 
 def decode_graph_plan(
-    tiles: torch.Tensor, num_q_heads: int, num_kv_heads: int, max_context: int
+    tiles: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_context: int,
+    chunk_buffer: torch.Tensor | None = None,
 ) -> MSAPlan:
     """A fixed launch for a CUDA-graph decode batch of ``tiles.shape[0]`` sequences.
 
     The launch may not depend on the step (a graph replays it as captured), so the tile table
     is a static buffer the caller refills before each replay (one ``(i, i, 1, ctx - 1)`` row per
-    sequence, ``n_q = 0`` for padding), and the KV split uses a fixed chunk sized for
-    ``max_context``: splits past a sequence's context do no work, and the merge reads only
-    the splits a tile's context reaches.
+    sequence, ``n_q = 0`` for padding), and the grid's KV splits are sized for ``max_context``:
+    splits past a sequence's context do no work, and the merge reads only the splits a tile's
+    context reaches. With ``chunk_buffer`` the keys per split are read at run time: the caller
+    sets them with :func:`decode_graph_chunk` for the batch it replays, so the splits cover the
+    batch's longest context rather than ``max_context``.
 
     Args:
         tiles: ``[batch, 4]`` int32 device buffer.
         num_q_heads: query heads.
         num_kv_heads: KV heads.
         max_context: longest context a replay may see (the engine's ``max_model_len``).
+        chunk_buffer: optional ``[1]`` int32 device buffer of the keys per split.
     """
     g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     block_m = max(1, 16 // g_pad)
@@ -546,7 +566,23 @@ def decode_graph_plan(
     splits = _short_tile_splits(programs, max_context, _num_sms(tiles.device))
     chunk, num_splits = _split_chunk(max_context, splits, block_n)
     cfg = MSAConfig(block_m, block_n, num_warps, num_stages, num_splits)
-    return MSAPlan(cfg, tiles, int(tiles.shape[0]), chunk, num_splits, 0)
+    if chunk_buffer is not None:
+        chunk_buffer.fill_(chunk)
+    return MSAPlan(cfg, tiles, int(tiles.shape[0]), chunk, num_splits, 0, chunk_buffer)
+
+
+def decode_graph_chunk(plan: MSAPlan, max_ctx: int) -> int:
+    """Keys per split for a replay of a :func:`decode_graph_plan` launch whose longest context
+    is ``max_ctx``: the plan's splits spread over that context, in whole KV tiles.
+
+    NOTE: a graph sized for a 128k-token ``max_model_len`` at batch 8 has chunks of ~19k keys;
+    on 10-20k-token contexts that left one program per (sequence, KV head) walking the whole
+    context alone (BENCHMARKS.md, session 8). The grid stays as captured: only the chunk
+    shrinks, and ``cdiv(max_ctx, chunk) <= num_splits`` still holds.
+    """
+    block_n = plan.config.block_n
+    chunk = -(-max(max_ctx, 1) // plan.num_splits)
+    return min(plan.chunk, max(block_n, -(-chunk // block_n) * block_n))
 
 
 def msa_triton(
@@ -627,9 +663,12 @@ def _launch(
         o_part = out
         lse_part = out
     bt = block_tables
+    dyn_chunk = plan.chunk_buffer is not None
+    # NOTE: without a chunk buffer the pointer argument is unused; ``tiles`` stands in for it.
+    p_chunk = plan.chunk_buffer if dyn_chunk else tiles
     _msa_fwd_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse_part, bt, tiles,
-        float(scale) * _LOG2E, chunk,
+        float(scale) * _LOG2E, chunk, p_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -637,16 +676,16 @@ def _launch(
         o_part.stride(0), o_part.stride(1) if split else 0, o_part.stride(2) if split else 0,
         lse_part.stride(0), lse_part.stride(1) if split else 0,
         PAGE=page, G=group, G_PAD=triton.next_power_of_2(group), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, D=head_dim, SPLIT=split,
+        BLOCK_N=cfg.block_n, D=head_dim, SPLIT=split, DYN_CHUNK=dyn_chunk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         _msa_reduce_kernel[(num_tiles, num_q_heads)](
-            out, o_part, lse_part, tiles, chunk, num_splits,
+            out, o_part, lse_part, tiles, chunk, p_chunk, num_splits,
             out.stride(0), out.stride(1),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
-            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, num_warps=4,
+            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, DYN_CHUNK=dyn_chunk, num_warps=4,
         )
 
 
@@ -715,6 +754,7 @@ __all__ = [
     "MSAPlan",
     "MSAStepPlan",
     "choose_config",
+    "decode_graph_chunk",
     "decode_graph_plan",
     "msa_triton",
     "plan_msa",

@@ -95,9 +95,11 @@ def test_simulator_charges_decode_steps_the_graph_floor() -> None:
 
 
 @pytest.mark.gpu
-def test_graph_decode_matches_eager_engine() -> None:
+@pytest.mark.parametrize("max_model_len", [1024, 8192])
+def test_graph_decode_matches_eager_engine(max_model_len: int) -> None:
     """fp32 on the GPU: graph replays and eager steps pick the same greedy tokens, and the
-    engine really replays graphs for its decode steps."""
+    engine really replays graphs for its decode steps; also with a ``max_model_len`` far beyond
+    the contexts, where each replay sets a smaller KV chunk than the capture's."""
     from asymcache_core import Engine
 
     prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate((5, 40, 77, 130, 260))]
@@ -105,7 +107,7 @@ def test_graph_decode_matches_eager_engine() -> None:
     for eager in (True, False):
         engine = Engine(
             model="dummy:tiny", device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
-            max_model_len=1024, enforce_eager=eager,
+            max_model_len=max_model_len, enforce_eager=eager,
         )
         assert (engine.runner.decode_graphs is None) == eager
         replays = 0

@@ -335,6 +335,53 @@ def test_msa_triton_interpreter_decode_graph_plan(
     check_close(out[:-num_pad], case, torch.float32)
 
 
+@pytest.mark.parametrize(("group", "max_ctx"), [(4, 150), (2, 1100)])
+def test_msa_triton_interpreter_decode_graph_chunk_set_per_replay(
+    interp: ModuleType, group: int, max_ctx: int
+) -> None:
+    """A graph plan sized for a long ``max_model_len`` reads its keys per split from a device
+    buffer: set for the batch's longest context, the same grid splits that context instead of
+    leaving it to one program per KV head; output unchanged."""
+    case = make_case(
+        _seed("graph-chunk", group, max_ctx), kind="decode", num_seqs=3, block_size=16, num_kv_heads=2,
+        group=group, head_dim=64, max_ctx=max_ctx, dtype=torch.float32,
+    )
+    tiles = [(seq, q_start, q_len, pos) for seq, q_start, q_len, pos in case.meta.host_segments]
+    tiles += [(0, 0, 0, 0)]
+    buffer = torch.zeros(1, dtype=torch.int32)
+    plan = interp.decode_graph_plan(torch.tensor(tiles, dtype=torch.int32), 2 * group, 2, 8192, chunk_buffer=buffer)
+    assert plan.chunk_buffer is buffer and int(buffer) == plan.chunk  # the capture's value
+    longest = max(pos + 1 for _, _, _, pos in tiles[:-1])
+    assert longest <= plan.chunk  # sized for 8192: the whole batch would sit in one split
+    chunk = interp.decode_graph_chunk(plan, longest)
+    assert chunk % plan.config.block_n == 0 and -(-longest // chunk) <= plan.num_splits
+    if longest > 2 * plan.config.block_n:
+        assert chunk < longest  # now the longest context spans several splits
+    buffer.fill_(chunk)
+    q = torch.cat((case.q, torch.randn((1, *case.q.shape[1:]))))
+    out = torch.full_like(q, float("nan"))
+    interp.msa_triton(q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale, out=out)
+    assert (out[-1] == 0).all()
+    check_close(out[:-1], case, torch.float32)
+    # the kernels really read the buffer: a chunk too small for the grid drops keys
+    block_n = plan.config.block_n
+    assert longest > plan.num_splits * block_n
+    buffer.fill_(block_n)
+    wrong = interp.msa_triton(q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale)
+    assert not torch.allclose(wrong[:-1], out[:-1], atol=1e-3)
+
+
+def test_decode_graph_chunk_bounds(interp: ModuleType) -> None:
+    """Whole KV tiles, never more than the capture's chunk, never more splits than the grid."""
+    plan = interp.decode_graph_plan(torch.zeros((8, 4), dtype=torch.int32), 32, 8, 131072)
+    block_n = plan.config.block_n
+    for max_ctx in (1, 63, 64, 65, 5000, 18000, 131072):
+        chunk = interp.decode_graph_chunk(plan, max_ctx)
+        assert block_n <= chunk <= plan.chunk and chunk % block_n == 0
+        assert -(-max_ctx // chunk) <= plan.num_splits
+    assert interp.decode_graph_chunk(plan, 131072) == plan.chunk
+
+
 def test_plan_msa_is_what_msa_triton_plans(interp: ModuleType) -> None:
     """A plan made once per step gives the same output as planning inside the call."""
     case = make_case(
