@@ -101,6 +101,8 @@ class DecodeGraphs:
             raise ValueError("enforce_eager: CUDA graphs need the triton attention backend on CUDA")
         from kernels.msa_triton import decode_graph_chunk, decode_graph_plan
 
+        # NOTE: kept on the instance so that scripts/gpu_decode_graphs.py can time replays with
+        # the captured chunk beside the per-replay one.
         self._graph_chunk = decode_graph_chunk
 
         self.model = model

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import platform
 import time
 from collections.abc import Callable
@@ -89,7 +90,7 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
             overrides.update(ABLATIONS[ablation])
         else:
             raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
-    if "tpot_slo_ms" in overrides and not str(overrides.get("chunking", "")).startswith("adaptive"):
+    if "tpot_slo_ms" in overrides and not overrides.get("chunking", "").startswith("adaptive"):
         # NOTE: only adaptive chunking reads the target; accepting it elsewhere would label a
         # fixed-budget run with a target it never used.
         raise ValueError(f"policy: slo:MS needs /adaptive or /adaptive:slack in {name!r}")
@@ -102,7 +103,7 @@ def _parse_slo(suffix: str, name: str) -> float:
         value = float(suffix.split(":", 1)[1])
     except ValueError:
         value = float("nan")
-    if not value > 0 or value == float("inf"):
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(f"policy: slo:MS needs a positive number of milliseconds, got {suffix!r} in {name!r}")
     return value
 

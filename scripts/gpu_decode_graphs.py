@@ -15,38 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from gpu_profile_step import (  # NOTE: a sibling script (scripts/ is on sys.path)
+    copy_bandwidth,
+    step_times,
+)
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
 
 CASES = ((1, 60_000), (2, 60_000), (4, 8_000), (4, 45_000), (8, 6_000), (8, 18_000), (16, 16_000))
-
-
-def copy_bandwidth(dev: torch.device) -> float:
-    """Bytes per second of a large device-to-device copy (read + write)."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 5 / (time.perf_counter() - start)
-
-
-def timed_steps(engine: Engine, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
@@ -88,11 +67,11 @@ def main() -> None:
         size = next(s for s in graphs.sizes if s >= batch)
         plan = graphs.plans[size]
         times: dict[str, list[float]] = {"captured": [], "per-replay": []}
-        timed_steps(engine, 2)  # warm-up
+        step_times(engine, 2)  # warm-up
         for _ in range(args.rounds):
             for name, fn in (("captured", captured), ("per-replay", per_replay)):
                 graphs._graph_chunk = fn
-                times[name] += timed_steps(engine, args.steps)
+                times[name] += step_times(engine, args.steps)
         graphs._graph_chunk = per_replay
         chunk_now = per_replay(plan, context + 1)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}

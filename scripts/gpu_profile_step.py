@@ -31,6 +31,19 @@ def step_times(engine: Engine, steps: int) -> list[float]:
     return times
 
 
+def copy_bandwidth(dev: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 5 / (time.perf_counter() - start)
+
+
 def decode_ms(engine: Engine, batch: int, context: int, gen: torch.Generator) -> float:
     """Median decode-only step of ``batch`` sequences at ``context`` tokens."""
     vocab = engine.model_config.vocab_size
@@ -53,16 +66,7 @@ def main() -> None:
     dev = torch.device("cuda")
     loaded = load_model(args.model, dev, torch.bfloat16, seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    bandwidth = 2 * src.numel() * 5 / (time.perf_counter() - start)  # read + write
-    del src, dst
+    bandwidth = copy_bandwidth(dev)
     floor_ms = weight_bytes / bandwidth * 1e3
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}: "
           f"{weight_bytes / 1e9:.1f} GB of weights, copy {bandwidth / 1e12:.2f} TB/s, weight-read floor {floor_ms:.2f} ms")

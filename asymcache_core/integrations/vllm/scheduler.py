@@ -232,6 +232,8 @@ class _AsymCacheMixin:
     block_size: int
     policy: Any
     waiting: Any
+    running: list[Any]
+    max_num_running_reqs: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -314,7 +316,9 @@ class _AsymCacheMixin:
     def _asymcache_order_waiting(self) -> None:
         """Sorts vLLM's waiting deque by remaining work (stable: ties keep vLLM's order)."""
         waiting = self.waiting
-        if len(waiting) < 2:
+        if len(waiting) < 2 or len(self.running) >= self.max_num_running_reqs:
+            # NOTE: as in the embedded scheduler, no sort when nothing can be admitted: each key
+            # is a prefix-cache lookup.
             return
         ordered = sorted(waiting, key=self.asymcache_remaining_work)
         waiting.clear()
