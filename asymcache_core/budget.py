@@ -90,10 +90,10 @@ class AdaptiveBudget:
             mean_prefill_ctx = (
                 sum(r.num_computed_tokens for r in prefilling) / len(prefilling) if prefilling else 0.0
             )
-            decode_cost = self.latency.step_latency(len(decodes), ctx, decode_only=True) + decode_fix
+            decode_cost = self.latency.step_latency(len(decodes), ctx, True, ctx) + decode_fix
             extra = 0
             if target - decode_cost > 0:
-                within = target - mixed_fix - self.latency.per_attn_s * ctx
+                within = target - mixed_fix - (self.latency.per_attn_s + self.latency.per_decode_kv_s) * ctx
                 total = self.latency.max_tokens_within(within, mean_prefill_ctx)
                 extra = max(0, total - len(decodes))
             extra = max(bs, extra)  # NOTE: always some progress for prefills: no starvation.

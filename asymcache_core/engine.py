@@ -49,6 +49,7 @@ class StepStats:
         decode_only: every sequence ran one token, its last (CUDA-graph eligible).
         predicted_s: what the engine's latency model predicted for the step; the gap to
             ``duration_s`` is the model's error on live traffic.
+        decode_kv_tokens: keys read by the step's decodes (the latency model's ``K``).
     """
 
     start: float
@@ -64,6 +65,7 @@ class StepStats:
     num_hole_tokens: int = 0
     decode_only: bool = False
     predicted_s: float = 0.0
+    decode_kv_tokens: float = 0.0
 
 
 @dataclass
@@ -437,7 +439,8 @@ class Engine:
     def _log_step(self, plan: SchedulerOutput, start: float, planned: float, end: float) -> None:
         pairs = plan.attn_pairs
         decode_only = plan.is_decode_only
-        predicted = self.latency.step_latency(plan.num_tokens, pairs, decode_only)
+        decode_kv = plan.decode_kv_tokens
+        predicted = self.latency.step_latency(plan.num_tokens, pairs, decode_only, decode_kv)
         self.latency_feedback.observe(predicted, end - start, decode_only)
         self.step_log.append(
             StepStats(
@@ -454,6 +457,7 @@ class Engine:
                 num_hole_tokens=plan.num_hole_tokens,
                 decode_only=decode_only,
                 predicted_s=predicted,
+                decode_kv_tokens=decode_kv,
             )
         )
 

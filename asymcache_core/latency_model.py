@@ -1,12 +1,16 @@
 """Step-latency model: what a forward step costs on this device and model.
 
-``latency(T, A) = floor + per_token * max(0, T - knee) + per_attn * A``
+``latency(T, A, K) = floor + per_token * max(0, T - knee) + per_attn * A + per_decode_kv * K``
 
 (with ``decode_floor`` in place of ``floor`` for a decode-only step, when the engine replays
 those as CUDA graphs and they cost far less than an eager step)
 
 - ``T``: tokens computed in the step (prefill, hole and decode tokens alike);
 - ``A``: attention work, the sum over segments of ``q_len * context`` (query x key pairs);
+- ``K``: keys the step's decodes read, the sum of their contexts. A prefill query shares each
+  key it loads with the other queries of its tile, so its pairs are compute-bound and ``A``
+  prices them; a decode has one query per sequence and reads its whole KV for it, a memory
+  bound that ``per_attn`` (fitted on prefill pairs) underprices ~15x on an H200;
 - ``floor``: what any step costs (launches, reading the weights once);
 - ``knee``: the token count up to which the step stays at its floor: below it the device is
   under-used and extra tokens ride almost free; above it every token costs ``per_token``.
@@ -45,6 +49,8 @@ class LatencyModel:
         fit_error: mean relative error of the fit on its samples (profiles only).
         decode_floor_s: floor of a decode-only step when it differs from ``floor_s`` (CUDA
             graph replays); ``None``: the same.
+        per_decode_kv_s: latency per key a decode reads (``K``), beyond ``per_attn_s``;
+            0 in profiles written before this term existed.
     """
 
     floor_s: float
@@ -56,14 +62,19 @@ class LatencyModel:
     device: str = "cpu"
     fit_error: float | None = None
     decode_floor_s: float | None = None
+    per_decode_kv_s: float = 0.0
 
-    def step_latency(self, num_tokens: int, attn_pairs: float, decode_only: bool = False) -> float:
+    def step_latency(
+        self, num_tokens: int, attn_pairs: float, decode_only: bool = False, decode_kv_tokens: float = 0.0
+    ) -> float:
         """Predicted latency of a step with ``num_tokens`` tokens and ``attn_pairs`` pairs.
 
         Args:
             num_tokens: tokens computed in the step.
             attn_pairs: query-key pairs of the step.
             decode_only: every token is a decode (one per sequence): ``decode_floor_s`` applies.
+            decode_kv_tokens: keys read by the step's decodes (``K``; their pairs are also in
+                ``attn_pairs``).
         """
         floor = self.floor_s
         if decode_only and self.decode_floor_s is not None:
@@ -72,6 +83,7 @@ class LatencyModel:
             floor
             + self.per_token_s * max(0, num_tokens - self.knee_tokens)
             + self.per_attn_s * attn_pairs
+            + self.per_decode_kv_s * decode_kv_tokens
         )
 
     def marginal_latency(self, base_tokens: int, extra_tokens: int, extra_attn_pairs: float) -> float:
@@ -126,14 +138,17 @@ class LatencyModel:
     @classmethod
     def analytic(cls, cfg: ModelConfig, device_type: str, dtype_bytes: int, name: str = "") -> LatencyModel:
         """Default from FLOPs and bytes: floor = weight read + overhead; knee where compute
-        time equals the floor; attention at 4 * layers * heads * head_dim FLOPs per pair."""
+        time equals the floor; attention at 4 * layers * heads * head_dim FLOPs per pair; a
+        decode's key at the bytes of its K and V in every layer."""
         flops, bandwidth, overhead = _DEVICE_PEAKS.get(device_type, _DEVICE_PEAKS["cpu"])
         weight_read = cfg.num_params * dtype_bytes / bandwidth
         per_token = 2.0 * cfg.num_params / flops
         floor = overhead + weight_read
         knee = max(1, int(weight_read / per_token))
         per_attn = 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim / flops
-        return cls(floor, per_token, per_attn, knee, "analytic", name, device_type)
+        kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+        return cls(floor, per_token, per_attn, knee, "analytic", name, device_type,
+                   per_decode_kv_s=kv_bytes / bandwidth)
 
 
 @dataclass

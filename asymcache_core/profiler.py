@@ -38,7 +38,10 @@ class ProfileGrid:
     chunk_tokens: tuple[int, ...] = (1, 16, 64, 128, 256, 512)
     contexts: tuple[int, ...] = (0, 512, 1536)
     decode_batches: tuple[int, ...] = (1, 4, 16)
-    decode_context: int = 512
+    # NOTE: two depths or more, so that the fit can tell a decode's per-key cost (memory-bound)
+    # from its per-token cost.
+    decode_contexts: tuple[int, ...] = (512, 2048)
+    max_decode_kv_tokens: int = 16384
     repeats: int = 3
 
     @classmethod
@@ -49,7 +52,8 @@ class ProfileGrid:
                 chunk_tokens=(1, 64, 256, 512, 1024, 2048, 4096),
                 contexts=(0, 2048, 8192),
                 decode_batches=(1, 8, 32, 64),
-                decode_context=4096,
+                decode_contexts=(4096, 16384),
+                max_decode_kv_tokens=262144,
                 repeats=repeats,
             )
         return cls(repeats=repeats)
@@ -57,8 +61,19 @@ class ProfileGrid:
     def points(self) -> list[tuple[str, int, int, int]]:
         """``(kind, tokens, context, batch)`` of every step in the grid."""
         pts = [("chunk", t, c, 1) for c in self.contexts for t in self.chunk_tokens]
-        pts += [("decode", b, self.decode_context, b) for b in self.decode_batches]
+        pts += [
+            ("decode", b, c, b)
+            for c in self.decode_contexts
+            for b in self.decode_batches
+            if b * c <= self.max_decode_kv_tokens
+        ]
         return pts
+
+    def num_blocks_needed(self, block_size: int) -> int:
+        """KV blocks that :func:`measure` needs for the largest point of the grid."""
+        blocks = [-(-(c + 1) // block_size) * b for kind, _, c, b in self.points() if kind == "decode"]
+        blocks += [-(-(c + t) // block_size) for kind, t, c, _ in self.points() if kind == "chunk"]
+        return max(blocks) + 1
 
 
 def _attn_pairs(tokens: int, context: int) -> float:
@@ -134,12 +149,21 @@ def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | No
     return results
 
 
+def _decode_keys(p: ProfilePoint) -> float:
+    """Keys the decodes of a point read (``K``). A one-token chunk samples its token like a
+    decode, and the engine prices it as one (``SchedulerOutput.decode_kv_tokens``)."""
+    one_token_each = p.kind in ("decode", "graph") or p.num_tokens == p.batch
+    return float(p.batch * (p.context + 1)) if one_token_each else 0.0
+
+
 def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source: str = "profile") -> LatencyModel:
-    """Fits ``floor + per_token * max(0, T - knee) + per_attn * A`` (least squares, knee by search).
+    """Fits ``floor + per_token * max(0, T - knee) + per_attn * A + per_decode_kv * K``
+    (least squares, knee by search).
 
     Points of kind ``graph`` (decode steps replayed as CUDA graphs) do not pay the eager floor:
-    the curve is fitted on the other points, and ``decode_floor_s`` is the median of what the
-    graph points spend beyond the curve's token and attention terms.
+    the curve is fitted on the other points, and what the graph points spend beyond its token and
+    attention terms is fitted as ``decode_floor_s + per_decode_kv_s * K`` (without graph points,
+    ``per_decode_kv_s`` is the eager fit's fourth column, fed by the eager decode points).
 
     Returns:
         The model with the lowest mean relative error; ``fit_error`` holds that error (over
@@ -151,10 +175,11 @@ def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source
         eager, graph_points = graph_points, []
     tokens = np.array([p.num_tokens for p in eager], dtype=float)
     pairs = np.array([p.attn_pairs for p in eager], dtype=float)
+    keys = np.array([_decode_keys(p) for p in eager], dtype=float)
     lat = np.array([p.latency_s for p in eager], dtype=float)
     best: tuple[float, LatencyModel] | None = None
     for knee in sorted({0.0, *tokens.tolist()}):
-        design = np.stack([np.ones_like(tokens), np.maximum(0.0, tokens - knee), pairs], axis=1)
+        design = np.stack([np.ones_like(tokens), np.maximum(0.0, tokens - knee), pairs, keys], axis=1)
         # NOTE: relative weighting, so that the many small steps count as much as the big ones.
         weights = 1.0 / lat
         coef = _nonnegative_lstsq(design * weights[:, None], lat * weights)
@@ -163,29 +188,44 @@ def fit(points: list[ProfilePoint], model: str = "", device: str = "cpu", source
         candidate = LatencyModel(
             floor_s=float(coef[0]), per_token_s=float(coef[1]), per_attn_s=float(coef[2]),
             knee_tokens=int(knee), source=source, model=model, device=device, fit_error=err,
+            per_decode_kv_s=float(coef[3]),
         )
         if best is None or err < best[0] - 1e-9:
             best = (err, candidate)
     assert best is not None
     result = best[1]
     if graph_points:
-        beyond = [
+        beyond = np.array([
             p.latency_s - (result.step_latency(p.num_tokens, p.attn_pairs) - result.floor_s)
             for p in graph_points
-        ]
-        result = replace(result, decode_floor_s=max(float(np.median(beyond)), 1e-6))
+        ])
+        floor, per_key = _line_fit(np.array([_decode_keys(p) for p in graph_points]), beyond)
+        result = replace(result, decode_floor_s=max(floor, 1e-6), per_decode_kv_s=per_key)
         errors = [
-            abs(result.step_latency(p.num_tokens, p.attn_pairs, p.kind == "graph") - p.latency_s) / p.latency_s
+            abs(result.step_latency(p.num_tokens, p.attn_pairs, p.kind == "graph", _decode_keys(p)) - p.latency_s)
+            / p.latency_s
             for p in points
         ]
         result = replace(result, fit_error=float(np.mean(errors)))
     return result
 
 
+def _line_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """``(intercept, slope)`` of ``y ~ intercept + slope * x`` by least squares, the slope held
+    >= 0 (with fewer than two distinct ``x``: the mean, slope 0). Unweighted, so the fitted line
+    keeps the sum of ``y``."""
+    if len(set(x.tolist())) < 2:
+        return float(y.mean()), 0.0
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope < 0:
+        return float(y.mean()), 0.0
+    return float(intercept), float(slope)
+
+
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: columns that come out negative are dropped
-    and the rest refitted (enough for three columns)."""
-    active = list(range(a.shape[1]))
+    and the rest refitted (enough for these few columns). A column of zeros gets 0."""
+    active = [c for c in range(a.shape[1]) if c == 0 or np.any(a[:, c])]
     coef = np.zeros(a.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
@@ -198,14 +238,19 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrated") -> LatencyModel:
-    """Shifts a profile's floors by what live engine steps cost beyond its predictions.
+    """Refits a profile's floors and decode term to what live engine steps cost.
 
     A profile times forward passes alone; a live step also pays scheduling, input preparation
     and sampling, and mixes shapes the grid never ran. Given step records (``StepStats`` as
     written by ``asymcache bench --step-log``: ``num_tokens``, ``attn_pairs``, ``decode_only``,
-    ``duration_s``), the floors move by the mean residual (measured minus this model's
-    prediction) of each step kind, so that the simulator's total time matches the live runs';
-    the token and attention terms stay.
+    ``duration_s``, and ``decode_kv_tokens`` where the engine logged it):
+
+    - decode-only steps: what they cost beyond the token and attention terms is fitted as
+      ``decode_floor_s + per_decode_kv_s * K`` (a line over the keys their decodes read; in a
+      decode-only step those are its ``attn_pairs``, so older logs serve as well);
+    - other steps: the floor moves by their mean residual under the new decode term.
+
+    The token and attention terms stay, and the simulator's total time matches the live runs'.
 
     Args:
         latency: the profile to correct.
@@ -225,18 +270,26 @@ def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrate
         pairs = [float(s["attn_pairs"]) for s in steps]
         decode = np.array([bool(s["decode_only"]) for s in steps])
         measured = np.array([float(s["duration_s"]) for s in steps])
-    except (KeyError, TypeError, ValueError) as exc:
+        keys = np.array([
+            float(s.get("decode_kv_tokens", s["attn_pairs"] if s["decode_only"] else 0.0)) for s in steps
+        ])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"steps: each record needs num_tokens, attn_pairs, decode_only, duration_s ({exc})") from None
 
     def predict(model: LatencyModel) -> np.ndarray:
-        return np.array([model.step_latency(t, a, bool(d)) for t, a, d in zip(tokens, pairs, decode, strict=True)])
+        return np.array([
+            model.step_latency(t, a, bool(d), k) for t, a, d, k in zip(tokens, pairs, decode, keys, strict=True)
+        ])
 
-    residual = measured - predict(latency)
-    floor = latency.floor_s + (float(residual[~decode].mean()) if (~decode).any() else 0.0)
-    decode_floor = latency.decode_floor_s
+    out = replace(latency, source=source)
     if decode.any():
-        base = latency.decode_floor_s if latency.decode_floor_s is not None else latency.floor_s
-        decode_floor = max(base + float(residual[decode].mean()), 0.0)
-    out = replace(latency, floor_s=max(floor, 0.0), decode_floor_s=decode_floor, source=source)
+        # what each decode-only step spends beyond the token and attention terms
+        no_floor = replace(latency, floor_s=0.0, decode_floor_s=0.0, per_decode_kv_s=0.0)
+        beyond = measured[decode] - predict(no_floor)[decode]
+        decode_floor, per_key = _line_fit(keys[decode], beyond)
+        out = replace(out, decode_floor_s=max(decode_floor, 0.0), per_decode_kv_s=per_key)
+    if (~decode).any():
+        residual = measured[~decode] - predict(out)[~decode]
+        out = replace(out, floor_s=max(latency.floor_s + float(residual.mean()), 0.0))
     error = float(np.mean(np.abs(predict(out) - measured) / np.maximum(measured, 1e-9)))
     return replace(out, fit_error=error)

@@ -83,6 +83,16 @@ class SchedulerOutput(NamedTuple):
         return pairs
 
     @property
+    def decode_kv_tokens(self) -> float:
+        """Keys the step's decodes read: for each request that runs one token and samples, the
+        token's position plus one (the ``K`` of the latency model; memory-bound, see there)."""
+        return float(sum(
+            item.segments[0][0] + 1
+            for item in self.scheduled
+            if item.sample and len(item.segments) == 1 and item.segments[0][1] - item.segments[0][0] == 1
+        ))
+
+    @property
     def num_hole_tokens(self) -> int:
         """Tokens that refill holes: positions below each request's last cache hit.
 

@@ -50,7 +50,9 @@ class SimulatedRunner:
         self.vocab_size = vocab_size
 
     def step_cost(self, plan: SchedulerOutput) -> float:
-        return self.latency.step_latency(plan.num_tokens, plan.attn_pairs, decode_only=plan.is_decode_only)
+        return self.latency.step_latency(
+            plan.num_tokens, plan.attn_pairs, plan.is_decode_only, plan.decode_kv_tokens
+        )
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         self.clock.advance(self.step_cost(plan))

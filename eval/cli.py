@@ -150,10 +150,9 @@ def profile(
 
     grid = ProfileGrid.for_device(torch_device_type(device), repeats=repeats)
     if quick:
-        grid = ProfileGrid(chunk_tokens=(1, 16, 64), contexts=(0, 128), decode_batches=(1, 4), decode_context=64, repeats=1)
-    need = max(b * -(-(grid.decode_context + 1) // 16) for b in grid.decode_batches)
-    need = max(need, max(-(-(c + t) // 16) for c in grid.contexts for t in grid.chunk_tokens)) + 1
-    engine = Engine(model=model, device=device, num_kv_blocks=need)
+        grid = ProfileGrid(chunk_tokens=(1, 16, 64), contexts=(0, 128), decode_batches=(1, 4),
+                           decode_contexts=(64, 256), repeats=1)
+    engine = Engine(model=model, device=device, num_kv_blocks=grid.num_blocks_needed(16))
     with Progress() as progress:
         task = progress.add_task("profiling", total=len(grid.points()))
         points = measure(engine, grid, lambda done, total: progress.update(task, completed=done))
@@ -166,6 +165,7 @@ def profile(
     )
     if latency.decode_floor_s is not None:
         typer.echo(f"decode-only steps (CUDA graphs): floor {latency.decode_floor_s * 1e3:.2f} ms")
+    typer.echo(f"decodes: {latency.per_decode_kv_s * 1e9:.2f} ns per key read")
 
 
 @app.command()
@@ -175,7 +175,7 @@ def calibrate(
     latency_profile: Path = typer.Option(..., help="The profile to correct."),
     out: Path = typer.Option(Path("profile_live.json"), help="Where to write the corrected profile."),
 ) -> None:
-    """Shift a latency profile's floors by what live steps cost beyond it (for the simulator)."""
+    """Refit a latency profile's floors and decode term to live steps (for the simulator)."""
     import json
 
     from asymcache_core.latency_model import LatencyModel
@@ -194,7 +194,8 @@ def calibrate(
     after = latency.decode_floor_s if latency.decode_floor_s is not None else latency.floor_s
     typer.echo(
         f"{len(records)} steps: floor {base.floor_s * 1e3:.2f} -> {latency.floor_s * 1e3:.2f} ms, decode-only "
-        f"{before * 1e3:.2f} -> {after * 1e3:.2f} ms, error on these steps {latency.fit_error:.1%} -> {out}"
+        f"{before * 1e3:.2f} -> {after * 1e3:.2f} ms + {base.per_decode_kv_s * 1e9:.2f} -> "
+        f"{latency.per_decode_kv_s * 1e9:.2f} ns a key, error on these steps {latency.fit_error:.1%} -> {out}"
     )
 
 

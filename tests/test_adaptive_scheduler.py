@@ -79,6 +79,34 @@ def test_budget_grows_with_the_slo(tmp_path):
     assert PROFILE.step_latency(b_large, 0) <= 0.060
 
 
+def test_budget_leaves_room_for_what_long_decodes_read():
+    """Decodes on long contexts read more KV: the same number of them leaves a smaller prefill
+    share under the same target, and the step the budget allows stays within it."""
+    from dataclasses import replace
+
+    from asymcache_core.budget import AdaptiveBudget
+    from asymcache_core.request import Request
+
+    profile = replace(PROFILE, per_decode_kv_s=2e-7)
+    slo = 0.040
+    waiting = [Request("w", list(range(5000)), SamplingParams(max_tokens=1), arrival_time=0.0)]
+    budgets = {}
+    for prompt in (100, 20_000):
+        decodes = []
+        for i in range(4):
+            request = Request(f"d{i}", list(range(prompt)), SamplingParams(max_tokens=50), arrival_time=0.0)
+            request.append_output(7)
+            request.num_computed_tokens = request.num_tokens - 1
+            decodes.append(request)
+        budgets[prompt] = AdaptiveBudget(profile, slo, 16, 8192)(decodes, waiting)
+        keys = sum(r.num_tokens for r in decodes)
+        # the step: 4 decodes reading their keys, the rest a prefill at depth 0
+        assert profile.step_latency(budgets[prompt], keys, False, keys) <= slo
+    assert budgets[20_000] < budgets[100]
+    # the same decodes priced without the term would take the larger share
+    assert AdaptiveBudget(PROFILE, slo, 16, 8192)(decodes, waiting) > budgets[20_000]
+
+
 def test_no_decodes_takes_at_least_the_knee(tmp_path):
     engine, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=1.0, max_num_batched_tokens=2048)
     engine.add_request(list(range(30, 330)), SamplingParams(max_tokens=1))

@@ -94,6 +94,30 @@ def test_simulator_charges_decode_steps_the_graph_floor() -> None:
     assert runner.step_cost(mixed) == pytest.approx(0.02)
 
 
+def test_decode_keys_count_what_decodes_read_in_any_step() -> None:
+    """``K``: a decode reads its position plus one keys, in a decode-only step and beside a
+    prefill alike; a chunk, a hole refill and a token that does not sample read none of it."""
+    d = _request("d", list(range(40)), [1, 2, 3])
+    e = _request("e", [1, 2, 3], [0])
+    p = _request("p", list(range(40)), [1, 2, 3])
+    assert _plan(ScheduledRequest(d, [(39, 40)], True), ScheduledRequest(e, [(2, 3)], True)).decode_kv_tokens == 43
+    mixed = _plan(ScheduledRequest(d, [(39, 40)], True), ScheduledRequest(p, [(16, 40)], True))
+    assert mixed.decode_kv_tokens == 40
+    others = _plan(ScheduledRequest(p, [(0, 16), (39, 40)], True), ScheduledRequest(d, [(30, 31)], False))
+    assert others.decode_kv_tokens == 0
+
+
+def test_simulator_charges_decodes_their_keys() -> None:
+    model = LatencyModel(floor_s=0.02, per_token_s=0.0, per_attn_s=0.0, knee_tokens=64, decode_floor_s=0.005,
+                         per_decode_kv_s=1e-6)
+    runner = SimulatedRunner(model, VirtualClock(), vocab_size=1000)
+    d = _request("d", list(range(1000)), list(range(63)))
+    p = _request("p", list(range(40)), [1, 2, 3])
+    assert runner.step_cost(_plan(ScheduledRequest(d, [(999, 1000)], True))) == pytest.approx(0.005 + 1e-3)
+    mixed = _plan(ScheduledRequest(d, [(999, 1000)], True), ScheduledRequest(p, [(16, 40)], True))
+    assert runner.step_cost(mixed) == pytest.approx(0.02 + 1e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_model_len", [1024, 8192])
 def test_graph_decode_matches_eager_engine(max_model_len: int) -> None:

@@ -30,7 +30,7 @@ def calibrated_profile(smollm, path) -> str:
     from tests.conftest import make_engine
 
     grid = ProfileGrid(chunk_tokens=(1, 16, 64, 160), contexts=(0, 192), decode_batches=(1, 2, 4),
-                       decode_context=160, repeats=2)
+                       decode_contexts=(160,), repeats=2)
     engine = make_engine(smollm, num_kv_blocks=64)
     fit(measure(engine, grid), model="smollm2-135m", source=str(path)).to_json(path)
     return str(path)

@@ -37,6 +37,56 @@ def test_analytic_default_is_sane():
     assert 0.003 < gpu.floor_s < 0.01
     assert 50 < gpu.knee_tokens < 1000
     assert gpu.block_rebuild_latency(100, 16, 0) > gpu.block_rebuild_latency(1, 16, 0)
+    # a decode reads its K and V in every layer: 8 x 20k keys of Llama-3.1-8B are 21 GB, ~5 ms
+    kv_read = gpu.step_latency(8, 160_000, True, 160_000) - gpu.step_latency(8, 160_000, True)
+    assert kv_read == pytest.approx(160_000 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 / 4e12)
+    assert 0.003 < kv_read < 0.008
+
+
+def _decode_points(truth: LatencyModel, kind: str, contexts: tuple[int, ...]) -> list[ProfilePoint]:
+    points = []
+    for ctx in contexts:
+        for batch in (1, 4, 16):
+            pairs, keys = batch * (ctx + 1.0), batch * (ctx + 1.0)
+            latency = truth.step_latency(batch, pairs, kind == "graph", keys)
+            points.append(ProfilePoint(kind, batch, ctx, batch, pairs, latency))
+    return points
+
+
+@pytest.mark.parametrize("kind", ["decode", "graph"])
+def test_fit_recovers_the_decode_key_term(kind):
+    """Decodes at two depths tell the per-key read from the per-token cost, whether they run
+    eagerly (fitted with the chunks) or as graph replays (fitted beyond the chunks' curve)."""
+    truth = LatencyModel(floor_s=0.02, per_token_s=0.0004, per_attn_s=2e-9, knee_tokens=128,
+                         decode_floor_s=0.006 if kind == "graph" else None, per_decode_kv_s=3e-6)
+    points = []
+    for ctx in (0, 512, 2048):
+        for tokens in (16, 64, 128, 256, 512, 1024):
+            pairs = tokens * ctx + tokens * (tokens + 1) / 2
+            points.append(ProfilePoint("chunk", tokens, ctx, 1, pairs, truth.step_latency(tokens, pairs)))
+    model = fit(points + _decode_points(truth, kind, (512, 2048)), model="m", device="cpu")
+    assert model.per_decode_kv_s == pytest.approx(3e-6, rel=1e-3)
+    assert model.floor_s == pytest.approx(0.02, rel=1e-3)
+    if kind == "graph":
+        assert model.decode_floor_s == pytest.approx(0.006, rel=1e-3)
+    assert model.fit_error is not None and model.fit_error < 1e-3
+    # a one-token chunk samples like a decode: the fit prices its keys the same way
+    one = ProfilePoint("chunk", 1, 2048, 1, 2049.0, truth.step_latency(1, 2049.0, False, 2049.0))
+    assert fit(points + [one] + _decode_points(truth, kind, (512, 2048))).per_decode_kv_s == pytest.approx(
+        3e-6, rel=1e-3)
+    # chunks alone say nothing about decodes
+    assert fit(points).per_decode_kv_s == 0.0
+
+
+def test_default_grids_time_decodes_at_two_depths_within_their_memory():
+    from asymcache_core.profiler import ProfileGrid
+
+    for device, cap in (("cpu", 16384), ("cuda", 262144)):
+        grid = ProfileGrid.for_device(device)
+        decodes = [(b, c) for kind, _, c, b in grid.points() if kind == "decode"]
+        assert len({c for _, c in decodes}) >= 2
+        assert max(b * c for b, c in decodes) <= cap
+        assert grid.num_blocks_needed(16) >= max(b * -(-(c + 1) // 16) for b, c in decodes)
 
 
 def test_profile_command_writes_a_profile(tmp_path):
@@ -79,6 +129,39 @@ def test_calibrate_shifts_the_floors_by_the_live_residuals():
         calibrate(profile, [])
     with pytest.raises(ValueError, match="steps"):
         calibrate(profile, [{"num_tokens": 3}])
+
+
+@pytest.mark.parametrize("logged_keys", [True, False])
+def test_calibrate_fits_the_decode_key_term(logged_keys):
+    """A profile that prices a decode's keys at 0 against live steps that pay 30 ns a key (an
+    H200 reading Llama-3.1-8B's KV): calibration recovers the term and the decode floor, from
+    logs with ``decode_kv_tokens`` and from older logs (a decode-only step's pairs are its keys)."""
+    from dataclasses import replace
+
+    from asymcache_core.profiler import calibrate
+
+    profile = LatencyModel(floor_s=0.017, per_token_s=2e-5, per_attn_s=1.5e-9, knee_tokens=512, decode_floor_s=0.011)
+    truth = replace(profile, floor_s=0.020, decode_floor_s=0.007, per_decode_kv_s=3e-8)
+    steps = []
+    for i in range(90):
+        decode_only = i % 3 != 0
+        batch = 1 + i % 8
+        keys = float(batch * (2000 + 997 * i))
+        tokens = batch if decode_only else 2048 + batch
+        pairs = keys if decode_only else keys + 2048 * (5000 + 13 * i)
+        step = {"num_tokens": tokens, "attn_pairs": pairs, "decode_only": decode_only,
+                "duration_s": truth.step_latency(tokens, pairs, decode_only, keys)}
+        if logged_keys:
+            step["decode_kv_tokens"] = keys
+        elif not decode_only:
+            # an older log cannot price the decodes of a mixed step: time it without them
+            step["duration_s"] = truth.step_latency(tokens, pairs, False)
+        steps.append(step)
+    live = calibrate(profile, steps)
+    assert live.per_decode_kv_s == pytest.approx(3e-8, rel=1e-6)
+    assert live.decode_floor_s == pytest.approx(0.007, rel=1e-6)
+    assert live.floor_s == pytest.approx(0.020, rel=1e-6)
+    assert live.fit_error == pytest.approx(0.0, abs=1e-9)
 
 
 def test_calibrate_command(tmp_path):
