@@ -9,11 +9,13 @@
 # GRID_POLICIES=... runs a subset of the grid; BENCH_EXTRA="--step-log ..." adds bench options
 # (BENCH_EXTRA="--repeats 3": chat TTFT varies ~20% between runs of one policy, BENCHMARKS.md).
 # Each stage writes OUT_DIR/STAGE.log (the table) and OUT_DIR/STAGE.tar.gz (report.md and
-# results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`).
+# results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`) unless
+# PROFILE=... names another (bench_traces/profile_h200_llama8b_live_s9.json: fitted to live steps,
+# with the decode-key term, so adaptive chunking meets its TPOT target more closely).
 set -uo pipefail
 out=$1; shift
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-profile=bench_traces/profile_h200_llama8b.json
+profile=${PROFILE:-bench_traces/profile_h200_llama8b.json}
 common=(--backend real --device cuda --model dummy:llama-3.1-8b --max-context 32768 --kv-fraction 0.3
         --time-scale 0.05 --no-lossless-check --tpot-slo-ms 40 --latency-profile "$profile")
 chat=(--workload trace:bench_traces/gpu_chat.jsonl --jobs 20 --concurrency 10)
