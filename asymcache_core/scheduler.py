@@ -41,6 +41,11 @@ class ScheduledRequest(NamedTuple):
     def num_tokens(self) -> int:
         return sum(end - start for start, end in self.segments)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token, the request's last, sampled: a decode (one query over its whole KV)."""
+        return self.sample and len(self.segments) == 1 and self.segments[0][1] - self.segments[0][0] == 1
+
 
 class SchedulerOutput(NamedTuple):
     """A step's plan.
@@ -84,13 +89,9 @@ class SchedulerOutput(NamedTuple):
 
     @property
     def decode_kv_tokens(self) -> float:
-        """Keys the step's decodes read: for each request that runs one token and samples, the
-        token's position plus one (the ``K`` of the latency model; memory-bound, see there)."""
-        return float(sum(
-            item.segments[0][0] + 1
-            for item in self.scheduled
-            if item.sample and len(item.segments) == 1 and item.segments[0][1] - item.segments[0][0] == 1
-        ))
+        """Keys the step's decodes read: each decode's position plus one (the ``K`` of the
+        latency model; memory-bound, see there)."""
+        return float(sum(item.segments[0][0] + 1 for item in self.scheduled if item.is_decode))
 
     @property
     def num_hole_tokens(self) -> int:

@@ -580,9 +580,8 @@ def decode_graph_chunk(plan: MSAPlan, max_ctx: int) -> int:
     context alone (BENCHMARKS.md, session 8). The grid stays as captured: only the chunk
     shrinks, and ``cdiv(max_ctx, chunk) <= num_splits`` still holds.
     """
-    block_n = plan.config.block_n
-    chunk = -(-max(max_ctx, 1) // plan.num_splits)
-    return min(plan.chunk, max(block_n, -(-chunk // block_n) * block_n))
+    chunk, _ = _split_chunk(max_ctx, plan.num_splits, plan.config.block_n)
+    return min(plan.chunk, chunk)
 
 
 def msa_triton(
