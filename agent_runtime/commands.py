@@ -44,7 +44,7 @@ def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs:
 #: The ``EngineConfig`` fields ``asymcache serve`` passes on (defaults: the config's own).
 SERVE_ENGINE_SETTINGS: tuple[str, ...] = (
     "device", "dtype", "max_num_batched_tokens", "max_num_seqs", "chunking", "tpot_slo_ms",
-    "latency_profile", "admit_full_prompt", "least_work_first", "enforce_eager",
+    "latency_profile", "admit_full_prompt", "least_work_first", "least_work_patience", "enforce_eager",
 )
 
 
@@ -72,7 +72,7 @@ def run_serve(
             ``device``, ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``
             (``fixed``, ``fixed:N``, ``adaptive``, ``adaptive:slack``), ``tpot_slo_ms``,
             ``latency_profile`` (a JSON file from ``asymcache profile``),
-            ``admit_full_prompt``, ``least_work_first``, ``enforce_eager``.
+            ``admit_full_prompt``, ``least_work_first``, ``least_work_patience``, ``enforce_eager``.
 
     Raises:
         ValueError: a bad argument (one line naming it), before the model loads.

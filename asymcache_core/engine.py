@@ -192,6 +192,8 @@ class Engine:
             align_chunks=fixed is None,
             admit_full_prompt=config.admit_full_prompt,
             least_work_first=config.least_work_first,
+            least_work_patience=config.least_work_patience,
+            work_seconds=self.latency.prefill_latency,
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner

@@ -92,6 +92,13 @@ class LatencyModel:
         over_after = max(0, base_tokens + extra_tokens - self.knee_tokens)
         return self.per_token_s * (over_after - over_before) + self.per_attn_s * extra_attn_pairs
 
+    def prefill_latency(self, num_tokens: int, context_end: int) -> float:
+        """Compute time of prefilling the ``num_tokens`` positions that end at ``context_end``:
+        their per-token cost plus their attention pairs (floors left out: the steps they join
+        are paid for anyway). The scheduler's estimate of a request's own work."""
+        n = max(0, min(num_tokens, context_end))
+        return self.per_token_s * n + self.per_attn_s * (n * (context_end - n) + n * (n + 1) / 2)
+
     def block_rebuild_latency(self, position: int, block_size: int, base_tokens: int) -> float:
         """Marginal latency of recomputing the block at logical index ``position``.
 

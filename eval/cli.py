@@ -245,6 +245,10 @@ def serve(
     least_work_first: bool = typer.Option(
         False, help="Run the requests with the fewest tokens left to compute first (default: by arrival)."
     ),
+    least_work_patience: float = typer.Option(
+        None, help="With --least-work-first: a request lets later, smaller ones go first for at most this many "
+        "times its own estimated prefill time (default: no bound)."
+    ),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
     max_num_batched_tokens: int = typer.Option(2048, min=1, help="Tokens per step (fixed chunking; the cap of adaptive)."),
@@ -262,7 +266,7 @@ def serve(
 
     run_serve(model=model, host=host, port=port, api_key=api_key, policy=policy,
               num_kv_blocks=kv_blocks, max_model_len=max_model_len, least_work_first=least_work_first,
-              device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+              least_work_patience=least_work_patience, device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
               max_num_seqs=max_num_seqs, chunking=chunking, tpot_slo_ms=tpot_slo_ms,
               latency_profile=latency_profile, admit_full_prompt=admit_full_prompt, enforce_eager=enforce_eager)
 

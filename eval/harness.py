@@ -43,7 +43,8 @@ the MSA kernel (one launch per segment on GPU); ``unbounded``, a pool that holds
 working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
 load; see ``BenchPolicy.unbounded_pool``); ``reserve-prompt``, admission only when a request's
 whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-work``, the
-requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``).
+requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``), and
+``least-work:P`` the same with a patience of P (``EngineConfig.least_work_patience``).
 ``POLICY/adaptive`` turns on adaptive chunking (``POLICY/adaptive:slack`` its per-request TPOT
 variant) and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of
 issue #5); ``POLICY/adaptive/slo:MS`` gives that policy its own TPOT target instead of the run's
@@ -86,6 +87,8 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
             overrides["chunking"] = ablation
         elif ablation.startswith("slo:"):
             overrides["tpot_slo_ms"] = _parse_slo(ablation, name)
+        elif ablation.startswith("least-work:"):
+            overrides.update(least_work_first=True, least_work_patience=_parse_positive(ablation, name))
         elif ablation in ABLATIONS:
             overrides.update(ABLATIONS[ablation])
         else:
@@ -99,12 +102,17 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
 
 def _parse_slo(suffix: str, name: str) -> float:
     """The milliseconds of an ``slo:MS`` suffix (a positive number)."""
+    return _parse_positive(suffix, name)
+
+
+def _parse_positive(suffix: str, name: str) -> float:
+    """The number of a ``KEY:VALUE`` suffix (``slo:MS``, ``least-work:P``): positive and finite."""
     try:
         value = float(suffix.split(":", 1)[1])
     except ValueError:
         value = float("nan")
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"policy: slo:MS needs a positive number of milliseconds, got {suffix!r} in {name!r}")
+        raise ValueError(f"policy: {suffix.split(':', 1)[0]}:N needs a positive number, got {suffix!r} in {name!r}")
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,24 @@ def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path
     assert least_work.computed_tokens < 0.8 * fcfs.computed_tokens
 
 
+def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
+    # The long-chat grid at pool 25%, vLLM's 8,192-token budget, the whole system (BENCHMARKS.md,
+    # session 10): the least work first alone leaves long cold prompts waiting behind streams of
+    # returning turns (p99 15.8 s here, up to 24 s on the H200); a patience of 4 bounds that wait.
+    traces = Path(__file__).resolve().parents[1] / "bench_traces"
+    policies = (
+        "asymcache/reserve-prompt/least-work/adaptive/slo:35",
+        "asymcache/reserve-prompt/least-work:4/adaptive/slo:35",
+    )
+    config = replace(
+        gpu_longchat_sim(policies, tmp_path / "patience"), kv_fraction=0.25, max_num_batched_tokens=8192,
+        latency_profile=str(traces / "profile_h200_llama8b_live_s9.json"),
+    )
+    results, _ = run_bench(config)
+    pure, patient = (results.policies[name] for name in policies)
+    assert patient.ttft.p99 < 0.85 * pure.ttft.p99
+
+
 def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
     # The GPU grid's long-chat trace (BENCHMARKS.md, eviction on the GPU, session 6), simulated with the H200
     # profile: with contexts up to 64k a token's attention costs as much as its linear layers,
@@ -290,11 +309,14 @@ def test_ablation_suffixes_combine():
     assert full.engine_overrides["eviction_policy"] == "asymcache"
     assert resolve_bench_policy("vllm-apc/unbounded/reserve-prompt").unbounded_pool
     assert resolve_bench_policy("asymcache/adaptive/slo:28").engine_overrides["tpot_slo_ms"] == 28.0
+    patient = resolve_bench_policy("asymcache/least-work:8").engine_overrides
+    assert patient["least_work_first"] is True and patient["least_work_patience"] == 8.0
     assert "tpot_slo_ms" not in resolve_bench_policy("asymcache/adaptive").engine_overrides
     for bad, field in (("asymcache/adaptive/fixed:512", "chunking"), ("lru/no-holes/no-holes", "repeats"),
                        ("lru/reserve-prompt/bogus", "bogus"), ("asymcache/slo:28", "adaptive"),
                        ("asymcache/fixed:512/slo:28", "adaptive"), ("asymcache/adaptive/slo:0", "positive"),
-                       ("asymcache/adaptive/slo:fast", "positive"), ("asymcache/adaptive/slo:inf", "positive")):
+                       ("asymcache/adaptive/slo:fast", "positive"), ("asymcache/adaptive/slo:inf", "positive"),
+                       ("asymcache/least-work:0", "least-work:N needs a positive"), ("lru/least-work:soon", "positive")):
         with pytest.raises(ValueError, match=field):
             resolve_bench_policy(bad)
 

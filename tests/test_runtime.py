@@ -294,6 +294,10 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
         result = CliRunner().invoke(app, ["serve", "--kv-blocks", "64", *args])
         assert result.exit_code == 0, result.output
         assert built[-1].engine.config.least_work_first is want
+    result = CliRunner().invoke(app, ["serve", "--kv-blocks", "64", "--least-work-first", "--least-work-patience", "8"])
+    assert result.exit_code == 0, result.output
+    assert built[-1].engine.config.least_work_patience == 8.0
+    assert built[-1].engine.scheduler.least_work_patience == 8.0
     # the whole system on the command line: adaptive chunking, its profile, vLLM's admission rule
     profile = Path(__file__).resolve().parents[1] / "bench_traces" / "profile_h200_llama8b_live.json"
     result = CliRunner().invoke(app, [
@@ -311,7 +315,8 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
     # a bad setting: one line naming it, exit code 2, and no model load
     before = len(built)
     for args, field in ((["--chunking", "fixed:0"], "chunking"), (["--device", "tpu"], "device"),
-                        (["--latency-profile", "missing.json"], "latency_profile")):
+                        (["--latency-profile", "missing.json"], "latency_profile"),
+                        (["--least-work-patience", "8"], "least_work_patience")):
         result = CliRunner().invoke(app, ["serve", *args])
         assert result.exit_code == 2 and result.output.strip().count("\n") == 0, result.output
         assert field in result.output

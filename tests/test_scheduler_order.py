@@ -91,3 +91,75 @@ def test_explicit_priority_still_comes_before_the_work(tmp_path):
 def test_least_work_first_must_be_a_bool():
     with pytest.raises(ValueError, match="least_work_first"):
         EngineConfig(model="dummy:smollm2-135m", least_work_first="yes")
+
+
+# -- least_work_patience: admission by arrival + P x own estimated prefill time ----------------
+# NOTE: with the synthetic profile, a cold 320-token prompt is estimated at ~64.5 ms and a
+# 50-token one at ~10 ms, so with P = 2 the small request overtakes the long one only when it
+# arrives less than ~109 ms after it.
+@pytest.mark.parametrize(
+    ("patience", "gap_s", "small_first"),
+    [(None, 0.2, True), (2.0, 0.05, True), (2.0, 0.2, False)],
+)
+def test_patience_lets_a_later_small_request_overtake_only_within_its_bound(tmp_path, patience, gap_s, small_first):
+    engine, clock = sim_engine(
+        tmp_path, max_num_batched_tokens=64, least_work_first=True, least_work_patience=patience
+    )
+    long_ = engine.add_request(list(range(500, 820)), ONE)
+    clock.advance(gap_s)
+    small = engine.add_request(list(range(600, 650)), ONE)
+    estimate = engine.latency.prefill_latency
+    if patience is not None:
+        assert estimate(320, 320) == pytest.approx(0.0645, rel=0.01)
+        assert (gap_s + patience * estimate(50, 50) < patience * estimate(320, 320)) is small_first
+    assert first_token_order(engine, [long_, small]) == ([small, long_] if small_first else [long_, small])
+
+
+def test_patience_bounds_the_wait_of_a_long_prompt_behind_a_stream_of_short_ones(tmp_path):
+    # a 64-token request arrives before every step and fills the step's budget: under the least
+    # work first alone the 320-token prompt that came first never starts; with P = 2 it starts
+    # once it has waited about twice its own estimated prefill time
+    waits = {}
+    for patience in (None, 2.0):
+        engine, clock = sim_engine(
+            tmp_path, max_num_batched_tokens=64, least_work_first=True, least_work_patience=patience
+        )
+        long_ = engine.add_request(list(range(500, 820)), ONE)
+        request = engine.requests[long_]
+        longest_step = 0.0
+        for i in range(40):
+            if request.num_computed_tokens:
+                break
+            engine.add_request([1000 + i] * 64, ONE)
+            before = clock.now
+            engine.step()
+            longest_step = max(longest_step, clock.now - before)
+            engine.check_integrity()
+        waits[patience] = clock.now if request.num_computed_tokens else None
+        bound = 2.0 * engine.latency.prefill_latency(320, 320)
+    assert waits[None] is None  # starved for all 40 steps
+    assert waits[2.0] is not None and bound - 2 * longest_step <= waits[2.0] <= bound + 2 * longest_step
+
+
+def test_prefill_latency_prices_the_pairs_the_scheduler_counts(tmp_path):
+    engine, _ = sim_engine(tmp_path)
+    model = engine.latency
+    # 40 tokens ending at position 300 attend like the segment [260, 300) of a step
+    pairs = 40 * 260 + 40 * 41 / 2
+    assert model.prefill_latency(40, 300) == pytest.approx(model.per_token_s * 40 + model.per_attn_s * pairs)
+    assert model.prefill_latency(0, 300) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"least_work_first": True, "least_work_patience": 0.0}, "least_work_patience: must be a positive"),
+        ({"least_work_first": True, "least_work_patience": float("nan")}, "least_work_patience: must be a positive"),
+        ({"least_work_first": True, "least_work_patience": True}, "least_work_patience: must be a positive"),
+        ({"least_work_first": True, "least_work_patience": "8"}, "least_work_patience: must be a positive"),
+        ({"least_work_patience": 8.0}, "least_work_patience: needs least_work_first"),
+    ],
+)
+def test_bad_least_work_patience_is_a_clear_error(overrides, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        EngineConfig(model="dummy:smollm2-135m", **overrides)
