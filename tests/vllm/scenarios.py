@@ -178,7 +178,8 @@ def order(model: str, mode: str, profile: str | None) -> dict[str, Any]:
     400-token uncached prompt L arrives before S = W + 40 new tokens. The pool cannot hold both:
     FCFS admits L, whose blocks displace part of W, so S waits and refills; the least work
     first admits S (40 tokens to compute) while W is still cached. ``$ASYMCACHE_VLLM_OPTIONS``
-    picks the order.
+    picks the order (and ``least_work_patience``: S arrives microseconds after L, so only a
+    patience that small gives L its turn first).
     """
     from vllm import SamplingParams
 
@@ -201,6 +202,7 @@ def order(model: str, mode: str, profile: str | None) -> dict[str, Any]:
     outs = llm.generate([{"prompt_token_ids": long_prompt}, {"prompt_token_ids": short_prompt}], params, use_tqdm=False)
     return {
         "order": scheduler.asymcache_options.order,
+        "patience": scheduler.asymcache_options.least_work_patience,
         "admitted_prompt_lengths": admitted,
         "cached_tokens": {"long": outs[0].num_cached_tokens, "short": outs[1].num_cached_tokens},
         "outputs": {"long": list(outs[0].outputs[0].token_ids), "short": list(outs[1].outputs[0].token_ids)},

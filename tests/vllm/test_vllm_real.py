@@ -95,6 +95,20 @@ def test_least_work_order_admits_the_cached_request_first(tiny_model: Path) -> N
     assert least_work["outputs"] == fcfs["outputs"]
 
 
+def test_least_work_patience_bounds_how_long_a_request_is_overtaken(tiny_model: Path) -> None:
+    # The same scenario: with a patience of 1e-12 L's deadline (arrival + P x its ~prefill time)
+    # passes before S arrives, so L goes first, as under FCFS; with 1e6 S still overtakes it.
+    import json
+
+    admitted = {}
+    for patience in (1e-12, 1e6):
+        options = json.dumps({"order": "least-work", "least_work_patience": patience})
+        run = run_scenario("order", tiny_model, "plugin", env={"ASYMCACHE_VLLM_OPTIONS": options})
+        assert run["patience"] == patience
+        admitted[patience] = run["admitted_prompt_lengths"]
+    assert admitted == {1e-12: [400, 360], 1e6: [360, 400]}
+
+
 def test_bad_order_option_is_a_clear_error() -> None:
     from types import SimpleNamespace
 
@@ -107,6 +121,12 @@ def test_bad_order_option_is_a_clear_error() -> None:
         AsymCacheOptions.from_vllm_config(config)
     config = SimpleNamespace(additional_config={"asymcache": {"order": "least-work"}})
     assert AsymCacheOptions.from_vllm_config(config).order == "least-work"
+    for bad, message in (({"order": "least-work", "least_work_patience": 0}, "must be a positive number"),
+                         ({"order": "least-work", "least_work_patience": "8"}, "must be a positive number"),
+                         ({"least_work_patience": 8}, "needs order least-work")):
+        config = SimpleNamespace(additional_config={"asymcache": bad})
+        with pytest.raises(ValueError, match=f"least_work_patience {message}"):
+            AsymCacheOptions.from_vllm_config(config)
 
 
 def test_least_work_order_refuses_the_priority_policy(tiny_model: Path) -> None:

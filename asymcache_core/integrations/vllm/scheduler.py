@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -72,6 +73,10 @@ class AsymCacheOptions:
         order: admission order of waiting requests: ``fcfs`` (vLLM's) or ``least-work``, the
             fewest tokens left to compute once the prefix cache's hits are counted first
             (the embedded engine's ``least_work_first``; needs vLLM's ``fcfs`` policy).
+        least_work_patience: with ``order="least-work"``, a waiting request lets later,
+            smaller ones go first for at most this many times its own estimated prefill time
+            (the latency model's); ``None``: by work alone (the embedded engine's
+            ``least_work_patience``).
     """
 
     eviction: str = "asymcache"
@@ -81,6 +86,7 @@ class AsymCacheOptions:
     latency_profile: str | None = None
     prior_reuse: float = 0.5
     order: str = "fcfs"
+    least_work_patience: float | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> AsymCacheOptions:
@@ -114,6 +120,12 @@ class AsymCacheOptions:
             raise ValueError(f"asymcache options: eviction must be asymcache or lru, got {opts.eviction!r}")
         if opts.order not in ("fcfs", "least-work"):
             raise ValueError(f"asymcache options: order must be fcfs or least-work, got {opts.order!r}")
+        patience = opts.least_work_patience
+        if patience is not None:
+            if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not 0 < patience < math.inf:
+                raise ValueError(f"asymcache options: least_work_patience must be a positive number, got {patience!r}")
+            if opts.order != "least-work":
+                raise ValueError("asymcache options: least_work_patience needs order least-work")
         if not 0.0 <= opts.max_pinned_fraction <= 1.0:
             raise ValueError(f"asymcache options: max_pinned_fraction must be in [0, 1], got {opts.max_pinned_fraction}")
         return opts
@@ -244,6 +256,7 @@ class _AsymCacheMixin:
         self.asymcache_options = opts
         self.asymcache_clock: Callable[[], float] = time.monotonic
         latency = build_latency_model(self.vllm_config, opts)
+        self.asymcache_latency = latency
         self.asymcache_sessions = SessionStats(prior_reuse=opts.prior_reuse)
         self.asymcache_scorer = BlockScorer(self.asymcache_sessions, latency, self.block_size)
         self.asymcache_policy = ContinuumPinPolicy(latency, ttl_rule=opts.ttl_rule)  # type: ignore[arg-type]
@@ -275,8 +288,9 @@ class _AsymCacheMixin:
             install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer)
             self.asymcache_queue = queue
         logger.info(
-            "asymcache: eviction=%s pinning=%s order=%s latency=%s (%s) blocks=%d",
-            opts.eviction, opts.pinning, opts.order, latency.source, latency.model, pool.num_gpu_blocks,
+            "asymcache: eviction=%s pinning=%s order=%s patience=%s latency=%s (%s) blocks=%d",
+            opts.eviction, opts.pinning, opts.order, opts.least_work_patience, latency.source, latency.model,
+            pool.num_gpu_blocks,
         )
 
     # ---- request lifecycle ------------------------------------------------------------------
@@ -313,14 +327,24 @@ class _AsymCacheMixin:
             _, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
         return max(1, int(request.num_tokens) - int(hit))
 
+    def _asymcache_admission_key(self, request: Any) -> float:
+        """Remaining work, or with ``least_work_patience`` P the deadline ``arrival + P x
+        (estimated seconds of that work)`` (see the embedded ``Scheduler._admission_key``)."""
+        work = self.asymcache_remaining_work(request)
+        patience = self.asymcache_options.least_work_patience
+        if patience is None:
+            return float(work)
+        return float(request.arrival_time) + patience * self.asymcache_latency.prefill_latency(work, int(request.num_tokens))
+
     def _asymcache_order_waiting(self) -> None:
-        """Sorts vLLM's waiting deque by remaining work (stable: ties keep vLLM's order)."""
+        """Sorts vLLM's waiting deque by :meth:`_asymcache_admission_key` (stable: ties keep
+        vLLM's order)."""
         waiting = self.waiting
         if len(waiting) < 2 or len(self.running) >= self.max_num_running_reqs:
             # NOTE: as in the embedded scheduler, no sort when nothing can be admitted: each key
             # is a prefix-cache lookup.
             return
-        ordered = sorted(waiting, key=self.asymcache_remaining_work)
+        ordered = sorted(waiting, key=self._asymcache_admission_key)
         waiting.clear()
         waiting.extend(ordered)
 
