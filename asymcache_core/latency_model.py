@@ -34,6 +34,13 @@ _DEVICE_PEAKS = {
 }
 
 
+def segment_attn_pairs(num_tokens: int, start: int) -> float:
+    """Query-key pairs of ``num_tokens`` consecutive positions from ``start``: each query
+    attends over ``start`` earlier keys plus a causal triangle of its own segment (the ``A``
+    a segment adds to a step)."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) / 2
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     """A fitted or analytic step-latency model.
@@ -97,7 +104,7 @@ class LatencyModel:
         their per-token cost plus their attention pairs (floors left out: the steps they join
         are paid for anyway). The scheduler's estimate of a request's own work."""
         n = max(0, min(num_tokens, context_end))
-        return self.per_token_s * n + self.per_attn_s * (n * (context_end - n) + n * (n + 1) / 2)
+        return self.per_token_s * n + self.per_attn_s * segment_attn_pairs(n, context_end - n)
 
     def block_rebuild_latency(self, position: int, block_size: int, base_tokens: int) -> float:
         """Marginal latency of recomputing the block at logical index ``position``.
@@ -111,7 +118,7 @@ class LatencyModel:
     def block_rebuild_line(self, block_size: int, base_tokens: int) -> tuple[float, float]:
         """``(fixed, slope)`` with ``block_rebuild_latency(p) = fixed + slope * p``: one pair per
         session lets eviction price every block of it without calling the model per block."""
-        fixed = self.marginal_latency(base_tokens, block_size, block_size * (block_size + 1) / 2)
+        fixed = self.marginal_latency(base_tokens, block_size, segment_attn_pairs(block_size, 0))
         return fixed, self.per_attn_s * block_size * block_size
 
     def max_tokens_within(self, target_s: float, attn_per_token: float) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from asymcache_core.latency_model import LatencyModel
+from asymcache_core.latency_model import LatencyModel, segment_attn_pairs
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,6 @@ class ProfileGrid:
         blocks = [-(-(c + 1) // block_size) * b for kind, _, c, b in self.points() if kind == "decode"]
         blocks += [-(-(c + t) // block_size) for kind, t, c, _ in self.points() if kind == "chunk"]
         return max(blocks) + 1
-
-
-def _attn_pairs(tokens: int, context: int) -> float:
-    # queries at positions context..context+tokens-1 attend over position+1 keys each
-    return tokens * context + tokens * (tokens + 1) / 2
 
 
 def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | None = None) -> list[ProfilePoint]:
@@ -142,7 +137,7 @@ def measure(engine, grid: ProfileGrid, progress: Callable[[int, int], None] | No
                     torch.cuda.synchronize(device)
                 if rep > 0:  # the first run warms caches and compiles kernels
                     times.append(time.perf_counter() - start)
-        pairs = batch * _attn_pairs(per_seq, context)
+        pairs = batch * segment_attn_pairs(per_seq, context)
         results.append(ProfilePoint(kind, tokens, context, batch, pairs, float(np.median(times))))
         if progress is not None:
             progress(i + 1, len(points))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
+from asymcache_core.latency_model import segment_attn_pairs
 from asymcache_core.request import HOLE, Request, RequestStatus
 
 PriorityKey = Callable[[Request], tuple]
@@ -83,12 +84,9 @@ class SchedulerOutput(NamedTuple):
         """Query-key pairs of the step: a segment ``[start, end)`` of ``n`` tokens attends over
         ``start`` earlier keys per query plus a causal triangle of its own (the ``A`` of the
         latency model)."""
-        pairs = 0.0
-        for item in self.scheduled:
-            for start, end in item.segments:
-                n = end - start
-                pairs += n * start + n * (n + 1) / 2
-        return pairs
+        return sum(
+            (segment_attn_pairs(end - start, start) for item in self.scheduled for start, end in item.segments), 0.0
+        )
 
     @property
     def decode_kv_tokens(self) -> float:

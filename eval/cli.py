@@ -266,9 +266,10 @@ def serve(
 
     run_serve(model=model, host=host, port=port, api_key=api_key, policy=policy,
               num_kv_blocks=kv_blocks, max_model_len=max_model_len, least_work_first=least_work_first,
-              least_work_patience=least_work_patience, device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-              max_num_seqs=max_num_seqs, chunking=chunking, tpot_slo_ms=tpot_slo_ms,
-              latency_profile=latency_profile, admit_full_prompt=admit_full_prompt, enforce_eager=enforce_eager)
+              least_work_patience=least_work_patience, device=device, dtype=dtype,
+              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, chunking=chunking,
+              tpot_slo_ms=tpot_slo_ms, latency_profile=latency_profile, admit_full_prompt=admit_full_prompt,
+              enforce_eager=enforce_eager)
 
 
 @app.command()

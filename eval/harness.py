@@ -86,7 +86,7 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
                 raise ValueError(f"policy: more than one chunking suffix in {name!r}")
             overrides["chunking"] = ablation
         elif ablation.startswith("slo:"):
-            overrides["tpot_slo_ms"] = _parse_slo(ablation, name)
+            overrides["tpot_slo_ms"] = _parse_positive(ablation, name)
         elif ablation.startswith("least-work:"):
             overrides.update(least_work_first=True, least_work_patience=_parse_positive(ablation, name))
         elif ablation in ABLATIONS:
@@ -98,11 +98,6 @@ def resolve_bench_policy(name: str) -> BenchPolicy:
         # fixed-budget run with a target it never used.
         raise ValueError(f"policy: slo:MS needs /adaptive or /adaptive:slack in {name!r}")
     return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule, unbounded_pool="unbounded" in suffixes)
-
-
-def _parse_slo(suffix: str, name: str) -> float:
-    """The milliseconds of an ``slo:MS`` suffix (a positive number)."""
-    return _parse_positive(suffix, name)
 
 
 def _parse_positive(suffix: str, name: str) -> float:

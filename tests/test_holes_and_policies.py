@@ -62,12 +62,14 @@ def test_lossless_under_pressure(smollm, unbounded, policy):
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("policy", ["vllm-apc", "asymcache"])
-def test_lossless_under_pressure_with_least_work_first(smollm, unbounded, policy):
+@pytest.mark.parametrize(("policy", "patience"), [("vllm-apc", None), ("asymcache", None), ("asymcache", 2.0)])
+def test_lossless_under_pressure_with_least_work_first(smollm, unbounded, policy, patience):
     # the same script when the scheduler reorders requests by their work left (whole-prompt
-    # admission as vLLM): other interleavings, other victims, the same tokens
+    # admission as vLLM), with or without a patience bound: other interleavings, other victims,
+    # the same tokens
     engine = make_engine(
-        smollm, num_kv_blocks=12, eviction_policy=policy, least_work_first=True, admit_full_prompt=True
+        smollm, num_kv_blocks=12, eviction_policy=policy, least_work_first=True, admit_full_prompt=True,
+        least_work_patience=patience,
     )
     assert run_script(engine) == unbounded
     assert engine.pool.num_evictions > 0
