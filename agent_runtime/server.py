@@ -195,27 +195,11 @@ class ServerMetrics:
 
 def _engine_snapshot(engine: Any) -> dict[str, float]:
     """Engine gauges and counters (runs on the engine thread)."""
-    c = engine.counters
-    pins = engine.pins
-    return {
-        "pinned_blocks": pins.num_pinned_blocks,
-        "pins_total": pins.num_pins,
-        "pins_expired_total": pins.num_expired,
-        "pins_released_pressure_total": pins.num_released_pressure,
-        "evictions_total": engine.pool.num_evictions,
-        "kv_blocks_total": engine.num_blocks,
-        "kv_blocks_in_use": engine.pool.num_in_use,
-        "requests_running": len(engine.scheduler.running),
-        "requests_waiting": len(engine.scheduler.waiting),
-        "engine_prompt_tokens_total": c.prompt_tokens,
-        "engine_cache_hit_tokens_total": c.hit_tokens,
-        "engine_hole_tokens_total": c.hole_tokens,
-        "engine_suffix_recomputed_tokens_total": c.suffix_recomputed_tokens,
-        "engine_preempted_tokens_total": c.preempted_tokens,
-        "engine_computed_tokens_total": c.computed_tokens,
-        "engine_generated_tokens_total": c.generated_tokens,
-        "preemptions_total": c.num_preemptions,
-    }
+    stats = engine.stats().as_dict()
+    # NOTE: the peak and the request count are not exported; /metrics keeps its earlier names.
+    stats.pop("kv_blocks_peak_in_use")
+    stats.pop("requests_total")
+    return stats
 
 
 def render_metrics(metrics: ServerMetrics, engine: Mapping[str, float], model: str) -> str:

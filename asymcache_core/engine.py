@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import torch
@@ -82,6 +82,40 @@ class EngineCounters:
     num_preemptions: int = 0
     num_requests: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and run-wide counters (:meth:`Engine.stats`).
+
+    What the server's ``/metrics``, the harness and the runtime read, so that none of them
+    reaches into the pool, the scheduler or the pin manager. Names ending in ``_total`` are
+    monotonic counters; the rest are gauges.
+    """
+
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    kv_blocks_peak_in_use: int
+    requests_running: int
+    requests_waiting: int
+    pinned_blocks: int
+    pins_total: int
+    pins_expired_total: int
+    pins_released_pressure_total: int
+    evictions_total: int
+    engine_prompt_tokens_total: int
+    engine_cache_hit_tokens_total: int
+    engine_hole_tokens_total: int
+    engine_suffix_recomputed_tokens_total: int
+    engine_preempted_tokens_total: int
+    engine_computed_tokens_total: int
+    engine_generated_tokens_total: int
+    preemptions_total: int
+    requests_total: int
+
+    def as_dict(self) -> dict[str, int]:
+        """Field name -> value, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)
@@ -538,6 +572,31 @@ class Engine:
         return results
 
     # -- checks and stats ----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Gauges and counters of the engine now (call it from the thread that steps it)."""
+        c, pool, pins = self.counters, self.pool, self.pins
+        return EngineStats(
+            kv_blocks_total=self.num_blocks,
+            kv_blocks_in_use=pool.num_in_use,
+            kv_blocks_peak_in_use=pool.peak_in_use,
+            requests_running=len(self.scheduler.running),
+            requests_waiting=len(self.scheduler.waiting),
+            pinned_blocks=pins.num_pinned_blocks,
+            pins_total=pins.num_pins,
+            pins_expired_total=pins.num_expired,
+            pins_released_pressure_total=pins.num_released_pressure,
+            evictions_total=pool.num_evictions,
+            engine_prompt_tokens_total=c.prompt_tokens,
+            engine_cache_hit_tokens_total=c.hit_tokens,
+            engine_hole_tokens_total=c.hole_tokens,
+            engine_suffix_recomputed_tokens_total=c.suffix_recomputed_tokens,
+            engine_preempted_tokens_total=c.preempted_tokens,
+            engine_computed_tokens_total=c.computed_tokens,
+            engine_generated_tokens_total=c.generated_tokens,
+            preemptions_total=c.num_preemptions,
+            requests_total=c.num_requests,
+        )
+
     def check_integrity(self) -> None:
         """Pool invariants plus: every block held by a request is counted by its ref count."""
         self.pool.check_integrity()

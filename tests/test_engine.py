@@ -209,3 +209,24 @@ def test_session_turn_size_is_the_new_tokens_of_each_turn(smollm, chat_prompts):
     # a prompt that does not extend the last context counts whole
     engine.generate([chat_prompts[2][:7]], SamplingParams(max_tokens=1), session_ids=["s"])
     assert engine.sessions.sessions["s"].new_tokens[-1] == 7
+
+
+def test_stats_snapshot_tracks_pool_and_counters() -> None:
+    from asymcache_core import EngineStats
+
+    engine = Engine(model="dummy:tiny", num_kv_blocks=64, block_size=16, device="cpu", dtype="float32")
+    before = engine.stats()
+    assert isinstance(before, EngineStats)
+    assert before.kv_blocks_total == 64 and before.kv_blocks_in_use == 0 and before.requests_total == 0
+    engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=3), job_id="j")
+    waiting = engine.stats()
+    assert waiting.requests_waiting == 1 and waiting.requests_running == 0
+    engine.step()
+    running = engine.stats()
+    assert running.requests_running == 1 and running.kv_blocks_in_use >= 3
+    while engine.has_unfinished():
+        engine.step()
+    done = engine.stats()
+    assert done.requests_running == 0 and done.engine_prompt_tokens_total == 39
+    assert done.engine_generated_tokens_total == 3 and done.kv_blocks_peak_in_use >= 3
+    assert set(done.as_dict()) >= {"evictions_total", "pinned_blocks", "engine_computed_tokens_total"}
