@@ -1,8 +1,8 @@
 """Piecewise CUDA graphs for mixed steps (prefill, hole and decode tokens together).
 
 An eager step of an 8B model issues ~1,000 kernel launches; below ~500 tokens the host's
-launch rate, not the GPU, sets its pace (the eager floor of the H200 profile: ~17 ms up to a
-512-token knee, while its GPU work at 256 tokens is ~6 ms). A whole mixed step cannot be one
+launch rate, not the GPU, sets its pace (measured on the H200: an eager floor of ~17 ms up to a
+512-token knee, while the GPU work of a 256-token step is ~6 ms). A whole mixed step cannot be one
 graph: its MSA launch plan (tile classes, grids, KV splits) changes with every step's segments.
 Everything between two attention calls can: for a fixed token count it is the same kernels on
 the same buffers. So each step runs ``L + 1`` graph pieces with the eager MSA between them

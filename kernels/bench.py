@@ -1,4 +1,4 @@
-"""Benchmark of the Triton MSA kernel against its peers, one table from one run (issue #3).
+"""Benchmark of the Triton MSA kernel against its peers, one table from one run.
 
 ``python -m kernels.bench [--quick] [--sweep] [--json PATH]`` on a CUDA machine.
 

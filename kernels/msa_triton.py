@@ -350,7 +350,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _tile_shape(rows: int) -> tuple[int, int, int]:
     """``(block_n, num_warps, num_stages)`` for programs of ``rows`` query rows."""
-    # Measured on an H200 (BENCHMARKS.md): decode-like tiles are bandwidth-bound and prefer
+    # Measured on the H200: decode-like tiles are bandwidth-bound and prefer
     # few warps; long segments prefer 256-row tiles on 8 warps.
     if rows <= 16:
         return 64, 2, 3
@@ -447,8 +447,8 @@ class MSAStepPlan:
     Decode rows and one-block holes (short segments) get their own launch, with small tiles
     and the KV split of a decode; the prefill segments get big tiles. In one shared launch a
     short segment would take a big tile (its rows mostly masked) and walk its whole context in
-    one program per KV head: measured on the H200, one decode at 8k keys added ~9 ms to a
-    mixed step that way (BENCHMARKS.md).
+    one program per KV head: measured on the H200, one decode at 8k keys adds ~9 ms to a
+    mixed step that way.
 
     Attributes:
         launches: the launches, heaviest class first.
@@ -577,7 +577,7 @@ def decode_graph_chunk(plan: MSAPlan, max_ctx: int) -> int:
 
     NOTE: a graph sized for a 128k-token ``max_model_len`` at batch 8 has chunks of ~19k keys;
     on 10-20k-token contexts that left one program per (sequence, KV head) walking the whole
-    context alone (BENCHMARKS.md, session 8). The grid stays as captured: only the chunk
+    context alone (measured on the H200). The grid stays as captured: only the chunk
     shrinks, and ``cdiv(max_ctx, chunk) <= num_splits`` still holds.
     """
     chunk, _ = _split_chunk(max_ctx, plan.num_splits, plan.config.block_n)

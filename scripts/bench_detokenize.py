@@ -3,8 +3,8 @@
 ``python scripts/bench_detokenize.py [--batch 64] [--lengths 100 1000 4000]`` takes the packaged
 SmolLM2 tokenizer and, for requests that have generated ``n`` tokens, times what one decode step
 costs a batch of ``--batch`` requests to refresh their text: decoding every request's whole
-output (what the engine did before) and the incremental decode of the one new token (what it
-does now). CPU only.
+output (the naive way) and the incremental decode of the one new token (the engine's
+``asymcache_core.detokenizer``). CPU only.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# GPU benchmarks of issues #4 and #5 on a dummy-weight Llama-3.1-8B (run on the GPU machine).
+# GPU benchmarks of eviction policies and chunking on a dummy-weight Llama-3.1-8B (run on the GPU machine).
 # Usage: scripts/gpu_bench.sh OUT_DIR STAGE...
-#   grid-chat | grid-swe     eviction policies side by side (issue #4)
+#   grid-chat | grid-swe     eviction policies side by side
 #   grid-longchat            the same on long chat turns (median 4000 tokens, contexts up to 64k);
 #                            LONGCHAT_KV_FRACTION=... sets its pool (default 0.3)
-#   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction (issue #5;
-#                            CHUNK_POLICIES=... runs a subset)
+#   chunk-chat | chunk-swe   fixed budgets 256/512/2048/8192 vs adaptive, AsymCache eviction
+#                            (CHUNK_POLICIES=... runs a subset)
 # GRID_POLICIES=... runs a subset of the grid; BENCH_EXTRA="--step-log ..." adds bench options
-# (BENCH_EXTRA="--repeats 3": chat TTFT varies ~20% between runs of one policy, BENCHMARKS.md).
+# (BENCH_EXTRA="--repeats 3": chat TTFT varies ~20% between runs of one policy, measured on the H200).
 # Each stage writes OUT_DIR/STAGE.log (the table) and OUT_DIR/STAGE.tar.gz (report.md and
 # results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`) unless
-# PROFILE=... names another (bench_traces/profile_h200_llama8b_live_s9.json: fitted to live steps,
+# PROFILE=... names another (bench_traces/profile_h200_llama8b_live_decode_kv.json: fitted to live steps,
 # with the decode-key term, so adaptive chunking meets its TPOT target more closely).
 set -uo pipefail
 out=$1; shift

@@ -5,10 +5,10 @@ GPU machine only.
 engine with the model's own ``max_model_len`` (131,072 tokens for Llama-3.1-8B, as the bench
 harness runs it), prefills each (batch, context) case once, then times decode-only steps
 (median ``engine.step()`` wall time) in alternating rounds: the keys per split the graph was
-captured with (sized for ``max_model_len``, the engine before session 8) and the keys per split
+captured with (sized for ``max_model_len``, as a graph without the per-replay split runs) and the keys per split
 set for the batch's longest context before each replay (``decode_graph_chunk``). Beside them:
 the floor of reading the weights and the batch's KV once at the measured copy bandwidth.
-BENCHMARKS.md, "Decode graphs on long contexts (session 8)", has the step logs that motivated it.
+BENCHMARKS.md ("Decode steps on long contexts") holds its current results.
 """
 
 from __future__ import annotations

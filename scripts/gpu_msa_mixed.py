@@ -5,7 +5,7 @@ bf16, Llama-3.1-8B heads: 32 query / 8 KV, head_dim 128, 16-token pages) on step
 the benchmarks' mixed steps, under three launch plans of the same segments, and prints one
 table with each plan's error against the float64 oracle:
 
-- ``one launch``: every segment in one launch with ``choose_config`` (the plan before session 3);
+- ``one launch``: every segment in one launch with ``choose_config`` (no tile classes);
 - ``classes``: short segments (decodes, one-block holes) in their own launch;
 - ``classes+deep``: also split a tile far deeper than its launch (the default ``plan_msa``).
 

@@ -275,7 +275,7 @@ def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
     )
     config = replace(
         gpu_longchat_sim(policies, tmp_path / "patience"), kv_fraction=0.25, max_num_batched_tokens=8192,
-        latency_profile=str(traces / "profile_h200_llama8b_live_s9.json"),
+        latency_profile=str(traces / "profile_h200_llama8b_live_decode_kv.json"),
     )
     results, _ = run_bench(config)
     pure, patient = (results.policies[name] for name in policies)
