@@ -1,17 +1,11 @@
 """Render OpenAI-format chats (tools, tool calls, tool results) with a model's chat template.
 
-The template is the tokenizer's own (``tokenizer.chat_template``), compiled in a sandboxed jinja2
-environment set up the way transformers sets it up (``trim_blocks``, ``lstrip_blocks``,
-``loopcontrols``, a ``tojson`` filter, ``raise_exception`` and ``strftime_now`` globals, the
-tokenizer's special tokens as variables), so the output equals
-``tokenizer.apply_chat_template(..., tokenize=False)`` for plain chats.
+Rendering is transformers' ``tokenizer.apply_chat_template(..., tokenize=False)``. Two paths:
 
-Two paths:
-
-* **Native** (:func:`detect_tools_support` is True: the template reads a ``tools`` variable):
-  messages and tools go to the template as they are (tool-call arguments as objects, the form
-  HF templates expect).
-* **Injected** (templates without tools, e.g. SmolLM2's, which only knows ``role`` and
+* **Native** (:func:`detect_tools_support` is True: rendering with a probe tool prints it):
+  messages and tools go to ``apply_chat_template(tools=...)`` as they are (tool-call arguments
+  as objects, the form HF templates expect).
+* **Injected** (templates without a tool section, e.g. SmolLM2's, which only knows ``role`` and
   ``content``): a Hermes-style tools section (the JSON schemas inside ``<tools>`` and the
   instruction to answer with ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``) is
   appended to the system message (or becomes the system message when there is none; the
@@ -28,13 +22,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from agent_runtime.tool_parsing import from_openai_tool_calls, render_hermes_tool_calls
 
@@ -53,70 +43,43 @@ _TOOLS_INSTRUCTION = (
 )
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+# A tool no template has seen: a template with a tool section prints its name.
+_PROBE_TOOL_NAME = "asymcache_probe_tool_7c1e"
+_PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_TOOL_NAME,
+        "description": "Probe.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers overrides jinja's tojson: no HTML escaping, unicode kept.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def compile_template(template: str) -> jinja2.Template:
-    """Compile a chat template the way transformers does.
-
-    Args:
-        template: jinja source.
-
-    Returns:
-        The compiled template.
-
-    Raises:
-        jinja2.TemplateSyntaxError: the template does not parse.
-    """
-    env = _make_env()
-    return env.from_string(template)
-
-
-def _make_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-def detect_tools_support(template: str | None) -> bool:
+def detect_tools_support(tokenizer: Any, template: str | None = None) -> bool:
     """Does the chat template render a tools list itself?
 
     Args:
-        template: jinja source (None: no template).
+        tokenizer: an HF tokenizer.
+        template: template source to use instead of the tokenizer's.
 
     Returns:
-        True when the template reads a ``tools`` variable (HF convention for tool-aware
-        templates); False otherwise or when it does not parse.
+        True when rendering a one-message chat with a probe tool prints the tool's name; False
+        when it does not, when the template fails on it, or when there is no template.
     """
-    if not template:
-        return False
+    # NOTE: rendered, not read from the source: a template may name ``tools`` without
+    # printing them (a guard, an error), and a tokenizer with named templates renders its
+    # "tool_use" one when tools are given.
     try:
-        ast = _make_env().parse(template)
-    except jinja2.TemplateSyntaxError:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}],
+            tools=[_PROBE_TOOL],
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except (ValueError, TypeError, jinja2.TemplateError):
         return False
-    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+    return isinstance(text, str) and _PROBE_TOOL_NAME in text
 
 
 def tools_system_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -229,31 +192,22 @@ def _injected_messages(
 
 
 class ChatRenderer:
-    """A tokenizer's chat template, compiled once, rendering OpenAI chats to prompt text.
+    """A tokenizer's chat template rendering OpenAI chats to prompt text.
 
     Args:
-        tokenizer: an HF tokenizer (anything with ``chat_template`` and, optionally,
-            ``special_tokens_map``).
-        template: override of the template source.
+        tokenizer: an HF tokenizer with a chat template.
+        template: template source to use instead of the tokenizer's.
 
     Raises:
         ValueError: no chat template.
     """
 
     def __init__(self, tokenizer: Any, template: str | None = None) -> None:
-        source = template if template is not None else getattr(tokenizer, "chat_template", None)
-        if isinstance(source, Mapping):  # some tokenizers carry named templates
-            source = source.get("default") or next(iter(source.values()), None)
-        if not source:
+        if not (template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("chat_template: the tokenizer has no chat template")
-        self.template_source: str = source
-        self.native_tools: bool = detect_tools_support(source)
-        self._template = compile_template(source)
-        special = getattr(tokenizer, "special_tokens_map", None) or {}
-        # Templates reference e.g. bos_token/eos_token; pass the plain strings.
-        self._special: dict[str, Any] = {
-            k: v for k, v in dict(special).items() if isinstance(v, str)
-        }
+        self.tokenizer = tokenizer
+        self.template: str | None = template
+        self.native_tools: bool = detect_tools_support(tokenizer, template)
 
     def render(
         self,
@@ -274,15 +228,16 @@ class ChatRenderer:
         """
         if self.native_tools:
             msgs: list[dict[str, Any]] = _native_messages(messages)
-            extra: dict[str, Any] = {"tools": list(tools) if tools else None}
+            schemas: list[dict[str, Any]] | None = [dict(t) for t in tools] if tools else None
         else:
             msgs = list(_injected_messages(messages, tools))
-            extra = {}
-        return self._template.render(
-            messages=msgs,
+            schemas = None
+        return self.tokenizer.apply_chat_template(
+            msgs,
+            tools=schemas,
+            chat_template=self.template,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            **self._special,
-            **extra,
         )
 
 
@@ -294,8 +249,8 @@ def render_chat(
 ) -> str:
     """Render a chat with the tokenizer's template (see the module docstring).
 
-    Compiles the template on every call (a millisecond); hold a :class:`ChatRenderer` to
-    avoid that.
+    Probes the template for a tool section on every call; hold a :class:`ChatRenderer` to
+    do that once.
 
     Args:
         tokenizer: HF tokenizer with a chat template.

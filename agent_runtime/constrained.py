@@ -17,22 +17,53 @@ so a small model cannot wander into whitespace runs, and the text equals what
 ``GrammarCompiler`` per tokenizer and the compiled grammars per (tokenizer, schema).
 :class:`GrammarLogitsProcessor` implements :class:`asymcache_core.sampling_params.LogitsProcessor`
 for one request.
+
+xgrammar is the ``constrained`` extra: it is imported on the first grammar a request needs, so
+the runtime and unconstrained requests work without it, and a constrained request without it
+fails with a ``ValueError`` naming the extra (the server's 400).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
 
 ToolChoice = str | Mapping[str, Any] | None
+
+INSTALL_HINT = "pip install 'asymcache[constrained]'"
+
+
+def load_xgrammar(field: str) -> ModuleType:
+    """xgrammar, imported on first use.
+
+    Args:
+        field: the request field that asked for constrained decoding (names the error).
+
+    Returns:
+        The ``xgrammar`` module.
+
+    Raises:
+        ValueError: xgrammar is not installed.
+    """
+    try:
+        return importlib.import_module("xgrammar")
+    except ImportError:
+        raise ValueError(
+            f"{field}: constrained decoding needs xgrammar, which is not installed "
+            f"({INSTALL_HINT})"
+        ) from None
 
 
 def tool_choice_name(tool_choice: ToolChoice) -> str | None:
@@ -158,7 +189,11 @@ def tool_call_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
 
     Returns:
         The (uncompiled) grammar.
+
+    Raises:
+        ValueError: xgrammar is not installed.
     """
+    xgr = load_xgrammar("tool_choice")
     body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     return xgr.Grammar.concat(
         xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN)}"),
@@ -188,10 +223,11 @@ class GrammarCache:
         self._tokenizers: dict[tuple[int, int | None], _TokenizerEntry] = {}
         self._grammars: dict[tuple[int, int | None, str, str], xgr.CompiledGrammar] = {}
 
-    def _entry(self, tokenizer: Any, vocab_size: int | None) -> _TokenizerEntry:
+    def _entry(self, tokenizer: Any, vocab_size: int | None, field: str) -> _TokenizerEntry:
         key = (id(tokenizer), vocab_size)
         entry = self._tokenizers.get(key)
         if entry is None:
+            xgr = load_xgrammar(field)
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
             compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
             entry = _TokenizerEntry(tokenizer, info, compiler)
@@ -208,13 +244,17 @@ class GrammarCache:
 
         Returns:
             The tokenizer info (cached).
+
+        Raises:
+            ValueError: xgrammar is not installed.
         """
-        return self._entry(tokenizer, vocab_size).info
+        return self._entry(tokenizer, vocab_size, "tool_choice").info
 
     def _compiled(
         self, tokenizer: Any, vocab_size: int | None, kind: str, schema: Mapping[str, Any]
     ) -> xgr.CompiledGrammar:
-        entry = self._entry(tokenizer, vocab_size)
+        field = "tool_choice" if kind == "tool_call" else "response_format"
+        entry = self._entry(tokenizer, vocab_size, field)
         schema_key = json.dumps(schema, sort_keys=True)
         key = (id(tokenizer), vocab_size, kind, schema_key)
         compiled = self._grammars.get(key)
@@ -247,7 +287,7 @@ class GrammarCache:
             The compiled grammar (cached).
 
         Raises:
-            ValueError: see :func:`tool_call_json_schema`.
+            ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
         """
         schema = tool_call_json_schema(tools, tool_choice)
         return self._compiled(tokenizer, vocab_size, "tool_call", schema)
@@ -264,6 +304,9 @@ class GrammarCache:
 
         Returns:
             The compiled grammar (cached).
+
+        Raises:
+            ValueError: xgrammar is not installed.
         """
         return self._compiled(tokenizer, vocab_size, "json", schema)
 
@@ -293,6 +336,7 @@ class GrammarLogitsProcessor:
         vocab_size: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
     ) -> None:
+        xgr = load_xgrammar("tool_choice")
         self._compiled = compiled
         info = compiled.tokenizer_info
         self._grammar_vocab: int = info.vocab_size
@@ -392,7 +436,8 @@ def make_tool_call_processor(
         The processor, or None.
 
     Raises:
-        ValueError: a forced call without tools, or of an unknown tool.
+        ValueError: a forced call without tools, or of an unknown tool; xgrammar is not
+            installed.
     """
     if not needs_constraint(tool_choice):
         return None

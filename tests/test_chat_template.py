@@ -1,14 +1,16 @@
-"""Chat rendering with SmolLM2's real template (no tools section) and a tool-aware template."""
+"""Chat rendering with SmolLM2's real template (no tools section: our injected tool prompt) and
+tiny tokenizers with tool-aware templates (transformers' ``apply_chat_template(tools=...)``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import pathlib
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
 
 from agent_runtime.chat_template import (
     ChatRenderer,
@@ -43,6 +45,14 @@ TOOL_AWARE_TEMPLATE = (
     "{% else %}<|{{ m.role }}|>{{ m.content }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def tiny_tokenizer(template: str | dict[str, str] | None) -> PreTrainedTokenizerFast:
+    """A one-word tokenizer carrying ``template`` (a real HF tokenizer, not a stand-in)."""
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tok.chat_template = template
+    return tok
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +91,22 @@ def conversation() -> list[dict[str, Any]]:
 
 
 def test_detect_tools_support(smol_tokenizer: Any) -> None:
-    assert detect_tools_support(smol_tokenizer.chat_template) is False
-    assert detect_tools_support(TOOL_AWARE_TEMPLATE) is True
-    assert detect_tools_support(None) is False
-    assert detect_tools_support("{% for %}") is False  # does not parse
-    # Mentioning the word in text is not reading the variable.
-    assert detect_tools_support("no tools here {{ messages }}") is False
+    assert detect_tools_support(smol_tokenizer) is False
+    assert ChatRenderer(smol_tokenizer).native_tools is False
+    assert detect_tools_support(tiny_tokenizer(TOOL_AWARE_TEMPLATE)) is True
+    assert detect_tools_support(smol_tokenizer, TOOL_AWARE_TEMPLATE) is True  # override
+    assert detect_tools_support(tiny_tokenizer(None)) is False
+    assert detect_tools_support(tiny_tokenizer("{% for %}")) is False  # does not parse
+    # Mentioning the word in text is not rendering tools.
+    assert detect_tools_support(tiny_tokenizer("no tools here {{ messages }}")) is False
+    # Reading the variable without printing the tools is not a tool section either.
+    guard = "{% if tools %}[tools given]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert detect_tools_support(tiny_tokenizer(guard)) is False
+    refuses = "{% if tools %}{{ raise_exception('no tools') }}{% endif %}{{ messages[0].content }}"
+    assert detect_tools_support(tiny_tokenizer(refuses)) is False
+    # Named templates: transformers renders the "tool_use" one when tools are given.
+    named = {"default": "{{ messages[0].content }}", "tool_use": TOOL_AWARE_TEMPLATE}
+    assert detect_tools_support(tiny_tokenizer(named)) is True
 
 
 def test_plain_chat_matches_transformers(smol_tokenizer: Any) -> None:
@@ -146,7 +166,7 @@ def test_prompt_prefix_stable_across_turns(smol_tokenizer: Any) -> None:
 
 
 def test_native_template_gets_tools_and_object_arguments() -> None:
-    tok = SimpleNamespace(chat_template=TOOL_AWARE_TEMPLATE, special_tokens_map={})
+    tok = tiny_tokenizer(TOOL_AWARE_TEMPLATE)
     out = render_chat(tok, conversation(), tools=[WEATHER])
     # trim_blocks (as in transformers) eats the newline after a block tag.
     assert out.startswith("<|system|>TOOLS:get_weather;<|system|>You are a helper.\n")
@@ -155,6 +175,25 @@ def test_native_template_gets_tools_and_object_arguments() -> None:
     assert out.endswith("<|assistant|>")
 
 
+def test_native_named_templates_pick_tool_use_only_with_tools() -> None:
+    named = {"default": "plain:{{ messages[0].content }}", "tool_use": TOOL_AWARE_TEMPLATE}
+    renderer = ChatRenderer(tiny_tokenizer(named))
+    assert renderer.native_tools is True
+    msgs = [{"role": "user", "content": "hi"}]
+    assert renderer.render(msgs, [WEATHER]) == "<|system|>TOOLS:get_weather;<|user|>hi\n<|assistant|>"
+    assert renderer.render(msgs) == "plain:hi"
+
+
+def test_injected_path_for_a_template_without_tool_section() -> None:
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}"
+    renderer = ChatRenderer(tiny_tokenizer(template))
+    assert renderer.native_tools is False
+    out = renderer.render(conversation(), [WEATHER])
+    assert out.startswith("[system]You are a helper.\n\n" + tools_system_prompt([WEATHER]))
+    assert "[tool]" not in out
+    assert "[user]<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>\n" in out
+
+
 def test_no_template_is_an_error() -> None:
     with pytest.raises(ValueError, match="chat_template"):
-        render_chat(SimpleNamespace(chat_template=None), [{"role": "user", "content": "x"}])
+        render_chat(tiny_tokenizer(None), [{"role": "user", "content": "x"}])
