@@ -283,11 +283,6 @@ class ChatCompletionRequest(_GenerationRequest):
         """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    @property
-    def max_tokens_param(self) -> str:
-        """The field a context-length error is about."""
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-
 
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``.
