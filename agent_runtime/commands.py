@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from agent_runtime.policies import resolve_policy
-from agent_runtime.runtime import AgentRuntime, JobResult, TurnRecord
+from agent_runtime.runtime import AgentRuntime
+from agent_runtime.types import JobResult, TurnRecord
 
 DEFAULT_AGENT_SYSTEM_PROMPT = (
     "You are a careful software agent working inside a project directory. Use the tools to "

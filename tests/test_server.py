@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent_runtime.client import AsymCacheAPIError, AsymCacheClient
 from agent_runtime.policies import resolve_policy
@@ -104,6 +105,47 @@ def test_models_health_metrics(live, oa):
         "asymcache_recomputed_tokens_total", "asymcache_pinned_blocks", "asymcache_evictions_total",
     ):
         assert name in text, name
+    # vLLM's names beside ours, with its model_name label, from the same snapshot
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    label = (("model_name", MODEL),)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert (name, label) in samples, name
+    assert 0.0 <= samples[("vllm:kv_cache_usage_perc", label)] <= 1.0
+    assert samples[("vllm:num_requests_running", label)] == 0
+    stats = live.engine(lambda e: e.stats())
+    assert samples[("asymcache_kv_blocks_total", ())] == stats.kv_blocks_total
+    assert samples[("asymcache_evictions_total", ())] == stats.evictions_total
+
+
+def test_completion_stream_usage_and_token_counters(live):
+    def counters() -> dict[str, float]:
+        text = httpx.get(f"{live.base}/metrics", timeout=10).text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+                              "asymcache_completion_tokens_total", "asymcache_prompt_tokens_total")}
+
+    before = counters()
+    body = {"model": MODEL, "prompt": list(range(500, 520)), "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["object"] == "text_completion"
+    assert usage["usage"]["prompt_tokens"] == 20 and usage["usage"]["completion_tokens"] == 3
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
+    assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("cmpl-")
+    after = counters()
+    for ours, theirs, want in (("asymcache_completion_tokens_total", "vllm:generation_tokens_total", 3),
+                               ("asymcache_prompt_tokens_total", "vllm:prompt_tokens_total", 20)):
+        assert after[ours] - before[ours] == after[theirs] - before[theirs] == want
+    live.check()
 
 
 def test_tool_loop_through_openai_client(live, oa):
@@ -215,6 +257,22 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", None),
         ("negative completion max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -1},
          400, "max_tokens", None),
+        ("missing model", chat, {"messages": user}, 400, "model", None),
+        ("string max_tokens", chat, {"model": MODEL, "messages": user, "max_tokens": "8"}, 400, "max_tokens", None),
+        ("bad max_completion_tokens", chat, {"model": MODEL, "messages": user, "max_completion_tokens": 0},
+         400, "max_completion_tokens", None),
+        ("n > 1", chat, {"model": MODEL, "messages": user, "n": 2}, 400, "n", None),
+        ("top_p zero", chat, {"model": MODEL, "messages": user, "top_p": 0}, 400, "top_p", None),
+        ("bad stop", chat, {"model": MODEL, "messages": user, "stop": ["ok", ""]}, 400, "stop", None),
+        ("bad ignore_eos", chat, {"model": MODEL, "messages": user, "ignore_eos": "yes"}, 400, "ignore_eos", None),
+        ("bad is_last_step", chat, {"model": MODEL, "messages": user, "is_last_step": 1}, 400, "is_last_step", None),
+        ("bad stream", chat, {"model": MODEL, "messages": user, "stream": "yes"}, 400, "stream", None),
+        ("bad include_usage", chat, {"model": MODEL, "messages": user, "stream": True,
+                                     "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage", None),
+        ("message not an object", chat, {"model": MODEL, "messages": [user[0], "hi"]}, 400, "messages[1]", None),
+        ("tools not a list", chat, {"model": MODEL, "messages": user, "tools": TOOLS[0]}, 400, "tools", None),
+        ("prompt batch", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+        ("bad tool_name", "/v1/completions", {"model": MODEL, "prompt": "a", "tool_name": 3}, 400, "tool_name", None),
     ]
 
 
@@ -274,15 +332,27 @@ def test_api_key(live):
                                  headers={"Authorization": "Bearer nope"})
             right = await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
             health = await c.get("/health")
-            return missing, wrong, right, health
+            metrics = await c.get("/metrics")
+            return missing, wrong, right, health, metrics
 
-    missing, wrong, right, health = asyncio.run(main())
+    missing, wrong, right, health, metrics = asyncio.run(main())
     for r in (missing, wrong):
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert r.json()["error"]["type"] == "authentication_error"
     assert right.status_code == 200 and right.json()["data"][0]["id"] == MODEL
     assert health.status_code == 200
+    # each app counts in its own registry
+    def unauthorized(text: str) -> float | None:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "asymcache_requests_total" and s.labels == {
+                        "endpoint": "/v1/models", "status": "401", "model": MODEL}:
+                    return s.value
+        return None
+
+    assert unauthorized(metrics.text) == 1
+    assert unauthorized(httpx.get(f"{live.base}/metrics", timeout=10).text) is None
     live.check()
 
 

@@ -1,0 +1,397 @@
+"""The engine in its own thread, driven through a command queue; per-request async streams.
+
+Threading model: the engine is not thread-safe, so exactly one thread (the *engine thread*,
+started by :class:`AsyncEngine`) owns it. Everything else talks to it through a thread-safe
+command queue: submitting a request, aborting one, or running a function against the engine
+(:meth:`AsyncEngine.call`). Streamed outputs come back to the submitting event loop through
+``loop.call_soon_threadsafe`` into an :class:`asyncio.Queue`, so many jobs (and the HTTP server)
+await their tokens concurrently while the engine thread batches them into shared steps.
+
+Tokenizer and grammar work (encoding prompts, building the xgrammar logits processor) also runs
+on the engine thread, because the engine decodes with the same tokenizer object. When a request
+finishes, the :class:`~agent_runtime.output_processor.OutputProcessor` turns its output into the
+final :class:`~agent_runtime.types.StreamEvent` on the engine thread too, before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from agent_runtime.constrained import GrammarCache, make_tool_call_processor
+from agent_runtime.output_processor import OutputOptions, OutputProcessor
+from agent_runtime.protocol import ToolChoice
+from agent_runtime.types import StreamEvent
+from asymcache_core import Engine
+from asymcache_core.request import RequestOutput
+from asymcache_core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Sink:
+    """Delivers events from the engine thread into one event loop's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
+
+    def put(self, item: StreamEvent | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the consumer's loop is closed: nobody is listening any more
+
+
+@dataclass
+class _Submit:
+    prompt: str | list[int]
+    params: SamplingParams
+    session_id: str | None
+    request_id: str | None
+    tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice
+    options: OutputOptions
+    sink: _Sink
+    accepted: concurrent.futures.Future[tuple[str, list[int]]]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future[Any]
+
+
+@dataclass
+class _Active:
+    submit: _Submit
+    prompt_ids: list[int]
+
+
+class _Stop:
+    pass
+
+
+_Command = _Submit | _Abort | _Call | _Stop
+
+
+class RequestStream:
+    """Async iterator over one request's :class:`StreamEvent` s (ends after the final one).
+
+    Attributes:
+        request_id: the engine request id.
+        prompt_token_ids: the encoded prompt.
+        final: the final event once seen.
+    """
+
+    def __init__(self, client: AsyncEngine, request_id: str, prompt_ids: list[int], sink: _Sink) -> None:
+        self._client = client
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_ids
+        self._sink = sink
+        self.final: StreamEvent | None = None
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self.final is not None:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.output.finished:
+            self.final = item
+        return item
+
+    async def result(self) -> StreamEvent:
+        """Consume the rest of the stream.
+
+        Returns:
+            The final event.
+        """
+        async for _ in self:
+            pass
+        assert self.final is not None
+        return self.final
+
+    def abort(self) -> None:
+        """Abort the request (thread-safe, returns at once; a no-op once it finished)."""
+        if self.final is None:
+            self._client.abort_nowait(self.request_id)
+
+
+class AsyncEngine:
+    """The engine thread and its command queue (the role of vLLM's ``AsyncLLM``).
+
+    Args:
+        engine: the engine (owned from now on: only the engine thread may touch it; use
+            :meth:`call` to inspect it).
+        processor: turns finished requests into final events (runs on the engine thread).
+        idle_poll_s: how often the idle engine thread wakes to expire pins.
+    """
+
+    def __init__(self, engine: Engine, processor: OutputProcessor, *, idle_poll_s: float = 0.02) -> None:
+        self.engine = engine
+        self.processor = processor
+        self._grammars = GrammarCache(max_threads=1)
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._active: dict[str, _Active] = {}
+        self._ids = itertools.count()
+        self._idle_poll_s = idle_poll_s
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="asymcache-engine", daemon=True)
+        self._thread.start()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    async def close(self) -> None:
+        """Abort what is in flight and stop the engine thread (idempotent)."""
+        self._request_stop()
+        await asyncio.to_thread(self._thread.join)
+
+    def close_sync(self, timeout: float | None = 30.0) -> None:
+        """:meth:`close` for code without an event loop.
+
+        Args:
+            timeout: seconds to wait for the engine thread.
+        """
+        self._request_stop()
+        self._thread.join(timeout)
+
+    def _request_stop(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._commands.put(_Stop())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("runtime: closed")
+
+    # -- commands ------------------------------------------------------------------------------
+    def call_threadsafe(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the engine thread, between steps.
+
+        Args:
+            fn: the function (must not block for long: it stalls every request).
+
+        Returns:
+            A future with its result or exception.
+
+        Raises:
+            RuntimeError: the engine thread is stopped.
+        """
+        self._check_open()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, fut))
+        return fut
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Async :meth:`call_threadsafe`.
+
+        Args:
+            fn: the function, given the engine.
+
+        Returns:
+            Its result.
+        """
+        return await asyncio.wrap_future(self.call_threadsafe(fn))
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Ask the engine thread to abort a request (no-op when unknown, finished or closed).
+
+        Args:
+            request_id: the engine request id.
+        """
+        if not self._closed:
+            self._commands.put(_Abort(request_id))
+
+    async def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        options: OutputOptions | None = None,
+        session_id: str | None = None,
+        request_id: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice = None,
+    ) -> RequestStream:
+        """Queue one request and return its stream once the engine accepted it.
+
+        Args:
+            prompt: text (encoded on the engine thread) or token ids.
+            params: sampling parameters.
+            options: the job it belongs to and how its final output is processed.
+            session_id: engine session when there is no job.
+            request_id: caller-chosen id.
+            tools: tool schemas (for constrained decoding when ``tool_choice`` forces a call).
+            tool_choice: ``required`` or a named function constrains decoding.
+
+        Returns:
+            The stream.
+
+        Raises:
+            ValueError: rejected by the engine or by the grammar builder (message names the field).
+            RuntimeError: the engine thread is stopped.
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        accepted: concurrent.futures.Future[tuple[str, list[int]]] = concurrent.futures.Future()
+        sink = _Sink(loop)
+        cmd = _Submit(
+            prompt if isinstance(prompt, str) else list(prompt),
+            params or SamplingParams(),
+            session_id,
+            request_id,
+            [dict(t) for t in tools] if tools else None,
+            tool_choice,
+            options or OutputOptions(),
+            sink,
+            accepted,
+        )
+        self._commands.put(cmd)
+        try:
+            rid, prompt_ids = await asyncio.shield(asyncio.wrap_future(accepted))
+        except asyncio.CancelledError:
+            # The caller went away while the engine was accepting: abort once it is in.
+            accepted.add_done_callback(
+                lambda f: self.abort_nowait(f.result()[0]) if f.exception() is None else None
+            )
+            raise
+        return RequestStream(self, rid, prompt_ids, sink)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        stopping = False
+        while not stopping:
+            try:
+                # Busy: take what is queued and step at once. Idle: sleep until a command comes,
+                # waking now and then so that expired pins are released on time.
+                if engine.has_unfinished():
+                    cmd: _Command | None = self._commands.get_nowait()
+                else:
+                    cmd = self._commands.get(timeout=self._idle_poll_s)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if isinstance(cmd, _Stop):
+                    stopping = True
+                else:
+                    self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if stopping:
+                break
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 - keep serving; fail the victims loudly
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._dispatch(out)
+        self._shutdown()
+
+    def _handle(self, cmd: _Submit | _Abort | _Call) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Call):
+            if cmd.future.set_running_or_notify_cancel():
+                try:
+                    cmd.future.set_result(cmd.fn(engine))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    cmd.future.set_exception(exc)
+            return
+        if isinstance(cmd, _Abort):
+            engine.abort(cmd.request_id)
+            return
+        if not cmd.accepted.set_running_or_notify_cancel():
+            return  # the submitter cancelled before the engine saw it
+        opts = cmd.options
+        try:
+            params = cmd.params
+            if cmd.tool_choice is not None and cmd.tool_choice not in ("auto", "none"):
+                processor = make_tool_call_processor(
+                    self._grammars, engine.tokenizer, cmd.tools or [], cmd.tool_choice,
+                    vocab_size=engine.model_config.vocab_size,
+                )
+                if processor is not None:
+                    params = replace(params, logits_processors=(*params.logits_processors, processor))
+            ids = engine.encode(cmd.prompt)
+            rid = cmd.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            rid = engine.add_request(
+                ids, params, session_id=cmd.session_id, job_id=opts.job_id, request_id=rid,
+                is_last_step=opts.is_last_step,
+            )
+        except Exception as exc:  # noqa: BLE001 - rejected input goes back to the caller
+            cmd.accepted.set_exception(exc)
+            return
+        self.processor.on_request_added(opts.job_id, engine.requests[rid].metrics.arrival_time)
+        self._active[rid] = _Active(cmd, ids)
+        cmd.accepted.set_result((rid, ids))
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        active = self._active.get(out.request_id)
+        if active is None:
+            return
+        if not out.finished:
+            active.submit.sink.put(StreamEvent(out))
+            return
+        del self._active[out.request_id]
+        try:
+            event = self.processor.finalize(active.submit.options, active.prompt_ids, out)
+        except Exception:  # noqa: BLE001 - the output stands even if a decision failed
+            logger.exception("finalizing %s failed", out.request_id)
+            event = StreamEvent(out)
+        active.submit.sink.put(event)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, active in list(self._active.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort while failing
+                logger.exception("abort of %s failed", rid)
+            active.submit.sink.put(RuntimeError(f"engine step failed: {exc!r}"))
+        self._active.clear()
+
+    def _shutdown(self) -> None:
+        # Answer whatever is still queued, then abort what is in flight.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Submit):
+                cmd.accepted.set_exception(RuntimeError("runtime: closed"))
+            elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(RuntimeError("runtime: closed"))
+        for rid, active in list(self._active.items()):
+            self.engine.abort(rid)
+            active.submit.sink.put(RuntimeError("runtime: closed"))
+        self._active.clear()
+        self.engine.step()  # flush the aborts' outputs so the engine is left consistent
+
+
+__all__ = ["AsyncEngine", "RequestStream"]

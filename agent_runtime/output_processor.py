@@ -1,0 +1,194 @@
+"""Turns the engine's outputs into stream events: tool-call parsing, the Continuum hand-off, metrics.
+
+:class:`OutputProcessor` runs on the engine thread. When a request arrives it closes the job's
+tool pause (the controller learns the tool's duration); when a request finishes it parses the
+text for tool calls and, right then (before the next step could evict anything), lets the
+:class:`~agent_runtime.continuum.ContinuumController` pin the job's blocks for tau* and hint the
+pause to the eviction policy. It also counts the tokens a job had to recompute because its
+previous turn's context was no longer cached.
+
+:func:`build_turn` (caller's side) assembles the :class:`~agent_runtime.types.AssistantTurn` of a
+finished chat stream.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agent_runtime.continuum import ContinuumController, PinDecision
+from agent_runtime.tool_parsing import ParsedMessage, ToolCallFormat, parse_tool_calls
+from agent_runtime.types import AssistantTurn, StreamEvent, TurnMetrics
+from asymcache_core.request import RequestOutput
+
+if TYPE_CHECKING:
+    from agent_runtime.engine_client import RequestStream
+
+#: Jobs whose last token list is remembered (to count recomputed history); oldest dropped.
+MAX_TRACKED_JOBS = 4096
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How one request's final output is processed.
+
+    Attributes:
+        job_id: the Continuum job (None: a request without a job).
+        is_last_step: the job ends with this request (its state is dropped, nothing pinned).
+        parse_format: parse tool calls out of the final text with this format (None: no parsing).
+        pinning: per-request override of the policy's pinning.
+        ttl_rule: per-request override of the TTL rule.
+        pause_tool: for a job request that is not its last step and has no parsed tool call
+            (token-level clients such as ``/v1/completions``): the tool the job pauses for
+            after it, so it is pinned as after a tool call.
+    """
+
+    job_id: str | None = None
+    is_last_step: bool = False
+    parse_format: ToolCallFormat | None = None
+    pinning: bool | None = None
+    ttl_rule: str | None = None
+    pause_tool: str | None = None
+
+
+class OutputProcessor:
+    """Engine-thread bookkeeping of requests' arrivals and finishes (not thread-safe).
+
+    Args:
+        controller: the Continuum controller that decides pins.
+        block_size: the engine's KV block size (only full blocks are cacheable).
+        max_tracked_jobs: jobs whose last token list is remembered.
+    """
+
+    def __init__(
+        self, controller: ContinuumController, block_size: int, max_tracked_jobs: int = MAX_TRACKED_JOBS
+    ) -> None:
+        self.controller = controller
+        self.block_size = block_size
+        self.max_tracked_jobs = max_tracked_jobs
+        self._job_tokens: OrderedDict[str, list[int]] = OrderedDict()
+
+    def on_request_added(self, job_id: str | None, arrival_time: float) -> None:
+        """A request was accepted by the engine: close the job's tool pause.
+
+        Args:
+            job_id: its job (None: nothing to do).
+            arrival_time: the engine's arrival time of the request.
+        """
+        if job_id is not None:
+            self.controller.on_request_arrival(job_id, arrival_time)
+
+    def finish_job(self, job_id: str, num_turns: int | None = None) -> None:
+        """A job is done: release its pins, teach the controller, forget its tokens.
+
+        Args:
+            job_id: the job.
+            num_turns: its LLM calls (default: what the controller counted).
+        """
+        self.controller.on_job_finished(job_id, num_turns)
+        self._job_tokens.pop(job_id, None)
+
+    def finalize(self, options: OutputOptions, prompt_ids: Sequence[int], out: RequestOutput) -> StreamEvent:
+        """The final event of a request, right after it finished: metrics, parse, pin decision.
+
+        Args:
+            options: how to process it.
+            prompt_ids: its encoded prompt.
+            out: its final output.
+
+        Returns:
+            The event, with the parsed message, the pin decision and the turn metrics.
+        """
+        m = out.metrics
+        ctl = self.controller
+        ctl.on_request_scheduled(m.arrival_time, m.first_scheduled_time)
+        parsed = parse_tool_calls(out.text, options.parse_format) if options.parse_format else None
+        pin: PinDecision | None = None
+        job = options.job_id
+        all_ids = [*prompt_ids, *out.token_ids]
+        if job is not None:
+            recomputed = self._job_recomputed(job, prompt_ids, m.cached_tokens) + m.preempted_tokens
+            self._remember(job, all_ids)
+        else:
+            recomputed = m.hole_tokens + m.suffix_recomputed_tokens + m.preempted_tokens
+        if job is not None and out.finish_reason != "abort":
+            if options.is_last_step:
+                self.finish_job(job)
+            elif (parsed is not None and parsed.tool_calls) or options.pause_tool is not None:
+                names = [c.name for c in parsed.tool_calls] if parsed is not None else []
+                pin = ctl.on_tool_call(
+                    job,
+                    names or [options.pause_tool or "unknown"],
+                    len(all_ids),
+                    ended_at=m.finish_time,
+                    pinning=options.pinning,
+                    ttl_rule=options.ttl_rule,  # type: ignore[arg-type]
+                )
+        metrics = TurnMetrics(
+            ttft=m.ttft,
+            tpot=m.tpot,
+            queue_s=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
+            cached_tokens=m.cached_tokens,
+            recomputed_tokens=max(0, recomputed),
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=len(out.token_ids),
+            hole_tokens=m.hole_tokens,
+            arrival_time=m.arrival_time,
+            finish_time=m.finish_time,
+            ttl_s=pin.ttl_s if pin else 0.0,
+            pinned_blocks=pin.blocks_pinned if pin else 0,
+        )
+        return StreamEvent(out, pin, parsed, metrics)
+
+    def _remember(self, job: str, token_ids: list[int]) -> None:
+        self._job_tokens[job] = token_ids
+        self._job_tokens.move_to_end(job)
+        while len(self._job_tokens) > self.max_tracked_jobs:
+            self._job_tokens.popitem(last=False)
+
+    def _job_recomputed(self, job: str, prompt_ids: Sequence[int], cached: int) -> int:
+        """History tokens of ``job`` that had to be computed again in this request."""
+        prev = self._job_tokens.get(job)
+        if not prev:
+            return 0
+        common = 0
+        for a, b in zip(prev, prompt_ids, strict=False):
+            if a != b:
+                break
+            common += 1
+        bs = self.block_size
+        # Only full blocks are cacheable, and the prompt's last token is always computed.
+        reusable = min(common // bs * bs, (len(prompt_ids) - 1) // bs * bs)
+        return max(0, reusable - cached)
+
+
+def build_turn(stream: RequestStream, final: StreamEvent) -> AssistantTurn:
+    """The :class:`AssistantTurn` of a finished chat stream.
+
+    Args:
+        stream: the stream.
+        final: its final event.
+
+    Returns:
+        The turn.
+    """
+    out = final.output
+    parsed = final.parsed if final.parsed is not None else ParsedMessage(out.text.strip(), [])
+    message = parsed.to_openai_message()
+    reason = "tool_calls" if parsed.tool_calls else (out.finish_reason or "stop")
+    metrics = final.metrics
+    if metrics is None:  # finalisation failed: fall back to the raw engine numbers
+        m = out.metrics
+        metrics = TurnMetrics(
+            m.ttft, m.tpot, None, m.cached_tokens, 0, out.num_prompt_tokens, len(out.token_ids),
+            m.hole_tokens, m.arrival_time, m.finish_time,
+        )
+    return AssistantTurn(
+        message, parsed, metrics, reason, out.text, stream.request_id,
+        list(stream.prompt_token_ids), list(out.token_ids), final.pin,
+    )
+
+
+__all__ = ["MAX_TRACKED_JOBS", "OutputOptions", "OutputProcessor", "build_turn"]

@@ -1,0 +1,406 @@
+"""The OpenAI protocol: request bodies and their validation, shared by the server and the runtime.
+
+Two layers:
+
+- :func:`validate_messages`, :func:`normalize_tools` and :func:`normalize_tool_choice` check the
+  conversation-shaped inputs. :class:`~agent_runtime.runtime.AgentRuntime` calls them for every
+  chat turn (its Python API accepts registries and :class:`~agent_runtime.tools.Tool` objects
+  too), so the HTTP server and library callers see the same ``field: message`` errors.
+- :class:`ChatCompletionRequest` and :class:`CompletionRequest` are the HTTP bodies as pydantic
+  models: sampling parameters, Continuum's ``job_id`` / ``is_last_step``, streaming flags and the
+  completion prompt. :func:`parse_request` turns a pydantic error into a :class:`RequestError`
+  naming the offending field the way OpenAI's ``param`` does (``messages[0].role``).
+
+Every error is a :class:`ValueError` whose text starts with the field (``"max_tokens: ..."``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+
+from agent_runtime.constrained import tool_choice_name
+from agent_runtime.tools import Tool, ToolRegistry, validate_tool_schema
+from asymcache_core.sampling_params import SamplingParams
+
+ToolChoice = str | Mapping[str, Any] | None
+ToolsArg = ToolRegistry | Sequence[Mapping[str, Any]] | Sequence[Tool] | None
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+#: Stop strings per request at most (OpenAI allows 4; vLLM more).
+MAX_STOP_STRINGS = 16
+MAX_JOB_ID_CHARS = 256
+
+
+class RequestError(ValueError):
+    """A client error in a request body, naming the field.
+
+    Args:
+        message: the text, starting with ``param:`` when there is one.
+        param: the offending field in OpenAI's notation (``messages[0].role``), if any.
+        code: a machine-readable code (``invalid_json``), if any.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversation inputs (shared with the runtime's Python API)
+# ----------------------------------------------------------------------------------------------
+
+
+def validate_messages(messages: Any) -> None:
+    """Check the shape of an OpenAI ``messages`` list.
+
+    Args:
+        messages: the value to check.
+
+    Raises:
+        ValueError: naming ``messages`` or ``messages[i].<field>``.
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError("messages: must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}]: must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role: must be one of {sorted(ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ValueError(f"messages[{i}].content: must be a string, a list of parts, or null")
+        if m.get("tool_calls") is not None and not isinstance(m.get("tool_calls"), list):
+            raise ValueError(f"messages[{i}].tool_calls: must be a list")
+
+
+def normalize_tools(tools: ToolsArg | Iterable[Callable[..., Any]]) -> list[dict[str, Any]]:
+    """OpenAI tool schemas from schemas, a registry, or tools; validated.
+
+    Args:
+        tools: schemas, a :class:`ToolRegistry`, :class:`Tool` s, or None.
+
+    Returns:
+        The schemas (empty list for None).
+
+    Raises:
+        ValueError: ``tools[i].<field>`` of the first invalid schema, or duplicate names.
+    """
+    if tools is None:
+        return []
+    if isinstance(tools, ToolRegistry):
+        return tools.openai_schemas()
+    if isinstance(tools, Mapping) or isinstance(tools, str) or not isinstance(tools, Iterable):
+        raise ValueError("tools: must be a list of tool schemas")
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        schema = t.openai_schema() if isinstance(t, Tool) else t
+        try:
+            validate_tool_schema(schema)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ValueError(f"tools[{i}].{e}") from None
+        name = schema["function"]["name"]  # type: ignore[index]
+        if name in seen:
+            raise ValueError(f"tools[{i}].function.name: duplicate tool {name!r}")
+        seen.add(name)
+        out.append(dict(schema))  # type: ignore[arg-type]
+    return out
+
+
+def normalize_tool_choice(tool_choice: ToolChoice, tools: Sequence[Mapping[str, Any]]) -> str | dict[str, Any]:
+    """Validate an OpenAI ``tool_choice`` against the tools.
+
+    Args:
+        tool_choice: ``auto``, ``none``, ``required``, None (auto with tools, else none), or
+            ``{"type": "function", "function": {"name": ...}}``.
+        tools: the request's tool schemas.
+
+    Returns:
+        ``"auto"``, ``"none"``, ``"required"`` or the named-function dict.
+
+    Raises:
+        ValueError: naming ``tool_choice``.
+    """
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "none", "required"):
+            raise ValueError(
+                f"tool_choice: must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}"
+            )
+        if tool_choice == "required" and not tools:
+            raise ValueError("tool_choice: 'required' needs at least one tool in 'tools'")
+        return tool_choice
+    if isinstance(tool_choice, Mapping):
+        if tool_choice.get("type", "function") != "function":
+            raise ValueError(f"tool_choice.type: must be 'function', got {tool_choice.get('type')!r}")
+        name = tool_choice_name(tool_choice)
+        if name is None:
+            raise ValueError("tool_choice.function.name: missing")
+        if name not in names:
+            raise ValueError(f"tool_choice.function.name: {name!r} is not among the tools {names}")
+        return {"type": "function", "function": {"name": name}}
+    raise ValueError(f"tool_choice: must be a string or an object, got {type(tool_choice).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP request bodies
+# ----------------------------------------------------------------------------------------------
+
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[StrictInt, Field(ge=-1)]
+JobId = Annotated[StrictStr, Field(min_length=1, max_length=MAX_JOB_ID_CHARS)]
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool | None = None
+
+
+class _GenerationRequest(BaseModel):
+    """Fields common to chat and text completions.
+
+    ``temperature`` defaults to 0 (greedy) so agent runs are reproducible; ``top_k`` and
+    ``ignore_eos`` are vLLM's extensions; ``job_id`` / ``is_last_step`` are Continuum's (the
+    openai client's ``extra_body``). Unknown fields are ignored, as OpenAI-compatible servers do.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: StrictStr | None = None
+    max_tokens: PositiveInt | None = None
+    n: StrictInt | None = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: StrictInt | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: StrictBool = False
+    job_id: JobId | None = None
+    is_last_step: StrictBool | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError(f"n: only n=1 is supported, got {n!r}")
+        return n
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            if not stop:
+                raise ValueError("stop: stop strings must be non-empty")
+            return (stop,)
+        if isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in stop):
+            return tuple(stop)
+        raise ValueError(f"stop: must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings")
+
+    @property
+    def last_step(self) -> bool:
+        """``is_last_step`` with null read as false."""
+        return bool(self.is_last_step)
+
+    @property
+    def streaming(self) -> bool:
+        """``stream`` with null read as false."""
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        """The generation limit the client asked for (None: the server's default)."""
+        return self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters.
+
+        Args:
+            default_max_tokens: ``max_tokens`` when the request gives none.
+
+        Returns:
+            The parameters.
+
+        Raises:
+            ValueError: rejected by :class:`SamplingParams` (the text names the field).
+        """
+        max_tokens = self.requested_max_tokens()
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=0.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``.
+
+    ``messages``, ``tools`` and ``tool_choice`` are checked for their JSON shape here and in
+    depth by the runtime (:func:`validate_messages`, :func:`normalize_tools`,
+    :func:`normalize_tool_choice`), which library callers go through too.
+    """
+
+    max_completion_tokens: PositiveInt | None = None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``.
+
+    Besides OpenAI's fields: ``tool_name`` (the tool a job pauses for after this completion,
+    for Continuum's duration estimates) and ``return_token_ids`` (vLLM's: the prompt's and the
+    output's token ids in each choice).
+    """
+
+    prompt: str | list[int]
+    tool_name: StrictStr | None = None
+    return_token_ids: StrictBool | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        return completion_prompt(prompt)
+
+
+def completion_prompt(prompt: Any) -> str | list[int]:
+    """A ``/v1/completions`` prompt: a string, token ids, or a one-element batch of either.
+
+    Args:
+        prompt: the body's ``prompt``.
+
+    Returns:
+        The text or the token ids.
+
+    Raises:
+        ValueError: naming ``prompt``.
+    """
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ValueError("prompt: batches are not supported; send one prompt per request")
+    raise ValueError("prompt: must be a non-empty string or a list of token ids")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object.
+
+    Args:
+        raw: the body bytes.
+
+    Returns:
+        The object.
+
+    Raises:
+        RequestError: with code ``invalid_json``.
+    """
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"Invalid JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_request(model: type[ModelT], body: Mapping[str, Any]) -> ModelT:
+    """Validate a decoded body against a request model.
+
+    Args:
+        model: :class:`ChatCompletionRequest` or :class:`CompletionRequest`.
+        body: the decoded JSON object.
+
+    Returns:
+        The request.
+
+    Raises:
+        RequestError: for the first invalid field, with ``param`` naming it.
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _request_error(exc) from None
+
+
+def _param(loc: Sequence[int | str]) -> str | None:
+    """OpenAI's notation for a pydantic location: ``("messages", 0, "role")`` -> ``messages[0].role``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def _request_error(exc: ValidationError) -> RequestError:
+    err = exc.errors(include_url=False)[0]
+    param = _param(err["loc"])
+    msg = str(err["msg"])
+    if err["type"] == "value_error":
+        # NOTE: our validators already write "field: message"; pydantic prefixes "Value error, ".
+        msg = msg.removeprefix("Value error, ")
+        if param is not None and msg.startswith(f"{param}:"):
+            return RequestError(msg, param)
+    elif err["type"] != "missing" and "input" in err:
+        shown = repr(err["input"])
+        msg = f"{msg}, got {shown if len(shown) <= 80 else shown[:77] + '...'}"
+    return RequestError(f"{param}: {msg}" if param else msg, param)
+
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "RequestError",
+    "StreamOptions",
+    "ToolChoice",
+    "ToolsArg",
+    "completion_prompt",
+    "normalize_tool_choice",
+    "normalize_tools",
+    "parse_json_body",
+    "parse_request",
+    "validate_messages",
+]

@@ -1,0 +1,24 @@
+"""OpenAI-compatible HTTP server over an :class:`~agent_runtime.runtime.AgentRuntime`.
+
+Endpoints: ``POST /v1/chat/completions`` (tools, ``tool_choice`` auto/none/required/named,
+SSE streaming, usage with ``prompt_tokens_details.cached_tokens``), ``POST /v1/completions``
+(prompt text or token ids, streaming), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
+(Prometheus text, ours and vLLM's metric names). Continuum's ``job_id`` and ``is_last_step``
+travel in the request body (the openai client's ``extra_body``). Non-standard body fields also
+accepted: ``top_k``, ``ignore_eos``. ``temperature`` defaults to 0 (greedy), so agent runs are
+reproducible.
+
+Every client error is a 4xx with OpenAI's body ``{"error": {"message", "type", "param",
+"code"}}``; a client that disconnects mid-stream has its request aborted (its blocks freed).
+
+Modules: :mod:`~agent_runtime.server.app` (:func:`create_app`, :func:`serve`),
+:mod:`~agent_runtime.server.state` (the per-app :class:`AppState`; no module-level state),
+:mod:`~agent_runtime.server.serving` (the handlers and their shared SSE path),
+:mod:`~agent_runtime.server.metrics` (``prometheus_client``), :mod:`~agent_runtime.server.errors`.
+"""
+
+from __future__ import annotations
+
+from agent_runtime.server.app import create_app, serve
+
+__all__ = ["create_app", "serve"]

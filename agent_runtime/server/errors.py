@@ -1,0 +1,85 @@
+"""OpenAI-style error responses: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from agent_runtime.protocol import RequestError
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body.
+
+    Args:
+        status: HTTP status.
+        message: human-readable message.
+        type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
+        param: the offending request field, if any.
+        code: a machine-readable code, if any.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body.
+
+        Returns:
+            ``{"error": {"message", "type", "param", "code"}}``.
+        """
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """The error as a response.
+
+        Returns:
+            The JSON response.
+        """
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def from_value_error(exc: ValueError, prompt_param: str) -> APIError:
+    """The 400 of a client error raised by the protocol, the runtime, the engine or SamplingParams.
+
+    A :class:`RequestError` carries its ``param`` and ``code``; any other ValueError is read as
+    ``"field: message"`` (the convention of every layer below), with two renames: the engine's
+    ``prompt`` is the request's ``prompt_param`` (``messages`` for chat), and a KV pool too small
+    for the request is ``max_tokens`` / ``context_length_exceeded``.
+
+    Args:
+        exc: the error.
+        prompt_param: the request field the engine's ``prompt`` stands for.
+
+    Returns:
+        The API error.
+    """
+    text = str(exc)
+    if isinstance(exc, RequestError):
+        return APIError(400, text, param=exc.param, code=exc.code)
+    head = text.split(":", 1)[0].strip() if ":" in text else ""
+    param: str | None = head if head and " " not in head else None
+    code: str | None = None
+    if param == "prompt":
+        param = prompt_param
+        if "max_model_len" in text:
+            code = "context_length_exceeded"
+    elif param == "num_kv_blocks":
+        param, code = "max_tokens", "context_length_exceeded"
+    return APIError(400, text, param=param, code=code)
+
+
+__all__ = ["APIError", "from_value_error"]

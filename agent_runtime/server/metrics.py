@@ -1,0 +1,227 @@
+"""``/metrics``: Prometheus exposition through ``prometheus_client``, one registry per app.
+
+Two families of names for the same quantities:
+
+- ``asymcache_*``: ours (request counts by endpoint and status, TTFT / TPOT histograms, token
+  counters including recomputed history, aborts, and every gauge and counter of
+  :class:`~asymcache_core.EngineStats`);
+- ``vllm:*``: vLLM's names with its ``model_name`` label, so dashboards built for vLLM read this
+  server unchanged (running / waiting requests, KV usage, prompt and generation tokens, TTFT,
+  TPOT, end-to-end latency, prefix-cache queries and hits, preemptions).
+
+Request-level series are updated when a request finishes (:meth:`ServerMetrics.observe`).
+Engine series come from an :class:`~asymcache_core.EngineStats` snapshot that the ``/metrics``
+handler takes on the engine thread and hands to :meth:`ServerMetrics.render`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import fields
+
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent_runtime.types import StreamEvent
+from asymcache_core import EngineStats
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+#: EngineStats fields not exported (the peak is a run statistic; requests are counted per endpoint).
+_UNEXPORTED = frozenset({"kv_blocks_peak_in_use", "requests_total"})
+#: Gauges although their names end in ``_total`` (a size, not a count of events).
+_GAUGES_NAMED_TOTAL = frozenset({"kv_blocks_total"})
+
+
+class EngineCollector(Collector):
+    """Engine series from the last :class:`EngineStats` snapshot given to :meth:`update`.
+
+    Args:
+        model_name: the ``model_name`` label of the vLLM series.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def update(self, stats: EngineStats) -> None:
+        """Set the snapshot the next collection reports.
+
+        Args:
+            stats: the engine's stats, read on the engine thread.
+        """
+        self.stats = stats
+
+    def describe(self) -> list[Metric]:
+        # NOTE: nothing to describe before the first scrape; returning [] keeps the registry from
+        # calling collect() at registration.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        if stats is None:
+            return
+        for f in fields(stats):
+            if f.name in _UNEXPORTED:
+                continue
+            value = getattr(stats, f.name)
+            name = f"asymcache_{f.name}"
+            doc = f"Engine {f.name.replace('_', ' ')}."
+            if f.name.endswith("_total") and f.name not in _GAUGES_NAMED_TOTAL:
+                yield CounterMetricFamily(name, doc, value=value)
+            else:
+                yield GaugeMetricFamily(name, doc, value=value)
+        labels = [self.model_name]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.requests_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.requests_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             stats.kv_blocks_in_use / stats.kv_blocks_total if stats.kv_blocks_total else 0.0),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions_total", "Cumulative number of preemptions.", labels=["model_name"]
+        )
+        preemptions.add_metric(labels, stats.preemptions_total)
+        yield preemptions
+
+
+class ServerMetrics:
+    """The series of one app, in its own :class:`CollectorRegistry` (no process-global state).
+
+    Args:
+        model_name: the served model's name (the ``model`` / ``model_name`` label).
+
+    Attributes:
+        registry: the registry ``/metrics`` renders.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, model = self.registry, ["model_name"]
+        self._requests = Counter(
+            "asymcache_requests_total", "HTTP requests by endpoint and status.",
+            ["endpoint", "status", "model"], registry=r,
+        )
+        self._ttft = Histogram(
+            "asymcache_time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS, registry=r
+        )
+        self._tpot = Histogram(
+            "asymcache_time_per_output_token_seconds", "Mean time per output token after the first.",
+            buckets=TPOT_BUCKETS, registry=r,
+        )
+        self._prompt = Counter("asymcache_prompt_tokens_total", "Prompt tokens of finished requests.", registry=r)
+        self._hits = Counter("asymcache_cache_hit_tokens_total", "Prompt tokens served from the KV cache.", registry=r)
+        self._recomputed = Counter(
+            "asymcache_recomputed_tokens_total", "Tokens computed again (evicted history, holes, preemption).",
+            registry=r,
+        )
+        self._completion = Counter("asymcache_completion_tokens_total", "Generated tokens.", registry=r)
+        self._aborted = Counter(
+            "asymcache_aborted_requests_total", "Requests aborted (client disconnects included).", registry=r
+        )
+        self._vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", model,
+            buckets=TTFT_BUCKETS, registry=r,
+        ).labels(model_name)
+        self._vllm_tpot = Histogram(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", model,
+            buckets=TPOT_BUCKETS, registry=r,
+        ).labels(model_name)
+        self._vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", model,
+            buckets=E2E_BUCKETS, registry=r,
+        ).labels(model_name)
+        self._vllm_prompt = Counter(
+            "vllm:prompt_tokens_total", "Number of prefill tokens processed.", model, registry=r
+        ).labels(model_name)
+        self._vllm_generation = Counter(
+            "vllm:generation_tokens_total", "Number of generation tokens processed.", model, registry=r
+        ).labels(model_name)
+        self._vllm_queries = Counter(
+            "vllm:prefix_cache_queries_total", "Prefix-cache queries, in tokens.", model, registry=r
+        ).labels(model_name)
+        self._vllm_hits = Counter(
+            "vllm:prefix_cache_hits_total", "Prefix-cache hits, in tokens.", model, registry=r
+        ).labels(model_name)
+        self.engine = EngineCollector(model_name)
+        r.register(self.engine)
+
+    def count(self, endpoint: str, status: int) -> None:
+        """Count one answered HTTP request.
+
+        Args:
+            endpoint: the path.
+            status: the HTTP status.
+        """
+        self._requests.labels(endpoint, str(status), self.model_name).inc()
+
+    def count_abort(self) -> None:
+        """Count a request aborted before it finished (its client went away)."""
+        self._aborted.inc()
+
+    def observe(self, final: StreamEvent) -> None:
+        """Account for a finished request.
+
+        Args:
+            final: its final event.
+        """
+        out = final.output
+        if out.finish_reason == "abort":
+            self._aborted.inc()
+            return
+        m = out.metrics
+        completion = len(out.token_ids)
+        if m.ttft is not None and math.isfinite(m.ttft):
+            self._ttft.observe(m.ttft)
+            self._vllm_ttft.observe(m.ttft)
+        if m.tpot is not None and math.isfinite(m.tpot):
+            # NOTE: ours is one observation per request (its mean); vLLM's observes every
+            # inter-token interval, which the engine's token timestamps give.
+            self._tpot.observe(m.tpot)
+            for prev, cur in itertools.pairwise(m.token_times):
+                self._vllm_tpot.observe(max(0.0, cur - prev))
+        if m.finish_time is not None and math.isfinite(m.finish_time - m.arrival_time):
+            self._vllm_e2e.observe(max(0.0, m.finish_time - m.arrival_time))
+        for counter, value in (
+            (self._prompt, out.num_prompt_tokens), (self._vllm_prompt, out.num_prompt_tokens),
+            (self._vllm_queries, out.num_prompt_tokens),
+            (self._hits, m.cached_tokens), (self._vllm_hits, m.cached_tokens),
+            (self._completion, completion), (self._vllm_generation, completion),
+        ):
+            counter.inc(value)
+        if final.metrics is not None:
+            self._recomputed.inc(final.metrics.recomputed_tokens)
+
+    def render(self, stats: EngineStats) -> bytes:
+        """The Prometheus text exposition.
+
+        Args:
+            stats: the engine's stats, read on the engine thread just before.
+
+        Returns:
+            The text (``CONTENT_TYPE``).
+        """
+        # NOTE: update and generate run without an await between them, so concurrent scrapes on
+        # one event loop cannot interleave snapshots.
+        self.engine.update(stats)
+        return generate_latest(self.registry)
+
+
+__all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics"]

@@ -1,0 +1,146 @@
+"""The OpenAI request models and validators: every bad field is a RequestError naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent_runtime.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    completion_prompt,
+    normalize_tool_choice,
+    normalize_tools,
+    parse_json_body,
+    parse_request,
+    validate_messages,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return parse_request(ChatCompletionRequest, {"model": "m", "messages": USER, **fields})
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"n": 2}, "n"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"seed": 1.5}, "seed"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["a", ""]}, "stop"),
+    ({"stop": ["s"] * 17}, "stop"),
+    ({"stop": 3}, "stop"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"ignore_eos": None}, "ignore_eos"),
+    ({"job_id": 7}, "job_id"),
+    ({"job_id": ""}, "job_id"),
+    ({"job_id": "j" * 257}, "job_id"),
+    ({"is_last_step": "true"}, "is_last_step"),
+    ({"stream": 1}, "stream"),
+    ({"stream_options": []}, "stream_options"),
+    ({"stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user"}, 3]}, "messages[1]"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [TOOL, "f"]}, "tools[1]"),
+])
+def test_chat_field_errors_name_the_param(fields, param):
+    with pytest.raises(RequestError) as info:
+        _chat(**fields)
+    assert info.value.param == param
+    assert str(info.value).startswith(f"{param}: ")
+    assert info.value.code is None
+
+
+def test_missing_fields():
+    with pytest.raises(RequestError) as info:
+        parse_request(ChatCompletionRequest, {"model": "m"})
+    assert info.value.param == "messages" and "required" in str(info.value).lower()
+    with pytest.raises(RequestError) as info:
+        parse_request(CompletionRequest, {"model": "m"})
+    assert info.value.param == "prompt"
+
+
+def test_chat_defaults_and_sampling_params():
+    req = _chat(user="someone", logprobs=False, presence_penalty=0.0)  # unknown fields are ignored
+    assert (req.streaming, req.include_usage, req.last_step, req.job_id) == (False, False, False, None)
+    p = req.sampling_params(512)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos) == (
+        512, 0.0, 1.0, 0, None, (), False)
+    req = _chat(max_tokens=7, temperature=1, top_p=0.5, top_k=-1, seed=3, stop="END", ignore_eos=True,
+                job_id="j", is_last_step=True, stream=True, stream_options={"include_usage": True},
+                temperature_extra=None, n=None)
+    p = req.sampling_params(512)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos) == (
+        7, 1.0, 0.5, -1, 3, ("END",), True)
+    assert isinstance(p.temperature, float)
+    assert (req.streaming, req.include_usage, req.last_step, req.job_id) == (True, True, True, "j")
+    # nulls read as the defaults
+    req = _chat(temperature=None, top_p=None, top_k=None, stop=None, is_last_step=None, stream=None,
+                stream_options=None, max_tokens=None)
+    assert req.sampling_params(9).max_tokens == 9 and not req.streaming and not req.last_step
+    # OpenAI's newer name wins
+    assert _chat(max_tokens=3, max_completion_tokens=5).sampling_params(512).max_tokens == 5
+    assert _chat(stop=["a", "b"]).sampling_params(1).stop == ("a", "b")
+
+
+def test_completion_prompt_forms():
+    assert parse_request(CompletionRequest, {"prompt": "hi"}).prompt == "hi"
+    assert parse_request(CompletionRequest, {"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert parse_request(CompletionRequest, {"prompt": ["hi"]}).prompt == "hi"
+    assert parse_request(CompletionRequest, {"prompt": [[4, 5]]}).prompt == [4, 5]
+    for bad, words in (("", "empty"), ([], "non-empty"), (["a", "b"], "batches"), ({"x": 1}, "non-empty"),
+                       ([1, True], "batches"), (None, "non-empty")):
+        with pytest.raises(RequestError) as info:
+            parse_request(CompletionRequest, {"prompt": bad})
+        assert info.value.param == "prompt" and words in str(info.value), bad
+        # the message is not prefixed twice
+        assert str(info.value).startswith("prompt: ") and not str(info.value).startswith("prompt: prompt")
+    with pytest.raises(ValueError, match="^prompt: batches"):
+        completion_prompt([[1], [2]])
+    req = parse_request(CompletionRequest, {"prompt": "x", "tool_name": "sleep", "return_token_ids": True})
+    assert (req.tool_name, req.return_token_ids) == ("sleep", True)
+    for bad, param in (({"tool_name": 3}, "tool_name"), ({"return_token_ids": "yes"}, "return_token_ids")):
+        with pytest.raises(RequestError) as info:
+            parse_request(CompletionRequest, {"prompt": "x", **bad})
+        assert info.value.param == param
+
+
+def test_parse_json_body():
+    assert parse_json_body(b'{"a": 1}') == {"a": 1}
+    for raw in (b'{"a": ', b"[1, 2]", b"\xff\xfe", b'"text"'):
+        with pytest.raises(RequestError) as info:
+            parse_json_body(raw)
+        assert info.value.code == "invalid_json" and info.value.param is None
+
+
+def test_conversation_validators():
+    validate_messages(USER)
+    for bad, prefix in (([], "messages:"), ("hi", "messages:"), ([1], "messages[0]:"),
+                        ([{"role": "robot"}], "messages[0].role:"),
+                        ([{"role": "user", "content": 3}], "messages[0].content:"),
+                        ([{"role": "assistant", "tool_calls": {}}], "messages[0].tool_calls:")):
+        with pytest.raises(ValueError) as info:
+            validate_messages(bad)
+        assert str(info.value).startswith(prefix), bad
+    assert normalize_tools(None) == [] and normalize_tools([TOOL]) == [TOOL]
+    with pytest.raises(ValueError, match=r"^tools\[1\]\.function\.name: duplicate"):
+        normalize_tools([TOOL, TOOL])
+    assert normalize_tool_choice(None, []) == "none" and normalize_tool_choice(None, [TOOL]) == "auto"
+    assert normalize_tool_choice({"type": "function", "function": {"name": "f"}}, [TOOL]) == {
+        "type": "function", "function": {"name": "f"}}
+    with pytest.raises(ValueError, match=r"^tool_choice\.type:"):
+        normalize_tool_choice({"type": "grammar"}, [TOOL])
+    with pytest.raises(ValueError, match="^tool_choice: must be a string or an object"):
+        normalize_tool_choice(3, [TOOL])  # type: ignore[arg-type]
