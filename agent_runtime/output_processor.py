@@ -3,7 +3,7 @@
 :class:`OutputProcessor` runs on the engine thread. When a request arrives it closes the job's
 tool pause (the controller learns the tool's duration); when a request finishes it parses the
 text for tool calls and, right then (before the next step could evict anything), lets the
-:class:`~agent_runtime.continuum.ContinuumController` pin the job's blocks for tau* and hint the
+:class:`~asymcache_core.continuum.controller.ContinuumController` pin the job's blocks for tau* and hint the
 pause to the eviction policy. It also counts the tokens a job had to recompute because its
 previous turn's context was no longer cached.
 
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agent_runtime.continuum import ContinuumController, PinDecision
 from agent_runtime.tool_parsing import ParsedMessage, ToolCallFormat, parse_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent, TurnMetrics
+from asymcache_core.continuum.controller import ContinuumController, PinDecision
 from asymcache_core.request import RequestOutput
 
 if TYPE_CHECKING:

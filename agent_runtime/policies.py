@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
-TTLRule = Literal["continuum", "preview"]
+from asymcache_core.continuum.ttl import TTLRule
 
 
 @dataclass(frozen=True)

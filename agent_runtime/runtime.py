@@ -5,7 +5,7 @@ chat template runs on the caller's side) -> :class:`~agent_runtime.engine_client
 encodes on the engine thread, where the
 :class:`~agent_runtime.output_processor.OutputProcessor` closes the job's tool pause, and queues
 the request -> steps stream tokens back -> when the request finishes the output processor parses
-its tool calls and lets the :class:`~agent_runtime.continuum.ContinuumController` pin the job's
+its tool calls and lets the :class:`~asymcache_core.continuum.controller.ContinuumController` pin the job's
 blocks for tau* -> :func:`~agent_runtime.output_processor.build_turn` makes the
 :class:`~agent_runtime.types.AssistantTurn` with per-turn metrics.
 
@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agent_runtime.chat_template import ChatRenderer
-from agent_runtime.continuum import ContinuumController
 from agent_runtime.engine_client import AsyncEngine, RequestStream
 from agent_runtime.job import Job
 from agent_runtime.output_processor import OutputOptions, OutputProcessor, build_turn
@@ -37,6 +36,7 @@ from agent_runtime.protocol import (
 from agent_runtime.tool_parsing import ToolCallFormat
 from agent_runtime.types import AssistantTurn
 from asymcache_core import Engine
+from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,9 +89,7 @@ class AgentRuntime:
         self.policy = spec
         self.clock: Callable[[], float] = clock or engine.clock
         self.tool_call_format: ToolCallFormat = tool_call_format
-        self.controller = controller or ContinuumController(
-            engine, ttl_rule=spec.ttl_rule, pinning=spec.pinning
-        )
+        self.controller = controller or engine.continuum.configure(ttl_rule=spec.ttl_rule, pinning=spec.pinning)
         self.model_name: str = engine.config.model
         self.max_model_len: int = engine.max_model_len
         self.renderer: ChatRenderer | None = (

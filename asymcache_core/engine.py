@@ -13,11 +13,12 @@ import torch
 from asymcache_core.block_pool import BlockPool
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
+from asymcache_core.continuum.backends import PinManager
+from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
-from asymcache_core.pins import PinManager
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import Scheduler, SchedulerOutput, fcfs_key
@@ -203,6 +204,7 @@ class Engine:
         hole_reuse = policy.hole_reuse if config.hole_reuse is None else config.hole_reuse
         self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse)
         self.pins = PinManager(self.pool)
+        self.continuum = ContinuumController(self.pins, self.latency, self.sessions, self.clock)
         fixed = config.chunk_budget()
         # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
         self.latency_feedback = LatencyFeedback()
@@ -214,15 +216,14 @@ class Engine:
                 feedback=self.latency_feedback, clock=self.clock, slack=config.chunking == "adaptive:slack",
             )
         )
-        self._job_first_arrival: dict[str, float] = {}
         self.scheduler = Scheduler(
             self.kv,
             config.block_size,
             config.max_num_seqs,
             self.budget,
-            self._program_key if config.priority == "program" else fcfs_key,
+            self.continuum.program_key if config.priority == "program" else fcfs_key,
             reclaim=self.pins.release_for_pressure,
-            on_admit=self._on_admit,
+            on_admit=self.continuum.on_admit,
             align_chunks=fixed is None,
             admit_full_prompt=config.admit_full_prompt,
             least_work_first=config.least_work_first,
@@ -337,9 +338,7 @@ class Engine:
             request_id, ids, params, now, session_id=session_id, job_id=job_id,
             priority=priority, is_last_step=is_last_step,
         )
-        request.had_pin = self.pins.is_pinned(request.session_id)
-        if job_id is not None:
-            self._job_first_arrival.setdefault(job_id, now)
+        self.continuum.on_request_added(request)
         if request.session_id is not None:
             # NOTE: the turn's new tokens, not the whole prompt: they size the step that will
             # rebuild the session's evicted blocks (AsymCache's marginal cost under the knee).
@@ -459,8 +458,7 @@ class Engine:
         c.preempted_tokens += m.preempted_tokens
         c.computed_tokens += m.computed_tokens
         c.num_preemptions += m.num_preemptions
-        if request.job_id is not None and request.is_last_step:
-            self._job_first_arrival.pop(request.job_id, None)
+        self.continuum.on_request_finished(request)
         del self.requests[request.request_id]
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
@@ -497,19 +495,7 @@ class Engine:
             )
         )
 
-    # -- priority and pins ------------------------------------------------------------------
-    def _program_key(self, request: Request) -> tuple:
-        """Continuum's program-level FCFS: pinned jobs first, then by the job's first arrival."""
-        pinned = 0 if request.had_pin else 1
-        first = self._job_first_arrival.get(request.job_id or "", request.metrics.arrival_time)
-        return (pinned, first, request.metrics.arrival_time)
-
-    def _on_admit(self, request: Request) -> None:
-        # NOTE: the pin is released only now, once the request holds its blocks: releasing it
-        # at arrival would leave them evictable while the request waits in the queue.
-        if request.session_id is not None:
-            self.pins.unpin(request.session_id)
-
+    # -- pins ----------------------------------------------------------------------------------
     def pin_session(self, session_id: str, ttl_s: float) -> int:
         """Pins the blocks of ``session_id``'s last finished request for ``ttl_s`` seconds.
 
@@ -523,9 +509,7 @@ class Engine:
 
     def hint_session(self, session_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
         """Passes the runtime's reuse hints (tool-pause estimate, job done) to the policies."""
-        self.sessions.hint(session_id, expected_gap_s, finished)
-        if finished:
-            self.pins.forget(session_id)
+        self.continuum.hint(session_id, expected_gap_s, finished)
 
     # -- blocking API ------------------------------------------------------------------------
     def generate(

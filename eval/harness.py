@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent_runtime.continuum import ContinuumController
 from agent_runtime.policies import resolve_policy
 from asymcache_core import Engine, EngineConfig, SamplingParams
 from eval.results import PolicyResult, Recompute, RunMeans, Series, summarize
@@ -216,7 +215,7 @@ def drive(
     clock = engine.clock
     t0 = clock()
     vocab = engine.model_config.vocab_size
-    controller = ContinuumController(engine, pinning=policy.pinning, ttl_rule=policy.ttl_rule)  # type: ignore[arg-type]
+    controller = engine.continuum.configure(pinning=policy.pinning, ttl_rule=policy.ttl_rule)
     states = {j.job_id: _JobState(j, job_token_stream(j, vocab, seed)) for j in trace.jobs}
     events: list[tuple[float, int, str]] = []
     order = itertools.count()

@@ -1,13 +1,23 @@
-"""Continuum on the real SmolLM2 with a virtual clock: policies, TTL pins, expiry, pressure, the
-pin cap, is_last_step, and program-level FCFS admission order."""
+"""Continuum with a virtual clock: the controller over both pin backends (the engine's and the
+vLLM plugin's), and on the real SmolLM2: policies, TTL pins, expiry, pressure, the pin cap,
+is_last_step, and program-level FCFS admission order."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from agent_runtime.continuum import ContinuumController
 from agent_runtime.policies import policy_names, resolve_policy
 from asymcache_core import SamplingParams
+from asymcache_core.block_pool import BlockPool
+from asymcache_core.continuum.backends import PinBackend, PinManager
+from asymcache_core.continuum.controller import ContinuumController
+from asymcache_core.continuum.ttl import apply_ttl_rule, pin_benefit_s
+from asymcache_core.eviction import PolicyContext, create_policy
+from asymcache_core.integrations.vllm.pins import PinSet
+from asymcache_core.latency_model import LatencyModel
+from asymcache_core.session_stats import SessionStats
 from tests.conftest import make_engine
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -65,13 +75,113 @@ def test_policy_table():
         resolve_policy("nope")
 
 
+# -- the controller over both backends -----------------------------------------------------------
+
+#: Reloading a context costs seconds here, so short tool pauses are worth a pin.
+SLOW_RELOAD = LatencyModel(floor_s=0.04, per_token_s=0.0045, per_attn_s=1.15e-6, knee_tokens=8, source="test")
+BLOCK_HASHES = [7000 + i for i in range(6)]
+
+
+def _engine_backend(clock: FakeClock) -> tuple[PinManager, list[int]]:
+    """An engine pin manager over a pool whose six cached blocks are free (a finished turn)."""
+    pool = BlockPool(16, create_policy("vllm-apc", PolicyContext(16)), clock)
+    ids = pool.allocate(len(BLOCK_HASHES), "job")
+    for pos, (bid, h) in enumerate(zip(ids, BLOCK_HASHES, strict=True)):
+        assert pool.cache_block(bid, h, pos)
+    pool.free(ids)
+    return PinManager(pool, max_pinned_fraction=1.0), ids
+
+
+def _remember(backend: PinBackend, ids: list[int]) -> None:
+    """What each engine tells its backend when the job's request finishes."""
+    if isinstance(backend, PinManager):
+        backend.remember("job", list(zip(ids, BLOCK_HASHES, strict=True)))
+    else:
+        assert isinstance(backend, PinSet)
+        backend.remember("job", ids)
+
+
+def _drive(backend: PinBackend, ids: list[int], clock: FakeClock) -> tuple[ContinuumController, list]:
+    """One job of three turns (grep, then an explicit TTL, then its last step), with a queue
+    delay and a learned pause, through the controller; returns it and what it saw."""
+    ctl = ContinuumController(backend, SLOW_RELOAD, SessionStats(), clock)
+    seen: list = []
+    ctl.durations.record("grep", 0.4)
+    clock.t = 10.0
+    ctl.on_request_arrival("job")
+    ctl.on_request_scheduled(10.0, 10.5)
+    _remember(backend, ids)
+    clock.t = 11.0
+    first = ctl.on_tool_call("job", ["grep"], 2000, ended_at=10.9)
+    seen += [first, backend.num_pinned_blocks, backend.is_pinned("job"), ctl.sessions.state("job").expected_gap]
+    clock.t = 11.2
+    seen.append(ctl.on_request_arrival("job"))
+    seen += [backend.unpin("job"), backend.num_pinned_blocks]
+    _remember(backend, ids)
+    seen.append(ctl.on_tool_call("job", ["grep"], 2100, ttl_s=3.0))
+    clock.t = 12.0
+    seen += [ctl.on_request_arrival("job"), backend.expire(clock.t + 3.0)]
+    ctl.on_job_finished("job")
+    seen += [backend.is_pinned("job"), ctl.memoryfulness.num_jobs, ctl.sessions.state("job").finished]
+    return ctl, seen
+
+
+def test_both_backends_get_the_same_decisions() -> None:
+    engine_pins, ids = _engine_backend(FakeClock())
+    vllm_pins = PinSet(capacity_blocks=16)
+    assert isinstance(engine_pins, PinBackend) and isinstance(vllm_pins, PinBackend)
+    ctl_e, seen_e = _drive(engine_pins, ids, FakeClock())
+    ctl_v, seen_v = _drive(vllm_pins, ids, FakeClock())
+    assert seen_e == seen_v
+    assert ctl_e.decisions == ctl_v.decisions
+    first, explicit = ctl_e.decisions
+    # the grep samples (0.4 s, then the learned 0.3 s) are far below the reload they save
+    assert first.ttl_s == pytest.approx(0.4) and first.blocks_pinned == 6 and first.p_return == 1.0
+    assert first.benefit_s == pytest.approx(0.5 * 0.5 + ctl_e.reload_cost(2000))
+    assert seen_e[1:4] == [6, True, pytest.approx(0.4)]
+    assert seen_e[4] == pytest.approx(0.3)
+    assert ctl_e.durations.samples("grep") == pytest.approx([0.4, 0.3, 0.8])
+    assert explicit.ttl_s == 3.0 and explicit.blocks_pinned == 6
+    assert seen_e[-5] == pytest.approx(0.8)  # the pause after the explicit-TTL turn
+    assert seen_e[-4] == ["job"]  # expired at its TTL
+    assert seen_e[-3:] == [False, 1, True]
+
+
+def test_reload_cost_is_one_prefill_of_the_context() -> None:
+    ctl = ContinuumController(PinSet(0), SLOW_RELOAD, SessionStats(), FakeClock())
+    for n in (1, 17, 2000):
+        # n(n+1)/2 query-key pairs: each position attends to itself and every earlier one
+        assert ctl.reload_cost(n) == pytest.approx(SLOW_RELOAD.step_latency(n, n * (n + 1) / 2))
+    assert ctl.reload_cost(2000) > SLOW_RELOAD.step_latency(2000, 2000 * 2000 / 2)
+    assert ctl.reload_cost(-5) == SLOW_RELOAD.step_latency(0, 0)
+
+
+def test_decision_follows_the_rule_and_the_overrides() -> None:
+    clock = FakeClock(5.0)
+    pins = PinSet(capacity_blocks=8)
+    ctl = ContinuumController(pins, SLOW_RELOAD, SessionStats(), clock, pinning=False)
+    pins.remember("j", [1, 2])
+    d = ctl.on_tool_call("j", [], 100)
+    benefit = pin_benefit_s(100, ctl.reload_cost, 0.0, ctl.memoryfulness.eta())
+    want = apply_ttl_rule("continuum", ctl.durations, "unknown", benefit)
+    # not pinning: the rule's benefit is reported, the TTL and P(return) are 0, and no pin
+    assert d == replace(d, tool="unknown", ttl_s=0.0, blocks_pinned=0, p_return=0.0, benefit_s=want.benefit_s)
+    assert not pins.is_pinned("j") and ctl.sessions.state("j").expected_gap == 2.0
+    pins.remember("j", [1, 2])
+    d = ctl.on_tool_call("j", ["t"], 100, pinning=True, ttl_rule="preview")
+    assert d.ttl_s == 2.0 and d.blocks_pinned == 2 and pins.is_pinned("j")
+    assert ctl.configure(pinning=True) is ctl and ctl.pinning and ctl.ttl_rule == "continuum"
+    explicit = ctl.on_tool_call("j", ["t"], 100, ttl_s=-1.0)
+    assert explicit.ttl_s == 0.0 and explicit.blocks_pinned == 0 and explicit.p_return == 0.0
+
+
 # -- pins --------------------------------------------------------------------------------------
 
 
 def test_tool_call_pins_then_next_request_unpins_and_hits(smollm):
     clock = FakeClock(10.0)
     engine = _continuum_engine(smollm, clock)
-    ctl = ContinuumController(engine)
+    ctl = engine.continuum
     for _ in range(4):
         ctl.durations.record("grep", 0.2)
     first = _prompt(1, 100)
@@ -103,7 +213,7 @@ def test_tool_call_pins_then_next_request_unpins_and_hits(smollm):
 def test_abandoned_job_loses_pin_at_expiry(smollm, expensive_reload_profile):
     clock = FakeClock()
     engine = _continuum_engine(smollm, clock, expensive_reload_profile)
-    ctl = ContinuumController(engine)
+    ctl = engine.continuum
     ctl.durations.record("test", 0.3)
     _run(engine, _prompt(3, 100), "gone")
     decision = ctl.on_tool_call("gone", ["test"], 101)
@@ -152,7 +262,7 @@ def test_pin_cap_never_lets_pins_starve_admissions(smollm):
 def test_last_step_releases_everything(smollm):
     clock = FakeClock()
     engine = _continuum_engine(smollm, clock)
-    ctl = ContinuumController(engine)
+    ctl = engine.continuum
     ctl.durations.record("t", 0.1)
     _run(engine, _prompt(9, 100), "j")
     ctl.on_request_arrival("j")
@@ -170,14 +280,14 @@ def test_last_step_releases_everything(smollm):
 def test_no_pin_when_benefit_is_below_the_ttl(smollm):
     clock = FakeClock()
     engine = _continuum_engine(smollm, clock)
-    ctl = ContinuumController(engine)
+    ctl = engine.continuum
     _run(engine, _prompt(11, 40), "s")
     # cold start: the tool is assumed to take 2 s; reloading 41 tokens costs far less
     decision = ctl.on_tool_call("s", ["new_tool"], 41)
     assert decision.ttl_s == 0.0 and decision.blocks_pinned == 0
     assert decision.expected_duration_s == 2.0
     assert engine.pins.num_pinned_blocks == 0
-    preview = ContinuumController(engine, ttl_rule="preview")
+    preview = engine.continuum.configure(ttl_rule="preview")
     assert preview.on_tool_call("s", ["new_tool"], 41).ttl_s == 2.0  # the preview code's rule
     assert engine.pins.is_pinned("s")
     engine.check_integrity()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent_runtime.continuum import PinDecision
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
+from asymcache_core.continuum.controller import PinDecision
 from asymcache_core.request import RequestMetrics, RequestOutput
 
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'

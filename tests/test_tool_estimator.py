@@ -1,4 +1,4 @@
-"""Continuum estimators and TTL choice, driven by a virtual clock."""
+"""Continuum's estimators and TTL rule, driven by a virtual clock."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import random
 
 import pytest
 
-from agent_runtime.tool_estimator import (
-    COLD_START_S,
+from asymcache_core.continuum.estimator import COLD_START_S, ToolDurationEstimator
+from asymcache_core.continuum.ttl import (
     MemoryfulnessEstimator,
     QueueDelayTracker,
-    ToolDurationEstimator,
+    TTLDecision,
+    TTLRule,
+    apply_ttl_rule,
     choose_ttl,
     pin_benefit_s,
 )
@@ -21,17 +23,44 @@ def reload_cost(tokens: int) -> float:
     return tokens * 1e-3
 
 
+def explain(
+    est: ToolDurationEstimator,
+    tool: str,
+    tokens: int,
+    queue_delay_s: float,
+    eta: float,
+    candidates: list[float] | None = None,
+    rule: TTLRule = "continuum",
+) -> TTLDecision:
+    """The TTL ``rule`` gives a job of ``tokens`` context whose ``tool`` is about to run."""
+    benefit = pin_benefit_s(tokens, reload_cost, queue_delay_s, eta)
+    return apply_ttl_rule(rule, est, tool, benefit, candidates)
+
+
+def ttl(
+    est: ToolDurationEstimator,
+    tool: str,
+    tokens: int,
+    queue_delay_s: float,
+    eta: float,
+    candidates: list[float] | None = None,
+    rule: TTLRule = "continuum",
+) -> float:
+    """Just the TTL of :func:`explain`."""
+    return explain(est, tool, tokens, queue_delay_s, eta, candidates, rule).ttl_s
+
+
 def test_cold_start() -> None:
     est = ToolDurationEstimator()
     assert est.mean("new") == COLD_START_S == 2.0
     assert est.cdf("new", 1.99) == 0.0 and est.cdf("new", 2.0) == 1.0
     assert 2.0 in est.candidates("new")
     # Big benefit (10 s reload): pin exactly the cold-start 2 s.
-    assert est.choose_ttl("new", 10_000, reload_cost, 0.0, 0.5) == 2.0
+    assert ttl(est, "new", 10_000, 0.0, 0.5) == 2.0
     # Benefit below 2 s: pinning 2 s costs more than it can save.
-    assert est.choose_ttl("new", 1_000, reload_cost, 0.0, 0.5) == 0.0
+    assert ttl(est, "new", 1_000, 0.0, 0.5) == 0.0
     # The preview rule pins 2 s for an unseen tool whatever the benefit.
-    assert est.choose_ttl("new", 1_000, reload_cost, 0.0, 0.5, policy="preview") == 2.0
+    assert ttl(est, "new", 1_000, 0.0, 0.5, rule="preview") == 2.0
 
 
 def test_fast_tool_with_big_reload_gets_about_one_second() -> None:
@@ -39,11 +68,11 @@ def test_fast_tool_with_big_reload_gets_about_one_second() -> None:
     est = ToolDurationEstimator()
     for _ in range(200):
         est.record("pytest", rng.uniform(0.3, 1.0))
-    tau = est.choose_ttl("pytest", 20_000, reload_cost, queue_delay_s=1.0, eta=0.8)
+    tau = ttl(est, "pytest", 20_000, queue_delay_s=1.0, eta=0.8)
     # All returns happen by the max sample (< 1 s): tau* is that max, nothing longer.
     assert tau == pytest.approx(max(est.samples("pytest")))
     assert 0.95 <= tau <= 1.0
-    d = est.explain_ttl("pytest", 20_000, reload_cost, 1.0, 0.8)
+    d = explain(est, "pytest", 20_000, 1.0, 0.8)
     assert d.p_return == 1.0 and d.benefit_s == pytest.approx(20.8)
     assert d.objective == pytest.approx(20.8 - tau)
 
@@ -52,8 +81,8 @@ def test_slow_tool_gets_no_pin() -> None:
     est = ToolDurationEstimator()
     for i in range(50):
         est.record("build", 60.0 + i)
-    assert est.choose_ttl("build", 20_000, reload_cost, queue_delay_s=2.0, eta=1.0) == 0.0
-    assert est.choose_ttl("build", 20_000, reload_cost, 2.0, 1.0, policy="preview") == 0.0
+    assert ttl(est, "build", 20_000, queue_delay_s=2.0, eta=1.0) == 0.0
+    assert ttl(est, "build", 20_000, 2.0, 1.0, rule="preview") == 0.0
 
 
 def test_bimodal_tool_pins_for_fast_mode_only_when_worth_it() -> None:
@@ -63,17 +92,17 @@ def test_bimodal_tool_pins_for_fast_mode_only_when_worth_it() -> None:
     for _ in range(30):
         est.record("grep", 40.0)
     # 0.7 * 10 - 0.5 > 0 and beats 1.0 * 10 - 40.
-    assert est.choose_ttl("grep", 10_000, reload_cost, 0.0, 0.0) == 0.5
+    assert ttl(est, "grep", 10_000, 0.0, 0.0) == 0.5
     # With a huge benefit, waiting for the slow mode too pays off.
-    assert est.choose_ttl("grep", 1_000_000, reload_cost, 0.0, 0.0) == 40.0
+    assert ttl(est, "grep", 1_000_000, 0.0, 0.0) == 40.0
     # Small benefit: 0.7 * 0.5 - 0.5 < 0.
-    assert est.choose_ttl("grep", 500, reload_cost, 0.0, 0.0) == 0.0
+    assert ttl(est, "grep", 500, 0.0, 0.0) == 0.0
 
 
 def test_explicit_candidates_and_ties() -> None:
     est = ToolDurationEstimator()
     est.record("t", 1.0)
-    assert est.choose_ttl("t", 5_000, reload_cost, 0, 0, candidates=[0.5, 3.0]) == 3.0
+    assert ttl(est, "t", 5_000, 0, 0, candidates=[0.5, 3.0]) == 3.0
     # Objective 0 at tau = benefit: not better than not pinning -> 0 (tie goes to smaller).
     d = choose_ttl(lambda tau: 1.0, benefit_s=1.0, candidates=[1.0])
     assert d.ttl_s == 0.0
@@ -100,8 +129,8 @@ def test_preview_rule_uses_mean() -> None:
         est.record("a", d)
     for d in (1.0, 4.0):  # mean 2.5 > 2
         est.record("b", d)
-    assert est.choose_ttl("a", 1, reload_cost, 0, 0, policy="preview") == 2.0
-    assert est.choose_ttl("b", 1, reload_cost, 0, 0, policy="preview") == 0.0
+    assert ttl(est, "a", 1, 0, 0, rule="preview") == 2.0
+    assert ttl(est, "b", 1, 0, 0, rule="preview") == 0.0
 
 
 def test_pin_benefit_clips() -> None:

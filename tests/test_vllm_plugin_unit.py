@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent_runtime.tool_estimator import ToolDurationEstimator
+from asymcache_core.continuum.controller import ContinuumController
+from asymcache_core.continuum.estimator import ToolDurationEstimator
+from asymcache_core.continuum.ttl import apply_ttl_rule, pin_benefit_s
 from asymcache_core.eviction.asymcache import expected_latency_cost
 from asymcache_core.integrations.vllm import (
     BlockScorer,
     CachedForest,
-    ContinuumPinPolicy,
     ExpectedLatencyFreeQueue,
     JobHints,
     PinSet,
@@ -138,6 +139,12 @@ def chain(prefix: str, n: int) -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
 
 
+def pin(pins: PinSet, job: str, block_ids: list[int], ttl_s: float, now: float) -> int:
+    """What the scheduler does at a job's finish: record its cached blocks, then pin them."""
+    pins.remember(job, block_ids)
+    return pins.pin(job, ttl_s, now)
+
+
 def test_uncached_blocks_go_first_and_counts_match() -> None:
     pool = FakePool(8)
     assert pool.queue.num_free_blocks == 8
@@ -226,7 +233,7 @@ def test_pinned_blocks_are_skipped_until_expiry() -> None:
     pool = FakePool(6, pins)
     pool.run("a", chain("a", 3), job="a")
     pool.finish("a", job="a")
-    pins.pin("a", [0, 1, 2], ttl_s=2.0, now=pool.clock())
+    pin(pins, "a", [0, 1, 2], ttl_s=2.0, now=pool.clock())
     pool.run("b", chain("b", 3), job="b")
     pool.finish("b", job="b", last_step=False)
     assert [b.block_hash for b in pool.queue.popleft_n(3)] == ["b2", "b1", "b0"]
@@ -241,7 +248,7 @@ def test_expired_pin_is_an_ordinary_candidate() -> None:
     pool = FakePool(4, pins)
     pool.run("a", chain("a", 2), job="a")
     pool.finish("a", job="a", last_step=True)
-    pins.pin("a", [0, 1], ttl_s=1.0, now=pool.clock())
+    pin(pins, "a", [0, 1], ttl_s=1.0, now=pool.clock())
     assert [b.block_id for b in pool.queue.get_all_free_blocks()][:2] == [2, 3]
     pool.clock.t += 1.5
     pool.queue.popleft_n(2)  # the uncached ones
@@ -256,8 +263,8 @@ def test_pressure_releases_latest_expiring_pin_first() -> None:
     pool.finish("a", job="a")
     pool.run("b", ["b0"], job="b")
     pool.finish("b", job="b")
-    pins.pin("a", [pool.blocks[0].block_id], ttl_s=1.0, now=pool.clock())
-    pins.pin("b", [pool.blocks[1].block_id], ttl_s=5.0, now=pool.clock())
+    pin(pins, "a", [pool.blocks[0].block_id], ttl_s=1.0, now=pool.clock())
+    pin(pins, "b", [pool.blocks[1].block_id], ttl_s=5.0, now=pool.clock())
     pool.queue.popleft_n(2)
     assert [b.block_hash for b in pool.queue.popleft_n(1)] == ["b0"]
     assert list(pins.pins) == ["a"]
@@ -265,10 +272,10 @@ def test_pressure_releases_latest_expiring_pin_first() -> None:
 
 def test_pin_cap_releases_latest_expiring() -> None:
     pins = PinSet(capacity_blocks=3)
-    assert pins.pin("a", [0, 1], ttl_s=1.0, now=0.0) == 2
-    assert pins.pin("b", [2, 3], ttl_s=5.0, now=0.0) == 0  # over the cap: the later one goes
+    assert pin(pins, "a", [0, 1], ttl_s=1.0, now=0.0) == 2
+    assert pin(pins, "b", [2, 3], ttl_s=5.0, now=0.0) == 0  # over the cap: the later one goes
     assert list(pins.pins) == ["a"] and pins.stats.released_pressure == 1
-    assert pins.pin("c", [4], ttl_s=0.5, now=0.0) == 1
+    assert pin(pins, "c", [4], ttl_s=0.5, now=0.0) == 1
     assert pins.num_pinned_blocks == 3
     assert pins.unpin("a") and not pins.unpin("a")
 
@@ -363,7 +370,7 @@ def test_random_workload_never_orphans(seed: int) -> None:
             ids = [b.block_id for b in pool.tables[req] if b.block_hash is not None]
             pool.finish(req, job=job, last_step=last)
             if not last and rng.random() < 0.5:
-                pins.pin(job, ids, ttl_s=rng.uniform(0.5, 3.0), now=pool.clock())
+                pin(pins, job, ids, ttl_s=rng.uniform(0.5, 3.0), now=pool.clock())
             continue
         job = f"j{rng.randrange(6)}"
         p = rng.randrange(3)
@@ -389,18 +396,44 @@ def test_parse_job_hints() -> None:
     assert parse_job_hints({"job_id": "a", "pin_ttl_s": "x"}).pin_ttl_s is None
 
 
+def test_pin_set_is_a_pin_backend() -> None:
+    pins = PinSet(capacity_blocks=8)
+    assert pins.pin("a", ttl_s=1.0, now=0.0) == 0  # nothing recorded
+    pins.remember("a", [3, 3, 4])
+    assert pins.pin("a", ttl_s=0.0, now=0.0) == 0 and not pins.is_pinned("a")
+    assert pins.pin("a", ttl_s=1.0, now=0.0) == 0  # the recorded blocks were used once
+    assert pin(pins, "a", [3, 3, 4], ttl_s=1.0, now=0.0) == 2
+    assert pins.is_pinned("a") and pins.holds_block(3) and not pins.holds_block(5)
+    assert not pins.is_pinned(None) and not pins.is_pinned("b")
+    pins.forget("a")
+    assert not pins.is_pinned("a") and pins.num_pinned_blocks == 0
+    assert pins.stats.released_other == 1 and pins.stats.released_next_request == 0
+
+
 def test_ttl_comes_from_the_tool_estimator() -> None:
-    policy = ContinuumPinPolicy(LATENCY)
-    hints = JobHints("j", tool_name="bash")
-    assert policy.on_arrival("j", 0.0) is None
-    ttl = policy.on_finish(hints, 512, now=1.0)
-    want = ToolDurationEstimator().choose_ttl("bash", 512, policy.reload_cost, 0.0, 0.5)
-    assert ttl == pytest.approx(want)
-    assert policy.on_arrival("j", 2.5) == pytest.approx(1.5)
-    assert policy.durations.samples("bash") == [1.5]
-    assert policy.on_finish(JobHints("j", pin_ttl_s=3.0), 600, now=3.0) == 3.0
-    assert policy.on_finish(JobHints("j", is_last_step=True), 700, now=4.0) == 0.0
-    assert policy.memoryfulness.num_jobs == 1 and "j" not in policy.jobs
+    clock = Clock()
+    pins = PinSet(capacity_blocks=8)
+    sessions = SessionStats()
+    ctl = ContinuumController(pins, LATENCY, sessions, clock)
+    clock.t = 0.0
+    assert ctl.on_request_arrival("j", 0.0) is None
+    clock.t = 1.0
+    pins.remember("j", [0, 1])
+    decision = ctl.on_tool_call("j", ["bash"], 512, ended_at=1.0)
+    benefit = pin_benefit_s(512, ctl.reload_cost, 0.0, 0.5)
+    want = apply_ttl_rule("continuum", ToolDurationEstimator(), "bash", benefit)
+    assert decision.ttl_s == pytest.approx(want.ttl_s) and decision.benefit_s == pytest.approx(benefit)
+    assert sessions.state("j").expected_gap == 2.0  # the cold-start pause hint
+    assert ctl.on_request_arrival("j", 2.5) == pytest.approx(1.5)
+    assert ctl.durations.samples("bash") == [1.5]
+    clock.t = 3.0
+    pins.remember("j", [0, 1])
+    explicit = ctl.on_tool_call("j", ["tool"], 600, ended_at=3.0, ttl_s=3.0)
+    assert explicit.ttl_s == 3.0 and explicit.blocks_pinned == 2 and pins.pins["j"].expires_at == 6.0
+    ctl.on_request_arrival("j", 3.5)
+    ctl.on_job_finished("j")
+    assert ctl.memoryfulness.num_jobs == 1 and ctl.paused_jobs() == []
+    assert not pins.is_pinned("j") and sessions.state("j").finished
 
 
 def test_entry_point_choice_is_opt_in() -> None:

@@ -14,13 +14,7 @@ from asymcache_core.integrations.vllm.free_queue import (
     ExpectedLatencyFreeQueue,
     QueueStats,
 )
-from asymcache_core.integrations.vllm.pins import (
-    ContinuumPinPolicy,
-    JobHints,
-    Pin,
-    PinSet,
-    parse_job_hints,
-)
+from asymcache_core.integrations.vllm.pins import JobHints, PinSet, parse_job_hints
 
 #: The ``--scheduler-cls`` value (synchronous scheduler).
 SCHEDULER_CLS = "asymcache_core.integrations.vllm.scheduler.AsymCacheScheduler"
@@ -33,10 +27,8 @@ __all__ = [
     "BlockInfo",
     "BlockScorer",
     "CachedForest",
-    "ContinuumPinPolicy",
     "ExpectedLatencyFreeQueue",
     "JobHints",
-    "Pin",
     "PinSet",
     "QueueStats",
     "parse_job_hints",

@@ -274,7 +274,7 @@ class QueueStats:
 class _PinView(Protocol):
     """What the queue needs of a pin registry (:class:`~.pins.PinSet`)."""
 
-    def is_pinned(self, block_id: int) -> bool: ...
+    def holds_block(self, block_id: int) -> bool: ...
 
     def expire(self, now: float) -> list[str]: ...
 
@@ -515,7 +515,7 @@ class ExpectedLatencyFreeQueue:
             pinned.update(b for b in block_ids if b in self._cached)
         if self.pins is not None and not live:
             # NOTE: pressure_order covers every pin; re-check in case a registry filters it.
-            pinned.update(b for b in self._cached if self.pins.is_pinned(b))
+            pinned.update(b for b in self._cached if self.pins.holds_block(b))
 
         scores: dict[int, float] = {}
 
@@ -536,7 +536,7 @@ class ExpectedLatencyFreeQueue:
         def consider(block_id: int) -> None:
             if block_id in taken or block_id in pinned:
                 return
-            if live and self.pins is not None and self.pins.is_pinned(block_id):
+            if live and self.pins is not None and self.pins.holds_block(block_id):
                 return
             block = self._cached[block_id][1]
             key = block.block_hash

@@ -1,4 +1,4 @@
-"""Continuum-style pins for vLLM: job hints, the pin registry, and the TTL decisions.
+"""Continuum-style pins for vLLM: job hints and the pin registry (a Continuum pin backend).
 
 A job's request carries ``job_id`` and ``is_last_step`` (and optionally ``tool_name``, the tool
 the agent is about to run, and ``pin_ttl_s``, an explicit TTL) in ``SamplingParams.extra_args``;
@@ -6,29 +6,23 @@ over the OpenAI API they travel in the body's ``vllm_xargs`` object, whose value
 limits to strings and numbers (so ``is_last_step`` is ``1``/``0`` or ``"true"``/``"false"``).
 The chat API's ``session_id`` field serves as the job id when ``job_id`` is absent.
 
-When a job's request finishes and it is not the job's last step, :class:`ContinuumPinPolicy`
-chooses a TTL with the same estimator as the agent runtime (#6,
-:meth:`~agent_runtime.tool_estimator.ToolDurationEstimator.choose_ttl`) and :class:`PinSet`
-records the pin. Pinned blocks stay in vLLM's free queue (they count as free, so admissions
-are never refused because of a pin) but are not eviction candidates until the pin expires, the
-job's next request is scheduled, or memory pressure releases it (latest-expiring first). The
-pinned share of the pool is capped.
+When a job's request finishes and it is not the job's last step, the scheduler's
+:class:`~asymcache_core.continuum.controller.ContinuumController` (the same one the embedded
+engine uses) chooses a TTL and pins through :class:`PinSet`, which implements
+:class:`~asymcache_core.continuum.backends.PinBackend`. Pinned blocks stay in vLLM's free queue
+(they count as free, so admissions are never refused because of a pin) but are not eviction
+candidates until the pin expires, the job's next request is scheduled, or memory pressure
+releases it (latest-expiring first). The pinned share of the pool is capped.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from agent_runtime.tool_estimator import (
-    MemoryfulnessEstimator,
-    QueueDelayTracker,
-    ToolDurationEstimator,
-    TTLPolicy,
-)
-from asymcache_core.latency_model import LatencyModel
+from asymcache_core.continuum.backends import Pin
 
 #: Tool key used when a request names no tool.
 DEFAULT_TOOL = "tool"
@@ -92,23 +86,6 @@ def parse_job_hints(extra_args: Mapping[str, Any] | None, session_id: str | None
 
 
 @dataclass
-class Pin:
-    """One job's pin.
-
-    Attributes:
-        job_id: the job.
-        block_ids: the pinned blocks.
-        pinned_at: clock time of the pin.
-        expires_at: clock time of its expiry.
-    """
-
-    job_id: str
-    block_ids: tuple[int, ...]
-    pinned_at: float
-    expires_at: float
-
-
-@dataclass
 class PinStats:
     """Pin counters.
 
@@ -128,7 +105,11 @@ class PinStats:
 
 
 class PinSet:
-    """The pins of one block pool.
+    """The pins of one vLLM block pool: a :class:`~asymcache_core.continuum.backends.PinBackend`.
+
+    The scheduler calls :meth:`remember` with the cached blocks of a job's request as it is
+    freed (they still hold their content then); :meth:`pin` pins those blocks. The free queue
+    asks :meth:`holds_block` and releases pins under pressure in :meth:`pressure_order`.
 
     Args:
         capacity_blocks: the most blocks pins may hold together (the cap); past it the
@@ -141,6 +122,7 @@ class PinSet:
         self.capacity_blocks = capacity_blocks
         self.pins: dict[str, Pin] = {}
         self._count: dict[int, int] = {}
+        self._last: dict[str, tuple[int, ...]] = {}
         self.stats = PinStats()
 
     @property
@@ -148,26 +130,40 @@ class PinSet:
         """Distinct pinned blocks."""
         return len(self._count)
 
-    def is_pinned(self, block_id: int) -> bool:
+    def holds_block(self, block_id: int) -> bool:
         """Whether any pin holds ``block_id``."""
         return block_id in self._count
 
-    def pin(self, job_id: str, block_ids: Iterable[int], ttl_s: float, now: float) -> int:
-        """Pins ``block_ids`` for ``job_id`` until ``now + ttl_s`` (replacing its old pin).
+    def is_pinned(self, job_id: str | None) -> bool:
+        """Whether ``job_id`` holds a pin."""
+        return job_id is not None and job_id in self.pins
+
+    def remember(self, job_id: str, block_ids: Iterable[int]) -> None:
+        """Records the cached blocks a job's finished request leaves behind, for :meth:`pin`.
 
         Args:
             job_id: the job.
-            block_ids: its blocks.
+            block_ids: its blocks that hold content.
+        """
+        self._last[job_id] = tuple(dict.fromkeys(block_ids))
+
+    def pin(self, job_id: str, ttl_s: float, now: float) -> int:
+        """Pins the blocks :meth:`remember` recorded for ``job_id`` until ``now + ttl_s``
+        (replacing its old pin).
+
+        Args:
+            job_id: the job.
             ttl_s: time to live (``<= 0``: no pin).
             now: clock time.
 
         Returns:
-            Blocks pinned (0 when refused by ``ttl_s`` or by the cap).
+            Blocks pinned (0 when refused by ``ttl_s`` or by the cap, or nothing recorded).
         """
+        # NOTE: the recorded blocks are used once: vLLM may reuse them after this call.
+        ids = self._last.pop(job_id, ())
         if job_id in self.pins:
             self._drop(job_id)
             self.stats.released_other += 1
-        ids = tuple(dict.fromkeys(block_ids))
         if ttl_s <= 0 or not ids:
             return 0
         self.pins[job_id] = Pin(job_id, ids, now, now + ttl_s)
@@ -180,12 +176,11 @@ class PinSet:
             self.stats.released_pressure += 1
         return len(ids) if job_id in self.pins else 0
 
-    def unpin(self, job_id: str, reason: str = "next_request") -> bool:
-        """Releases ``job_id``'s pin.
+    def unpin(self, job_id: str) -> bool:
+        """Releases ``job_id``'s pin: its next request was scheduled.
 
         Args:
             job_id: the job.
-            reason: ``next_request`` or ``other`` (for the counters).
 
         Returns:
             Whether it had one.
@@ -193,11 +188,19 @@ class PinSet:
         if job_id not in self.pins:
             return False
         self._drop(job_id)
-        if reason == "next_request":
-            self.stats.released_next_request += 1
-        else:
-            self.stats.released_other += 1
+        self.stats.released_next_request += 1
         return True
+
+    def forget(self, job_id: str) -> None:
+        """The job ended (its last step): drops its pin and its recorded blocks.
+
+        Args:
+            job_id: the job.
+        """
+        self._last.pop(job_id, None)
+        if job_id in self.pins:
+            self._drop(job_id)
+            self.stats.released_other += 1
 
     def expire(self, now: float) -> list[str]:
         """Releases every pin whose TTL has passed.
@@ -239,94 +242,3 @@ class PinSet:
                 self._count[block_id] = left
             else:
                 del self._count[block_id]
-
-
-@dataclass
-class _JobState:
-    turns: int = 0
-    paused_at: float | None = None
-    tool: str = DEFAULT_TOOL
-    context_tokens: int = 0
-
-
-@dataclass
-class ContinuumPinPolicy:
-    """Continuum's TTL decisions, with the estimators of the agent runtime (#6).
-
-    tau* = argmax_tau P(duration <= tau) * (T_queue * eta + C_reload(L)) - tau, where the tool's
-    durations are measured from the end of a job's request to the arrival of its next one.
-
-    Attributes:
-        latency: step-latency model; C_reload(L) is one prefill of L tokens.
-        durations: per-tool duration estimator (cold start 2 s).
-        memoryfulness: eta from finished jobs.
-        queue: recent queueing delays (T_queue).
-        ttl_rule: ``continuum`` (the argmax) or ``preview`` (2 s when the mean is <= 2 s).
-    """
-
-    latency: LatencyModel
-    durations: ToolDurationEstimator = field(default_factory=ToolDurationEstimator)
-    memoryfulness: MemoryfulnessEstimator = field(default_factory=MemoryfulnessEstimator)
-    queue: QueueDelayTracker = field(default_factory=QueueDelayTracker)
-    ttl_rule: TTLPolicy = "continuum"
-    jobs: dict[str, _JobState] = field(default_factory=dict)
-
-    def reload_cost(self, context_tokens: int) -> float:
-        """C_reload(L): one prefill of the whole context, from the latency model."""
-        n = max(0, context_tokens)
-        return self.latency.step_latency(n, n * n / 2)
-
-    def on_arrival(self, job_id: str, now: float) -> float | None:
-        """The job's next request arrived: record the pause for the tool it ran.
-
-        Returns:
-            The observed pause (seconds), or ``None`` for the job's first request.
-        """
-        state = self.jobs.setdefault(job_id, _JobState())
-        if state.paused_at is None:
-            return None
-        pause = max(0.0, now - state.paused_at)
-        self.durations.record(state.tool, pause)
-        state.paused_at = None
-        return pause
-
-    def on_scheduled(self, arrival: float, now: float) -> None:
-        """A request was scheduled for the first time (queueing delay sample)."""
-        self.queue.record(max(0.0, now - arrival), now)
-
-    def on_finish(self, hints: JobHints, context_tokens: int, now: float) -> float:
-        """A job's request finished: the TTL to pin its blocks for.
-
-        Args:
-            hints: the request's hints (with a job id).
-            context_tokens: tokens of the job's context now (prompt + output).
-            now: clock time.
-
-        Returns:
-            TTL in seconds (0: do not pin).
-        """
-        if hints.job_id is None:
-            return 0.0
-        state = self.jobs.setdefault(hints.job_id, _JobState())
-        state.turns += 1
-        state.context_tokens = context_tokens
-        if hints.is_last_step:
-            self.memoryfulness.record_job(state.turns)
-            del self.jobs[hints.job_id]
-            return 0.0
-        state.paused_at = now
-        state.tool = hints.tool_name or DEFAULT_TOOL
-        if hints.pin_ttl_s is not None:
-            return max(0.0, hints.pin_ttl_s)
-        return self.durations.choose_ttl(
-            state.tool,
-            context_tokens,
-            self.reload_cost,
-            self.queue.mean(now),
-            self.memoryfulness.eta(),
-            policy=self.ttl_rule,
-        )
-
-    def expected_pause(self, tool: str | None) -> float:
-        """The tool's mean duration (the reuse hint for the eviction score)."""
-        return self.durations.mean(tool or DEFAULT_TOOL)

@@ -36,17 +36,13 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.integrations.vllm.free_queue import (
     BlockScorer,
     CachedForest,
     ExpectedLatencyFreeQueue,
 )
-from asymcache_core.integrations.vllm.pins import (
-    ContinuumPinPolicy,
-    JobHints,
-    PinSet,
-    parse_job_hints,
-)
+from asymcache_core.integrations.vllm.pins import DEFAULT_TOOL, JobHints, PinSet, parse_job_hints
 from asymcache_core.latency_model import LatencyModel
 from asymcache_core.models.config import ModelConfig
 from asymcache_core.session_stats import SessionStats
@@ -232,8 +228,8 @@ class _AsymCacheMixin:
     Attributes (after ``__init__``):
         asymcache_options: the options.
         asymcache_queue: the pool's free queue (``None`` with ``eviction="lru"``).
-        asymcache_pins: the pin registry.
-        asymcache_policy: TTL decisions.
+        asymcache_pins: the pin registry (the controller's pin backend).
+        asymcache_controller: Continuum's decisions (TTL, hints), the embedded engine's class.
         asymcache_sessions: per-job reuse statistics.
     """
 
@@ -259,7 +255,6 @@ class _AsymCacheMixin:
         self.asymcache_latency = latency
         self.asymcache_sessions = SessionStats(prior_reuse=opts.prior_reuse)
         self.asymcache_scorer = BlockScorer(self.asymcache_sessions, latency, self.block_size)
-        self.asymcache_policy = ContinuumPinPolicy(latency, ttl_rule=opts.ttl_rule)  # type: ignore[arg-type]
         self.asymcache_forest = CachedForest()
         self._asymcache_hints: dict[str, JobHints] = {}
         self._asymcache_first_scheduled: set[str] = set()
@@ -287,6 +282,15 @@ class _AsymCacheMixin:
             pool.free_block_queue = queue
             install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer)
             self.asymcache_queue = queue
+        self.asymcache_controller = ContinuumController(
+            self.asymcache_pins,
+            latency,
+            self.asymcache_sessions,
+            self.asymcache_clock,
+            ttl_rule=opts.ttl_rule,  # type: ignore[arg-type]
+            # NOTE: pins work only through our free queue (vLLM's own one knows no pins).
+            pinning=opts.pinning and self.asymcache_queue is not None,
+        )
         logger.info(
             "asymcache: eviction=%s pinning=%s order=%s patience=%s latency=%s (%s) blocks=%d",
             opts.eviction, opts.pinning, opts.order, opts.least_work_patience, latency.source, latency.model,
@@ -310,7 +314,7 @@ class _AsymCacheMixin:
             hints = self._asymcache_hints_of(request)
             if hints.job_id is not None:
                 now = self.asymcache_clock()
-                self.asymcache_policy.on_arrival(hints.job_id, now)
+                self.asymcache_controller.on_request_arrival(hints.job_id, now)
                 new_tokens = self.asymcache_sessions.turn_tokens(hints.job_id, int(request.num_prompt_tokens))
                 self.asymcache_sessions.on_arrival(hints.job_id, now, new_tokens)
         super().add_request(request)  # type: ignore[misc]
@@ -365,7 +369,9 @@ class _AsymCacheMixin:
             request = self.requests.get(req_id)
             if request is None:
                 continue
-            self.asymcache_policy.on_scheduled(request.arrival_time, time.time())
+            # NOTE: vLLM stamps arrivals with time.time(); the controller's clock is monotonic.
+            queued = max(0.0, time.time() - request.arrival_time)
+            self.asymcache_controller.on_request_scheduled(now - queued, now)
             hints = self._asymcache_hints_of(request)
             if hints.job_id is not None:
                 # NOTE: unpinned only now: the prefix lookup of this step has ref-counted the
@@ -395,18 +401,19 @@ class _AsymCacheMixin:
         last = hints.is_last_step
         context = int(request.num_tokens)
         self.asymcache_sessions.on_finish(job, now, last_step=last, context_tokens=context)
-        ttl = self.asymcache_policy.on_finish(hints, context, now)
+        controller = self.asymcache_controller
         if last:
-            self.asymcache_pins.unpin(job, reason="other")
+            controller.on_job_finished(job)
             return
-        self.asymcache_sessions.hint(job, expected_gap_s=self.asymcache_policy.expected_pause(hints.tool_name))
-        if self.asymcache_options.pinning and self.asymcache_queue is not None and ttl > 0:
-            cached = [
-                b.block_id for group in groups for b in group
-                if not b.is_null and b.block_hash is not None
-            ]
-            pinned = self.asymcache_pins.pin(job, cached, ttl, now)
-            logger.info("asymcache: pinned job %s: %d blocks for %.2f s", job, pinned, ttl)
+        if controller.pinning:
+            self.asymcache_pins.remember(
+                job, (b.block_id for group in groups for b in group if not b.is_null and b.block_hash is not None)
+            )
+        decision = controller.on_tool_call(
+            job, [hints.tool_name or DEFAULT_TOOL], context, ended_at=now, ttl_s=hints.pin_ttl_s
+        )
+        if decision.ttl_s > 0:
+            logger.info("asymcache: pinned job %s: %d blocks for %.2f s", job, decision.blocks_pinned, decision.ttl_s)
 
     # ---- introspection ----------------------------------------------------------------------
 
