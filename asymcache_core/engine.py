@@ -1,4 +1,10 @@
-"""The engine: ``step()`` is schedule -> run -> postprocess."""
+"""The engine: ``step()`` is schedule -> run -> update_from_output -> outputs.
+
+The scheduler plans the step, the runner executes it (the model, or the latency model on a
+virtual clock: :meth:`Engine.simulated`), the scheduler appends the sampled tokens, stops and
+frees the requests they end, and the engine turns those updates into :class:`RequestOutput`
+(detokenizing and checking stop strings on the way).
+"""
 
 from __future__ import annotations
 
@@ -21,8 +27,9 @@ from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
-from asymcache_core.scheduler import Scheduler, SchedulerOutput, fcfs_key
+from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, fcfs_key
 from asymcache_core.session_stats import SessionStats
+from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 
 
 class Runner(Protocol):
@@ -144,6 +151,8 @@ class Engine:
         loaded: an already loaded model (:class:`~asymcache_core.loaders.LoadedModel`) to share
             between engines, e.g. one per policy of a benchmark grid; it must match ``model``,
             ``device`` and ``dtype``.
+        latency: the latency model the budget, the eviction policies and the step log use
+            (default: ``config.latency_profile`` if set, else the analytic model).
         **overrides: fields of :class:`EngineConfig`.
     """
 
@@ -156,6 +165,7 @@ class Engine:
         model_config: Any = None,
         tokenizer: Any = None,
         loaded: Any = None,
+        latency: LatencyModel | None = None,
         **overrides: Any,
     ) -> None:
         if config is None:
@@ -192,7 +202,9 @@ class Engine:
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(dtype_bytes)
         self.block_size = config.block_size
 
-        if config.latency_profile is not None:
+        if latency is not None:
+            self.latency = latency
+        elif config.latency_profile is not None:
             self.latency = LatencyModel.from_json(config.latency_profile)
         else:
             self.latency = LatencyModel.analytic(mc, device.type, dtype_bytes, config.model)
@@ -216,6 +228,10 @@ class Engine:
                 feedback=self.latency_feedback, clock=self.clock, slack=config.chunking == "adaptive:slack",
             )
         )
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
         self.scheduler = Scheduler(
             self.kv,
             config.block_size,
@@ -224,6 +240,10 @@ class Engine:
             self.continuum.program_key if config.priority == "program" else fcfs_key,
             reclaim=self.pins.release_for_pressure,
             on_admit=self.continuum.on_admit,
+            on_finish=self._on_finish,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            clock=self.clock,
             align_chunks=fixed is None,
             admit_full_prompt=config.admit_full_prompt,
             least_work_first=config.least_work_first,
@@ -251,10 +271,37 @@ class Engine:
         self.step_log: list[StepStats] = []
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
+
+    @classmethod
+    def simulated(
+        cls,
+        config: EngineConfig | None = None,
+        *,
+        latency: LatencyModel | None = None,
+        device_latency: LatencyModel | None = None,
+        **overrides: Any,
+    ) -> Engine:
+        """An engine on a virtual clock whose forward pass is the latency model.
+
+        The scheduler, cache manager, eviction policies and pins are the real ones; each step
+        advances the clock by the step's predicted latency and samples synthetic tokens
+        (:class:`~asymcache_core.sim_runner.SimulatedRunner`). No weights are loaded and there
+        is no tokenizer: prompts are token ids. Time moves only through steps and
+        :meth:`idle_until`.
+
+        Args:
+            config: the engine configuration (keyword overrides are applied on top).
+            latency: the engine's latency model (see :class:`Engine`).
+            device_latency: what the simulated device's steps cost (default: ``latency``, the
+                engine's model), to simulate a device the engine's model mispredicts.
+            **overrides: fields of :class:`EngineConfig`.
+        """
+        clock = VirtualClock()
+
+        def runner(engine: Engine) -> Runner:
+            return SimulatedRunner(device_latency or engine.latency, clock, engine.model_config.vocab_size)
+
+        return cls(config, clock=clock, runner_factory=runner, latency=latency, **overrides)
 
     # -- setup helpers -----------------------------------------------------------------------
     def _blocks_from_memory(self, dtype_bytes: int) -> int:
@@ -355,20 +402,39 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
-        request.status = RequestStatus.FINISHED_ABORTED
         if self.tokenizer is not None:  # flush text held back inside an unfinished character
             detokenize_incrementally(self.tokenizer, request.output_token_ids, request.detok, final=True)
             request.text = request.detok.text
-        self._finish(request, self.clock())
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED, self.clock())
         self._pending_outputs.append(self._output(request, []))
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def idle_until(self, when: float) -> None:
+        """Nothing is left to run until engine time ``when`` (e.g. every job is in a tool pause).
+
+        On the virtual clock of :meth:`simulated` time jumps to ``when`` (never back). A real
+        clock is not the engine's to move: the caller waits, and this call only does what an
+        idle engine owes. Either way, pins whose TTL has passed by now expire (inside
+        :meth:`step` they expire at the start of every step).
+        """
+        if isinstance(self.clock, VirtualClock):
+            self.clock.advance_to(when)
+        self.pins.expire(self.clock())
+
+    def reset_prefix_cache(self) -> int:
+        """Evicts every cached block that no request holds and no pin protects.
+
+        Returns:
+            Blocks evicted.
+        """
+        return self.pool.evict_all()
+
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one step: schedule -> run -> postprocess. Returns this step's outputs."""
+        """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs."""
         start = self.clock()
         self.pins.expire(start)
         plan = self.scheduler.schedule()
@@ -379,63 +445,45 @@ class Engine:
         sampled = self.runner.execute(plan)
         end = self.clock()
         self._log_step(plan, start, planned, end)
-        return outputs + self._postprocess(plan, sampled, start, end)
+        updates = self.scheduler.update_from_output(plan, sampled, end)
+        return outputs + [self._process_output(update, end) for update in updates]
 
-    def _postprocess(
-        self, plan: SchedulerOutput, sampled: dict[str, int], start: float, now: float
-    ) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for item in plan.scheduled:
-            request = item.request
-            metrics = request.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = start
-            if not item.sample:
-                continue
-            token = sampled[request.request_id]
-            request.append_output(token)
-            self.counters.generated_tokens += 1
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.token_times.append(now)
-            self._check_stop(request, token)
-            if request.finished:
-                self._finish(request, now)
-            outputs.append(self._output(request, [token]))
-        return outputs
-
-    def _check_stop(self, request: Request, token: int) -> None:
-        params = request.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif token in params.stop_token_ids:
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        at_length = len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
+    def _process_output(self, update: RequestUpdate, now: float) -> RequestOutput:
+        """Turns one scheduler update into the request's output: text, stop strings."""
+        request = update.request
+        self.counters.generated_tokens += len(update.new_token_ids)
         if self.tokenizer is not None:
-            detok = request.detok
-            before = len(detok.text)
-            new = detokenize_incrementally(
-                self.tokenizer, request.output_token_ids, detok, final=request.finished or at_length
-            )
-            request.text = detok.text
-            if new and params.stop:
-                # NOTE: only text that can hold a stop string for the first time is searched:
-                # the new piece and the longest stop string's length before it. The first stop
-                # string of the list that occurs wins (vLLM's rule).
-                start = max(0, before - max(len(stop) for stop in params.stop) + 1)
-                for stop in params.stop:
-                    idx = detok.text.find(stop, start)
-                    if idx >= 0:
-                        request.text = detok.text[:idx]
-                        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-                        return
-        if request.finished:
-            return
-        if at_length:
-            request.status = RequestStatus.FINISHED_LENGTH
+            self._detokenize(request, now)
+        return self._output(request, update.new_token_ids)
 
-    def _finish(self, request: Request, now: float) -> None:
-        request.metrics.finish_time = now
+    def _detokenize(self, request: Request, now: float) -> None:
+        """Extends ``request.text`` by its new tokens; a stop string found in it ends the request.
+
+        NOTE: the scheduler has already applied the token-level stops; a stop string (text) is
+        found only here, so its request is freed after the step's other finished requests (as
+        vLLM's output processor aborts it), and it overrides an EOS or length finish of the
+        same token (the text is cut at the stop string either way).
+        """
+        params = request.params
+        detok = request.detok
+        before = len(detok.text)
+        new = detokenize_incrementally(self.tokenizer, request.output_token_ids, detok, final=request.finished)
+        request.text = detok.text
+        if not (new and params.stop):
+            return
+        # NOTE: only text that can hold a stop string for the first time is searched: the new
+        # piece and the longest stop string's length before it. The first stop string of the
+        # list that occurs wins (vLLM's rule).
+        start = max(0, before - max(len(stop) for stop in params.stop) + 1)
+        for stop in params.stop:
+            idx = detok.text.find(stop, start)
+            if idx >= 0:
+                request.text = detok.text[:idx]
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, now, stop)
+                return
+
+    def _on_finish(self, request: Request, now: float) -> None:
+        """The scheduler's finish hook: runs before the request's blocks are freed."""
         if request.session_id is not None:
             held = [
                 (b, self.pool.blocks[b].block_hash)
@@ -446,7 +494,6 @@ class Engine:
             self.sessions.on_finish(request.session_id, now, request.is_last_step, request.num_tokens)
             if request.is_last_step:
                 self.pins.forget(request.session_id)
-        self.scheduler.finish(request)
         runner_sampler = getattr(self.runner, "sampler", None)
         if runner_sampler is not None:
             runner_sampler.forget(request.request_id)
@@ -462,7 +509,7 @@ class Engine:
         del self.requests[request.request_id]
 
     def _output(self, request: Request, new: list[int]) -> RequestOutput:
-        # NOTE: _check_stop keeps request.text current (decoded incrementally, cut at a stop).
+        # NOTE: _detokenize keeps request.text current (decoded incrementally, cut at a stop).
         text = request.text
         reason = request.status.value if request.finished else None
         return RequestOutput(

@@ -4,10 +4,16 @@ Block hashes chain over every earlier token, so a cached block after a missing o
 the exact K/V of its tokens at their positions (K/V of token i depend only on tokens <= i).
 With ``hole_reuse`` the lookup keeps every hit; the scheduler then recomputes only the holes.
 Without it, the lookup stops at the first miss, as vLLM's ``find_longest_cache_hit`` does.
+
+The scheduler asks for blocks with two calls: :meth:`KVCacheManager.try_admit` for a waiting
+request (lookup, room check, references on its hits, fresh blocks) and
+:meth:`KVCacheManager.try_allocate` for a running one. Both return an :class:`Allocation`, or
+``None`` and change nothing when the blocks do not fit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from asymcache_core.block_pool import BlockPool
@@ -38,6 +44,20 @@ class CacheHit(NamedTuple):
     hit_tokens: int
     hole_tokens: int
     skipped_hit_tokens: int
+
+
+class Allocation(NamedTuple):
+    """Blocks a request was given for one step's segments.
+
+    Attributes:
+        segments: ``(start, end)`` positions the step computes, ascending.
+        new_block_ids: fresh blocks taken for them, in logical order (possibly none).
+        hit: the cache lookup an admission installed (``None`` for a running request).
+    """
+
+    segments: list[tuple[int, int]]
+    new_block_ids: list[int]
+    hit: CacheHit | None = None
 
 
 class KVCacheManager:
@@ -103,26 +123,88 @@ class KVCacheManager:
             skipped_hit_tokens=skipped * bs,
         )
 
-    def install(self, request: Request, hit: CacheHit) -> None:
-        """Installs ``hit`` as ``request``'s table and frontier, without taking references (so
-        the scheduler can plan the request's first chunk before deciding to admit it)."""
+    def try_admit(
+        self,
+        request: Request,
+        plan: Callable[[Request], list[tuple[int, int]]],
+        *,
+        reserve_prompt: bool = False,
+        reclaim: Callable[[], bool] | None = None,
+        on_hold: Callable[[Request], None] | None = None,
+    ) -> Allocation | None:
+        """Admits a waiting request in one call: lookup, room check, hits held, blocks taken.
+
+        Args:
+            request: a waiting request (no blocks held).
+            plan: its segments for this step once its cache hits are installed as its table
+                and frontier (the scheduler's chunking under the step's remaining budget).
+            reserve_prompt: the room checked is for the whole rest of its context, not only
+                this step's segments.
+            reclaim: frees pinned blocks under pressure; retried while it succeeds and the
+                request does not fit (False: nothing left to release).
+            on_hold: called once the hits are held and before the fresh blocks are taken.
+
+        Returns:
+            The allocation; ``None`` when the plan is empty or the blocks do not fit, and then
+            the request holds nothing and its table is empty again.
+        """
+        hit = self.lookup(request)
+        # NOTE: as in vLLM, check the room before taking references: a request that does not
+        # fit leaves its cached blocks where they were in the eviction order (holding and
+        # releasing them would refresh them, protecting a waiting request's blocks under
+        # every policy). The hits are installed without references so the plan sees them.
+        self._install(request, hit)
+        segments = plan(request)
+        if not segments:  # the budget's remainder is less than a whole block
+            self._uninstall(request)
+            return None
+        needed = self.blocks_needed(request, segments)
+        # NOTE: room for the whole prompt (vLLM's default) when the scheduler asks for it (others
+        # run): the first chunk alone lets several long prefills in that then preempt each other.
+        reserve = needed
+        if reserve_prompt:
+            reserve = self.blocks_needed(request, [(request.num_computed_tokens, request.num_tokens)])
+        short = not self._fits(reserve, hit)
+        while short and reclaim is not None and reclaim():
+            short = not self._fits(reserve, hit)
+        if short:
+            self._uninstall(request)
+            return None
+        self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
+        if on_hold is not None:
+            # NOTE: before the fresh blocks are taken: what the hook releases (a pin on the
+            # session's blocks that this request does not hold) may serve this allocation.
+            on_hold(request)
+        return Allocation(segments, self._allocate(request, needed), hit)
+
+    def try_allocate(self, request: Request, segments: list[tuple[int, int]]) -> Allocation | None:
+        """Takes the fresh blocks a running request's ``segments`` write to.
+
+        Returns:
+            The allocation, or ``None`` (nothing taken) when they do not fit.
+        """
+        needed = self.blocks_needed(request, segments)
+        if len(needed) > self.pool.num_free_blocks:
+            return None
+        return Allocation(segments, self._allocate(request, needed))
+
+    def _install(self, request: Request, hit: CacheHit) -> None:
+        """Installs ``hit`` as ``request``'s table and frontier, without taking references."""
         request.block_ids = list(hit.block_table)
         request.num_computed_tokens = hit.leading_tokens
         request.hit_end = len(hit.block_table) * self.block_size
 
-    def uninstall(self, request: Request) -> None:
-        """Undoes :meth:`install` of a request that was not admitted."""
+    def _uninstall(self, request: Request) -> None:
+        """Undoes :meth:`_install` of a request that was not admitted."""
         request.block_ids = []
         request.num_computed_tokens = 0
         request.hit_end = 0
 
-    def num_candidate_hits(self, hit: CacheHit) -> int:
-        """Hits that are eviction candidates: holding them takes them out of the free count."""
-        return sum(1 for b in hit.block_table if b != HOLE and self.pool.is_candidate(b))
-
-    def hold(self, request: Request, hit: CacheHit) -> None:
-        """Takes references on ``hit``'s blocks (the request is admitted)."""
-        self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
+    def _fits(self, needed: list[int], hit: CacheHit) -> bool:
+        """The ``needed`` blocks of a waiting request fit: its own candidate hits leave the free
+        count once it holds them."""
+        candidates = sum(1 for b in hit.block_table if b != HOLE and self.pool.is_candidate(b))
+        return len(needed) + candidates <= self.pool.num_free_blocks
 
     # -- allocation ------------------------------------------------------------------------
     def blocks_needed(self, request: Request, segments: list[tuple[int, int]]) -> list[int]:
@@ -136,16 +218,17 @@ class KVCacheManager:
                         needed.append(idx)
         return needed
 
-    def allocate(self, request: Request, block_indices: list[int]) -> None:
+    def _allocate(self, request: Request, block_indices: list[int]) -> list[int]:
         """Allocates fresh blocks for ``block_indices`` of ``request`` (caller checked room)."""
         if not block_indices:
-            return
+            return []
         fresh = self.pool.allocate(len(block_indices), request.session_id)
         table = request.block_ids
         for idx, block_id in zip(block_indices, fresh, strict=True):
             if idx >= len(table):
                 table.extend([HOLE] * (idx + 1 - len(table)))
             table[idx] = block_id
+        return fresh
 
     def commit(self, request: Request) -> None:
         """Registers every block below the frontier that is full and not cached yet."""

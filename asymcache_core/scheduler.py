@@ -11,12 +11,20 @@ still has to compute once its cache hits are counted (shortest remaining prefill
 ``least_work_patience`` P, admission is by ``arrival + P x (estimated seconds of the request's
 own work)`` instead: a long prefill lets later, smaller requests go first only for P times its
 own prefill time, so a stream of short turns cannot starve it.
+
+After the step ran, :meth:`Scheduler.update_from_output` appends the sampled tokens, applies
+the token-level stop conditions (EOS, stop token ids, ``max_tokens``, ``max_model_len``) and
+frees the requests that finished; it returns one :class:`RequestUpdate` per sampled request.
+Stop strings need text, so the engine checks them while it detokenizes and ends such a request
+with :meth:`Scheduler.finish_request` (as vLLM's output processor does).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
@@ -26,6 +34,7 @@ from asymcache_core.request import HOLE, Request, RequestStatus
 PriorityKey = Callable[[Request], tuple]
 BudgetFn = Callable[[list[Request], list[Request]], int]
 AdmitHook = Callable[[Request], None]
+FinishHook = Callable[[Request, float], None]
 
 
 class ScheduledRequest(NamedTuple):
@@ -107,6 +116,26 @@ class SchedulerOutput(NamedTuple):
         return total
 
 
+class RequestUpdate(NamedTuple):
+    """What one step did to one request that sampled a token (:meth:`Scheduler.update_from_output`).
+
+    Attributes:
+        request: the request (its blocks are already freed when it finished).
+        new_token_ids: the tokens appended in this step.
+        finish_reason: the status it finished with; ``None`` while it runs on.
+        stop_reason: the EOS or stop token id that ended it, else ``None``.
+    """
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: RequestStatus | None
+    stop_reason: int | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 def fcfs_key(request: Request) -> tuple:
     """vLLM's default: by arrival."""
     return (request.priority, request.metrics.arrival_time)
@@ -123,7 +152,14 @@ class Scheduler:
         priority_key: admission/preemption order (smaller first).
         reclaim: frees pinned blocks under memory pressure (returns False when it cannot);
             tried before any preemption and before an admission gives up.
-        on_admit: called when a waiting request is admitted (after its cache hits are held).
+        on_admit: called when a waiting request is admitted (after its cache hits are held,
+            before its fresh blocks are taken).
+        on_finish: called with ``(request, now)`` when a request finishes, before its blocks
+            are freed (they are still in its table).
+        eos_token_ids: tokens that stop a request unless its params ignore EOS.
+        max_model_len: a request whose context reaches it stops (``length``).
+        clock: the engine's clock; a request's ``first_scheduled_time`` is the time at the start
+            of the first :meth:`schedule` that plans any of its tokens.
         align_chunks: end budget-cut chunks on block boundaries (adaptive chunking), so a
             chunk never leaves a half-computed block for the next step.
         admit_full_prompt: while other requests run, admit a waiting one only when the blocks
@@ -148,6 +184,10 @@ class Scheduler:
         priority_key: PriorityKey = fcfs_key,
         reclaim: Callable[[], bool] | None = None,
         on_admit: AdmitHook | None = None,
+        on_finish: FinishHook | None = None,
+        eos_token_ids: Collection[int] = (),
+        max_model_len: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
         align_chunks: bool = False,
         admit_full_prompt: bool = False,
         least_work_first: bool = False,
@@ -163,6 +203,10 @@ class Scheduler:
         self.admit_full_prompt = admit_full_prompt
         self.reclaim = reclaim
         self.on_admit = on_admit
+        self.on_finish = on_finish
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.clock = clock
         self.kv = kv
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -217,7 +261,7 @@ class Scheduler:
             return max(1, request.num_tokens - start - hits)
         return max(1, request.num_tokens - self.kv.lookup(request).hit_tokens)
 
-    def remove(self, request: Request) -> None:
+    def _remove(self, request: Request) -> None:
         """Drops a request from whichever queue holds it and frees its blocks."""
         if request in self.running:
             self.running.remove(request)
@@ -266,6 +310,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plans one step."""
+        now = self.clock()
         self.running.sort(key=self._key)
         budget = self.budget_fn(self.running, self.waiting)
         left = budget
@@ -279,8 +324,7 @@ class Scheduler:
             if not segments:
                 i += 1
                 continue
-            needed = self.kv.blocks_needed(request, segments)
-            while len(needed) > self.kv.pool.num_free_blocks:
+            while self.kv.try_allocate(request, segments) is None:
                 if self.reclaim is not None and self.reclaim():
                     continue
                 victim = self._pick_victim(i)
@@ -290,15 +334,15 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue  # the request itself was preempted; running[i] is now the next one
-            self._commit(request, segments, needed, scheduled)
+            self._commit(request, segments, scheduled, now)
             left -= scheduled[-1].num_tokens
             i += 1
 
         if not preempted:
-            left = self._admit_waiting(left, scheduled)
+            left = self._admit_waiting(left, scheduled, now)
         return SchedulerOutput(scheduled, preempted, budget, budget - left)
 
-    def _admit_waiting(self, left: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, left: int, scheduled: list[ScheduledRequest], now: float) -> int:
         if left <= 0 or len(self.running) >= self.max_num_seqs:
             # NOTE: nothing can be admitted: skip the sort, whose keys cost a cache lookup per
             # waiting request under ``least_work_first`` (most steps of a loaded engine).
@@ -307,43 +351,25 @@ class Scheduler:
             self.waiting.sort(key=self._admission_key)
         while self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = self.kv.lookup(request)
-            # NOTE: as in vLLM, check the room before taking references: a request that does
-            # not fit leaves its cached blocks where they were in the eviction order (holding
-            # and releasing them would refresh them, protecting a waiting request's blocks
-            # under every policy).
-            self.kv.install(request, hit)
-            segments = self.plan_segments(request, left)
-            if not segments:  # the budget's remainder is less than a whole block
-                self.kv.uninstall(request)
+            # NOTE: the whole prompt must fit only while others run (see ``admit_full_prompt``);
+            # an idle engine admits a request on its first chunk.
+            allocation = self.kv.try_admit(
+                request,
+                functools.partial(self.plan_segments, max_tokens=left),
+                reserve_prompt=self.admit_full_prompt and bool(self.running),
+                reclaim=self.reclaim,
+                on_hold=self.on_admit,
+            )
+            if allocation is None:
                 break
-            needed = self.kv.blocks_needed(request, segments)
-            # NOTE: room is checked for the whole prompt (vLLM's default) when others run: the
-            # first chunk alone lets several long prefills in that then preempt each other.
-            reserve = needed
-            if self.admit_full_prompt and self.running:
-                reserve = self.kv.blocks_needed(request, [(request.num_computed_tokens, request.num_tokens)])
-            short = self._lacks_room(reserve, hit)
-            while short and self.reclaim is not None and self.reclaim():
-                short = self._lacks_room(reserve, hit)
-            if short:
-                self.kv.uninstall(request)
-                break
-            self.kv.hold(request, hit)
+            assert allocation.hit is not None
             self.waiting.pop(0)
-            self._on_admitted(request, hit)
-            if self.on_admit is not None:
-                self.on_admit(request)
+            self._on_admitted(request, allocation.hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._commit(request, segments, needed, scheduled)
+            self._commit(request, allocation.segments, scheduled, now)
             left -= scheduled[-1].num_tokens
         return left
-
-    def _lacks_room(self, needed: list[int], hit: CacheHit) -> bool:
-        """The ``needed`` blocks of a waiting request do not fit: its own candidate hits leave
-        the free count once it holds them."""
-        return len(needed) + self.kv.num_candidate_hits(hit) > self.kv.pool.num_free_blocks
 
     def _on_admitted(self, request: Request, hit: CacheHit) -> None:
         metrics = request.metrics
@@ -357,10 +383,11 @@ class Scheduler:
         self,
         request: Request,
         segments: list[tuple[int, int]],
-        needed: list[int],
         scheduled: list[ScheduledRequest],
+        now: float,
     ) -> None:
-        self.kv.allocate(request, needed)
+        """Moves the frontier past ``segments`` (their blocks are allocated) and registers the
+        blocks that become full."""
         end = segments[-1][1]
         request.num_computed_tokens = self._skip_cached(request, end)
         self.kv.commit(request)
@@ -368,6 +395,8 @@ class Scheduler:
         scheduled.append(ScheduledRequest(request, segments, sample))
         computed = sum(e - s for s, e in segments)
         metrics = request.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = now
         metrics.computed_tokens += computed
         redo = min(end, request.max_computed_ever) - segments[0][0]
         if request.metrics.num_preemptions and redo > 0:
@@ -391,6 +420,70 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.waiting.append(request)
 
-    def finish(self, request: Request) -> None:
-        """Releases a finished request's blocks."""
-        self.remove(request)
+    # -- after the step ----------------------------------------------------------------------
+    def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[RequestUpdate]:
+        """Appends the step's sampled tokens, stops the requests they end and frees those.
+
+        Args:
+            plan: the step's plan, as :meth:`schedule` returned it.
+            sampled: ``request_id -> token`` for every planned request that samples.
+            now: engine time at the end of the step (token and finish times).
+
+        Returns:
+            One update per sampled request, in batch order.
+        """
+        updates: list[RequestUpdate] = []
+        for item in plan.scheduled:
+            if not item.sample:
+                continue
+            request = item.request
+            token = sampled[request.request_id]
+            request.append_output(token)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.token_times.append(now)
+            status = self._check_stop(request, token)
+            stop_reason = token if status is RequestStatus.FINISHED_STOPPED else None
+            if status is not None:
+                self.finish_request(request, status, now, stop_reason)
+            updates.append(RequestUpdate(request, [token], status, stop_reason))
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        """The status that ``token``, just appended, ends ``request`` with, or ``None``.
+
+        EOS (unless ignored) and the request's stop token ids stop it; otherwise reaching
+        ``max_tokens`` output tokens or ``max_model_len`` context tokens ends it on length.
+        """
+        params = request.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, now: float, stop_reason: int | str | None = None
+    ) -> None:
+        """Ends ``request`` with ``status`` (a finished one) at ``now`` and frees its blocks.
+
+        A request that has already finished keeps its blocks freed and only takes the new
+        status and stop reason (a stop string found in the text of its last token).
+
+        Raises:
+            ValueError: ``status`` is not a finished status.
+        """
+        if not status.finished:
+            raise ValueError(f"status: {status.value!r} is not a finished status")
+        already = request.finished
+        request.status = status
+        request.stop_reason = stop_reason
+        if already:
+            return
+        request.metrics.finish_time = now
+        if self.on_finish is not None:
+            self.on_finish(request, now)
+        self._remove(request)

@@ -2,7 +2,8 @@
 
 The scheduler, cache manager, eviction policies and pins are the real ones; only the forward
 pass is replaced. Thousands of jobs run in seconds; the harness measures the error of this
-simulation against a real run of the same small workload.
+simulation against a real run of the same small workload. :meth:`Engine.simulated
+<asymcache_core.engine.Engine.simulated>` builds an engine on these two.
 """
 
 from __future__ import annotations

@@ -209,7 +209,8 @@ def drive(
         time_scale: multiplies arrivals and tool pauses.
         seed: token streams' seed.
         concurrency: closed loop with this many jobs in flight (None: the trace's arrivals).
-        sleep: waits for real time to pass; ``None`` means a virtual clock (advanced directly).
+        sleep: waits for real time to pass; ``None`` for an engine on a virtual clock
+            (:meth:`Engine.simulated`), which :meth:`Engine.idle_until` moves instead.
         on_progress: called with the number of finished jobs.
     """
     clock = engine.clock
@@ -291,29 +292,27 @@ def drive(
                     if pending_jobs:
                         nxt = pending_jobs.pop(0)
                         heapq.heappush(events, (end, next(order), nxt.job_id))
-            pinned_peak = max(pinned_peak, engine.pins.num_pinned_blocks)
+            pinned_peak = max(pinned_peak, engine.stats().pinned_blocks)
         elif events:
             wait = events[0][0] - clock()
-            if wait > 0:
-                if sleep is None:
-                    engine.clock.advance_to(events[0][0])  # type: ignore[attr-defined]
-                else:
-                    sleep(wait)
-            # NOTE: pins expire inside engine.step(); an idle engine still expires them here.
-            engine.pins.expire(clock())
+            if wait > 0 and sleep is not None:
+                sleep(wait)
+            # NOTE: the virtual clock jumps to the next event; a real one has just been slept
+            # through. Either way the idle engine expires the pins due by then.
+            engine.idle_until(events[0][0])
     engine.check_integrity()
-    c = engine.counters
+    final = engine.stats()
     stats = {
-        "prompt_tokens": c.prompt_tokens,
-        "hit_tokens": c.hit_tokens,
-        "hole_tokens": c.hole_tokens,
-        "suffix_recomputed_tokens": c.suffix_recomputed_tokens,
-        "preempted_tokens": c.preempted_tokens,
-        "computed_tokens": c.computed_tokens,
-        "generated_tokens": c.generated_tokens,
-        "evictions": engine.pool.num_evictions,
-        "peak_blocks_in_use": engine.pool.peak_in_use,
-        "num_preemptions": c.num_preemptions,
+        "prompt_tokens": final.engine_prompt_tokens_total,
+        "hit_tokens": final.engine_cache_hit_tokens_total,
+        "hole_tokens": final.engine_hole_tokens_total,
+        "suffix_recomputed_tokens": final.engine_suffix_recomputed_tokens_total,
+        "preempted_tokens": final.engine_preempted_tokens_total,
+        "computed_tokens": final.engine_computed_tokens_total,
+        "generated_tokens": final.engine_generated_tokens_total,
+        "evictions": final.evictions_total,
+        "peak_blocks_in_use": final.kv_blocks_peak_in_use,
+        "num_preemptions": final.preemptions_total,
     }
     series = [(s.start - t0, s.blocks_in_use) for s in engine.step_log]
     stride = max(1, len(series) // 400)
@@ -442,13 +441,7 @@ def make_engine(
     backend: str,
     loaded: Any = None,
 ) -> Engine:
-    """A fresh engine for one policy's run (``sim``: virtual clock and simulated runner)."""
+    """A fresh engine for one policy's run (``sim``: :meth:`Engine.simulated`)."""
     if backend == "sim":
-        from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
-
-        clock = VirtualClock()
-        return Engine(
-            config, clock=clock,
-            runner_factory=lambda eng: SimulatedRunner(eng.latency, clock, eng.model_config.vocab_size),
-        )
+        return Engine.simulated(config)
     return Engine(config, loaded=loaded, clock=time.monotonic)

@@ -6,25 +6,16 @@ import pytest
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.latency_model import LatencyModel
-from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 from tests.conftest import make_engine
 
 PROFILE = LatencyModel(floor_s=0.010, per_token_s=0.0002, per_attn_s=1e-8, knee_tokens=64, source="synthetic")
 
 
-def sim_engine(tmp_path, **overrides) -> tuple[Engine, VirtualClock]:
-    path = tmp_path / "profile.json"
-    PROFILE.to_json(path)
-    clock = VirtualClock()
+def sim_engine(**overrides) -> Engine:
+    """A simulated engine (virtual clock, no weights) planning with the synthetic profile."""
     overrides.setdefault("num_kv_blocks", 512)
-    engine = Engine(
-        model="dummy:smollm2-135m",
-        latency_profile=str(path),
-        clock=clock,
-        runner_factory=lambda eng: SimulatedRunner(eng.latency, clock, eng.model_config.vocab_size),
-        **overrides,
-    )
-    return engine, clock
+    overrides.setdefault("latency", PROFILE)
+    return Engine.simulated(model="dummy:smollm2-135m", **overrides)
 
 
 def test_profile_round_trip(tmp_path):
@@ -36,8 +27,8 @@ def test_profile_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("slo_ms", [20.0, 40.0, 80.0])
-def test_budget_follows_profile_and_meets_tpot(tmp_path, slo_ms):
-    engine, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=slo_ms, max_num_batched_tokens=4096)
+def test_budget_follows_profile_and_meets_tpot(slo_ms):
+    engine = sim_engine(chunking="adaptive", tpot_slo_ms=slo_ms, max_num_batched_tokens=4096)
     decodes = SamplingParams(max_tokens=40, ignore_eos=True)
     for i in range(6):
         engine.add_request([10 + i] * 8, decodes)
@@ -57,15 +48,15 @@ def test_budget_follows_profile_and_meets_tpot(tmp_path, slo_ms):
         prefill = step.num_tokens - step.num_decodes
         assert step.duration_s <= slo * 1.05 or prefill <= engine.block_size
     # a looser target admits bigger chunks
-    engine2, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=slo_ms * 2, max_num_batched_tokens=4096)
+    engine2 = sim_engine(chunking="adaptive", tpot_slo_ms=slo_ms * 2, max_num_batched_tokens=4096)
     b1 = engine.budget.history
     assert max(b1) >= engine.block_size
     assert engine2.budget(engine.scheduler.running, []) >= 1
 
 
-def test_budget_grows_with_the_slo(tmp_path):
-    small, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=15.0)
-    large, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=60.0)
+def test_budget_grows_with_the_slo():
+    small = sim_engine(chunking="adaptive", tpot_slo_ms=15.0)
+    large = sim_engine(chunking="adaptive", tpot_slo_ms=60.0)
     for engine in (small, large):
         for i in range(4):
             engine.add_request([5 + i] * 4, SamplingParams(max_tokens=50, ignore_eos=True))
@@ -107,15 +98,15 @@ def test_budget_leaves_room_for_what_long_decodes_read():
     assert AdaptiveBudget(PROFILE, slo, 16, 8192)(decodes, waiting) > budgets[20_000]
 
 
-def test_no_decodes_takes_at_least_the_knee(tmp_path):
-    engine, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=1.0, max_num_batched_tokens=2048)
+def test_no_decodes_takes_at_least_the_knee():
+    engine = sim_engine(chunking="adaptive", tpot_slo_ms=1.0, max_num_batched_tokens=2048)
     engine.add_request(list(range(30, 330)), SamplingParams(max_tokens=1))
     budget = engine.budget([], engine.scheduler.waiting)
     assert budget >= PROFILE.knee_tokens
 
 
-def test_decodes_never_starve_and_chunks_align(tmp_path):
-    engine, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=15.0, max_num_batched_tokens=256)
+def test_decodes_never_starve_and_chunks_align():
+    engine = sim_engine(chunking="adaptive", tpot_slo_ms=15.0, max_num_batched_tokens=256)
     engine.add_request([7] * 4, SamplingParams(max_tokens=60, ignore_eos=True))
     engine.step()
     decode_id = next(iter(engine.requests))
@@ -136,8 +127,8 @@ def test_decodes_never_starve_and_chunks_align(tmp_path):
     engine.check_integrity()
 
 
-def test_no_request_waits_forever_under_arrivals(tmp_path):
-    engine, _ = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=20.0, max_num_batched_tokens=256, num_kv_blocks=128)
+def test_no_request_waits_forever_under_arrivals():
+    engine = sim_engine(chunking="adaptive", tpot_slo_ms=20.0, max_num_batched_tokens=256, num_kv_blocks=128)
     first = engine.add_request(list(range(50, 450)), SamplingParams(max_tokens=4, ignore_eos=True))
     finished_at = None
     for step in range(400):
@@ -190,11 +181,11 @@ def test_slack_sets_the_step_target():
         AdaptiveBudget(PROFILE, slo, 16, 8192, slack=True)
 
 
-def test_slack_keeps_every_request_on_target(tmp_path):
+def test_slack_keeps_every_request_on_target():
     """With ``adaptive:slack`` some prefill steps run longer than the TPOT target, yet every
     decoding request's TPOT (mean time per output token) stays on it."""
     slo = 0.030
-    engine, _ = sim_engine(tmp_path, chunking="adaptive:slack", tpot_slo_ms=slo * 1e3, max_num_batched_tokens=4096)
+    engine = sim_engine(chunking="adaptive:slack", tpot_slo_ms=slo * 1e3, max_num_batched_tokens=4096)
     decode_ids = [engine.add_request([10 + i] * 8, SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(4)]
     for _ in range(12):  # decode-only steps (10 ms) build slack
         engine.step()
@@ -215,7 +206,7 @@ def test_slack_keeps_every_request_on_target(tmp_path):
     assert max(step.duration_s for step in mixed) > slo * 1.5
 
 
-def test_feedback_corrects_a_model_that_runs_fast(tmp_path):
+def test_feedback_corrects_a_model_that_runs_fast():
     """The device is 8 ms slower per step than the profile says: with the measured residuals
     the adaptive budget brings mixed steps back within the TPOT target; without, they overshoot."""
     from dataclasses import replace
@@ -224,8 +215,9 @@ def test_feedback_corrects_a_model_that_runs_fast(tmp_path):
     slow = replace(PROFILE, floor_s=PROFILE.floor_s + 0.008)
 
     def run(feedback: bool) -> list:
-        engine, clock = sim_engine(tmp_path, chunking="adaptive", tpot_slo_ms=slo * 1e3, max_num_batched_tokens=4096)
-        engine.runner = SimulatedRunner(slow, clock, engine.model_config.vocab_size)
+        engine = sim_engine(
+            chunking="adaptive", tpot_slo_ms=slo * 1e3, max_num_batched_tokens=4096, device_latency=slow
+        )
         engine.latency_feedback.alpha = 0.3
         if not feedback:
             engine.budget.feedback = None
@@ -246,10 +238,10 @@ def test_feedback_corrects_a_model_that_runs_fast(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["vllm-apc", "lru", "asymcache"])
-def test_waiting_request_that_does_not_fit_leaves_its_blocks_alone(tmp_path, policy):
+def test_waiting_request_that_does_not_fit_leaves_its_blocks_alone(policy):
     # As in vLLM, room is checked before references are taken: a waiting request that does not
     # fit must not refresh (and so protect) its cached blocks on every step it waits.
-    engine, clock = sim_engine(tmp_path, num_kv_blocks=24, max_num_batched_tokens=1024, eviction_policy=policy)
+    engine = sim_engine(num_kv_blocks=24, max_num_batched_tokens=1024, eviction_policy=policy)
     first = list(range(1000, 1080))  # 5 blocks, cached once the turn ends
     out = engine.generate([first], SamplingParams(max_tokens=1, ignore_eos=True), session_ids=["b"])[0]
     cached = [b for b in engine.pool.blocks if b.block_hash is not None and b.ref_cnt == 0]
@@ -257,7 +249,7 @@ def test_waiting_request_that_does_not_fit_leaves_its_blocks_alone(tmp_path, pol
     engine.add_request(list(range(2000, 2240)), SamplingParams(max_tokens=40, ignore_eos=True), session_id="a")
     engine.step()  # "a" holds 15 blocks: 4 uncached + 5 candidates stay free
     before = {b.block_id: b.last_access for b in cached}
-    clock.advance(1.0)
+    engine.idle_until(engine.clock() + 1.0)
     second = first + out.token_ids + list(range(3000, 3200))  # its 5 hits + 13 new blocks
     rid = engine.add_request(second, SamplingParams(max_tokens=1, ignore_eos=True), session_id="b")
     for _ in range(3):
@@ -272,11 +264,11 @@ def test_waiting_request_that_does_not_fit_leaves_its_blocks_alone(tmp_path, pol
 
 
 @pytest.mark.parametrize("reserve", [False, True])
-def test_admit_full_prompt_waits_for_room_for_the_whole_prompt(tmp_path, reserve):
+def test_admit_full_prompt_waits_for_room_for_the_whole_prompt(reserve):
     # 24 blocks; "a" holds 9 and decodes. "b" (16 blocks of prompt) fits its first 4-block chunk
     # but not its whole prompt beside "a": admitted at once on its first chunk, or held back
     # until "a" finishes when the whole prompt must fit.
-    engine, _ = sim_engine(tmp_path, num_kv_blocks=24, max_num_batched_tokens=64, admit_full_prompt=reserve)
+    engine = sim_engine(num_kv_blocks=24, max_num_batched_tokens=64, admit_full_prompt=reserve)
     a = engine.add_request(list(range(2000, 2140)), SamplingParams(max_tokens=30, ignore_eos=True), session_id="a")
     while not any(r.num_computed_tokens >= 140 for r in engine.scheduler.running):
         engine.step()  # "a" prefilled: the next steps have room in their budget for "b"
@@ -289,7 +281,7 @@ def test_admit_full_prompt_waits_for_room_for_the_whole_prompt(tmp_path, reserve
         done |= {out.request_id for out in engine.step() if out.finished}
         engine.check_integrity()
     assert set(done) == {a, b}
-    preemptions = engine.counters.num_preemptions
+    preemptions = engine.stats().preemptions_total
     if reserve:
         assert preemptions == 0
     else:

@@ -57,9 +57,9 @@ def test_preemption_under_tiny_pool_finishes_everything(smollm, chat_prompts, re
     engine = make_engine(smollm, num_kv_blocks=blocks)
     outs = engine.generate(chat_prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    assert engine.counters.num_preemptions > 0 or max(s.num_seqs for s in engine.step_log) == 1
+    assert engine.stats().preemptions_total > 0 or max(s.num_seqs for s in engine.step_log) == 1
     engine.check_integrity()
-    assert engine.pool.num_free_blocks == engine.num_blocks
+    assert engine.stats().kv_blocks_in_use == 0
 
 
 def test_streaming_outputs_carry_new_tokens(smollm, chat_prompts, reference):
@@ -102,7 +102,7 @@ def test_abort_frees_blocks(smollm, chat_prompts):
     engine = make_engine(smollm)
     rid = engine.add_request(chat_prompts[1], SamplingParams(max_tokens=50))
     engine.step()
-    assert engine.pool.num_in_use > 0
+    assert engine.stats().kv_blocks_in_use > 0
     assert engine.abort(rid)
     outs = engine.step()
     assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
@@ -230,3 +230,48 @@ def test_stats_snapshot_tracks_pool_and_counters() -> None:
     assert done.requests_running == 0 and done.engine_prompt_tokens_total == 39
     assert done.engine_generated_tokens_total == 3 and done.kv_blocks_peak_in_use >= 3
     assert set(done.as_dict()) >= {"evictions_total", "pinned_blocks", "engine_computed_tokens_total"}
+
+
+def test_simulated_engine_moves_only_its_virtual_clock():
+    from dataclasses import replace
+
+    engine = Engine.simulated(model="dummy:tiny", num_kv_blocks=32)
+    assert engine.clock() == 0.0 and engine.attention_backend == "simulated" and engine.tokenizer is None
+    prompt = list(range(3, 40))  # 2 full blocks of 16
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    out = engine.generate([prompt], params, session_ids=["s"])[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    steps = engine.step_log
+    assert engine.clock() == pytest.approx(sum(s.duration_s for s in steps)) and steps[0].duration_s > 0
+    assert all(s.duration_s == pytest.approx(s.predicted_s) for s in steps)  # the device is the model
+    # idle time: the clock jumps forward, never back, and pins due by then expire
+    assert engine.pin_session("s", ttl_s=1.0) == 2 and engine.stats().pinned_blocks == 2
+    now = engine.clock()
+    engine.idle_until(now + 0.5)
+    assert engine.clock() == now + 0.5 and engine.stats().pinned_blocks == 2
+    engine.idle_until(now)
+    assert engine.clock() == now + 0.5
+    engine.idle_until(now + 2.0)
+    stats = engine.stats()
+    assert engine.clock() == now + 2.0 and stats.pinned_blocks == 0 and stats.pins_expired_total == 1
+    # the prefix cache reset drops the cached blocks: the same prompt then hits nothing
+    assert engine.reset_prefix_cache() == 2 and engine.stats().evictions_total == 2
+    assert engine.generate([prompt], params)[0].metrics.cached_tokens == 0
+    engine.check_integrity()
+    # a device slower than the engine's model: steps take longer than the model predicts
+    slow = replace(engine.latency, floor_s=engine.latency.floor_s + 0.01)
+    mispredicted = Engine.simulated(model="dummy:tiny", num_kv_blocks=32, device_latency=slow)
+    mispredicted.generate([prompt], params)
+    assert all(s.duration_s == pytest.approx(s.predicted_s + 0.01) for s in mispredicted.step_log)
+
+
+def test_idle_until_leaves_a_real_clock_alone_and_expires_pins():
+    now = [0.0]
+    engine = Engine(model="dummy:tiny", num_kv_blocks=32, clock=lambda: now[0])
+    engine.generate([list(range(3, 40))], SamplingParams(max_tokens=1, ignore_eos=True), session_ids=["s"])
+    assert engine.pin_session("s", ttl_s=1.0) == 2
+    engine.idle_until(100.0)  # not the engine's to move: returns at once
+    assert now[0] == 0.0 and engine.stats().pinned_blocks == 2
+    now[0] = 1.5  # the caller waited
+    engine.idle_until(100.0)
+    assert engine.stats().pinned_blocks == 0 and engine.stats().pins_expired_total == 1
