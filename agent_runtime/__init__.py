@@ -1,9 +1,9 @@
 """Agent runtime: jobs and tool loops over the embedded engine, Continuum pins, OpenAI server.
 
-Public API (imported lazily, so that e.g. ``agent_runtime.policies`` works on machines without
+Public API (imported lazily, so that e.g. ``agent_runtime.presets`` works on machines without
 FastAPI or xgrammar)::
 
-    from agent_runtime import AgentRuntime, resolve_policy, builtin_registry
+    from agent_runtime import AgentRuntime, resolve_preset, builtin_registry
     runtime = AgentRuntime.from_model("smollm2-135m", policy="continuum")
     job = runtime.job(tools=builtin_registry("."))
     result = await job.run("What does README.md say?", max_turns=4, tool_choice=["required"])
@@ -29,9 +29,9 @@ _EXPORTS: dict[str, str] = {
     "TurnRecord": "agent_runtime.types",
     "ChatCompletionRequest": "agent_runtime.protocol",
     "CompletionRequest": "agent_runtime.protocol",
-    "PolicySpec": "agent_runtime.policies",
-    "policy_names": "agent_runtime.policies",
-    "resolve_policy": "agent_runtime.policies",
+    "ServingPreset": "agent_runtime.presets",
+    "preset_names": "agent_runtime.presets",
+    "resolve_preset": "agent_runtime.presets",
     "Tool": "agent_runtime.tools",
     "ToolRegistry": "agent_runtime.tools",
     "ToolResult": "agent_runtime.tools",

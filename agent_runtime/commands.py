@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from agent_runtime.policies import resolve_policy
+from agent_runtime.presets import resolve_preset
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.types import JobResult, TurnRecord
+from asymcache_core.config import EngineConfig
 
 DEFAULT_AGENT_SYSTEM_PROMPT = (
     "You are a careful software agent working inside a project directory. Use the tools to "
@@ -22,14 +24,41 @@ DEFAULT_AGENT_SYSTEM_PROMPT = (
 )
 
 
-def _check_common(model: str, policy: str, num_kv_blocks: int | None = None,
-                  max_model_len: int | None = None) -> None:
+#: The ``EngineConfig`` fields the commands take as ``**engine_settings`` (defaults: the
+#: config's own): all but the model and the pool, which are their own arguments, and what the
+#: serving preset sets.
+ENGINE_SETTINGS: tuple[str, ...] = tuple(
+    f.name for f in fields(EngineConfig)
+    if f.name not in ("model", "num_kv_blocks", "max_model_len", "eviction_policy", "priority")
+)
+
+
+def _check_engine(model: str, policy: str, num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                  settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Checks the model, the preset and every engine setting before anything loads.
+
+    Returns:
+        ``settings`` without the ``None`` values (those take the config's defaults).
+
+    Raises:
+        ValueError: one line naming the bad argument.
+    """
     if not isinstance(model, str) or not model.strip():
         raise ValueError("model: must be a non-empty model name or path")
-    resolve_policy(policy)
-    for name, value in (("num_kv_blocks", num_kv_blocks), ("max_model_len", max_model_len)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    preset = resolve_preset(policy)
+    given = settings or {}
+    unknown = sorted(set(given) - set(ENGINE_SETTINGS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not an engine setting; known: {', '.join(ENGINE_SETTINGS)}")
+    chosen = {name: value for name, value in given.items() if value is not None}
+    profile = chosen.get("latency_profile")
+    if profile is not None and not Path(profile).is_file():
+        raise ValueError(f"latency_profile: no such file {profile!r}")
+    # NOTE: the config checks every field (device present, chunking spelled right, ...) in
+    # milliseconds, so a typo fails here and not after a model load of minutes.
+    EngineConfig(model=model, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                 **chosen, **preset.engine_overrides)
+    return chosen
 
 
 def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs: Any) -> AgentRuntime:
@@ -40,13 +69,6 @@ def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs:
         raise
     except (OSError, ImportError, KeyError, RuntimeError) as e:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
-
-
-#: The ``EngineConfig`` fields ``asymcache serve`` passes on (defaults: the config's own).
-SERVE_ENGINE_SETTINGS: tuple[str, ...] = (
-    "device", "dtype", "max_num_batched_tokens", "max_num_seqs", "chunking", "tpot_slo_ms",
-    "latency_profile", "admit_full_prompt", "least_work_first", "least_work_patience", "enforce_eager",
-)
 
 
 def run_serve(
@@ -66,31 +88,18 @@ def run_serve(
         host: bind address.
         port: TCP port (0-65535).
         api_key: require this bearer key on ``/v1/*``.
-        policy: serving policy (``vllm-apc``, ``asymcache``, ``continuum``, ...).
+        policy: serving preset (``vllm-apc``, ``asymcache``, ``continuum``, ...).
         num_kv_blocks: KV pool size in blocks (None: from memory).
         max_model_len: context limit (None: the model's).
-        **engine_settings: any of :data:`SERVE_ENGINE_SETTINGS` (``EngineConfig`` fields):
-            ``device``, ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``
-            (``fixed``, ``fixed:N``, ``adaptive``, ``adaptive:slack``), ``tpot_slo_ms``,
-            ``latency_profile`` (a JSON file from ``asymcache profile``),
-            ``admit_full_prompt``, ``least_work_first``, ``least_work_patience``, ``enforce_eager``.
+        **engine_settings: any of :data:`ENGINE_SETTINGS` (``EngineConfig`` fields, e.g.
+            ``device``, ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``,
+            ``tpot_slo_ms``, ``latency_profile`` (a JSON file from ``asymcache profile``),
+            ``admit_full_prompt``, ``least_work_first``, ``least_work_patience``, ``enforce_eager``).
 
     Raises:
         ValueError: a bad argument (one line naming it), before the model loads.
     """
-    _check_common(model, policy, num_kv_blocks, max_model_len)
-    unknown = sorted(set(engine_settings) - set(SERVE_ENGINE_SETTINGS))
-    if unknown:
-        raise ValueError(f"{unknown[0]}: not a serve setting; known: {', '.join(SERVE_ENGINE_SETTINGS)}")
-    settings = {name: value for name, value in engine_settings.items() if value is not None}
-    profile = settings.get("latency_profile")
-    if profile is not None and not Path(profile).is_file():
-        raise ValueError(f"latency_profile: no such file {profile!r}")
-    from asymcache_core import EngineConfig
-
-    # NOTE: the config checks every field (device present, chunking spelled right, ...) in
-    # milliseconds, so a typo fails here and not after a model load of minutes.
-    EngineConfig(model=model, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, **settings)
+    settings = _check_engine(model, policy, num_kv_blocks, max_model_len, engine_settings)
     if not isinstance(host, str) or not host.strip():
         raise ValueError("host: must be a non-empty address")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -118,6 +127,8 @@ def run_agent(
     print_fn: Callable[[str], None] = print,
     loaded: Any = None,
     num_kv_blocks: int | None = None,
+    max_model_len: int | None = None,
+    **engine_settings: Any,
 ) -> JobResult:
     """``asymcache agent``: a real tool loop on the local model with the built-in tools.
 
@@ -131,13 +142,15 @@ def run_agent(
         workdir: directory the tools work in.
         model: model spec.
         max_turns: LLM calls at most.
-        policy: serving policy.
+        policy: serving preset.
         forced_tool_turns: leading turns forced into a tool call.
         max_tokens: generated tokens per turn.
         tools: restrict to these built-in tool names (default: all four).
         print_fn: where each turn is printed.
         loaded: an already loaded model to share (tests).
-        num_kv_blocks: KV pool size.
+        num_kv_blocks: KV pool size (None: from memory).
+        max_model_len: context limit (None: the model's).
+        **engine_settings: any of :data:`ENGINE_SETTINGS`.
 
     Returns:
         The job's result.
@@ -158,7 +171,7 @@ def run_agent(
         raise ValueError(f"forced_tool_turns: must be an integer >= 0, got {forced_tool_turns!r}")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
-    _check_common(model, policy, num_kv_blocks)
+    settings = _check_engine(model, policy, num_kv_blocks, max_model_len, engine_settings)
     registry = builtin_registry(wd.resolve())
     if tools is not None:
         unknown = [t for t in tools if t not in registry]
@@ -188,7 +201,8 @@ def run_agent(
             print_fn("(tool call not executed: out of turns)")
 
     async def main() -> JobResult:
-        runtime = _build_runtime(model, policy, loaded, num_kv_blocks=num_kv_blocks)
+        runtime = _build_runtime(model, policy, loaded, num_kv_blocks=num_kv_blocks,
+                                 max_model_len=max_model_len, **settings)
         try:
             job = runtime.job(tools=registry, system_prompt=DEFAULT_AGENT_SYSTEM_PROMPT)
             result = await job.run(
@@ -217,6 +231,8 @@ def run_chat(
     print_fn: Callable[[str], None] = print,
     loaded: Any = None,
     num_kv_blocks: int | None = None,
+    max_model_len: int | None = None,
+    **engine_settings: Any,
 ) -> int:
     """``asymcache chat``: an interactive chat over stdin/stdout; ``/exit`` (or EOF) quits.
 
@@ -225,13 +241,15 @@ def run_chat(
 
     Args:
         model: model spec.
-        policy: serving policy.
+        policy: serving preset.
         max_tokens: generated tokens per reply.
         system_prompt: optional system message.
         input_fn: reads one line given a prompt (default: :func:`input`; EOF ends the chat).
         print_fn: writes one reply.
         loaded: an already loaded model to share (tests).
-        num_kv_blocks: KV pool size.
+        num_kv_blocks: KV pool size (None: from memory).
+        max_model_len: context limit (None: the model's).
+        **engine_settings: any of :data:`ENGINE_SETTINGS`.
 
     Returns:
         The number of replies given.
@@ -239,13 +257,14 @@ def run_chat(
     Raises:
         ValueError: a bad argument (one line naming it).
     """
-    _check_common(model, policy, num_kv_blocks)
+    settings = _check_engine(model, policy, num_kv_blocks, max_model_len, engine_settings)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
     read = input_fn or input
 
     async def main() -> int:
-        runtime = _build_runtime(model, policy, loaded, num_kv_blocks=num_kv_blocks)
+        runtime = _build_runtime(model, policy, loaded, num_kv_blocks=num_kv_blocks,
+                                 max_model_len=max_model_len, **settings)
         replies = 0
         try:
             job = runtime.job()

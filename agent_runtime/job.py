@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from agent_runtime.policies import PolicySpec
+from agent_runtime.presets import ServingPreset
 from agent_runtime.protocol import ToolChoice, ToolsArg, normalize_tools
 from agent_runtime.tools import ToolRegistry
 from agent_runtime.types import AssistantTurn, JobMetrics, JobResult, ToolCallRecord, TurnRecord
@@ -57,7 +57,7 @@ class Job:
         runtime: AgentRuntime,
         job_id: str,
         tools: Any,
-        policy: PolicySpec,
+        policy: ServingPreset,
         system_prompt: str | None = None,
     ) -> None:
         self.runtime = runtime

@@ -25,7 +25,7 @@ from agent_runtime.chat_template import ChatRenderer
 from agent_runtime.engine_client import AsyncEngine, RequestStream
 from agent_runtime.job import Job
 from agent_runtime.output_processor import OutputOptions, OutputProcessor, build_turn
-from agent_runtime.policies import PolicySpec, resolve_policy
+from agent_runtime.presets import ServingPreset, resolve_preset
 from agent_runtime.protocol import (
     ToolChoice,
     ToolsArg,
@@ -51,7 +51,7 @@ class AgentRuntime:
     Args:
         engine: the engine (the runtime takes ownership of it: only the engine thread may touch
             it from now on; use :meth:`call` to inspect it).
-        policy: a policy name or spec (:mod:`agent_runtime.policies`); its engine settings must
+        policy: a policy name or spec (:mod:`agent_runtime.presets`); its engine settings must
             match the engine's config, and it decides whether turns that end in a tool call pin
             the job's KV.
         clock: the runtime's time source for tool timing; defaults to the engine's clock (pass
@@ -69,19 +69,19 @@ class AgentRuntime:
         self,
         engine: Engine,
         *,
-        policy: str | PolicySpec = "vllm-apc",
+        policy: str | ServingPreset = "vllm-apc",
         clock: Callable[[], float] | None = None,
         tool_call_format: ToolCallFormat = "hermes",
         controller: ContinuumController | None = None,
         idle_poll_s: float = 0.02,
     ) -> None:
-        spec = resolve_policy(policy) if isinstance(policy, str) else policy
+        spec = resolve_preset(policy) if isinstance(policy, str) else policy
         for key, want in spec.engine_overrides.items():
             have = getattr(engine.config, key, None)
             if have != want:
                 raise ValueError(
                     f"policy: {spec.name!r} needs {key}={want!r} but the engine has {key}={have!r}; "
-                    "build the engine with resolve_policy(name).engine_overrides"
+                    "build the engine with resolve_preset(name).engine_overrides"
                 )
         if tool_call_format not in ("hermes", "bash_block", "auto"):
             raise ValueError(f"tool_call_format: one of hermes, bash_block, auto; got {tool_call_format!r}")
@@ -123,7 +123,7 @@ class AgentRuntime:
         Raises:
             ValueError: bad policy or engine settings.
         """
-        spec = resolve_policy(policy)
+        spec = resolve_preset(policy)
         kwargs = {**engine_kwargs, **spec.engine_overrides}
         engine = Engine(model=model, loaded=loaded, clock=clock, **kwargs)
         return cls(engine, policy=spec, clock=clock)
@@ -372,7 +372,7 @@ class AgentRuntime:
         self,
         job_id: str | None = None,
         tools: ToolsArg | Iterable[Callable[..., Any]] = None,
-        policy: str | PolicySpec | None = None,
+        policy: str | ServingPreset | None = None,
         system_prompt: str | None = None,
     ) -> Job:
         """A new job.
@@ -391,7 +391,7 @@ class AgentRuntime:
         Raises:
             ValueError: unknown policy or invalid tools.
         """
-        spec = self.policy if policy is None else (resolve_policy(policy) if isinstance(policy, str) else policy)
+        spec = self.policy if policy is None else (resolve_preset(policy) if isinstance(policy, str) else policy)
         return Job(self, job_id or f"job-{uuid.uuid4().hex[:12]}", tools, spec, system_prompt)
 
 

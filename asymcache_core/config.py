@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,8 +13,46 @@ PRIORITIES = ("fcfs", "program")
 
 
 @dataclass(frozen=True)
+class CliFlag:
+    """How the command line spells one :class:`EngineConfig` field (its ``"cli"`` metadata).
+
+    Attributes:
+        name: the option, vLLM's name where vLLM has one (``--max-model-len``); otherwise the
+            field's name with dashes (``--num-kv-blocks``: vLLM's ``--num-gpu-blocks-override``
+            overrides a profiled pool and is GPU-only, so it is only an alias).
+        help: one line for ``--help``.
+        aliases: other spellings that keep working (older names of this CLI, vLLM's).
+    """
+
+    name: str
+    help: str
+    aliases: tuple[str, ...] = ()
+
+
+def _flag(name: str, help: str, *aliases: str) -> dict[str, Any]:
+    return {"cli": CliFlag(name, help, aliases)}
+
+
+def cli_flags() -> dict[str, CliFlag]:
+    """The :class:`EngineConfig` fields the command line sets, with their options.
+
+    ``eviction_policy``, ``priority`` and ``hole_reuse`` have none: a serving preset
+    (``--policy``) or a bench suffix sets them.
+
+    Returns:
+        Field name -> option, in field order.
+    """
+    from dataclasses import fields
+
+    return {f.name: f.metadata["cli"] for f in fields(EngineConfig) if "cli" in f.metadata}
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything that shapes one engine instance. Bad values raise ``ValueError`` naming the field.
+
+    The command line's engine options are derived from these fields (:func:`cli_flags`), so a
+    setting has one name from ``Engine(...)`` to ``asymcache serve --...``.
 
     Attributes:
         model: ``smollm2-135m`` (the packaged GGUF), a local HF folder, a ``.gguf`` path, or
@@ -55,10 +94,10 @@ class EngineConfig:
             remaining prefill first, like SGLang's cache-aware orders); explicit request
             priorities still come first. Off: by arrival (or by job under ``program``), as
             vLLM. It keeps returning turns whose context is cached from waiting behind long
-            prefills while their blocks are evicted: on the GPU grids it cut mean TTFT
-            1.1-2.0x under both ``vllm-apc`` and ``asymcache`` eviction, but not on this CPU's
-            demo workload (BENCHMARKS.md). A long prefill can wait while shorter ones keep
-            arriving (higher TTFT p99); ``least_work_patience`` bounds that wait.
+            prefills while their blocks are evicted; off by default because it lowers mean
+            TTFT on the GPU workloads but not on the CPU demo workload (BENCHMARKS.md). A
+            long prefill can wait while shorter ones keep arriving (higher TTFT p99);
+            ``least_work_patience`` bounds that wait.
         least_work_patience: with ``least_work_first``, a waiting request lets later arrivals
             with less work go first only for this many times its own estimated prefill time
             (the latency model's; admission by ``arrival + patience x own work``), so a stream
@@ -66,28 +105,52 @@ class EngineConfig:
         seed: seeds dummy weights and random sampling without a per-request seed.
     """
 
-    model: str = "smollm2-135m"
-    device: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_memory_fraction: float = 0.5
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
+    model: str = field(default="smollm2-135m", metadata=_flag(
+        "--model", "smollm2-135m, a local HF folder, a .gguf file or dummy:<config> (random weights)."))
+    device: str = field(default="cpu", metadata=_flag("--device", "cpu, cuda or cuda:N."))
+    dtype: str = field(default="auto", metadata=_flag(
+        "--dtype", "auto (float32 on CPU, bfloat16 on CUDA), float32, float16 or bfloat16."))
+    block_size: int = field(default=16, metadata=_flag("--block-size", "Tokens per KV block (a power of two)."))
+    num_kv_blocks: int | None = field(default=None, metadata=_flag(
+        "--num-kv-blocks", "KV pool size in blocks.",
+        "--kv-blocks", "--num-gpu-blocks-override"))
+    kv_memory_fraction: float = field(default=0.5, metadata=_flag(
+        "--kv-memory-fraction", "Share of the device's free memory after the weights for the KV pool "
+        "(CPU: of available RAM, at most 1 GiB) when --num-kv-blocks is not given."))
+    max_num_batched_tokens: int = field(default=2048, metadata=_flag(
+        "--max-num-batched-tokens", "Tokens per step (fixed chunking's budget; the cap of adaptive).",
+        "--max-batched-tokens"))
+    max_num_seqs: int = field(default=64, metadata=_flag("--max-num-seqs", "Running requests at most."))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        "--max-model-len", "Longest prompt + output (default: the model's limit).", "--max-context"))
     eviction_policy: str = "vllm-apc"
     hole_reuse: bool | None = None
-    chunking: str = "fixed"
-    tpot_slo_ms: float = 50.0
-    latency_profile: str | None = None
+    chunking: str = field(default="fixed", metadata=_flag(
+        "--chunking", "fixed, fixed:N, adaptive (every step meets --tpot-slo-ms) or adaptive:slack "
+        "(every request's TPOT meets it)."))
+    tpot_slo_ms: float = field(default=50.0, metadata=_flag(
+        "--tpot-slo-ms", "Adaptive chunking's time-per-output-token target (ms)."))
+    latency_profile: str | None = field(default=None, metadata=_flag(
+        "--latency-profile", "Latency profile JSON (asymcache profile) for the eviction cost and adaptive "
+        "chunking (default: the analytic model)."))
     priority: str = "fcfs"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    mixed_graph_max_tokens: int = 1024
-    admit_full_prompt: bool = False
-    least_work_first: bool = False
-    least_work_patience: float | None = None
-    seed: int = 0
+    attention_backend: str = field(default="auto", metadata=_flag(
+        "--attention-backend", "auto, torch, naive or triton."))
+    enforce_eager: bool = field(default=False, metadata=_flag("--enforce-eager", "Never capture CUDA graphs."))
+    mixed_graph_max_tokens: int = field(default=1024, metadata=_flag(
+        "--mixed-graph-max-tokens", "Largest step (tokens) replayed as piecewise CUDA graphs; 0 runs every "
+        "step with prefill tokens eagerly."))
+    admit_full_prompt: bool = field(default=False, metadata=_flag(
+        "--admit-full-prompt", "Admit a request only when its whole prompt fits (vLLM 0.32's default), "
+        "not its first chunk."))
+    least_work_first: bool = field(default=False, metadata=_flag(
+        "--least-work-first", "Run the requests with the fewest tokens left to compute first (default: "
+        "by arrival)."))
+    least_work_patience: float | None = field(default=None, metadata=_flag(
+        "--least-work-patience", "With --least-work-first: a request lets later, smaller ones go first "
+        "for at most this many times its own estimated prefill time (default: no bound)."))
+    seed: int = field(default=0, metadata=_flag(
+        "--seed", "Seeds dummy weights and sampling without a per-request seed."))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

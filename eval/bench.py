@@ -1,10 +1,15 @@
-"""``asymcache bench``: a workload through a grid of policies, reported side by side."""
+"""``asymcache bench``: a workload through a grid of bench variants, reported side by side.
+
+A bench variant is a serving preset (:mod:`agent_runtime.presets`) plus ablation suffixes,
+``PRESET[/SUFFIX...]`` (:class:`BenchVariant`); ``--policies`` takes a comma-separated list.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import gc
 import json
+import math
 import shlex
 import sys
 import time
@@ -12,15 +17,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from agent_runtime.presets import TTLRule, resolve_preset
 from eval.harness import (
-    BenchPolicy,
     drive,
     largest_request_blocks,
     machine_description,
     make_engine,
     policy_result,
     repeated_result,
-    resolve_bench_policy,
     warm_up,
     working_set_blocks,
 )
@@ -28,16 +32,137 @@ from eval.results import Results, RunInfo, save_results
 
 DEFAULT_POLICIES = ("vllm-apc", "continuum", "asymcache", "asymcache+continuum")
 
+SUFFIXES: dict[str, dict[str, Any]] = {
+    "no-holes": {"hole_reuse": False},
+    "no-msa": {"attention_backend": "torch"},
+    "unbounded": {},
+    "reserve-prompt": {"admit_full_prompt": True},
+    "least-work": {"least_work_first": True},
+}
+"""The plain ``PRESET/SUFFIX`` ablations: without hole reuse; with the torch attention path
+instead of the MSA kernel (one launch per segment on GPU); ``unbounded``, a pool that holds the
+whole working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
+load; see :attr:`BenchVariant.unbounded_pool`); ``reserve-prompt``, admission only when a
+request's whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-work``,
+the requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``).
+
+Suffixes with a value, parsed by :meth:`BenchVariant.parse`: ``least-work:P``, the same with a
+patience of P (``EngineConfig.least_work_patience``); ``adaptive`` turns on adaptive chunking
+(``adaptive:slack`` its per-request TPOT variant) and ``fixed:N`` sets a fixed budget, for any
+preset (chunking sweeps); ``adaptive/slo:MS`` gives that variant its own TPOT target instead of
+the run's ``--tpot-slo-ms``, so one run can sweep targets side by side.
+Suffixes combine: ``asymcache/reserve-prompt/adaptive:slack``."""
+
+
+@dataclass(frozen=True)
+class BenchVariant:
+    """One entry of ``--policies``: a serving preset plus ablation suffixes, as the harness runs it.
+
+    Attributes:
+        name: the variant as written (``asymcache/reserve-prompt/adaptive:slack``); it labels
+            the run in the results and the report.
+        engine_overrides: :class:`asymcache_core.EngineConfig` fields the preset and the
+            suffixes set, applied over the run's engine settings.
+        pinning: the preset pins a job's KV across tool pauses (Continuum).
+        ttl_rule: how the preset chooses a pin's TTL.
+        unbounded_pool: the ``unbounded`` suffix: the pool holds the whole working set.
+    """
+
+    name: str
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    pinning: bool = False
+    ttl_rule: TTLRule = "continuum"
+    unbounded_pool: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> BenchVariant:
+        """Parses ``PRESET``, ``PRESET/SUFFIX`` or ``PRESET/SUFFIX/...`` (suffixes combine; at
+        most one chunking suffix; ``slo:MS`` only beside an adaptive one).
+
+        Every variant runs with the engine's fixed chunking unless a suffix asks for
+        ``adaptive``, so that eviction policies are compared at equal chunking (adaptive
+        chunking trades TTFT for TPOT, and on a device without a utilization knee it only adds
+        steps).
+
+        Args:
+            name: the variant.
+
+        Returns:
+            The variant (a fresh ``engine_overrides`` dict).
+
+        Raises:
+            ValueError: unknown preset or suffix, or suffixes that do not combine (the message
+            names ``policy``, the CLI option).
+        """
+        base, *suffixes = name.split("/")
+        preset = resolve_preset(base)
+        overrides = dict(preset.engine_overrides)
+        if len(set(suffixes)) < len(suffixes):
+            raise ValueError(f"policy: a suffix repeats in {name!r}")
+        for suffix in suffixes:
+            if suffix.startswith("fixed:") or suffix in ("adaptive", "adaptive:slack"):
+                if "chunking" in overrides:
+                    raise ValueError(f"policy: more than one chunking suffix in {name!r}")
+                overrides["chunking"] = suffix
+            elif suffix.startswith("slo:"):
+                overrides["tpot_slo_ms"] = _suffix_number(suffix, name)
+            elif suffix.startswith("least-work:"):
+                overrides.update(least_work_first=True, least_work_patience=_suffix_number(suffix, name))
+            elif suffix in SUFFIXES:
+                overrides.update(SUFFIXES[suffix])
+            else:
+                raise ValueError(f"policy: unknown ablation {suffix!r} in {name!r}; known: {', '.join(SUFFIXES)}")
+        if "tpot_slo_ms" in overrides and not overrides.get("chunking", "").startswith("adaptive"):
+            # NOTE: only adaptive chunking reads the target; accepting it elsewhere would label a
+            # fixed-budget run with a target it never used.
+            raise ValueError(f"policy: slo:MS needs /adaptive or /adaptive:slack in {name!r}")
+        return cls(name, overrides, preset.pinning, preset.ttl_rule, unbounded_pool="unbounded" in suffixes)
+
+    @classmethod
+    def label(cls, name: str) -> BenchVariant:
+        """A variant that only names a run (the ``http`` backend: the server runs its own
+        configuration, so the name is not parsed).
+
+        Args:
+            name: the label.
+
+        Returns:
+            The variant, without overrides or pinning.
+        """
+        return cls(name)
+
+
+def _suffix_number(suffix: str, name: str) -> float:
+    """The number of a ``KEY:VALUE`` suffix (``slo:MS``, ``least-work:P``): positive and finite."""
+    try:
+        value = float(suffix.split(":", 1)[1])
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"policy: {suffix.split(':', 1)[0]}:N needs a positive number, got {suffix!r} in {name!r}")
+    return value
+
+
+#: The :class:`asymcache_core.EngineConfig` fields a :class:`BenchConfig` carries, under the same
+#: names, and hands to every run's engine (the variant's overrides go on top). ``num_kv_blocks``
+#: and ``max_model_len`` are engine fields too, but the bench reads them itself (see there).
+ENGINE_FIELDS: tuple[str, ...] = (
+    "model", "device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
+    "latency_profile", "tpot_slo_ms", "attention_backend", "enforce_eager", "mixed_graph_max_tokens", "seed",
+)
+
 
 @dataclass
 class BenchConfig:
-    """What ``asymcache bench`` runs (CLI options map one to one).
+    """What ``asymcache bench`` runs (CLI options map one to one; engine settings carry
+    :class:`asymcache_core.EngineConfig`'s field names).
 
     Attributes:
         workload: ``swe``, ``toolloop``, ``chat`` or ``trace:PATH`` (or an importer spec).
-        policies: policy names (``name`` or ``name/ablation``).
+        policies: bench variants (``PRESET`` or ``PRESET/SUFFIX...``, :class:`BenchVariant`).
         model: engine model spec.
-        device: ``cpu`` or ``cuda``.
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: the engine's dtype (``auto``: float32 on CPU, bfloat16 on CUDA).
         backend: ``real``, ``sim`` or ``http``.
         url: server base URL for ``http``.
         jobs: jobs in the workload.
@@ -45,21 +170,26 @@ class BenchConfig:
         concurrency: jobs in flight in the closed loop.
         time_scale: multiplies tool pauses and arrivals.
         token_scale: multiplies the generators' token lengths (small models, CPU runs).
-        kv_blocks: pool size in blocks (overrides ``kv_fraction``).
+        num_kv_blocks: pool size in blocks (overrides ``kv_fraction``).
         kv_fraction: pool as a fraction of the workload's working set; ``None``: 0.5, raised to
             what the largest job needs (an explicit fraction that cannot hold it is an error).
         block_size: tokens per block.
-        max_context: jobs are cut to turns whose context fits (the model's limit by default).
-        seed: workload and token seed.
+        max_model_len: longest context of a job: jobs are cut to the turns whose context fits
+            (``None``: not cut). The engine keeps the model's own limit.
+        seed: workload, token and engine seed.
         out: run folder (``runs/<timestamp>`` by default).
-        check_lossless: also run an unbounded pool and compare every policy's tokens (real).
+        check_lossless: also run an unbounded pool and compare every variant's tokens (real).
         latency_profile: JSON profile for the latency model (default: analytic).
         tpot_slo_ms: adaptive chunking's target.
         max_num_batched_tokens: per-step token cap.
+        max_num_seqs: running requests at most.
+        attention_backend: the engine's attention path (the ``no-msa`` suffix sets ``torch``).
+        enforce_eager: never capture CUDA graphs.
+        mixed_graph_max_tokens: largest step replayed as piecewise CUDA graphs.
         step_log: also write every engine step (``StepStats``, with the latency model's
-            prediction) to ``steps/<policy>.jsonl`` in the run folder.
-        repeats: runs of each policy, in rounds over all policies (policy A, B, A, B...), so
-            that slow drift of the machine hits every policy alike; the report pools them and
+            prediction) to ``steps/<variant>.jsonl`` in the run folder.
+        repeats: runs of each variant, in rounds over all variants (A, B, A, B...), so that
+            slow drift of the machine hits every variant alike; the report pools them and
             keeps each run's means.
     """
 
@@ -67,6 +197,7 @@ class BenchConfig:
     policies: tuple[str, ...] = DEFAULT_POLICIES
     model: str = "smollm2-135m"
     device: str = "cpu"
+    dtype: str = "auto"
     backend: str = "real"
     url: str | None = None
     jobs: int = 6
@@ -74,24 +205,28 @@ class BenchConfig:
     concurrency: int = 6
     time_scale: float = 0.05
     token_scale: float = 0.05
-    kv_blocks: int | None = None
+    num_kv_blocks: int | None = None
     kv_fraction: float | None = None
     block_size: int = 16
-    max_context: int | None = 512
+    max_model_len: int | None = 512
     seed: int = 0
     out: Path | None = None
     check_lossless: bool = True
     latency_profile: str | None = None
     tpot_slo_ms: float = 100.0
     max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    mixed_graph_max_tokens: int = 1024
     step_log: bool = False
     repeats: int = 1
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
 
 
-def step_log_name(policy: str) -> str:
-    """A file name for ``policy`` (``asymcache/fixed:256`` -> ``asymcache_fixed-256``)."""
-    return policy.replace("/", "_").replace(":", "-").replace("+", "-")
+def step_log_name(variant: str) -> str:
+    """A file name for ``variant`` (``asymcache/fixed:256`` -> ``asymcache_fixed-256``)."""
+    return variant.replace("/", "_").replace(":", "-").replace("+", "-")
 
 
 def write_step_log(steps: list[Any], path: Path) -> Path:
@@ -107,19 +242,19 @@ def write_step_log(steps: list[Any], path: Path) -> Path:
     return path
 
 
-def run_order(policies: list[BenchPolicy], repeats: int) -> list[tuple[BenchPolicy, int]]:
-    """``(policy, repeat)`` in the order they run: rounds over the policies, each round's order
+def run_order(variants: list[BenchVariant], repeats: int) -> list[tuple[BenchVariant, int]]:
+    """``(variant, repeat)`` in the order they run: rounds over the variants, each round's order
     rotated by one.
 
-    NOTE: rounds spread the machine's drift over all policies alike. The rotation is there
-    because on the GPU the policy that ran first in its round had the lower chat TTFT in 6 of
-    8 pairs (BENCHMARKS.md, session 5). Rotating puts every policy first equally often when
-    ``repeats`` is a multiple of the number of policies.
+    NOTE: rounds spread the machine's drift over all variants alike. The rotation is there
+    because on the GPU the variant that ran first in its round measured a lower chat TTFT more
+    often than not. Rotating puts every variant first equally often when ``repeats`` is a
+    multiple of the number of variants.
     """
-    runs: list[tuple[BenchPolicy, int]] = []
+    runs: list[tuple[BenchVariant, int]] = []
     for r in range(repeats):
-        shift = r % max(1, len(policies))
-        runs += [(p, r) for p in policies[shift:] + policies[:shift]]
+        shift = r % max(1, len(variants))
+        runs += [(v, r) for v in variants[shift:] + variants[:shift]]
     return runs
 
 
@@ -127,7 +262,7 @@ def release_device_memory(device: str) -> None:
     """Collects the last run's engine before the next is built.
 
     NOTE: otherwise its garbage (requests, blocks, CUDA graphs and the KV pool) can be
-    collected in the middle of the next policy's run, and two pools are held while the next
+    collected in the middle of the next variant's run, and two pools are held while the next
     one is allocated.
     """
     gc.collect()
@@ -158,7 +293,7 @@ class BenchError(ValueError):
 
 
 def load_workload(cfg: BenchConfig) -> Any:
-    """The trace, with arrivals and with jobs cut to ``max_context``."""
+    """The trace, with arrivals and with jobs cut to ``max_model_len``."""
     from workloads import apply_arrivals, load_trace
 
     options: dict[str, Any] = {}
@@ -170,18 +305,18 @@ def load_workload(cfg: BenchConfig) -> Any:
         raise BenchError(f"workload: {exc}") from None
     if cfg.rate is not None:
         trace = apply_arrivals(trace, f"poisson:{cfg.rate}", cfg.seed)
-    if cfg.max_context is not None:
-        trace = _cut_jobs(trace, cfg.max_context)
+    if cfg.max_model_len is not None:
+        trace = _cut_jobs(trace, cfg.max_model_len)
     return trace
 
 
-def _cut_jobs(trace: Any, max_context: int) -> Any:
+def _cut_jobs(trace: Any, max_model_len: int) -> Any:
     jobs = []
     for job in trace.jobs:
         turns = []
         for k in range(len(job.turns)):
             candidate = job.model_copy(update={"turns": job.turns[: k + 1]})
-            if candidate.total_tokens > max_context:
+            if candidate.total_tokens > max_model_len:
                 break
             turns.append(job.turns[k])
         if not turns:
@@ -189,14 +324,14 @@ def _cut_jobs(trace: Any, max_context: int) -> Any:
         last = turns[-1].model_copy(update={"tool": None, "tool_duration_s": 0.0, "think_time_s": 0.0})
         jobs.append(job.model_copy(update={"turns": [*turns[:-1], last]}))
     if not jobs:
-        raise BenchError(f"max_context: no job's first turn fits {max_context} tokens")
+        raise BenchError(f"max_model_len: no job's first turn fits {max_model_len} tokens")
     return trace.model_copy(update={"jobs": jobs})
 
 
 def pool_blocks(cfg: BenchConfig, trace: Any) -> int:
     need = largest_request_blocks(trace, cfg.block_size)
-    if cfg.kv_blocks is not None:
-        blocks = cfg.kv_blocks
+    if cfg.num_kv_blocks is not None:
+        blocks = cfg.num_kv_blocks
     elif cfg.kv_fraction is None:
         blocks = max(need, int(0.5 * working_set_blocks(trace, cfg.block_size)))
     else:
@@ -205,18 +340,18 @@ def pool_blocks(cfg: BenchConfig, trace: Any) -> int:
         blocks = int(cfg.kv_fraction * working_set_blocks(trace, cfg.block_size))
     if blocks < need:
         raise BenchError(
-            f"kv_blocks: a pool of {blocks} blocks cannot hold the workload's largest job "
-            f"({need} blocks of {cfg.block_size}); raise --kv-blocks/--kv-fraction"
+            f"num_kv_blocks: a pool of {blocks} blocks cannot hold the workload's largest job "
+            f"({need} blocks of {cfg.block_size}); raise --num-kv-blocks/--kv-fraction"
         )
     return blocks
 
 
 def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
-    """Runs every policy on the same workload and writes ``results.json`` and the report.
+    """Runs every variant on the same workload and writes ``results.json`` and the report.
 
     Args:
         cfg: the run.
-        progress: optional ``rich.progress.Progress`` to show per-policy progress bars.
+        progress: optional ``rich.progress.Progress`` to show per-variant progress bars.
 
     Returns:
         The results and the run folder.
@@ -229,13 +364,17 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
         raise BenchError(f"repeats: must be >= 1, got {cfg.repeats}")
     if cfg.backend not in ("real", "sim", "http"):
         raise BenchError(f"backend: one of real, sim, http; got {cfg.backend!r}")
-    policies = []
+    if cfg.max_model_len is not None and (
+        not isinstance(cfg.max_model_len, int) or isinstance(cfg.max_model_len, bool) or cfg.max_model_len < 1
+    ):
+        raise BenchError(f"max_model_len: must be an integer >= 1, got {cfg.max_model_len!r}")
+    variants = []
     for name in cfg.policies:
-        if cfg.backend == "http":  # the server runs its own policy: names only label the runs
-            policies.append(BenchPolicy(name, {}, False, "continuum"))
+        if cfg.backend == "http":  # the server runs its own configuration: names only label the runs
+            variants.append(BenchVariant.label(name))
             continue
         try:
-            policies.append(resolve_bench_policy(name))
+            variants.append(BenchVariant.parse(name))
         except ValueError as exc:
             raise BenchError(str(exc)) from None
     if cfg.backend != "http":
@@ -259,16 +398,14 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             raise BenchError("url: --backend http needs --url")
         if cfg.repeats > 1:
             raise BenchError("repeats: the http backend runs each server once (--repeats 1)")
-        outcomes = run_http(cfg, trace, policies, progress)
+        outcomes = run_http(cfg, trace, variants, progress)
         latency_source = "server"
     else:
         blocks = pool_blocks(cfg, trace)
         try:
-            base = EngineConfig(
-                model=cfg.model, device=cfg.device, block_size=cfg.block_size, num_kv_blocks=blocks,
-                seed=cfg.seed, latency_profile=cfg.latency_profile, tpot_slo_ms=cfg.tpot_slo_ms,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-            )
+            # NOTE: ``max_model_len`` only cuts the jobs: the engine keeps the model's own limit,
+            # which sizes its CUDA graphs, so that a shorter cut does not change what is timed.
+            base = EngineConfig(num_kv_blocks=blocks, **{name: getattr(cfg, name) for name in ENGINE_FIELDS})
         except ValueError as exc:
             raise BenchError(str(exc)) from None
         loaded = None
@@ -284,16 +421,16 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                 warmed = compiled_kernel_count(cfg.device)
                 if warmed is not None:
                     notes.append(f"warm-up: {warmed} Triton kernel variant(s) compiled before the runs")
-        outcomes: dict[str, list[Any]] = {p.name: [] for p in policies}
+        outcomes: dict[str, list[Any]] = {v.name: [] for v in variants}
         reference = None
-        runs: list[tuple[BenchPolicy, int | None]] = list(run_order(policies, cfg.repeats))
+        runs: list[tuple[BenchVariant, int | None]] = list(run_order(variants, cfg.repeats))
         if cfg.backend == "real" and cfg.check_lossless:
-            runs.append((resolve_bench_policy("vllm-apc"), None))
+            runs.append((BenchVariant.parse("vllm-apc"), None))
         latency_source = "analytic"
-        for policy, repeat in runs:
+        for variant, repeat in runs:
             is_reference = repeat is None
-            config = replace(base, **policy.engine_overrides)
-            if is_reference or policy.unbounded_pool:
+            config = replace(base, **variant.engine_overrides)
+            if is_reference or variant.unbounded_pool:
                 # NOTE: the pool holds the whole working set: nothing is ever evicted.
                 config = replace(config, num_kv_blocks=working_set_blocks(trace, cfg.block_size) + blocks)
             try:
@@ -301,13 +438,13 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             except ValueError as exc:
                 raise BenchError(str(exc)) from None
             latency_source = engine.latency.source
-            label = "unbounded reference" if is_reference else policy.name
+            label = "unbounded reference" if is_reference else variant.name
             if not is_reference and cfg.repeats > 1:
-                label = f"{policy.name} ({repeat + 1}/{cfg.repeats})"
+                label = f"{variant.name} ({repeat + 1}/{cfg.repeats})"
             task = progress.add_task(label, total=len(trace.jobs)) if progress is not None else None
             compiled_before = compiled_kernel_count(cfg.device) if cfg.backend == "real" else None
             outcome = drive(
-                engine, trace, policy, time_scale=cfg.time_scale, seed=cfg.seed,
+                engine, trace, variant, time_scale=cfg.time_scale, seed=cfg.seed,
                 concurrency=None if cfg.rate is not None else cfg.concurrency,
                 sleep=None if cfg.backend == "sim" else time.sleep,
                 on_progress=(lambda n, t=task: progress.update(t, completed=n)) if progress is not None else None,
@@ -320,9 +457,9 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             if is_reference:
                 reference = outcome.outputs()
             else:
-                outcomes[policy.name].append(outcome)
+                outcomes[variant.name].append(outcome)
                 if cfg.step_log:
-                    name = step_log_name(policy.name) + (f"-run{repeat + 1}" if cfg.repeats > 1 else "")
+                    name = step_log_name(variant.name) + (f"-run{repeat + 1}" if cfg.repeats > 1 else "")
                     write_step_log(engine.step_log, run_dir / "steps" / f"{name}.jsonl")
                     write_request_log(outcome, run_dir / "requests" / f"{name}.jsonl")
             del engine

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import sys
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
+
+from eval.bench import ENGINE_FIELDS as BENCH_ENGINE_FIELDS
 
 app = typer.Typer(
     help="AsymCache: agent serving with hole-aware KV eviction, MSA and Continuum pinning.",
@@ -20,6 +25,12 @@ agent_app = typer.Typer(help="Run agents on the local model.", no_args_is_help=T
 app.add_typer(agent_app, name="agent")
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: The engine settings ``asymcache profile`` takes: those that shape a forward step (the grid
+#: sizes the pool, and no scheduler runs).
+PROFILE_ENGINE_FIELDS = frozenset(
+    {"model", "device", "dtype", "block_size", "attention_backend", "enforce_eager", "mixed_graph_max_tokens", "seed"}
+)
 
 
 def clean_errors(fn: F) -> F:
@@ -40,16 +51,88 @@ def clean_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def engine_options(
+    names: Collection[str] | None = None,
+    *,
+    exclude: Collection[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+    helps: Mapping[str, str] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Gives a command one option per :class:`asymcache_core.EngineConfig` field, spelled as
+    the field's ``cli`` metadata says (:func:`asymcache_core.config.cli_flags`: vLLM's names,
+    older names as aliases), and hands their values to the command as one dict, ``engine_args``
+    (field name -> value, ready for ``EngineConfig(**engine_args)``).
+
+    NOTE: the options carry no typer range checks: ``EngineConfig`` validates the values, so a
+    bad one is the config's one-line message naming the field (exit code 2 via
+    :func:`clean_errors`), the same as from Python.
+
+    Args:
+        names: the fields to offer (default: every field with a flag); options follow the
+            config's field order.
+        exclude: fields to leave out.
+        defaults: this command's defaults where they differ from the config's.
+        helps: this command's help texts where the field's own would mislead.
+
+    Returns:
+        A decorator for a command function that takes ``engine_args: dict[str, Any]``.
+
+    Raises:
+        TypeError: a name that is not an engine field with a flag (a bug in this module).
+    """
+    from asymcache_core.config import EngineConfig, cli_flags
+
+    flags = cli_flags()
+    wanted = set(flags if names is None else names) - set(exclude)
+    unknown = sorted((wanted | set(defaults or {}) | set(helps or {})) - set(flags))
+    if unknown:
+        raise TypeError(f"engine_options: {unknown[0]!r} is not an engine field with a flag")
+    chosen = [name for name in flags if name in wanted]
+    hints = typing.get_type_hints(EngineConfig)
+    config_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    options = []
+    for name in chosen:
+        flag = flags[name]
+        decls = (f"{flag.name}/--no-{flag.name[2:]}",) if hints[name] is bool else (flag.name, *flag.aliases)
+        default = (defaults or {}).get(name, config_defaults[name])
+        option = typer.Option(default, *decls, help=(helps or {}).get(name, flag.help))
+        options.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=hints[name]))
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = inspect.signature(fn, eval_str=True)
+        params = [p for p in own.parameters.values() if p.name != "engine_args"] + options
+
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            engine_args = {name: kwargs.pop(name) for name in chosen}
+            return fn(*args, engine_args=engine_args, **kwargs)
+
+        # NOTE: typer reads a command's options off its signature and annotations: both list
+        # the generated options in place of ``engine_args``.
+        command.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params} | {"return": own.return_annotation}
+        return command
+
+    return decorate
+
+
 @app.command()
 @clean_errors
+@engine_options(
+    {*BENCH_ENGINE_FIELDS, "num_kv_blocks", "max_model_len"},
+    defaults={"max_model_len": 512, "max_num_batched_tokens": 512, "tpot_slo_ms": 100.0},
+    helps={
+        "num_kv_blocks": "KV pool size in blocks (default: from --kv-fraction).",
+        "max_model_len": "Cut jobs to the turns whose context fits this (the engine keeps the model's limit).",
+        "seed": "Seeds the workload, its tokens and the engine.",
+    },
+)
 def bench(
     workload: str = typer.Option("swe", help="swe | toolloop | chat | trace:PATH (or sharegpt:/bfcl:/mooncake:/bailian:PATH)"),
     policies: str = typer.Option(
         "vllm-apc,continuum,asymcache,asymcache+continuum",
-        help="Comma-separated policies (add /no-holes, /fixed or /no-msa for ablations).",
+        help="Comma-separated serving presets, each with optional /SUFFIX ablations (/no-holes, /fixed:N, /no-msa, ...).",
     ),
-    model: str = typer.Option("smollm2-135m", help="Model: smollm2-135m, a folder, a .gguf, dummy:<config>."),
-    device: str = typer.Option("cpu", help="cpu or cuda."),
     backend: str = typer.Option("real", help="real | sim | http."),
     url: str = typer.Option(None, help="Base URL of an OpenAI-compatible server (http backend)."),
     jobs: int = typer.Option(6, min=1, help="Jobs in the workload."),
@@ -57,21 +140,17 @@ def bench(
     concurrency: int = typer.Option(6, min=1, help="Jobs in flight in the closed loop."),
     time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and arrivals."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
-    kv_blocks: int = typer.Option(None, min=1, help="KV pool size in blocks."),
     kv_fraction: float = typer.Option(
         None, help="Pool as a fraction of the workload's working set (default 0.5, at least the largest job)."
     ),
-    max_context: int = typer.Option(512, min=16, help="Cut jobs whose context would exceed this."),
-    seed: int = typer.Option(0),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
     no_lossless_check: bool = typer.Option(False, help="Skip the unbounded-pool reference run."),
-    latency_profile: str = typer.Option(None, help="Latency profile JSON (asymcache profile)."),
-    tpot_slo_ms: float = typer.Option(100.0, min=0.1, help="Adaptive chunking's time-per-output-token target."),
-    max_batched_tokens: int = typer.Option(512, min=1, help="Per-step token cap (fixed chunking's budget)."),
     step_log: bool = typer.Option(
         False, help="Also write every engine step to steps/<policy>.jsonl and every request to requests/<policy>.jsonl."
     ),
     repeats: int = typer.Option(1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report keeps each run's means."),
+    *,
+    engine_args: dict[str, Any],
 ) -> None:
     """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures."""
     from rich.console import Console
@@ -81,12 +160,9 @@ def bench(
 
     cfg = BenchConfig(
         workload=workload, policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
-        model=model, device=device, backend=backend, url=url, jobs=jobs, rate=rate,
-        concurrency=concurrency, time_scale=time_scale, token_scale=token_scale,
-        kv_blocks=kv_blocks, kv_fraction=kv_fraction, max_context=max_context, seed=seed, out=out,
-        check_lossless=not no_lossless_check, latency_profile=latency_profile,
-        tpot_slo_ms=tpot_slo_ms, max_num_batched_tokens=max_batched_tokens, step_log=step_log,
-        repeats=repeats,
+        backend=backend, url=url, jobs=jobs, rate=rate, concurrency=concurrency, time_scale=time_scale,
+        token_scale=token_scale, kv_fraction=kv_fraction, out=out, check_lossless=not no_lossless_check,
+        step_log=step_log, repeats=repeats, **engine_args,
     )
     if not cfg.policies:
         raise ValueError("policies: give at least one policy")
@@ -135,24 +211,27 @@ def report(run_dir: Path = typer.Argument(..., help="A folder holding results.js
 
 @app.command()
 @clean_errors
+@engine_options(PROFILE_ENGINE_FIELDS)
 def profile(
-    model: str = typer.Option("smollm2-135m"),
-    device: str = typer.Option("cpu"),
     out: Path = typer.Option(Path("profile.json"), help="Where to write the profile."),
     repeats: int = typer.Option(3, min=1),
     quick: bool = typer.Option(False, help="A smaller grid (tests, smoke runs)."),
+    *,
+    engine_args: dict[str, Any],
 ) -> None:
     """Measure the engine's forward steps and fit the step-latency model (knee, fit error)."""
     from rich.progress import Progress
 
-    from asymcache_core import Engine
+    from asymcache_core import Engine, EngineConfig
     from asymcache_core.profiler import ProfileGrid, fit, measure
 
+    config = EngineConfig(**engine_args)
+    model, device = config.model, config.device
     grid = ProfileGrid.for_device(torch_device_type(device), repeats=repeats)
     if quick:
         grid = ProfileGrid(chunk_tokens=(1, 16, 64), contexts=(0, 128), decode_batches=(1, 4),
                            decode_contexts=(64, 256), repeats=1)
-    engine = Engine(model=model, device=device, num_kv_blocks=grid.num_blocks_needed(16))
+    engine = Engine(dataclasses.replace(config, num_kv_blocks=grid.num_blocks_needed(config.block_size)))
     with Progress() as progress:
         task = progress.add_task("profiling", total=len(grid.points()))
         points = measure(engine, grid, lambda done, total: progress.update(task, completed=done))
@@ -201,30 +280,37 @@ def calibrate(
 
 @app.command("bench-engine")
 @clean_errors
+@engine_options({"seed"})
 def bench_engine(
     prompt_len: int = typer.Option(128, min=1),
     new_tokens: int = typer.Option(64, min=2),
+    *,
+    engine_args: dict[str, Any],
 ) -> None:
-    """Engine prefill/decode tokens/s against transformers' generate (SmolLM2, batch 1 and 16)."""
+    """Engine prefill/decode tokens/s against transformers' generate (SmolLM2 fp32 on the CPU,
+    batch 1 and 16)."""
+    from asymcache_core import EngineConfig
     from eval.bench_engine import run
 
-    run(prompt_len=prompt_len, new_tokens=new_tokens)
+    run(prompt_len=prompt_len, new_tokens=new_tokens, seed=EngineConfig(**engine_args).seed)
 
 
 @app.command()
 @clean_errors
+@engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 256})
 def generate(
     prompt: str = typer.Argument(..., help="A user message (rendered with the chat template)."),
-    model: str = typer.Option("smollm2-135m"),
     max_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, min=0.0),
+    *,
+    engine_args: dict[str, Any],
 ) -> None:
     """Generate one chat answer with the embedded engine."""
     from asymcache_core import Engine, SamplingParams
 
-    engine = Engine(model=model, num_kv_blocks=256)
+    engine = Engine(**engine_args)
     if engine.tokenizer is None:
-        raise ValueError(f"model: {model!r} has no tokenizer")
+        raise ValueError(f"model: {engine.config.model!r} has no tokenizer")
     text = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
@@ -234,68 +320,52 @@ def generate(
 
 @app.command()
 @clean_errors
+@engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 2048})
 def serve(
-    model: str = typer.Option("smollm2-135m"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=1, max=65535),
     api_key: str = typer.Option(None, help="Require this bearer token."),
-    policy: str = typer.Option("asymcache+continuum"),
-    kv_blocks: int = typer.Option(2048, min=1),
-    max_model_len: int = typer.Option(None, min=16),
-    least_work_first: bool = typer.Option(
-        False, help="Run the requests with the fewest tokens left to compute first (default: by arrival)."
-    ),
-    least_work_patience: float = typer.Option(
-        None, help="With --least-work-first: a request lets later, smaller ones go first for at most this many "
-        "times its own estimated prefill time (default: no bound)."
-    ),
-    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16."),
-    max_num_batched_tokens: int = typer.Option(2048, min=1, help="Tokens per step (fixed chunking; the cap of adaptive)."),
-    max_num_seqs: int = typer.Option(64, min=1, help="Running requests at most."),
-    chunking: str = typer.Option("fixed", help="fixed, fixed:N, adaptive (every step meets --tpot-slo-ms) or adaptive:slack."),
-    tpot_slo_ms: float = typer.Option(50.0, min=0.1, help="Adaptive chunking's time-per-output-token target."),
-    latency_profile: str = typer.Option(None, help="Latency profile JSON (asymcache profile) for the eviction cost and adaptive chunking."),
-    admit_full_prompt: bool = typer.Option(
-        False, help="Admit a request only when its whole prompt fits (vLLM 0.32's default), not its first chunk."
-    ),
-    enforce_eager: bool = typer.Option(False, help="Never capture CUDA graphs."),
+    policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    *,
+    engine_args: dict[str, Any],
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics)."""
     from agent_runtime.commands import run_serve
 
-    run_serve(model=model, host=host, port=port, api_key=api_key, policy=policy,
-              num_kv_blocks=kv_blocks, max_model_len=max_model_len, least_work_first=least_work_first,
-              least_work_patience=least_work_patience, device=device, dtype=dtype,
-              max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, chunking=chunking,
-              tpot_slo_ms=tpot_slo_ms, latency_profile=latency_profile, admit_full_prompt=admit_full_prompt,
-              enforce_eager=enforce_eager)
+    run_serve(host=host, port=port, api_key=api_key, policy=policy, **engine_args)
 
 
 @app.command()
 @clean_errors
-def chat(model: str = typer.Option("smollm2-135m")) -> None:
+@engine_options()
+def chat(
+    policy: str = typer.Option("vllm-apc", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
     """Interactive chat with the local model (/exit to quit)."""
     from agent_runtime.commands import run_chat
 
-    run_chat(model=model)
+    run_chat(policy=policy, **engine_args)
 
 
 @agent_app.command("run")
 @clean_errors
+@engine_options()
 def agent_run(
     task: str = typer.Argument(..., help="What the agent should do."),
     workdir: Path = typer.Option(Path("."), help="The agent's working directory (its tools stay inside)."),
-    model: str = typer.Option("smollm2-135m"),
     max_turns: int = typer.Option(6, min=1),
-    policy: str = typer.Option("asymcache+continuum"),
+    policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    *,
+    engine_args: dict[str, Any],
 ) -> None:
     """A real tool loop (bash, read/list/write files) on the local model."""
     from agent_runtime.commands import run_agent
 
     if not workdir.is_dir():
         raise ValueError(f"workdir: {str(workdir)!r} is not a directory")
-    run_agent(task=task, workdir=workdir, model=model, max_turns=max_turns, policy=policy)
+    run_agent(task=task, workdir=workdir, max_turns=max_turns, policy=policy, **engine_args)
 
 
 def main() -> None:  # pragma: no cover - console entry point

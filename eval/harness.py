@@ -18,97 +18,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent_runtime.policies import resolve_policy
 from asymcache_core import Engine, EngineConfig, SamplingParams
 from eval.results import PolicyResult, Recompute, RunMeans, Series, summarize
 from workloads import Job, Trace, job_token_stream
 
-ABLATIONS: dict[str, dict[str, Any]] = {
-    "no-holes": {"hole_reuse": False},
-    "no-msa": {"attention_backend": "torch"},
-    "unbounded": {},
-    "reserve-prompt": {"admit_full_prompt": True},
-    "least-work": {"least_work_first": True},
-}
-"""``POLICY/ABLATION`` suffixes: without hole reuse; with the torch attention path instead of
-the MSA kernel (one launch per segment on GPU); ``unbounded``, a pool that holds the whole
-working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
-load; see ``BenchPolicy.unbounded_pool``); ``reserve-prompt``, admission only when a request's
-whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-work``, the
-requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``), and
-``least-work:P`` the same with a patience of P (``EngineConfig.least_work_patience``).
-``POLICY/adaptive`` turns on adaptive chunking (``POLICY/adaptive:slack`` its per-request TPOT
-variant) and ``POLICY/fixed:N`` sets a fixed budget, for any policy (the chunking sweeps of
-issue #5); ``POLICY/adaptive/slo:MS`` gives that policy its own TPOT target instead of the run's
-``--tpot-slo-ms``, so one run can sweep targets side by side.
-Suffixes combine: ``asymcache/reserve-prompt/adaptive:slack``."""
-
-
-@dataclass(frozen=True)
-class BenchPolicy:
-    """A policy as the harness runs it: engine overrides plus Continuum pinning."""
-
-    name: str
-    engine_overrides: dict[str, Any]
-    pinning: bool
-    ttl_rule: str
-    unbounded_pool: bool = False
-
-
-def resolve_bench_policy(name: str) -> BenchPolicy:
-    """Resolves ``name``, ``name/ablation`` or ``name/ablation/...`` (suffixes combine, e.g.
-    ``asymcache/reserve-prompt/adaptive:slack``; at most one chunking suffix; ``slo:MS`` only
-    beside an adaptive one).
-
-    Every policy runs with the engine's fixed chunking unless the name asks for ``/adaptive``,
-    so that eviction policies are compared at equal chunking (adaptive chunking trades TTFT for
-    TPOT, and on a device without a utilization knee it only adds steps; BENCHMARKS.md).
-
-    Raises:
-        ValueError: unknown policy or ablation (message names ``policy``).
-    """
-    base, *suffixes = name.split("/")
-    spec = resolve_policy(base)
-    overrides = dict(spec.engine_overrides)
-    if len(set(suffixes)) < len(suffixes):
-        raise ValueError(f"policy: a suffix repeats in {name!r}")
-    for ablation in suffixes:
-        if ablation.startswith("fixed:") or ablation in ("adaptive", "adaptive:slack"):
-            if "chunking" in overrides:
-                raise ValueError(f"policy: more than one chunking suffix in {name!r}")
-            overrides["chunking"] = ablation
-        elif ablation.startswith("slo:"):
-            overrides["tpot_slo_ms"] = _parse_positive(ablation, name)
-        elif ablation.startswith("least-work:"):
-            overrides.update(least_work_first=True, least_work_patience=_parse_positive(ablation, name))
-        elif ablation in ABLATIONS:
-            overrides.update(ABLATIONS[ablation])
-        else:
-            raise ValueError(f"policy: unknown ablation {ablation!r} in {name!r}; known: {', '.join(ABLATIONS)}")
-    if "tpot_slo_ms" in overrides and not overrides.get("chunking", "").startswith("adaptive"):
-        # NOTE: only adaptive chunking reads the target; accepting it elsewhere would label a
-        # fixed-budget run with a target it never used.
-        raise ValueError(f"policy: slo:MS needs /adaptive or /adaptive:slack in {name!r}")
-    return BenchPolicy(name, overrides, spec.pinning, spec.ttl_rule, unbounded_pool="unbounded" in suffixes)
-
-
-def _parse_positive(suffix: str, name: str) -> float:
-    """The number of a ``KEY:VALUE`` suffix (``slo:MS``, ``least-work:P``): positive and finite."""
-    try:
-        value = float(suffix.split(":", 1)[1])
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"policy: {suffix.split(':', 1)[0]}:N needs a positive number, got {suffix!r} in {name!r}")
-    return value
-
+if TYPE_CHECKING:
+    from eval.bench import BenchVariant
 
 @dataclass
 class RequestRecord:
@@ -192,7 +113,7 @@ def largest_request_blocks(trace: Trace, block_size: int) -> int:
 def drive(
     engine: Engine,
     trace: Trace,
-    policy: BenchPolicy,
+    policy: BenchVariant,
     *,
     time_scale: float,
     seed: int,

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eval.harness import BenchPolicy, RequestRecord, RunOutcome
+from eval.harness import RequestRecord, RunOutcome
 from workloads import Trace, job_token_stream
+
+if TYPE_CHECKING:
+    from eval.bench import BenchVariant
 
 
 async def _one_call(client: Any, url: str, body: dict[str, Any]) -> tuple[list[int], float | None, list[float], int, int]:
@@ -119,9 +122,9 @@ def _vocab_size(model: str) -> int:
         return 32000  # NOTE: every Llama-family vocabulary is at least this large
 
 
-def run_http(cfg: Any, trace: Trace, policies: list[BenchPolicy], progress: Any = None) -> dict[str, RunOutcome]:
-    """Runs the workload once per label against ``cfg.url`` (the server decides the policy;
-    the labels name the server configurations being compared, one run each)."""
+def run_http(cfg: Any, trace: Trace, variants: list[BenchVariant], progress: Any = None) -> dict[str, RunOutcome]:
+    """Runs the workload once per label against ``cfg.url`` (the server decides its own
+    configuration; the labels name the server configurations being compared, one run each)."""
     import httpx
 
     try:
@@ -131,6 +134,6 @@ def run_http(cfg: Any, trace: Trace, policies: list[BenchPolicy], progress: Any 
         raise ValueError(f"url: no OpenAI-compatible server at {cfg.url} ({exc})") from None
     vocab = _vocab_size(cfg.model)
     outcomes = {}
-    for policy in policies:
-        outcomes[policy.name] = asyncio.run(_run(cfg, trace, policy.name, model, vocab))
+    for variant in variants:
+        outcomes[variant.name] = asyncio.run(_run(cfg, trace, variant.name, model, vocab))
     return outcomes

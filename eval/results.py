@@ -1,6 +1,7 @@
 """The ``results.json`` schema of an eval run, and helpers to build, save and load it.
 
-One eval run (a workload replayed against a grid of KV-cache policies) writes one folder::
+One eval run (a workload replayed against a grid of bench variants, the entries of
+``--policies``: a serving preset plus ablation suffixes) writes one folder::
 
     RUN_DIR/
       results.json         # a ``Results`` document (this module)
@@ -115,9 +116,9 @@ class RunMeans(_Model):
 
 
 class PolicyResult(_Model):
-    """Everything measured for one KV-cache policy on the run's workload.
+    """Everything measured for one entry of ``--policies`` (a bench variant) on the run's workload.
 
-    When the policy ran more than once (``--repeats``), latency summaries pool the requests of
+    When the variant ran more than once (``--repeats``), latency summaries pool the requests of
     every run, counters and volumes are per-run means, and ``runs`` keeps each run's means.
     """
 
@@ -178,7 +179,7 @@ class Results(_Model):
     schema_version: int = Field(default=SCHEMA_VERSION, description="Format version.")
     run: RunInfo
     policies: dict[str, PolicyResult] = Field(
-        description="Results per policy name; insertion order is the display order."
+        description="Results per --policies entry (bench variant); insertion order is the display order."
     )
 
     @model_validator(mode="after")

@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = BenchConfig(
         workload=args.workload, jobs=args.jobs, concurrency=3, token_scale=0.5, time_scale=0.02,
-        kv_blocks=40, max_context=320, seed=3, policies=tuple(args.policies.split(",")),
+        num_kv_blocks=40, max_model_len=320, seed=3, policies=tuple(args.policies.split(",")),
         latency_profile=args.profile, check_lossless=False,
     )
     compare(cfg, args.out)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent_runtime.policies import policy_names, resolve_policy
+from agent_runtime.presets import preset_names, resolve_preset
 from asymcache_core import SamplingParams
 from asymcache_core.block_pool import BlockPool
 from asymcache_core.continuum.backends import PinBackend, PinManager
@@ -54,25 +54,25 @@ def _run(engine, prompt: list[int], job: str, params: SamplingParams = ONE, **kw
 def _continuum_engine(smollm, clock: FakeClock, profile: str | None = None, **kw):
     if profile is not None:
         kw["latency_profile"] = profile
-    return make_engine(smollm, clock=clock, **resolve_policy("continuum").engine_overrides, **kw)
+    return make_engine(smollm, clock=clock, **resolve_preset("continuum").engine_overrides, **kw)
 
 
 # -- policies ----------------------------------------------------------------------------------
 
 
 def test_policy_table():
-    assert {"vllm-apc", "lru", "pensieve", "asymcache", "continuum", "asymcache+continuum"} <= set(policy_names())
+    assert {"vllm-apc", "lru", "pensieve", "asymcache", "continuum", "asymcache+continuum"} <= set(preset_names())
     for name in ("vllm-apc", "lru", "pensieve", "asymcache"):
-        spec = resolve_policy(name)
+        spec = resolve_preset(name)
         assert spec.engine_overrides == {"eviction_policy": name, "priority": "fcfs"} and not spec.pinning
-    c = resolve_policy("continuum")
+    c = resolve_preset("continuum")
     assert c.engine_overrides == {"eviction_policy": "vllm-apc", "priority": "program"} and c.pinning
-    ac = resolve_policy("asymcache+continuum")
+    ac = resolve_preset("asymcache+continuum")
     assert ac.engine_overrides == {"eviction_policy": "asymcache", "priority": "program"} and ac.pinning
     c.engine_overrides["priority"] = "fcfs"  # a fresh dict each time: the table is not touched
-    assert resolve_policy("continuum").engine_overrides["priority"] == "program"
+    assert resolve_preset("continuum").engine_overrides["priority"] == "program"
     with pytest.raises(ValueError, match="^policy: unknown policy 'nope'"):
-        resolve_policy("nope")
+        resolve_preset("nope")
 
 
 # -- the controller over both backends -----------------------------------------------------------

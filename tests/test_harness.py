@@ -18,8 +18,8 @@ runner = CliRunner()
 
 def small(backend: str, policies: tuple[str, ...], out, **kw) -> BenchConfig:
     base = dict(
-        workload="chat", jobs=6, concurrency=2, token_scale=0.5, time_scale=0.02, kv_blocks=20,
-        max_context=320, seed=3, out=out, policies=policies, backend=backend, check_lossless=False,
+        workload="chat", jobs=6, concurrency=2, token_scale=0.5, time_scale=0.02, num_kv_blocks=20,
+        max_model_len=320, seed=3, out=out, policies=policies, backend=backend, check_lossless=False,
     )
     base.update(kw)
     return BenchConfig(**base)
@@ -92,8 +92,12 @@ def test_cli_sim_bench_scales(tmp_path):
         (["--policies", "vllm-apc,bogus"], "policy"),
         (["--policies", "asymcache/bogus"], "ablation"),
         (["--model", "no-such-model", "--backend", "sim"], "model"),
-        (["--kv-blocks", "3", "--backend", "sim"], "kv_blocks"),
-        (["--kv-fraction", "0.01", "--backend", "sim"], "kv_blocks"),
+        (["--kv-blocks", "3", "--backend", "sim"], "num_kv_blocks"),
+        (["--num-kv-blocks", "3", "--backend", "sim"], "num_kv_blocks"),
+        (["--kv-fraction", "0.01", "--backend", "sim"], "num_kv_blocks"),
+        (["--max-model-len", "0", "--backend", "sim"], "max_model_len"),
+        (["--max-num-seqs", "0", "--backend", "sim"], "max_num_seqs"),
+        (["--dtype", "int8", "--backend", "sim"], "dtype"),
         (["--backend", "carrier-pigeon"], "backend"),
         (["--backend", "http"], "url"),
     ],
@@ -217,10 +221,9 @@ def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path):
 
 
 def test_rounds_rotate_so_each_policy_runs_first_equally_often():
-    from eval.bench import run_order
-    from eval.harness import resolve_bench_policy
+    from eval.bench import BenchVariant, run_order
 
-    policies = [resolve_bench_policy(n) for n in ("vllm-apc", "lru", "asymcache")]
+    policies = [BenchVariant.parse(n) for n in ("vllm-apc", "lru", "asymcache")]
     order = [(p.name, r) for p, r in run_order(policies, 3)]
     assert order == [
         ("vllm-apc", 0), ("lru", 0), ("asymcache", 0),
@@ -233,10 +236,10 @@ def test_rounds_rotate_so_each_policy_runs_first_equally_often():
 
 
 def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
-    from eval.harness import resolve_bench_policy
+    from eval.bench import BenchVariant
 
-    assert resolve_bench_policy("vllm-apc/reserve-prompt").engine_overrides["admit_full_prompt"] is True
-    assert "admit_full_prompt" not in resolve_bench_policy("vllm-apc").engine_overrides
+    assert BenchVariant.parse("vllm-apc/reserve-prompt").engine_overrides["admit_full_prompt"] is True
+    assert "admit_full_prompt" not in BenchVariant.parse("vllm-apc").engine_overrides
 
 
 def gpu_longchat_sim(policies: tuple[str, ...], out: Path) -> BenchConfig:
@@ -244,19 +247,19 @@ def gpu_longchat_sim(policies: tuple[str, ...], out: Path) -> BenchConfig:
     traces = Path(__file__).resolve().parents[1] / "bench_traces"
     return BenchConfig(
         workload=f"trace:{traces / 'gpu_longchat.jsonl'}", jobs=20, concurrency=10, time_scale=0.05,
-        kv_fraction=0.35, max_context=65536, model="dummy:llama-3.1-8b", backend="sim",
+        kv_fraction=0.35, max_model_len=65536, model="dummy:llama-3.1-8b", backend="sim",
         latency_profile=str(traces / "profile_h200_llama8b_live.json"), max_num_batched_tokens=2048,
         policies=policies, out=out, check_lossless=False,
     )
 
 
 def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path):
-    # The long-chat grid again (BENCHMARKS.md, session 7): under FCFS, returning turns whose
+    # The long-chat grid again (BENCHMARKS.md): under FCFS, returning turns whose
     # context is cached wait behind long prefills while vLLM's order evicts their blocks; with
     # the least work first they run before that happens.
-    from eval.harness import resolve_bench_policy
+    from eval.bench import BenchVariant
 
-    assert resolve_bench_policy("vllm-apc/least-work").engine_overrides["least_work_first"] is True
+    assert BenchVariant.parse("vllm-apc/least-work").engine_overrides["least_work_first"] is True
     policies = ("vllm-apc/reserve-prompt", "vllm-apc/reserve-prompt/least-work")
     results, _ = run_bench(gpu_longchat_sim(policies, tmp_path / "order"))
     fcfs, least_work = (results.policies[name] for name in policies)
@@ -265,8 +268,7 @@ def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path
 
 
 def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
-    # The long-chat grid at pool 25%, vLLM's 8,192-token budget, the whole system (BENCHMARKS.md,
-    # session 10): the least work first alone leaves long cold prompts waiting behind streams of
+    # The long-chat grid at pool 25%, vLLM's 8,192-token budget, the whole system (BENCHMARKS.md): the least work first alone leaves long cold prompts waiting behind streams of
     # returning turns (p99 15.8 s here, up to 24 s on the H200); a patience of 4 bounds that wait.
     traces = Path(__file__).resolve().parents[1] / "bench_traces"
     policies = (
@@ -283,7 +285,7 @@ def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
 
 
 def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
-    # The GPU grid's long-chat trace (BENCHMARKS.md, eviction on the GPU, session 6), simulated with the H200
+    # The GPU grid's long-chat trace (BENCHMARKS.md, eviction on the GPU), simulated with the H200
     # profile: with contexts up to 64k a token's attention costs as much as its linear layers,
     # so evicting shallow blocks (refilled as holes) beats vLLM's tail-first order.
     from workloads.schema import Trace
@@ -301,28 +303,28 @@ def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
 
 
 def test_ablation_suffixes_combine():
-    from eval.harness import resolve_bench_policy
+    from eval.bench import BenchVariant
 
-    full = resolve_bench_policy("asymcache/reserve-prompt/adaptive:slack")
+    full = BenchVariant.parse("asymcache/reserve-prompt/adaptive:slack")
     assert full.engine_overrides["admit_full_prompt"] is True
     assert full.engine_overrides["chunking"] == "adaptive:slack"
     assert full.engine_overrides["eviction_policy"] == "asymcache"
-    assert resolve_bench_policy("vllm-apc/unbounded/reserve-prompt").unbounded_pool
-    assert resolve_bench_policy("asymcache/adaptive/slo:28").engine_overrides["tpot_slo_ms"] == 28.0
-    patient = resolve_bench_policy("asymcache/least-work:8").engine_overrides
+    assert BenchVariant.parse("vllm-apc/unbounded/reserve-prompt").unbounded_pool
+    assert BenchVariant.parse("asymcache/adaptive/slo:28").engine_overrides["tpot_slo_ms"] == 28.0
+    patient = BenchVariant.parse("asymcache/least-work:8").engine_overrides
     assert patient["least_work_first"] is True and patient["least_work_patience"] == 8.0
-    assert "tpot_slo_ms" not in resolve_bench_policy("asymcache/adaptive").engine_overrides
+    assert "tpot_slo_ms" not in BenchVariant.parse("asymcache/adaptive").engine_overrides
     for bad, field in (("asymcache/adaptive/fixed:512", "chunking"), ("lru/no-holes/no-holes", "repeats"),
                        ("lru/reserve-prompt/bogus", "bogus"), ("asymcache/slo:28", "adaptive"),
                        ("asymcache/fixed:512/slo:28", "adaptive"), ("asymcache/adaptive/slo:0", "positive"),
                        ("asymcache/adaptive/slo:fast", "positive"), ("asymcache/adaptive/slo:inf", "positive"),
                        ("asymcache/least-work:0", "least-work:N needs a positive"), ("lru/least-work:soon", "positive")):
         with pytest.raises(ValueError, match=field):
-            resolve_bench_policy(bad)
+            BenchVariant.parse(bad)
 
 
 def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path):
-    # One run sweeps adaptive targets side by side (BENCHMARKS.md, session 8): the tighter
+    # One run sweeps adaptive targets side by side (BENCHMARKS.md): the tighter
     # target must give smaller steps, so lower TPOT, whatever the run's --tpot-slo-ms says.
     from dataclasses import replace
 

@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 
 from agent_runtime.commands import run_agent, run_chat, run_serve
-from agent_runtime.policies import resolve_policy
+from agent_runtime.presets import resolve_preset
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core import SamplingParams
@@ -55,7 +55,7 @@ async def _integrity(runtime: AgentRuntime) -> None:
 
 def test_job_run_tool_loop_end_to_end(smollm, tmp_path):
     root = _project(tmp_path)
-    engine = make_engine(smollm, **resolve_policy("continuum").engine_overrides)
+    engine = make_engine(smollm, **resolve_preset("continuum").engine_overrides)
     printed: list[int] = []
 
     async def main():
@@ -104,7 +104,7 @@ def test_virtual_clock_tool_pause_pin_jct_and_abandoned_job(smollm, expensive_re
     clock = FakeClock(100.0)
     engine = make_engine(
         smollm, clock=clock, latency_profile=expensive_reload_profile,
-        **resolve_policy("continuum").engine_overrides,
+        **resolve_preset("continuum").engine_overrides,
     )
 
     def slow_tool() -> str:

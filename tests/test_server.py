@@ -17,7 +17,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_runtime.client import AsymCacheAPIError, AsymCacheClient
-from agent_runtime.policies import resolve_policy
+from agent_runtime.presets import resolve_preset
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
 from tests.conftest import make_engine
@@ -71,7 +71,7 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(smollm) -> Iterator[Live]:
-    engine = make_engine(smollm, max_model_len=1024, **resolve_policy("continuum").engine_overrides)
+    engine = make_engine(smollm, max_model_len=1024, **resolve_preset("continuum").engine_overrides)
     runtime = AgentRuntime(engine, policy="continuum")
     app = create_app(runtime, MODEL)
     port = _free_port()
@@ -361,7 +361,7 @@ def test_harness_http_backend_against_live_server(live, tmp_path):
     from eval.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(
-        workload="chat", jobs=3, concurrency=3, token_scale=0.3, time_scale=0.01, max_context=256,
+        workload="chat", jobs=3, concurrency=3, token_scale=0.3, time_scale=0.01, max_model_len=256,
         seed=5, backend="http", url=live.base, policies=("our-server",), out=tmp_path / "http",
     )
     results, run_dir = run_bench(cfg)

@@ -92,7 +92,7 @@ def serve(
         host: bind address.
         port: TCP port.
         api_key: require this bearer key on ``/v1/*``.
-        policy: serving policy name (:mod:`agent_runtime.policies`).
+        policy: serving policy name (:mod:`agent_runtime.presets`).
         num_kv_blocks: KV pool size (None: from memory).
         max_model_len: context limit (None: the model's).
         served_model_name: the name clients send (default: ``model``).

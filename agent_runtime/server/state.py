@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
-from agent_runtime.policies import PolicySpec
+from agent_runtime.presets import ServingPreset
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.metrics import ServerMetrics
@@ -44,7 +44,7 @@ def as_runtime(obj: Any) -> tuple[AgentRuntime, bool]:
         cfg = obj.config
         # A bare engine: pin across tool pauses exactly when it runs Continuum's program FCFS.
         pinning = cfg.priority == "program"
-        spec = PolicySpec(
+        spec = ServingPreset(
             cfg.eviction_policy + ("+continuum" if pinning else ""),
             {"eviction_policy": cfg.eviction_policy, "priority": cfg.priority},
             pinning,

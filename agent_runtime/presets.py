@@ -1,8 +1,10 @@
-"""Serving policy names shared by the runtime, the server and the evaluation harness.
+"""Serving presets: the names ``--policy`` / ``--policies`` accept, shared by the runtime, the
+server and the evaluation harness.
 
-A *policy* is an engine configuration (eviction policy, admission priority) plus whether the
-runtime pins a job's KV across tool pauses (Continuum). The table below is the single place
-that maps the names the harness uses onto those pieces; ablations are new rows, never code.
+A *serving preset* is an engine configuration (the eviction policy, the admission priority) plus
+whether the runtime pins a job's KV across tool pauses (Continuum). The table below is the single
+place that maps a preset's name onto those pieces; new presets are new rows, never code. (The
+harness's ablation suffixes on top of a preset are :class:`eval.bench.BenchVariant`.)
 
 =========================  =============  ===========  =========
 name                       eviction       priority     TTL pins
@@ -29,12 +31,12 @@ from asymcache_core.continuum.ttl import TTLRule
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    """One named serving policy.
+class ServingPreset:
+    """One named serving preset.
 
     Attributes:
-        name: the policy's name (a key of the table).
-        engine_overrides: :class:`asymcache_core.EngineConfig` fields the policy sets
+        name: the preset's name (a key of the table).
+        engine_overrides: :class:`asymcache_core.EngineConfig` fields the preset sets
             (``eviction_policy``, ``priority``); a fresh dict per lookup, safe to mutate.
         pinning: the runtime pins a job's KV for a TTL when a turn ends in a tool call.
         ttl_rule: how the TTL is chosen (``continuum``: the tau* argmax; ``preview``: the public
@@ -76,8 +78,8 @@ _TABLE: Mapping[str, tuple[dict[str, Any], bool, TTLRule, str]] = MappingProxyTy
 )
 
 
-def policy_names() -> list[str]:
-    """Every policy name, in table order.
+def preset_names() -> list[str]:
+    """Every preset name, in table order.
 
     Returns:
         The names.
@@ -85,21 +87,22 @@ def policy_names() -> list[str]:
     return list(_TABLE)
 
 
-def resolve_policy(name: str) -> PolicySpec:
-    """Look a policy up by name.
+def resolve_preset(name: str) -> ServingPreset:
+    """Look a preset up by name.
 
     Args:
-        name: a name from :func:`policy_names` (case-insensitive, surrounding blanks ignored).
+        name: a name from :func:`preset_names` (case-insensitive, surrounding blanks ignored).
 
     Returns:
-        The policy (a fresh ``engine_overrides`` dict each call).
+        The preset (a fresh ``engine_overrides`` dict each call).
 
     Raises:
-        ValueError: unknown name (the message names ``policy`` and lists the known ones).
+        ValueError: unknown name (the message names ``policy``, the CLI option that takes
+        preset names, and lists the known ones).
     """
     key = name.strip().lower() if isinstance(name, str) else name
     row = _TABLE.get(key) if isinstance(key, str) else None
     if row is None:
         raise ValueError(f"policy: unknown policy {name!r}; known: {', '.join(_TABLE)}")
     overrides, pinning, ttl_rule, description = row
-    return PolicySpec(key, dict(overrides), pinning, ttl_rule, description)
+    return ServingPreset(key, dict(overrides), pinning, ttl_rule, description)

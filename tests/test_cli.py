@@ -1,0 +1,145 @@
+"""The command line's engine options: derived from ``EngineConfig``'s fields, vLLM's names, the
+older names as aliases, values checked by the config (one ``error:`` line, exit code 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from asymcache_core import EngineConfig
+from asymcache_core.config import cli_flags
+from eval.cli import app, clean_errors, engine_options
+
+runner = CliRunner()
+
+
+def test_every_flag_names_a_field_and_no_spelling_is_taken_twice():
+    flags = cli_flags()
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(flags) <= names
+    # what a serving preset or a bench suffix sets has no flag of its own
+    assert not {"eviction_policy", "priority", "hole_reuse"} & set(flags)
+    spellings = [s for flag in flags.values() for s in (flag.name, *flag.aliases)]
+    assert len(spellings) == len(set(spellings))
+    assert flags["max_model_len"].name == "--max-model-len" and "--max-context" in flags["max_model_len"].aliases
+    assert flags["num_kv_blocks"].name == "--num-kv-blocks" and "--kv-blocks" in flags["num_kv_blocks"].aliases
+    assert "--max-batched-tokens" in flags["max_num_batched_tokens"].aliases
+
+
+def _probe() -> tuple[typer.Typer, list[dict[str, Any]]]:
+    """A one-command app over every engine option that records what the command received."""
+    seen: list[dict[str, Any]] = []
+    probe = typer.Typer()
+
+    @probe.command()
+    @clean_errors
+    @engine_options(defaults={"max_num_seqs": 8})
+    def run(label: str = typer.Option("x"), *, engine_args: dict[str, Any]) -> None:
+        EngineConfig(**engine_args)
+        seen.append({"label": label, **engine_args})
+
+    return probe, seen
+
+
+def test_options_map_back_onto_the_config_fields():
+    probe, seen = _probe()
+    result = runner.invoke(probe, ["--label", "y"])
+    assert result.exit_code == 0, result.output
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name in cli_flags()}
+    assert seen[-1] == {"label": "y", **defaults, "max_num_seqs": 8}  # the command's own default
+    args = ["--max-model-len", "300", "--num-kv-blocks", "40", "--max-num-batched-tokens", "96",
+            "--block-size", "32", "--dtype", "float32", "--enforce-eager", "--least-work-first",
+            "--least-work-patience", "4", "--chunking", "fixed:64", "--seed", "7"]
+    result = runner.invoke(probe, args)
+    assert result.exit_code == 0, result.output
+    got = seen[-1]
+    assert (got["max_model_len"], got["num_kv_blocks"], got["max_num_batched_tokens"], got["block_size"]) == (
+        300, 40, 96, 32)
+    assert got["dtype"] == "float32" and got["enforce_eager"] is True and got["least_work_first"] is True
+    assert (got["least_work_patience"], got["chunking"], got["seed"]) == (4.0, "fixed:64", 7)
+
+
+@pytest.mark.parametrize(
+    ("alias", "field", "value"),
+    [("--max-context", "max_model_len", 256), ("--kv-blocks", "num_kv_blocks", 64),
+     ("--num-gpu-blocks-override", "num_kv_blocks", 64), ("--max-batched-tokens", "max_num_batched_tokens", 128)],
+)
+def test_older_names_still_work(alias, field, value):
+    probe, seen = _probe()
+    result = runner.invoke(probe, [alias, str(value)])
+    assert result.exit_code == 0, result.output
+    assert seen[-1][field] == value
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [(["--max-model-len", "0"], "max_model_len"), (["--block-size", "24"], "block_size"),
+     (["--dtype", "int8"], "dtype"), (["--device", "tpu"], "device"), (["--chunking", "fixed:0"], "chunking"),
+     (["--least-work-patience", "2"], "least_work_patience"), (["--max-num-seqs", "0"], "max_num_seqs")],
+)
+def test_a_bad_value_is_one_error_line_naming_the_field(args, field):
+    probe, seen = _probe()
+    result = runner.invoke(probe, args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}:"), result.output
+    assert not seen
+
+
+def test_unknown_field_is_a_bug_at_import():
+    with pytest.raises(TypeError, match="eviction_policy"):
+        engine_options({"eviction_policy"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "target"),
+    [(["serve"], "run_serve"), (["chat"], "run_chat"), (["agent", "run", "a task"], "run_agent")],
+)
+def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target):
+    import agent_runtime.commands as commands
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(commands, target, lambda **kw: calls.append(kw))
+    result = runner.invoke(app, [*argv, "--max-context", "512", "--kv-blocks", "64", "--max-num-seqs", "4",
+                                 "--dtype", "float32", "--policy", "continuum"])
+    assert result.exit_code == 0, result.output
+    kw = calls[-1]
+    assert (kw["max_model_len"], kw["num_kv_blocks"], kw["max_num_seqs"], kw["dtype"]) == (512, 64, 4, "float32")
+    assert kw["policy"] == "continuum" and kw["model"] == "smollm2-135m"
+    # everything handed on is an EngineConfig field, or the command's own argument
+    own = {"serve": {"host", "port", "api_key", "policy"}, "chat": {"policy"},
+           "agent": {"task", "workdir", "max_turns", "policy"}}[argv[0]]
+    assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_serve_defaults_and_bad_values(monkeypatch):
+    import agent_runtime.commands as commands
+    import agent_runtime.server as server
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(server, "serve", lambda *args, **kw: calls.append((args, kw)))
+    result = runner.invoke(app, ["serve"])
+    assert result.exit_code == 0, result.output
+    args, kw = calls[-1]
+    assert args[5] == 2048  # serve's own pool default
+    assert "kv_memory_fraction" not in kw
+    assert set(kw) <= set(commands.ENGINE_SETTINGS)
+    for bad, field in ((["--max-num-seqs", "0"], "max_num_seqs"), (["--num-kv-blocks", "0"], "num_kv_blocks"),
+                       (["--max-model-len", "-1"], "max_model_len")):
+        result = runner.invoke(app, ["serve", *bad])
+        assert result.exit_code == 2 and result.output.startswith(f"error: {field}:"), result.output
+        assert result.output.strip().count("\n") == 0
+    assert len(calls) == 1
+
+
+def test_bench_and_profile_show_vllm_names():
+    bench = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert bench.exit_code == 0
+    for flag in ("--max-model-len", "--max-num-batched-tokens", "--num-kv-blocks", "--max-num-seqs", "--dtype"):
+        assert flag in bench.output
+    profile = runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "200"})
+    assert "--block-size" in profile.output and "--max-model-len" not in profile.output
