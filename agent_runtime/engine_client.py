@@ -288,7 +288,9 @@ class AsyncEngine:
             try:
                 # Busy: take what is queued and step at once. Idle: sleep until a command comes,
                 # waking now and then so that expired pins are released on time.
-                if engine.has_unfinished():
+                # NOTE: a stalled engine (everything waits for room or job admission) is idle
+                # too: stepping it again at once would spin on the GIL the server shares.
+                if engine.has_unfinished() and not engine.stalled:
                     cmd: _Command | None = self._commands.get_nowait()
                 else:
                     cmd = self._commands.get(timeout=self._idle_poll_s)

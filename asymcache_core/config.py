@@ -69,6 +69,11 @@ class EngineConfig:
         max_model_len: longest prompt + output; ``None`` takes the model's own limit.
         eviction_policy: a registered policy name (``lru``, ``vllm-apc``, ``pensieve``, ``asymcache``).
         hole_reuse: keep cache hits after a missing block (``None``: the policy's default).
+        job_admission: job-level admission (:class:`~asymcache_core.job_admission.JobAdmission`):
+            a request of an agent job (``job_id``) is admitted only while its job's context and
+            those of every older job fit the pool, so whole jobs wait between turns instead of
+            every job thrashing the pool; nothing is held back where the pool is not the
+            bottleneck. ``None``: the eviction policy's default (on under ``asymcache``).
         chunking: ``fixed`` (``max_num_batched_tokens``), ``fixed:N``, ``adaptive`` (every step
             meets ``tpot_slo_ms``) or ``adaptive:slack`` (every request's TPOT meets it: a step
             may spend half of what fast steps saved; :class:`~asymcache_core.budget.AdaptiveBudget`).
@@ -125,6 +130,7 @@ class EngineConfig:
         "--max-model-len", "Longest prompt + output (default: the model's limit).", "--max-context"))
     eviction_policy: str = "vllm-apc"
     hole_reuse: bool | None = None
+    job_admission: bool | None = None
     chunking: str = field(default="fixed", metadata=_flag(
         "--chunking", "fixed, fixed:N, adaptive (every step meets --tpot-slo-ms) or adaptive:slack "
         "(every request's TPOT meets it)."))
@@ -200,6 +206,8 @@ class EngineConfig:
             or self.mixed_graph_max_tokens < 0
         ):
             raise ValueError(f"mixed_graph_max_tokens: must be an integer >= 0, got {self.mixed_graph_max_tokens!r}")
+        if self.job_admission is not None and not isinstance(self.job_admission, bool):
+            raise ValueError(f"job_admission: must be a bool or None, got {self.job_admission!r}")
         for flag in ("admit_full_prompt", "least_work_first"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")

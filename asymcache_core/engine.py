@@ -23,6 +23,7 @@ from asymcache_core.continuum.backends import PinManager
 from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.eviction import PolicyContext, create_policy
+from asymcache_core.job_admission import JobAdmission
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.request import Request, RequestOutput, RequestStatus
@@ -120,6 +121,8 @@ class EngineStats:
     engine_generated_tokens_total: int
     preemptions_total: int
     requests_total: int
+    jobs_admitted: int = 0
+    jobs_held_back_total: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Field name -> value, in declaration order."""
@@ -217,6 +220,9 @@ class Engine:
         self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse)
         self.pins = PinManager(self.pool)
         self.continuum = ContinuumController(self.pins, self.latency, self.sessions, self.clock)
+        job_admission = policy.job_admission if config.job_admission is None else config.job_admission
+        self.job_admission = JobAdmission(self.num_blocks * config.block_size) if job_admission else None
+        self._stalled = False
         fixed = config.chunk_budget()
         # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
         self.latency_feedback = LatencyFeedback()
@@ -249,6 +255,7 @@ class Engine:
             least_work_first=config.least_work_first,
             least_work_patience=config.least_work_patience,
             work_seconds=self.latency.prefill_latency,
+            job_admission=self.job_admission,
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner
@@ -424,6 +431,13 @@ class Engine:
             self.clock.advance_to(when)
         self.pins.expire(self.clock())
 
+    @property
+    def stalled(self) -> bool:
+        """The last :meth:`step` planned nothing although requests are unfinished: they wait
+        for room or for job admission, and only time (a pause ending, a pin expiring) or a new
+        request changes that. A loop should wait for one of those rather than step again."""
+        return self._stalled
+
     def reset_prefix_cache(self) -> int:
         """Evicts every cached block that no request holds and no pin protects.
 
@@ -439,6 +453,7 @@ class Engine:
         self.pins.expire(start)
         plan = self.scheduler.schedule()
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._stalled = plan.is_empty and self.scheduler.has_unfinished()
         if plan.is_empty:
             return outputs
         planned = self.clock()
@@ -626,11 +641,15 @@ class Engine:
             engine_generated_tokens_total=c.generated_tokens,
             preemptions_total=c.num_preemptions,
             requests_total=c.num_requests,
+            jobs_admitted=self.job_admission.num_jobs if self.job_admission is not None else 0,
+            jobs_held_back_total=self.job_admission.num_held_back if self.job_admission is not None else 0,
         )
 
     def check_integrity(self) -> None:
         """Pool invariants plus: every block held by a request is counted by its ref count."""
         self.pool.check_integrity()
+        if self.job_admission is not None:
+            self.job_admission.check_integrity()
         refs: dict[int, int] = {}
         for request in self.scheduler.running + self.scheduler.waiting:
             for b in self.kv.held_blocks(request):

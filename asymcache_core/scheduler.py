@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
+from asymcache_core.job_admission import JobAdmission
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
 from asymcache_core.latency_model import segment_attn_pairs
 from asymcache_core.request import HOLE, Request, RequestStatus
@@ -173,6 +174,8 @@ class Scheduler:
             work order, so decodes still come first in every step.
         work_seconds: estimated seconds of ``work`` tokens ending at position ``num_tokens``
             (:meth:`LatencyModel.prefill_latency`); needed with ``least_work_patience``.
+        job_admission: job-level admission; a waiting request it holds back is passed over
+            (later ones may go first), unlike one that lacks room, which stops admission.
     """
 
     def __init__(
@@ -193,6 +196,7 @@ class Scheduler:
         least_work_first: bool = False,
         least_work_patience: float | None = None,
         work_seconds: Callable[[int, int], float] | None = None,
+        job_admission: JobAdmission | None = None,
     ) -> None:
         if least_work_patience is not None and (not least_work_first or work_seconds is None):
             raise ValueError("least_work_patience: needs least_work_first and a work_seconds estimate")
@@ -212,6 +216,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.budget_fn = budget_fn
         self.priority_key = priority_key
+        self.job_admission = job_admission
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._order = itertools.count()
@@ -349,8 +354,15 @@ class Scheduler:
             return left
         if len(self.waiting) > 1:
             self.waiting.sort(key=self._admission_key)
-        while self.waiting and left > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        idx = 0
+        gate = self.job_admission
+        while idx < len(self.waiting) and left > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[idx]
+            if gate is not None and not gate.admits(request, now, engine_idle=not self.running):
+                # NOTE: its job waits between turns for older jobs to finish; the ones behind
+                # it (older jobs' turns, requests without a job) may still fit.
+                idx += 1
+                continue
             # NOTE: the whole prompt must fit only while others run (see ``admit_full_prompt``);
             # an idle engine admits a request on its first chunk.
             allocation = self.kv.try_admit(
@@ -363,7 +375,9 @@ class Scheduler:
             if allocation is None:
                 break
             assert allocation.hit is not None
-            self.waiting.pop(0)
+            self.waiting.pop(idx)
+            if gate is not None:
+                gate.on_admitted(request, now)
             self._on_admitted(request, allocation.hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -413,6 +427,8 @@ class Scheduler:
         return (spare or tail)[-1]
 
     def _preempt(self, request: Request) -> None:
+        if self.job_admission is not None:
+            self.job_admission.on_released(request, self.clock(), preempted=True)
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -484,6 +500,8 @@ class Scheduler:
         if already:
             return
         request.metrics.finish_time = now
+        if self.job_admission is not None and request in self.running:
+            self.job_admission.on_released(request, now)
         if self.on_finish is not None:
             self.on_finish(request, now)
         self._remove(request)

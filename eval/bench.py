@@ -34,12 +34,16 @@ DEFAULT_POLICIES = ("vllm-apc", "continuum", "asymcache", "asymcache+continuum")
 
 SUFFIXES: dict[str, dict[str, Any]] = {
     "no-holes": {"hole_reuse": False},
+    "job-admission": {"job_admission": True},
+    "no-job-admission": {"job_admission": False},
     "no-msa": {"attention_backend": "torch"},
     "unbounded": {},
     "reserve-prompt": {"admit_full_prompt": True},
     "least-work": {"least_work_first": True},
 }
-"""The plain ``PRESET/SUFFIX`` ablations: without hole reuse; with the torch attention path
+"""The plain ``PRESET/SUFFIX`` ablations: without hole reuse; ``job-admission`` /
+``no-job-admission``, job-level admission on or off whatever the eviction policy's default
+(``EngineConfig.job_admission``); with the torch attention path
 instead of the MSA kernel (one launch per segment on GPU); ``unbounded``, a pool that holds the
 whole working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
 load; see :attr:`BenchVariant.unbounded_pool`); ``reserve-prompt``, admission only when a

@@ -214,6 +214,15 @@ def drive(
                         nxt = pending_jobs.pop(0)
                         heapq.heappush(events, (end, next(order), nxt.job_id))
             pinned_peak = max(pinned_peak, engine.stats().pinned_blocks)
+            if engine.stalled:
+                # NOTE: everything submitted waits (job admission holds it back between turns):
+                # only the next event (a pause ending, a job arriving) can change that.
+                if not events:
+                    raise RuntimeError("the engine stalled with no event left to wait for")
+                wait = events[0][0] - clock()
+                if wait > 0 and sleep is not None:
+                    sleep(wait)
+                engine.idle_until(max(events[0][0], clock()))
         elif events:
             wait = events[0][0] - clock()
             if wait > 0 and sleep is not None:

@@ -65,6 +65,7 @@ class AsymCachePolicy(EvictionPolicy):
 
     name = "asymcache"
     hole_reuse = True
+    job_admission = True
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)

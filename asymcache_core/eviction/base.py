@@ -42,10 +42,14 @@ class EvictionPolicy(ABC):
     Attributes:
         name: the registered name.
         hole_reuse: default of the cache manager's hole-aware lookup under this policy.
+        job_admission: default of the engine's job-level admission under this policy
+            (:mod:`asymcache_core.job_admission`); off for the policies that stand for vLLM and
+            the other baselines, which admit every job.
     """
 
     name: ClassVar[str]
     hole_reuse: ClassVar[bool] = False
+    job_admission: ClassVar[bool] = False
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx

@@ -179,7 +179,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(
-        (__import__("pathlib").Path(__file__).parent.parent / "asymcache_core/configs/tiny.json").read_text()
+        (__import__("pathlib").Path(__file__).parents[2] / "asymcache_core/configs/tiny.json").read_text()
     )
     with pytest.raises(ValueError, match="safetensors"):
         Engine(model=str(folder))

@@ -7,7 +7,7 @@ import pytest
 
 from asymcache_core import EngineConfig, SamplingParams
 from asymcache_core.request import Request
-from tests.test_adaptive_scheduler import sim_engine
+from tests.asymcache_core.test_adaptive_scheduler import sim_engine
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 FOUR = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -33,7 +33,7 @@ from kernels.metadata import MSAMetadata, build_msa_metadata
 from kernels.reference import msa_naive, msa_torch, store_kv_torch
 
 _SEED = int(os.environ.get("MSA_TEST_SEED", "0"))
-_MSA_PATH = Path(__file__).resolve().parents[1] / "kernels" / "msa_triton.py"
+_MSA_PATH = Path(__file__).resolve().parents[2] / "kernels" / "msa_triton.py"
 
 # (relative Frobenius error, max abs error) bounds against the float64 oracle.
 def _seed(*parts: object) -> int:

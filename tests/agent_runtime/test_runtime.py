@@ -16,7 +16,7 @@ from agent_runtime.runtime import AgentRuntime
 from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core import SamplingParams
 from tests.conftest import make_engine
-from tests.test_continuum import FakeClock
+from tests.asymcache_core.continuum.test_continuum import FakeClock
 
 
 def _project(tmp_path: Path) -> Path:
@@ -299,7 +299,7 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
     assert built[-1].engine.config.least_work_patience == 8.0
     assert built[-1].engine.scheduler.least_work_patience == 8.0
     # the whole system on the command line: adaptive chunking, its profile, vLLM's admission rule
-    profile = Path(__file__).resolve().parents[1] / "bench_traces" / "profile_h200_llama8b_live.json"
+    profile = Path(__file__).resolve().parents[2] / "bench_traces" / "profile_h200_llama8b_live.json"
     result = CliRunner().invoke(app, [
         "serve", "--kv-blocks", "64", "--policy", "asymcache", "--chunking", "adaptive", "--tpot-slo-ms", "28",
         "--max-num-batched-tokens", "8192", "--max-num-seqs", "16", "--latency-profile", str(profile),

@@ -142,3 +142,49 @@ def test_prefix_only_recomputes_the_suffix_after_a_hole(smollm):
     assert out.metrics.cached_tokens == 2 * bs  # stops at the hole
     assert out.metrics.suffix_recomputed_tokens == 2 * bs  # blocks 3 and 4 were cached but unusable
     assert out.metrics.hole_tokens == 0
+
+
+@pytest.mark.parametrize("policy", ["vllm-apc", "asymcache"])
+def test_lossless_with_job_admission_holding_jobs_back(smollm, unbounded, policy):
+    # the same script with job-level admission on: the pool cannot hold the older sessions'
+    # contexts and a new one's, so younger jobs wait between turns; the tokens do not change
+    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy=policy, job_admission=True)
+    assert run_script(engine) == unbounded
+    stats = engine.stats()
+    assert stats.jobs_held_back_total > 0 and stats.jobs_admitted == 0
+    engine.check_integrity()
+
+
+def test_job_admission_runs_older_jobs_first_and_stays_lossless(smollm):
+    # four jobs arrive at once, each two turns long; the pool holds about two contexts. With
+    # job admission the two older jobs run both turns before the younger ones start, and every
+    # job's tokens equal those of a roomy pool.
+    def run(engine) -> tuple[dict[str, list[int]], list[str]]:
+        contexts = {j: SYSTEM + user_tokens(j, 0, 40) for j in range(4)}
+        outputs: dict[str, list[int]] = {}
+        started: list[str] = []
+        pending = {j: engine.add_request(contexts[j], TURN, job_id=f"j{j}", request_id=f"j{j}/0") for j in range(4)}
+        while pending:
+            for out in engine.step():
+                if out.request_id.endswith("/0") and out.request_id not in started and out.token_ids:
+                    started.append(out.request_id)
+                if not out.finished:
+                    continue
+                outputs[out.request_id] = out.token_ids
+                job = int(out.request_id[1])
+                del pending[job]
+                if out.request_id.endswith("/0"):
+                    context = contexts[job] + out.token_ids + user_tokens(job, 1, 40)
+                    pending[job] = engine.add_request(
+                        context, TURN, job_id=f"j{job}", request_id=f"j{job}/1", is_last_step=True
+                    )
+            engine.check_integrity()
+        return outputs, started
+
+    roomy, _ = run(make_engine(smollm, num_kv_blocks=2048))
+    engine = make_engine(smollm, num_kv_blocks=14, eviction_policy="asymcache")
+    assert engine.job_admission is not None  # on by default under asymcache
+    gated, started = run(engine)
+    assert gated == roomy
+    assert started[:2] == ["j0/0", "j1/0"] and engine.stats().jobs_held_back_total > 0
+    assert make_engine(smollm, num_kv_blocks=14, eviction_policy="vllm-apc").job_admission is None

@@ -244,7 +244,7 @@ def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
 
 def gpu_longchat_sim(policies: tuple[str, ...], out: Path) -> BenchConfig:
     """The GPU long-chat grid (pool 35%, 2,048-token budget) on the simulator, H200 profile."""
-    traces = Path(__file__).resolve().parents[1] / "bench_traces"
+    traces = Path(__file__).resolve().parents[2] / "bench_traces"
     return BenchConfig(
         workload=f"trace:{traces / 'gpu_longchat.jsonl'}", jobs=20, concurrency=10, time_scale=0.05,
         kv_fraction=0.35, max_model_len=65536, model="dummy:llama-3.1-8b", backend="sim",
@@ -270,7 +270,7 @@ def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path
 def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
     # The long-chat grid at pool 25%, vLLM's 8,192-token budget, the whole system (BENCHMARKS.md): the least work first alone leaves long cold prompts waiting behind streams of
     # returning turns (p99 15.8 s here, up to 24 s on the H200); a patience of 4 bounds that wait.
-    traces = Path(__file__).resolve().parents[1] / "bench_traces"
+    traces = Path(__file__).resolve().parents[2] / "bench_traces"
     policies = (
         "asymcache/reserve-prompt/least-work/adaptive/slo:35",
         "asymcache/reserve-prompt/least-work:4/adaptive/slo:35",
@@ -290,7 +290,7 @@ def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
     # so evicting shallow blocks (refilled as holes) beats vLLM's tail-first order.
     from workloads.schema import Trace
 
-    traces = Path(__file__).resolve().parents[1] / "bench_traces"
+    traces = Path(__file__).resolve().parents[2] / "bench_traces"
     trace = Trace.load_jsonl(traces / "gpu_longchat.jsonl")
     assert trace.params["user_median"] == 4000.0 and len(trace.jobs) == 40
     policies = ("vllm-apc", "lru", "asymcache")

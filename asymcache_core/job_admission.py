@@ -1,0 +1,164 @@
+"""Job-level admission: whole agent jobs wait instead of every job thrashing the KV pool.
+
+An agent job is a sequence of requests that share a ``job_id``: each turn's prompt is the whole
+history so far, so a job's KV footprint grows turn by turn and is reused by its next turn. When
+more jobs are in flight than the pool holds, every eviction policy thrashes: each returning turn
+finds its history evicted and recomputes it, and the device spends its time rebuilding contexts
+that are evicted again before their next use.
+
+:class:`JobAdmission` keeps the jobs that run within what the pool holds, in program order
+(Continuum's first-come-first-served by job): jobs are ranked by their first admission, and a
+request of a job is admitted only while the contexts of that job and of every older job fit the
+pool together. New jobs rank last, so they start only when everything older fits; when older
+jobs grow, the youngest ones stop between two turns (their next request waits, their idle blocks
+become ordinary eviction candidates) and resume, oldest first, when older jobs finish. No
+forecast is needed: the set that runs is whatever fits now, and the oldest job always runs, so
+the gate cannot deadlock. Where the pool is not the bottleneck, nothing is ever held back.
+
+Clients that never say ``is_last_step`` would hold their rank forever: a job with nothing in
+flight for longer than :attr:`JobAdmission.idle_timeout_s` (learned from the gaps between
+turns seen so far) leaves the ranking; if it comes back it ranks as a new job.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from asymcache_core.request import Request
+
+
+@dataclass
+class _JobState:
+    tokens: int
+    in_flight: int = 0
+    last_release: float | None = None
+
+
+class JobAdmission:
+    """Admission of whole jobs against the pool's capacity, oldest job first.
+
+    Invariants (:meth:`check_integrity`):
+      - ``jobs`` is ordered by first admission and holds each job once;
+      - a job's ``in_flight`` count is its admitted, unfinished requests (never negative);
+      - the oldest job, requests without a ``job_id``, jobs that fit, and any request while
+        nothing runs (holding back only pays while other jobs use the pool) are never held back.
+
+    Args:
+        capacity_tokens: the pool's size in tokens (blocks x block size).
+        min_idle_timeout_s: the floor of :attr:`idle_timeout_s`.
+    """
+
+    def __init__(self, capacity_tokens: int, *, min_idle_timeout_s: float = 30.0) -> None:
+        if capacity_tokens <= 0:
+            raise ValueError(f"capacity_tokens: must be positive, got {capacity_tokens!r}")
+        if not min_idle_timeout_s > 0:
+            raise ValueError(f"min_idle_timeout_s: must be positive, got {min_idle_timeout_s!r}")
+        self.capacity_tokens = capacity_tokens
+        self.min_idle_timeout_s = min_idle_timeout_s
+        self.jobs: OrderedDict[str, _JobState] = OrderedDict()
+        self._gaps: deque[float] = deque(maxlen=256)
+        # NOTE: jobs that idled out, with their last release: a gap longer than the timeout
+        # is learned when such a job returns, so the timeout can grow past a too-short start.
+        self._expired: OrderedDict[str, float] = OrderedDict()
+        self._max_expired = 4096
+        self.num_held_back = 0  # admission attempts the gate refused
+        self.num_expired = 0  # jobs that left the ranking by idling
+
+    @property
+    def idle_timeout_s(self) -> float:
+        """Idle time after which a job with nothing in flight leaves the ranking:
+        three times the longest of the last 256 gaps between a job's turns, at least
+        ``min_idle_timeout_s``."""
+        return max(self.min_idle_timeout_s, 3.0 * max(self._gaps, default=0.0))
+
+    @property
+    def num_jobs(self) -> int:
+        """Jobs in the ranking (running, between turns, or held back between turns)."""
+        return len(self.jobs)
+
+    def ranked_tokens(self) -> int:
+        """Sum of the ranked jobs' latest context lengths."""
+        return sum(job.tokens for job in self.jobs.values())
+
+    def admits(self, request: Request, now: float, *, engine_idle: bool = False) -> bool:
+        """Whether ``request`` may be admitted now (it fits with every older job).
+
+        Args:
+            request: a waiting request.
+            now: engine time (for the idle expiry).
+            engine_idle: nothing runs: the request passes (work conservation: a client that
+                drives its jobs one after another must not wait for the idle expiry).
+
+        Returns:
+            True for requests without a job, for the oldest job, and while the contexts of
+            ``request``'s job and of every job ranked before it fit ``capacity_tokens``.
+        """
+        job_id = request.job_id
+        if job_id is None or engine_idle:
+            return True
+        self.expire(now)
+        older = 0
+        for other_id, other in self.jobs.items():
+            if other_id == job_id:
+                break
+            older += other.tokens
+        if older == 0:
+            return True
+        own = max(request.num_tokens, self.jobs[job_id].tokens if job_id in self.jobs else 0)
+        if older + own <= self.capacity_tokens:
+            return True
+        self.num_held_back += 1
+        return False
+
+    def on_admitted(self, request: Request, now: float) -> None:
+        """``request`` holds its blocks now (its first admission or one after a preemption)."""
+        job_id = request.job_id
+        if job_id is None:
+            return
+        job = self.jobs.get(job_id)
+        if job is None:
+            left_at = self._expired.pop(job_id, None)
+            if left_at is not None:
+                self._gaps.append(max(0.0, now - left_at))
+            job = self.jobs[job_id] = _JobState(request.num_tokens)
+        elif job.in_flight == 0 and job.last_release is not None:
+            self._gaps.append(max(0.0, now - job.last_release))
+        job.in_flight += 1
+        job.tokens = max(job.tokens, request.num_tokens)
+
+    def on_released(self, request: Request, now: float, *, preempted: bool = False) -> None:
+        """``request`` gave its blocks back: finished, aborted, or ``preempted`` (it will be
+        admitted again). A finished last step ends its job."""
+        job = self.jobs.get(request.job_id) if request.job_id is not None else None
+        if job is None:
+            return
+        job.in_flight = max(0, job.in_flight - 1)
+        if preempted:
+            return
+        job.tokens = max(job.tokens, request.num_tokens)
+        job.last_release = now
+        if request.is_last_step and job.in_flight == 0:
+            del self.jobs[request.job_id]  # type: ignore[arg-type]
+
+    def expire(self, now: float) -> list[str]:
+        """Drops the jobs idle past :attr:`idle_timeout_s`; returns their ids."""
+        timeout = self.idle_timeout_s
+        idle = [
+            job_id
+            for job_id, job in self.jobs.items()
+            if job.in_flight == 0 and job.last_release is not None and now - job.last_release > timeout
+        ]
+        for job_id in idle:
+            self._expired[job_id] = self.jobs.pop(job_id).last_release  # type: ignore[assignment]
+        while len(self._expired) > self._max_expired:
+            self._expired.popitem(last=False)
+        self.num_expired += len(idle)
+        return idle
+
+    def check_integrity(self) -> None:
+        """Asserts the invariants of the class docstring."""
+        assert all(job.in_flight >= 0 for job in self.jobs.values()), "negative in-flight count"
+        assert all(job.tokens > 0 for job in self.jobs.values()), "a ranked job with no context"
+        assert not set(self.jobs) & set(self._expired), "a job both ranked and expired"
+        assert len(self._expired) <= self._max_expired, "expired jobs past their bound"

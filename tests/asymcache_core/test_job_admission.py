@@ -1,0 +1,94 @@
+"""Job-level admission: the gate's ranking and bookkeeping (the engine under it: test_engine_job_admission)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asymcache_core.job_admission import JobAdmission
+from asymcache_core.request import Request
+from asymcache_core.sampling_params import SamplingParams
+
+
+def _req(job: str | None, tokens: int, *, last: bool = False, rid: str | None = None) -> Request:
+    return Request(rid or f"{job}-{tokens}", [1] * tokens, SamplingParams(max_tokens=1), 0.0, job_id=job, is_last_step=last)
+
+
+def _admit(gate: JobAdmission, request: Request, now: float = 0.0) -> bool:
+    if gate.admits(request, now):
+        gate.on_admitted(request, now)
+        return True
+    return False
+
+
+def test_new_jobs_start_only_while_every_older_job_fits() -> None:
+    gate = JobAdmission(capacity_tokens=1000)
+    assert _admit(gate, _req("a", 400))
+    assert _admit(gate, _req("b", 500))
+    assert not _admit(gate, _req("c", 200))  # 400 + 500 + 200 > 1000
+    assert _admit(gate, _req(None, 900))  # requests without a job are never held back
+    assert gate.num_held_back == 1 and gate.num_jobs == 2
+
+
+def test_the_oldest_job_always_runs_even_past_capacity() -> None:
+    gate = JobAdmission(capacity_tokens=100)
+    r = _req("a", 90)
+    assert _admit(gate, r)
+    gate.on_released(r, 1.0)
+    assert _admit(gate, _req("a", 300, rid="a2"), 2.0)  # grew past the pool: still first
+
+
+def test_a_younger_job_that_no_longer_fits_waits_between_turns_and_resumes() -> None:
+    gate = JobAdmission(capacity_tokens=1000)
+    a1, b1 = _req("a", 300), _req("b", 300)
+    assert _admit(gate, a1) and _admit(gate, b1)
+    gate.on_released(a1, 1.0)
+    gate.on_released(b1, 1.0)
+    assert _admit(gate, _req("a", 800, rid="a2"), 1.5)  # a grew: 800 + b's 300 > 1000
+    assert not gate.admits(_req("b", 350, rid="b2"), 1.6)  # b waits between its turns
+    gate.on_released(_req("a", 850, last=True, rid="a2"), 2.0)  # a's last step ends a
+    assert gate.num_jobs == 1
+    assert _admit(gate, _req("b", 350, rid="b2"), 2.1)
+    gate.check_integrity()
+
+
+def test_preemption_keeps_the_rank_and_last_step_ends_the_job() -> None:
+    gate = JobAdmission(capacity_tokens=1000)
+    r = _req("a", 100, last=True)
+    _admit(gate, r)
+    gate.on_released(r, 0.5, preempted=True)
+    assert gate.num_jobs == 1 and gate.jobs["a"].in_flight == 0
+    _admit(gate, r, 0.6)
+    gate.on_released(r, 1.0)
+    assert gate.num_jobs == 0
+    gate.check_integrity()
+
+
+def test_idle_jobs_leave_the_ranking_after_a_learned_timeout() -> None:
+    gate = JobAdmission(capacity_tokens=1000, min_idle_timeout_s=5.0)
+    a1 = _req("a", 900)
+    _admit(gate, a1, 0.0)
+    gate.on_released(a1, 1.0)
+    a2 = _req("a", 950, rid="a2")
+    # a 20 s gap is longer than the 5 s floor: a left the ranking, and its return teaches the
+    # gap, so the timeout becomes 3 x 20 s.
+    assert _admit(gate, a2, 21.0) and gate.num_expired == 1
+    gate.on_released(a2, 22.0)
+    assert gate.idle_timeout_s == pytest.approx(60.0)
+    assert not gate.admits(_req("b", 100), 50.0)
+    assert gate.admits(_req("b", 100, rid="b2"), 83.0)  # a idle for 61 s: dropped
+    assert gate.num_expired == 2 and "a" not in gate.jobs
+    gate.check_integrity()
+
+
+def test_bad_settings_name_the_field() -> None:
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        JobAdmission(capacity_tokens=0)
+    with pytest.raises(ValueError, match="min_idle_timeout_s"):
+        JobAdmission(capacity_tokens=10, min_idle_timeout_s=0.0)
+
+
+def test_nothing_is_held_back_while_the_engine_is_idle() -> None:
+    gate = JobAdmission(capacity_tokens=100)
+    _admit(gate, _req("a", 90))
+    assert not gate.admits(_req("b", 50), 0.0)
+    assert gate.admits(_req("b", 50), 0.0, engine_idle=True)
