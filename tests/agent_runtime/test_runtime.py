@@ -15,8 +15,8 @@ from agent_runtime.presets import resolve_preset
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core import SamplingParams
-from tests.conftest import make_engine
 from tests.asymcache_core.continuum.test_continuum import FakeClock
+from tests.conftest import make_engine
 
 
 def _project(tmp_path: Path) -> Path:
