@@ -64,6 +64,12 @@ class EngineConfig:
         num_kv_blocks: KV pool size in blocks; ``None`` derives it from ``kv_memory_fraction``.
         kv_memory_fraction: share of the device's free memory (after weights) for the KV pool;
             on CPU, share of available RAM capped at 1 GiB.
+        gpu_memory_utilization: vLLM's meaning: share of the device's memory the engine may use
+            for weights, activations and the KV pool, which gets what is left
+            (:func:`asymcache_core.memory_budget.plan_kv_pool`); overrides ``kv_memory_fraction``
+            (``num_kv_blocks`` overrides both).
+        device_memory_gib: the memory ``gpu_memory_utilization`` splits; ``None``: the CUDA
+            device's total, on CPU the available RAM. A simulated engine needs it.
         max_num_batched_tokens: token budget of one step (fixed chunking).
         max_num_seqs: running requests at most.
         max_model_len: longest prompt + output; ``None`` takes the model's own limit.
@@ -122,6 +128,13 @@ class EngineConfig:
     kv_memory_fraction: float = field(default=0.5, metadata=_flag(
         "--kv-memory-fraction", "Share of the device's free memory after the weights for the KV pool "
         "(CPU: of available RAM, at most 1 GiB) when --num-kv-blocks is not given."))
+    gpu_memory_utilization: float | None = field(default=None, metadata=_flag(
+        "--gpu-memory-utilization", "Share of the device's memory for the weights, the activations and the "
+        "KV pool (vLLM's meaning): the pool gets what is left (default: --kv-memory-fraction of the free "
+        "memory after the weights)."))
+    device_memory_gib: float | None = field(default=None, metadata=_flag(
+        "--device-memory-gib", "Device memory --gpu-memory-utilization splits (default: the CUDA device's; "
+        "CPU: the available RAM; a simulated device needs it)."))
     max_num_batched_tokens: int = field(default=2048, metadata=_flag(
         "--max-num-batched-tokens", "Tokens per step (fixed chunking's budget; the cap of adaptive).",
         "--max-batched-tokens"))
@@ -178,6 +191,15 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction: must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.gpu_memory_utilization is not None and not (
+            isinstance(self.gpu_memory_utilization, int | float) and 0.0 < self.gpu_memory_utilization <= 1.0
+        ):
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device_memory_gib is not None and not (
+            isinstance(self.device_memory_gib, int | float) and math.isfinite(self.device_memory_gib)
+            and self.device_memory_gib > 0
+        ):
+            raise ValueError(f"device_memory_gib: must be a positive number, got {self.device_memory_gib}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:

@@ -26,6 +26,7 @@ from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.job_admission import JobAdmission
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
+from asymcache_core.memory_budget import GIB, RUNTIME_OVERHEAD_BYTES, KVPoolPlan, plan_kv_pool
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, fcfs_key
@@ -202,6 +203,8 @@ class Engine:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         dtype_bytes = torch.finfo(dtype).bits // 8
+        #: How ``gpu_memory_utilization`` split the device memory (``None``: not used).
+        self.memory_plan: KVPoolPlan | None = None
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(dtype_bytes)
         self.block_size = config.block_size
 
@@ -314,6 +317,9 @@ class Engine:
     def _blocks_from_memory(self, dtype_bytes: int) -> int:
         per_block = self.model_config.kv_bytes_per_token(dtype_bytes) * self.config.block_size
         device = self.config.torch_device
+        if self.config.gpu_memory_utilization is not None:
+            self.memory_plan = self._memory_plan(dtype_bytes)
+            return self.memory_plan.num_blocks
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = free * self.config.kv_memory_fraction
@@ -323,6 +329,35 @@ class Engine:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(avail * self.config.kv_memory_fraction, 1 << 30)
         return max(16, int(budget // per_block))
+
+    def _memory_plan(self, dtype_bytes: int) -> KVPoolPlan:
+        """The pool ``gpu_memory_utilization`` leaves on this engine's device (see
+        :func:`~asymcache_core.memory_budget.plan_kv_pool`): weights measured on a real device,
+        from the parameter count on a simulated one."""
+        config = self.config
+        device = config.torch_device
+        weights = None
+        if self.loaded is not None:
+            weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        if config.device_memory_gib is not None:
+            total = int(config.device_memory_gib * GIB)
+        elif self.loaded is None:
+            raise ValueError("device_memory_gib: a simulated engine needs it to apply gpu_memory_utilization")
+        elif device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        else:
+            import os
+
+            total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + (weights or 0)
+        assert config.gpu_memory_utilization is not None
+        return plan_kv_pool(
+            self.model_config, gpu_memory_utilization=config.gpu_memory_utilization, total_bytes=total,
+            block_size=config.block_size, dtype_bytes=dtype_bytes,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            weight_bytes=weights,
+            # NOTE: a real CPU engine has no CUDA graphs or allocator pools to reserve for.
+            runtime_overhead_bytes=0 if self.loaded is not None and device.type == "cpu" else RUNTIME_OVERHEAD_BYTES,
+        )
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -58,6 +58,8 @@ class LatencyModel:
             graph replays); ``None``: the same.
         per_decode_kv_s: latency per key a decode reads (``K``), beyond ``per_attn_s``;
             0 in profiles written before this term existed.
+        device_memory_bytes: the profiled device's memory, so that a simulated engine can size
+            its pool the way the device would (``gpu_memory_utilization``); ``None``: unknown.
     """
 
     floor_s: float
@@ -70,6 +72,7 @@ class LatencyModel:
     fit_error: float | None = None
     decode_floor_s: float | None = None
     per_decode_kv_s: float = 0.0
+    device_memory_bytes: int | None = None
 
     def step_latency(
         self, num_tokens: int, attn_pairs: float, decode_only: bool = False, decode_kv_tokens: float = 0.0

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent_runtime.presets import TTLRule, resolve_preset
 from eval.harness import (
@@ -28,7 +28,10 @@ from eval.harness import (
     warm_up,
     working_set_blocks,
 )
-from eval.results import Results, RunInfo, save_results
+from eval.results import SLO, Results, RunInfo, save_results
+
+if TYPE_CHECKING:
+    from asymcache_core.memory_budget import KVPoolPlan
 
 DEFAULT_POLICIES = ("vllm-apc", "continuum", "asymcache", "asymcache+continuum")
 
@@ -153,6 +156,7 @@ def _suffix_number(suffix: str, name: str) -> float:
 ENGINE_FIELDS: tuple[str, ...] = (
     "model", "device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
     "latency_profile", "tpot_slo_ms", "attention_backend", "enforce_eager", "mixed_graph_max_tokens", "seed",
+    "gpu_memory_utilization", "device_memory_gib",
 )
 
 
@@ -175,8 +179,15 @@ class BenchConfig:
         time_scale: multiplies tool pauses and arrivals.
         token_scale: multiplies the generators' token lengths (small models, CPU runs).
         num_kv_blocks: pool size in blocks (overrides ``kv_fraction``).
-        kv_fraction: pool as a fraction of the workload's working set; ``None``: 0.5, raised to
-            what the largest job needs (an explicit fraction that cannot hold it is an error).
+        gpu_memory_utilization: size the pool the way a server does, from the device's memory
+            after the weights and the activations (vLLM's meaning,
+            :func:`asymcache_core.memory_budget.plan_kv_pool`); the ``sim`` backend splits the
+            memory of the device its latency profile was measured on (or ``device_memory_gib``).
+        device_memory_gib: the memory ``gpu_memory_utilization`` splits (default: the device's,
+            or the latency profile's for ``sim``).
+        kv_fraction: pool as a fraction of the workload's working set (ablations); ``None``
+            (and no ``gpu_memory_utilization``): 0.5, raised to what the largest job needs (an
+            explicit fraction that cannot hold it is an error).
         block_size: tokens per block.
         max_model_len: longest context of a job: jobs are cut to the turns whose context fits
             (``None``: not cut). The engine keeps the model's own limit.
@@ -195,6 +206,7 @@ class BenchConfig:
         repeats: runs of each variant, in rounds over all variants (A, B, A, B...), so that
             slow drift of the machine hits every variant alike; the report pools them and
             keeps each run's means.
+        slo: goodput targets, ``jct:S,ttft:MS,tpot:MS`` (:class:`eval.results.SLO`).
     """
 
     workload: str = "swe"
@@ -210,6 +222,8 @@ class BenchConfig:
     time_scale: float = 0.05
     token_scale: float = 0.05
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float | None = None
+    device_memory_gib: float | None = None
     kv_fraction: float | None = None
     block_size: int = 16
     max_model_len: int | None = 512
@@ -225,6 +239,7 @@ class BenchConfig:
     mixed_graph_max_tokens: int = 1024
     step_log: bool = False
     repeats: int = 1
+    slo: str | None = None
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
 
 
@@ -332,10 +347,84 @@ def _cut_jobs(trace: Any, max_model_len: int) -> Any:
     return trace.model_copy(update={"jobs": jobs})
 
 
-def pool_blocks(cfg: BenchConfig, trace: Any) -> int:
+def memory_pool_plan(cfg: BenchConfig, loaded: Any = None) -> KVPoolPlan:
+    """The pool ``cfg.gpu_memory_utilization`` leaves on the run's device.
+
+    The ``sim`` backend sizes it for the device its latency profile was measured on: that
+    profile's memory (``--device-memory-gib`` overrides it) and, when the profile is a CUDA one
+    and ``--dtype`` is ``auto``, bfloat16 KV and weights, as the engine would hold them there.
+
+    Args:
+        cfg: the run (``gpu_memory_utilization`` set).
+        loaded: the loaded model of a ``real`` run (its weights are measured).
+
+    Returns:
+        The split of the device memory.
+
+    Raises:
+        BenchError: no device memory to split, or no room left for a block.
+    """
+    import torch
+
+    from asymcache_core.config import DTYPES, EngineConfig
+    from asymcache_core.latency_model import LatencyModel
+    from asymcache_core.loaders import resolve_hf_config
+    from asymcache_core.memory_budget import GIB, RUNTIME_OVERHEAD_BYTES, plan_kv_pool
+    from asymcache_core.models import ModelConfig
+
+    assert cfg.gpu_memory_utilization is not None
+    model = loaded.config if loaded is not None else ModelConfig.from_hf(resolve_hf_config(cfg.model)[0])
+    device = EngineConfig(device=cfg.device, dtype=cfg.dtype).torch_device
+    dtype = EngineConfig(device=cfg.device, dtype=cfg.dtype).torch_dtype
+    weights = None
+    overhead = RUNTIME_OVERHEAD_BYTES
+    total = None if cfg.device_memory_gib is None else int(cfg.device_memory_gib * GIB)
+    if cfg.backend == "sim":
+        profile = LatencyModel.from_json(cfg.latency_profile) if cfg.latency_profile else None
+        if profile is not None and profile.device == "cuda" and cfg.dtype == "auto":
+            dtype = torch.bfloat16
+        if total is None and profile is not None:
+            total = profile.device_memory_bytes
+        if total is None:
+            raise BenchError(
+                "device_memory_gib: --gpu-memory-utilization on the sim backend needs the device's memory "
+                "(--device-memory-gib, or a --latency-profile that records it)"
+            )
+    else:
+        if loaded is not None:
+            weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        if total is None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+        elif total is None:
+            import os
+
+            total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + (weights or 0)
+        if device.type == "cpu":
+            overhead = 0
+    dtype = DTYPES.get(cfg.dtype) or dtype
+    try:
+        return plan_kv_pool(
+            model, gpu_memory_utilization=cfg.gpu_memory_utilization, total_bytes=total,
+            block_size=cfg.block_size, dtype_bytes=torch.finfo(dtype).bits // 8,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            weight_bytes=weights, runtime_overhead_bytes=overhead,
+        )
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+
+
+def pool_blocks(cfg: BenchConfig, trace: Any, plan: KVPoolPlan | None = None) -> int:
+    """The pool of a run, in blocks: ``num_kv_blocks``, else the memory ``plan``, else the
+    ``kv_fraction`` of the workload's working set.
+
+    Raises:
+        BenchError: a pool that cannot hold the workload's largest request.
+    """
     need = largest_request_blocks(trace, cfg.block_size)
     if cfg.num_kv_blocks is not None:
         blocks = cfg.num_kv_blocks
+    elif plan is not None:
+        blocks = plan.num_blocks
     elif cfg.kv_fraction is None:
         blocks = max(need, int(0.5 * working_set_blocks(trace, cfg.block_size)))
     else:
@@ -345,7 +434,7 @@ def pool_blocks(cfg: BenchConfig, trace: Any) -> int:
     if blocks < need:
         raise BenchError(
             f"num_kv_blocks: a pool of {blocks} blocks cannot hold the workload's largest job "
-            f"({need} blocks of {cfg.block_size}); raise --num-kv-blocks/--kv-fraction"
+            f"({need} blocks of {cfg.block_size}); raise --num-kv-blocks, --gpu-memory-utilization or --kv-fraction"
         )
     return blocks
 
@@ -388,6 +477,10 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             resolve_hf_config(cfg.model)
         except ValueError as exc:
             raise BenchError(str(exc)) from None
+    try:
+        slo = SLO.parse(cfg.slo) if cfg.slo else None
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
     trace = load_workload(cfg)
     started = dt.datetime.now(dt.UTC)
     run_dir = cfg.out or Path("runs") / started.strftime("%Y%m%d-%H%M%S")
@@ -405,11 +498,10 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
         outcomes = run_http(cfg, trace, variants, progress)
         latency_source = "server"
     else:
-        blocks = pool_blocks(cfg, trace)
         try:
             # NOTE: ``max_model_len`` only cuts the jobs: the engine keeps the model's own limit,
             # which sizes its CUDA graphs, so that a shorter cut does not change what is timed.
-            base = EngineConfig(num_kv_blocks=blocks, **{name: getattr(cfg, name) for name in ENGINE_FIELDS})
+            base = EngineConfig(**{name: getattr(cfg, name) for name in ENGINE_FIELDS})
         except ValueError as exc:
             raise BenchError(str(exc)) from None
         loaded = None
@@ -420,6 +512,13 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
                 loaded = load_model(cfg.model, base.torch_device, base.torch_dtype, cfg.seed)
             except ValueError as exc:
                 raise BenchError(str(exc)) from None
+        plan = None
+        if cfg.num_kv_blocks is None and cfg.gpu_memory_utilization is not None:
+            plan = memory_pool_plan(cfg, loaded)
+            notes.append(f"KV pool from --gpu-memory-utilization {cfg.gpu_memory_utilization}: {plan.describe()}")
+        blocks = pool_blocks(cfg, trace, plan)
+        base = replace(base, num_kv_blocks=blocks)
+        if cfg.backend == "real":
             if base.torch_device.type == "cuda":
                 warm_up(loaded, base)
                 warmed = compiled_kernel_count(cfg.device)
@@ -472,9 +571,9 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             notes.append("lossless_agreement: tokens of every request compared with an unbounded-pool vllm-apc run")
         if cfg.backend == "sim":
             notes.append("sim backend: latency model on a virtual clock; tokens are synthetic")
-        results_policies = {name: repeated_result(o, reference) for name, o in outcomes.items()}
+        results_policies = {name: repeated_result(o, reference, slo) for name, o in outcomes.items()}
     if cfg.backend == "http":
-        results_policies = {name: policy_result(o, None) for name, o in outcomes.items()}
+        results_policies = {name: policy_result(o, None, slo) for name, o in outcomes.items()}
     results = Results(
         run=RunInfo(
             workload=cfg.workload, backend=cfg.backend, model=cfg.model, device=cfg.device,
@@ -482,6 +581,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             latency_profile=latency_source, started=started.isoformat(timespec="seconds"),
             duration_s=time.perf_counter() - t_start, command=cfg.command,
             machine=machine_description(cfg.device), notes=notes,
+            concurrency=None if cfg.rate is not None else cfg.concurrency, rate=cfg.rate, slo=slo,
         ),
         policies=results_policies,
     )

@@ -122,26 +122,36 @@ def engine_options(
     {*BENCH_ENGINE_FIELDS, "num_kv_blocks", "max_model_len"},
     defaults={"max_model_len": 512, "max_num_batched_tokens": 512, "tpot_slo_ms": 100.0},
     helps={
-        "num_kv_blocks": "KV pool size in blocks (default: from --kv-fraction).",
+        "num_kv_blocks": "KV pool size in blocks (default: from --gpu-memory-utilization, else --kv-fraction).",
         "max_model_len": "Cut jobs to the turns whose context fits this (the engine keeps the model's limit).",
-        "seed": "Seeds the workload, its tokens and the engine.",
+        "seed": "Seeds the workload, its tokens and the engine (--seeds runs several).",
+        "gpu_memory_utilization": "Size the pool as a server does: this share of the device's memory, less the "
+        "weights and activations (vLLM's meaning; the sim backend splits its latency profile's device).",
     },
 )
 def bench(
-    workload: str = typer.Option("swe", help="swe | toolloop | chat | trace:PATH (or sharegpt:/bfcl:/mooncake:/bailian:PATH)"),
+    ctx: typer.Context,
+    workload: str = typer.Option(
+        "swe", help="swe | toolloop | chat | trace:PATH (or sharegpt:/bfcl:/mooncake:/bailian:PATH); comma-separated for several."
+    ),
     policies: str = typer.Option(
         "vllm-apc,continuum,asymcache,asymcache+continuum",
         help="Comma-separated serving presets, each with optional /SUFFIX ablations (/no-holes, /fixed:N, /no-msa, ...).",
     ),
     backend: str = typer.Option("real", help="real | sim | http."),
     url: str = typer.Option(None, help="Base URL of an OpenAI-compatible server (http backend)."),
-    jobs: int = typer.Option(6, min=1, help="Jobs in the workload."),
-    rate: float = typer.Option(None, help="Poisson arrivals in jobs/s (default: closed loop)."),
-    concurrency: int = typer.Option(6, min=1, help="Jobs in flight in the closed loop."),
+    jobs: int = typer.Option(6, min=1, help="Jobs in the workload (per load point)."),
+    rate: str = typer.Option(None, help="Poisson arrivals in jobs/s (default: closed loop); a comma list sweeps."),
+    concurrency: str = typer.Option("6", help="Jobs in flight in the closed loop; a comma list sweeps (16,32,64)."),
+    seeds: str = typer.Option(None, help="Comma-separated seeds: every load point runs once per seed."),
+    suite: str = typer.Option(None, help="A named sweep (agents): its workloads, seeds, loads and settings; "
+                              "options given on the command line win."),
+    slo: str = typer.Option(None, help="Goodput targets: jct:S,ttft:MS,tpot:MS (any subset)."),
+    workers: int = typer.Option(1, min=1, help="Sweep points run at once (sim backend; one process each)."),
     time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and arrivals."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
     kv_fraction: float = typer.Option(
-        None, help="Pool as a fraction of the workload's working set (default 0.5, at least the largest job)."
+        None, help="Pool as a fraction of the workload's working set (ablations; default 0.5, at least the largest job)."
     ),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
     no_lossless_check: bool = typer.Option(False, help="Skip the unbounded-pool reference run."),
@@ -152,26 +162,107 @@ def bench(
     *,
     engine_args: dict[str, Any],
 ) -> None:
-    """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures;
+    several loads, seeds or workloads make a load sweep (sweep.json, capacity at the SLO)."""
     from eval.bench import BenchConfig, run_bench
+    from eval.sweep import SUITES, run_sweep, sweep_points
 
-    cfg = BenchConfig(
-        workload=workload, policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
-        backend=backend, url=url, jobs=jobs, rate=rate, concurrency=concurrency, time_scale=time_scale,
-        token_scale=token_scale, kv_fraction=kv_fraction, out=out, check_lossless=not no_lossless_check,
-        step_log=step_log, repeats=repeats, **engine_args,
-    )
-    if not cfg.policies:
+    options: dict[str, Any] = {
+        "workload": workload, "policies": policies, "backend": backend, "jobs": jobs, "rate": rate,
+        "concurrency": concurrency, "seeds": seeds, "time_scale": time_scale, "token_scale": token_scale,
+        "check_lossless": not no_lossless_check, **engine_args,
+    }
+    if suite is not None:
+        if suite not in SUITES:
+            raise ValueError(f"suite: unknown suite {suite!r}; known: {', '.join(SUITES)}")
+        given = {name for name in ctx.params if _given(ctx, name)} | ({"check_lossless"} if no_lossless_check else set())
+        for key, value in SUITES[suite].items():
+            if key not in given:
+                options[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+    workloads = [w.strip() for w in str(options.pop("workload")).split(",") if w.strip()]
+    seed_list = _numbers("seeds", options.pop("seeds"), int) or [options["seed"]]
+    rates = _numbers("rate", options.pop("rate"), float)
+    loads = _numbers("concurrency", options.pop("concurrency"), int)
+    if rates and not _given(ctx, "concurrency"):
+        loads = []  # --rate alone: open-loop points only
+    if any(c < 1 for c in loads):
+        raise ValueError(f"concurrency: must be >= 1, got {loads}")
+    if any(not r > 0 for r in rates):
+        raise ValueError(f"rate: must be > 0, got {rates}")
+    policy_names = tuple(p.strip() for p in str(options.pop("policies")).split(",") if p.strip())
+    if not policy_names:
         raise ValueError("policies: give at least one policy")
-    console = Console(stderr=True)
-    columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        results, run_dir = run_bench(cfg, progress)
-    print_results_table(results)
-    typer.echo(f"report: {run_dir / 'report.html'}")
+    if not workloads:
+        raise ValueError("workload: give at least one workload")
+    cfg = BenchConfig(
+        policies=policy_names, url=url, workload=workloads[0], rate=rates[0] if rates and not loads else None,
+        concurrency=loads[0] if loads else 1, kv_fraction=kv_fraction, out=out, step_log=step_log,
+        repeats=repeats, slo=slo, **options,
+    )
+    points = sweep_points(workloads, seed_list, loads, rates)
+    if len(points) == 1:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        console = Console(stderr=True)
+        columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            results, run_dir = run_bench(cfg, progress)
+        print_results_table(results)
+        typer.echo(f"report: {run_dir / 'report.html'}")
+        return
+
+    def on_point(done: int, total: int, point: Any, seconds: float) -> None:
+        # NOTE: one line per point, flushed, so a sweep written to a log shows its progress.
+        typer.echo(f"[{done}/{total}] {point.label} done ({seconds:.0f} s)", err=True)
+
+    sweep, run_dir = run_sweep(cfg, points, workers=workers, on_point=on_point)
+    print_capacity_table(sweep)
+    typer.echo(f"report: {run_dir / 'sweep.html'}")
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was set on the command line (not a default).
+
+    NOTE: compared by name: typer ships its own copy of click, whose ``ParameterSource`` is
+    not ``click.core``'s.
+    """
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def _numbers(name: str, text: str | None, kind: type) -> list[Any]:
+    """A comma-separated list of numbers (``None``: empty); a bad item is a ValueError naming
+    the option."""
+    if text is None:
+        return []
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        return [kind(t) for t in items]
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
+
+
+def print_capacity_table(sweep: Any) -> None:
+    """The sweep's capacity at the JCT p90 target, per workload and variant."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from eval.sweep_report import capacity_rows
+
+    table = Table(title=f"capacity within the JCT p90 target ({sweep.backend}, {sweep.model})")
+    for col in ("workload", "variant", "JCT p90 target", "capacity"):
+        table.add_column(col, justify="left" if col in ("workload", "variant") else "right")
+    for workload, name, target, _, cap, at_end in capacity_rows(sweep):
+        shown = "none" if cap is None else (">= " if at_end else "") + f"{cap:.0f}"
+        table.add_row(workload, name, f"{target:.1f}s", shown)
+    Console(width=150).print(table)
 
 
 def torch_device_type(device: str) -> str:
@@ -201,11 +292,19 @@ def print_results_table(results: Any) -> None:
 
 @app.command()
 @clean_errors
-def report(run_dir: Path = typer.Argument(..., help="A folder holding results.json.")) -> None:
-    """Rebuild report.md, the plots and report.html from a run folder's results.json."""
+def report(run_dir: Path = typer.Argument(..., help="A folder holding results.json (or a sweep's sweep.json).")) -> None:
+    """Rebuild report.md, the plots and report.html from a run folder's results.json (a sweep
+    folder: sweep.md and sweep.html from its sweep.json)."""
     from eval.report import rebuild_report
+    from eval.sweep_results import SWEEP_FILE
 
-    for path in rebuild_report(run_dir):
+    if (run_dir / SWEEP_FILE).is_file():
+        from eval.sweep_report import rebuild_sweep_report
+
+        paths = rebuild_sweep_report(run_dir)
+    else:
+        paths = rebuild_report(run_dir)
+    for path in paths:
         typer.echo(str(path))
 
 
@@ -236,6 +335,11 @@ def profile(
         task = progress.add_task("profiling", total=len(grid.points()))
         points = measure(engine, grid, lambda done, total: progress.update(task, completed=done))
     latency = fit(points, model=model, device=device, source=str(out))
+    if engine.config.torch_device.type == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(engine.config.torch_device).total_memory
+        latency = dataclasses.replace(latency, device_memory_bytes=total)
     latency.to_json(out)
     typer.echo(
         f"floor {latency.floor_s * 1e3:.2f} ms, per token {latency.per_token_s * 1e6:.1f} us above a knee of "

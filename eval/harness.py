@@ -25,7 +25,15 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from asymcache_core import Engine, EngineConfig, SamplingParams
-from eval.results import PolicyResult, Recompute, RunMeans, Series, summarize
+from eval.results import (
+    SLO,
+    PolicyResult,
+    Recompute,
+    RunMeans,
+    Series,
+    serving_latency_keys,
+    summarize,
+)
 from workloads import Job, Trace, job_token_stream
 
 if TYPE_CHECKING:
@@ -49,6 +57,7 @@ class RequestRecord:
     computed_tokens: int = 0
     hole_tokens: int = 0
     preemptions: int = 0
+    itl: list[float] = field(default_factory=list)
 
     def log_row(self, t0: float) -> dict[str, Any]:
         """The record as one row of a request log (times in seconds from the run's start)."""
@@ -155,6 +164,8 @@ def drive(
     records: list[RequestRecord] = []
     jct: dict[str, float] = {}
     pinned_peak = 0
+    token_times: dict[str, float] = {}  # request id -> when its last token came
+    itls: dict[str, list[float]] = {}
 
     def submit(job_id: str, now: float) -> None:
         st = states[job_id]
@@ -182,8 +193,17 @@ def drive(
             submit(job_id, now)
         if running:
             for out in engine.step():
+                if out.new_token_ids:
+                    # NOTE: the step's end is when its tokens reach a client; the gaps between a
+                    # request's token steps are its inter-token latencies.
+                    now = clock()
+                    last = token_times.get(out.request_id)
+                    if last is not None:
+                        itls.setdefault(out.request_id, []).append(now - last)
+                    token_times[out.request_id] = now
                 if not out.finished:
                     continue
+                token_times.pop(out.request_id, None)
                 job_id = running.pop(out.request_id)
                 st = states[job_id]
                 m = out.metrics
@@ -193,7 +213,7 @@ def drive(
                     RequestRecord(
                         job_id, st.turn, m.arrival_time, m.first_scheduled_time, m.first_token_time, end,
                         out.num_prompt_tokens, m.cached_tokens, list(out.token_ids), m.ttft, m.tpot,
-                        m.computed_tokens, m.hole_tokens, m.num_preemptions,
+                        m.computed_tokens, m.hole_tokens, m.num_preemptions, itls.pop(out.request_id, []),
                     )
                 )
                 st.context = st.context + list(out.token_ids)
@@ -252,8 +272,56 @@ def drive(
     )
 
 
-def policy_result(outcome: RunOutcome, reference: dict[tuple[str, int], list[int]] | None) -> PolicyResult:
-    """Summarises a run into the results schema (lossless agreement against ``reference``)."""
+def serving_metrics(outcome: RunOutcome, slo: SLO | None) -> tuple[dict[str, float], float | None]:
+    """The run's figures under vLLM `bench serve` key names, and its job goodput.
+
+    Args:
+        outcome: the run.
+        slo: the targets (``None``: no goodput).
+
+    Returns:
+        ``(serving, goodput_jobs_per_hour)``: the key -> value table of
+        :attr:`eval.results.PolicyResult.serving` and the jobs per hour that met every target
+        (``None`` without an SLO).
+    """
+    records = outcome.records
+    duration = max(outcome.duration_s, 1e-9)
+    inputs = sum(r.prompt_tokens for r in records)
+    outputs = sum(len(r.output) for r in records)
+    serving: dict[str, float] = {
+        "completed": float(len(records)),
+        "duration": outcome.duration_s,
+        "total_input_tokens": float(inputs),
+        "total_output_tokens": float(outputs),
+        "request_throughput": len(records) / duration,
+        "output_throughput": outputs / duration,
+        "total_token_throughput": (inputs + outputs) / duration,
+        "completed_jobs": float(len(outcome.jct)),
+        "job_throughput": len(outcome.jct) / duration,
+    }
+    serving |= serving_latency_keys("ttft", [r.ttft for r in records if r.ttft is not None])
+    serving |= serving_latency_keys("tpot", [r.tpot for r in records if r.tpot is not None])
+    serving |= serving_latency_keys("itl", [gap for r in records for gap in r.itl])
+    serving |= serving_latency_keys("e2el", [r.finish - r.arrival for r in records])
+    serving |= serving_latency_keys("jct", list(outcome.jct.values()))
+    if slo is None:
+        return serving, None
+    request_good = [slo.request_ok(r.ttft, r.tpot) for r in records]
+    serving["request_goodput"] = sum(request_good) / duration
+    bad_jobs = {r.job_id for r, ok in zip(records, request_good, strict=True) if not ok}
+    good_jobs = sum(
+        1 for job, t in outcome.jct.items()
+        if job.split("#", 1)[0] not in bad_jobs and (slo.jct_s is None or t <= slo.jct_s)
+    )
+    serving["job_goodput"] = good_jobs / duration
+    return serving, good_jobs / duration * 3600.0
+
+
+def policy_result(
+    outcome: RunOutcome, reference: dict[tuple[str, int], list[int]] | None, slo: SLO | None = None
+) -> PolicyResult:
+    """Summarises a run into the results schema (lossless agreement against ``reference``,
+    goodput against ``slo``)."""
     s = outcome.engine_stats
     ttft = [r.ttft for r in outcome.records if r.ttft is not None]
     tpot = [r.tpot for r in outcome.records if r.tpot is not None]
@@ -265,10 +333,12 @@ def policy_result(outcome: RunOutcome, reference: dict[tuple[str, int], list[int
         agreement = same / max(1, len(outs))
     hole, suffix, pre = s["hole_tokens"], s["suffix_recomputed_tokens"], s["preempted_tokens"]
     jcts = list(outcome.jct.values())
+    serving, goodput = serving_metrics(outcome, slo)
     return PolicyResult(
         jct=summarize(jcts),
         ttft=summarize(ttft),
         tpot=summarize(tpot),
+        itl=summarize([gap for r in outcome.records for gap in r.itl]),
         queue=summarize(queue),
         hit_rate=s["hit_tokens"] / max(1, s["prompt_tokens"]),
         recomputed_tokens=Recompute(hole=hole, suffix=suffix, preempted=pre, total=hole + suffix + pre),
@@ -284,12 +354,15 @@ def policy_result(outcome: RunOutcome, reference: dict[tuple[str, int], list[int
         peak_blocks_in_use=s["peak_blocks_in_use"],
         pinned_blocks_peak=outcome.pinned_peak,
         duration_s=outcome.duration_s,
+        jobs_per_hour=len(outcome.jct) / max(outcome.duration_s, 1e-9) * 3600.0,
+        goodput_jobs_per_hour=goodput,
+        serving=serving,
         series=Series(jct=jcts, ttft=ttft, tpot=tpot, blocks_in_use=outcome.blocks_in_use, budget=outcome.budgets),
     )
 
 
 def repeated_result(
-    outcomes: list[RunOutcome], reference: dict[tuple[str, int], list[int]] | None
+    outcomes: list[RunOutcome], reference: dict[tuple[str, int], list[int]] | None, slo: SLO | None = None
 ) -> PolicyResult:
     """Summarises one or more runs of the same policy (``--repeats``).
 
@@ -299,7 +372,7 @@ def repeated_result(
     """
     if not outcomes:
         raise ValueError("outcomes: no run to summarise")
-    single = [policy_result(o, reference) for o in outcomes]
+    single = [policy_result(o, reference, slo) for o in outcomes]
     if len(outcomes) == 1:
         return single[0]
     stats = {k: round(sum(o.engine_stats[k] for o in outcomes) / len(outcomes)) for k in outcomes[0].engine_stats}
@@ -313,14 +386,22 @@ def repeated_result(
         outcomes[0].budgets,
         max(o.pinned_peak for o in outcomes),
     )
-    pooled = policy_result(merged, None)
+    pooled = policy_result(merged, None, slo)
     agreements = [r.lossless_agreement for r in single if r.lossless_agreement is not None]
     runs = [
         RunMeans(jct_mean=r.jct.mean, ttft_mean=r.ttft.mean, tpot_mean=r.tpot.mean, computed_tokens=r.computed_tokens)
         for r in single
     ]
+    goodputs = [r.goodput_jobs_per_hour for r in single if r.goodput_jobs_per_hour is not None]
+    serving = dict(pooled.serving)
+    if goodputs:
+        # NOTE: per run, then averaged: the pooled records repeat every job id once per run.
+        serving["job_goodput"] = sum(r.serving["job_goodput"] for r in single) / len(single)
+        serving["request_goodput"] = sum(r.serving["request_goodput"] for r in single) / len(single)
     return pooled.model_copy(
         update={
+            "goodput_jobs_per_hour": sum(goodputs) / len(goodputs) if goodputs else None,
+            "serving": serving,
             "lossless_agreement": sum(agreements) / len(agreements) if agreements else None,
             "num_jobs": single[0].num_jobs,
             "runs": runs,

@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 #: The schema version this module writes and reads. Bump it on an incompatible change.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 RESULTS_FILE = "results.json"
 SCHEMA_FILE = "results.schema.json"
@@ -50,13 +50,14 @@ class Summary(_Model):
 
     mean: float | None = Field(description="Arithmetic mean (s); None when count == 0.")
     p50: float | None = Field(description="Median (s); None when count == 0.")
+    p90: float | None = Field(description="90th percentile (s); None when count == 0.")
     p95: float | None = Field(description="95th percentile (s); None when count == 0.")
     p99: float | None = Field(description="99th percentile (s); None when count == 0.")
     count: int = Field(ge=0, description="Number of samples summarized.")
 
     @model_validator(mode="after")
     def _stats_match_count(self) -> Summary:
-        stats = (self.mean, self.p50, self.p95, self.p99)
+        stats = (self.mean, self.p50, self.p90, self.p95, self.p99)
         if self.count > 0 and any(v is None for v in stats):
             raise ValueError(f"count is {self.count} but some statistics are null")
         if self.count == 0 and any(v is not None for v in stats):
@@ -115,6 +116,49 @@ class RunMeans(_Model):
     computed_tokens: int = Field(ge=0, description="Tokens computed in the run.")
 
 
+class SLO(_Model):
+    """Service-level objectives a job must meet to count towards goodput (``--slo``).
+
+    A job is *good* when its completion time is within ``jct_s`` and every one of its requests
+    meets ``ttft_ms`` and ``tpot_ms`` (an unset target is not checked). A request is good (vLLM's
+    ``request_goodput``) when it meets ``ttft_ms`` and ``tpot_ms``.
+    """
+
+    jct_s: float | None = Field(default=None, gt=0, description="Job completion time target (s).")
+    ttft_ms: float | None = Field(default=None, gt=0, description="Time-to-first-token target (ms).")
+    tpot_ms: float | None = Field(default=None, gt=0, description="Time-per-output-token target (ms).")
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """Parses ``jct:S,ttft:MS,tpot:MS`` (any subset, any order).
+
+        Raises:
+            ValueError: an unknown key or a value that is not a positive number (names ``slo``).
+        """
+        values: dict[str, float] = {}
+        keys = {"jct": "jct_s", "ttft": "ttft_ms", "tpot": "tpot_ms"}
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            key, _, raw = part.partition(":")
+            if key not in keys:
+                raise ValueError(f"slo: unknown target {key!r} in {text!r}; known: jct:S, ttft:MS, tpot:MS")
+            try:
+                value = float(raw)
+            except ValueError:
+                value = float("nan")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"slo: {key} needs a positive number, got {raw!r}")
+            values[keys[key]] = value
+        if not values:
+            raise ValueError(f"slo: no target in {text!r}; e.g. jct:300,ttft:2000,tpot:100")
+        return cls(**values)
+
+    def request_ok(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Whether one request meets the TTFT and TPOT targets."""
+        if self.ttft_ms is not None and ttft_s is not None and ttft_s * 1e3 > self.ttft_ms:
+            return False
+        return not (self.tpot_ms is not None and tpot_s is not None and tpot_s * 1e3 > self.tpot_ms)
+
+
 class PolicyResult(_Model):
     """Everything measured for one entry of ``--policies`` (a bench variant) on the run's workload.
 
@@ -125,6 +169,7 @@ class PolicyResult(_Model):
     jct: Summary = Field(description="Job (whole agent task) completion time.")
     ttft: Summary = Field(description="Time to first token, per request.")
     tpot: Summary = Field(description="Time per output token after the first, per request.")
+    itl: Summary | None = Field(default=None, description="Inter-token latency, per token after the first.")
     queue: Summary = Field(description="Time a request waited before its first scheduling.")
     hit_rate: float = Field(ge=0.0, le=1.0, description="hit_tokens / prompt_tokens.")
     recomputed_tokens: Recompute
@@ -148,6 +193,18 @@ class PolicyResult(_Model):
     peak_blocks_in_use: int = Field(ge=0)
     pinned_blocks_peak: int = Field(default=0, ge=0)
     duration_s: float = Field(ge=0.0, description="Run time of this policy (s).")
+    jobs_per_hour: float = Field(default=0.0, ge=0.0, description="Jobs completed per hour of the run (one GPU).")
+    goodput_jobs_per_hour: float | None = Field(
+        default=None, ge=0.0, description="Jobs per hour that met every target of the run's SLO; None without one."
+    )
+    serving: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "The run's figures under vLLM `bench serve` key names (milliseconds: mean_ttft_ms, p99_itl_ms, "
+            "request_throughput, request_goodput, ...), plus the same shape for jobs (mean_jct_ms, p90_jct_ms, "
+            "job_goodput)."
+        ),
+    )
     series: Series = Field(default_factory=Series)
     runs: list[RunMeans] = Field(
         default_factory=list, description="Each run's means when the policy ran more than once."
@@ -171,6 +228,9 @@ class RunInfo(_Model):
     command: str = Field(description="The command line that produced the run.")
     machine: str = Field(description="Host description (CPU/GPU, OS, Python, torch).")
     notes: list[str] = Field(default_factory=list)
+    concurrency: int | None = Field(default=None, description="Jobs in flight (closed loop); None with --rate.")
+    rate: float | None = Field(default=None, description="Poisson job arrivals (jobs/s); None: closed loop.")
+    slo: SLO | None = Field(default=None, description="The targets goodput counts against.")
 
 
 class Results(_Model):
@@ -207,13 +267,31 @@ def summarize(values: Sequence[float]) -> Summary:
     """
     arr = np.asarray(list(values), dtype=np.float64)
     if arr.size == 0:
-        return Summary(mean=None, p50=None, p95=None, p99=None, count=0)
+        return Summary(mean=None, p50=None, p90=None, p95=None, p99=None, count=0)
     if not np.all(np.isfinite(arr)):
         raise ValueError("summarize() got NaN or infinite values")
-    p50, p95, p99 = np.percentile(arr, [50.0, 95.0, 99.0])
+    p50, p90, p95, p99 = np.percentile(arr, [50.0, 90.0, 95.0, 99.0])
     return Summary(
-        mean=float(arr.mean()), p50=float(p50), p95=float(p95), p99=float(p99), count=int(arr.size)
+        mean=float(arr.mean()), p50=float(p50), p90=float(p90), p95=float(p95), p99=float(p99),
+        count=int(arr.size),
     )
+
+
+#: The percentiles written under vLLM `bench serve` names (``p99_ttft_ms``; 50 is ``median_``).
+SERVING_PERCENTILES = (90.0, 95.0, 99.0)
+
+
+def serving_latency_keys(name: str, values: Sequence[float]) -> dict[str, float]:
+    """``mean_/median_/std_/pNN_<name>_ms`` of latencies given in seconds, as vLLM's
+    `bench serve` names them; empty for no samples."""
+    arr = np.asarray(list(values), dtype=np.float64) * 1e3
+    if arr.size == 0:
+        return {}
+    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+           f"std_{name}_ms": float(arr.std())}
+    for p, v in zip(SERVING_PERCENTILES, np.percentile(arr, SERVING_PERCENTILES), strict=True):
+        out[f"p{int(p)}_{name}_ms"] = float(v)
+    return out
 
 
 def results_json_schema() -> dict[str, Any]:

@@ -37,6 +37,7 @@ def calibrated_profile(smollm, path) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # NOTE: compares wall-clock TTFT of real runs: a benchmark, not for a loaded machine
 def test_sim_reproduces_real_ranking(smollm, tmp_path):
     policies = ("lru", "asymcache")
     profile = calibrated_profile(smollm, tmp_path / "profile.json")

@@ -138,7 +138,7 @@ def test_summarize_empty_and_non_finite() -> None:
 
 def test_summary_rejects_inconsistent_count() -> None:
     with pytest.raises(ValueError, match="null"):
-        Summary(mean=None, p50=None, p95=None, p99=None, count=3)
+        Summary(mean=None, p50=None, p90=None, p95=None, p99=None, count=3)
     with pytest.raises(ValueError, match="total"):
         Recompute(hole=5, suffix=5, preempted=0, total=3)
 

@@ -1,0 +1,131 @@
+"""Sizing the KV pool from device memory, the way a server sizes it.
+
+vLLM's ``--gpu-memory-utilization U`` means: the engine may use ``U`` of the device's total
+memory for everything it holds (weights, the activations of its largest step and the KV pool);
+the pool gets what is left after the other two. :func:`plan_kv_pool` does that arithmetic for a
+real device (weights measured) and for a simulated one (weights from the parameter count), so a
+simulated H200 gets the pool a real one would.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from asymcache_core.models import ModelConfig
+
+GIB = 1 << 30
+
+#: Memory a step needs beyond its activations: CUDA graphs' pools, the allocator's slack, the
+#: sampler's buffers. vLLM's profiling run sees about this much on an 8B model.
+RUNTIME_OVERHEAD_BYTES = 1 * GIB
+
+
+class KVPoolPlan(NamedTuple):
+    """How the device memory was split (bytes), and the pool it leaves.
+
+    Attributes:
+        total_bytes: the device's memory.
+        budget_bytes: ``gpu_memory_utilization x total_bytes``, what the engine may use.
+        weight_bytes: the model's weights.
+        activation_bytes: the reserve for the largest step's activations and the runtime.
+        block_bytes: bytes of one KV block (every layer, K and V).
+        num_blocks: blocks of the pool.
+    """
+
+    total_bytes: int
+    budget_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    block_bytes: int
+    num_blocks: int
+
+    def describe(self) -> str:
+        """One line for logs and reports: what the pool got and why."""
+        return (
+            f"{self.num_blocks} KV blocks ({self.num_blocks * self.block_bytes / GIB:.1f} GiB) = "
+            f"{self.budget_bytes / GIB:.1f} of {self.total_bytes / GIB:.1f} GiB - weights "
+            f"{self.weight_bytes / GIB:.1f} GiB - activations {self.activation_bytes / GIB:.1f} GiB"
+        )
+
+
+def activation_reserve_bytes(
+    model: ModelConfig,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype_bytes: int,
+    runtime_overhead_bytes: int = RUNTIME_OVERHEAD_BYTES,
+) -> int:
+    """Peak memory of the largest step beyond weights and KV, estimated from the model's shapes.
+
+    NOTE: a step of ``T`` tokens holds at most a few ``[T, hidden]`` tensors and the MLP's
+    ``[T, 2 x intermediate]`` gate/up output at once (layers run one after another), plus fp32
+    logits for the sampled rows only (one per running sequence). vLLM measures this with a
+    profiling run; the estimate is within its order and keeps the simulator device-free.
+
+    Args:
+        model: the model's shapes.
+        max_num_batched_tokens: tokens of the largest step.
+        max_num_seqs: rows the sampler sees at most.
+        dtype_bytes: bytes of the activation dtype.
+        runtime_overhead_bytes: added for what is not activations (CUDA graphs, allocator).
+
+    Returns:
+        Bytes to keep free for activations and the runtime.
+    """
+    per_token = (4 * model.hidden_size + 3 * model.intermediate_size) * dtype_bytes
+    logits = max_num_seqs * model.vocab_size * 4
+    return max_num_batched_tokens * per_token + logits + runtime_overhead_bytes
+
+
+def plan_kv_pool(
+    model: ModelConfig,
+    *,
+    gpu_memory_utilization: float,
+    total_bytes: int,
+    block_size: int,
+    dtype_bytes: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    weight_bytes: int | None = None,
+    runtime_overhead_bytes: int = RUNTIME_OVERHEAD_BYTES,
+) -> KVPoolPlan:
+    """The KV pool ``gpu_memory_utilization`` of a device leaves after weights and activations.
+
+    Args:
+        model: the model's shapes.
+        gpu_memory_utilization: share of ``total_bytes`` the engine may use, in (0, 1].
+        total_bytes: the device's memory.
+        block_size: tokens per KV block.
+        dtype_bytes: bytes of the KV (and weight) dtype.
+        max_num_batched_tokens: tokens of the largest step (the activation reserve).
+        max_num_seqs: running sequences at most (the logits reserve).
+        weight_bytes: measured weight memory; ``None``: parameter count x ``dtype_bytes``.
+        runtime_overhead_bytes: reserve beyond activations (0 on a CPU: no graphs, no allocator
+            pools).
+
+    Returns:
+        The split and the pool.
+
+    Raises:
+        ValueError: a utilization outside (0, 1], or one that leaves no room for a block (the
+        message names ``gpu_memory_utilization`` and says what took the memory).
+    """
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
+    weights = model.num_params * dtype_bytes if weight_bytes is None else weight_bytes
+    activations = activation_reserve_bytes(
+        model, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, dtype_bytes=dtype_bytes,
+        runtime_overhead_bytes=runtime_overhead_bytes,
+    )
+    budget = int(gpu_memory_utilization * total_bytes)
+    block_bytes = model.kv_bytes_per_token(dtype_bytes) * block_size
+    num_blocks = (budget - weights - activations) // block_bytes
+    plan = KVPoolPlan(total_bytes, budget, weights, activations, block_bytes, max(0, num_blocks))
+    if num_blocks < 1:
+        raise ValueError(
+            f"gpu_memory_utilization: {gpu_memory_utilization} of {total_bytes / GIB:.1f} GiB leaves no room for "
+            f"the KV pool after {weights / GIB:.1f} GiB of weights and {activations / GIB:.1f} GiB of "
+            "activations; raise it or give --num-kv-blocks"
+        )
+    return plan

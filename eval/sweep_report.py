@@ -1,0 +1,188 @@
+"""A load sweep's report: ``sweep.md``, ``sweep.html`` and one PNG per workload (JCT p90 and
+goodput against load, every variant, the spread over seeds shaded).
+
+The capacity table answers "how many agents can one GPU serve within the SLO": per workload and
+variant, the largest load whose JCT p90 (mean over seeds) meets the target
+(:func:`eval.sweep_results.capacity_at_slo`), and its ratio to ``vllm-apc``'s and
+``continuum``'s. Like :mod:`eval.report`, this module reads results only (no torch).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from pathlib import Path
+
+from eval.results import atomic_write_text
+from eval.sweep_results import (
+    SweepResults,
+    capacity_at_slo,
+    curve,
+    default_jct_slo,
+    load_sweep,
+    workloads_of,
+)
+
+SWEEP_MD = "sweep.md"
+SWEEP_HTML = "sweep.html"
+PEERS = ("vllm-apc", "continuum")
+
+
+def _slug(workload: str) -> str:
+    return workload.split(":", 1)[-1].rsplit("/", 1)[-1].split(".", 1)[0]
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _has_rates(sweep: SweepResults, workload: str) -> list[bool]:
+    kinds = {p.rate is not None for p in sweep.points if p.workload == workload}
+    return sorted(kinds)
+
+
+def capacity_rows(sweep: SweepResults) -> list[tuple[str, str, float, str, float | None, bool]]:
+    """``(workload, variant, jct_slo_s, slo_source, capacity, reached_end)`` per workload and
+    variant: the load at the JCT p90 target (``reached_end``: every point met it, so the
+    capacity is a lower bound)."""
+    rows = []
+    names = list(sweep.points[0].policies) if sweep.points else []
+    for workload in workloads_of(sweep):
+        for rates in _has_rates(sweep, workload):
+            if sweep.slo is not None and sweep.slo.jct_s is not None:
+                target, source = sweep.slo.jct_s, "--slo"
+            else:
+                default = default_jct_slo(sweep, workload, rates)
+                if default is None:
+                    continue
+                target, source = default, "2x ceiling p90 at the lowest load"
+            for name in names:
+                c = curve(sweep, workload, name, "jct_p90", rates)
+                cap = capacity_at_slo(c, target)
+                rows.append((workload, name, target, source, cap, cap is not None and c.loads and cap == c.loads[-1]))
+    return rows
+
+
+def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
+    names = list(sweep.points[0].policies) if sweep.points else []
+    lines = [
+        "# AsymCache load sweep",
+        "",
+        f"- command: `{sweep.command}`",
+        f"- started {sweep.started}, {sweep.duration_s:.0f} s, {sweep.backend} backend, model {sweep.model}",
+        f"- machine: {sweep.machine}",
+        f"- SLO: {sweep.slo.model_dump(exclude_none=True) if sweep.slo else 'none given (JCT target: 2x the ceiling)'}",
+        "",
+        "## Capacity: load within the JCT p90 target",
+        "",
+        "Largest load (agents in flight, or jobs/s for rate points) whose JCT p90, averaged over seeds, meets the "
+        "target; `>=` marks a variant that met it at every point (the sweep did not reach its knee).",
+        "",
+        "| workload | variant | JCT p90 target (s) | capacity | vs vllm-apc | vs continuum |",
+        "|:---|:---|---:|---:|---:|---:|",
+    ]
+    rows = capacity_rows(sweep)
+    caps = {(w, n): c for w, n, _, _, c, _ in rows}
+    for workload, name, target, _, cap, at_end in rows:
+        ratios = []
+        for peer in PEERS:
+            base = caps.get((workload, peer))
+            ratios.append("-" if cap is None or not base else f"{cap / base:.2f}x")
+        shown = "none" if cap is None else (">= " if at_end else "") + f"{cap:.0f}"
+        lines.append(f"| {_slug(workload)} | {name} | {target:.1f} | {shown} | {ratios[0]} | {ratios[1]} |")
+    for figure, title, digits in (
+        ("jct_mean", "Mean JCT (s)", 1), ("jct_p90", "JCT p90 (s)", 1), ("ttft_p99", "TTFT p99 (s)", 2),
+        ("goodput_jobs_per_hour", "Goodput (jobs/hour meeting the SLO)", 0), ("jobs_per_hour", "Jobs/hour", 0),
+    ):
+        lines += ["", f"## {title}, mean over seeds [min-max]", ""]
+        for workload in workloads_of(sweep):
+            for rates in _has_rates(sweep, workload):
+                loads = curve(sweep, workload, names[0], figure, rates).loads
+                unit = "jobs/s" if rates else "agents"
+                lines += [
+                    f"**{_slug(workload)}** ({unit})",
+                    "",
+                    "| variant | " + " | ".join(f"{x:g}" for x in loads) + " |",
+                    "|:---|" + "---:|" * len(loads),
+                ]
+                for name in names:
+                    c = curve(sweep, workload, name, figure, rates)
+                    cells = [
+                        f"{_fmt(m, digits)} [{_fmt(lo, digits)}-{_fmt(hi, digits)}]"
+                        for m, lo, hi in zip(c.mean, c.low, c.high, strict=True)
+                    ]
+                    lines.append(f"| {name} | " + " | ".join(cells) + " |")
+                lines.append("")
+    lines += ["## Plots", ""] + [f"![{title}]({path.name})" for title, path in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(sweep: SweepResults, run_dir: Path) -> list[tuple[str, Path]]:
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(sweep.points[0].policies) if sweep.points else []
+    cmap = colormaps["tab10"]
+    out = []
+    for workload in workloads_of(sweep):
+        for rates in _has_rates(sweep, workload):
+            fig = Figure(figsize=(11, 4.2), layout="constrained")
+            axes = fig.subplots(1, 2)
+            for i, name in enumerate(names):
+                for ax, figure in zip(axes, ("jct_p90", "goodput_jobs_per_hour"), strict=True):
+                    c = curve(sweep, workload, name, figure, rates)
+                    if all(math.isnan(y) for y in c.mean):
+                        continue
+                    ax.plot(c.loads, c.mean, marker="o", color=cmap(i % 10), label=name, lw=2)
+                    ax.fill_between(c.loads, c.low, c.high, color=cmap(i % 10), alpha=0.15)
+            unit = "Poisson rate (jobs/s)" if rates else "agents in flight"
+            axes[0].set(xlabel=unit, ylabel="JCT p90 (s)", title=f"{_slug(workload)}: JCT p90")
+            axes[1].set(xlabel=unit, ylabel="jobs/hour within SLO", title=f"{_slug(workload)}: goodput")
+            for ax in axes:
+                ax.grid(alpha=0.3)
+                if not rates:
+                    ax.set_xscale("log", base=2)
+            axes[0].legend(fontsize=8)
+            path = run_dir / f"sweep_{_slug(workload)}{'_rate' if rates else ''}.png"
+            FigureCanvasAgg(fig)
+            fig.savefig(path, format="png", dpi=90)
+            out.append((f"{_slug(workload)}: JCT p90 and goodput against load", path))
+    return out
+
+
+def _html(markdown: str, plots: list[tuple[str, Path]]) -> str:
+    import html
+
+    images = "".join(
+        f'<figure><img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" '
+        f'alt="{html.escape(t)}"><figcaption>{html.escape(t)}</figcaption></figure>'
+        for t, p in plots
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
+        "style-src 'unsafe-inline'\"><title>AsymCache load sweep</title>"
+        "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:2rem auto;padding:0 1rem}"
+        "pre{white-space:pre-wrap;font-size:.85rem}img{max-width:100%}</style></head><body>"
+        f"<h1>AsymCache load sweep</h1>{images}<pre>{html.escape(markdown)}</pre></body></html>\n"
+    )
+
+
+def write_sweep_report(sweep: SweepResults, run_dir: str | Path) -> list[Path]:
+    """Writes ``sweep.md``, ``sweep.html`` and the plots.
+
+    Returns:
+        The written files.
+    """
+    run_dir = Path(run_dir)
+    plots = _plots(sweep, run_dir)
+    markdown = _markdown(sweep, plots)
+    atomic_write_text(run_dir / SWEEP_MD, markdown)
+    atomic_write_text(run_dir / SWEEP_HTML, _html(markdown, plots))
+    return [run_dir / SWEEP_MD, run_dir / SWEEP_HTML, *(p for _, p in plots)]
+
+
+def rebuild_sweep_report(run_dir: str | Path) -> list[Path]:
+    """Re-renders a sweep folder's report from its ``sweep.json``."""
+    return write_sweep_report(load_sweep(run_dir), run_dir)
