@@ -1,9 +1,9 @@
 """The agent loop: one job's turns, its tool calls, and its metrics.
 
 A :class:`Job` is created by :meth:`~agent_runtime.runtime.AgentRuntime.job`. Its requests share
-``job_id``, which is both the engine's session and Continuum's job: when a turn ends in a tool
-call the runtime may pin the job's KV for the tool's pause, and the job's last step (or
-:meth:`Job.finish`) releases it.
+``job_id``, the engine's and Continuum's job: when a turn ends in a tool call the runtime may
+pin the job's KV for the tool's pause, and the job's last step (or :meth:`Job.finish`)
+releases it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _as_registry(tools: Any) -> ToolRegistry | None:
 
 
 class Job:
-    """A multi-turn agent job: its requests share ``job_id`` (engine session, Continuum job).
+    """A multi-turn agent job: its requests share ``job_id`` (the engine's and Continuum's job).
 
     Create with :meth:`AgentRuntime.job`.
 

@@ -198,7 +198,6 @@ class AgentRuntime:
         params: SamplingParams | None = None,
         *,
         job_id: str | None = None,
-        session_id: str | None = None,
         request_id: str | None = None,
         is_last_step: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -213,8 +212,7 @@ class AgentRuntime:
         Args:
             prompt: text (encoded on the engine thread) or token ids.
             params: sampling parameters.
-            job_id: the Continuum job (also the engine session).
-            session_id: engine session when there is no job.
+            job_id: the job (Continuum's, and the engine's grouping for eviction and admission).
             request_id: caller-chosen id.
             is_last_step: the job ends with this request.
             tools: tool schemas (for constrained decoding when ``tool_choice`` forces a call).
@@ -236,7 +234,7 @@ class AgentRuntime:
         """
         options = OutputOptions(job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool)
         return await self._client.submit(
-            prompt, params, options=options, session_id=session_id, request_id=request_id,
+            prompt, params, options=options, request_id=request_id,
             tools=tools, tool_choice=tool_choice,
         )
 
