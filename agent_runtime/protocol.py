@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypedDict, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -158,6 +158,46 @@ def normalize_tool_choice(tool_choice: ToolChoice, tools: Sequence[Mapping[str, 
             raise ValueError(f"tool_choice.function.name: {name!r} is not among the tools {names}")
         return {"type": "function", "function": {"name": name}}
     raise ValueError(f"tool_choice: must be a string or an object, got {type(tool_choice).__name__}")
+
+
+class ChatSampling(TypedDict, total=False):
+    """How one chat turn of the Python API samples; every key is optional.
+
+    Keys:
+        max_tokens: generated tokens at most (default 256).
+        temperature: 0 (the default) is greedy.
+        seed: sampling seed (default: none).
+        stop: stop strings (default: none).
+    """
+
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    stop: Sequence[str]
+
+
+def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
+    """The engine's parameters for a :class:`ChatSampling`.
+
+    Args:
+        sampling: the keys given (the others take their defaults).
+
+    Returns:
+        The parameters.
+
+    Raises:
+        TypeError: a key that is not a :class:`ChatSampling` key.
+        ValueError: rejected by :class:`SamplingParams` (the text names the field).
+    """
+    unknown = sorted(set(sampling) - ChatSampling.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    return SamplingParams(
+        max_tokens=sampling.get("max_tokens", 256),
+        temperature=sampling.get("temperature", 0.0),
+        seed=sampling.get("seed"),
+        stop=tuple(sampling.get("stop", ())),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,11 +432,13 @@ def _request_error(exc: ValidationError) -> RequestError:
 
 __all__ = [
     "ChatCompletionRequest",
+    "ChatSampling",
     "CompletionRequest",
     "RequestError",
     "StreamOptions",
     "ToolChoice",
     "ToolsArg",
+    "chat_sampling_params",
     "completion_prompt",
     "normalize_tool_choice",
     "normalize_tools",
