@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,47 +71,31 @@ def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
 
 
-def run_serve(
-    model: str = "smollm2-135m",
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    policy: str = "vllm-apc",
-    num_kv_blocks: int | None = None,
-    max_model_len: int | None = None,
-    **engine_settings: Any,
-) -> None:
+def run_serve(**options: Any) -> None:
     """``asymcache serve``: the OpenAI-compatible server (blocks until interrupted).
 
     Args:
-        model: model spec (``smollm2-135m``, an HF folder, a ``.gguf`` file, ``dummy:<config>``).
-        host: bind address.
-        port: TCP port (0-65535).
-        api_key: require this bearer key on ``/v1/*``.
-        policy: serving preset (``vllm-apc``, ``asymcache``, ``continuum``, ...).
-        num_kv_blocks: KV pool size in blocks (None: from memory).
-        max_model_len: context limit (None: the model's).
-        **engine_settings: any of :data:`ENGINE_SETTINGS` (``EngineConfig`` fields, e.g.
-            ``device``, ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``,
-            ``tpot_slo_ms``, ``latency_profile`` (a JSON file from ``asymcache profile``),
-            ``admit_full_prompt``, ``least_work_first``, ``least_work_patience``, ``enforce_eager``).
+        **options: the fields of :class:`~agent_runtime.server.app.ServeOptions` (``model``,
+            ``host``, ``port``, ``api_key``, ``policy``, ``num_kv_blocks``, ``max_model_len``,
+            ``served_model_name``, ``log_level``); every other name is one of
+            :data:`ENGINE_SETTINGS` (``EngineConfig`` fields, e.g. ``device``, ``dtype``,
+            ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``, ``tpot_slo_ms``,
+            ``latency_profile`` (a JSON file from ``asymcache profile``), ``admit_full_prompt``,
+            ``least_work_first``, ``least_work_patience``, ``enforce_eager``).
 
     Raises:
         ValueError: a bad argument (one line naming it), before the model loads.
     """
-    settings = _check_engine(model, policy, num_kv_blocks, max_model_len, engine_settings)
-    if not isinstance(host, str) or not host.strip():
-        raise ValueError("host: must be a non-empty address")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
-    if api_key is not None and not api_key.strip():
-        raise ValueError("api_key: must not be empty when given")
-    from agent_runtime.server import serve
+    # NOTE: the server's import is deferred: the agent and chat commands do not need FastAPI.
+    from agent_runtime.server import ServeOptions, serve
 
+    opts = ServeOptions.from_kwargs(options)
+    settings = _check_engine(opts.model, opts.policy, opts.num_kv_blocks, opts.max_model_len,
+                             dict(opts.engine_settings))
     try:
-        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, **settings)
+        serve(replace(opts, engine_settings=settings))
     except (OSError, ImportError) as e:
-        raise ValueError(f"model: cannot load {model!r}: {e}") from None
+        raise ValueError(f"model: cannot load {opts.model!r}: {e}") from None
 
 
 def run_agent(

@@ -57,7 +57,6 @@ class _Sink:
 class _Submit:
     prompt: str | list[int]
     params: SamplingParams
-    session_id: str | None
     request_id: str | None
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
@@ -231,7 +230,6 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         options: OutputOptions | None = None,
-        session_id: str | None = None,
         request_id: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice = None,
@@ -242,7 +240,6 @@ class AsyncEngine:
             prompt: text (encoded on the engine thread) or token ids.
             params: sampling parameters.
             options: the job it belongs to and how its final output is processed.
-            session_id: engine session when there is no job.
             request_id: caller-chosen id.
             tools: tool schemas (for constrained decoding when ``tool_choice`` forces a call).
             tool_choice: ``required`` or a named function constrains decoding.
@@ -261,7 +258,6 @@ class AsyncEngine:
         cmd = _Submit(
             prompt if isinstance(prompt, str) else list(prompt),
             params or SamplingParams(),
-            session_id,
             request_id,
             [dict(t) for t in tools] if tools else None,
             tool_choice,
@@ -344,8 +340,7 @@ class AsyncEngine:
             ids = engine.encode(cmd.prompt)
             rid = cmd.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             rid = engine.add_request(
-                ids, params, session_id=cmd.session_id, job_id=opts.job_id, request_id=rid,
-                is_last_step=opts.is_last_step,
+                ids, params, job_id=opts.job_id, request_id=rid, is_last_step=opts.is_last_step
             )
         except Exception as exc:  # noqa: BLE001 - rejected input goes back to the caller
             cmd.accepted.set_exception(exc)

@@ -1,18 +1,18 @@
 """The agent loop: one job's turns, its tool calls, and its metrics.
 
 A :class:`Job` is created by :meth:`~agent_runtime.runtime.AgentRuntime.job`. Its requests share
-``job_id``, which is both the engine's session and Continuum's job: when a turn ends in a tool
-call the runtime may pin the job's KV for the tool's pause, and the job's last step (or
-:meth:`Job.finish`) releases it.
+``job_id``, the engine's and Continuum's job: when a turn ends in a tool call the runtime may
+pin the job's KV for the tool's pause, and the job's last step (or :meth:`Job.finish`)
+releases it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from agent_runtime.presets import ServingPreset
-from agent_runtime.protocol import ToolChoice, ToolsArg, normalize_tools
+from agent_runtime.protocol import ChatSampling, ToolChoice, ToolsArg, normalize_tools
 from agent_runtime.tools import ToolRegistry
 from agent_runtime.types import AssistantTurn, JobMetrics, JobResult, ToolCallRecord, TurnRecord
 
@@ -38,7 +38,7 @@ def _as_registry(tools: Any) -> ToolRegistry | None:
 
 
 class Job:
-    """A multi-turn agent job: its requests share ``job_id`` (engine session, Continuum job).
+    """A multi-turn agent job: its requests share ``job_id`` (the engine's and Continuum's job).
 
     Create with :meth:`AgentRuntime.job`.
 
@@ -74,11 +74,9 @@ class Job:
         messages: Sequence[Mapping[str, Any]],
         tools: ToolsArg = None,
         tool_choice: ToolChoice = "auto",
-        max_tokens: int = 256,
+        *,
         is_last_step: bool = False,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
+        **sampling: Unpack[ChatSampling],
     ) -> AssistantTurn:
         """One assistant turn of this job.
 
@@ -87,11 +85,9 @@ class Job:
             tools: tool schemas/registry (default: the job's tools).
             tool_choice: ``auto``, ``none``, ``required`` or a named function (the last two
                 constrain decoding so even a small model emits a valid call).
-            max_tokens: generated tokens at most.
             is_last_step: this is the job's last LLM call (its KV is released right after).
-            temperature: 0 is greedy.
-            seed: sampling seed.
-            stop: stop strings.
+            **sampling: ``max_tokens`` (default 256), ``temperature`` (0: greedy), ``seed``,
+                ``stop`` (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
             The turn; when it ends in a tool call and the policy pins, ``turn.pin`` says for how
@@ -104,14 +100,11 @@ class Job:
             messages,
             tools=self.schemas if tools is None else tools,
             tool_choice=tool_choice,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-            stop=stop,
             job_id=self.job_id,
             is_last_step=is_last_step,
             pinning=self.policy.pinning,
             ttl_rule=self.policy.ttl_rule,
+            **sampling,
         )
         self.turns.append(turn)
         if is_last_step and turn.finish_reason != "abort":

@@ -10,6 +10,12 @@ Two layers:
   models: sampling parameters, Continuum's ``job_id`` / ``is_last_step``, streaming flags and the
   completion prompt. :func:`parse_request` turns a pydantic error into a :class:`RequestError`
   naming the offending field the way OpenAI's ``param`` does (``messages[0].role``).
+- The response bodies are pydantic models too, with OpenAI's field names and shapes
+  (:class:`ChatCompletionResponse`, :class:`ChatCompletionChunk`, :class:`CompletionResponse`,
+  :class:`CompletionChunk`, :class:`ModelList`, :class:`ErrorResponse`, :class:`Usage`).
+  ``model_dump()`` is the wire JSON: fields OpenAI always sends are there even when null
+  (``finish_reason``, ``logprobs``, an error's ``param``); the optional ones
+  (a chunk's ``usage``, a delta's fields, vLLM's ``token_ids``) are left out when unset.
 
 Every error is a :class:`ValueError` whose text starts with the field (``"max_tokens: ..."``).
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypedDict, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -158,6 +164,46 @@ def normalize_tool_choice(tool_choice: ToolChoice, tools: Sequence[Mapping[str, 
             raise ValueError(f"tool_choice.function.name: {name!r} is not among the tools {names}")
         return {"type": "function", "function": {"name": name}}
     raise ValueError(f"tool_choice: must be a string or an object, got {type(tool_choice).__name__}")
+
+
+class ChatSampling(TypedDict, total=False):
+    """How one chat turn of the Python API samples; every key is optional.
+
+    Keys:
+        max_tokens: generated tokens at most (default 256).
+        temperature: 0 (the default) is greedy.
+        seed: sampling seed (default: none).
+        stop: stop strings (default: none).
+    """
+
+    max_tokens: int
+    temperature: float
+    seed: int | None
+    stop: Sequence[str]
+
+
+def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
+    """The engine's parameters for a :class:`ChatSampling`.
+
+    Args:
+        sampling: the keys given (the others take their defaults).
+
+    Returns:
+        The parameters.
+
+    Raises:
+        TypeError: a key that is not a :class:`ChatSampling` key.
+        ValueError: rejected by :class:`SamplingParams` (the text names the field).
+    """
+    unknown = sorted(set(sampling) - ChatSampling.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    return SamplingParams(
+        max_tokens=sampling.get("max_tokens", 256),
+        temperature=sampling.get("temperature", 0.0),
+        seed=sampling.get("seed"),
+        stop=tuple(sampling.get("stop", ())),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,6 +413,208 @@ def parse_request(model: type[ModelT], body: Mapping[str, Any]) -> ModelT:
         raise _request_error(exc) from None
 
 
+# ----------------------------------------------------------------------------------------------
+# HTTP response bodies
+# ----------------------------------------------------------------------------------------------
+
+
+def _omitted_when_none(value: Any) -> bool:
+    return value is None
+
+
+#: An optional field that is left out of the wire JSON while it is None (OpenAI omits it).
+_OMIT = Field(default=None, exclude_if=_omitted_when_none)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Body):
+    """``usage.prompt_tokens_details``: prompt tokens served from the KV cache."""
+
+    cached_tokens: int
+
+
+class Usage(_Body):
+    """Token counts of one completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        """The usage of a completion (``total_tokens`` is the sum).
+
+        Args:
+            prompt_tokens: its prompt's length.
+            completion_tokens: tokens it generated.
+            cached_tokens: prompt tokens that were cache hits.
+
+        Returns:
+            The usage.
+        """
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class FunctionCall(_Body):
+    """A called function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(_Body):
+    """A tool call in a streamed delta: a :class:`ToolCall` with its ``index`` first."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    """The assistant message of a chat completion (``content`` null when it is only calls)."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = _OMIT
+
+
+class DeltaMessage(_Body):
+    """What a streamed chat chunk adds to the message; unset fields are left out."""
+
+    role: Literal["assistant"] | None = _OMIT
+    content: str | None = _OMIT
+    tool_calls: list[ToolCallDelta] | None = _OMIT
+
+
+class ChatCompletionChoice(_Body):
+    """The choice of a chat completion."""
+
+    index: int = 0
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionStreamChoice(_Body):
+    """The choice of a streamed chat chunk."""
+
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionChoice(_Body):
+    """The choice of a text completion or of one of its chunks; ``token_ids`` and
+    ``prompt_token_ids`` (vLLM's ``return_token_ids``) only when asked for."""
+
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _OMIT
+    prompt_token_ids: list[int] | None = _OMIT
+
+
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class _Envelope(_Body):
+    """The fields every completion body and chunk starts with (``object`` names its kind)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class _Completion(_Envelope, Generic[ChoiceT]):
+    """A non-streamed completion body: its one choice and the usage."""
+
+    choices: list[ChoiceT]
+    usage: Usage
+
+
+class _Chunk(_Envelope, Generic[ChoiceT]):
+    """One SSE chunk: its choices, and ``usage`` only in the last one, when asked for."""
+
+    choices: list[ChoiceT]
+    usage: Usage | None = _OMIT
+
+
+class ChatCompletionResponse(_Completion[ChatCompletionChoice]):
+    """``POST /v1/chat/completions``, not streamed."""
+
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatCompletionChunk(_Chunk[ChatCompletionStreamChoice]):
+    """One SSE chunk of a streamed chat completion."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionResponse(_Completion[CompletionChoice]):
+    """``POST /v1/completions``, not streamed."""
+
+    object: Literal["text_completion"] = "text_completion"
+
+
+class CompletionChunk(_Chunk[CompletionChoice]):
+    """One SSE chunk of a streamed text completion."""
+
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(_Body):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "asymcache"
+
+
+class ModelList(_Body):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Body):
+    """OpenAI's error object (``param`` and ``code`` are null when there is none)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Body):
+    """Every error's body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
 def _param(loc: Sequence[int | str]) -> str | None:
     """OpenAI's notation for a pydantic location: ``("messages", 0, "role")`` -> ``messages[0].role``."""
     out = ""
@@ -391,12 +639,32 @@ def _request_error(exc: ValidationError) -> RequestError:
 
 
 __all__ = [
+    "ChatCompletionChoice",
+    "ChatCompletionChunk",
     "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionStreamChoice",
+    "ChatMessage",
+    "ChatSampling",
+    "CompletionChoice",
+    "CompletionChunk",
     "CompletionRequest",
+    "CompletionResponse",
+    "DeltaMessage",
+    "ErrorInfo",
+    "ErrorResponse",
+    "FunctionCall",
+    "ModelCard",
+    "ModelList",
+    "PromptTokensDetails",
     "RequestError",
     "StreamOptions",
+    "ToolCall",
+    "ToolCallDelta",
     "ToolChoice",
     "ToolsArg",
+    "Usage",
+    "chat_sampling_params",
     "completion_prompt",
     "normalize_tool_choice",
     "normalize_tools",

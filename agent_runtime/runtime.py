@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from agent_runtime.chat_template import ChatRenderer
 from agent_runtime.engine_client import AsyncEngine, RequestStream
@@ -27,8 +27,10 @@ from agent_runtime.job import Job
 from agent_runtime.output_processor import OutputOptions, OutputProcessor, build_turn
 from agent_runtime.presets import ServingPreset, resolve_preset
 from agent_runtime.protocol import (
+    ChatSampling,
     ToolChoice,
     ToolsArg,
+    chat_sampling_params,
     normalize_tool_choice,
     normalize_tools,
     validate_messages,
@@ -198,7 +200,6 @@ class AgentRuntime:
         params: SamplingParams | None = None,
         *,
         job_id: str | None = None,
-        session_id: str | None = None,
         request_id: str | None = None,
         is_last_step: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -213,8 +214,7 @@ class AgentRuntime:
         Args:
             prompt: text (encoded on the engine thread) or token ids.
             params: sampling parameters.
-            job_id: the Continuum job (also the engine session).
-            session_id: engine session when there is no job.
+            job_id: the job (Continuum's, and the engine's grouping for eviction and admission).
             request_id: caller-chosen id.
             is_last_step: the job ends with this request.
             tools: tool schemas (for constrained decoding when ``tool_choice`` forces a call).
@@ -236,7 +236,7 @@ class AgentRuntime:
         """
         options = OutputOptions(job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool)
         return await self._client.submit(
-            prompt, params, options=options, session_id=session_id, request_id=request_id,
+            prompt, params, options=options, request_id=request_id,
             tools=tools, tool_choice=tool_choice,
         )
 
@@ -317,14 +317,11 @@ class AgentRuntime:
         *,
         tools: ToolsArg = None,
         tool_choice: ToolChoice = "auto",
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
         job_id: str | None = None,
         is_last_step: bool = False,
         pinning: bool | None = None,
         ttl_rule: str | None = None,
+        **sampling: Unpack[ChatSampling],
     ) -> AssistantTurn:
         """One assistant turn (see :meth:`~agent_runtime.job.Job.chat`, which adds the job's defaults).
 
@@ -332,22 +329,21 @@ class AgentRuntime:
             messages: OpenAI messages.
             tools: tool schemas, a registry, or tools.
             tool_choice: see :meth:`start_chat`.
-            max_tokens: generated tokens at most.
-            temperature: 0 is greedy.
-            seed: sampling seed.
-            stop: stop strings.
             job_id: the job.
             is_last_step: the job's last step.
             pinning: per-request pinning override.
             ttl_rule: per-request TTL rule override.
+            **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``
+                (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
             The assistant turn.
 
         Raises:
+            TypeError: an unknown keyword argument.
             ValueError: bad input (the message names the field).
         """
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stop))
+        params = chat_sampling_params(sampling)
         stream, _ = await self.start_chat(
             messages, tools=tools, tool_choice=tool_choice, params=params, job_id=job_id,
             is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,

@@ -30,8 +30,8 @@ class KVBlock:
             and computed; ``None`` while it holds no reusable content.
         position: logical block index in its sequence (``position * block_size`` tokens
             precede it): the rebuild cost grows with it.
-        session_id: the last session that used it.
-        sessions: sessions that have used it (shared-prefix blocks have several).
+        job_id: the last job that used it.
+        jobs: jobs that have used it (shared-prefix blocks have several).
         last_access: engine time of the last use.
     """
 
@@ -40,15 +40,15 @@ class KVBlock:
     pin_cnt: int = 0
     block_hash: int | None = None
     position: int = 0
-    session_id: str | None = None
-    sessions: set[str] = field(default_factory=set)
+    job_id: str | None = None
+    jobs: set[str] = field(default_factory=set)
     last_access: float = 0.0
 
     def reset(self) -> None:
         self.block_hash = None
         self.position = 0
-        self.session_id = None
-        self.sessions = set()
+        self.job_id = None
+        self.jobs = set()
 
 
 class OutOfBlocksError(RuntimeError):
@@ -93,7 +93,7 @@ class BlockPool:
         return block.ref_cnt == 0 and block.pin_cnt == 0 and block.block_hash is not None
 
     # -- allocation ----------------------------------------------------------------------
-    def allocate(self, count: int, session_id: str | None = None) -> list[int]:
+    def allocate(self, count: int, job_id: str | None = None) -> list[int]:
         """Takes ``count`` blocks: uncached free blocks first, then evicted candidates.
 
         Raises:
@@ -116,13 +116,13 @@ class BlockPool:
             block = self.blocks[block_id]
             block.ref_cnt = 1
             block.last_access = now
-            block.session_id = session_id
-            if session_id is not None:
-                block.sessions.add(session_id)
+            block.job_id = job_id
+            if job_id is not None:
+                block.jobs.add(job_id)
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
         return taken
 
-    def touch(self, block_ids: Iterable[int], session_id: str | None = None) -> None:
+    def touch(self, block_ids: Iterable[int], job_id: str | None = None) -> None:
         """Takes a reference on cache hits (removing them from the candidates)."""
         now = self.clock()
         for block_id in block_ids:
@@ -131,9 +131,9 @@ class BlockPool:
                 self.policy.remove(block)
             block.ref_cnt += 1
             block.last_access = now
-            if session_id is not None:
-                block.session_id = session_id
-                block.sessions.add(session_id)
+            if job_id is not None:
+                block.job_id = job_id
+                block.jobs.add(job_id)
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
 
     def free(self, block_ids: Iterable[int]) -> None:

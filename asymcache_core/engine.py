@@ -24,13 +24,13 @@ from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.job_admission import JobAdmission
+from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.memory_budget import GIB, RUNTIME_OVERHEAD_BYTES, KVPoolPlan, plan_kv_pool
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, fcfs_key
-from asymcache_core.session_stats import SessionStats
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 
 
@@ -214,15 +214,15 @@ class Engine:
             self.latency = LatencyModel.from_json(config.latency_profile)
         else:
             self.latency = LatencyModel.analytic(mc, device.type, dtype_bytes, config.model)
-        self.sessions = SessionStats()
+        self.job_stats = JobStats()
         policy = create_policy(
-            config.eviction_policy, PolicyContext(config.block_size, self.latency, self.sessions)
+            config.eviction_policy, PolicyContext(config.block_size, self.latency, self.job_stats)
         )
         self.pool = BlockPool(self.num_blocks, policy, self.clock)
         hole_reuse = policy.hole_reuse if config.hole_reuse is None else config.hole_reuse
         self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse)
         self.pins = PinManager(self.pool)
-        self.continuum = ContinuumController(self.pins, self.latency, self.sessions, self.clock)
+        self.continuum = ContinuumController(self.pins, self.latency, self.job_stats, self.clock)
         job_admission = policy.job_admission if config.job_admission is None else config.job_admission
         self.job_admission = JobAdmission(self.num_blocks * config.block_size) if job_admission else None
         self._stalled = False
@@ -372,7 +372,6 @@ class Engine:
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
-        session_id: str | None = None,
         job_id: str | None = None,
         request_id: str | None = None,
         is_last_step: bool = False,
@@ -383,8 +382,9 @@ class Engine:
         Args:
             prompt: token ids, or a string for models with a tokenizer.
             params: sampling parameters (defaults: greedy, 16 tokens).
-            session_id: the conversation/job whose blocks the eviction policy groups.
-            job_id: Continuum job (defaults ``session_id`` to it).
+            job_id: the agent job or chat the request is a turn of: its blocks are grouped by
+                it for eviction and pins, and it is the unit of job admission and of program
+                order (``None``: a standalone request).
             request_id: a caller-chosen id (unique among unfinished requests).
             is_last_step: the job ends with this request (its blocks will not be reused).
             priority: smaller runs first among equal keys.
@@ -424,15 +424,15 @@ class Engine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         now = self.clock()
         request = Request(
-            request_id, ids, params, now, session_id=session_id, job_id=job_id,
+            request_id, ids, params, now, job_id=job_id,
             priority=priority, is_last_step=is_last_step,
         )
         self.continuum.on_request_added(request)
-        if request.session_id is not None:
+        if job_id is not None:
             # NOTE: the turn's new tokens, not the whole prompt: they size the step that will
-            # rebuild the session's evicted blocks (AsymCache's marginal cost under the knee).
-            new_tokens = self.sessions.turn_tokens(request.session_id, len(ids))
-            self.sessions.on_arrival(request.session_id, now, new_tokens)
+            # rebuild the job's evicted blocks (AsymCache's marginal cost under the knee).
+            new_tokens = self.job_stats.turn_tokens(job_id, len(ids))
+            self.job_stats.on_arrival(job_id, now, new_tokens)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.counters.num_requests += 1
@@ -534,16 +534,16 @@ class Engine:
 
     def _on_finish(self, request: Request, now: float) -> None:
         """The scheduler's finish hook: runs before the request's blocks are freed."""
-        if request.session_id is not None:
+        if request.job_id is not None:
             held = [
                 (b, self.pool.blocks[b].block_hash)
                 for b in self.kv.held_blocks(request)
                 if self.pool.blocks[b].block_hash is not None
             ]
-            self.pins.remember(request.session_id, held)  # type: ignore[arg-type]
-            self.sessions.on_finish(request.session_id, now, request.is_last_step, request.num_tokens)
+            self.pins.remember(request.job_id, held)  # type: ignore[arg-type]
+            self.job_stats.on_finish(request.job_id, now, request.is_last_step, request.num_tokens)
             if request.is_last_step:
-                self.pins.forget(request.session_id)
+                self.pins.forget(request.job_id)
         runner_sampler = getattr(self.runner, "sampler", None)
         if runner_sampler is not None:
             runner_sampler.forget(request.request_id)
@@ -593,29 +593,31 @@ class Engine:
         )
 
     # -- pins ----------------------------------------------------------------------------------
-    def pin_session(self, session_id: str, ttl_s: float) -> int:
-        """Pins the blocks of ``session_id``'s last finished request for ``ttl_s`` seconds.
+    def pin_job(self, job_id: str, ttl_s: float) -> int:
+        """Pins the blocks of ``job_id``'s last finished request for ``ttl_s`` seconds.
 
         Returns:
             Blocks pinned (0 when the pin was refused or nothing was cached).
         """
-        return self.pins.pin(session_id, ttl_s, self.clock())
+        return self.pins.pin(job_id, ttl_s, self.clock())
 
-    def unpin_session(self, session_id: str) -> bool:
-        return self.pins.unpin(session_id)
+    def unpin_job(self, job_id: str) -> bool:
+        """Releases ``job_id``'s pin; whether it had one."""
+        return self.pins.unpin(job_id)
 
-    def hint_session(self, session_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
+    def hint_job(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
         """Passes the runtime's reuse hints (tool-pause estimate, job done) to the policies."""
-        self.continuum.hint(session_id, expected_gap_s, finished)
+        self.continuum.hint(job_id, expected_gap_s, finished)
 
     # -- blocking API ------------------------------------------------------------------------
     def generate(
         self,
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        session_ids: Sequence[str | None] | None = None,
+        job_ids: Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
-        """Runs prompts to completion; one output per prompt, in order."""
+        """Runs prompts to completion; one output per prompt, in order (``job_ids``: each one's
+        job, see :meth:`add_request`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -629,9 +631,9 @@ class Engine:
         prompt_ids: dict[str, list[int]] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
-                sid = session_ids[i] if session_ids else None
+                job_id = job_ids[i] if job_ids else None
                 encoded = self.encode(prompt)  # type: ignore[arg-type]
-                rid = self.add_request(encoded, p, session_id=sid)
+                rid = self.add_request(encoded, p, job_id=job_id)
                 ids.append(rid)
                 prompt_ids[rid] = encoded
         except ValueError:

@@ -170,10 +170,10 @@ class KVCacheManager:
         if short:
             self._uninstall(request)
             return None
-        self.pool.touch((b for b in hit.block_table if b != HOLE), request.session_id)
+        self.pool.touch((b for b in hit.block_table if b != HOLE), request.job_id)
         if on_hold is not None:
             # NOTE: before the fresh blocks are taken: what the hook releases (a pin on the
-            # session's blocks that this request does not hold) may serve this allocation.
+            # job's blocks that this request does not hold) may serve this allocation.
             on_hold(request)
         return Allocation(segments, self._allocate(request, needed), hit)
 
@@ -222,7 +222,7 @@ class KVCacheManager:
         """Allocates fresh blocks for ``block_indices`` of ``request`` (caller checked room)."""
         if not block_indices:
             return []
-        fresh = self.pool.allocate(len(block_indices), request.session_id)
+        fresh = self.pool.allocate(len(block_indices), request.job_id)
         table = request.block_ids
         for idx, block_id in zip(block_indices, fresh, strict=True):
             if idx >= len(table):

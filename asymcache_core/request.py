@@ -89,7 +89,6 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
-        session_id: str | None = None,
         job_id: str | None = None,
         priority: float = 0.0,
         is_last_step: bool = False,
@@ -99,7 +98,6 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.params = params
-        self.session_id = session_id if session_id is not None else job_id
         self.job_id = job_id
         self.priority = priority
         self.is_last_step = is_last_step
@@ -110,7 +108,7 @@ class Request:
         self.num_committed_blocks = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.admitted_once = False
-        self.had_pin = False  # its session held a Continuum pin when it arrived
+        self.had_pin = False  # its job held a Continuum pin when it arrived
         self.max_computed_ever = 0
         # End of its last cache hit at admission: positions below it that run refill holes.
         self.hit_end = 0

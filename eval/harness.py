@@ -178,7 +178,6 @@ def drive(
         rid = engine.add_request(
             st.context,
             SamplingParams(max_tokens=max(1, turn.output_tokens), ignore_eos=True),
-            session_id=job_id,
             job_id=job_id,
             request_id=f"{job_id}/{st.turn}",
             is_last_step=last,

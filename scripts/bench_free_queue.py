@@ -2,7 +2,7 @@
 
 ``python scripts/bench_free_queue.py [--sizes 5000 50000 200000] [--chain 200]`` fills an
 :class:`~asymcache_core.integrations.vllm.free_queue.ExpectedLatencyFreeQueue` with cached free
-blocks in chains of ``--chain`` blocks (one session per chain, as finished agent turns leave
+blocks in chains of ``--chain`` blocks (one job per chain, as finished agent turns leave
 them) and times, side by side, popping 16 victims with the queue's indexed plan and planning
 the same 16 with the full scan over every free block (the dry-run reference it is tested
 against). CPU only; no vLLM needed.
@@ -20,8 +20,8 @@ from asymcache_core.integrations.vllm.free_queue import (
     CachedForest,
     ExpectedLatencyFreeQueue,
 )
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
-from asymcache_core.session_stats import SessionStats
 
 
 @dataclass(eq=False)
@@ -32,8 +32,8 @@ class Block:
 
 
 def build(num_blocks: int, chain: int) -> tuple[ExpectedLatencyFreeQueue, CachedForest]:
-    sessions = SessionStats()
-    scorer = BlockScorer(sessions, LatencyModel(0.007, 2e-5, 2e-9, 64), 16)
+    job_stats = JobStats()
+    scorer = BlockScorer(job_stats, LatencyModel(0.007, 2e-5, 2e-9, 64), 16)
     forest = CachedForest()
     blocks = []
     for s in range(num_blocks // chain):
@@ -44,8 +44,8 @@ def build(num_blocks: int, chain: int) -> tuple[ExpectedLatencyFreeQueue, Cached
             forest.add(block_id, key)
             blocks.append(Block(block_id, key))
         scorer.annotate(ids, f"s{s}")
-        sessions.on_arrival(f"s{s}", 0.0, 100)
-        sessions.on_finish(f"s{s}", 1.0 + s * 1e-3, False, chain * 16)
+        job_stats.on_arrival(f"s{s}", 0.0, 100)
+        job_stats.on_finish(f"s{s}", 1.0 + s * 1e-3, False, chain * 16)
     return ExpectedLatencyFreeQueue(blocks, scorer.score, lambda: 5.0, forest), forest
 
 

@@ -15,20 +15,20 @@ from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
 
 
-def multi_turn(engine: Engine, sessions: int, turns: int, seed: int) -> list[list[int]]:
+def multi_turn(engine: Engine, jobs: int, turns: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     system = torch.randint(1000, vocab - 1000, (512,), generator=gen).tolist()
-    ctx = {s: system + torch.randint(1000, vocab - 1000, (200,), generator=gen).tolist() for s in range(sessions)}
+    ctx = {s: system + torch.randint(1000, vocab - 1000, (200,), generator=gen).tolist() for s in range(jobs)}
     outs = []
     for _ in range(turns):
-        ids = {s: engine.add_request(ctx[s], SamplingParams(max_tokens=16, ignore_eos=True), session_id=f"s{s}") for s in range(sessions)}
+        ids = {s: engine.add_request(ctx[s], SamplingParams(max_tokens=16, ignore_eos=True), job_id=f"s{s}") for s in range(jobs)}
         done = {}
-        while len(done) < sessions:
+        while len(done) < jobs:
             for o in engine.step():
                 if o.finished:
                     done[o.request_id] = o.token_ids
-        for s in range(sessions):
+        for s in range(jobs):
             outs.append(done[ids[s]])
             ctx[s] = ctx[s] + done[ids[s]] + torch.randint(1000, vocab - 1000, (120,), generator=gen).tolist()
     engine.check_integrity()
@@ -50,7 +50,7 @@ def main() -> None:
             eng = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=blocks,
                          eviction_policy=policy, attention_backend=backend)
             t = time.perf_counter()
-            outs = multi_turn(eng, sessions=6, turns=3, seed=1)
+            outs = multi_turn(eng, jobs=6, turns=3, seed=1)
             torch.cuda.synchronize()
             rows.append((backend, policy, blocks, outs, time.perf_counter() - t, eng.pool.num_evictions, eng.counters.hole_tokens))
     ref = rows[0][3]

@@ -1,7 +1,7 @@
 """What refilling a hole costs on the GPU, against recomputing the same tokens as a suffix.
 
 ``python scripts/gpu_hole_step.py [--model dummy:llama-3.1-8b] [--history 6000] [--new 1000]``
-prefills a ``history``-token session, evicts ``R`` tokens of it by hand and times the one
+prefills a ``history``-token job, evicts ``R`` tokens of it by hand and times the one
 engine step that brings it back with ``new`` fresh tokens: the evicted blocks at the front of
 the history (what ``asymcache`` evicts first), in its middle, or at its end (what
 ``vllm-apc`` evicts: one contiguous segment). Every case computes the same number of tokens;
@@ -41,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--profile", default="bench_traces/profile_h200_llama8b.json")
-    ap.add_argument("--history", type=int, default=6000, help="tokens of the session before the turn")
+    ap.add_argument("--history", type=int, default=6000, help="tokens of the job before the turn")
     ap.add_argument("--new", type=int, default=1000, help="fresh tokens of the turn")
     ap.add_argument("--recompute", type=int, nargs="+", default=[256, 1024],
                     help="evicted tokens (multiples of the block size)")
@@ -59,13 +59,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(5)
     system = torch.randint(1000, vocab - 1000, (48,), generator=gen).tolist()
     bs = engine.block_size
-    sessions = iter(range(1_000_000))
+    jobs = iter(range(1_000_000))
 
     def turn(where: str, recompute: int) -> None:
-        """Prefills a fresh session, evicts ``recompute`` tokens of it, adds the next turn."""
-        sid = f"s{next(sessions)}"
+        """Prefills a fresh job, evicts ``recompute`` tokens of it, adds the next turn."""
+        sid = f"s{next(jobs)}"
         history = system + torch.randint(1000, vocab - 1000, (args.history - 48,), generator=gen).tolist()
-        first = engine.generate([history], ONE, session_ids=[sid])[0]
+        first = engine.generate([history], ONE, job_ids=[sid])[0]
         context = history + first.token_ids
         prompt = context + torch.randint(1000, vocab - 1000, (args.new,), generator=gen).tolist()
         hashes = engine.kv.ensure_hashes(Request("probe", prompt, ONE, 0.0))
@@ -74,7 +74,7 @@ def main() -> None:
             block_id = engine.pool.lookup(hashes[idx])
             assert block_id is not None, (where, idx)
             engine.pool.evict_block(block_id)
-        engine.add_request(prompt, ONE, session_id=sid)
+        engine.add_request(prompt, ONE, job_id=sid)
 
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     print(f"# {name}, torch {torch.__version__}, {args.model}, history {args.history}, new {args.new}, "

@@ -11,7 +11,7 @@ reproducible.
 Every client error is a 4xx with OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``; a client that disconnects mid-stream has its request aborted (its blocks freed).
 
-Modules: :mod:`~agent_runtime.server.app` (:func:`create_app`, :func:`serve`),
+Modules: :mod:`~agent_runtime.server.app` (:func:`create_app`, :class:`ServeOptions`, :func:`serve`),
 :mod:`~agent_runtime.server.state` (the per-app :class:`AppState`; no module-level state),
 :mod:`~agent_runtime.server.serving` (the handlers and their shared SSE path),
 :mod:`~agent_runtime.server.metrics` (``prometheus_client``), :mod:`~agent_runtime.server.errors`.
@@ -19,6 +19,6 @@ Modules: :mod:`~agent_runtime.server.app` (:func:`create_app`, :func:`serve`),
 
 from __future__ import annotations
 
-from agent_runtime.server.app import create_app, serve
+from agent_runtime.server.app import ServeOptions, create_app, serve
 
-__all__ = ["create_app", "serve"]
+__all__ = ["ServeOptions", "create_app", "serve"]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi.responses import JSONResponse
 
-from agent_runtime.protocol import RequestError
+from agent_runtime.protocol import ErrorInfo, ErrorResponse, RequestError
 
 
 class APIError(Exception):
@@ -35,13 +33,13 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
-        """The JSON body.
+    def body(self) -> ErrorResponse:
+        """The body.
 
         Returns:
             ``{"error": {"message", "type", "param", "code"}}``.
         """
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
         """The error as a response.
@@ -49,7 +47,7 @@ class APIError(Exception):
         Returns:
             The JSON response.
         """
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
 
 
 def from_value_error(exc: ValueError, prompt_param: str) -> APIError:

@@ -136,30 +136,29 @@ class ServerMetrics:
         self._aborted = Counter(
             "asymcache_aborted_requests_total", "Requests aborted (client disconnects included).", registry=r
         )
-        self._vllm_ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", model,
-            buckets=TTFT_BUCKETS, registry=r,
-        ).labels(model_name)
-        self._vllm_tpot = Histogram(
-            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", model,
-            buckets=TPOT_BUCKETS, registry=r,
-        ).labels(model_name)
-        self._vllm_e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", model,
-            buckets=E2E_BUCKETS, registry=r,
-        ).labels(model_name)
-        self._vllm_prompt = Counter(
-            "vllm:prompt_tokens_total", "Number of prefill tokens processed.", model, registry=r
-        ).labels(model_name)
-        self._vllm_generation = Counter(
-            "vllm:generation_tokens_total", "Number of generation tokens processed.", model, registry=r
-        ).labels(model_name)
-        self._vllm_queries = Counter(
-            "vllm:prefix_cache_queries_total", "Prefix-cache queries, in tokens.", model, registry=r
-        ).labels(model_name)
-        self._vllm_hits = Counter(
-            "vllm:prefix_cache_hits_total", "Prefix-cache hits, in tokens.", model, registry=r
-        ).labels(model_name)
+        # NOTE: vLLM's series carry a ``model_name`` label; this app serves one model, so each
+        # is kept as its one labelled child.
+        def vllm_histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, documentation, model, buckets=buckets, registry=r).labels(model_name)
+
+        def vllm_counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, model, registry=r).labels(model_name)
+
+        self._vllm_ttft = vllm_histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self._vllm_tpot = vllm_histogram(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", TPOT_BUCKETS
+        )
+        self._vllm_e2e = vllm_histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", E2E_BUCKETS
+        )
+        self._vllm_prompt = vllm_counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+        self._vllm_generation = vllm_counter(
+            "vllm:generation_tokens_total", "Number of generation tokens processed."
+        )
+        self._vllm_queries = vllm_counter("vllm:prefix_cache_queries_total", "Prefix-cache queries, in tokens.")
+        self._vllm_hits = vllm_counter("vllm:prefix_cache_hits_total", "Prefix-cache hits, in tokens.")
         self.engine = EngineCollector(model_name)
         r.register(self.engine)
 

@@ -4,8 +4,9 @@ Both completions endpoints validate their body (:mod:`agent_runtime.protocol`), 
 the runtime, and then answer with :func:`_respond`: a JSON body once the request finished, or
 the one SSE path of :func:`_sse_events` (chunks from an endpoint-specific encoder, then the
 optional usage chunk and ``[DONE]``; a client that goes away has its request aborted, so its KV
-blocks are freed). Only the chunk payloads differ between the endpoints
-(:class:`_ChatChunks`, :class:`_CompletionChunks`).
+blocks are freed). Only the body models (:data:`_CHAT`, :data:`_COMPLETION`) and the choices
+(:class:`_ChatChunks`, :class:`_CompletionChunks`) differ between the endpoints; every body is a
+response model of :mod:`agent_runtime.protocol`, and its ``model_dump()`` is what goes on the wire.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import asyncio
 import json
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,9 +26,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
     RequestError,
+    ToolCallDelta,
+    Usage,
     parse_json_body,
     parse_request,
 )
@@ -55,15 +71,12 @@ async def health(request: Request) -> dict[str, str]:
     return {"status": "ok"}
 
 
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request) -> JSONResponse:
     """``GET /v1/models``: the one served model."""
     state = app_state(request)
     state.check_auth(request)
     state.metrics.count("/v1/models", 200)
-    return {
-        "object": "list",
-        "data": [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "asymcache"}],
-    }
+    return JSONResponse(ModelList(data=[ModelCard(id=state.model_name, created=state.created)]).model_dump())
 
 
 async def metrics(request: Request) -> Response:
@@ -95,7 +108,7 @@ async def chat_completions(request: Request) -> Response:
     except ValueError as e:
         raise from_value_error(e, "messages") from None
     chunks = _ChatChunks(stream, tools_possible=bool(req.tools) and choice != "none")
-    return await _respond(request, state, req, stream, chunks, "/v1/chat/completions")
+    return await _respond(request, state, req, stream, chunks, _CHAT)
 
 
 async def completions(request: Request) -> Response:
@@ -113,7 +126,7 @@ async def completions(request: Request) -> Response:
     except ValueError as e:
         raise from_value_error(e, "prompt") from None
     chunks = _CompletionChunks(stream, return_ids=req.return_token_ids is True)
-    return await _respond(request, state, req, stream, chunks, "/v1/completions")
+    return await _respond(request, state, req, stream, chunks, _COMPLETION)
 
 
 async def _parse(request: Request, model: type[RequestT]) -> tuple[AppState, RequestT]:
@@ -142,24 +155,46 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max
 # ----------------------------------------------------------------------------------------------
 
 
-class _Chunks(Protocol):
-    """What differs between chat and text completions: the response's payloads."""
+@dataclass(frozen=True)
+class _Endpoint:
+    """A completions endpoint's path and body models.
 
+    Attributes:
+        path: the route (the requests counter's ``endpoint`` label).
+        id_prefix: its response ids' prefix.
+        response_model: the non-streamed body.
+        chunk_model: one SSE chunk.
+    """
+
+    path: str
     id_prefix: str
-    object: str
-    chunk_object: str
+    response_model: type[ChatCompletionResponse] | type[CompletionResponse]
+    chunk_model: type[ChatCompletionChunk] | type[CompletionChunk]
 
-    def opening(self) -> list[dict[str, Any]]:
-        """Choices sent before the first token."""
-        ...
 
-    def on_event(self, event: StreamEvent) -> list[dict[str, Any]]:
+_CHAT = _Endpoint("/v1/chat/completions", "chatcmpl", ChatCompletionResponse, ChatCompletionChunk)
+_COMPLETION = _Endpoint("/v1/completions", "cmpl", CompletionResponse, CompletionChunk)
+
+
+class _Chunks(ABC):
+    """An endpoint's choices for one request: the base keeps the stream and how much of its text
+    went out; subclasses say what a choice holds."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+        self.sent = 0
+
+    def opening(self) -> list[Any]:
+        """Choices sent before the first token (none by default)."""
+        return []
+
+    @abstractmethod
+    def on_event(self, event: StreamEvent) -> list[Any]:
         """Choices for one event of the stream (the final one included)."""
-        ...
 
-    def final_choice(self, final: StreamEvent) -> dict[str, Any]:
+    @abstractmethod
+    def final_choice(self, final: StreamEvent) -> Any:
         """The choice of the non-streamed response."""
-        ...
 
 
 async def _respond(
@@ -168,23 +203,22 @@ async def _respond(
     req: ChatCompletionRequest | CompletionRequest,
     stream: RequestStream,
     chunks: _Chunks,
-    endpoint: str,
+    endpoint: _Endpoint,
 ) -> Response:
     """The response of a submitted completion: one JSON body, or the SSE stream."""
-    rid = f"{chunks.id_prefix}-{uuid.uuid4().hex[:24]}"
+    rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}"
     model, metrics = state.model_name, state.metrics
     if not req.streaming:
         final = await _await_final(request, stream)
         metrics.observe(final)
-        choice = chunks.final_choice(final)
-        metrics.count(endpoint, 200)
-        return JSONResponse({
-            "id": rid, "object": chunks.object, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": _usage(final),
-        })
-    metrics.count(endpoint, 200)
+        body = endpoint.response_model(
+            id=rid, created=int(time.time()), model=model, choices=[chunks.final_choice(final)], usage=_usage(final)
+        )
+        metrics.count(endpoint.path, 200)
+        return JSONResponse(body.model_dump())
+    metrics.count(endpoint.path, 200)
     return StreamingResponse(
-        _sse_events(stream, chunks, rid, model, req.include_usage, metrics),
+        _sse_events(stream, chunks, endpoint, rid, model, req.include_usage, metrics),
         media_type="text/event-stream",
         headers=_SSE_HEADERS,
     )
@@ -193,6 +227,7 @@ async def _respond(
 async def _sse_events(
     stream: RequestStream,
     chunks: _Chunks,
+    endpoint: _Endpoint,
     rid: str,
     model: str,
     include_usage: bool,
@@ -201,10 +236,9 @@ async def _sse_events(
     """The SSE frames of one streamed completion; aborts the request if the client goes away."""
     created = int(time.time())
 
-    def frame(choices: list[dict[str, Any]], **extra: Any) -> str:
-        obj = {"id": rid, "object": chunks.chunk_object, "created": created, "model": model,
-               "choices": choices, **extra}
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    def frame(choices: list[Any], usage: Usage | None = None) -> str:
+        chunk = endpoint.chunk_model(id=rid, created=created, model=model, choices=choices, usage=usage)
+        return f"data: {json.dumps(chunk.model_dump(), ensure_ascii=False)}\n\n"
 
     try:
         for choice in chunks.opening():
@@ -242,15 +276,9 @@ async def _await_final(request: Request, stream: RequestStream) -> StreamEvent:
             task.cancel()
 
 
-def _usage(final: StreamEvent) -> dict[str, Any]:
+def _usage(final: StreamEvent) -> Usage:
     out = final.output
-    prompt, completion = out.num_prompt_tokens, len(out.token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.metrics.cached_tokens},
-    }
+    return Usage.of(out.num_prompt_tokens, len(out.token_ids), out.metrics.cached_tokens)
 
 
 def safe_text_len(text: str, hold_tool_tag: bool) -> int:
@@ -280,93 +308,71 @@ def safe_text_len(text: str, hold_tool_tag: bool) -> int:
     return end
 
 
-class _ChatChunks:
+class _ChatChunks(_Chunks):
     """Chat payloads: a role delta, content deltas, then tool calls or the rest, then the reason."""
 
-    id_prefix = "chatcmpl"
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
     def __init__(self, stream: RequestStream, tools_possible: bool) -> None:
-        self.stream = stream
+        super().__init__(stream)
         self.tools_possible = tools_possible
-        self.sent = 0
 
-    @staticmethod
-    def _delta(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    def opening(self) -> list[ChatCompletionStreamChoice]:
+        return [ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))]
 
-    def opening(self) -> list[dict[str, Any]]:
-        return [self._delta({"role": "assistant", "content": ""})]
-
-    def on_event(self, event: StreamEvent) -> list[dict[str, Any]]:
+    def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
         text = event.output.text
         if not event.output.finished:
             upto = safe_text_len(text, self.tools_possible)
             if upto <= self.sent:
                 return []
             piece, self.sent = text[self.sent : upto], upto
-            return [self._delta({"content": piece})]
+            return [ChatCompletionStreamChoice(delta=DeltaMessage(content=piece))]
         turn = build_turn(self.stream, event)
-        out: list[dict[str, Any]] = []
+        deltas: list[DeltaMessage] = []
         if turn.parsed.tool_calls:
             # Text before the tags was streamed already; only a reply that is all tags
             # around some content (nothing sent yet) still owes its content.
             if self.sent == 0 and turn.parsed.content:
-                out.append(self._delta({"content": turn.parsed.content}))
-            calls = [{"index": i, **c} for i, c in enumerate(to_openai_tool_calls(turn.parsed.tool_calls))]
-            out.append(self._delta({"tool_calls": calls}))
+                deltas.append(DeltaMessage(content=turn.parsed.content))
+            calls = to_openai_tool_calls(turn.parsed.tool_calls)
+            deltas.append(DeltaMessage(tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)]))
         elif len(text) > self.sent:
-            out.append(self._delta({"content": text[self.sent :]}))
-        out.append(self._delta({}, turn.finish_reason))
+            deltas.append(DeltaMessage(content=text[self.sent :]))
+        out = [ChatCompletionStreamChoice(delta=d) for d in deltas]
+        out.append(ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason=turn.finish_reason))
         return out
 
-    def final_choice(self, final: StreamEvent) -> dict[str, Any]:
+    def final_choice(self, final: StreamEvent) -> ChatCompletionChoice:
         turn = build_turn(self.stream, final)
-        return {"index": 0, "message": turn.message, "finish_reason": turn.finish_reason, "logprobs": None}
+        return ChatCompletionChoice(message=ChatMessage.model_validate(turn.message), finish_reason=turn.finish_reason)
 
 
-class _CompletionChunks:
+class _CompletionChunks(_Chunks):
     """Text-completion payloads: text pieces (with their token ids on request), the last with the reason."""
 
-    id_prefix = "cmpl"
-    object = "text_completion"
-    chunk_object = "text_completion"
-
     def __init__(self, stream: RequestStream, return_ids: bool) -> None:
-        self.stream = stream
+        super().__init__(stream)
         self.return_ids = return_ids
-        self.sent = 0
 
-    def _choice(self, text: str, finish: str | None, ids: list[int]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        if self.return_ids:
-            choice["token_ids"] = ids
-        return choice
-
-    def opening(self) -> list[dict[str, Any]]:
-        return []
-
-    def on_event(self, event: StreamEvent) -> list[dict[str, Any]]:
+    def on_event(self, event: StreamEvent) -> list[CompletionChoice]:
         out = event.output
         text = out.text
         upto = len(text) if out.finished else safe_text_len(text, False)
         piece = text[self.sent : upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
-        new_ids = list(out.new_token_ids)
-        if out.finished:
-            return [self._choice(piece, out.finish_reason, new_ids)]
-        if piece or (self.return_ids and new_ids):
-            return [self._choice(piece, None, new_ids)]
+        new_ids = list(out.new_token_ids) if self.return_ids else None
+        if out.finished or piece or new_ids:
+            return [CompletionChoice(text=piece, finish_reason=out.finish_reason if out.finished else None,
+                                     token_ids=new_ids)]
         return []
 
-    def final_choice(self, final: StreamEvent) -> dict[str, Any]:
+    def final_choice(self, final: StreamEvent) -> CompletionChoice:
         out = final.output
-        choice: dict[str, Any] = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        if self.return_ids:
-            choice["token_ids"] = list(out.token_ids)
-            choice["prompt_token_ids"] = list(self.stream.prompt_token_ids)
-        return choice
+        return CompletionChoice(
+            text=out.text,
+            finish_reason=out.finish_reason,
+            token_ids=list(out.token_ids) if self.return_ids else None,
+            prompt_token_ids=list(self.stream.prompt_token_ids) if self.return_ids else None,
+        )
 
 
 __all__ = ["chat_completions", "completions", "health", "metrics", "models", "safe_text_len"]

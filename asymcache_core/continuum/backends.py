@@ -23,7 +23,7 @@ class Pin:
     """One job's pin.
 
     Attributes:
-        job_id: the job (the engine's session id).
+        job_id: the job.
         block_ids: the pinned blocks (each once).
         pinned_at: clock time of the pin.
         expires_at: clock time of its expiry.

@@ -9,7 +9,7 @@ expiry, the cap, pressure release); the controller decides:
 * end of a turn that called tool(s): tau* = argmax_tau P(duration <= tau) * (T_queue * eta +
   C_reload(L)) - tau (:mod:`~asymcache_core.continuum.ttl`), with C_reload(L) one prefill of
   the whole context on the latency model, T_queue the recent mean queueing delay and eta the
-  memoryfulness of finished jobs; then a pin for tau* and a tool-pause hint to the session
+  memoryfulness of finished jobs; then a pin for tau* and a tool-pause hint to the job
   statistics the eviction policies read;
 * arrival of the job's next request: the pause just observed (end of the LLM call -> this
   arrival) is recorded for the tool; the pin is released once the request holds its blocks;
@@ -36,9 +36,9 @@ from asymcache_core.continuum.ttl import (
     apply_ttl_rule,
     pin_benefit_s,
 )
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel, segment_attn_pairs
 from asymcache_core.request import Request
-from asymcache_core.session_stats import SessionStats
 
 #: Tool name of a pause whose tool is not known.
 UNKNOWN_TOOL = "unknown"
@@ -84,7 +84,7 @@ class ContinuumController:
     Attributes:
         pins: the pin mechanism.
         latency: step-latency model; C_reload(L) is one prefill of L tokens on it.
-        sessions: per-job reuse statistics that get the tool-pause and job-done hints.
+        job_stats: per-job reuse statistics that get the tool-pause and job-done hints.
         clock: time source (the engine's or the scheduler's).
         durations: per-tool duration estimator (cold start 2 s).
         memoryfulness: eta from finished jobs.
@@ -97,7 +97,7 @@ class ContinuumController:
 
     pins: PinBackend
     latency: LatencyModel
-    sessions: SessionStats
+    job_stats: JobStats
     clock: Callable[[], float]
     durations: ToolDurationEstimator = field(default_factory=ToolDurationEstimator)
     memoryfulness: MemoryfulnessEstimator = field(default_factory=MemoryfulnessEstimator)
@@ -253,14 +253,14 @@ class ContinuumController:
         self._pauses.pop(job_id, None)
 
     def hint(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
-        """Passes reuse hints to the session statistics; a finished job also loses its pin.
+        """Passes reuse hints to the job statistics; a finished job also loses its pin.
 
         Args:
             job_id: the job.
             expected_gap_s: the expected pause before its next request.
             finished: the job is done (its blocks will not be reused).
         """
-        self.sessions.hint(job_id, expected_gap_s, finished)
+        self.job_stats.hint(job_id, expected_gap_s, finished)
         if finished:
             self.pins.forget(job_id)
 
@@ -280,7 +280,7 @@ class ContinuumController:
         Args:
             request: the new request.
         """
-        request.had_pin = self.pins.is_pinned(request.session_id)
+        request.had_pin = self.pins.is_pinned(request.job_id)
         if request.job_id is not None:
             self._first_arrival.setdefault(request.job_id, request.metrics.arrival_time)
 
@@ -305,8 +305,8 @@ class ContinuumController:
         """
         # NOTE: the pin is released only now, once the request holds its blocks: releasing it
         # at arrival would leave them evictable while the request waits in the queue.
-        if request.session_id is not None:
-            self.pins.unpin(request.session_id)
+        if request.job_id is not None:
+            self.pins.unpin(request.job_id)
 
     def on_request_finished(self, request: Request) -> None:
         """A request finished: the job's last step ends its place in the program order.

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from asymcache_core.eviction.base import EvictionPolicy, PolicyContext
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
-from asymcache_core.session_stats import SessionStats
 
 if TYPE_CHECKING:
     from asymcache_core.block_pool import KVBlock
@@ -25,7 +25,7 @@ def expected_latency_cost(
         p_reuse: probability that the block is needed again.
         position: logical block index in its sequence.
         block_size: tokens per block.
-        base_tokens: tokens the step that would rebuild it already carries (the session's next
+        base_tokens: tokens the step that would rebuild it already carries (the job's next
             new tokens): under the latency model's knee extra tokens ride almost free.
         latency: the step-latency model.
 
@@ -40,23 +40,23 @@ def expected_latency_cost(
 class AsymCachePolicy(EvictionPolicy):
     """``cost(block) = P(reuse) x marginal rebuild latency``; lowest cost goes first.
 
-    - P(reuse) comes from :class:`~asymcache_core.session_stats.SessionStats`: the session's
+    - P(reuse) comes from :class:`~asymcache_core.job_stats.JobStats`: the job's
       own inter-turn gaps learned online, the runtime's tool-pause hint, finished jobs (0), and
-      shared-prefix blocks (any of their sessions coming back).
+      shared-prefix blocks (any of their jobs coming back).
     - The rebuild latency is position-aware (the block's tokens attend over everything before
-      it) and marginal: the block is rebuilt in the same step as the session's next new tokens,
+      it) and marginal: the block is rebuilt in the same step as the job's next new tokens,
       so tokens that fit under the latency model's knee only pay their attention.
     - Ties (e.g. equal zero cost) go to the least recently used.
-    - Blocks *in demand* come last: their session has a request in flight that does not hold
+    - Blocks *in demand* come last: their job has a request in flight that does not hold
       them, i.e. one waiting for admission (or preempted). Their reuse is certain and comes
-      before any idle session's, so evicting one only trades it for another miss moments later
+      before any idle job's, so evicting one only trades it for another miss moments later
       (and a preempted request would recompute what it had just prefilled). When nothing else
       is left, the request that arrived last (admitted last under FCFS) loses its blocks first,
       cheapest rebuild first: the misses fall on one request instead of on every waiting one.
 
-    Scores change as time passes (sessions idle past their usual gap lose probability), so they
-    are computed when victims are chosen. A block's key only depends on its sessions' state and
-    its own position and last access, so candidates are kept in groups that share their sessions:
+    Scores change as time passes (jobs idle past their usual gap lose probability), so they
+    are computed when victims are chosen. A block's key only depends on its jobs' state and
+    its own position and last access, so candidates are kept in groups that share their jobs:
     each group's terms are computed once per call, and within a group the order is fixed (by
     position when the rebuild cost grows with it, else by recency), so a call merges the groups'
     heads instead of scoring every candidate (O(groups + victims x log groups), not
@@ -69,7 +69,7 @@ class AsymCachePolicy(EvictionPolicy):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        self.sessions: SessionStats = ctx.sessions if ctx.sessions is not None else SessionStats()
+        self.job_stats: JobStats = ctx.job_stats if ctx.job_stats is not None else JobStats()
         self.latency: LatencyModel = ctx.latency_model or LatencyModel(1e-3, 1e-5, 1e-9, 64)
         self._live: dict[int, tuple[int, KVBlock, _GroupKey]] = {}
         self._groups: dict[_GroupKey, _Group] = {}
@@ -105,18 +105,18 @@ class AsymCachePolicy(EvictionPolicy):
 
     def score(self, block: KVBlock, now: float) -> float:
         """Expected latency lost by evicting ``block`` now (seconds)."""
-        p_reuse = self.sessions.block_reuse_probability(block.sessions, block.session_id, now)
-        base = self.sessions.expected_next_tokens(block.session_id)
+        p_reuse = self.job_stats.block_reuse_probability(block.jobs, block.job_id, now)
+        base = self.job_stats.expected_next_tokens(block.job_id)
         return expected_latency_cost(p_reuse, block.position, self.ctx.block_size, base, self.latency)
 
     def _terms(self, key: _GroupKey, now: float) -> tuple[int, float, float, float]:
         """A group's key terms at ``now``: ``(in demand, -arrival if in demand, cost at position
         0, cost per position)``; the cost is P(reuse) x the model's rebuild line."""
-        sessions, session_id = key
-        arrivals = (self.sessions.demand_since(sid) for sid in (sessions or (session_id,)))
+        jobs, job_id = key
+        arrivals = (self.job_stats.demand_since(jid) for jid in (jobs or (job_id,)))
         demand = min((t for t in arrivals if t is not None), default=None)
-        p_reuse = self.sessions.block_reuse_probability(sessions, session_id, now)
-        base = self.sessions.expected_next_tokens(session_id)
+        p_reuse = self.job_stats.block_reuse_probability(jobs, job_id, now)
+        base = self.job_stats.expected_next_tokens(job_id)
         fixed, slope = self.latency.block_rebuild_line(self.ctx.block_size, base)
         tier, since = (0, 0.0) if demand is None else (1, -demand)
         return tier, since, p_reuse * fixed, p_reuse * slope
@@ -189,8 +189,8 @@ def _full_key(terms: tuple[int, float, float, float], block: KVBlock) -> tuple:
 
 
 def _group_key(block: KVBlock) -> _GroupKey:
-    """Candidates with the same sessions (and last session) share every per-session term."""
-    return (frozenset(block.sessions), block.session_id)
+    """Candidates with the same jobs (and last job) share every per-job term."""
+    return (frozenset(block.jobs), block.job_id)
 
 
 @dataclass

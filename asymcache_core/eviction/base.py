@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from asymcache_core.block_pool import KVBlock
+    from asymcache_core.job_stats import JobStats
 
 
 @dataclass
@@ -25,12 +26,12 @@ class PolicyContext:
     Attributes:
         block_size: tokens per block.
         latency_model: step-latency model (``asymcache_core.latency_model``), or ``None``.
-        sessions: reuse statistics per session (``asymcache_core.session_stats``), or ``None``.
+        job_stats: reuse statistics per job (:class:`~asymcache_core.job_stats.JobStats`), or ``None``.
     """
 
     block_size: int
     latency_model: Any = None
-    sessions: Any = None
+    job_stats: JobStats | None = None
 
 
 class EvictionPolicy(ABC):

@@ -1,4 +1,4 @@
-"""Pensieve's order: leading blocks of idle sessions first."""
+"""Pensieve's order: leading blocks of idle jobs (conversations) first."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ if TYPE_CHECKING:
 
 
 class PensievePolicy(KeyedPolicy):
-    """Evicts from the longest-idle session first, and inside it the leading blocks first.
+    """Evicts from the longest-idle job first, and inside it the leading blocks first.
 
     Leading blocks are the cheapest to rebuild (they attend over few earlier tokens), and with
-    hole-aware reuse the session's later blocks stay usable (Pensieve, EuroSys 2025).
+    hole-aware reuse the job's later blocks stay usable (Pensieve, EuroSys 2025).
     """
 
     name = "pensieve"
@@ -22,6 +22,6 @@ class PensievePolicy(KeyedPolicy):
 
     def key(self, block: KVBlock, now: float) -> tuple[float, int]:
         idle_since = block.last_access
-        if self.ctx.sessions is not None and block.session_id is not None:
-            idle_since = self.ctx.sessions.last_active(block.session_id, default=idle_since)
+        if self.ctx.job_stats is not None and block.job_id is not None:
+            idle_since = self.ctx.job_stats.last_active(block.job_id, default=idle_since)
         return (idle_since, block.position)

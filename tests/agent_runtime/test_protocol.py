@@ -1,13 +1,29 @@
-"""The OpenAI request models and validators: every bad field is a RequestError naming it."""
+"""The OpenAI request models and validators: every bad field is a RequestError naming it; the
+response models dump OpenAI's wire shapes."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from agent_runtime.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
     RequestError,
+    ToolCallDelta,
+    Usage,
+    chat_sampling_params,
     completion_prompt,
     normalize_tool_choice,
     normalize_tools,
@@ -144,3 +160,60 @@ def test_conversation_validators():
         normalize_tool_choice({"type": "grammar"}, [TOOL])
     with pytest.raises(ValueError, match="^tool_choice: must be a string or an object"):
         normalize_tool_choice(3, [TOOL])  # type: ignore[arg-type]
+
+
+def test_response_models_keep_nulls_openai_sends_and_omit_unset_extras():
+    usage = Usage.of(10, 3, cached_tokens=8)
+    assert usage.model_dump() == {
+        "prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = ChatCompletionResponse(
+        id="chatcmpl-x", created=7, model="m", usage=usage,
+        choices=[ChatCompletionChoice(
+            message=ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]}),
+            finish_reason="tool_calls",
+        )],
+    )
+    # key order is the wire's: the JSON text is what clients (and the tests) compare
+    assert json.dumps(body.model_dump(), separators=(",", ":")) == (
+        '{"id":"chatcmpl-x","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,'
+        '"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function",'
+        '"function":{"name":"f","arguments":"{}"}}]},"finish_reason":"tool_calls","logprobs":null}],'
+        '"usage":{"prompt_tokens":10,"completion_tokens":3,"total_tokens":13,'
+        '"prompt_tokens_details":{"cached_tokens":8}}}'
+    )
+    assert ChatMessage.model_validate({"role": "assistant", "content": "hi"}).model_dump() == {
+        "role": "assistant", "content": "hi",
+    }
+    # chunks: unset delta fields and the usage are left out; finish_reason and logprobs stay null
+    chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[
+        ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content="")),
+        ChatCompletionStreamChoice(delta=DeltaMessage(tool_calls=[ToolCallDelta(index=0, **call)])),
+        ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason="stop"),
+    ])
+    assert chunk.model_dump() == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]}, "finish_reason": None, "logprobs": None},
+        {"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None},
+    ]}
+    last = CompletionChunk(id="c", created=1, model="m", choices=[], usage=usage).model_dump()
+    assert last["object"] == "text_completion" and last["choices"] == [] and last["usage"]["total_tokens"] == 13
+    # vLLM's token ids: only when asked for, and an empty list is still sent
+    assert "token_ids" not in CompletionChoice(text="a").model_dump()
+    assert CompletionChoice(text="", finish_reason="length", token_ids=[]).model_dump() == {
+        "index": 0, "text": "", "logprobs": None, "finish_reason": "length", "token_ids": [],
+    }
+    assert ErrorResponse(error=ErrorInfo(message="bad", type="invalid_request_error")).model_dump() == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None},
+    }
+
+
+def test_chat_sampling_params_defaults_and_unknown_keys():
+    params = chat_sampling_params({})
+    assert (params.max_tokens, params.temperature, params.seed, params.stop) == (256, 0.0, None, ())
+    params = chat_sampling_params({"max_tokens": 3, "stop": ["x"], "seed": 1})
+    assert (params.max_tokens, params.stop, params.seed) == (3, ("x",), 1)
+    with pytest.raises(TypeError, match="'top_p'"):
+        chat_sampling_params({"top_p": 0.5})  # type: ignore[typeddict-unknown-key]

@@ -285,9 +285,9 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
 
     built: list[AgentRuntime] = []
 
-    def fake_serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, **engine_kwargs):
-        built.append(AgentRuntime.from_model(model, policy, loaded=smollm, num_kv_blocks=num_kv_blocks,
-                                             **engine_kwargs))
+    def fake_serve(options):
+        built.append(AgentRuntime.from_model(options.model, options.policy, loaded=smollm,
+                                             num_kv_blocks=options.num_kv_blocks, **options.engine_settings))
 
     monkeypatch.setattr(server, "serve", fake_serve)
     for args, want in (([], False), (["--least-work-first"], True)):

@@ -243,15 +243,15 @@ def test_waiting_request_that_does_not_fit_leaves_its_blocks_alone(policy):
     # fit must not refresh (and so protect) its cached blocks on every step it waits.
     engine = sim_engine(num_kv_blocks=24, max_num_batched_tokens=1024, eviction_policy=policy)
     first = list(range(1000, 1080))  # 5 blocks, cached once the turn ends
-    out = engine.generate([first], SamplingParams(max_tokens=1, ignore_eos=True), session_ids=["b"])[0]
+    out = engine.generate([first], SamplingParams(max_tokens=1, ignore_eos=True), job_ids=["b"])[0]
     cached = [b for b in engine.pool.blocks if b.block_hash is not None and b.ref_cnt == 0]
     assert len(cached) == 5
-    engine.add_request(list(range(2000, 2240)), SamplingParams(max_tokens=40, ignore_eos=True), session_id="a")
+    engine.add_request(list(range(2000, 2240)), SamplingParams(max_tokens=40, ignore_eos=True), job_id="a")
     engine.step()  # "a" holds 15 blocks: 4 uncached + 5 candidates stay free
     before = {b.block_id: b.last_access for b in cached}
     engine.idle_until(engine.clock() + 1.0)
     second = first + out.token_ids + list(range(3000, 3200))  # its 5 hits + 13 new blocks
-    rid = engine.add_request(second, SamplingParams(max_tokens=1, ignore_eos=True), session_id="b")
+    rid = engine.add_request(second, SamplingParams(max_tokens=1, ignore_eos=True), job_id="b")
     for _ in range(3):
         engine.step()
         assert any(r.request_id == rid for r in engine.scheduler.waiting)
@@ -269,10 +269,10 @@ def test_admit_full_prompt_waits_for_room_for_the_whole_prompt(reserve):
     # but not its whole prompt beside "a": admitted at once on its first chunk, or held back
     # until "a" finishes when the whole prompt must fit.
     engine = sim_engine(num_kv_blocks=24, max_num_batched_tokens=64, admit_full_prompt=reserve)
-    a = engine.add_request(list(range(2000, 2140)), SamplingParams(max_tokens=30, ignore_eos=True), session_id="a")
+    a = engine.add_request(list(range(2000, 2140)), SamplingParams(max_tokens=30, ignore_eos=True), job_id="a")
     while not any(r.num_computed_tokens >= 140 for r in engine.scheduler.running):
         engine.step()  # "a" prefilled: the next steps have room in their budget for "b"
-    b = engine.add_request(list(range(3000, 3256)), SamplingParams(max_tokens=1, ignore_eos=True), session_id="b")
+    b = engine.add_request(list(range(3000, 3256)), SamplingParams(max_tokens=1, ignore_eos=True), job_id="b")
     engine.step()
     waiting = {r.request_id for r in engine.scheduler.waiting}
     assert (b in waiting) == reserve

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from asymcache_core.block_pool import BlockPool, OutOfBlocksError
 from asymcache_core.eviction import PolicyContext, create_policy, registered_policies
-from asymcache_core.session_stats import SessionStats
+from asymcache_core.job_stats import JobStats
 
 OPS = st.lists(
     st.tuples(
@@ -28,7 +28,7 @@ OPS = st.lists(
 def test_random_operations_keep_invariants(policy_name, ops):
     ticks = itertools.count()
     clock = lambda: float(next(ticks))  # noqa: E731
-    ctx = PolicyContext(block_size=16, sessions=SessionStats())
+    ctx = PolicyContext(block_size=16, job_stats=JobStats())
     pool = BlockPool(12, create_policy(policy_name, ctx), clock)
     held: list[int] = []  # one entry per reference we own
     pinned: list[int] = []
@@ -40,7 +40,7 @@ def test_random_operations_keep_invariants(policy_name, ops):
                 with pytest.raises(OutOfBlocksError):
                     pool.allocate(count)
                 continue
-            got = pool.allocate(count, session_id=f"s{pick % 3}")
+            got = pool.allocate(count, job_id=f"s{pick % 3}")
             assert len(set(got)) == count
             assert not set(got) & set(held), "allocated a referenced block"
             assert not set(got) & set(pinned), "allocated a pinned block"
@@ -58,7 +58,7 @@ def test_random_operations_keep_invariants(policy_name, ops):
         elif op == "touch" and pool.cached:
             hashes = sorted(pool.cached)
             block = pool.cached[hashes[pick % len(hashes)]]
-            pool.touch([block], session_id="t")
+            pool.touch([block], job_id="t")
             held.append(block)
         elif op == "pin" and (held or pool.cached):
             candidates = held + sorted(pool.cached.values())
@@ -137,7 +137,7 @@ def _request(rid: str, tokens: list[int]):
     from asymcache_core.request import Request
     from asymcache_core.sampling_params import SamplingParams
 
-    return Request(rid, tokens, SamplingParams(max_tokens=1), arrival_time=0.0, session_id=rid)
+    return Request(rid, tokens, SamplingParams(max_tokens=1), arrival_time=0.0, job_id=rid)
 
 
 def _whole(request) -> list[tuple[int, int]]:

@@ -196,19 +196,19 @@ def test_dummy_model_runs_without_tokenizer():
         engine.add_request("text needs a tokenizer")
 
 
-def test_session_turn_size_is_the_new_tokens_of_each_turn(smollm, chat_prompts):
-    """AsymCache prices a rebuild by the size of the session's next step: a turn's new tokens,
+def test_job_turn_size_is_the_new_tokens_of_each_turn(smollm, chat_prompts):
+    """AsymCache prices a rebuild by the size of the job's next step: a turn's new tokens,
     not its whole prompt."""
     engine = make_engine(smollm)
     first = chat_prompts[0]
-    out = engine.generate([first], SamplingParams(max_tokens=3, ignore_eos=True), session_ids=["s"])[0]
+    out = engine.generate([first], SamplingParams(max_tokens=3, ignore_eos=True), job_ids=["s"])[0]
     follow_up = first + out.token_ids + chat_prompts[1][:10]
-    engine.generate([follow_up], SamplingParams(max_tokens=2, ignore_eos=True), session_ids=["s"])
-    assert engine.sessions.sessions["s"].new_tokens == [len(first), 10]
-    assert engine.sessions.expected_next_tokens("s") == (len(first) + 10) // 2
+    engine.generate([follow_up], SamplingParams(max_tokens=2, ignore_eos=True), job_ids=["s"])
+    assert engine.job_stats.jobs["s"].new_tokens == [len(first), 10]
+    assert engine.job_stats.expected_next_tokens("s") == (len(first) + 10) // 2
     # a prompt that does not extend the last context counts whole
-    engine.generate([chat_prompts[2][:7]], SamplingParams(max_tokens=1), session_ids=["s"])
-    assert engine.sessions.sessions["s"].new_tokens[-1] == 7
+    engine.generate([chat_prompts[2][:7]], SamplingParams(max_tokens=1), job_ids=["s"])
+    assert engine.job_stats.jobs["s"].new_tokens[-1] == 7
 
 
 def test_stats_snapshot_tracks_pool_and_counters() -> None:
@@ -239,13 +239,13 @@ def test_simulated_engine_moves_only_its_virtual_clock():
     assert engine.clock() == 0.0 and engine.attention_backend == "simulated" and engine.tokenizer is None
     prompt = list(range(3, 40))  # 2 full blocks of 16
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    out = engine.generate([prompt], params, session_ids=["s"])[0]
+    out = engine.generate([prompt], params, job_ids=["s"])[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     steps = engine.step_log
     assert engine.clock() == pytest.approx(sum(s.duration_s for s in steps)) and steps[0].duration_s > 0
     assert all(s.duration_s == pytest.approx(s.predicted_s) for s in steps)  # the device is the model
     # idle time: the clock jumps forward, never back, and pins due by then expire
-    assert engine.pin_session("s", ttl_s=1.0) == 2 and engine.stats().pinned_blocks == 2
+    assert engine.pin_job("s", ttl_s=1.0) == 2 and engine.stats().pinned_blocks == 2
     now = engine.clock()
     engine.idle_until(now + 0.5)
     assert engine.clock() == now + 0.5 and engine.stats().pinned_blocks == 2
@@ -268,8 +268,8 @@ def test_simulated_engine_moves_only_its_virtual_clock():
 def test_idle_until_leaves_a_real_clock_alone_and_expires_pins():
     now = [0.0]
     engine = Engine(model="dummy:tiny", num_kv_blocks=32, clock=lambda: now[0])
-    engine.generate([list(range(3, 40))], SamplingParams(max_tokens=1, ignore_eos=True), session_ids=["s"])
-    assert engine.pin_session("s", ttl_s=1.0) == 2
+    engine.generate([list(range(3, 40))], SamplingParams(max_tokens=1, ignore_eos=True), job_ids=["s"])
+    assert engine.pin_job("s", ttl_s=1.0) == 2
     engine.idle_until(100.0)  # not the engine's to move: returns at once
     assert now[0] == 0.0 and engine.stats().pinned_blocks == 2
     now[0] = 1.5  # the caller waited

@@ -30,7 +30,7 @@ def run_script(engine) -> list[list[int]]:
             group = range(first, min(first + CONCURRENT, SESSIONS))
             ids = {
                 s: engine.add_request(
-                    contexts[s], TURN, session_id=f"s{s}", job_id=f"s{s}", is_last_step=turn == TURNS - 1
+                    contexts[s], TURN, job_id=f"s{s}", is_last_step=turn == TURNS - 1
                 )
                 for s in group
             }
@@ -80,7 +80,7 @@ def test_lossless_under_pressure_with_least_work_first(smollm, unbounded, policy
 def test_hole_refill_recomputes_only_the_hole(smollm, policy):
     engine = make_engine(smollm, num_kv_blocks=64, eviction_policy=policy)
     first_prompt = SYSTEM + user_tokens(0, 0, length=32)  # 80 tokens = 5 blocks
-    first = engine.generate([first_prompt], TURN, session_ids=["job"])[0]
+    first = engine.generate([first_prompt], TURN, job_ids=["job"])[0]
     second_prompt = first_prompt + first.token_ids + user_tokens(0, 1)
     # reference: the same two turns with nothing evicted
     ref_engine = make_engine(smollm, num_kv_blocks=64, eviction_policy=policy)
@@ -91,7 +91,7 @@ def test_hole_refill_recomputes_only_the_hole(smollm, policy):
     victim = engine.pool.lookup(hashes[2])  # a block in the middle of the history
     assert victim is not None
     engine.pool.evict_block(victim)
-    out = engine.generate([second_prompt], TURN, session_ids=["job"])[0]
+    out = engine.generate([second_prompt], TURN, job_ids=["job"])[0]
     assert out.token_ids == expected
     bs = engine.block_size
     m = out.metrics
@@ -111,13 +111,13 @@ def test_step_log_counts_a_hole_that_fills_a_whole_step(smollm):
     # a one-block budget: the refill of a leading hole is a step of its own, with one segment
     engine = make_engine(smollm, num_kv_blocks=64, eviction_policy="asymcache", max_num_batched_tokens=16)
     first_prompt = SYSTEM + user_tokens(0, 0, length=32)
-    first = engine.generate([first_prompt], TURN, session_ids=["job"])[0]
+    first = engine.generate([first_prompt], TURN, job_ids=["job"])[0]
     second_prompt = first_prompt + first.token_ids + user_tokens(0, 1)
     hashes = engine.kv.ensure_hashes(_probe(engine, second_prompt))
     for i in (0, 1):
         engine.pool.evict_block(engine.pool.lookup(hashes[i]))
     engine.step_log.clear()
-    out = engine.generate([second_prompt], TURN, session_ids=["job"])[0]
+    out = engine.generate([second_prompt], TURN, job_ids=["job"])[0]
     bs = engine.block_size
     assert out.metrics.hole_tokens == 2 * bs
     hole_steps = [s for s in engine.step_log if s.num_hole_tokens]

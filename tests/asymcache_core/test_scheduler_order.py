@@ -28,10 +28,10 @@ def first_token_order(engine, ids: list[str]) -> list[str]:
 def test_a_cached_turn_overtakes_a_long_prefill_only_with_least_work_first(least_work):
     engine = sim_engine(max_num_batched_tokens=64, least_work_first=least_work)
     first_turn = list(range(100, 196))  # 6 blocks, cached once the turn ends
-    answer = engine.generate([first_turn], FOUR, session_ids=["b"])[0].token_ids
+    answer = engine.generate([first_turn], FOUR, job_ids=["b"])[0].token_ids
     long_prompt = list(range(500, 820))  # 320 uncached tokens: 5 steps of 64
-    a = engine.add_request(long_prompt, ONE, session_id="a")
-    b = engine.add_request(first_turn + answer + list(range(900, 908)), ONE, session_id="b")
+    a = engine.add_request(long_prompt, ONE, job_id="a")
+    b = engine.add_request(first_turn + answer + list(range(900, 908)), ONE, job_id="b")
     waiting = {r.request_id: r for r in engine.scheduler.waiting}
     # the returning turn only lacks its last partial block: 108 tokens, 96 cached
     assert engine.scheduler.remaining_work(waiting[b]) == 12
@@ -42,13 +42,13 @@ def test_a_cached_turn_overtakes_a_long_prefill_only_with_least_work_first(least
 def test_remaining_work_counts_holes_and_matches_what_is_computed():
     engine = sim_engine(max_num_batched_tokens=32, eviction_policy="asymcache", least_work_first=True)
     first_turn = list(range(100, 228))  # 8 blocks
-    answer = engine.generate([first_turn], FOUR, session_ids=["s"])[0].token_ids
+    answer = engine.generate([first_turn], FOUR, job_ids=["s"])[0].token_ids
     prompt = first_turn + answer + list(range(900, 940))
     probe = Request("probe", prompt, ONE, 0.0)
     hashes = engine.kv.ensure_hashes(probe)
     for i in (2, 5):  # two holes in the middle of the history
         engine.pool.evict_block(engine.pool.lookup(hashes[i]))
-    rid = engine.add_request(prompt, ONE, session_id="s")
+    rid = engine.add_request(prompt, ONE, job_id="s")
     request = engine.requests[rid]
     bs = engine.block_size
     expected = len(prompt) - (len(first_turn) // bs - 2) * bs  # all but the 6 cached blocks

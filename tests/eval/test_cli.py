@@ -120,14 +120,14 @@ def test_serve_defaults_and_bad_values(monkeypatch):
     import agent_runtime.commands as commands
     import agent_runtime.server as server
 
-    calls: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(server, "serve", lambda *args, **kw: calls.append((args, kw)))
+    calls: list[server.ServeOptions] = []
+    monkeypatch.setattr(server, "serve", calls.append)
     result = runner.invoke(app, ["serve"])
     assert result.exit_code == 0, result.output
-    args, kw = calls[-1]
-    assert args[5] == 2048  # serve's own pool default
-    assert "kv_memory_fraction" not in kw
-    assert set(kw) <= set(commands.ENGINE_SETTINGS)
+    options = calls[-1]
+    assert options.num_kv_blocks == 2048  # serve's own pool default
+    assert "kv_memory_fraction" not in options.engine_settings
+    assert set(options.engine_settings) <= set(commands.ENGINE_SETTINGS)
     for bad, field in ((["--max-num-seqs", "0"], "max_num_seqs"), (["--num-kv-blocks", "0"], "num_kv_blocks"),
                        (["--max-model-len", "-1"], "max_model_len")):
         result = runner.invoke(app, ["serve", *bad])

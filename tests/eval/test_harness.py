@@ -133,8 +133,8 @@ def test_warm_up_runs_every_launch_shape_on_its_own_engine(smollm, monkeypatch):
     seen: list[tuple[int, int, int]] = []
     original = Engine.generate
 
-    def spy(self, prompts, params=None, session_ids=None):  # type: ignore[no-untyped-def]
-        outputs = original(self, prompts, params, session_ids)
+    def spy(self, prompts, params=None, job_ids=None):  # type: ignore[no-untyped-def]
+        outputs = original(self, prompts, params, job_ids)
         seen.append((len(prompts[0]), outputs[0].metrics.cached_tokens, self.num_blocks))
         return outputs
 

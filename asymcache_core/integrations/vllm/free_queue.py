@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from asymcache_core.eviction.asymcache import expected_latency_cost
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
-from asymcache_core.session_stats import SessionStats
 
 
 class FreeBlock(Protocol):
@@ -186,44 +186,44 @@ class BlockInfo:
 
     Attributes:
         position: logical block index in its sequence (depth in the hash chain).
-        session_id: the job/session that last freed it (``None``: no job id).
-        sessions: every job that used it (a shared prefix is reused if any comes back).
+        job_id: the job that last freed it (``None``: no job id).
+        jobs: every job that used it (a shared prefix is reused if any comes back).
     """
 
     position: int = 0
-    session_id: str | None = None
-    sessions: set[str] = field(default_factory=set)
+    job_id: str | None = None
+    jobs: set[str] = field(default_factory=set)
 
 
 class BlockScorer:
     """AsymCache's score of a vLLM block: the embedded policy's ``expected_latency_cost``.
 
     Args:
-        sessions: per-job reuse statistics (P(reuse), next turn size).
+        job_stats: per-job reuse statistics (P(reuse), next turn size).
         latency: step-latency model of the served model.
         block_size: tokens per block.
     """
 
-    def __init__(self, sessions: SessionStats, latency: LatencyModel, block_size: int) -> None:
-        self.sessions = sessions
+    def __init__(self, job_stats: JobStats, latency: LatencyModel, block_size: int) -> None:
+        self.job_stats = job_stats
         self.latency = latency
         self.block_size = block_size
         self.info: dict[int, BlockInfo] = {}
 
-    def annotate(self, block_ids: Sequence[int], session_id: str | None) -> None:
-        """Records a request's blocks (in sequence order) as used by ``session_id``.
+    def annotate(self, block_ids: Sequence[int], job_id: str | None) -> None:
+        """Records a request's blocks (in sequence order) as used by ``job_id``.
 
         Args:
             block_ids: the request's block ids, block ``i`` at logical index ``i``.
-            session_id: its job id, or ``None``.
+            job_id: its job id, or ``None``.
         """
         for position, block_id in enumerate(block_ids):
             info = self.info.get(block_id)
             if info is None or info.position != position:
                 info = self.info[block_id] = BlockInfo(position=position)
-            info.session_id = session_id
-            if session_id is not None:
-                info.sessions.add(session_id)
+            info.job_id = job_id
+            if job_id is not None:
+                info.jobs.add(job_id)
 
     def forget(self, block_id: int) -> None:
         """The block's content is gone."""
@@ -239,18 +239,18 @@ class BlockScorer:
 
         Args:
             block: a free cached block.
-            now: the clock of the session statistics.
+            now: the clock of the job statistics.
 
         Returns:
             ``P(reuse) x marginal rebuild latency``; a block never annotated counts as a
-            no-job block at position 0 (the session prior).
+            no-job block at position 0 (the job prior).
         """
         info = self.info.get(block.block_id)
         if info is None:
-            p_reuse = self.sessions.reuse_probability(None, now)
+            p_reuse = self.job_stats.reuse_probability(None, now)
             return expected_latency_cost(p_reuse, 0, self.block_size, 0, self.latency)
-        p_reuse = self.sessions.block_reuse_probability(info.sessions, info.session_id, now)
-        base = self.sessions.expected_next_tokens(info.session_id)
+        p_reuse = self.job_stats.block_reuse_probability(info.jobs, info.job_id, now)
+        base = self.job_stats.expected_next_tokens(info.job_id)
         return expected_latency_cost(p_reuse, info.position, self.block_size, base, self.latency)
 
 

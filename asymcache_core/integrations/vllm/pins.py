@@ -4,7 +4,8 @@ A job's request carries ``job_id`` and ``is_last_step`` (and optionally ``tool_n
 the agent is about to run, and ``pin_ttl_s``, an explicit TTL) in ``SamplingParams.extra_args``;
 over the OpenAI API they travel in the body's ``vllm_xargs`` object, whose values vLLM 0.32
 limits to strings and numbers (so ``is_last_step`` is ``1``/``0`` or ``"true"``/``"false"``).
-The chat API's ``session_id`` field serves as the job id when ``job_id`` is absent.
+vLLM's own request ``session_id`` (the chat API's field of that name) serves as the job id when
+``job_id`` is absent: that name is vLLM's, and is read only at this boundary.
 
 When a job's request finishes and it is not the job's last step, the scheduler's
 :class:`~asymcache_core.continuum.controller.ContinuumController` (the same one the embedded
@@ -55,18 +56,18 @@ def _as_bool(value: Any) -> bool:
     return str(value).strip().lower() in _TRUE
 
 
-def parse_job_hints(extra_args: Mapping[str, Any] | None, session_id: str | None = None) -> JobHints:
+def parse_job_hints(extra_args: Mapping[str, Any] | None, fallback_job_id: str | None = None) -> JobHints:
     """Reads the hints from ``SamplingParams.extra_args`` (the OpenAI body's ``vllm_xargs``).
 
     Args:
         extra_args: the request's extra args, or ``None``.
-        session_id: vLLM's request ``session_id``, the fallback job id.
+        fallback_job_id: the job id when the args name none (vLLM's request ``session_id``).
 
     Returns:
         The hints; malformed values are ignored rather than failing a request.
     """
     args = extra_args or {}
-    job = args.get("job_id", session_id)
+    job = args.get("job_id", fallback_job_id)
     job_id = None if job is None or str(job) == "" else str(job)
     tool = args.get("tool_name")
     ttl: float | None = None

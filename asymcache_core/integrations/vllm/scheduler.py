@@ -43,9 +43,9 @@ from asymcache_core.integrations.vllm.free_queue import (
     ExpectedLatencyFreeQueue,
 )
 from asymcache_core.integrations.vllm.pins import DEFAULT_TOOL, JobHints, PinSet, parse_job_hints
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
 from asymcache_core.models.config import ModelConfig
-from asymcache_core.session_stats import SessionStats
 
 # NOTE: a child of the "vllm" logger, so vLLM's handler and level apply to our lines.
 logger = logging.getLogger("vllm.asymcache")
@@ -230,7 +230,7 @@ class _AsymCacheMixin:
         asymcache_queue: the pool's free queue (``None`` with ``eviction="lru"``).
         asymcache_pins: the pin registry (the controller's pin backend).
         asymcache_controller: Continuum's decisions (TTL, hints), the embedded engine's class.
-        asymcache_sessions: per-job reuse statistics.
+        asymcache_job_stats: per-job reuse statistics.
     """
 
     # NOTE: these come from vLLM's Scheduler; declared for readers and type checkers.
@@ -253,8 +253,8 @@ class _AsymCacheMixin:
         self.asymcache_clock: Callable[[], float] = time.monotonic
         latency = build_latency_model(self.vllm_config, opts)
         self.asymcache_latency = latency
-        self.asymcache_sessions = SessionStats(prior_reuse=opts.prior_reuse)
-        self.asymcache_scorer = BlockScorer(self.asymcache_sessions, latency, self.block_size)
+        self.asymcache_job_stats = JobStats(prior_reuse=opts.prior_reuse)
+        self.asymcache_scorer = BlockScorer(self.asymcache_job_stats, latency, self.block_size)
         self.asymcache_forest = CachedForest()
         self._asymcache_hints: dict[str, JobHints] = {}
         self._asymcache_first_scheduled: set[str] = set()
@@ -285,7 +285,7 @@ class _AsymCacheMixin:
         self.asymcache_controller = ContinuumController(
             self.asymcache_pins,
             latency,
-            self.asymcache_sessions,
+            self.asymcache_job_stats,
             self.asymcache_clock,
             ttl_rule=opts.ttl_rule,  # type: ignore[arg-type]
             # NOTE: pins work only through our free queue (vLLM's own one knows no pins).
@@ -304,6 +304,7 @@ class _AsymCacheMixin:
         if hints is None:
             params = getattr(request, "sampling_params", None)
             extra = getattr(params, "extra_args", None) if params is not None else None
+            # NOTE: ``session_id`` is vLLM's request field (the chat API's), not ours: the fallback job id.
             hints = parse_job_hints(extra, getattr(request, "session_id", None))
             self._asymcache_hints[request.request_id] = hints
         return hints
@@ -315,8 +316,8 @@ class _AsymCacheMixin:
             if hints.job_id is not None:
                 now = self.asymcache_clock()
                 self.asymcache_controller.on_request_arrival(hints.job_id, now)
-                new_tokens = self.asymcache_sessions.turn_tokens(hints.job_id, int(request.num_prompt_tokens))
-                self.asymcache_sessions.on_arrival(hints.job_id, now, new_tokens)
+                new_tokens = self.asymcache_job_stats.turn_tokens(hints.job_id, int(request.num_prompt_tokens))
+                self.asymcache_job_stats.on_arrival(hints.job_id, now, new_tokens)
         super().add_request(request)  # type: ignore[misc]
 
     def asymcache_remaining_work(self, request: Any) -> int:
@@ -400,7 +401,7 @@ class _AsymCacheMixin:
             return
         last = hints.is_last_step
         context = int(request.num_tokens)
-        self.asymcache_sessions.on_finish(job, now, last_step=last, context_tokens=context)
+        self.asymcache_job_stats.on_finish(job, now, last_step=last, context_tokens=context)
         controller = self.asymcache_controller
         if last:
             controller.on_job_finished(job)

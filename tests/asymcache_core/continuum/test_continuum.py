@@ -16,8 +16,8 @@ from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.continuum.ttl import apply_ttl_rule, pin_benefit_s
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.integrations.vllm.pins import PinSet
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
-from asymcache_core.session_stats import SessionStats
 from tests.conftest import make_engine
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -104,7 +104,7 @@ def _remember(backend: PinBackend, ids: list[int]) -> None:
 def _drive(backend: PinBackend, ids: list[int], clock: FakeClock) -> tuple[ContinuumController, list]:
     """One job of three turns (grep, then an explicit TTL, then its last step), with a queue
     delay and a learned pause, through the controller; returns it and what it saw."""
-    ctl = ContinuumController(backend, SLOW_RELOAD, SessionStats(), clock)
+    ctl = ContinuumController(backend, SLOW_RELOAD, JobStats(), clock)
     seen: list = []
     ctl.durations.record("grep", 0.4)
     clock.t = 10.0
@@ -113,7 +113,7 @@ def _drive(backend: PinBackend, ids: list[int], clock: FakeClock) -> tuple[Conti
     _remember(backend, ids)
     clock.t = 11.0
     first = ctl.on_tool_call("job", ["grep"], 2000, ended_at=10.9)
-    seen += [first, backend.num_pinned_blocks, backend.is_pinned("job"), ctl.sessions.state("job").expected_gap]
+    seen += [first, backend.num_pinned_blocks, backend.is_pinned("job"), ctl.job_stats.state("job").expected_gap]
     clock.t = 11.2
     seen.append(ctl.on_request_arrival("job"))
     seen += [backend.unpin("job"), backend.num_pinned_blocks]
@@ -122,7 +122,7 @@ def _drive(backend: PinBackend, ids: list[int], clock: FakeClock) -> tuple[Conti
     clock.t = 12.0
     seen += [ctl.on_request_arrival("job"), backend.expire(clock.t + 3.0)]
     ctl.on_job_finished("job")
-    seen += [backend.is_pinned("job"), ctl.memoryfulness.num_jobs, ctl.sessions.state("job").finished]
+    seen += [backend.is_pinned("job"), ctl.memoryfulness.num_jobs, ctl.job_stats.state("job").finished]
     return ctl, seen
 
 
@@ -148,7 +148,7 @@ def test_both_backends_get_the_same_decisions() -> None:
 
 
 def test_reload_cost_is_one_prefill_of_the_context() -> None:
-    ctl = ContinuumController(PinSet(0), SLOW_RELOAD, SessionStats(), FakeClock())
+    ctl = ContinuumController(PinSet(0), SLOW_RELOAD, JobStats(), FakeClock())
     for n in (1, 17, 2000):
         # n(n+1)/2 query-key pairs: each position attends to itself and every earlier one
         assert ctl.reload_cost(n) == pytest.approx(SLOW_RELOAD.step_latency(n, n * (n + 1) / 2))
@@ -159,14 +159,14 @@ def test_reload_cost_is_one_prefill_of_the_context() -> None:
 def test_decision_follows_the_rule_and_the_overrides() -> None:
     clock = FakeClock(5.0)
     pins = PinSet(capacity_blocks=8)
-    ctl = ContinuumController(pins, SLOW_RELOAD, SessionStats(), clock, pinning=False)
+    ctl = ContinuumController(pins, SLOW_RELOAD, JobStats(), clock, pinning=False)
     pins.remember("j", [1, 2])
     d = ctl.on_tool_call("j", [], 100)
     benefit = pin_benefit_s(100, ctl.reload_cost, 0.0, ctl.memoryfulness.eta())
     want = apply_ttl_rule("continuum", ctl.durations, "unknown", benefit)
     # not pinning: the rule's benefit is reported, the TTL and P(return) are 0, and no pin
     assert d == replace(d, tool="unknown", ttl_s=0.0, blocks_pinned=0, p_return=0.0, benefit_s=want.benefit_s)
-    assert not pins.is_pinned("j") and ctl.sessions.state("j").expected_gap == 2.0
+    assert not pins.is_pinned("j") and ctl.job_stats.state("j").expected_gap == 2.0
     pins.remember("j", [1, 2])
     d = ctl.on_tool_call("j", ["t"], 100, pinning=True, ttl_rule="preview")
     assert d.ttl_s == 2.0 and d.blocks_pinned == 2 and pins.is_pinned("j")
@@ -192,7 +192,7 @@ def test_tool_call_pins_then_next_request_unpins_and_hits(smollm):
     assert ctl.reload_cost(101) > 0.2
     assert decision.ttl_s == pytest.approx(0.2)
     assert decision.blocks_pinned == 100 // 16 == engine.pins.num_pinned_blocks
-    assert engine.sessions.state("a").expected_gap == pytest.approx(0.2)  # the pause hint
+    assert engine.job_stats.state("a").expected_gap == pytest.approx(0.2)  # the pause hint
     engine.check_integrity()
 
     clock.advance(0.15)
@@ -237,8 +237,8 @@ def test_memory_pressure_releases_latest_expiring_pin_first(smollm):
     engine.pins.max_pinned_fraction = 1.0  # only pressure, not the cap, may release here
     _run(engine, _prompt(4, 100), "a")
     _run(engine, _prompt(5, 100), "b")
-    assert engine.pin_session("a", 5.0) == 6
-    assert engine.pin_session("b", 10.0) == 6
+    assert engine.pin_job("a", 5.0) == 6
+    assert engine.pin_job("b", 10.0) == 6
     assert engine.pool.num_free_blocks == 8
     # 150 prompt tokens + 1 need 10 blocks: one pin must go, the latest-expiring (b)
     _run(engine, _prompt(6, 150), "c")
@@ -253,8 +253,8 @@ def test_pin_cap_never_lets_pins_starve_admissions(smollm):
     engine.pins.max_pinned_fraction = 0.25  # at most 10 idle pinned blocks
     _run(engine, _prompt(7, 100), "a")
     _run(engine, _prompt(8, 100), "b")
-    assert engine.pin_session("a", 5.0) == 6
-    assert engine.pin_session("b", 10.0) == 0  # 12 > 10: the latest-expiring pin is refused
+    assert engine.pin_job("a", 5.0) == 6
+    assert engine.pin_job("b", 10.0) == 0  # 12 > 10: the latest-expiring pin is refused
     assert engine.pins.is_pinned("a") and engine.pins.num_pinned_blocks == 6
     engine.check_integrity()
 
@@ -269,11 +269,11 @@ def test_last_step_releases_everything(smollm):
     assert ctl.on_tool_call("j", ["t"], 101).blocks_pinned > 0
     ctl.on_job_finished("j")
     assert engine.pins.num_pinned_blocks == 0 and not engine.pins.is_pinned("j")
-    assert engine.sessions.reuse_probability("j", clock()) == 0.0
+    assert engine.job_stats.reuse_probability("j", clock()) == 0.0
     assert ctl.memoryfulness.num_jobs == 1 and ctl.paused_jobs() == []
     # an is_last_step request also drops what it leaves behind
     _run(engine, _prompt(10, 40), "k", is_last_step=True)
-    assert engine.pin_session("k", 5.0) == 0
+    assert engine.pin_job("k", 5.0) == 0
     engine.check_integrity()
 
 
@@ -302,7 +302,7 @@ def _admission_order(smollm, priority: str) -> list[str]:
     _run(engine, _prompt(20, 24), "old")  # t=0: job "old" starts
     clock.advance(1.0)
     _run(engine, _prompt(21, 24), "pinned")  # t=1: job "pinned" starts, then calls a tool
-    assert engine.pin_session("pinned", 100.0) > 0
+    assert engine.pin_job("pinned", 100.0) > 0
     ids = {}
     for t, job, seed in ((5.0, "new", 22), (6.0, "old", 23), (7.0, "pinned", 24)):
         clock.t = t

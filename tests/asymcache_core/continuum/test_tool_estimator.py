@@ -37,30 +37,17 @@ def explain(
     return apply_ttl_rule(rule, est, tool, benefit, candidates)
 
 
-def ttl(
-    est: ToolDurationEstimator,
-    tool: str,
-    tokens: int,
-    queue_delay_s: float,
-    eta: float,
-    candidates: list[float] | None = None,
-    rule: TTLRule = "continuum",
-) -> float:
-    """Just the TTL of :func:`explain`."""
-    return explain(est, tool, tokens, queue_delay_s, eta, candidates, rule).ttl_s
-
-
 def test_cold_start() -> None:
     est = ToolDurationEstimator()
     assert est.mean("new") == COLD_START_S == 2.0
     assert est.cdf("new", 1.99) == 0.0 and est.cdf("new", 2.0) == 1.0
     assert 2.0 in est.candidates("new")
     # Big benefit (10 s reload): pin exactly the cold-start 2 s.
-    assert ttl(est, "new", 10_000, 0.0, 0.5) == 2.0
+    assert explain(est, "new", 10_000, 0.0, 0.5).ttl_s == 2.0
     # Benefit below 2 s: pinning 2 s costs more than it can save.
-    assert ttl(est, "new", 1_000, 0.0, 0.5) == 0.0
+    assert explain(est, "new", 1_000, 0.0, 0.5).ttl_s == 0.0
     # The preview rule pins 2 s for an unseen tool whatever the benefit.
-    assert ttl(est, "new", 1_000, 0.0, 0.5, rule="preview") == 2.0
+    assert explain(est, "new", 1_000, 0.0, 0.5, rule="preview").ttl_s == 2.0
 
 
 def test_fast_tool_with_big_reload_gets_about_one_second() -> None:
@@ -68,7 +55,7 @@ def test_fast_tool_with_big_reload_gets_about_one_second() -> None:
     est = ToolDurationEstimator()
     for _ in range(200):
         est.record("pytest", rng.uniform(0.3, 1.0))
-    tau = ttl(est, "pytest", 20_000, queue_delay_s=1.0, eta=0.8)
+    tau = explain(est, "pytest", 20_000, queue_delay_s=1.0, eta=0.8).ttl_s
     # All returns happen by the max sample (< 1 s): tau* is that max, nothing longer.
     assert tau == pytest.approx(max(est.samples("pytest")))
     assert 0.95 <= tau <= 1.0
@@ -81,8 +68,8 @@ def test_slow_tool_gets_no_pin() -> None:
     est = ToolDurationEstimator()
     for i in range(50):
         est.record("build", 60.0 + i)
-    assert ttl(est, "build", 20_000, queue_delay_s=2.0, eta=1.0) == 0.0
-    assert ttl(est, "build", 20_000, 2.0, 1.0, rule="preview") == 0.0
+    assert explain(est, "build", 20_000, queue_delay_s=2.0, eta=1.0).ttl_s == 0.0
+    assert explain(est, "build", 20_000, 2.0, 1.0, rule="preview").ttl_s == 0.0
 
 
 def test_bimodal_tool_pins_for_fast_mode_only_when_worth_it() -> None:
@@ -92,17 +79,17 @@ def test_bimodal_tool_pins_for_fast_mode_only_when_worth_it() -> None:
     for _ in range(30):
         est.record("grep", 40.0)
     # 0.7 * 10 - 0.5 > 0 and beats 1.0 * 10 - 40.
-    assert ttl(est, "grep", 10_000, 0.0, 0.0) == 0.5
+    assert explain(est, "grep", 10_000, 0.0, 0.0).ttl_s == 0.5
     # With a huge benefit, waiting for the slow mode too pays off.
-    assert ttl(est, "grep", 1_000_000, 0.0, 0.0) == 40.0
+    assert explain(est, "grep", 1_000_000, 0.0, 0.0).ttl_s == 40.0
     # Small benefit: 0.7 * 0.5 - 0.5 < 0.
-    assert ttl(est, "grep", 500, 0.0, 0.0) == 0.0
+    assert explain(est, "grep", 500, 0.0, 0.0).ttl_s == 0.0
 
 
 def test_explicit_candidates_and_ties() -> None:
     est = ToolDurationEstimator()
     est.record("t", 1.0)
-    assert ttl(est, "t", 5_000, 0, 0, candidates=[0.5, 3.0]) == 3.0
+    assert explain(est, "t", 5_000, 0, 0, candidates=[0.5, 3.0]).ttl_s == 3.0
     # Objective 0 at tau = benefit: not better than not pinning -> 0 (tie goes to smaller).
     d = choose_ttl(lambda tau: 1.0, benefit_s=1.0, candidates=[1.0])
     assert d.ttl_s == 0.0
@@ -129,8 +116,8 @@ def test_preview_rule_uses_mean() -> None:
         est.record("a", d)
     for d in (1.0, 4.0):  # mean 2.5 > 2
         est.record("b", d)
-    assert ttl(est, "a", 1, 0, 0, rule="preview") == 2.0
-    assert ttl(est, "b", 1, 0, 0, rule="preview") == 0.0
+    assert explain(est, "a", 1, 0, 0, rule="preview").ttl_s == 2.0
+    assert explain(est, "b", 1, 0, 0, rule="preview").ttl_s == 0.0
 
 
 def test_pin_benefit_clips() -> None:

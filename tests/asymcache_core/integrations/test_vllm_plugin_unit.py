@@ -25,8 +25,8 @@ from asymcache_core.integrations.vllm import (
     PinSet,
     parse_job_hints,
 )
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
-from asymcache_core.session_stats import SessionStats
 
 LATENCY = LatencyModel(floor_s=1e-3, per_token_s=1e-5, per_attn_s=1e-8, knee_tokens=64)
 BLOCK = 4
@@ -53,8 +53,8 @@ class FakePool:
 
     def __init__(self, num_blocks: int, pins: PinSet | None = None) -> None:
         self.clock = Clock()
-        self.sessions = SessionStats()
-        self.scorer = BlockScorer(self.sessions, LATENCY, BLOCK)
+        self.job_stats = JobStats()
+        self.scorer = BlockScorer(self.job_stats, LATENCY, BLOCK)
         self.forest = CachedForest()
         self.blocks = [FakeBlock(i) for i in range(num_blocks)]
         self.cached: dict[Hashable, set[int]] = {}
@@ -120,14 +120,14 @@ class FakePool:
                 self.forest.add(block.block_id, key)
         self.tables[req] = table
         if job is not None:
-            self.sessions.on_arrival(job, self.clock(), len(keys) * BLOCK)
+            self.job_stats.on_arrival(job, self.clock(), len(keys) * BLOCK)
         return table
 
     def finish(self, req: str, job: str | None = None, last_step: bool = False) -> None:
         table = self.tables.pop(req)
         self.scorer.annotate([b.block_id for b in table], job)
         if job is not None:
-            self.sessions.on_finish(job, self.clock(), last_step)
+            self.job_stats.on_finish(job, self.clock(), last_step)
         self.free(table)
 
     def reachable_violations(self) -> list[Hashable]:
@@ -193,7 +193,7 @@ def test_cheap_job_goes_before_expensive_job() -> None:
     pool.finish("r1", job="done", last_step=True)  # P(reuse) = 0
     pool.run("r2", chain("live", 3), job="live")
     pool.finish("r2", job="live")
-    pool.sessions.hint("live", expected_gap_s=5.0)
+    pool.job_stats.hint("live", expected_gap_s=5.0)
     victims = pool.get_new_blocks(3)
     assert sorted(b.block_id for b in victims) == [0, 1, 2]
     assert pool.queue.stats.evicted_cached == 3
@@ -205,8 +205,8 @@ def test_scorer_is_the_embedded_policys_cost() -> None:
     pool.run("r", chain("a", 3), job="j")
     pool.finish("r", job="j")
     now = pool.clock()
-    p = pool.sessions.block_reuse_probability({"j"}, "j", now)
-    base = pool.sessions.expected_next_tokens("j")
+    p = pool.job_stats.block_reuse_probability({"j"}, "j", now)
+    base = pool.job_stats.expected_next_tokens("j")
     for pos in range(3):
         want = expected_latency_cost(p, pos, BLOCK, base, LATENCY)
         assert pool.scorer.score(pool.blocks[pos], now) == pytest.approx(want)
@@ -391,7 +391,7 @@ def test_parse_job_hints() -> None:
     assert parse_job_hints(None) == JobHints()
     hints = parse_job_hints({"job_id": 7, "is_last_step": "true", "tool_name": "bash", "pin_ttl_s": "1.5"})
     assert hints == JobHints("7", True, "bash", 1.5)
-    assert parse_job_hints({"is_last_step": 0}, session_id="s").job_id == "s"
+    assert parse_job_hints({"is_last_step": 0}, fallback_job_id="s").job_id == "s"
     assert parse_job_hints({"job_id": "a", "is_last_step": 1}).is_last_step
     assert parse_job_hints({"job_id": "a", "pin_ttl_s": "x"}).pin_ttl_s is None
 
@@ -413,8 +413,8 @@ def test_pin_set_is_a_pin_backend() -> None:
 def test_ttl_comes_from_the_tool_estimator() -> None:
     clock = Clock()
     pins = PinSet(capacity_blocks=8)
-    sessions = SessionStats()
-    ctl = ContinuumController(pins, LATENCY, sessions, clock)
+    job_stats = JobStats()
+    ctl = ContinuumController(pins, LATENCY, job_stats, clock)
     clock.t = 0.0
     assert ctl.on_request_arrival("j", 0.0) is None
     clock.t = 1.0
@@ -423,7 +423,7 @@ def test_ttl_comes_from_the_tool_estimator() -> None:
     benefit = pin_benefit_s(512, ctl.reload_cost, 0.0, 0.5)
     want = apply_ttl_rule("continuum", ToolDurationEstimator(), "bash", benefit)
     assert decision.ttl_s == pytest.approx(want.ttl_s) and decision.benefit_s == pytest.approx(benefit)
-    assert sessions.state("j").expected_gap == 2.0  # the cold-start pause hint
+    assert job_stats.state("j").expected_gap == 2.0  # the cold-start pause hint
     assert ctl.on_request_arrival("j", 2.5) == pytest.approx(1.5)
     assert ctl.durations.samples("bash") == [1.5]
     clock.t = 3.0
@@ -433,7 +433,7 @@ def test_ttl_comes_from_the_tool_estimator() -> None:
     ctl.on_request_arrival("j", 3.5)
     ctl.on_job_finished("j")
     assert ctl.memoryfulness.num_jobs == 1 and ctl.paused_jobs() == []
-    assert not pins.is_pinned("j") and sessions.state("j").finished
+    assert not pins.is_pinned("j") and job_stats.state("j").finished
 
 
 def test_entry_point_choice_is_opt_in() -> None:

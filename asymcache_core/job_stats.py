@@ -1,4 +1,7 @@
-"""Per-session reuse statistics, learned online, that eviction policies consult."""
+"""Per-job reuse statistics, learned online, that eviction policies consult.
+
+A job is whatever shares a ``job_id``: an agent's turns or a chat's messages.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +11,13 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class SessionState:
-    """What the engine knows about one session (a chat or an agent job).
+class JobState:
+    """What the engine knows about one job (a chat or an agent job).
 
     Attributes:
         last_active: engine time of its last request arrival or finish.
         last_finish: when its last request finished (``None`` while one runs).
-        running: requests of the session in flight.
+        running: requests of the job in flight.
         gaps: recent inter-turn gaps (finish -> next arrival), seconds.
         expected_gap: a hint from the runtime (e.g. the tool-duration estimate), seconds.
         finished: the job said its last step is done: its blocks will not be reused.
@@ -34,32 +37,32 @@ class SessionState:
     context_tokens: int = 0
 
 
-class SessionStats:
-    """Tracks sessions and estimates the probability that a session's blocks are reused.
+class JobStats:
+    """Tracks jobs and estimates the probability that a job's blocks are reused.
 
     Args:
-        prior_reuse: probability used for a session with no history.
-        history: gaps and turn sizes kept per session.
+        prior_reuse: probability used for a job with no history.
+        history: gaps and turn sizes kept per job.
     """
 
     def __init__(self, prior_reuse: float = 0.5, history: int = 16) -> None:
         self.prior_reuse = prior_reuse
         self.history = history
-        self.sessions: dict[str, SessionState] = {}
+        self.jobs: dict[str, JobState] = {}
         self.global_gaps: list[float] = []
 
-    def state(self, session_id: str) -> SessionState:
-        state = self.sessions.get(session_id)
+    def state(self, job_id: str) -> JobState:
+        state = self.jobs.get(job_id)
         if state is None:
-            state = self.sessions[session_id] = SessionState()
+            state = self.jobs[job_id] = JobState()
         return state
 
-    def last_active(self, session_id: str, default: float) -> float:
-        state = self.sessions.get(session_id)
+    def last_active(self, job_id: str, default: float) -> float:
+        state = self.jobs.get(job_id)
         return default if state is None else state.last_active
 
-    def on_arrival(self, session_id: str, now: float, new_tokens: int) -> None:
-        state = self.state(session_id)
+    def on_arrival(self, job_id: str, now: float, new_tokens: int) -> None:
+        state = self.state(job_id)
         if state.last_finish is not None and state.running == 0:
             gap = max(0.0, now - state.last_finish)
             state.gaps = (state.gaps + [gap])[-self.history :]
@@ -70,18 +73,18 @@ class SessionStats:
         state.last_arrival = now
         state.expected_gap = None
 
-    def turn_tokens(self, session_id: str, prompt_tokens: int) -> int:
+    def turn_tokens(self, job_id: str, prompt_tokens: int) -> int:
         """New tokens of a prompt of ``prompt_tokens`` (its length beyond the context the
-        session's last request ended with): the size of the step that will rebuild its blocks."""
-        state = self.sessions.get(session_id)
+        job's last request ended with): the size of the step that will rebuild its blocks."""
+        state = self.jobs.get(job_id)
         before = 0 if state is None else state.context_tokens
         return prompt_tokens - before if prompt_tokens >= before else prompt_tokens
 
     def on_finish(
-        self, session_id: str, now: float, last_step: bool, context_tokens: int | None = None
+        self, job_id: str, now: float, last_step: bool, context_tokens: int | None = None
     ) -> None:
-        """The session's request ended at ``now`` with ``context_tokens`` tokens (when known)."""
-        state = self.state(session_id)
+        """The job's request ended at ``now`` with ``context_tokens`` tokens (when known)."""
+        state = self.state(job_id)
         if context_tokens is not None:
             state.context_tokens = context_tokens
         state.running = max(0, state.running - 1)
@@ -90,46 +93,46 @@ class SessionStats:
         if last_step:
             state.finished = True
 
-    def hint(self, session_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
+    def hint(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
         """Runtime hints: the next request is expected in ``expected_gap_s``; or the job is done."""
-        state = self.state(session_id)
+        state = self.state(job_id)
         if expected_gap_s is not None:
             state.expected_gap = max(0.0, expected_gap_s)
         if finished is not None:
             state.finished = finished
 
-    def expected_next_tokens(self, session_id: str | None) -> int:
-        if session_id is None or session_id not in self.sessions:
+    def expected_next_tokens(self, job_id: str | None) -> int:
+        if job_id is None or job_id not in self.jobs:
             return 0
-        sizes = self.sessions[session_id].new_tokens
+        sizes = self.jobs[job_id].new_tokens
         return int(sum(sizes) / len(sizes)) if sizes else 0
 
-    def demand_since(self, session_id: str | None) -> float | None:
-        """Arrival time of the session's request in flight, ``None`` when it has none (or is done).
+    def demand_since(self, job_id: str | None) -> float | None:
+        """Arrival time of the job's request in flight, ``None`` when it has none (or is done).
 
-        An unreferenced block of such a session is wanted by a request that is waiting for
+        An unreferenced block of such a job is wanted by a request that is waiting for
         admission (or was preempted): its reuse is certain and imminent.
         """
-        if session_id is None:
+        if job_id is None:
             return None
-        state = self.sessions.get(session_id)
+        state = self.jobs.get(job_id)
         if state is None or state.finished or state.running == 0:
             return None
         return state.last_arrival
 
-    def reuse_probability(self, session_id: str | None, now: float) -> float:
-        """P(the session comes back for its blocks), from its state at ``now``.
+    def reuse_probability(self, job_id: str | None, now: float) -> float:
+        """P(the job comes back for its blocks), from its state at ``now``.
 
         - a finished job: 0;
-        - a running session: 1 (its blocks are in use or about to be);
+        - a running job: 1 (its blocks are in use or about to be);
         - otherwise the idle time is compared with the expected gap (the runtime's hint, else
-          the mean of its own gaps, else the mean over all sessions): the probability stays high
+          the mean of its own gaps, else the mean over all jobs): the probability stays high
           until about the expected gap and then decays exponentially with that scale, so a
-          session that overstays its usual pause is treated as gone.
+          job that overstays its usual pause is treated as gone.
         """
-        if session_id is None:
+        if job_id is None:
             return self.prior_reuse
-        state = self.sessions.get(session_id)
+        state = self.jobs.get(job_id)
         if state is None:
             return self.prior_reuse
         if state.finished:
@@ -149,11 +152,11 @@ class SessionStats:
         overstay = max(0.0, idle - 1.5 * scale)
         return base * math.exp(-overstay / scale)
 
-    def block_reuse_probability(self, sessions: AbstractSet[str], session_id: str | None, now: float) -> float:
-        """A block shared by several sessions is reused if any of them comes back."""
-        if not sessions:
-            return self.reuse_probability(session_id, now)
+    def block_reuse_probability(self, jobs: AbstractSet[str], job_id: str | None, now: float) -> float:
+        """A block shared by several jobs is reused if any of them comes back."""
+        if not jobs:
+            return self.reuse_probability(job_id, now)
         miss = 1.0
-        for sid in sessions:
-            miss *= 1.0 - self.reuse_probability(sid, now)
+        for jid in jobs:
+            miss *= 1.0 - self.reuse_probability(jid, now)
         return 1.0 - miss
