@@ -371,6 +371,10 @@ class Engine:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in token_ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
@@ -460,15 +464,29 @@ class Engine:
         sampled = self.runner.execute(plan)
         end = self.clock()
         self._log_step(plan, start, planned, end)
+        take_failures = getattr(self.runner, "take_failures", None)
+        for rid, error in (take_failures() if take_failures is not None else {}).items():
+            request = self.requests.get(rid)
+            if request is not None:
+                self._fail_request(request, error, end)
+                outputs.append(self._output(request, []))
         updates = self.scheduler.update_from_output(plan, sampled, end)
         return outputs + [self._process_output(update, end) for update in updates]
+
+    def _fail_request(self, request: Request, error: str, now: float) -> None:
+        """Ends one request that failed on its own (its blocks are freed; the batch goes on)."""
+        request.error = error
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED, now)
 
     def _process_output(self, update: RequestUpdate, now: float) -> RequestOutput:
         """Turns one scheduler update into the request's output: text, stop strings."""
         request = update.request
         self.counters.generated_tokens += len(update.new_token_ids)
         if self.tokenizer is not None:
-            self._detokenize(request, now)
+            try:
+                self._detokenize(request, now)
+            except Exception as exc:  # noqa: BLE001 - the request fails, not the step
+                self._fail_request(request, f"detokenizing failed: {type(exc).__name__}: {exc}", now)
         return self._output(request, update.new_token_ids)
 
     def _detokenize(self, request: Request, now: float) -> None:
@@ -529,7 +547,7 @@ class Engine:
         reason = request.status.value if request.finished else None
         return RequestOutput(
             request.request_id, new, list(request.output_token_ids), text, request.finished,
-            reason, request.metrics, request.num_prompt_tokens,
+            reason, request.metrics, request.num_prompt_tokens, request.error,
         )
 
     def _log_step(self, plan: SchedulerOutput, start: float, planned: float, end: float) -> None:
