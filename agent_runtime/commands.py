@@ -79,6 +79,10 @@ def run_serve(
     policy: str = "vllm-apc",
     num_kv_blocks: int | None = None,
     max_model_len: int | None = None,
+    *,
+    max_request_body_bytes: int = 8 << 20,
+    max_queue_len: int | None = 256,
+    shutdown_timeout: float = 30.0,
     **engine_settings: Any,
 ) -> None:
     """``asymcache serve``: the OpenAI-compatible server (blocks until interrupted).
@@ -91,6 +95,9 @@ def run_serve(
         policy: serving preset (``vllm-apc``, ``asymcache``, ``continuum``, ...).
         num_kv_blocks: KV pool size in blocks (None: from memory).
         max_model_len: context limit (None: the model's).
+        max_request_body_bytes: request bodies beyond this are a 413.
+        max_queue_len: completions waiting beyond the running batch before new ones are a 429.
+        shutdown_timeout: seconds SIGTERM lets in-flight requests finish before aborting them.
         **engine_settings: any of :data:`ENGINE_SETTINGS` (``EngineConfig`` fields, e.g.
             ``device``, ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``,
             ``tpot_slo_ms``, ``latency_profile`` (a JSON file from ``asymcache profile``),
@@ -106,10 +113,18 @@ def run_serve(
         raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key: must not be empty when given")
+    if not isinstance(max_request_body_bytes, int) or max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes: must be an integer >= 1, got {max_request_body_bytes!r}")
+    if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
+        raise ValueError(f"max_queue_len: must be an integer >= 0, got {max_queue_len!r}")
+    if not isinstance(shutdown_timeout, int | float) or shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {shutdown_timeout!r}")
     from agent_runtime.server import serve
 
     try:
-        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, **settings)
+        serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len,
+              max_request_body_bytes=max_request_body_bytes, max_queue_len=max_queue_len,
+              shutdown_timeout=float(shutdown_timeout), **settings)
     except (OSError, ImportError) as e:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
 

@@ -285,7 +285,9 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
 
     built: list[AgentRuntime] = []
 
-    def fake_serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, **engine_kwargs):
+    def fake_serve(model, host, port, api_key, policy, num_kv_blocks, max_model_len, *,
+                   max_request_body_bytes, max_queue_len, shutdown_timeout, **engine_kwargs):
+        assert (max_request_body_bytes, max_queue_len, shutdown_timeout) == (8 << 20, 256, 30.0)
         built.append(AgentRuntime.from_model(model, policy, loaded=smollm, num_kv_blocks=num_kv_blocks,
                                              **engine_kwargs))
 
