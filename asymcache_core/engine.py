@@ -32,6 +32,13 @@ from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, 
 from asymcache_core.session_stats import SessionStats
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 
+#: Seconds a job may stay idle (nothing in flight, no pin) before its per-job state is dropped.
+JOB_IDLE_S = 1800.0
+#: Jobs whose per-job state is kept at most.
+MAX_TRACKED_JOBS = 10_000
+#: Engine seconds between idle-job sweeps.
+JOB_SWEEP_INTERVAL_S = 10.0
+
 
 class Runner(Protocol):
     """Runs a planned step and returns ``request_id -> sampled token`` for finished contexts."""
@@ -278,6 +285,11 @@ class Engine:
         self.step_log: list[StepStats] = []
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        #: a job idle this long (nothing in flight, no pin) loses its per-job state
+        self.job_idle_s = JOB_IDLE_S
+        #: jobs whose state is kept at most (the longest idle dropped first)
+        self.max_tracked_jobs = MAX_TRACKED_JOBS
+        self._next_job_sweep = 0.0
 
     @classmethod
     def simulated(
@@ -434,6 +446,46 @@ class Engine:
         if isinstance(self.clock, VirtualClock):
             self.clock.advance_to(when)
         self.pins.expire(self.clock())
+        self._sweep_jobs(self.clock())
+
+    def _sweep_jobs(self, now: float) -> None:
+        """Drops the per-job state of idle jobs: session statistics, remembered blocks, the
+        controller's tables. A job is idle when nothing of it is in flight and it holds no pin;
+        those idle past :attr:`job_idle_s` go, and past :attr:`max_tracked_jobs` the longest
+        idle go first (down to 90% of it), so abandoned jobs cannot grow memory without bound.
+        """
+        sessions = self.sessions.sessions
+        over = len(sessions) > self.max_tracked_jobs
+        if now < self._next_job_sweep and not over:
+            return
+        self._next_job_sweep = now + JOB_SWEEP_INTERVAL_S
+        idle = sorted(
+            (st.last_active, sid) for sid, st in sessions.items() if st.running == 0 and not self.pins.is_pinned(sid)
+        )
+        drop = [sid for last, sid in idle if now - last > self.job_idle_s]
+        if over:
+            keep = int(0.9 * self.max_tracked_jobs)
+            extra = len(sessions) - len(drop) - keep
+            if extra > 0:
+                dropped = set(drop)
+                drop += [sid for _, sid in idle if sid not in dropped][:extra]
+        for sid in drop:
+            sessions.pop(sid, None)
+            self.pins.forget(sid)
+            self.continuum.forget_job(sid)
+
+    def tracked_jobs(self) -> dict[str, int]:
+        """Sizes of every per-job table of the engine (they stay bounded; see :meth:`_sweep_jobs`).
+
+        Returns:
+            Table name -> entries.
+        """
+        return {
+            "session_stats": len(self.sessions.sessions),
+            "pins_last_blocks": len(self.pins.last_blocks),
+            "pins": len(self.pins.pins),
+            **{f"controller_{k}": v for k, v in self.continuum.tracked_jobs().items()},
+        }
 
     @property
     def stalled(self) -> bool:
@@ -455,6 +507,7 @@ class Engine:
         """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs."""
         start = self.clock()
         self.pins.expire(start)
+        self._sweep_jobs(start)
         plan = self.scheduler.schedule()
         outputs, self._pending_outputs = self._pending_outputs, []
         self._stalled = plan.is_empty and self.scheduler.has_unfinished()
