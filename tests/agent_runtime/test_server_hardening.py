@@ -365,3 +365,37 @@ def test_shutdown_drains_up_to_the_timeout_then_aborts(smollm):
         server.engine(lambda e: e.check_integrity())
     finally:
         runtime.close_sync()
+
+
+def test_an_exception_in_the_model_step_ends_every_stream_cleanly_and_serving_goes_on(srv):
+    runner = srv.runtime.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected forward-pass fault")
+        return original(plan)
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 30,
+            "ignore_eos": True}
+    results: dict[int, list[str]] = {}
+    srv.engine(lambda e: setattr(e.runner, "execute", flaky))
+    try:
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream(srv, body))) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        srv.engine(lambda e: setattr(e.runner, "execute", original))
+    assert len(results) == 3
+    failed = 0
+    for lines in results.values():
+        assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+        last = json.loads(lines[-2][6:])
+        failed += "error" in last
+    assert failed >= 1  # those in the failed step got an error event, then [DONE]
+    srv.clean()
+    assert _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2}).status_code == 200
