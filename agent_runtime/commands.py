@@ -148,7 +148,8 @@ def run_agent(
     """``asymcache agent``: a real tool loop on the local model with the built-in tools.
 
     The built-ins (``bash``, ``read_file``, ``list_files``, ``write_file``) are confined to
-    ``workdir`` (``bash`` only by its working directory: it is not a sandbox). Small models do
+    ``workdir``; ``bash`` runs with rlimits and a scrubbed environment, and is sandboxed only
+    where bubblewrap is installed (:func:`agent_runtime.tools.bash_sandbox` says which). Small models do
     not call tools unprompted, so the first ``forced_tool_turns`` turns are constrained to a
     tool call (``tool_choice="required"``); later turns are free.
 
