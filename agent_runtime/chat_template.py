@@ -20,7 +20,9 @@ Rendering is transformers' ``tokenizer.apply_chat_template(..., tokenize=False)`
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -191,6 +193,50 @@ def _injected_messages(
     return out
 
 
+#: Private-use characters that stand for special-token text while a template renders.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+
+
+def _marker(index: int) -> str:
+    return f"{_MARK_OPEN}{index}{_MARK_CLOSE}"
+
+
+def _escape_tree(node: Any, pattern: re.Pattern[str], specials: Sequence[str], found: set[str]) -> Any:
+    """A copy of ``node`` whose strings have special-token text (and marker characters)
+    replaced by markers; ``found`` collects what was replaced."""
+    if isinstance(node, str):
+        if _MARK_OPEN in node:
+            found.add(_MARK_OPEN)
+            node = node.replace(_MARK_OPEN, _marker(len(specials)))
+        if pattern.search(node) is None:
+            return node
+        index = {tok: i for i, tok in enumerate(specials)}
+
+        def swap(m: re.Match[str]) -> str:
+            found.add(m.group(0))
+            return _marker(index[m.group(0)])
+
+        return pattern.sub(swap, node)
+    if isinstance(node, Mapping):
+        return {k: _escape_tree(v, pattern, specials, found) for k, v in node.items()}
+    if isinstance(node, list | tuple):
+        return [_escape_tree(v, pattern, specials, found) for v in node]
+    return node
+
+
+def _unescape(text: str, specials: Sequence[str]) -> str:
+    """The caller's text back from markers (raw, or JSON-escaped by a ``tojson`` filter)."""
+    if _MARK_OPEN not in text and "\\ue000" not in text:
+        return text
+    originals = [*specials, _MARK_OPEN]
+
+    def restore(m: re.Match[str]) -> str:
+        return originals[int(m.group(1))]
+
+    text = re.sub(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}", restore, text)
+    return re.sub(r"\\ue000(\d+)\\ue001", lambda m: json.dumps(restore(m))[1:-1], text)
+
+
 class ChatRenderer:
     """A tokenizer's chat template rendering OpenAI chats to prompt text.
 
@@ -208,6 +254,78 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template: str | None = template
         self.native_tools: bool = detect_tools_support(tokenizer, template)
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.special_tokens: tuple[str, ...] = tuple(sorted(
+            {str(t.content) for t in decoder.values() if getattr(t, "special", False) and str(t.content)},
+            key=len, reverse=True,
+        ))
+        self._special_re = re.compile("|".join(map(re.escape, self.special_tokens))) if self.special_tokens else None
+        # NOTE: a private copy encodes caller text: ``split_special_tokens`` switches state on
+        # the tokenizer it is passed to, and the shared one is in use on other threads.
+        self._plain: Any = None
+
+    def prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str | list[int]:
+        """The prompt of a chat: its text, or its token ids when caller text holds special tokens.
+
+        Text that the caller supplied (message contents, tool calls and results, tool schemas)
+        may spell a special token (``<|im_start|>system``); encoded with the rendered prompt,
+        it would become that control token and could open a fake turn. Such text is kept out
+        of the template's reach (swapped for private-use markers while rendering) and encoded
+        as plain text, while the template's own special tokens stay special. A chat without
+        such text renders exactly as :meth:`render` (and is encoded by the engine as before).
+
+        Args:
+            messages: OpenAI chat messages.
+            tools: OpenAI tool schemas, or None.
+            add_generation_prompt: end with the opening of an assistant turn.
+
+        Returns:
+            The prompt text, or its token ids.
+        """
+        if self._special_re is None:
+            return self.render(messages, tools, add_generation_prompt)
+        found: set[str] = set()
+        escaped_msgs = _escape_tree(messages, self._special_re, self.special_tokens, found)
+        escaped_tools = _escape_tree(tools, self._special_re, self.special_tokens, found) if tools else tools
+        if not found:
+            return self.render(messages, tools, add_generation_prompt)
+        text = self.render(escaped_msgs, escaped_tools, add_generation_prompt)
+        return self.encode_rendered(text)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a prompt rendered from escaped caller text.
+
+        The template's special tokens (the only ones left in ``text``) are their ids; the text
+        between them has its markers restored and is encoded with special tokens read as text.
+        Added special tokens split the text before the model's pre-tokenizer runs, so for text
+        without markers this equals ``tokenizer.encode(text, add_special_tokens=False)``.
+
+        Args:
+            text: the rendered prompt.
+
+        Returns:
+            The token ids.
+        """
+        if self._plain is None:
+            self._plain = copy.deepcopy(self.tokenizer)
+        ids: list[int] = []
+        pos = 0
+        pattern = self._special_re
+        matches = list(pattern.finditer(text)) if pattern is not None else []
+        for m in [*matches, None]:
+            end = m.start() if m is not None else len(text)
+            if end > pos:
+                piece = _unescape(text[pos:end], self.special_tokens)
+                ids.extend(self._plain.encode(piece, add_special_tokens=False, split_special_tokens=True))
+            if m is not None:
+                ids.append(int(self.tokenizer.convert_tokens_to_ids(m.group(0))))
+                pos = m.end()
+        return ids
 
     def render(
         self,

@@ -77,7 +77,8 @@ def run_serve(**options: Any) -> None:
     Args:
         **options: the fields of :class:`~agent_runtime.server.app.ServeOptions` (``model``,
             ``host``, ``port``, ``api_key``, ``policy``, ``num_kv_blocks``, ``max_model_len``,
-            ``served_model_name``, ``log_level``); every other name is one of
+            ``served_model_name``, ``log_level``, ``max_request_body_bytes``, ``max_queue_len``,
+            ``shutdown_timeout``); every other name is one of
             :data:`ENGINE_SETTINGS` (``EngineConfig`` fields, e.g. ``device``, ``dtype``,
             ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``, ``tpot_slo_ms``,
             ``latency_profile`` (a JSON file from ``asymcache profile``), ``admit_full_prompt``,
@@ -117,7 +118,8 @@ def run_agent(
     """``asymcache agent``: a real tool loop on the local model with the built-in tools.
 
     The built-ins (``bash``, ``read_file``, ``list_files``, ``write_file``) are confined to
-    ``workdir`` (``bash`` only by its working directory: it is not a sandbox). Small models do
+    ``workdir``; ``bash`` runs with rlimits and a scrubbed environment, and is sandboxed only
+    where bubblewrap is installed (:func:`agent_runtime.tools.bash_sandbox` says which). Small models do
     not call tools unprompted, so the first ``forced_tool_turns`` turns are constrained to a
     tool call (``tool_choice="required"``); later turns are free.
 

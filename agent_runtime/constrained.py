@@ -25,7 +25,9 @@ fails with a ``ValueError`` naming the extra (the server's 400).
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +66,38 @@ def load_xgrammar(field: str) -> ModuleType:
             f"{field}: constrained decoding needs xgrammar, which is not installed "
             f"({INSTALL_HINT})"
         ) from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_error(schema_json: str) -> str | None:
+    xgr = importlib.import_module("xgrammar")
+    try:
+        xgr.Grammar.from_json_schema(schema_json, any_whitespace=False)
+    except Exception as exc:  # noqa: BLE001 - xgrammar reports every schema problem as RuntimeError
+        # NOTE: xgrammar prefixes "[time] /path/file.cc:line: "; the client needs the reason only.
+        return str(exc).strip().splitlines()[0].split(": ", 1)[-1][:300]
+    return None
+
+
+def check_schema_compiles(schema: Mapping[str, Any], field: str) -> None:
+    """Reject a JSON schema that xgrammar cannot turn into a grammar (``"pattern": "("``).
+
+    Checked when a request is validated, so a schema that would fail constrained decoding is a
+    client error under every ``tool_choice``. Without xgrammar nothing is checked (constrained
+    requests then fail with the install hint).
+
+    Args:
+        schema: the JSON schema.
+        field: the request field it came from (names the error).
+
+    Raises:
+        ValueError: ``field: ...`` with xgrammar's reason.
+    """
+    if importlib.util.find_spec("xgrammar") is None:
+        return
+    error = _schema_error(json.dumps(schema, sort_keys=True))
+    if error is not None:
+        raise ValueError(f"{field}: not a schema constrained decoding can use: {error}")
 
 
 def tool_choice_name(tool_choice: ToolChoice) -> str | None:
@@ -441,5 +475,9 @@ def make_tool_call_processor(
     """
     if not needs_constraint(tool_choice):
         return None
-    compiled = cache.tool_call_grammar(tokenizer, tools, tool_choice, vocab_size)
+    try:
+        compiled = cache.tool_call_grammar(tokenizer, tools, tool_choice, vocab_size)
+    except RuntimeError as exc:
+        # NOTE: xgrammar raises RuntimeError for schemas it cannot compile: a client error.
+        raise ValueError(f"tools: constrained decoding cannot use these schemas: {str(exc)[:300]}") from None
     return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import itertools
 import logging
 import queue
@@ -37,6 +38,54 @@ from asymcache_core.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class RequestFailed(RuntimeError):
+    """One request failed on its own inside the engine (the others go on); raised by its stream."""
+
+
+class PromptEncoder:
+    """Encodes text prompts off the engine thread, after a length check that needs no tokenizer.
+
+    A private copy of the engine's tokenizer runs on one worker thread of its own, so a long
+    prompt never stalls the engine's steps (nor the event loop), and the copy is never used by
+    two threads at once. A prompt with more characters than ``max_model_len`` tokens could
+    cover (no token is longer than the vocabulary's longest entry) is rejected unread.
+
+    Args:
+        tokenizer: the engine's HF tokenizer.
+        max_model_len: the engine's context limit.
+    """
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer)
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_chars = max_model_len * max(1, longest)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asymcache-tokenize")
+
+    def check(self, text: str) -> None:
+        """Reject a prompt that cannot fit, by its length in characters.
+
+        Raises:
+            ValueError: naming ``prompt``.
+        """
+        if len(text) > self.max_chars:
+            raise ValueError(
+                f"prompt: {len(text)} characters cannot fit max_model_len (at most {self.max_chars} characters)"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (checked first; runs on the caller's thread)."""
+        self.check(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def encode_async(self, text: str) -> list[int]:
+        """:meth:`encode` on the encoder's worker thread."""
+        self.check(text)
+        return await asyncio.wrap_future(self._pool.submit(self.encode, text))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Sink:
@@ -154,6 +203,10 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._idle_poll_s = idle_poll_s
         self._closed = False
+        tokenizer = getattr(engine, "tokenizer", None)
+        self.encoder: PromptEncoder | None = (
+            PromptEncoder(tokenizer, engine.max_model_len) if hasattr(tokenizer, "get_vocab") else None
+        )
         self._thread = threading.Thread(target=self._run, name="asymcache-engine", daemon=True)
         self._thread.start()
 
@@ -181,6 +234,8 @@ class AsyncEngine:
         if not self._closed:
             self._closed = True
             self._commands.put(_Stop())
+            if self.encoder is not None:
+                self.encoder.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -252,6 +307,8 @@ class AsyncEngine:
             RuntimeError: the engine thread is stopped.
         """
         self._check_open()
+        if isinstance(prompt, str) and self.encoder is not None:
+            prompt = await self.encoder.encode_async(prompt)
         loop = asyncio.get_running_loop()
         accepted: concurrent.futures.Future[tuple[str, list[int]]] = concurrent.futures.Future()
         sink = _Sink(loop)
@@ -357,6 +414,9 @@ class AsyncEngine:
             active.submit.sink.put(StreamEvent(out))
             return
         del self._active[out.request_id]
+        if out.error is not None:
+            active.submit.sink.put(RequestFailed(out.error))
+            return
         try:
             event = self.processor.finalize(active.submit.options, active.prompt_ids, out)
         except Exception:  # noqa: BLE001 - the output stands even if a decision failed
@@ -391,4 +451,4 @@ class AsyncEngine:
         self.engine.step()  # flush the aborts' outputs so the engine is left consistent
 
 
-__all__ = ["AsyncEngine", "RequestStream"]
+__all__ = ["AsyncEngine", "PromptEncoder", "RequestFailed", "RequestStream"]

@@ -215,6 +215,28 @@ Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[StrictInt, Field(ge=-1)]
 JobId = Annotated[StrictStr, Field(min_length=1, max_length=MAX_JOB_ID_CHARS)]
+#: Ranges are checked by SamplingParams (one place for the engine's API and the server's).
+Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+#: Nesting of the JSON body at most (a deeper body is a 400, never a RecursionError).
+MAX_JSON_DEPTH = 64
+#: OpenAI fields this server does not implement, with the value that means "off".
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "functions": (None,),
+    "function_call": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
 
 
 class StreamOptions(BaseModel):
@@ -244,6 +266,12 @@ class _GenerationRequest(BaseModel):
     seed: StrictInt | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: StrictBool = False
+    min_p: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Penalty | None = None
+    logit_bias: dict[str, Penalty] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
     stream: StrictBool | None = None
@@ -309,6 +337,12 @@ class _GenerationRequest(BaseModel):
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
         )
 
 
@@ -389,9 +423,64 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"Invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object", code="invalid_json")
+    check_json_tree(body)
     return body
+
+
+def check_json_tree(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Reject bodies nested deeper than ``max_depth`` or holding text that is not Unicode.
+
+    Iterative, so that no depth reaches Python's recursion limit; run before anything that
+    recurses over the body (pydantic, the chat template, xgrammar). A lone surrogate
+    (``"\\ud800"``, valid JSON but not encodable) would fail the tokenizer later.
+
+    Args:
+        body: the decoded JSON.
+        max_depth: the deepest nesting allowed.
+
+    Raises:
+        RequestError: naming the offending field.
+    """
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > max_depth:
+            raise RequestError(f"{where or 'body'}: nested deeper than {max_depth}", param=where or None,
+                               code="invalid_json")
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"{where or 'body'}: not valid Unicode (a lone surrogate)",
+                                   param=where or None, code="invalid_json") from None
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                stack.append((key, where, depth + 1))
+                stack.append((value, f"{where}.{key}" if where else str(key), depth + 1))
+        elif isinstance(node, list):
+            stack.extend((value, f"{where}[{i}]", depth + 1) for i, value in enumerate(node))
+
+
+def reject_unsupported(body: Mapping[str, Any]) -> None:
+    """A 400 for OpenAI fields that are set but not implemented (never silently ignored).
+
+    Args:
+        body: the decoded request body.
+
+    Raises:
+        RequestError: naming the first such field.
+    """
+    for name, off in UNSUPPORTED_FIELDS.items():
+        if name in body and body[name] not in off:
+            raise RequestError(f"{name}: not supported by this server", param=name, code="unsupported_field")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError("response_format: only {'type': 'text'} is supported", param="response_format",
+                           code="unsupported_field")
 
 
 def parse_request(model: type[ModelT], body: Mapping[str, Any]) -> ModelT:
@@ -407,6 +496,7 @@ def parse_request(model: type[ModelT], body: Mapping[str, Any]) -> ModelT:
     Raises:
         RequestError: for the first invalid field, with ``param`` naming it.
     """
+    reject_unsupported(body)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -665,10 +755,12 @@ __all__ = [
     "ToolsArg",
     "Usage",
     "chat_sampling_params",
+    "check_json_tree",
     "completion_prompt",
     "normalize_tool_choice",
     "normalize_tools",
     "parse_json_body",
     "parse_request",
+    "reject_unsupported",
     "validate_messages",
 ]

@@ -245,7 +245,7 @@ class AgentRuntime:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> str:
+    ) -> str | list[int]:
         """Render a chat to prompt text with the model's template (validated).
 
         Args:
@@ -253,7 +253,8 @@ class AgentRuntime:
             tools: validated tool schemas.
 
         Returns:
-            The prompt text.
+            The prompt text, or its token ids when caller text spells special tokens (encoded
+            as text: :meth:`ChatRenderer.prompt`).
 
         Raises:
             ValueError: malformed messages (the message names ``messages[i]...``), or a model
@@ -263,7 +264,7 @@ class AgentRuntime:
             raise ValueError("messages: this model has no tokenizer/chat template (dummy weights)")
         validate_messages(messages)
         try:
-            return self.renderer.render(messages, tools or None, add_generation_prompt=True)
+            return self.renderer.prompt(messages, tools or None, add_generation_prompt=True)
         except ValueError as e:
             raise ValueError(f"messages: {e}") from None
 

@@ -8,12 +8,18 @@ failure (unknown tool, bad JSON, validation error, exception, timeout) into an e
 reads the error and tries again.
 
 Built-in tools for SWE-style loops (``bash``, ``read_file``, ``list_files``, ``write_file``) are
-confined to one working directory. ``bash`` runs ``bash -c`` in a subprocess
-(:func:`asyncio.create_subprocess_exec`) in its own process group, so a timeout kills the whole
-group. The file tools run in a worker thread (:func:`asyncio.to_thread`): they only touch files
-whose resolved path (symlinks followed) lies inside the working directory. Nothing here ever
-``eval``s or ``exec``s model text. Note that ``bash`` is confined only by its working directory,
-not sandboxed: run the runtime itself in a container when the model is untrusted.
+confined to one working directory. ``bash`` runs ``bash -c`` in a subprocess of its own session
+with rlimits (processes, CPU, address space, file size), an environment holding nothing but
+``PATH``, the locale and ``HOME`` = the working directory, and a time limit that holds under an
+output flood: when the command ends or its time is up, every process of the call (its session,
+and any that left it with ``setsid`` but carry the call's marker variable) is killed and the
+pipes are closed (:func:`run_bash`). Where bubblewrap (``bwrap``) is installed, the call also
+runs in a private mount, PID and network namespace with a read-only root and only the working
+directory writable; without it ``bash`` can read what the server's user can read, and the
+runtime should run in a container when the model is untrusted (:func:`bash_sandbox` says
+which holds). The file tools run in a worker thread (:func:`asyncio.to_thread`): they only touch
+files whose resolved path (symlinks followed) lies inside the working directory. Nothing here
+ever ``eval``s or ``exec``s model text.
 """
 
 from __future__ import annotations
@@ -24,14 +30,21 @@ import inspect
 import json
 import os
 import re
+import select
+import shutil
 import signal
+import subprocess
+import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import pydantic
+
+from agent_runtime.constrained import check_schema_compiles
 
 #: OpenAI's rule for function names.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -147,6 +160,7 @@ def validate_tool_schema(schema: Mapping[str, Any]) -> None:
     if params.get("type", "object") != "object":
         raise ValueError(f"function.parameters.type: must be 'object', got {params.get('type')!r}")
     _check_schema_node(params, "function.parameters")
+    check_schema_compiles(params, "function.parameters")
 
 
 # --------------------------------------------------------------------------------------------
@@ -573,6 +587,13 @@ class BuiltinToolConfig:
         max_output_chars: cut of the captured stdout/stderr of ``bash`` and of file reads.
         max_list_entries: most entries ``list_files`` returns.
         max_bash_timeout_s: cap on a ``timeout_s`` the model asks for.
+        max_processes: processes a ``bash`` call may add (``RLIMIT_NPROC`` above the user's
+            current count).
+        max_memory_bytes: address space of each process of a call (``RLIMIT_AS``).
+        max_file_bytes: largest file a call may write (``RLIMIT_FSIZE``).
+        sandbox: ``auto`` (bubblewrap when installed, else rlimits only), ``bwrap`` (required)
+            or ``none``.
+        network: keep the network inside the bubblewrap sandbox (off: a private, empty one).
     """
 
     workdir: Path
@@ -580,51 +601,276 @@ class BuiltinToolConfig:
     max_bash_timeout_s: float = 600.0
     max_output_chars: int = 10_000
     max_list_entries: int = 500
+    max_processes: int = 256
+    max_memory_bytes: int = 4 << 30
+    max_file_bytes: int = 1 << 30
+    sandbox: str = "auto"
+    network: bool = False
 
 
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    """Kill the process group this module started for a ``bash`` call, then reap it.
-
-    Args:
-        proc: the process, started with ``start_new_session=True`` (its pid is the group id).
-    """
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    with contextlib.suppress(Exception):
-        await proc.wait()
+#: Environment variables a ``bash`` call inherits (nothing else: no keys, tokens or proxies).
+_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ")
+#: How long the output of a finished or killed command is still read before the pipes close.
+_DRAIN_S = 2.0
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
-    """Read a pipe to its end, keeping only its first and last ``cap`` bytes.
-
-    A command like ``yes`` would otherwise fill memory until its timeout.
-
-    Args:
-        stream: the pipe.
-        cap: bytes kept at each end.
+def bash_sandbox() -> str:
+    """How ``bash`` calls are confined on this machine, in one line (for help texts).
 
     Returns:
-        The output, with a marker in place of the bytes dropped from the middle.
+        ``"bubblewrap (...)"`` when ``bwrap`` is installed, else the fallback.
     """
-    head = bytearray()
-    tail = bytearray()
-    total = 0
-    while chunk := await stream.read(65536):
-        total += len(chunk)
-        if len(head) < cap:
-            take = cap - len(head)
-            head += chunk[:take]
+    if shutil.which("bwrap"):
+        return "bubblewrap: read-only root, writable workdir, private /tmp, no network, own PID namespace"
+    return ("not sandboxed (bubblewrap not installed): own session, rlimits, scrubbed environment, "
+            "workdir as cwd only; run the runtime in a container for untrusted models")
+
+
+def bash_env(workdir: Path, marker: str) -> dict[str, str]:
+    """The whole environment of a ``bash`` call.
+
+    Args:
+        workdir: the call's working directory (also ``HOME``).
+        marker: a value unique to the call, so its processes can be found and killed.
+
+    Returns:
+        The environment.
+    """
+    env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    env.update({"HOME": str(workdir), "PWD": str(workdir), "TERM": "dumb", "SHELL": "/bin/bash",
+                "ASYMCACHE_TOOL_CALL": marker})
+    return env
+
+
+def _user_tasks() -> int:
+    """Tasks (processes and threads) of this user now: what ``RLIMIT_NPROC`` counts."""
+    uid = str(os.getuid())
+    n = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status", "rb") as f:
+                    for line in f:
+                        if line.startswith(b"Uid:"):
+                            if line.split()[1].decode() == uid:
+                                n += len(os.listdir(f"/proc/{entry.name}/task"))
+                            break
+            except OSError:
+                continue
+    return n
+
+
+def bash_argv(command: str, config: BuiltinToolConfig, timeout_s: float, use_bwrap: bool) -> list[str]:
+    """The argv of one ``bash`` call: the rlimits, then the command in a fresh bash.
+
+    NOTE: limits are set by ``ulimit`` in the child shell (soft and hard together, so an
+    unprivileged command cannot raise them), not by ``preexec_fn``, which can deadlock in a
+    process with threads (the server's engine thread).
+
+    Args:
+        command: the model's command line.
+        config: the limits.
+        timeout_s: the call's time limit (the CPU limit is one second more).
+        use_bwrap: wrap in bubblewrap.
+
+    Returns:
+        The argv.
+    """
+    cpu = max(1, int(timeout_s) + 1)
+    nproc = _user_tasks() + config.max_processes
+    limits = (f"ulimit -c 0 && ulimit -t {cpu} && ulimit -v {config.max_memory_bytes // 1024} "
+              f"&& ulimit -f {max(1, config.max_file_bytes // 1024)} && ulimit -u {nproc} "
+              "|| { echo 'could not set resource limits' >&2; exit 126; }")
+    inner = ["bash", "-c", f'{limits}; exec bash -c "$1"', "bash", command]
+    if not use_bwrap:
+        return inner
+    wd = str(Path(config.workdir).resolve())
+    jail = ["bwrap", "--die-with-parent", "--new-session", "--unshare-all"]
+    if config.network:
+        jail.append("--share-net")
+    jail += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+             "--bind", wd, wd, "--chdir", wd]
+    return jail + inner
+
+
+def _call_processes(session: int, marker: bytes) -> list[int]:
+    """Processes of one call: in its session, or carrying its marker (``setsid`` escapees)."""
+    found = []
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            # NOTE: fields after the command name (which may hold spaces) are split from its ")".
+            fields = stat[stat.rindex(b")") + 2 :].split()
+            if fields[0] in (b"Z", b"X"):
+                continue  # already dead, waiting to be reaped
+            if int(fields[3]) == session:
+                found.append(pid)
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def kill_call(pid: int, marker: str) -> int:
+    """Kill every process of a ``bash`` call: its group, its session, its marked escapees.
+
+    Args:
+        pid: the call's bash (its session and group id).
+        marker: the call's ``ASYMCACHE_TOOL_CALL`` value.
+
+    Returns:
+        Processes killed besides ``pid`` itself.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    tag = f"ASYMCACHE_TOOL_CALL={marker}".encode()
+    killed: set[int] = set()
+    for _ in range(3):  # a process may fork while the first sweep runs
+        victims = [v for v in _call_processes(pid, tag) if v not in killed]
+        if not victims:
+            break
+        for victim in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(victim, signal.SIGKILL)
+                killed.add(victim)
+    killed.discard(pid)
+    return len(killed)
+
+
+class _Capped:
+    """Keeps the first and last ``cap`` bytes of a stream."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        if len(self.head) < self.cap:
+            take = self.cap - len(self.head)
+            self.head += chunk[:take]
             chunk = chunk[take:]
         if chunk:
-            tail += chunk
-            if len(tail) > cap:
-                del tail[: len(tail) - cap]
-    dropped = total - len(head) - len(tail)
-    if dropped > 0:
-        return bytes(head) + f"\n... [{dropped} bytes elided] ...\n".encode() + bytes(tail)
-    return bytes(head + tail)
+            self.tail += chunk
+            if len(self.tail) > self.cap:
+                del self.tail[: len(self.tail) - self.cap]
+
+    def value(self) -> bytes:
+        dropped = self.total - len(self.head) - len(self.tail)
+        if dropped > 0:
+            return bytes(self.head) + f"\n... [{dropped} bytes elided] ...\n".encode() + bytes(self.tail)
+        return bytes(self.head + self.tail)
+
+
+@dataclass
+class BashRun:
+    """What one ``bash`` call did.
+
+    Attributes:
+        returncode: the exit status (None if it had to be killed).
+        stdout: captured output (capped).
+        stderr: captured errors (capped).
+        timed_out: the time limit ended it.
+        leftovers: processes killed after it ended (background jobs, ``setsid`` escapees).
+    """
+
+    returncode: int | None
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    leftovers: int = 0
+
+
+def run_bash(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float, cap: int, marker: str,
+             cancel: threading.Event | None = None) -> BashRun:
+    """Run one command to its end, its time limit, or ``cancel``; never longer.
+
+    The pipes are polled in this thread (no reader that could be left blocked). When the
+    command's bash exits or its time is up, every process of the call is killed
+    (:func:`kill_call`), what is still buffered is read for at most two seconds, and the pipes
+    are closed, so an output flood or a background job holding the pipe cannot stretch the call.
+
+    Args:
+        argv: see :func:`bash_argv`.
+        cwd: working directory.
+        env: the whole environment (see :func:`bash_env`).
+        timeout_s: the time limit.
+        cap: bytes kept at each end of stdout and of stderr.
+        marker: the call's marker in ``env``.
+        cancel: set from another thread to end the call early.
+
+    Returns:
+        The outcome.
+    """
+    proc = subprocess.Popen(
+        argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    buffers = {proc.stdout.fileno(): _Capped(cap), proc.stderr.fileno(): _Capped(cap)}
+    out, err = buffers[proc.stdout.fileno()], buffers[proc.stderr.fileno()]
+    poller = select.poll()
+    for fd in buffers:
+        os.set_blocking(fd, False)
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    open_fds = set(buffers)
+    deadline = time.monotonic() + timeout_s
+    ended_at: float | None = None
+    timed_out = False
+    leftovers = 0
+    try:
+        while open_fds:
+            now = time.monotonic()
+            if ended_at is None:
+                expired = now >= deadline or (cancel is not None and cancel.is_set())
+                if expired or proc.poll() is not None:
+                    timed_out = expired and proc.poll() is None
+                    leftovers = kill_call(proc.pid, marker)
+                    ended_at = now
+            elif now - ended_at >= _DRAIN_S:
+                break
+            for fd, _ in poller.poll(100):
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    buffers[fd].add(chunk)
+                else:
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+        # The pipes closed first: the command itself still has its time (it may have closed them).
+        while ended_at is None and proc.poll() is None:
+            if time.monotonic() >= deadline or (cancel is not None and cancel.is_set()):
+                timed_out = time.monotonic() >= deadline
+                break
+            time.sleep(0.02)
+    finally:
+        if ended_at is None:
+            leftovers = kill_call(proc.pid, marker)
+        proc.stdout.close()
+        proc.stderr.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    code = None if timed_out else proc.returncode
+    return BashRun(code, out.value(), err.value(), timed_out, leftovers)
 
 
 def make_builtin_tools(config: BuiltinToolConfig) -> list[Tool]:
@@ -640,6 +886,12 @@ def make_builtin_tools(config: BuiltinToolConfig) -> list[Tool]:
     workdir = Path(config.workdir)
     limit = config.max_output_chars
 
+    if config.sandbox not in ("auto", "bwrap", "none"):
+        raise ValueError(f"sandbox: one of auto, bwrap, none; got {config.sandbox!r}")
+    use_bwrap = config.sandbox == "bwrap" or (config.sandbox == "auto" and shutil.which("bwrap") is not None)
+    if config.sandbox == "bwrap" and shutil.which("bwrap") is None:
+        raise ValueError("sandbox: 'bwrap' asked for but bubblewrap is not installed")
+
     async def bash(command: str, timeout_s: float | None = None) -> ToolResult:
         """Run a shell command with bash in the working directory.
 
@@ -649,38 +901,29 @@ def make_builtin_tools(config: BuiltinToolConfig) -> list[Tool]:
         """
         tlimit = config.bash_timeout_s if timeout_s is None else timeout_s
         tlimit = max(0.0, min(tlimit, config.max_bash_timeout_s))
-        proc = await asyncio.create_subprocess_exec(
-            "bash",
-            "-c",
-            command,
-            cwd=str(workdir),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # own process group: a timeout kills children too
+        marker = uuid.uuid4().hex
+        argv = bash_argv(command, config, tlimit, use_bwrap)
+        cancel = threading.Event()
+        run = asyncio.to_thread(
+            run_bash, argv, workdir, bash_env(workdir.resolve(), marker), tlimit, limit, marker, cancel
         )
-        if proc.stdout is None or proc.stderr is None:  # cannot happen with PIPE; for typing
-            await _kill_group(proc)
-            return ToolResult("Error: could not capture the command's output", True)
         try:
-            out, err, _ = await asyncio.wait_for(
-                asyncio.gather(
-                    _read_capped(proc.stdout, limit), _read_capped(proc.stderr, limit), proc.wait()
-                ),
-                timeout=tlimit,
-            )
-        except TimeoutError:
-            await _kill_group(proc)
-            return ToolResult(f"Error: command timed out after {tlimit:g} s", True)
+            result = await asyncio.shield(task := asyncio.ensure_future(run))
         except asyncio.CancelledError:
-            await _kill_group(proc)
+            cancel.set()  # the thread kills the call and returns within the drain time
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, timeout=_DRAIN_S + 10)
             raise
-        code = proc.returncode if proc.returncode is not None else -1
-        stdout = truncate_middle(out.decode("utf-8", "replace"), limit)
-        stderr = truncate_middle(err.decode("utf-8", "replace"), limit)
+        if result.timed_out:
+            return ToolResult(f"Error: command timed out after {tlimit:g} s", True)
+        code = result.returncode if result.returncode is not None else -1
+        stdout = truncate_middle(result.stdout.decode("utf-8", "replace"), limit)
+        stderr = truncate_middle(result.stderr.decode("utf-8", "replace"), limit)
         text = f"exit_code: {code}\nstdout:\n{stdout}"
         if stderr:
             text += f"\nstderr:\n{stderr}"
+        if result.leftovers:
+            text += f"\n(killed {result.leftovers} background process(es) left running)"
         return ToolResult(text, code != 0)
 
     def read_file(path: str, start_line: int = 1, max_lines: int | None = None) -> str:

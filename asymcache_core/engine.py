@@ -33,6 +33,13 @@ from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, fcfs_key
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 
+#: Seconds a job may stay idle (nothing in flight, no pin) before its per-job state is dropped.
+JOB_IDLE_S = 1800.0
+#: Jobs whose per-job state is kept at most.
+MAX_TRACKED_JOBS = 10_000
+#: Engine seconds between idle-job sweeps.
+JOB_SWEEP_INTERVAL_S = 10.0
+
 
 class Runner(Protocol):
     """Runs a planned step and returns ``request_id -> sampled token`` for finished contexts."""
@@ -281,6 +288,11 @@ class Engine:
         self.step_log: list[StepStats] = []
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        #: a job idle this long (nothing in flight, no pin) loses its per-job state
+        self.job_idle_s = JOB_IDLE_S
+        #: jobs whose state is kept at most (the longest idle dropped first)
+        self.max_tracked_jobs = MAX_TRACKED_JOBS
+        self._next_job_sweep = 0.0
 
     @classmethod
     def simulated(
@@ -406,6 +418,10 @@ class Engine:
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in token_ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad!r} is outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
@@ -465,6 +481,46 @@ class Engine:
         if isinstance(self.clock, VirtualClock):
             self.clock.advance_to(when)
         self.pins.expire(self.clock())
+        self._sweep_jobs(self.clock())
+
+    def _sweep_jobs(self, now: float) -> None:
+        """Drops the per-job state of idle jobs: job statistics, remembered blocks, the
+        controller's tables. A job is idle when nothing of it is in flight and it holds no pin;
+        those idle past :attr:`job_idle_s` go, and past :attr:`max_tracked_jobs` the longest
+        idle go first (down to 90% of it), so abandoned jobs cannot grow memory without bound.
+        """
+        jobs = self.job_stats.jobs
+        over = len(jobs) > self.max_tracked_jobs
+        if now < self._next_job_sweep and not over:
+            return
+        self._next_job_sweep = now + JOB_SWEEP_INTERVAL_S
+        idle = sorted(
+            (st.last_active, job) for job, st in jobs.items() if st.running == 0 and not self.pins.is_pinned(job)
+        )
+        drop = [job for last, job in idle if now - last > self.job_idle_s]
+        if over:
+            keep = int(0.9 * self.max_tracked_jobs)
+            extra = len(jobs) - len(drop) - keep
+            if extra > 0:
+                dropped = set(drop)
+                drop += [job for _, job in idle if job not in dropped][:extra]
+        for job in drop:
+            jobs.pop(job, None)
+            self.pins.forget(job)
+            self.continuum.forget_job(job)
+
+    def tracked_jobs(self) -> dict[str, int]:
+        """Sizes of every per-job table of the engine (they stay bounded; see :meth:`_sweep_jobs`).
+
+        Returns:
+            Table name -> entries.
+        """
+        return {
+            "job_stats": len(self.job_stats.jobs),
+            "pins_last_blocks": len(self.pins.last_blocks),
+            "pins": len(self.pins.pins),
+            **{f"controller_{k}": v for k, v in self.continuum.tracked_jobs().items()},
+        }
 
     @property
     def stalled(self) -> bool:
@@ -486,6 +542,7 @@ class Engine:
         """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs."""
         start = self.clock()
         self.pins.expire(start)
+        self._sweep_jobs(start)
         plan = self.scheduler.schedule()
         outputs, self._pending_outputs = self._pending_outputs, []
         self._stalled = plan.is_empty and self.scheduler.has_unfinished()
@@ -495,15 +552,29 @@ class Engine:
         sampled = self.runner.execute(plan)
         end = self.clock()
         self._log_step(plan, start, planned, end)
+        take_failures = getattr(self.runner, "take_failures", None)
+        for rid, error in (take_failures() if take_failures is not None else {}).items():
+            request = self.requests.get(rid)
+            if request is not None:
+                self._fail_request(request, error, end)
+                outputs.append(self._output(request, []))
         updates = self.scheduler.update_from_output(plan, sampled, end)
         return outputs + [self._process_output(update, end) for update in updates]
+
+    def _fail_request(self, request: Request, error: str, now: float) -> None:
+        """Ends one request that failed on its own (its blocks are freed; the batch goes on)."""
+        request.error = error
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED, now)
 
     def _process_output(self, update: RequestUpdate, now: float) -> RequestOutput:
         """Turns one scheduler update into the request's output: text, stop strings."""
         request = update.request
         self.counters.generated_tokens += len(update.new_token_ids)
         if self.tokenizer is not None:
-            self._detokenize(request, now)
+            try:
+                self._detokenize(request, now)
+            except Exception as exc:  # noqa: BLE001 - the request fails, not the step
+                self._fail_request(request, f"detokenizing failed: {type(exc).__name__}: {exc}", now)
         return self._output(request, update.new_token_ids)
 
     def _detokenize(self, request: Request, now: float) -> None:
@@ -564,7 +635,7 @@ class Engine:
         reason = request.status.value if request.finished else None
         return RequestOutput(
             request.request_id, new, list(request.output_token_ids), text, request.finished,
-            reason, request.metrics, request.num_prompt_tokens,
+            reason, request.metrics, request.num_prompt_tokens, request.error,
         )
 
     def _log_step(self, plan: SchedulerOutput, start: float, planned: float, end: float) -> None:

@@ -9,7 +9,7 @@ import torch
 from asymcache_core.cuda_graphs import DecodeGraphs, decode_batch
 from asymcache_core.loaders import LoadedModel
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
-from asymcache_core.sampler import Sampler
+from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
 from kernels.metadata import MSAMetadata, build_msa_metadata
@@ -155,5 +155,11 @@ class ModelRunner:
             [r.request_id for r in requests],
             [r.params for r in requests],
             [r.output_token_ids for r in requests],
+            [r.prompt_token_ids for r in requests],
         )
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        # NOTE: a row whose sampling failed is left out; the engine fails its request alone.
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True) if t != FAILED}
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests whose sampling failed since the last call: id -> error text."""
+        return self.sampler.take_failures()

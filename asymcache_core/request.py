@@ -113,6 +113,8 @@ class Request:
         # End of its last cache hit at admission: positions below it that run refill holes.
         self.hit_end = 0
         self.stop_reason: int | str | None = None
+        #: why the request failed alone (sampling or detokenizing raised); None otherwise
+        self.error: str | None = None
         self.text = ""
         self.detok = DetokenizerState()
 
@@ -152,6 +154,7 @@ class RequestOutput:
         finish_reason: ``stop``, ``length`` or ``abort`` once finished.
         metrics: the request's metrics (shared, updated in place).
         num_prompt_tokens: prompt length.
+        error: set when this request alone failed (finished as ``abort``; others go on).
     """
 
     request_id: str
@@ -162,3 +165,4 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     num_prompt_tokens: int
+    error: str | None = None

@@ -1,10 +1,55 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, seeds.
+
+A row that raises (a logits processor, a degenerate distribution) fails only its own request:
+:meth:`Sampler.sample` records it in :attr:`Sampler.failures` and the engine finishes that
+request with the error while the batch's other rows keep their tokens.
+"""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from asymcache_core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: The token of a row whose sampling failed (never handed to the scheduler).
+FAILED = -1
+
+
+def apply_penalties(
+    row: torch.Tensor, params: SamplingParams, prompt: list[int] | None, output: list[int]
+) -> torch.Tensor:
+    """Logit bias, repetition, presence and frequency penalties on one ``[vocab]`` row.
+
+    Args:
+        row: float32 logits (a new tensor is returned; ``row`` is not modified).
+        params: the request's parameters.
+        prompt: its prompt ids (the repetition penalty covers them), or None.
+        output: the tokens it generated so far.
+
+    Returns:
+        The rewritten row.
+    """
+    vocab = row.numel()
+    row = row.clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t in params.logit_bias if t < vocab], dtype=torch.long)
+        vals = torch.tensor([v for t, v in params.logit_bias.items() if t < vocab], dtype=row.dtype)
+        row.index_add_(0, ids, vals)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*(prompt or ()), *output) if 0 <= t < vocab}), dtype=torch.long)
+        if seen.numel():
+            vals = row[seen]
+            p = params.repetition_penalty
+            row[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+    return row
 
 
 class Sampler:
@@ -13,19 +58,34 @@ class Sampler:
     Greedy rows take ``argmax``; random rows use a per-request ``torch.Generator`` (seeded from
     the request's seed, or from the engine seed and the request id) so that a request's tokens do
     not depend on what else shares its batch.
+
+    Attributes:
+        failures: request id -> error text of rows that failed in the last :meth:`sample`
+            calls (taken with :meth:`take_failures`).
     """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        self.failures: dict[str, str] = {}
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def take_failures(self) -> dict[str, str]:
+        """The failed rows since the last call (and forget them).
+
+        Returns:
+            Request id -> error text.
+        """
+        out, self.failures = self.failures, {}
+        return out
+
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         gen = self._generators.get(request_id)
         if gen is None:
-            seed = params.seed if params.seed is not None else hash((self.seed, request_id)) & 0x7FFFFFFF
+            # NOTE: int64 seeds are mapped onto manual_seed's [0, 2**64) (non-negative ones unchanged).
+            seed = params.seed % (1 << 64) if params.seed is not None else hash((self.seed, request_id)) & 0x7FFFFFFF
             gen = torch.Generator().manual_seed(seed)
             self._generators[request_id] = gen
         return gen
@@ -36,6 +96,7 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         outputs: list[list[int]],
+        prompts: list[list[int]] | None = None,
     ) -> list[int]:
         """Samples for each row.
 
@@ -43,34 +104,56 @@ class Sampler:
             logits: ``[N, vocab]`` float32.
             request_ids: the row's request.
             params: the row's sampling parameters.
-            outputs: the row's generated tokens so far (for logits processors).
+            outputs: the row's generated tokens so far (for logits processors and penalties).
+            prompts: the row's prompt ids (for the repetition penalty), if known.
 
         Returns:
-            One token id per row.
+            One token id per row; :data:`FAILED` for a row that raised (see :attr:`failures`).
         """
         tokens: list[int] = []
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy and not p.logits_processors]
-        argmax = logits.argmax(dim=-1).tolist() if greedy_rows else []
+        plain = [p.greedy and not p.rewrites_logits for p in params]
+        argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
         for i, p in enumerate(params):
-            if p.greedy and not p.logits_processors:
+            if plain[i]:
                 tokens.append(argmax[i])
                 continue
-            row = logits[i].float().cpu()
-            for processor in p.logits_processors:
-                row = processor(outputs[i], row)
-            if p.greedy:
-                tokens.append(int(row.argmax()))
-                continue
-            row = row / p.temperature
-            if p.top_k > 0:
-                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if p.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
-                sorted_probs = sorted_probs * keep
-                probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-            gen = self._generator(request_ids[i], p)
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+            try:
+                tokens.append(self._sample_row(logits[i], request_ids[i], p, outputs[i], prompts[i] if prompts else None))
+            except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
+                logger.warning("sampling %s failed: %r", request_ids[i], exc)
+                self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"
+                tokens.append(FAILED)
         return tokens
+
+    def _sample_row(
+        self, logits: torch.Tensor, request_id: str, p: SamplingParams, output: list[int], prompt: list[int] | None
+    ) -> int:
+        row = logits.float().cpu()
+        if p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            row = apply_penalties(row, p, prompt, output)
+        for processor in p.logits_processors:
+            row = processor(output, row)
+        if p.greedy:
+            return int(row.argmax())
+        row = row / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
+            # NOTE: the most likely token always stays (a tiny top_p rounds to 0 in float32).
+            keep[0] = True
+            sorted_probs = sorted_probs * keep
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            # NOTE: non-finite logits (every token masked, or an overflow): greedy on what is finite.
+            finite = torch.nan_to_num(row, nan=float("-inf"))
+            if not bool(torch.isfinite(finite).any()):
+                raise ValueError("every token has a non-finite logit")
+            return int(finite.argmax())
+        gen = self._generator(request_id, p)
+        return int(torch.multinomial(probs, 1, generator=gen))

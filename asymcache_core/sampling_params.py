@@ -1,11 +1,26 @@
-"""Sampling parameters of one request."""
+"""Sampling parameters of one request, validated to what the sampler can take."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+#: Smallest non-zero temperature: below it ``logits / temperature`` leaves float32's range.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 100.0
+#: Seeds are taken modulo 2**64 by ``torch.Generator.manual_seed``; the API accepts int64.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+#: ``max_tokens`` beyond any context a model could hold (the engine checks the real limit).
+MAX_TOKENS_LIMIT = 1 << 24
 
 
 @runtime_checkable
@@ -21,19 +36,47 @@ class LogitsProcessor(Protocol):
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name}: must be finite, got {value!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name}: must be in {left}{lo}, {hi}], got {value!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample a request's output.
 
+    Every value is checked here against what :class:`~asymcache_core.sampler.Sampler` can
+    take, so that a bad request is rejected when it is added and never fails a step.
+
     Attributes:
         max_tokens: tokens to generate at most (>= 1).
-        temperature: 0 means greedy.
+        temperature: 0 means greedy; otherwise in ``[0.01, 100]``.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
-        seed: per-request seed for reproducible random sampling.
+        min_p: drop tokens whose probability is below ``min_p`` times the top one's (0: off).
+        seed: per-request seed for reproducible random sampling (int64).
         stop_token_ids: extra ids that end the request (kept in the output).
         stop: strings that end the request (cut from the text).
         ignore_eos: keep generating past the model's end-of-sequence token.
+        presence_penalty: subtracted once from the logit of every token already generated
+            (OpenAI's, in [-2, 2]).
+        frequency_penalty: subtracted per occurrence from the logit of generated tokens
+            (OpenAI's, in [-2, 2]).
+        repetition_penalty: divides positive and multiplies negative logits of tokens in the
+            prompt or the output (vLLM's / HF's, in (0, 2]; 1 is off).
+        logit_bias: token id -> bias added to its logit (OpenAI's, each in [-100, 100]).
         logits_processors: per-request logits rewriters (constrained decoding).
     """
 
@@ -45,26 +88,76 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = field(default=None, compare=False)
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k: must be >= -1, got {self.top_k!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if any(not s for s in self.stop):
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens: must be an integer in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
+        temperature = _real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature: must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature!r}"
+            )
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", _real("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        object.__setattr__(self, "min_p", _real("min_p", self.min_p, 0.0, 1.0))
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k: must be an integer >= -1, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, _real(name, getattr(self, name), -2.0, 2.0))
+        object.__setattr__(
+            self, "repetition_penalty", _real("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
+        stop_ids = tuple(self.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids: must be up to {MAX_STOP_TOKEN_IDS} non-negative integers")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop: stop strings must be non-empty")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def rewrites_logits(self) -> bool:
+        """Whether anything changes the logits before the token is picked."""
+        return bool(
+            self.logits_processors or self.logit_bias or self.presence_penalty or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (keys may be strings of ints, as JSON sends them), checked."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise ValueError("logit_bias: must map token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key) if isinstance(key, str) else key
+        except ValueError:
+            token = key
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias: keys must be non-negative token ids, got {key!r}")
+        out[token] = _real(f"logit_bias[{key}]", value, -100.0, 100.0)
+    return out or None

@@ -453,6 +453,8 @@ class Scheduler:
             if not item.sample:
                 continue
             request = item.request
+            if request.finished:
+                continue  # failed alone during the step (the engine finished it with its error)
             token = sampled[request.request_id]
             request.append_output(token)
             metrics = request.metrics

@@ -1,10 +1,19 @@
 """The app: :func:`create_app` wires the routes to one :class:`~agent_runtime.server.state.AppState`;
-:func:`serve` runs it with uvicorn, as its :class:`ServeOptions` say."""
+Every request passes :class:`RequestGuard` first, a plain ASGI layer that answers before any
+route runs (and before any body byte is parsed or tokenized): the API key on every route but
+``/health``, the body size cap, and the bound on completions in flight. It also turns an
+exception that escapes a route into a JSON 500 (instead of Starlette re-raising it, which
+makes uvicorn drop the keep-alive connection without ``Connection: close``).
+:func:`serve` runs the app with uvicorn, as its :class:`ServeOptions` say.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -15,6 +24,146 @@ from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import serving
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.state import AppState, RuntimeSource, app_state
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Request bodies beyond this are a 413 (``--max-request-body-bytes``).
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+#: Completions waiting beyond the engine's running batch before new ones are a 429.
+DEFAULT_MAX_QUEUE_LEN = 256
+#: Seconds SIGTERM waits for in-flight requests before aborting them (``--shutdown-timeout``).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+#: The only route that answers without the API key (load balancers probe it).
+OPEN_PATHS = frozenset({"/health"})
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def key_matches(header: bytes | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <api_key>`` (constant time).
+
+    Compared as bytes, so a header that is not ASCII is a mismatch, not an error.
+
+    Args:
+        header: the raw header value, if any.
+        api_key: the server's key.
+
+    Returns:
+        True on a match.
+    """
+    scheme, _, token = (header or b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode("utf-8"))
+
+
+class RequestGuard:
+    """The ASGI layer in front of every route (see the module docstring).
+
+    Args:
+        app: the wrapped app.
+        state: the app's state (its API key and metrics).
+        max_body_bytes: the body size cap.
+        max_queue_len: completions in flight beyond the engine's ``max_num_seqs`` at most
+            (None: unbounded).
+    """
+
+    def __init__(self, app: ASGIApp, state: AppState, max_body_bytes: int, max_queue_len: int | None) -> None:
+        self.app = app
+        self.state = state
+        self.max_body_bytes = max_body_bytes
+        self.max_queue_len = max_queue_len
+        self.in_flight = 0
+
+    def _full(self) -> bool:
+        if self.max_queue_len is None:
+            return False
+        runtime = self.state.runtime
+        running = runtime.engine.config.max_num_seqs if runtime is not None else 0
+        return self.in_flight >= running + self.max_queue_len
+
+    async def _reject(self, send: Send, path: str, error: APIError, close: bool = False,
+                      headers: dict[str, str] | None = None) -> None:
+        self.state.metrics.count(path, error.status)
+        raw = [(b"content-type", b"application/json")]
+        raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        if close:
+            # NOTE: the body was not read to its end: the connection cannot carry another request.
+            raw.append((b"connection", b"close"))
+        body = json.dumps(error.body()).encode()
+        raw.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": error.status, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        key = self.state.api_key
+        if key is not None and path not in OPEN_PATHS and not key_matches(headers.get(b"authorization"), key):
+            await self._reject(send, path, APIError(
+                401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key"))
+            return
+        too_big = APIError(413, f"The request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await self._reject(send, path, too_big, close=True)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._reject(send, path, too_big, close=True)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        if path in COMPLETION_PATHS and self._full():
+            await self._reject(send, path, APIError(
+                429, f"The server is at capacity ({self.in_flight} requests in flight); retry shortly",
+                type="rate_limit_error", code="queue_full"), headers={"Retry-After": "1"})
+            return
+        await self._forward(scope, receive, send, b"".join(chunks), path)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, body: bytes, path: str) -> None:
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as the server's would
+
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        counted = path in COMPLETION_PATHS
+        self.in_flight += counted
+        try:
+            await self.app(scope, replay, tracked_send)
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not cost the connection
+            logger.exception("request to %s failed", path)
+            if not started:
+                await self._reject(send, path, APIError(
+                    500, f"Internal error: {type(exc).__name__}: {exc}", type="server_error"))
+        finally:
+            self.in_flight -= counted
 
 
 @contextlib.asynccontextmanager
@@ -33,17 +182,14 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     return exc.response()
 
 
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    app_state(request).metrics.count(request.url.path, 500)
-    return APIError(500, f"Internal error: {type(exc).__name__}: {exc}", type="server_error").response()
-
-
 def create_app(
     runtime_or_engine_factory: RuntimeSource,
     model_name: str,
     api_key: str | None = None,
     *,
     default_max_tokens: int = 512,
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
 ) -> FastAPI:
     """Build the OpenAI-compatible app.
 
@@ -52,25 +198,35 @@ def create_app(
             app), an ``Engine`` (wrapped in a runtime the app owns), or a zero-argument callable
             returning either (called at startup; what it builds is closed at shutdown).
         model_name: the ``model`` clients must send (and ``/v1/models`` lists).
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        api_key: when set, every route but ``/health`` requires ``Authorization: Bearer <api_key>``.
         default_max_tokens: ``max_tokens`` when a request gives none.
+        max_request_body_bytes: bodies beyond this are a 413.
+        max_queue_len: completions in flight beyond the engine's ``max_num_seqs`` before new
+            ones are a 429 with ``Retry-After`` (None: unbounded).
 
     Returns:
         The FastAPI app; its :class:`AppState` is ``app.state.server``.
 
     Raises:
         TypeError: ``runtime_or_engine_factory`` is none of these.
+        ValueError: a negative cap.
     """
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes: must be >= 1, got {max_request_body_bytes!r}")
+    if max_queue_len is not None and max_queue_len < 0:
+        raise ValueError(f"max_queue_len: must be >= 0, got {max_queue_len!r}")
     state = AppState.build(runtime_or_engine_factory, model_name, api_key, default_max_tokens)
     app = FastAPI(title="AsymCache OpenAI-compatible server", lifespan=_lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(Exception, _internal_error)
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    app.add_middleware(
+        RequestGuard, state=state, max_body_bytes=max_request_body_bytes, max_queue_len=max_queue_len
+    )
     return app
 
 
@@ -96,6 +252,11 @@ class ServeOptions:
         max_model_len: context limit (None: the model's).
         served_model_name: the name clients send (None: ``model``).
         log_level: uvicorn's log level.
+        max_request_body_bytes: request bodies beyond this are a 413.
+        max_queue_len: completions waiting beyond the running batch before new ones are a 429
+            (None: unbounded).
+        shutdown_timeout: on SIGTERM, seconds in-flight requests may finish before they are
+            aborted (their clients get the end of the stream; the engine frees their blocks).
         engine_settings: further ``EngineConfig`` fields (``device``, ``dtype``,
             ``max_num_batched_tokens``, ``chunking``, ``latency_profile``, ...), checked by
             :func:`~agent_runtime.commands.run_serve` before the model loads.
@@ -113,6 +274,9 @@ class ServeOptions:
     max_model_len: int | None = None
     served_model_name: str | None = None
     log_level: str = "info"
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     engine_settings: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -126,6 +290,14 @@ class ServeOptions:
             raise ValueError("served_model_name: must not be empty when given")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        body = self.max_request_body_bytes
+        if not isinstance(body, int) or isinstance(body, bool) or body < 1:
+            raise ValueError(f"max_request_body_bytes: must be an integer >= 1, got {body!r}")
+        queue = self.max_queue_len
+        if queue is not None and (not isinstance(queue, int) or isinstance(queue, bool) or queue < 0):
+            raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
+        if not isinstance(self.shutdown_timeout, int | float) or not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ServeOptions:
@@ -160,11 +332,15 @@ def serve(options: ServeOptions) -> None:
         options.model, options.policy, num_kv_blocks=options.num_kv_blocks,
         max_model_len=options.max_model_len, **options.engine_settings,
     )
-    app = create_app(lambda: runtime, options.served_model_name or options.model, options.api_key)
+    app = create_app(
+        lambda: runtime, options.served_model_name or options.model, options.api_key,
+        max_request_body_bytes=options.max_request_body_bytes, max_queue_len=options.max_queue_len,
+    )
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
+        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
+                    timeout_graceful_shutdown=float(options.shutdown_timeout))
     finally:
         runtime.close_sync()
 
 
-__all__ = ["LOG_LEVELS", "ServeOptions", "create_app", "serve"]
+__all__ = ["LOG_LEVELS", "RequestGuard", "ServeOptions", "create_app", "key_matches", "serve"]

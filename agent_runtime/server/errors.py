@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 from agent_runtime.protocol import ErrorInfo, ErrorResponse, RequestError
@@ -80,4 +82,17 @@ def from_value_error(exc: ValueError, prompt_param: str) -> APIError:
     return APIError(400, text, param=param, code=code)
 
 
-__all__ = ["APIError", "from_value_error"]
+def stream_error_frame(exc: BaseException) -> str:
+    """The SSE frame that tells a streaming client its request failed (``[DONE]`` follows).
+
+    Args:
+        exc: what ended the stream.
+
+    Returns:
+        ``data: {"error": {...}}`` with a blank line.
+    """
+    err = APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="request_failed")
+    return f"data: {json.dumps(err.body().model_dump(), ensure_ascii=False)}\n\n"
+
+
+__all__ = ["APIError", "from_value_error", "stream_error_frame"]

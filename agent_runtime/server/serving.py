@@ -45,7 +45,7 @@ from agent_runtime.protocol import (
     parse_json_body,
     parse_request,
 )
-from agent_runtime.server.errors import from_value_error
+from agent_runtime.server.errors import from_value_error, stream_error_frame
 from agent_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from agent_runtime.server.state import AppState, app_state
 from agent_runtime.tool_parsing import to_openai_tool_calls
@@ -243,11 +243,16 @@ async def _sse_events(
     try:
         for choice in chunks.opening():
             yield frame([choice])
-        async for event in stream:
-            if event.output.finished:
-                metrics.observe(event)
-            for choice in chunks.on_event(event):
-                yield frame([choice])
+        try:
+            async for event in stream:
+                if event.output.finished:
+                    metrics.observe(event)
+                for choice in chunks.on_event(event):
+                    yield frame([choice])
+        except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
+            yield stream_error_frame(exc)
+            yield "data: [DONE]\n\n"
+            return
         final = stream.final
         assert final is not None
         if include_usage:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
+import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,9 +144,10 @@ class AppState:
         """
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+        # NOTE: bytes, so that a non-ASCII header is a mismatch rather than a TypeError.
+        header = request.headers.get("authorization", "").encode("latin-1", "replace")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key.encode("utf-8")):
             raise APIError(401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key")
 
     def check_model(self, model: Any) -> None:

@@ -251,6 +251,15 @@ class ContinuumController:
         """
         self._turns.pop(job_id, None)
         self._pauses.pop(job_id, None)
+        self._first_arrival.pop(job_id, None)
+
+    def tracked_jobs(self) -> dict[str, int]:
+        """Sizes of the per-job tables (they must stay bounded).
+
+        Returns:
+            Table name -> entries.
+        """
+        return {"pauses": len(self._pauses), "turns": len(self._turns), "first_arrival": len(self._first_arrival)}
 
     def hint(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
         """Passes reuse hints to the job statistics; a finished job also loses its pin.

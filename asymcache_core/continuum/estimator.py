@@ -22,6 +22,9 @@ DEFAULT_TTL_GRID: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0
 #: Quantiles of a tool's durations used as TTL candidates.
 DEFAULT_QUANTILES: tuple[float, ...] = tuple(q / 20 for q in range(1, 21))
 
+#: Distinct tool names whose durations are kept (oldest new name dropped first).
+MAX_TOOLS = 1024
+
 
 def _quantile(sorted_xs: Sequence[float], q: float) -> float:
     """Empirical quantile (inverse CDF, no interpolation: always a sample value).
@@ -72,6 +75,9 @@ class ToolDurationEstimator:
             return
         q = self._samples.get(tool)
         if q is None:
+            # NOTE: tool names come from clients: keep the most recently new ones only.
+            while len(self._samples) >= MAX_TOOLS:
+                self._samples.pop(next(iter(self._samples)))
             q = self._samples[tool] = deque(maxlen=self.window)
         q.append(max(0.0, float(duration_s)))
 

@@ -286,6 +286,7 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
     built: list[AgentRuntime] = []
 
     def fake_serve(options):
+        assert (options.max_request_body_bytes, options.max_queue_len, options.shutdown_timeout) == (8 << 20, 256, 30.0)
         built.append(AgentRuntime.from_model(options.model, options.policy, loaded=smollm,
                                              num_kv_blocks=options.num_kv_blocks, **options.engine_settings))
 

@@ -332,7 +332,7 @@ def test_api_key(live):
                                  headers={"Authorization": "Bearer nope"})
             right = await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
             health = await c.get("/health")
-            metrics = await c.get("/metrics")
+            metrics = await c.get("/metrics", headers={"Authorization": "Bearer sekret"})
             return missing, wrong, right, health, metrics
 
     missing, wrong, right, health, metrics = asyncio.run(main())

@@ -1,0 +1,401 @@
+"""A bad request hurts only itself: caps, validation, auth on every route, error isolation,
+the bounded queue and the shutdown drain, against uvicorn over the real SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server import create_app
+from agent_runtime.server.app import RequestGuard, key_matches
+from agent_runtime.server.state import AppState
+from tests.conftest import make_engine
+
+MODEL = "smollm2-135m"
+USER = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+BODY_CAP = 64 * 1024
+FAIL_SEED = 424242
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, app, runtime: AgentRuntime, shutdown_s: float | None = None) -> None:
+        self.runtime = runtime
+        port = _free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=shutdown_s))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+
+    def engine(self, fn):
+        return self.runtime.call_threadsafe(fn).result(timeout=30)
+
+    def clean(self) -> None:
+        """Nothing in flight, no block held, integrity holds, and a normal request is answered."""
+        deadline = time.monotonic() + 30
+        while self.engine(lambda e: e.has_unfinished()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        self.engine(lambda e: e.check_integrity())
+        assert self.engine(lambda e: sum(b.ref_cnt for b in e.pool.blocks)) == 0
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def srv(smollm) -> Iterator[Server]:
+    engine = make_engine(smollm, max_model_len=1024)
+    sampler = engine.runner.sampler
+    original = sampler._sample_row
+
+    def faulty(logits, request_id, p, output, prompt):
+        # NOTE: a fault injected into one request's sampling: only it may fail.
+        if p.seed == FAIL_SEED and len(output) >= 2:
+            raise RuntimeError("injected sampler fault")
+        return original(logits, request_id, p, output, prompt)
+
+    sampler._sample_row = faulty
+    runtime = AgentRuntime(engine, policy="vllm-apc")
+    server = Server(create_app(runtime, MODEL, max_request_body_bytes=BODY_CAP), runtime)
+    try:
+        yield server
+    finally:
+        server.stop()
+        runtime.close_sync()
+
+
+def _post(srv: Server, body, path: str = CHAT, client: httpx.Client | None = None, **kw) -> httpx.Response:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    c = client or httpx
+    return c.post(f"{srv.base}{path}", timeout=60, headers={"content-type": "application/json"}, **kwargs, **kw)
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+SAMPLING_CASES = [
+    ("temperature", 1e-300), ("temperature", 1e6), ("seed", 2**64), ("seed", -(2**63) - 1),
+    ("top_k", -7), ("min_p", 3.0), ("presence_penalty", 9.0), ("frequency_penalty", -9.0),
+    ("repetition_penalty", 0.0), ("max_tokens", 10**12), ("stop", ["x" * 5000]),
+    ("logit_bias", {"10000000": 5}), ("logit_bias", {"5": 1000}), ("stop_token_ids", [10**9]),
+]
+
+
+@pytest.mark.parametrize("field,value", SAMPLING_CASES, ids=[f"{f}={str(v)[:20]}" for f, v in SAMPLING_CASES])
+def test_sampling_values_the_sampler_cannot_take_are_a_400(srv, field, value):
+    err = _error(_post(srv, {"model": MODEL, "messages": USER, field: value}), 400)
+    assert err["param"].split("[")[0] == field
+    srv.clean()
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_a_400(srv, literal):
+    raw = '{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "hi"}], "temperature": ' + literal + "}"
+    assert _error(_post(srv, raw.encode()), 400)["param"] == "temperature"
+
+
+UNSUPPORTED = [("logprobs", True), ("top_logprobs", 2), ("echo", True), ("best_of", 3), ("n", 2),
+               ("response_format", {"type": "json_object"}), ("functions", [{"name": "f"}]), ("suffix", "x")]
+
+
+@pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
+def test_unsupported_openai_fields_are_a_400_naming_them(srv, field, value):
+    path = "/v1/completions" if field in ("echo", "best_of", "suffix") else CHAT
+    body = {"model": MODEL, "prompt": "hi"} if path != CHAT else {"model": MODEL, "messages": USER}
+    assert _error(_post(srv, {**body, field: value}, path), 400)["param"] == field
+
+
+def test_off_values_of_unsupported_fields_are_accepted(srv):
+    r = _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2, "logprobs": False, "n": 1,
+                    "response_format": {"type": "text"}, "top_logprobs": None})
+    assert r.status_code == 200, r.text
+
+
+def test_logit_bias_and_penalties_change_the_output(srv):
+    prompt = list(range(300, 320))
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    plain = _post(srv, base, "/v1/completions").json()["choices"][0]["token_ids"]
+    again = _post(srv, {**base, "presence_penalty": 0.0, "logit_bias": {}}, "/v1/completions").json()
+    assert again["choices"][0]["token_ids"] == plain  # off means off: greedy is unchanged
+    forced = _post(srv, {**base, "logit_bias": {"1234": 100}}, "/v1/completions").json()
+    assert forced["choices"][0]["token_ids"] == [1234] * 6
+    penalised = _post(srv, {**base, "logit_bias": {"1234": 100}, "frequency_penalty": 2.0,
+                            "presence_penalty": 2.0, "repetition_penalty": 2.0}, "/v1/completions").json()
+    assert penalised["choices"][0]["token_ids"][0] == 1234
+    srv.clean()
+
+
+def test_body_over_the_cap_is_a_413_and_the_server_goes_on(srv):
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a" * (BODY_CAP + 10)}]}).encode()
+    err = _error(r := _post(srv, big), 413)
+    assert err["code"] == "request_too_large" and r.headers["connection"] == "close"
+
+    def chunks():
+        for _ in range(BODY_CAP // 4096 + 4):
+            yield b" " * 4096  # no Content-Length: the cap is counted on the stream
+
+    r = httpx.post(f"{srv.base}{CHAT}", content=chunks(), timeout=60)
+    assert _error(r, 413)["code"] == "request_too_large"
+    assert _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2}).status_code == 200
+    srv.clean()
+
+
+def test_prompt_longer_than_any_context_is_rejected_before_tokenizing(srv):
+    encoder = srv.runtime._client.encoder
+    text = "x" * (encoder.max_chars + 1)
+    calls = []
+    original = encoder.tokenizer.encode
+    encoder.tokenizer.encode = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        err = _error(_post(srv, {"model": MODEL, "prompt": text[: BODY_CAP - 200]}, "/v1/completions"), 400)
+        assert err["param"] == "prompt"  # over max_model_len after tokenizing (short enough to tokenize)
+        with pytest.raises(ValueError, match="characters cannot fit"):
+            encoder.check(text)
+        assert encoder.max_chars >= 1024
+    finally:
+        encoder.tokenizer.encode = original
+    srv.clean()
+
+
+@pytest.mark.parametrize("depth", [65, 2000, 30_000])
+def test_deep_json_is_a_400(srv, depth):
+    raw = ('{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "hi"}], "x": '
+           + "[" * depth + "]" * depth + "}").encode()
+    assert _error(_post(srv, raw), 400)["code"] == "invalid_json"
+
+
+def test_deep_tool_schema_is_a_400(srv):
+    node: dict = {"type": "string"}
+    for _ in range(80):
+        node = {"type": "object", "properties": {"a": node}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": node}}]
+    assert _error(_post(srv, {"model": MODEL, "messages": USER, "tools": tools}), 400)["code"] == "invalid_json"
+
+
+def test_lone_surrogate_is_a_400(srv):
+    raw = ('{"model": "' + MODEL + '", "messages": [{"role": "user", "content": "a\\ud800b"}]}').encode()
+    err = _error(_post(srv, raw), 400)
+    assert err["param"] == "messages[0].content"
+    raw = ('{"model": "' + MODEL + '", "prompt": "\\udfff"}').encode()
+    assert _error(_post(srv, raw, "/v1/completions"), 400)["param"] == "prompt"
+
+
+BAD_SCHEMAS = [
+    {"type": "object", "properties": {"x": {"type": "string", "pattern": "("}}},
+    {"type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}}},
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}},
+]
+
+
+@pytest.mark.parametrize("schema", BAD_SCHEMAS, ids=["pattern", "range", "ref"])
+@pytest.mark.parametrize("choice", [None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
+                         ids=["default", "auto", "none", "required", "named"])
+def test_schema_xgrammar_cannot_compile_is_a_400_under_every_tool_choice(srv, schema, choice):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    if choice is not None:
+        body["tool_choice"] = choice
+    err = _error(_post(srv, body), 400)
+    assert err["param"] == "tools[0].function.parameters"
+    srv.clean()
+
+
+def test_an_exception_in_a_route_is_a_json_500_and_the_connection_survives(srv, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise KeyError("handler bug")
+
+    monkeypatch.setattr(srv.runtime, "start_chat", broken)
+    with httpx.Client() as client:
+        err = _error(_post(srv, {"model": MODEL, "messages": USER}, client=client), 500)
+        assert err["type"] == "server_error" and "handler bug" in err["message"]
+        monkeypatch.undo()
+        ok = _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2}, client=client)
+        assert ok.status_code == 200  # same pooled connection, still usable
+    srv.clean()
+
+
+def _stream(srv: Server, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{srv.base}{CHAT}", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line]
+
+
+def test_a_request_that_fails_in_a_step_fails_alone(srv):
+    """An injected sampler fault in one of four concurrent streams: it gets an error event and
+    ``[DONE]``; the other three stream to their end; nothing leaks."""
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 12,
+            "ignore_eos": True}
+    bad = {**good, "temperature": 1.0, "seed": FAIL_SEED}
+    results: dict[int, list[str]] = {}
+
+    def run(i: int, body: dict) -> None:
+        results[i] = _stream(srv, body)
+
+    threads = [threading.Thread(target=run, args=(i, bad if i == 1 else good)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, lines in results.items():
+        assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        if i == 1:
+            assert events[-1]["error"]["code"] == "request_failed"
+            assert "injected sampler fault" in events[-1]["error"]["message"]
+        else:
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert not any("error" in e for e in events)
+    assert len(results) == 4
+    r = _post(srv, {**bad, "stream": False})
+    assert _error(r, 500)["type"] == "server_error"
+    srv.clean()
+
+
+def test_api_key_on_every_route_but_health(srv):
+    app = create_app(srv.runtime, MODEL, api_key="sekret")
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            out = {p: (await c.get(p)).status_code for p in ("/metrics", "/docs", "/openapi.json", "/v1/models",
+                                                           "/health", "/nope")}
+            out["post"] = (await c.post(CHAT, json={"model": MODEL, "messages": USER})).status_code
+            out["non-ascii"] = (await c.get("/v1/models", headers={"Authorization": "Bearer ключ".encode()})).status_code
+            out["latin1"] = (await c.get("/v1/models", headers={"Authorization": b"Bearer s\xe9kret"})).status_code
+            out["keyed"] = (await c.get("/openapi.json", headers={"Authorization": "Bearer sekret"})).status_code
+            return out
+
+    out = asyncio.run(main())
+    assert out == {"/metrics": 401, "/docs": 401, "/openapi.json": 401, "/v1/models": 401, "/health": 200,
+                   "/nope": 401, "post": 401, "non-ascii": 401, "latin1": 401, "keyed": 200}
+    assert key_matches(b"Bearer sekret", "sekret") and key_matches(b"bearer  sekret ", "sekret")
+    assert not key_matches(b"Bearer \xff\xfe", "sekret") and not key_matches(None, "sekret")
+
+
+def test_full_queue_is_a_429_with_retry_after():
+    release = asyncio.Event()
+
+    async def slow_app(scope, receive, send):
+        if scope["path"] == CHAT:
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    state = AppState("m")  # no runtime: the running batch counts 0, so max_queue_len bounds alone
+    guard = RequestGuard(slow_app, state, max_body_bytes=1024, max_queue_len=2)
+
+    async def main():
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            first = [asyncio.create_task(c.post(CHAT, json={})) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            third = await c.post(CHAT, json={})
+            health = await c.get("/health")  # not a completion: never queued
+            release.set()
+            done = await asyncio.gather(*first)
+            after = await c.post(CHAT, json={})
+            return third, health, done, after
+
+    third, health, done, after = asyncio.run(main())
+    assert third.status_code == 429 and third.headers["retry-after"] == "1"
+    assert third.json()["error"]["code"] == "queue_full" and third.json()["error"]["type"] == "rate_limit_error"
+    assert health.status_code == 200 and [r.status_code for r in done] == [200, 200]
+    assert after.status_code == 200 and guard.in_flight == 0
+
+
+def test_shutdown_drains_up_to_the_timeout_then_aborts(smollm):
+    engine = make_engine(smollm, max_model_len=2048)
+    runtime = AgentRuntime(engine, policy="vllm-apc")
+    server = Server(create_app(runtime, MODEL), runtime, shutdown_s=1.0)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+
+    def client() -> None:
+        # NOTE: past the timeout the stream is cut (uvicorn cancels the response task).
+        with contextlib.suppress(httpx.RemoteProtocolError), \
+                httpx.stream("POST", f"{server.base}{CHAT}", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not any('"content"' in x for x in lines[1:]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    began = time.monotonic()
+    server.stop()  # what uvicorn's SIGTERM handler does: should_exit
+    elapsed = time.monotonic() - began
+    t.join(timeout=30)
+    try:
+        assert not server.thread.is_alive() and elapsed < 30  # 1500 tokens take minutes on a CPU
+        deadline = time.monotonic() + 30
+        while server.engine(lambda e: e.has_unfinished()):
+            assert time.monotonic() < deadline, "the request kept running after shutdown"
+            time.sleep(0.05)
+        assert server.engine(lambda e: sum(b.ref_cnt for b in e.pool.blocks)) == 0
+        server.engine(lambda e: e.check_integrity())
+    finally:
+        runtime.close_sync()
+
+
+def test_an_exception_in_the_model_step_ends_every_stream_cleanly_and_serving_goes_on(srv):
+    runner = srv.runtime.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected forward-pass fault")
+        return original(plan)
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 30,
+            "ignore_eos": True}
+    results: dict[int, list[str]] = {}
+    srv.engine(lambda e: setattr(e.runner, "execute", flaky))
+    try:
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _stream(srv, body))) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        srv.engine(lambda e: setattr(e.runner, "execute", original))
+    assert len(results) == 3
+    failed = 0
+    for lines in results.values():
+        assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+        last = json.loads(lines[-2][6:])
+        failed += "error" in last
+    assert failed >= 1  # those in the failed step got an error event, then [DONE]
+    srv.clean()
+    assert _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2}).status_code == 200
