@@ -93,7 +93,7 @@ class RequestGuard:
         if close:
             # NOTE: the body was not read to its end: the connection cannot carry another request.
             raw.append((b"connection", b"close"))
-        body = json.dumps(error.body()).encode()
+        body = json.dumps(error.body().model_dump()).encode()
         raw.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": error.status, "headers": raw})
         await send({"type": "http.response.body", "body": body})
