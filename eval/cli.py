@@ -227,6 +227,13 @@ def bench(
     typer.echo(f"report: {run_dir / 'sweep.html'}")
 
 
+def _memory_sized_pool(ctx: typer.Context, engine_args: dict[str, Any]) -> None:
+    """``--gpu-memory-utilization`` without ``--num-kv-blocks`` sizes the pool from memory: the
+    command's own fixed pool default then gives way."""
+    if engine_args.get("gpu_memory_utilization") is not None and not _given(ctx, "num_kv_blocks"):
+        engine_args["num_kv_blocks"] = None
+
+
 def _given(ctx: typer.Context, name: str) -> bool:
     """Whether option ``name`` was set on the command line (not a default).
 
@@ -403,6 +410,7 @@ def bench_engine(
 @clean_errors
 @engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 256})
 def generate(
+    ctx: typer.Context,
     prompt: str = typer.Argument(..., help="A user message (rendered with the chat template)."),
     max_tokens: int = typer.Option(64, min=1),
     temperature: float = typer.Option(0.0, min=0.0),
@@ -412,6 +420,7 @@ def generate(
     """Generate one chat answer with the embedded engine."""
     from asymcache_core import Engine, SamplingParams
 
+    _memory_sized_pool(ctx, engine_args)
     engine = Engine(**engine_args)
     if engine.tokenizer is None:
         raise ValueError(f"model: {engine.config.model!r} has no tokenizer")
@@ -426,17 +435,23 @@ def generate(
 @clean_errors
 @engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 2048})
 def serve(
+    ctx: typer.Context,
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=1, max=65535),
     api_key: str = typer.Option(None, help="Require this bearer token."),
     policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    max_request_body_bytes: int = typer.Option(8 << 20, help="Request bodies beyond this are a 413."),
+    max_queue_len: int = typer.Option(256, help="Completions waiting beyond the running batch before new ones get a 429."),
+    shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds in-flight requests may finish before they are aborted."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics)."""
     from agent_runtime.commands import run_serve
 
-    run_serve(host=host, port=port, api_key=api_key, policy=policy, **engine_args)
+    _memory_sized_pool(ctx, engine_args)
+    run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
+              max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, **engine_args)
 
 
 @app.command()
@@ -458,7 +473,10 @@ def chat(
 @engine_options()
 def agent_run(
     task: str = typer.Argument(..., help="What the agent should do."),
-    workdir: Path = typer.Option(Path("."), help="The agent's working directory (its tools stay inside)."),
+    workdir: Path = typer.Option(
+        Path("."), help="The agent's working directory: the file tools stay inside it; bash runs there, sandboxed "
+        "only where bubblewrap is installed (otherwise its own session, rlimits and a scrubbed environment)."
+    ),
     max_turns: int = typer.Option(6, min=1),
     policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
     *,

@@ -37,7 +37,10 @@ SUITES: dict[str, dict[str, Any]] = {
         "seeds": (1, 2, 3),
         "concurrency": (32, 64, 128, 256),
         "jobs": 300,
-        "policies": ("vllm-apc", "continuum", "asymcache+continuum", "vllm-apc/unbounded"),
+        "policies": (
+            "vllm-apc/reserve-prompt", "continuum/reserve-prompt", "asymcache+continuum/reserve-prompt",
+            "vllm-apc/reserve-prompt/unbounded",
+        ),
         "backend": "sim",
         "model": "dummy:llama-3.1-8b",
         "latency_profile": "bench_traces/profile_h200_llama8b_live_decode_kv.json",
@@ -52,8 +55,9 @@ SUITES: dict[str, dict[str, Any]] = {
 }
 """``agents``: SWE-style, tool-loop, long chat and an imported BFCL multi-turn sample, three
 generator seeds, 32-256 agents in flight, 300 jobs a point, in the simulator with the H200
-profile of Llama-3.1-8B at vLLM's settings (8,192-token steps, 90% of the device's memory) and
-real tool pauses; ``vllm-apc/unbounded`` is the ceiling no eviction policy can pass."""
+profile of Llama-3.1-8B at vLLM's settings (8,192-token steps, whole-prompt admission, 90% of
+the device's memory) and real tool pauses; ``.../unbounded`` is the ceiling no eviction policy
+can pass."""
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,14 @@ def capacity_rows(sweep: SweepResults) -> list[tuple[str, str, float, str, float
     return rows
 
 
+def peer_variant(names: list[str], preset: str) -> str | None:
+    """The variant of ``names`` that stands for ``preset`` in the ratios: ``preset`` itself, else
+    ``preset`` with suffixes (``vllm-apc/reserve-prompt``), never its ``/unbounded`` ceiling."""
+    if preset in names:
+        return preset
+    return next((n for n in names if n.startswith(preset + "/") and "unbounded" not in n.split("/")), None)
+
+
 def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
     names = list(sweep.points[0].policies) if sweep.points else []
     lines = [
@@ -83,10 +91,11 @@ def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
     ]
     rows = capacity_rows(sweep)
     caps = {(w, n): c for w, n, _, _, c, _ in rows}
+    peers = [peer_variant(names, peer) for peer in PEERS]
     for workload, name, target, _, cap, at_end in rows:
         ratios = []
-        for peer in PEERS:
-            base = caps.get((workload, peer))
+        for peer in peers:
+            base = caps.get((workload, peer)) if peer is not None else None
             ratios.append("-" if cap is None or not base else f"{cap / base:.2f}x")
         shown = "none" if cap is None else (">= " if at_end else "") + f"{cap:.0f}"
         lines.append(f"| {_slug(workload)} | {name} | {target:.1f} | {shown} | {ratios[0]} | {ratios[1]} |")

@@ -20,7 +20,7 @@ def _run_jobs(engine: Engine, n: int, pin_every: int = 3) -> None:
         while engine.has_unfinished():
             engine.step()
         if j % pin_every == 0:
-            engine.pin_session(job, ttl_s=5.0)
+            engine.pin_job(job, ttl_s=5.0)
             engine.continuum.on_tool_call(job, ["sleep"], 32)
         engine.continuum.on_request_arrival(job)
 
@@ -54,7 +54,7 @@ def test_a_job_in_flight_or_pinned_keeps_its_state():
     engine.add_request(list(range(50, 80)), ONE, job_id="pinned")
     for _ in range(5):
         engine.step()
-    assert engine.pin_session("pinned", ttl_s=1e9) > 0
+    assert engine.pin_job("pinned", ttl_s=1e9) > 0
     engine.job_idle_s = 0.0
     engine._next_job_sweep = 0.0
     engine.step()

@@ -111,7 +111,8 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     assert (kw["max_model_len"], kw["num_kv_blocks"], kw["max_num_seqs"], kw["dtype"]) == (512, 64, 4, "float32")
     assert kw["policy"] == "continuum" and kw["model"] == "smollm2-135m"
     # everything handed on is an EngineConfig field, or the command's own argument
-    own = {"serve": {"host", "port", "api_key", "policy"}, "chat": {"policy"},
+    own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout"},
+           "chat": {"policy"},
            "agent": {"task", "workdir", "max_turns", "policy"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -128,6 +129,15 @@ def test_serve_defaults_and_bad_values(monkeypatch):
     assert options.num_kv_blocks == 2048  # serve's own pool default
     assert "kv_memory_fraction" not in options.engine_settings
     assert set(options.engine_settings) <= set(commands.ENGINE_SETTINGS)
+    assert (options.max_request_body_bytes, options.max_queue_len, options.shutdown_timeout) == (8 << 20, 256, 30.0)
+    # a pool sized from device memory: the fixed default gives way, an explicit one still wins
+    result = runner.invoke(app, ["serve", "--gpu-memory-utilization", "0.5", "--max-queue-len", "8"])
+    assert result.exit_code == 0, result.output
+    assert calls[-1].num_kv_blocks is None and calls[-1].engine_settings["gpu_memory_utilization"] == 0.5
+    assert calls[-1].max_queue_len == 8
+    result = runner.invoke(app, ["serve", "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "64"])
+    assert result.exit_code == 0 and calls[-1].num_kv_blocks == 64
+    calls[1:] = []
     for bad, field in ((["--max-num-seqs", "0"], "max_num_seqs"), (["--num-kv-blocks", "0"], "num_kv_blocks"),
                        (["--max-model-len", "-1"], "max_model_len")):
         result = runner.invoke(app, ["serve", *bad])
