@@ -201,6 +201,9 @@ def bench(
     )
     points = sweep_points(workloads, seed_list, loads, rates)
     if len(points) == 1:
+        point = points[0]
+        cfg = dataclasses.replace(cfg, workload=point.workload, seed=point.seed, rate=point.rate,
+                                  concurrency=point.concurrency or cfg.concurrency)
         from rich.console import Console
         from rich.progress import (
             BarColumn,
