@@ -104,7 +104,7 @@ def run_agent(
     workdir: str | Path,
     model: str = "smollm2-135m",
     max_turns: int = 8,
-    policy: str = "vllm-apc",
+    policy: str = "asymcache+continuum",
     *,
     forced_tool_turns: int = 1,
     max_tokens: int = 256,
@@ -210,7 +210,7 @@ def run_agent(
 def run_chat(
     model: str = "smollm2-135m",
     *,
-    policy: str = "vllm-apc",
+    policy: str = "asymcache+continuum",
     max_tokens: int = 256,
     system_prompt: str | None = None,
     input_fn: Callable[[str], str] | None = None,

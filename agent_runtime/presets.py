@@ -106,3 +106,26 @@ def resolve_preset(name: str) -> ServingPreset:
         raise ValueError(f"policy: unknown policy {name!r}; known: {', '.join(_TABLE)}")
     overrides, pinning, ttl_rule, description = row
     return ServingPreset(key, dict(overrides), pinning, ttl_rule, description)
+
+
+def preset_for_engine(config: Any) -> ServingPreset:
+    """The preset an engine's config is built for: the first of the table whose engine settings
+    all match it (``Engine()``'s default, the ``asymcache`` eviction policy in FCFS order, is
+    ``asymcache``).
+
+    Args:
+        config: an :class:`asymcache_core.EngineConfig`.
+
+    Returns:
+        The preset.
+
+    Raises:
+        ValueError: no preset matches (names ``policy``).
+    """
+    for name in _TABLE:
+        preset = resolve_preset(name)
+        if all(getattr(config, k, None) == v for k, v in preset.engine_overrides.items()):
+            return preset
+    raise ValueError(
+        f"policy: no preset has eviction_policy={config.eviction_policy!r} and priority={config.priority!r}; name one"
+    )

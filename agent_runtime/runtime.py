@@ -25,7 +25,7 @@ from agent_runtime.chat_template import ChatRenderer
 from agent_runtime.engine_client import AsyncEngine, RequestStream
 from agent_runtime.job import Job
 from agent_runtime.output_processor import OutputOptions, OutputProcessor, build_turn
-from agent_runtime.presets import ServingPreset, resolve_preset
+from agent_runtime.presets import ServingPreset, preset_for_engine, resolve_preset
 from agent_runtime.protocol import (
     ChatSampling,
     ToolChoice,
@@ -55,7 +55,8 @@ class AgentRuntime:
             it from now on; use :meth:`call` to inspect it).
         policy: a policy name or spec (:mod:`agent_runtime.presets`); its engine settings must
             match the engine's config, and it decides whether turns that end in a tool call pin
-            the job's KV.
+            the job's KV. ``None``: the preset the engine's config is built for
+            (:func:`~agent_runtime.presets.preset_for_engine`).
         clock: the runtime's time source for tool timing; defaults to the engine's clock (pass
             the same virtual clock as the engine's in simulations).
         tool_call_format: how assistant text is parsed for tool calls (``hermes``, ``bash_block``
@@ -71,13 +72,16 @@ class AgentRuntime:
         self,
         engine: Engine,
         *,
-        policy: str | ServingPreset = "vllm-apc",
+        policy: str | ServingPreset | None = None,
         clock: Callable[[], float] | None = None,
         tool_call_format: ToolCallFormat = "hermes",
         controller: ContinuumController | None = None,
         idle_poll_s: float = 0.02,
     ) -> None:
-        spec = resolve_preset(policy) if isinstance(policy, str) else policy
+        if policy is None:
+            spec = preset_for_engine(engine.config)
+        else:
+            spec = resolve_preset(policy) if isinstance(policy, str) else policy
         for key, want in spec.engine_overrides.items():
             have = getattr(engine.config, key, None)
             if have != want:
@@ -104,7 +108,7 @@ class AgentRuntime:
     def from_model(
         cls,
         model: str = "smollm2-135m",
-        policy: str = "vllm-apc",
+        policy: str = "asymcache+continuum",
         *,
         loaded: LoadedModel | None = None,
         clock: Callable[[], float] | None = None,

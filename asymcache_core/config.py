@@ -141,7 +141,7 @@ class EngineConfig:
     max_num_seqs: int = field(default=64, metadata=_flag("--max-num-seqs", "Running requests at most."))
     max_model_len: int | None = field(default=None, metadata=_flag(
         "--max-model-len", "Longest prompt + output (default: the model's limit).", "--max-context"))
-    eviction_policy: str = "vllm-apc"
+    eviction_policy: str = "asymcache"
     hole_reuse: bool | None = None
     job_admission: bool | None = None
     chunking: str = field(default="fixed", metadata=_flag(

@@ -461,7 +461,7 @@ def serve(
 @clean_errors
 @engine_options()
 def chat(
-    policy: str = typer.Option("vllm-apc", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
     *,
     engine_args: dict[str, Any],
 ) -> None:

@@ -269,7 +269,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    policy: str = "vllm-apc"
+    policy: str = "asymcache+continuum"
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None

@@ -229,9 +229,15 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
 
 
 def test_runtime_rejects_policy_engine_mismatch(smollm):
-    engine = make_engine(smollm)  # vllm-apc, fcfs
+    engine = make_engine(smollm, eviction_policy="vllm-apc")  # fcfs
     with pytest.raises(ValueError, match="^policy: 'continuum' needs priority='program'"):
         AgentRuntime(engine, policy="continuum")
+    # without a policy the runtime takes the preset the engine is built for
+    for eng, want in ((make_engine(smollm), "asymcache"), (engine, "vllm-apc"),  # Engine()'s default first
+                      (make_engine(smollm, priority="program"), "asymcache+continuum")):
+        runtime = AgentRuntime(eng)
+        assert runtime.policy.name == want
+        runtime.close_sync()
 
 
 def test_commands(smollm, tmp_path, capsys):

@@ -78,7 +78,7 @@ def srv(smollm) -> Iterator[Server]:
         return original(logits, request_id, p, output, prompt)
 
     sampler._sample_row = faulty
-    runtime = AgentRuntime(engine, policy="vllm-apc")
+    runtime = AgentRuntime(engine)
     server = Server(create_app(runtime, MODEL, max_request_body_bytes=BODY_CAP), runtime)
     try:
         yield server
@@ -332,7 +332,7 @@ def test_full_queue_is_a_429_with_retry_after():
 
 def test_shutdown_drains_up_to_the_timeout_then_aborts(smollm):
     engine = make_engine(smollm, max_model_len=2048)
-    runtime = AgentRuntime(engine, policy="vllm-apc")
+    runtime = AgentRuntime(engine)
     server = Server(create_app(runtime, MODEL), runtime, shutdown_s=1.0)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 1500,
             "ignore_eos": True, "stream": True}

@@ -268,7 +268,9 @@ def test_admit_full_prompt_waits_for_room_for_the_whole_prompt(reserve):
     # 24 blocks; "a" holds 9 and decodes. "b" (16 blocks of prompt) fits its first 4-block chunk
     # but not its whole prompt beside "a": admitted at once on its first chunk, or held back
     # until "a" finishes when the whole prompt must fit.
-    engine = sim_engine(num_kv_blocks=24, max_num_batched_tokens=64, admit_full_prompt=reserve)
+    # NOTE: vLLM's LRU and no job-level admission: the test is about the prompt reservation.
+    engine = sim_engine(num_kv_blocks=24, max_num_batched_tokens=64, admit_full_prompt=reserve,
+                        eviction_policy="vllm-apc")
     a = engine.add_request(list(range(2000, 2140)), SamplingParams(max_tokens=30, ignore_eos=True), job_id="a")
     while not any(r.num_computed_tokens >= 140 for r in engine.scheduler.running):
         engine.step()  # "a" prefilled: the next steps have room in their budget for "b"
