@@ -64,6 +64,14 @@ class JobAdmission:
         self._max_expired = 4096
         self.num_held_back = 0  # admission attempts the gate refused
         self.num_expired = 0  # jobs that left the ranking by idling
+        # NOTE: a scheduling pass asks about every waiting request, but the ranking changes only
+        # on admissions, releases and expiries: the tokens of the jobs ranked before each job
+        # (and the expiry scan at one instant) are computed once per change, not once a request.
+        self._version = 0
+        self._older: dict[str, int] = {}
+        self._older_total = 0
+        self._older_version = -1
+        self._expired_scan: tuple[float, int] | None = None
 
     @property
     def idle_timeout_s(self) -> float:
@@ -98,11 +106,7 @@ class JobAdmission:
         if job_id is None or engine_idle:
             return True
         self.expire(now)
-        older = 0
-        for other_id, other in self.jobs.items():
-            if other_id == job_id:
-                break
-            older += other.tokens
+        older = self._tokens_before(job_id)
         if older == 0:
             return True
         own = max(request.num_tokens, self.jobs[job_id].tokens if job_id in self.jobs else 0)
@@ -111,11 +115,25 @@ class JobAdmission:
         self.num_held_back += 1
         return False
 
+    def _tokens_before(self, job_id: str) -> int:
+        """Sum of the contexts of the jobs ranked before ``job_id`` (all ranked jobs for a job
+        not in the ranking yet)."""
+        if self._older_version != self._version:
+            self._older.clear()
+            total = 0
+            for other_id, other in self.jobs.items():
+                self._older[other_id] = total
+                total += other.tokens
+            self._older_total = total
+            self._older_version = self._version
+        return self._older.get(job_id, self._older_total)
+
     def on_admitted(self, request: Request, now: float) -> None:
         """``request`` holds its blocks now (its first admission or one after a preemption)."""
         job_id = request.job_id
         if job_id is None:
             return
+        self._version += 1
         job = self.jobs.get(job_id)
         if job is None:
             left_at = self._expired.pop(job_id, None)
@@ -133,6 +151,7 @@ class JobAdmission:
         job = self.jobs.get(request.job_id) if request.job_id is not None else None
         if job is None:
             return
+        self._version += 1
         job.in_flight = max(0, job.in_flight - 1)
         if preempted:
             return
@@ -143,6 +162,8 @@ class JobAdmission:
 
     def expire(self, now: float) -> list[str]:
         """Drops the jobs idle past :attr:`idle_timeout_s`; returns their ids."""
+        if self._expired_scan == (now, self._version):
+            return []  # nothing changed since the scan at this instant
         timeout = self.idle_timeout_s
         idle = [
             job_id
@@ -154,11 +175,20 @@ class JobAdmission:
         while len(self._expired) > self._max_expired:
             self._expired.popitem(last=False)
         self.num_expired += len(idle)
+        if idle:
+            self._version += 1
+        self._expired_scan = (now, self._version)
         return idle
 
     def check_integrity(self) -> None:
         """Asserts the invariants of the class docstring."""
         assert all(job.in_flight >= 0 for job in self.jobs.values()), "negative in-flight count"
         assert all(job.tokens > 0 for job in self.jobs.values()), "a ranked job with no context"
+        if self._older_version == self._version:
+            total = 0
+            for job_id, job in self.jobs.items():
+                assert self._older.get(job_id) == total, f"stale prefix sum for job {job_id!r}"
+                total += job.tokens
+            assert self._older_total == total, "stale total of the ranked contexts"
         assert not set(self.jobs) & set(self._expired), "a job both ranked and expired"
         assert len(self._expired) <= self._max_expired, "expired jobs past their bound"
