@@ -27,7 +27,7 @@ from asymcache_core.job_admission import JobAdmission
 from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
-from asymcache_core.memory_budget import GIB, RUNTIME_OVERHEAD_BYTES, KVPoolPlan, plan_kv_pool
+from asymcache_core.memory_budget import GIB, KVPoolPlan, plan_for_device
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, fcfs_key
@@ -343,32 +343,16 @@ class Engine:
         return max(16, int(budget // per_block))
 
     def _memory_plan(self, dtype_bytes: int) -> KVPoolPlan:
-        """The pool ``gpu_memory_utilization`` leaves on this engine's device (see
-        :func:`~asymcache_core.memory_budget.plan_kv_pool`): weights measured on a real device,
-        from the parameter count on a simulated one."""
+        """The pool ``gpu_memory_utilization`` leaves on this engine's device
+        (:func:`~asymcache_core.memory_budget.plan_for_device`)."""
         config = self.config
-        device = config.torch_device
-        weights = None
-        if self.loaded is not None:
-            weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
-        if config.device_memory_gib is not None:
-            total = int(config.device_memory_gib * GIB)
-        elif self.loaded is None:
-            raise ValueError("device_memory_gib: a simulated engine needs it to apply gpu_memory_utilization")
-        elif device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-        else:
-            import os
-
-            total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + (weights or 0)
         assert config.gpu_memory_utilization is not None
-        return plan_kv_pool(
-            self.model_config, gpu_memory_utilization=config.gpu_memory_utilization, total_bytes=total,
+        return plan_for_device(
+            self.model_config, gpu_memory_utilization=config.gpu_memory_utilization, device=config.torch_device,
             block_size=config.block_size, dtype_bytes=dtype_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            weight_bytes=weights,
-            # NOTE: a real CPU engine has no CUDA graphs or allocator pools to reserve for.
-            runtime_overhead_bytes=0 if self.loaded is not None and device.type == "cpu" else RUNTIME_OVERHEAD_BYTES,
+            weights=self.loaded.model if self.loaded is not None else None,
+            device_memory_bytes=None if config.device_memory_gib is None else int(config.device_memory_gib * GIB),
         )
 
     # -- requests ----------------------------------------------------------------------------

@@ -9,7 +9,10 @@ simulated H200 gets the pool a real one would.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
+
+import torch
 
 from asymcache_core.models import ModelConfig
 
@@ -129,3 +132,56 @@ def plan_kv_pool(
             "activations; raise it or give --num-kv-blocks"
         )
     return plan
+
+
+def plan_for_device(
+    model: ModelConfig,
+    *,
+    gpu_memory_utilization: float,
+    device: torch.device,
+    block_size: int,
+    dtype_bytes: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    weights: torch.nn.Module | None = None,
+    device_memory_bytes: int | None = None,
+) -> KVPoolPlan:
+    """:func:`plan_kv_pool` for a device: a real one (``weights`` loaded on it, measured) or a
+    simulated one (no ``weights``: its parameter count, and ``device_memory_bytes`` needed).
+
+    Args:
+        model: the model's shapes.
+        gpu_memory_utilization: share of the device's memory the engine may use.
+        device: where the engine runs (a simulated engine's is the host's ``cpu``).
+        block_size: tokens per KV block.
+        dtype_bytes: bytes of the KV (and weight) dtype.
+        max_num_batched_tokens: tokens of the largest step.
+        max_num_seqs: running sequences at most.
+        weights: the loaded model (``None``: a simulated device).
+        device_memory_bytes: the memory to split (default: the CUDA device's total; a CPU's
+            available RAM plus the weights already loaded into it).
+
+    Returns:
+        The split.
+
+    Raises:
+        ValueError: a simulated device without ``device_memory_bytes``, or no room for a block.
+    """
+    weight_bytes = None if weights is None else sum(p.numel() * p.element_size() for p in weights.parameters())
+    total = device_memory_bytes
+    if total is None and weights is None:
+        raise ValueError(
+            "device_memory_gib: a simulated device needs its memory to apply gpu_memory_utilization "
+            "(--device-memory-gib, or a latency profile that records it)"
+        )
+    if total is None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    elif total is None:
+        total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + (weight_bytes or 0)
+    return plan_kv_pool(
+        model, gpu_memory_utilization=gpu_memory_utilization, total_bytes=total, block_size=block_size,
+        dtype_bytes=dtype_bytes, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        weight_bytes=weight_bytes,
+        # NOTE: a real CPU engine has no CUDA graphs or allocator pools to reserve for.
+        runtime_overhead_bytes=0 if weights is not None and device.type == "cpu" else RUNTIME_OVERHEAD_BYTES,
+    )

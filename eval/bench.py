@@ -366,18 +366,15 @@ def memory_pool_plan(cfg: BenchConfig, loaded: Any = None) -> KVPoolPlan:
     """
     import torch
 
-    from asymcache_core.config import DTYPES, EngineConfig
+    from asymcache_core.config import EngineConfig
     from asymcache_core.latency_model import LatencyModel
     from asymcache_core.loaders import resolve_hf_config
-    from asymcache_core.memory_budget import GIB, RUNTIME_OVERHEAD_BYTES, plan_kv_pool
+    from asymcache_core.memory_budget import GIB, plan_for_device
     from asymcache_core.models import ModelConfig
 
     assert cfg.gpu_memory_utilization is not None
-    model = loaded.config if loaded is not None else ModelConfig.from_hf(resolve_hf_config(cfg.model)[0])
-    device = EngineConfig(device=cfg.device, dtype=cfg.dtype).torch_device
-    dtype = EngineConfig(device=cfg.device, dtype=cfg.dtype).torch_dtype
-    weights = None
-    overhead = RUNTIME_OVERHEAD_BYTES
+    engine_config = EngineConfig(device=cfg.device, dtype=cfg.dtype)
+    dtype = engine_config.torch_dtype
     total = None if cfg.device_memory_gib is None else int(cfg.device_memory_gib * GIB)
     if cfg.backend == "sim":
         profile = LatencyModel.from_json(cfg.latency_profile) if cfg.latency_profile else None
@@ -385,29 +382,13 @@ def memory_pool_plan(cfg: BenchConfig, loaded: Any = None) -> KVPoolPlan:
             dtype = torch.bfloat16
         if total is None and profile is not None:
             total = profile.device_memory_bytes
-        if total is None:
-            raise BenchError(
-                "device_memory_gib: --gpu-memory-utilization on the sim backend needs the device's memory "
-                "(--device-memory-gib, or a --latency-profile that records it)"
-            )
-    else:
-        if loaded is not None:
-            weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        if total is None and device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-        elif total is None:
-            import os
-
-            total = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") + (weights or 0)
-        if device.type == "cpu":
-            overhead = 0
-    dtype = DTYPES.get(cfg.dtype) or dtype
+    model = loaded.config if loaded is not None else ModelConfig.from_hf(resolve_hf_config(cfg.model)[0])
     try:
-        return plan_kv_pool(
-            model, gpu_memory_utilization=cfg.gpu_memory_utilization, total_bytes=total,
+        return plan_for_device(
+            model, gpu_memory_utilization=cfg.gpu_memory_utilization, device=engine_config.torch_device,
             block_size=cfg.block_size, dtype_bytes=torch.finfo(dtype).bits // 8,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-            weight_bytes=weights, runtime_overhead_bytes=overhead,
+            weights=loaded.model if loaded is not None else None, device_memory_bytes=total,
         )
     except ValueError as exc:
         raise BenchError(str(exc)) from None

@@ -180,7 +180,8 @@ def bench(
             if key not in given:
                 options[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
     workloads = [w.strip() for w in str(options.pop("workload")).split(",") if w.strip()]
-    seed_list = _numbers("seeds", options.pop("seeds"), int) or [options["seed"]]
+    seed = options.pop("seed")
+    seed_list = _numbers("seeds", options.pop("seeds"), int) or [seed]
     rates = _numbers("rate", options.pop("rate"), float)
     loads = _numbers("concurrency", options.pop("concurrency"), int)
     if rates and not _given(ctx, "concurrency"):
@@ -194,16 +195,14 @@ def bench(
         raise ValueError("policies: give at least one policy")
     if not workloads:
         raise ValueError("workload: give at least one workload")
+    points = sweep_points(workloads, seed_list, loads, rates)
+    first = points[0]  # a single run; a sweep sets each point's own
     cfg = BenchConfig(
-        policies=policy_names, url=url, workload=workloads[0], rate=rates[0] if rates and not loads else None,
-        concurrency=loads[0] if loads else 1, kv_fraction=kv_fraction, out=out, step_log=step_log,
+        policies=policy_names, url=url, workload=first.workload, seed=first.seed, rate=first.rate,
+        concurrency=first.concurrency or 1, kv_fraction=kv_fraction, out=out, step_log=step_log,
         repeats=repeats, slo=slo, **options,
     )
-    points = sweep_points(workloads, seed_list, loads, rates)
     if len(points) == 1:
-        point = points[0]
-        cfg = dataclasses.replace(cfg, workload=point.workload, seed=point.seed, rate=point.rate,
-                                  concurrency=point.concurrency or cfg.concurrency)
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -264,14 +263,13 @@ def print_capacity_table(sweep: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from eval.sweep_report import capacity_rows
+    from eval.sweep_report import capacity_rows, format_capacity
 
     table = Table(title=f"capacity within the JCT p90 target ({sweep.backend}, {sweep.model})")
     for col in ("workload", "variant", "JCT p90 target", "capacity"):
         table.add_column(col, justify="left" if col in ("workload", "variant") else "right")
     for workload, name, target, _, cap, at_end in capacity_rows(sweep):
-        shown = "none" if cap is None else (">= " if at_end else "") + f"{cap:.0f}"
-        table.add_row(workload, name, f"{target:.1f}s", shown)
+        table.add_row(workload, name, f"{target:.1f}s", format_capacity(cap, at_end))
     Console(width=150).print(table)
 
 

@@ -36,6 +36,12 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
+def format_capacity(capacity: float | None, at_end: bool) -> str:
+    """A capacity cell: ``none`` (even the lowest load misses), ``>= N`` (met at every point:
+    a lower bound) or ``N``."""
+    return "none" if capacity is None else (">= " if at_end else "") + f"{capacity:.0f}"
+
+
 def _has_rates(sweep: SweepResults, workload: str) -> list[bool]:
     kinds = {p.rate is not None for p in sweep.points if p.workload == workload}
     return sorted(kinds)
@@ -97,8 +103,9 @@ def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
         for peer in peers:
             base = caps.get((workload, peer)) if peer is not None else None
             ratios.append("-" if cap is None or not base else f"{cap / base:.2f}x")
-        shown = "none" if cap is None else (">= " if at_end else "") + f"{cap:.0f}"
-        lines.append(f"| {_slug(workload)} | {name} | {target:.1f} | {shown} | {ratios[0]} | {ratios[1]} |")
+        lines.append(
+            f"| {_slug(workload)} | {name} | {target:.1f} | {format_capacity(cap, at_end)} | {ratios[0]} | {ratios[1]} |"
+        )
     for figure, title, digits in (
         ("jct_mean", "Mean JCT (s)", 1), ("jct_p90", "JCT p90 (s)", 1), ("ttft_p99", "TTFT p99 (s)", 2),
         ("goodput_jobs_per_hour", "Goodput (jobs/hour meeting the SLO)", 0), ("jobs_per_hour", "Jobs/hour", 0),

@@ -62,7 +62,7 @@ def test_simulated_engine_gets_the_pool_of_the_device_it_simulates():
                             dtype_bytes=2, max_num_batched_tokens=8192, max_num_seqs=256)
     assert engine.num_blocks == expected.num_blocks == engine.memory_plan.num_blocks
     assert engine.stats().kv_blocks_total == expected.num_blocks
-    with pytest.raises(ValueError, match="^device_memory_gib: a simulated engine needs it"):
+    with pytest.raises(ValueError, match="^device_memory_gib: a simulated device needs its memory"):
         Engine.simulated(None, model="dummy:llama-3.1-8b", gpu_memory_utilization=0.9)
     # an explicit pool wins over the memory split
     assert Engine.simulated(None, model="dummy:llama-3.1-8b", num_kv_blocks=77, gpu_memory_utilization=0.9,
