@@ -87,6 +87,12 @@ class EngineConfig:
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
         priority: admission order of waiting work: ``fcfs`` (by request) or ``program`` (by job).
         attention_backend: ``auto``, ``torch``, ``naive`` or ``triton``.
+        batch_invariant: each token's logits are the same bits whatever else shares its step,
+            however its prompt was chunked and whether its history was cached or rebuilt as a
+            hole: linear layers, norms and attention run with a fixed reduction order
+            (:mod:`kernels.batch_invariant`, the MSA plan's fixed chunks, :func:`~kernels.reference.msa_tiled`).
+            Greedy outputs are then exactly those of an unbounded pool under every policy, on
+            the GPU too.
         enforce_eager: never capture CUDA graphs (vLLM's flag). Otherwise, on CUDA with the
             Triton backend, decode-only steps replay one CUDA graph and other steps of at most
             ``mixed_graph_max_tokens`` tokens replay piecewise graphs around the eager MSA
@@ -155,6 +161,9 @@ class EngineConfig:
     priority: str = "fcfs"
     attention_backend: str = field(default="auto", metadata=_flag(
         "--attention-backend", "auto, torch, naive or triton."))
+    batch_invariant: bool = field(default=False, metadata=_flag(
+        "--batch-invariant", "Fixed reduction order in every op: each token's logits are the same bits "
+        "whatever shares its step, however its prompt was chunked, cached or rebuilt."))
     enforce_eager: bool = field(default=False, metadata=_flag("--enforce-eager", "Never capture CUDA graphs."))
     mixed_graph_max_tokens: int = field(default=1024, metadata=_flag(
         "--mixed-graph-max-tokens", "Largest step (tokens) replayed as piecewise CUDA graphs; 0 runs every "
@@ -220,6 +229,10 @@ class EngineConfig:
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: one of {BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant: must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.attention_backend == "naive":
+            raise ValueError("batch_invariant: the 'naive' attention backend has no batch-invariant mode")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
         if (

@@ -130,7 +130,8 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 plan = decode_graph_plan(
                     self.tiles[:size], cfg.num_attention_heads, cfg.num_key_value_heads, max_model_len,
-                    chunk_buffer=self.chunk,
+                    chunk_buffer=self.chunk, head_dim=cfg.head_dim, dtype=kv_caches[0][0].dtype,
+                    invariant=backend.batch_invariant,
                 )
                 self.plans[size] = plan
                 meta = MSAMetadata(

@@ -8,6 +8,7 @@ frees the requests they end, and the engine turns those updates into :class:`Req
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -269,9 +270,12 @@ class Engine:
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner
-            from kernels.dispatch import select_attention_backend
+            from kernels.dispatch import select_attention_backend, select_dense_ops
 
-            backend = select_attention_backend(device, config.attention_backend)
+            backend = select_attention_backend(
+                device, config.attention_backend, dtype, batch_invariant=config.batch_invariant
+            )
+            backend = dataclasses.replace(backend, dense=select_dense_ops(device, config.batch_invariant))
             self.runner: Runner = ModelRunner(
                 self.loaded, self.num_blocks, config.block_size, device, dtype, backend, config.seed,
                 max_model_len=self.max_model_len,

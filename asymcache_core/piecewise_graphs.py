@@ -145,14 +145,16 @@ class PiecewiseGraphs:
 
         def middle(index: int) -> Callable[[], None]:
             def fn() -> None:
-                h, residual = model.post_attention(index - 1, attn_out, state["residual"])
+                h, residual = model.post_attention(index - 1, attn_out, state["residual"], backend.dense)
                 q, state["residual"] = model.pre_attention(index, h, residual, state["rope"], kv[index], slots, backend)
                 query.copy_(q)
 
             return fn
 
         def last() -> None:
-            state["h"], state["residual"] = model.post_attention(num_layers - 1, attn_out, state["residual"])
+            state["h"], state["residual"] = model.post_attention(
+                num_layers - 1, attn_out, state["residual"], backend.dense
+            )
 
         return [first, *(middle(i) for i in range(1, num_layers)), last]
 
@@ -196,4 +198,4 @@ class PiecewiseGraphs:
             o = self.backend.attend(self.query[:num], kv[index][0], kv[index][1], meta, self.scale)
             self.attn_out[:num].copy_(o.reshape(num, -1))
             pieces[index + 1]()
-        return self.model.compute_logits(state["h"], state["residual"], logits_rows)
+        return self.model.compute_logits(state["h"], state["residual"], logits_rows, self.backend.dense)

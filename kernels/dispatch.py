@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kernels.metadata import MSAMetadata
-from kernels.reference import msa_naive, msa_torch, store_kv_torch
+from kernels.reference import msa_naive, msa_tiled, msa_torch, store_kv_torch
 
 MSAFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MSAMetadata, float], torch.Tensor]
 StoreFn = Callable[
@@ -20,6 +21,8 @@ StoreFn = Callable[
 ]
 
 PrepareFn = Callable[[MSAMetadata, int, int, int], MSAMetadata]
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 BACKENDS = ("auto", "torch", "naive", "triton")
 
@@ -40,12 +43,64 @@ class AttentionBackend:
         prepare: ``(meta, num_q_heads, num_kv_heads, head_dim) -> meta`` run once per step
             before the layers: returns the metadata with the backend's launch plan attached,
             so that host work (tile tables, their copy to the device) is not paid per layer.
+        batch_invariant: ``attend`` gives each query the same bits whatever shares its step.
+        dense: the linear and norm ops the model runs beside this attention: every kernel
+            choice of an engine travels in this one object, passed to each forward call.
     """
 
     name: str
     store_kv: StoreFn
     attend: MSAFn
     prepare: PrepareFn = no_plan
+    batch_invariant: bool = False
+    dense: DenseOps = field(default_factory=lambda: DEFAULT_DENSE_OPS)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # NOTE: one fused kernel instead of six (launch overhead dominates eager GPU steps).
+    # In bf16/fp16 it normalises in fp32 and rounds once, where HF rounds before the
+    # weight multiply: outputs may differ from HF in the last bit, never between our runs.
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
+
+@dataclass(frozen=True)
+class DenseOps:
+    """The model's reductions outside attention: its linear layers and RMSNorm.
+
+    Attributes:
+        name: ``default`` (the fastest library kernels, whose reduction order may change with
+            the batch) or ``batch-invariant`` (a row's bits never depend on the other rows).
+        linear: ``(x [..., K], weight [N, K], bias [N] | None) -> [..., N]``.
+        rms_norm: ``(x [..., N], weight [N], eps) -> [..., N]``.
+    """
+
+    name: str
+    linear: LinearFn
+    rms_norm: NormFn
+
+
+DEFAULT_DENSE_OPS = DenseOps("default", F.linear, _rms_norm_torch)
+
+
+def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) -> DenseOps:
+    """The linear and norm ops for ``device``: the library's, or the batch-invariant ones
+    (the Triton matmul and RMSNorm on CUDA, row-padded BLAS on the CPU)."""
+    device = torch.device(device)
+    if not batch_invariant:
+        return DEFAULT_DENSE_OPS
+    if device.type == "cuda":
+        if not triton_available(device):
+            raise ValueError("batch_invariant: needs triton on CUDA")
+        from kernels.batch_invariant import matmul_triton, rms_norm_triton
+
+        return DenseOps("batch-invariant", matmul_triton, rms_norm_triton)
+    if device.type != "cpu":
+        raise ValueError(f"batch_invariant: not supported on {device.type}")
+    from kernels.batch_invariant import linear_padded
+
+    # NOTE: the CPU norm reduces each row alone, in the same order whatever the rows: the
+    # library kernel already is batch-invariant there (the engine tests check the bits).
+    return DenseOps("batch-invariant", linear_padded, _rms_norm_torch)
 
 
 def triton_available(device: torch.device) -> bool:
@@ -69,13 +124,23 @@ def compiled_kernel_count(device: torch.device | str) -> int | None:
     return compiled_variants()
 
 
-def select_attention_backend(device: torch.device | str, preference: str = "auto") -> AttentionBackend:
+def select_attention_backend(
+    device: torch.device | str,
+    preference: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    batch_invariant: bool = False,
+) -> AttentionBackend:
     """Returns the backend for ``device``.
 
     Args:
         device: where the model runs.
         preference: ``auto`` (Triton on CUDA when importable, torch elsewhere), ``torch``,
             ``naive`` or ``triton``.
+        dtype: the model's activations (the Triton launch plan fits its tiles to it).
+        batch_invariant: a query's output never depends on what else shares the step, how its
+            prompt was chunked or whether its history was cached or rebuilt: the Triton plan's
+            fixed configuration and KV chunks, or :func:`~kernels.reference.msa_tiled` for
+            ``torch``. ``naive`` is a test oracle and has no such mode.
 
     Raises:
         ValueError: unknown preference, or ``triton`` where it cannot run.
@@ -92,12 +157,18 @@ def select_attention_backend(device: torch.device | str, preference: str = "auto
 
         def prepare(meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int) -> MSAMetadata:
             device = meta.block_tables.device
-            plan = plan_msa(meta, num_q_heads, num_kv_heads, head_dim, device)
+            plan = plan_msa(
+                meta, num_q_heads, num_kv_heads, head_dim, device, dtype=dtype, invariant=batch_invariant
+            )
             return dataclasses.replace(meta, plan=plan)
 
-        return AttentionBackend("triton", store_kv_triton, msa_triton, prepare)
+        return AttentionBackend("triton", store_kv_triton, msa_triton, prepare, batch_invariant)
     if preference == "naive":
+        if batch_invariant:
+            raise ValueError("attention_backend: 'naive' has no batch-invariant mode; use 'torch'")
         return AttentionBackend("naive", store_kv_torch, msa_naive)
+    if batch_invariant:
+        return AttentionBackend("torch", store_kv_torch, msa_tiled, no_plan, True)
     return AttentionBackend("torch", store_kv_torch, msa_torch)
 
 

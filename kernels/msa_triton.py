@@ -26,6 +26,7 @@ Launch plan (all host side, no device sync):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,14 @@ class MSAConfig:
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; ``IEEE`` keeps fp32 operands out of TF32."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _attend_tile(
     b_q,
     b_acc,
@@ -88,6 +97,7 @@ def _attend_tile(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One KV tile ``[i_n, i_n + BLOCK_N)`` of online softmax for rows ``b_q [R, D]``."""
     o_n = i_n + tl.arange(0, BLOCK_N)
@@ -106,7 +116,7 @@ def _attend_tile(
         b_k = tl.load(k_cache + o_k[:, None] + o_d[None, :])
         b_v = tl.load(v_cache + o_v[:, None] + o_d[None, :])
     # [R, BLOCK_N] raw scores; the running max b_m is kept in scaled base-2 units
-    b_s = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)))
+    b_s = _dot(b_q, tl.trans(b_k.to(b_q.dtype)), IEEE)
     if MASKED:
         m_s = (o_n[None, :] <= o_pos[:, None]) & m_n[None, :]
         b_s = tl.where(m_s, b_s, _MASKED)
@@ -115,8 +125,89 @@ def _attend_tile(
     b_alpha = tl.exp2(b_m - b_m_new)
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     b_acc = b_acc * b_alpha[:, None]
-    b_acc += tl.dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype))
+    b_acc += _dot(b_p.to(b_q.dtype), b_v.to(b_q.dtype), IEEE)
     return b_acc, b_m_new, b_l
+
+
+@triton.jit
+def _attend_range(
+    b_q,
+    p_bt,
+    k_cache,
+    v_cache,
+    i_kvh,
+    i_lo,
+    i_hi,
+    i_pos0,
+    o_d,
+    o_pos,
+    ctx_end,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Online softmax of rows ``b_q [R, D]`` over the keys ``[i_lo, i_hi)`` from a fresh state.
+
+    Returns ``(acc [R, D], m [R], l [R])``: unnormalised output, running max (scaled, base 2)
+    and sum of weights.
+    """
+    # KV tiles ending at or before the first query position are visible to every row.
+    i_full = tl.maximum(i_lo, tl.minimum(i_hi, (i_pos0 + 1) // BLOCK_N * BLOCK_N))
+    b_m = tl.full([BLOCK_R], _MASKED, dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    for i_n in range(i_lo, i_full, BLOCK_N):
+        b_acc, b_m, b_l = _attend_tile(
+            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, BLOCK_N, False, IEEE,
+        )
+    for i_n in range(i_full, i_hi, BLOCK_N):
+        b_acc, b_m, b_l = _attend_tile(
+            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, BLOCK_N, True, IEEE,
+        )
+    return b_acc, b_m, b_l
+
+
+@triton.jit
+def _chunk_partial(b_acc, b_m, b_l):
+    """A KV chunk's normalised output and log-sum-exp (base 2); an empty row gives ``(0, m)``."""
+    b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
+    return b_acc / b_l_safe[:, None], b_m + tl.log2(b_l_safe)
+
+
+@triton.jit
+def _merge_partial(b_acc, b_w, b_m, b_o, b_lse):
+    """Folds one chunk partial ``(o, lse)`` into the running merge ``(acc, w, m)``.
+
+    NOTE: the split merge kernel and the in-kernel chunk merge of the batch-invariant mode both
+    call this one function, in chunk order, so a row's output is the same bits whichever of the
+    two computed it.
+    """
+    b_m_new = tl.maximum(b_m, b_lse)
+    b_alpha = tl.exp2(b_m - b_m_new)
+    b_beta = tl.exp2(b_lse - b_m_new)
+    b_w = b_w * b_alpha + b_beta
+    b_acc = b_acc * b_alpha[:, None] + b_o * b_beta[:, None]
+    return b_acc, b_w, b_m_new
+
+
+@triton.jit
+def _merged_output(b_acc, b_w):
+    """The merged output of :func:`_merge_partial`'s running state."""
+    b_w = tl.where(b_w == 0.0, 1.0, b_w)
+    return b_acc / b_w[:, None]
 
 
 @triton.jit
@@ -156,6 +247,9 @@ def _msa_fwd_kernel(
     D: tl.constexpr,
     SPLIT: tl.constexpr,
     DYN_CHUNK: tl.constexpr,
+    CHUNK_MERGE: tl.constexpr,
+    PART_BY_ROW: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """MSA forward for one (q-tile, KV head, KV split).
 
@@ -164,8 +258,11 @@ def _msa_fwd_kernel(
     ``SPLIT`` writes o ``[T, HQ, D]``, with it o_part ``[S, R, HQ, D]`` (fp32, normalised) and
     lse_part ``[S, R, HQ]`` (base 2), where ``R = num_tiles * BLOCK_M``: tile ``i`` owns partial
     rows ``i * BLOCK_M ..``, so a launch over a few of the step's tokens needs partials for
-    those only. With ``DYN_CHUNK`` the keys per split are read from ``p_chunk`` (a graph
-    replay sets them for its batch) instead of ``chunk``.
+    those only (with ``PART_BY_ROW``, partial rows are the packed rows, ``R = T``). With
+    ``DYN_CHUNK`` the keys per split are read from ``p_chunk`` (a graph replay sets them for
+    its batch) instead of ``chunk``. With ``CHUNK_MERGE`` (no ``SPLIT``) one program walks the
+    whole context as consecutive chunks of ``chunk`` keys and merges their partials itself,
+    exactly as the split merge would: the batch-invariant mode's reduction order.
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
@@ -189,53 +286,52 @@ def _msa_fwd_kernel(
     b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
 
     ctx_end = i_pos0 + n_q
-    i_lo = i_split * chunk
-    i_hi = tl.minimum(i_lo + chunk, ctx_end)
-    # KV tiles ending at or before the first query position are visible to every row.
-    i_full = tl.maximum(i_lo, tl.minimum(i_hi, (i_pos0 + 1) // BLOCK_N * BLOCK_N))
-
-    b_m = tl.full([BLOCK_R], _MASKED, dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
     p_bt = block_tables + i_seq.to(tl.int64) * stride_bt
-
-    for i_n in range(i_lo, i_full, BLOCK_N):
-        b_acc, b_m, b_l = _attend_tile(
-            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
-            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, BLOCK_N, False,
-        )
-    for i_n in range(i_full, i_hi, BLOCK_N):
-        b_acc, b_m, b_l = _attend_tile(
-            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
-            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, BLOCK_N, True,
-        )
-
     m_o = m_r[:, None]
-    if SPLIT:
-        # NOTE: splits are per launch, but a tile whose context fits in one chunk has nothing
-        # to merge: it writes its output directly and the merge skips it. Only the long-context
-        # tiles pay for partials.
-        n_tile_splits = tl.cdiv(ctx_end, chunk)
-        b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)
-        b_o = b_acc / b_l_safe[:, None]
-        b_lse = b_m + tl.log2(b_l_safe)
-        o_zero = o_r * 0  # per-row copies of the tile's scalars, for the store masks
-        m_part = ((o_zero + n_tile_splits) > 1) & ((o_zero + i_split) < n_tile_splits)
-        o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
-        p_op = o_part + i_split * stride_ps + o_pt[:, None] * stride_pt
-        p_op = p_op + o_h[:, None] * stride_ph + o_d[None, :]
-        tl.store(p_op, b_o, mask=m_o & m_part[:, None])
-        p_lse = lse_part + i_split * stride_ls + o_pt * stride_lt + o_h
-        tl.store(p_lse, b_lse, mask=m_r & m_part)
-        m_direct = ((o_zero + n_tile_splits) == 1) & ((o_zero + i_split) == 0)
-        p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o & m_direct[:, None])
+    p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+    if CHUNK_MERGE:
+        b_macc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+        b_mw = tl.zeros([BLOCK_R], dtype=tl.float32)
+        b_mm = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        for i_c in range(0, ctx_end, chunk):
+            b_acc, b_m, b_l = _attend_range(
+                b_q, p_bt, k_cache, v_cache, i_kvh, i_c, tl.minimum(i_c + chunk, ctx_end), i_pos0,
+                o_d, o_pos, ctx_end, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb,
+                stride_vs, stride_vh, PAGE, BLOCK_N, BLOCK_R, D, IEEE,
+            )
+            b_o, b_lse = _chunk_partial(b_acc, b_m, b_l)
+            b_macc, b_mw, b_mm = _merge_partial(b_macc, b_mw, b_mm, b_o, b_lse)
+        tl.store(p_o, _merged_output(b_macc, b_mw).to(o.dtype.element_ty), mask=m_o)
     else:
-        b_o = b_acc / b_l[:, None]
-        p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
-        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
+        i_lo = i_split * chunk
+        i_hi = tl.minimum(i_lo + chunk, ctx_end)
+        b_acc, b_m, b_l = _attend_range(
+            b_q, p_bt, k_cache, v_cache, i_kvh, i_lo, i_hi, i_pos0, o_d, o_pos, ctx_end,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, BLOCK_N, BLOCK_R, D, IEEE,
+        )
+        if SPLIT:
+            # NOTE: splits are per launch, but a tile whose context fits in one chunk has
+            # nothing to merge: it writes its output directly and the merge skips it. Only the
+            # long-context tiles pay for partials.
+            n_tile_splits = tl.cdiv(ctx_end, chunk)
+            b_o, b_lse = _chunk_partial(b_acc, b_m, b_l)
+            o_zero = o_r * 0  # per-row copies of the tile's scalars, for the store masks
+            m_part = ((o_zero + n_tile_splits) > 1) & ((o_zero + i_split) < n_tile_splits)
+            if PART_BY_ROW:
+                o_pt = o_t
+            else:
+                o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
+            p_op = o_part + i_split * stride_ps + o_pt[:, None] * stride_pt
+            p_op = p_op + o_h[:, None] * stride_ph + o_d[None, :]
+            tl.store(p_op, b_o, mask=m_o & m_part[:, None])
+            p_lse = lse_part + i_split * stride_ls + o_pt * stride_lt + o_h
+            tl.store(p_lse, b_lse, mask=m_r & m_part)
+            m_direct = ((o_zero + n_tile_splits) == 1) & ((o_zero + i_split) == 0)
+            tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o & m_direct[:, None])
+        else:
+            b_o = b_acc / b_l[:, None]
+            tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
 
 
 # NOTE: ``num_splits`` is only a loop bound; left specialized, a launch with 16 or 32 splits (a
@@ -260,6 +356,7 @@ def _msa_reduce_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DYN_CHUNK: tl.constexpr,
+    PART_BY_ROW: tl.constexpr,
 ):
     """Merges the split partials of one (q-tile, q head): o_part ``[S, R, HQ, D]`` -> o."""
     if DYN_CHUNK:
@@ -275,7 +372,10 @@ def _msa_reduce_kernel(
     m_t = o_tok < n_q
     m_o = m_t[:, None] & (o_d < D)[None, :]
     o_t = (i_row0 + o_tok).to(tl.int64)
-    o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
+    if PART_BY_ROW:
+        o_pt = o_t
+    else:
+        o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_w = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -284,14 +384,8 @@ def _msa_reduce_kernel(
         b_lse = tl.load(lse_part + i_s * stride_ls + o_pt * stride_lt + i_h, mask=m_t, other=0.0)
         p_op = o_part + i_s * stride_ps + o_pt[:, None] * stride_pt + i_h * stride_ph
         b_o = tl.load(p_op + o_d[None, :], mask=m_o, other=0.0)
-        b_m_new = tl.maximum(b_m, b_lse)
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_beta = tl.exp2(b_lse - b_m_new)
-        b_w = b_w * b_alpha + b_beta
-        b_acc = b_acc * b_alpha[:, None] + b_o * b_beta[:, None]
-        b_m = b_m_new
-    b_w = tl.where(b_w == 0.0, 1.0, b_w)
-    b_out = b_acc / b_w[:, None]
+        b_acc, b_w, b_m = _merge_partial(b_acc, b_w, b_m, b_o, b_lse)
+    b_out = _merged_output(b_acc, b_w)
     p_o = o + o_t[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
     # a tile within one chunk was written by the forward kernel itself
     tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o & ((o_tok * 0 + n_split) > 1)[:, None])
@@ -348,15 +442,65 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _tile_shape(rows: int) -> tuple[int, int, int]:
-    """``(block_n, num_warps, num_stages)`` for programs of ``rows`` query rows."""
+# Hopper's opt-in shared memory per block (bytes); the CPU interpreter plans as for an H200.
+_DEFAULT_SMEM = 232448
+# Bytes of shared memory Triton uses beside the operand buffers (barriers, layout scratch).
+_SMEM_SLACK = 8192
+
+
+def _smem_limit(device: torch.device) -> int:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_block_optin", 0) or _DEFAULT_SMEM)
+    return _DEFAULT_SMEM
+
+
+def _smem_bytes(rows: int, block_n: int, num_stages: int, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory of one program: the q tile plus ``num_stages`` buffers of K and V tiles.
+
+    NOTE: a conservative model of what Triton 3.6 allocates for this kernel on Hopper: float32
+    programs of 256 rows, 64 keys and head_dim 128 asked for 262,400 bytes at 3 stages and
+    263,168 at 2 (the q tile, 131,072, plus four 32,768-byte K/V buffers, plus barriers).
+    """
+    return elem_bytes * head_dim * (rows + 2 * max(num_stages, 2) * block_n)
+
+
+def _fit_tile(
+    rows: int, block_n: int, num_stages: int, head_dim: int, elem_bytes: int, limit: int
+) -> tuple[int, int, int] | None:
+    """Shrinks pipelining depth, then the KV tile, until a program of ``rows`` fits ``limit``
+    bytes of shared memory; ``None`` when even 2 stages of 16-key tiles do not fit."""
+    while _smem_bytes(rows, block_n, num_stages, head_dim, elem_bytes) + _SMEM_SLACK > limit:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            return None
+    return rows, block_n, num_stages
+
+
+def _tile_shape(
+    rows: int, head_dim: int = 128, elem_bytes: int = 2, smem_limit: int = _DEFAULT_SMEM
+) -> tuple[int, int, int, int]:
+    """``(rows, block_n, num_warps, num_stages)`` for programs of up to ``rows`` query rows.
+
+    ``rows`` comes back halved (down to 16) until the tile fits ``smem_limit``: float32 and wide
+    heads need less pipelining, smaller KV tiles or fewer rows than bf16 at head_dim 128.
+    """
     # Measured on the H200: decode-like tiles are bandwidth-bound and prefer
     # few warps; long segments prefer 256-row tiles on 8 warps.
-    if rows <= 16:
-        return 64, 2, 3
-    if rows <= 64:
-        return 64, 4, 3
-    return 64, 8, 3
+    while True:
+        block_n, num_stages = 64, 3
+        fitted = _fit_tile(rows, block_n, num_stages, head_dim, elem_bytes, smem_limit)
+        if fitted is not None or rows <= 16:
+            break
+        rows //= 2
+    if fitted is None:
+        raise ValueError(f"msa_triton: no tile of head_dim {head_dim} fits {smem_limit} bytes of shared memory")
+    rows, block_n, num_stages = fitted
+    num_warps = 2 if rows <= 16 else 4 if rows <= 64 else 8
+    return rows, block_n, num_warps, num_stages
 
 
 def _short_tile_splits(programs: int, max_ctx: int, num_sms: int) -> int:
@@ -368,23 +512,31 @@ def _short_tile_splits(programs: int, max_ctx: int, num_sms: int) -> int:
 
 
 def choose_config(
-    meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    meta: MSAMetadata,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> MSAConfig:
     """Picks tile sizes and the KV split from host metadata only (no device sync).
 
     Rows per program are ``block_m * next_pow2(G)``: 16 for decode-only steps (the smallest
-    tensor-core tile), up to 256 once segments are long. Split-K turns on when the programs
-    (q-tiles times KV heads) cannot fill the GPU and contexts are long: ~3 programs per SM for
-    short tiles (up to 64 rows), two waves for prefill tiles.
+    tensor-core tile), up to 256 once segments are long, fewer where the tile would not fit
+    the device's shared memory in ``dtype``. Split-K turns on when the programs (q-tiles times
+    KV heads) cannot fill the GPU and contexts are long: ~3 programs per SM for short tiles
+    (up to 64 rows), two waves for prefill tiles.
     """
-    return _config_for(meta.host_segments, num_q_heads, num_kv_heads, device)
+    return _config_for(meta.host_segments, num_q_heads, num_kv_heads, head_dim, device, dtype)
 
 
 def _config_for(
     segments: tuple[tuple[int, int, int, int], ...] | list[tuple[int, int, int, int]],
     num_q_heads: int,
     num_kv_heads: int,
+    head_dim: int,
     device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> MSAConfig:
     """:func:`choose_config` for a launch over ``segments`` ``(seq, q_start, q_len, pos_start)``."""
     max_q_len = max((seg[2] for seg in segments), default=0)
@@ -393,8 +545,10 @@ def _config_for(
     min_m = max(1, 16 // g_pad)
     max_m = max(min_m, min(128, 256 // g_pad))
     block_m = min(max(triton.next_power_of_2(max(max_q_len, 1)), min_m), max_m)
-    rows = block_m * g_pad
-    block_n, num_warps, num_stages = _tile_shape(rows)
+    rows, block_n, num_warps, num_stages = _tile_shape(
+        block_m * g_pad, head_dim, _elem_bytes(dtype), _smem_limit(device)
+    )
+    block_m = max(1, rows // g_pad)
     num_tiles = sum(-(-seg[2] // block_m) for seg in segments)
     programs = max(num_tiles * num_kv_heads, 1)
     num_sms = _num_sms(device)
@@ -406,6 +560,50 @@ def _config_for(
         # chunks of >= 4k keys, to fill two waves (measured: the merge costs more below that)
         num_splits = max(1, min(-(-2 * num_sms // programs), max_ctx // 4096))
     return MSAConfig(block_m, block_n, num_warps, num_stages, max(num_splits, 1))
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# Keys per chunk of the batch-invariant mode's fixed KV split (a multiple of every KV tile):
+# short enough that a decode at a 2k context still spreads over 4 programs per KV head.
+INVARIANT_CHUNK = 512
+# Largest float32 split-partial buffer (bytes) the batch-invariant mode spreads over programs;
+# past it, each program merges its chunks itself (same bits, fewer programs).
+_INVARIANT_PARTIAL_BYTES = 256 << 20
+# Query rows per program of the batch-invariant mode: decode-sized and prefill-sized tiles.
+_INVARIANT_ROWS = (64, 256)
+
+
+def invariant_config(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: int = _INVARIANT_ROWS[0],
+) -> MSAConfig:
+    """A launch configuration of the batch-invariant mode for a model's attention shape.
+
+    What sets a query row's bits is kept the same for every launch of every step: the KV tile
+    (``block_n``, the one that fits the largest tile in shared memory) and the chunks of
+    :data:`INVARIANT_CHUNK` keys merged in order (``num_splits`` is set per launch by
+    :func:`plan_msa`). The rows per program, warps and pipelining depth may follow the
+    segments (``rows`` of 64 or 256): a row's dot products and softmax do not depend on them
+    (the GPU tests check the bits of a row alone and inside prefill tiles).
+    """
+    g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    elem, limit = _elem_bytes(dtype), _smem_limit(device)
+    _, block_n, _, _ = _tile_shape(max(_INVARIANT_ROWS[-1], g_pad), head_dim, elem, limit)
+    rows = max(rows, g_pad)
+    fitted = _fit_tile(rows, block_n, 3, head_dim, elem, limit)
+    while fitted is None or fitted[1] != block_n:
+        rows //= 2
+        fitted = _fit_tile(rows, block_n, 3, head_dim, elem, limit)
+    rows, _, num_stages = fitted
+    num_warps = 2 if rows <= 16 else 4 if rows <= 64 else 8
+    return MSAConfig(max(1, rows // g_pad), block_n, num_warps, num_stages, 1)
 
 
 @dataclass(frozen=True)
@@ -424,6 +622,10 @@ class MSAPlan:
         chunk_buffer: a graph plan's ``[1]`` int32 device buffer of the keys per split, which
             the kernels read at run time (``chunk`` is then only its largest value); ``None``:
             ``chunk`` is passed as is.
+        invariant: the batch-invariant mode: ``chunk`` is :data:`INVARIANT_CHUNK` whatever the
+            step, and the chunks of a context are merged in order, by the split merge when
+            ``num_splits > 1`` (partials indexed by packed row) or inside each program
+            otherwise.
     """
 
     config: MSAConfig
@@ -433,6 +635,7 @@ class MSAPlan:
     num_splits: int
     covered_rows: int
     chunk_buffer: torch.Tensor | None = None
+    invariant: bool = False
 
     @property
     def launches(self) -> tuple[MSAPlan, ...]:
@@ -513,6 +716,8 @@ def plan_msa(
     config: MSAConfig | None = None,
     short_q_len: int = 16,
     min_split_keys: int = 4096,
+    dtype: torch.dtype = torch.bfloat16,
+    invariant: bool = False,
 ) -> MSAStepPlan:
     """Builds the step's launches: configs, and tile tables copied to ``device`` (no sync).
 
@@ -521,6 +726,8 @@ def plan_msa(
     whose context is far deeper than the rest is split into chunks of at least
     ``min_split_keys`` keys (the H200 measurement: split-K on prefill tiles pays from ~4k keys
     a chunk). A forced ``config`` (benchmarks, tests) makes one launch of everything.
+    ``dtype`` (of ``q``) bounds the tiles by the device's shared memory. ``invariant`` plans
+    the batch-invariant mode: :func:`invariant_config` for every launch, the fixed chunk.
     """
     segments = list(meta.host_segments)
     if config is not None:
@@ -528,11 +735,61 @@ def plan_msa(
     long = [seg for seg in segments if seg[2] > short_q_len]
     short = [seg for seg in segments if seg[2] <= short_q_len]
     classes = [c for c in (long, short) if c] or [segments]
+    if invariant:
+        num_tokens = sum(seg[2] for seg in segments)
+        return MSAStepPlan(
+            tuple(
+                _plan_invariant_launch(
+                    c,
+                    invariant_config(
+                        num_q_heads, num_kv_heads, head_dim, device, dtype,
+                        _INVARIANT_ROWS[-1] if c is long else _INVARIANT_ROWS[0],
+                    ),
+                    device, num_q_heads, num_kv_heads, head_dim, num_tokens,
+                )
+                for c in classes
+            )
+        )
     launches = tuple(
-        _plan_launch(c, _config_for(c, num_q_heads, num_kv_heads, device), device, num_kv_heads, min_split_keys)
+        _plan_launch(
+            c, _config_for(c, num_q_heads, num_kv_heads, head_dim, device, dtype), device, num_kv_heads,
+            min_split_keys,
+        )
         for c in classes
     )
     return MSAStepPlan(launches)
+
+
+def _invariant_splits(
+    programs: int, max_ctx: int, num_rows: int, num_q_heads: int, head_dim: int, device: torch.device
+) -> int:
+    """Grid splits of a batch-invariant launch: the fixed chunks spread over programs when the
+    launch cannot fill the GPU and its partials stay small; 1 (in-program merge) otherwise.
+    Either way the bits are the same: this only trades programs for partial traffic."""
+    splits = -(-max(max_ctx, 1) // INVARIANT_CHUNK)
+    # NOTE: from one program per SM on, walking the chunks in-program beat the split on the
+    # H200 (a 32-sequence decode graph: 16.7 ms a step in-program, 19.8 ms split 64 ways).
+    if splits <= 1 or programs >= _num_sms(device):
+        return 1
+    if splits * num_rows * num_q_heads * head_dim * 4 > _INVARIANT_PARTIAL_BYTES:
+        return 1
+    return splits
+
+
+def _plan_invariant_launch(
+    segments: list[tuple[int, int, int, int]],
+    cfg: MSAConfig,
+    device: torch.device,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_tokens: int,
+) -> MSAPlan:
+    """One batch-invariant launch over ``segments``: ``cfg``'s tiles, the fixed chunk."""
+    plan = _plan_launch(segments, cfg, device)
+    max_ctx = max((seg[3] + seg[2] for seg in segments), default=0)
+    splits = _invariant_splits(plan.num_tiles * num_kv_heads, max_ctx, num_tokens, num_q_heads, head_dim, device)
+    return dataclasses.replace(plan, chunk=INVARIANT_CHUNK, num_splits=splits, invariant=True)
 
 
 def decode_graph_plan(
@@ -541,6 +798,9 @@ def decode_graph_plan(
     num_kv_heads: int,
     max_context: int,
     chunk_buffer: torch.Tensor | None = None,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    invariant: bool = False,
 ) -> MSAPlan:
     """A fixed launch for a CUDA-graph decode batch of ``tiles.shape[0]`` sequences.
 
@@ -550,7 +810,8 @@ def decode_graph_plan(
     splits past a sequence's context do no work, and the merge reads only the splits a tile's
     context reaches. With ``chunk_buffer`` the keys per split are read at run time: the caller
     sets them with :func:`decode_graph_chunk` for the batch it replays, so the splits cover the
-    batch's longest context rather than ``max_context``.
+    batch's longest context rather than ``max_context``. With ``invariant`` the launch is the
+    batch-invariant mode's (fixed chunk; ``chunk_buffer`` is left alone and not read).
 
     Args:
         tiles: ``[batch, 4]`` int32 device buffer.
@@ -558,17 +819,28 @@ def decode_graph_plan(
         num_kv_heads: KV heads.
         max_context: longest context a replay may see (the engine's ``max_model_len``).
         chunk_buffer: optional ``[1]`` int32 device buffer of the keys per split.
+        head_dim: the heads' width (bounds the tile by shared memory).
+        dtype: the queries' dtype.
+        invariant: plan the batch-invariant mode.
     """
+    batch = int(tiles.shape[0])
+    programs = max(batch * num_kv_heads, 1)
+    if invariant:
+        cfg = invariant_config(num_q_heads, num_kv_heads, head_dim, tiles.device, dtype)
+        splits = _invariant_splits(programs, max_context, batch, num_q_heads, head_dim, tiles.device)
+        return MSAPlan(cfg, tiles, batch, INVARIANT_CHUNK, splits, 0, None, True)
     g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     block_m = max(1, 16 // g_pad)
-    block_n, num_warps, num_stages = _tile_shape(block_m * g_pad)
-    programs = max(tiles.shape[0] * num_kv_heads, 1)
+    rows, block_n, num_warps, num_stages = _tile_shape(
+        block_m * g_pad, head_dim, _elem_bytes(dtype), _smem_limit(tiles.device)
+    )
+    block_m = max(1, rows // g_pad)
     splits = _short_tile_splits(programs, max_context, _num_sms(tiles.device))
     chunk, num_splits = _split_chunk(max_context, splits, block_n)
     cfg = MSAConfig(block_m, block_n, num_warps, num_stages, num_splits)
     if chunk_buffer is not None:
         chunk_buffer.fill_(chunk)
-    return MSAPlan(cfg, tiles, int(tiles.shape[0]), chunk, num_splits, 0, chunk_buffer)
+    return MSAPlan(cfg, tiles, batch, chunk, num_splits, 0, chunk_buffer)
 
 
 def decode_graph_chunk(plan: MSAPlan, max_ctx: int) -> int:
@@ -580,6 +852,8 @@ def decode_graph_chunk(plan: MSAPlan, max_ctx: int) -> int:
     context alone (measured on the H200). The grid stays as captured: only the chunk
     shrinks, and ``cdiv(max_ctx, chunk) <= num_splits`` still holds.
     """
+    if plan.invariant:
+        return plan.chunk
     chunk, _ = _split_chunk(max_ctx, plan.num_splits, plan.config.block_n)
     return min(plan.chunk, chunk)
 
@@ -616,7 +890,7 @@ def msa_triton(
     num_kv_heads = k_cache.shape[2]
     plan = meta.plan
     if plan is None:
-        plan = plan_msa(meta, num_q_heads, num_kv_heads, head_dim, q.device, config)
+        plan = plan_msa(meta, num_q_heads, num_kv_heads, head_dim, q.device, config, dtype=q.dtype)
     if out is None:
         out = torch.empty_like(q) if plan.covered_rows >= num_tokens else torch.zeros_like(q)
     elif plan.covered_rows < num_tokens:
@@ -653,9 +927,11 @@ def _launch(
     chunk, num_splits = plan.chunk, plan.num_splits
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
+    part_by_row = plan.invariant
     if split:
-        # partial rows are tile-local (tile i owns rows i * block_m ..): see _msa_fwd_kernel
-        part_rows = num_tiles * cfg.block_m
+        # partial rows are tile-local (tile i owns rows i * block_m ..) or, in the
+        # batch-invariant mode, the packed rows: see _msa_fwd_kernel
+        part_rows = q.shape[0] if part_by_row else num_tiles * cfg.block_m
         o_part = torch.empty((num_splits, part_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((num_splits, part_rows, num_q_heads), dtype=torch.float32, device=q.device)
     else:
@@ -676,6 +952,7 @@ def _launch(
         lse_part.stride(0), lse_part.stride(1) if split else 0,
         PAGE=page, G=group, G_PAD=triton.next_power_of_2(group), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, D=head_dim, SPLIT=split, DYN_CHUNK=dyn_chunk,
+        CHUNK_MERGE=plan.invariant and not split, PART_BY_ROW=part_by_row, IEEE=q.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
@@ -684,7 +961,8 @@ def _launch(
             out.stride(0), out.stride(1),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),
-            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, DYN_CHUNK=dyn_chunk, num_warps=4,
+            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, DYN_CHUNK=dyn_chunk, PART_BY_ROW=part_by_row,
+            num_warps=4,
         )
 
 
@@ -751,10 +1029,12 @@ def store_kv_triton(
 __all__ = [
     "MSAConfig",
     "MSAPlan",
+    "INVARIANT_CHUNK",
     "MSAStepPlan",
     "choose_config",
     "decode_graph_chunk",
     "decode_graph_plan",
+    "invariant_config",
     "msa_triton",
     "plan_msa",
     "store_kv_triton",

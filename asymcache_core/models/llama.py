@@ -1,7 +1,9 @@
 """Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2; GQA; tied embeddings).
 
 Attention goes through an explicit :class:`~kernels.dispatch.AttentionBackend` and
-:class:`~kernels.metadata.MSAMetadata` passed to ``forward``: no global state.
+:class:`~kernels.metadata.MSAMetadata` passed to ``forward``: no global state. Linear layers and
+norms go through the backend's :class:`~kernels.dispatch.DenseOps` (``backend.dense``): the
+library kernels by default, the batch-invariant ones when the engine asks for them.
 Projections are fused (``qkv_proj``, ``gate_up_proj``) because one matmul beats three on a CPU.
 """
 
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asymcache_core.models.config import ModelConfig
-from kernels.dispatch import AttentionBackend
+from kernels.dispatch import DEFAULT_DENSE_OPS, AttentionBackend, DenseOps
 from kernels.metadata import MSAMetadata
 
 
@@ -24,11 +26,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: one fused kernel instead of six (launch overhead dominates eager GPU steps).
-        # In bf16/fp16 it normalises in fp32 and rounds once, where HF rounds before the
-        # weight multiply: outputs may differ from HF in the last bit, never between our runs.
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+    def forward(self, x: torch.Tensor, ops: DenseOps = DEFAULT_DENSE_OPS) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor, ops: DenseOps) -> torch.Tensor:
+    return ops.linear(x, layer.weight, layer.bias)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -104,13 +107,14 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
         backend: AttentionBackend,
+        ops: DenseOps = DEFAULT_DENSE_OPS,
     ) -> torch.Tensor:
         """Projects ``x [T, hidden]``, rotates q and k, stores k and v at ``slot_mapping``.
 
         Returns:
             ``q [T, HQ, D]`` (a view of the fused projection).
         """
-        qkv = self.qkv_proj(x)
+        qkv = _linear(self.qkv_proj, x, ops)
         heads = self.num_heads + self.num_kv_heads
         # NOTE: q and k are adjacent in the fused projection: rotate them in one pass.
         qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].reshape(-1, heads, self.head_dim), *rope)
@@ -129,9 +133,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: DenseOps = DEFAULT_DENSE_OPS) -> torch.Tensor:
+        gate, up = _linear(self.gate_up_proj, x, ops).split(self.intermediate, dim=-1)
+        return _linear(self.down_proj, F.silu(gate) * up, ops)
 
 
 class DecoderLayer(nn.Module):
@@ -185,9 +189,9 @@ class LlamaForCausalLM(nn.Module):
         for index, kv_cache in enumerate(kv_caches):
             q, residual = self.pre_attention(index, h, residual, rope, kv_cache, meta.slot_mapping, backend)
             o = backend.attend(q, kv_cache[0], kv_cache[1], meta, self.layers[index].self_attn.scale)
-            h, residual = self.post_attention(index, o, residual)
+            h, residual = self.post_attention(index, o, residual, backend.dense)
         assert residual is not None
-        return self.compute_logits(h, residual, logits_indices)
+        return self.compute_logits(h, residual, logits_indices, backend.dense)
 
     # NOTE: the step is split at attention so that piecewise CUDA graphs
     # (asymcache_core.piecewise_graphs) can capture everything between two attention calls;
@@ -211,11 +215,12 @@ class LlamaForCausalLM(nn.Module):
         """
         residual = h if residual is None else residual + h
         layer = self.layers[index]
-        q = layer.self_attn.project(layer.input_layernorm(residual), rope, kv_cache, slot_mapping, backend)
+        ops = backend.dense
+        q = layer.self_attn.project(layer.input_layernorm(residual, ops), rope, kv_cache, slot_mapping, backend, ops)
         return q, residual
 
     def post_attention(
-        self, index: int, o: torch.Tensor, residual: torch.Tensor
+        self, index: int, o: torch.Tensor, residual: torch.Tensor, ops: DenseOps = DEFAULT_DENSE_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index`` after attention: output projection, residual, MLP.
 
@@ -223,19 +228,26 @@ class LlamaForCausalLM(nn.Module):
             index: the layer.
             o: ``[T, HQ, D]`` or ``[T, HQ * D]`` attention output.
             residual: the residual stream from :meth:`pre_attention`.
+            ops: the linear and norm ops (the backend's ``dense``).
 
         Returns:
             ``(h, residual)``: the MLP output (not yet added) and the residual stream.
         """
         layer = self.layers[index]
         attn = layer.self_attn
-        residual = residual + attn.o_proj(o.reshape(-1, attn.q_size))
-        return layer.mlp(layer.post_attention_layernorm(residual)), residual
+        residual = residual + _linear(attn.o_proj, o.reshape(-1, attn.q_size), ops)
+        return layer.mlp(layer.post_attention_layernorm(residual, ops), ops), residual
 
-    def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        logits_indices: torch.Tensor,
+        ops: DenseOps = DEFAULT_DENSE_OPS,
+    ) -> torch.Tensor:
         """``[len(logits_indices), vocab]`` float32 logits of the selected rows."""
         out = residual + h
-        return self.lm_head(self.norm(out[logits_indices])).float()
+        return _linear(self.lm_head, self.norm(out[logits_indices], ops), ops).float()
 
 
 # Legacy per-projection names in checkpoints -> (fused param, slice index).

@@ -17,13 +17,9 @@ poisoned with NaN.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import sys
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -33,7 +29,6 @@ from kernels.metadata import MSAMetadata, build_msa_metadata
 from kernels.reference import msa_naive, msa_torch, store_kv_torch
 
 _SEED = int(os.environ.get("MSA_TEST_SEED", "0"))
-_MSA_PATH = Path(__file__).resolve().parents[2] / "kernels" / "msa_triton.py"
 
 # (relative Frobenius error, max abs error) bounds against the float64 oracle.
 def _seed(*parts: object) -> int:
@@ -167,69 +162,6 @@ def check_close(out: torch.Tensor, case: Case, dtype: torch.dtype) -> None:
     max_abs = float((out - ref).abs().max())
     rel_tol, abs_tol = _TOL[dtype]
     assert rel <= rel_tol and max_abs <= abs_tol, f"rel {rel:.3g} (<= {rel_tol}), max abs {max_abs:.3g} (<= {abs_tol})"
-
-
-def _load_fresh_msa(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, _MSA_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _triton_python_modules() -> dict[str, ModuleType]:
-    """Triton's Python modules (its compiled extension ``triton._C`` excluded)."""
-    return {
-        name: mod
-        for name, mod in sys.modules.items()
-        if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")
-    }
-
-
-@pytest.fixture(scope="module")
-def interp() -> Iterator[ModuleType]:
-    """``kernels/msa_triton.py`` decorated under Triton's interpreter (CPU tensors).
-
-    Triton's own ``@jit`` helpers (``tl.zeros``, ``tl.cdiv``...) are decorated when triton is
-    imported, so the interpreter needs triton imported while ``TRITON_INTERPRET=1``. Usually
-    nothing imported triton before this fixture on a CPU machine; if something did, its Python
-    modules (not the compiled extension) are set aside and imported afresh, and put back after.
-    On CUDA machines the compiled kernels are tested instead (``-m gpu``).
-    """
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        pytest.skip("CUDA machine: the compiled kernels are tested by the gpu tests")
-    saved: dict[str, ModuleType] = {}
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        saved = _triton_python_modules()
-        for name in saved:
-            del sys.modules[name]
-    name = "kernels._msa_triton_interpreted"
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TRITON_INTERPRET", "1")
-            module = _load_fresh_msa(name)
-            yield module
-    finally:
-        sys.modules.pop(name, None)
-        if saved:
-            for fresh in _triton_python_modules():
-                del sys.modules[fresh]
-            sys.modules.update(saved)
-
-
-@pytest.fixture(scope="module")
-def compiled() -> ModuleType:
-    """``kernels.msa_triton`` compiled for the GPU."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("TRITON_INTERPRET", raising=False)
-        if "kernels.msa_triton" in sys.modules:
-            return _load_fresh_msa("kernels._msa_triton_compiled")
-        import kernels.msa_triton as module
-
-        return module
 
 
 # --------------------------------------------------------------------------------------------
@@ -578,3 +510,167 @@ def test_compiled_variants_counts_new_specializations_only(compiled: ModuleType)
     assert compiled.compiled_variants() == first
     run("prefill", 3, 5, 64)  # a query-head group no other test uses: new constexprs
     assert compiled.compiled_variants() > first
+
+
+# --------------------------------------------------------------------------------------------
+# Batch-invariant mode: a query row gives the same bits whatever shares its launch
+# --------------------------------------------------------------------------------------------
+
+
+def _single_rows(case: Case, rows: list[int]) -> list[tuple[torch.Tensor, MSAMetadata]]:
+    """Each packed row of ``case`` alone, as a one-token segment at its position."""
+    tables = case.meta.block_tables.cpu().tolist()
+    located = {}
+    for seq, q_start, q_len, pos in case.meta.host_segments:
+        for i in range(q_len):
+            located[q_start + i] = (seq, pos + i)
+    alone = []
+    for row in rows:
+        seq, pos = located[row]
+        meta = build_msa_metadata(tables, [(seq, 0, 1, pos)], [-1], case.meta.block_size, device=case.q.device)
+        alone.append((case.q[row : row + 1], meta))
+    return alone
+
+
+def _invariant_case(device: str, dtype: torch.dtype, group: int, head_dim: int, max_ctx: int, seed: int) -> Case:
+    return make_case(
+        seed, kind="mixed", num_seqs=4, block_size=16, num_kv_heads=2, group=group,
+        head_dim=head_dim, max_ctx=max_ctx, dtype=dtype, device=device, max_segs=3,
+    )
+
+
+def _check_invariant(module: ModuleType, case: Case, dtype: torch.dtype, rows: list[int]) -> None:
+    """The step's rows, planned every way the invariant mode may plan them (one program per
+    tile merging its chunks, or chunks spread over programs and merged after), equal each
+    other bit for bit and are accurate; on the GPU the same rows computed alone equal them too.
+
+    NOTE: the interpreter's dots are numpy's BLAS, whose result for a row depends on where the
+    row sits in the tile (measured: OpenBLAS 0.3.31), so "alone" is checked on the GPU only.
+    """
+    heads, kv_heads, dim = case.q.shape[1], case.k_cache.shape[2], case.q.shape[2]
+    device = case.q.device
+    outs = []
+    for partial_bytes in (0, 1 << 40):  # 0: no split partials, in-program merge; else split
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(module, "_INVARIANT_PARTIAL_BYTES", partial_bytes)
+            plan = module.plan_msa(case.meta, heads, kv_heads, dim, device, dtype=dtype, invariant=True)
+            out = torch.full_like(case.q, float("nan"))
+            module.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale, out=out)
+        outs.append((plan, out))
+    (merged_plan, merged), (split_plan, split) = outs
+    assert all(launch.num_splits == 1 for launch in merged_plan.launches)
+    assert any(launch.num_splits > 1 for launch in split_plan.launches), "no launch took the split path"
+    assert torch.equal(merged, split)
+    check_close(merged, case, dtype)
+    if device.type != "cuda":
+        return
+    for row, (q_row, meta) in zip(rows, _single_rows(case, rows), strict=True):
+        plan = module.plan_msa(meta, heads, kv_heads, dim, device, dtype=dtype, invariant=True)
+        alone = module.msa_triton(q_row, case.k_cache, case.v_cache, dataclasses.replace(meta, plan=plan), case.scale)
+        assert torch.equal(alone[0], merged[row]), f"row {row} differs alone"
+
+
+def _rows_to_check(case: Case, count: int) -> list[int]:
+    """The last rows of the longest segment and every decode: chunk boundaries and short tiles."""
+    segs = sorted(case.meta.host_segments, key=lambda s: -s[2])
+    longest = segs[0]
+    rows = list(range(longest[1] + max(0, longest[2] - count), longest[1] + longest[2]))
+    rows += [s[1] for s in case.meta.host_segments if s[2] == 1]
+    return rows
+
+
+def test_msa_triton_interpreter_batch_invariant(interp: ModuleType) -> None:
+    """Contexts past several fixed chunks, holes and decodes in one step."""
+    case = _invariant_case("cpu", torch.float32, group=2, head_dim=16, max_ctx=5200, seed=_seed("bi", 3))
+    assert max(s[3] + s[2] for s in case.meta.host_segments) > 2 * interp.INVARIANT_CHUNK
+    _check_invariant(interp, case, torch.float32, _rows_to_check(case, 3))
+
+
+def test_invariant_config_is_the_same_for_every_step(interp: ModuleType) -> None:
+    cpu = torch.device("cpu")
+    decode = _invariant_case("cpu", torch.float32, group=4, head_dim=64, max_ctx=300, seed=1)
+    plans = [
+        interp.plan_msa(c.meta, 8, 2, 64, cpu, dtype=torch.bfloat16, invariant=True)
+        for c in (decode, _invariant_case("cpu", torch.float32, group=4, head_dim=64, max_ctx=9000, seed=2))
+    ]
+    launches = [launch for plan in plans for launch in plan.launches]
+    # what sets a row's bits is fixed: the KV tile and the chunk; tile heights may differ
+    assert {launch.config.block_n for launch in launches} == {64}
+    assert {launch.chunk for launch in launches} == {interp.INVARIANT_CHUNK}
+    assert all(launch.invariant for launch in launches)
+    graph = interp.decode_graph_plan(
+        torch.zeros((4, 4), dtype=torch.int32), 8, 2, 131072, head_dim=64, invariant=True
+    )
+    assert graph.config == plans[0].launches[-1].config  # the short (decode) launch of a step
+    assert graph.chunk == interp.INVARIANT_CHUNK and graph.chunk_buffer is None
+    assert interp.decode_graph_chunk(graph, 10) == interp.INVARIANT_CHUNK
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_msa_tiled_rows_equal_alone(group: int) -> None:
+    """The batch-invariant torch path: every checked row alone gives the same bits as inside
+    its step (a prefill chunk, holes, decodes), and the step is accurate."""
+    from kernels.reference import msa_tiled
+
+    case = _invariant_case("cpu", torch.float32, group=group, head_dim=32, max_ctx=700, seed=_seed("tiled", group))
+    out = msa_tiled(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    check_close(out, case, torch.float32)
+    rows = _rows_to_check(case, 40)
+    for row, (q_row, meta) in zip(rows, _single_rows(case, rows), strict=True):
+        alone = msa_tiled(q_row, case.k_cache, case.v_cache, meta, case.scale)
+        assert torch.equal(alone[0], out[row]), f"row {row} differs alone"
+
+
+# (block_size, kv_heads, group, head_dim, max_ctx)
+_GPU_INVARIANT_CASES = [(16, 8, 4, 128, 9000), (32, 2, 8, 64, 20_000), (16, 4, 1, 128, 33_000), (64, 1, 16, 64, 5000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim", "max_ctx"), _GPU_INVARIANT_CASES)
+def test_msa_triton_gpu_batch_invariant(
+    compiled: ModuleType, dtype: torch.dtype, block_size: int, kv_heads: int, group: int, head_dim: int, max_ctx: int
+) -> None:
+    case = make_case(
+        _seed("bi-gpu", block_size, kv_heads, group, head_dim, max_ctx), kind="mixed", num_seqs=4,
+        block_size=block_size, num_kv_heads=kv_heads, group=group, head_dim=head_dim, max_ctx=max_ctx,
+        dtype=dtype, device="cuda", max_segs=4,
+    )
+    _check_invariant(compiled, case, dtype, _rows_to_check(case, 4))
+
+
+def _random_layout(seed: int) -> dict[str, object]:
+    """A random MSA layout of the kinds the GPU must run in every dtype."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options: list[object]) -> object:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    kind = pick(["decode", "prefill", "prefill-full", "mixed", "holes"])
+    return {
+        "kind": "prefill" if kind == "holes" else kind,
+        "max_segs": 12 if kind == "holes" else 6,
+        "num_seqs": int(pick([1, 2, 5, 16])) if kind == "decode" else int(pick([1, 2, 4])),
+        "block_size": pick([16, 32, 64]),
+        "num_kv_heads": pick([1, 2, 8]),
+        "group": pick([1, 2, 4, 5, 8, 16]),
+        "head_dim": pick([64, 128]),
+        "max_ctx": pick([40, 700, 5000, 20_000, 32_768]),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout_seed", range(24))
+def test_msa_triton_gpu_random_layouts(compiled: ModuleType, dtype: torch.dtype, layout_seed: int) -> None:
+    """Randomized layouts (block sizes, GQA groups 1-16, head dims, holes at and inside block
+    boundaries, many short holes, decode-only, contexts to 32k): every one launches within the
+    device's shared memory, and float32 is IEEE-accurate (max abs error <= 1e-5)."""
+    layout = _random_layout(_seed("layout", layout_seed) + _SEED)
+    case = make_case(_seed("layout-case", layout_seed), dtype=dtype, device="cuda", **layout)  # type: ignore[arg-type]
+    out = torch.full_like(case.q, float("nan"))
+    compiled.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=out)
+    torch.cuda.synchronize()
+    check_close(out, case, dtype)
+    if dtype == torch.float32:
+        assert float((out.double().cpu() - case.ref).abs().max()) <= 1e-5, layout

@@ -1,0 +1,228 @@
+"""Batch-invariant matmul and RMSNorm: a row's result never depends on the other rows.
+
+A GEMM library picks its kernel (tile sizes, split-K, stream-K) from the problem's shape, so the
+same row of activations multiplied by the same weight gives different bits at batch 1 and at
+batch 64: the reduction over ``K`` runs in another order. These ops fix that order.
+
+- :func:`matmul_triton`: ``x [M, K] @ w[N, K]^T`` without split-K: every output element is one
+  accumulator walking ``K`` in ascending order through tensor-core steps, whatever the batch.
+  Measured on the H200 (``scripts/gpu_bi_matmul_configs.py``): tile sizes, warps and stages
+  leave the bits unchanged (row tiles of 16 to 128, column tiles of 64 to 256, K tiles of 64
+  and 128 all agree), so the tiling may follow the batch size; only splitting ``K`` across
+  programs would change them.
+- :func:`rms_norm_triton`: one program per row, the whole row in one block.
+- :func:`linear_padded`: the CPU twin of the matmul. CPU BLAS switches kernels for a handful of
+  rows (matrix-vector paths below 4-8 rows); padded to a multiple of :data:`ROW_PAD` rows, every
+  call runs the same blocked kernel, checked by the tests on this machine's BLAS.
+- :func:`linear_naive`: the float64 oracle.
+
+Shapes: activations ``[M, K]``, weights ``[N, K]`` (``nn.Linear`` layout), outputs ``[M, N]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rows the CPU matmul pads to; a multiple of every BLAS micro-kernel height in use.
+ROW_PAD = 8
+
+
+def linear_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float64, cast back to ``x``'s dtype (the oracle)."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)
+
+
+def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`torch.nn.functional.linear` on rows padded to a multiple of :data:`ROW_PAD`.
+
+    Args:
+        x: ``[..., K]`` activations.
+        weight: ``[N, K]``.
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[..., N]``, each row the same bits whatever the number of rows.
+    """
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    num = rows.shape[0]
+    padded = -(-max(num, 1) // ROW_PAD) * ROW_PAD
+    if padded != num:
+        rows = torch.cat((rows, rows.new_zeros(padded - num, rows.shape[1])))
+    out = F.linear(rows, weight)
+    if bias is not None:
+        # NOTE: added after the GEMM, elementwise: a fused bias epilogue may differ by kernel.
+        out = out + bias
+    return out[:num].reshape(*lead, weight.shape[0])
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is an optional dependency off CUDA
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _matmul_kernel(
+        x,
+        w,
+        bias,
+        out,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """One ``[BLOCK_M, BLOCK_N]`` output tile; ``K`` walked in ascending ``BLOCK_K`` steps."""
+        i_pid = tl.program_id(0)
+        n_m = tl.cdiv(M, BLOCK_M)
+        n_n = tl.cdiv(N, BLOCK_N)
+        # grouped order: GROUP_M row tiles share each weight tile while it is in L2
+        n_group = GROUP_M * n_n
+        i_group = i_pid // n_group
+        i_first = i_group * GROUP_M
+        group_rows = tl.minimum(n_m - i_first, GROUP_M)
+        i_m = i_first + (i_pid % n_group) % group_rows
+        i_n = (i_pid % n_group) // group_rows
+
+        o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        o_k = tl.arange(0, BLOCK_K)
+        m_m = o_m < M
+        m_n = o_n < N
+        p_x = x + o_m[:, None].to(tl.int64) * stride_xm + o_k[None, :]
+        p_w = w + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i_k in range(0, K, BLOCK_K):
+            m_k = (i_k + o_k) < K
+            b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            if IEEE:
+                b_acc = tl.dot(b_x, b_w, b_acc, input_precision="ieee")
+            else:
+                b_acc = tl.dot(b_x, b_w, b_acc)
+            p_x += BLOCK_K
+            p_w += BLOCK_K
+        if HAS_BIAS:
+            b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        p_o = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
+        tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+    @triton.jit
+    def _rms_norm_kernel(x, w, out, N, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+        """Row ``i``: ``x * rsqrt(mean(x^2) + eps) * w`` in float32, rounded once."""
+        i_row = tl.program_id(0).to(tl.int64)
+        o_c = tl.arange(0, BLOCK)
+        m_c = o_c < N
+        b_x = tl.load(x + i_row * stride_x + o_c, mask=m_c, other=0.0).to(tl.float32)
+        b_var = tl.sum(b_x * b_x, 0) / N
+        b_w = tl.load(w + o_c, mask=m_c, other=0.0).to(tl.float32)
+        b_y = b_x * tl.rsqrt(b_var + eps) * b_w
+        tl.store(out + i_row * stride_o + o_c, b_y.to(out.dtype.element_ty), mask=m_c)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per operand width. Float32 halves the K
+# tile to fit shared memory with IEEE dots.
+_MATMUL_CONFIG = {2: (128, 128, 64, 8, 3), 4: (64, 64, 32, 4, 3)}
+# 16-bit operands at decode-sized batches: more programs per weight, the fastest measured at
+# 1-32 rows on the H200 (the bits are those of the large-batch tiling).
+_SMALL_BATCH_CONFIG = (64, 64, 64, 4, 4)
+
+
+def _matmul_config(num_rows: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
+    if elem_bytes == 4:
+        return _MATMUL_CONFIG[4]
+    return _SMALL_BATCH_CONFIG if num_rows <= 64 else _MATMUL_CONFIG[2]
+
+
+def matmul_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Batch-invariant ``x @ weight.T + bias`` on the GPU.
+
+    Args:
+        x: ``[..., K]`` activations (last dim contiguous).
+        weight: ``[N, K]``, contiguous.
+        bias: optional ``[N]``.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` to force (benchmarks);
+            ``None``: chosen from the dtype and the number of rows.
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype.
+    """
+    if triton is None:
+        raise ValueError("batch_invariant: the Triton matmul needs triton")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    num, k = rows.shape
+    n = weight.shape[0]
+    out = torch.empty((num, n), dtype=x.dtype, device=x.device)
+    if num == 0:
+        return out.reshape(*lead, n)
+    if config is None:
+        config = _matmul_config(num, x.element_size())
+    block_m, block_n, block_k, num_warps, num_stages = config
+    grid = (triton.cdiv(num, block_m) * triton.cdiv(n, block_n),)
+    _matmul_kernel[grid](
+        rows, weight, bias if bias is not None else weight, out, num, n, k,
+        rows.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out.reshape(*lead, n)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Batch-invariant RMSNorm of ``x [..., N]`` on the GPU (one program per row)."""
+    if triton is None:
+        raise ValueError("batch_invariant: the Triton RMSNorm needs triton")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num, n = rows.shape
+    out = torch.empty_like(rows)
+    if num:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(num,)](
+            rows, weight, out, n, float(eps), rows.stride(0), out.stride(0), BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return out.reshape(*lead, n)
+
+
+def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float64, cast back to ``x``'s dtype (the oracle)."""
+    xd = x.double()
+    return (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
+
+
+__all__ = [
+    "ROW_PAD",
+    "linear_naive",
+    "linear_padded",
+    "matmul_triton",
+    "rms_norm_naive",
+    "rms_norm_triton",
+]

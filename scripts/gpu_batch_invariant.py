@@ -1,0 +1,239 @@
+"""The batch-invariant mode on the GPU: exactness, and its cost against the default kernels.
+
+Run on the GPU machine::
+
+    python scripts/gpu_batch_invariant.py [--model dummy:llama-3.1-8b] [--json OUT.json]
+
+Prints three tables:
+
+1. One request alone and inside a batch of 64 (CUDA graphs on): how many of its output
+   tokens' logits are bitwise equal, per mode.
+2. A multi-session multi-turn script under a tight pool (eager steps, two chunk budgets), every
+   policy against an unbounded pool: greedy tokens that agree, per mode.
+3. Cost: decode step at batch 1 and 32, an 8k-token prefill, and a 32-request chat, per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from asymcache_core import Engine, SamplingParams
+from asymcache_core.loaders import load_model
+
+MODES = {"default": False, "batch-invariant": True}
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
+    """Every sampled row's logits (on the host), per request id, in step order."""
+    log: dict[str, list[torch.Tensor]] = defaultdict(list)
+    sample = engine.runner._sample
+
+    def spy(plan, sample_index, logits):  # type: ignore[no-untyped-def]
+        for row, index in enumerate(sample_index):
+            log[plan.scheduled[index].request.request_id].append(logits[row].float().cpu())
+        return sample(plan, sample_index, logits)
+
+    engine.runner._sample = spy  # type: ignore[method-assign]
+    return log
+
+
+def random_prompt(gen: torch.Generator, vocab: int, length: int) -> list[int]:
+    margin = min(1000, vocab // 8)  # clear of the special tokens at both ends of the vocabulary
+    return torch.randint(margin, vocab - margin, (length,), generator=gen).tolist()
+
+
+def drain(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def alone_vs_batch(loaded, model: str, invariant: bool) -> tuple[int, int, float]:  # type: ignore[no-untyped-def]
+    """``(equal tokens, tokens, max |diff|)`` of one request's logits alone and among 63 others."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = loaded.config.vocab_size
+    target = random_prompt(gen, vocab, 700)
+    others = [random_prompt(gen, vocab, int(torch.randint(50, 1500, (1,), generator=gen))) for _ in range(63)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    runs = []
+    for batch in ([], others):
+        engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=8192, max_num_seqs=64,
+                        batch_invariant=invariant)
+        log = record_logits(engine)
+        ids = [engine.add_request(p, params) for p in batch[:31]]
+        rid = engine.add_request(target, params)
+        ids += [engine.add_request(p, params) for p in batch[31:]]
+        drain(engine)
+        runs.append(log[rid])
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    equal = sum(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    diff = max(float((a - b).abs().max()) for a, b in zip(*runs, strict=True))
+    return equal, len(runs[0]), diff
+
+
+def multi_turn(engine: Engine, jobs: int = 6, turns: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    vocab = engine.model_config.vocab_size
+    system = random_prompt(gen, vocab, 512)
+    ctx = {s: system + random_prompt(gen, vocab, 200) for s in range(jobs)}
+    outs = []
+    for turn in range(turns):
+        ids = {
+            s: engine.add_request(ctx[s], SamplingParams(max_tokens=16, ignore_eos=True), job_id=f"s{s}",
+                                  is_last_step=turn == turns - 1)
+            for s in range(jobs)
+        }
+        done: dict[str, list[int]] = {}
+        while len(done) < jobs:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+        for s in range(jobs):
+            outs.append(done[ids[s]])
+            ctx[s] = ctx[s] + done[ids[s]] + random_prompt(gen, vocab, 120)
+    engine.check_integrity()
+    return outs
+
+
+def policy_grid(loaded, model: str) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+    rows = []
+    for name, invariant in MODES.items():
+        for budget in (8192, 512):
+            common = dict(model=model, device=DEVICE, loaded=loaded, enforce_eager=True, batch_invariant=invariant,
+                          max_num_batched_tokens=budget)
+            reference = multi_turn(Engine(num_kv_blocks=8192, eviction_policy="vllm-apc", **common))
+            for policy in ("lru", "vllm-apc", "pensieve", "asymcache"):
+                engine = Engine(num_kv_blocks=160, eviction_policy=policy, **common)
+                outs = multi_turn(engine)
+                agree = sum(a == b for a, b in zip(outs, reference, strict=True)) / len(reference)
+                tokens = sum(sum(x == y for x, y in zip(a, b, strict=True)) for a, b in zip(outs, reference, strict=True))
+                rows.append({"mode": name, "budget": budget, "policy": policy, "turns_equal": agree,
+                             "tokens_equal": tokens / sum(len(r) for r in reference),
+                             "holes": engine.counters.hole_tokens, "evictions": engine.pool.num_evictions})
+                print(f"| {name} | {budget} | {policy} | {agree:.0%} | {rows[-1]['tokens_equal']:.1%} | "
+                      f"{engine.counters.hole_tokens} | {engine.pool.num_evictions} |", flush=True)
+    return rows
+
+
+def step_ms(engine: Engine, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def decode_ms(engine: Engine, batch: int, context: int) -> float:
+    gen = torch.Generator().manual_seed(batch)
+    vocab = engine.model_config.vocab_size
+    for _ in range(batch):
+        engine.add_request(random_prompt(gen, vocab, context), SamplingParams(max_tokens=40, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()
+    step_ms(engine, 3)
+    ms = step_ms(engine, 20)
+    drain(engine)
+    return ms
+
+
+def prefill_tokens_per_s(engine: Engine, length: int = 8192) -> float:
+    gen = torch.Generator().manual_seed(5)
+    vocab = engine.model_config.vocab_size
+    best = 0.0
+    for _ in range(3):
+        engine.add_request(random_prompt(gen, vocab, length), SamplingParams(max_tokens=1, ignore_eos=True))
+        sync()
+        start = time.perf_counter()
+        drain(engine)
+        sync()
+        best = max(best, length / (time.perf_counter() - start))
+    return best
+
+
+def chat_seconds(engine: Engine, requests: int = 32) -> float:
+    gen = torch.Generator().manual_seed(9)
+    vocab = engine.model_config.vocab_size
+    for _ in range(requests):
+        engine.add_request(random_prompt(gen, vocab, 1024), SamplingParams(max_tokens=64, ignore_eos=True))
+    sync()
+    start = time.perf_counter()
+    drain(engine)
+    sync()
+    return time.perf_counter() - start
+
+
+def cost(loaded, model: str) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
+    figures: dict[str, dict[str, float]] = {}
+    for name, invariant in MODES.items():
+        engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=16384, max_num_batched_tokens=8192,
+                        max_model_len=32768, batch_invariant=invariant)
+        chat_seconds(engine, 4)  # warm-up: compiles every kernel variant the runs use
+        figures[name] = {
+            "decode_b1_ms": decode_ms(engine, 1, 2048),
+            "decode_b32_ms": decode_ms(engine, 32, 2048),
+            "prefill_8k_tok_s": prefill_tokens_per_s(engine),
+            "chat_32_s": chat_seconds(engine),
+        }
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: batch, policies, cost")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script with a tiny model")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    skip = set(filter(None, args.skip.split(",")))
+    dtype = torch.bfloat16 if DEVICE.startswith("cuda") else torch.float32
+    name = torch.cuda.get_device_name(0) if DEVICE.startswith("cuda") else "cpu"
+    print(f"# {name}, torch {torch.__version__}, {args.model} {dtype}", flush=True)
+    loaded = load_model(args.model, torch.device(DEVICE), dtype, seed=0)
+    result: dict[str, object] = {}
+    if "batch" not in skip:
+        print("| mode | logits bitwise equal, alone vs in a batch of 64 | max abs diff |\n|---|---:|---:|")
+        result["alone_vs_batch"] = {}
+        for name, invariant in MODES.items():
+            equal, total, diff = alone_vs_batch(loaded, args.model, invariant)
+            result["alone_vs_batch"][name] = {"equal": equal, "tokens": total, "max_abs_diff": diff}  # type: ignore[index]
+            print(f"| {name} | {equal}/{total} | {diff:.3g} |", flush=True)
+    if "policies" not in skip:
+        print("| mode | chunk budget | policy | turns equal to unbounded | tokens equal | hole tokens | evictions |")
+        print("|---|---:|---|---:|---:|---:|---:|")
+        result["policies"] = policy_grid(loaded, args.model)
+    if "cost" not in skip:
+        figures = cost(loaded, args.model)
+        result["cost"] = figures
+        base, inv = figures["default"], figures["batch-invariant"]
+        print("| figure | default | batch-invariant | ratio |\n|---|---:|---:|---:|")
+        for key in base:
+            slower = inv[key] / base[key] if not key.endswith("tok_s") else base[key] / inv[key]
+            print(f"| {key} | {base[key]:.2f} | {inv[key]:.2f} | {slower:.2f}x slower |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The engine's batch-invariant mode with the real SmolLM2 (CPU, float32).
+
+Each token's logits must be the same bits whatever else shares its step, however its prompt
+was chunked, and whether its history was cached or rebuilt as a hole under a tight pool.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from asymcache_core import SamplingParams
+from tests.conftest import make_engine
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def record_logits(engine) -> dict[str, list[torch.Tensor]]:
+    """Every sampled row's logits, per request id, in step order."""
+    log: dict[str, list[torch.Tensor]] = defaultdict(list)
+    sample = engine.runner._sample
+
+    def spy(plan, sample_index, logits):
+        for row, index in enumerate(sample_index):
+            log[plan.scheduled[index].request.request_id].append(logits[row].clone())
+        return sample(plan, sample_index, logits)
+
+    engine.runner._sample = spy
+    return log
+
+
+def run_all(engine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list[torch.Tensor]]:
+    """Adds every prompt at once and steps to the end; logits per prompt name."""
+    log = record_logits(engine)
+    ids = {name: engine.add_request(prompt, params) for name, prompt in prompts.items()}
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    return {name: log[rid] for name, rid in ids.items()}
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b) > 0
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x, y), f"logits differ at output token {step}: max |diff| {float((x - y).abs().max()):.3g}"
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_prompts) -> dict[str, list[int]]:
+    target = chat_prompts[2]
+    others = {f"o{i}": (chat_prompts[i % 2] + list(range(400 + 37 * i, 400 + 37 * i + 11 * i)))[: 20 + 23 * i] for i in range(7)}
+    return {"target": target, **others}
+
+
+def test_logits_equal_alone_and_in_a_batch_of_eight(smollm, prompts):
+    alone = run_all(make_engine(smollm, batch_invariant=True), {"target": prompts["target"]})
+    batched = run_all(make_engine(smollm, batch_invariant=True), prompts)
+    assert_bitwise(alone["target"], batched["target"])
+
+
+def test_logits_equal_however_the_prompt_is_chunked(smollm, prompts):
+    whole = run_all(make_engine(smollm, batch_invariant=True), {"target": prompts["target"]})
+    for budget in (16, 37):
+        chunked = run_all(
+            make_engine(smollm, batch_invariant=True, max_num_batched_tokens=budget), {"target": prompts["target"]}
+        )
+        assert_bitwise(whole["target"], chunked["target"])
+
+
+def test_library_kernels_are_not_batch_invariant_here(smollm, prompts):
+    """Why the mode exists: by default the same request's logits change with its batch."""
+    alone = run_all(make_engine(smollm), {"target": prompts["target"]})
+    batched = run_all(make_engine(smollm), prompts)
+    assert any(not torch.equal(x, y) for x, y in zip(alone["target"], batched["target"], strict=True))
+
+
+SYSTEM = list(range(300, 348))
+
+
+def _user(session: int, turn: int) -> list[int]:
+    return [1000 + 97 * session + 13 * turn + i for i in range(20)]
+
+
+def multi_turn(engine, sessions: int = 5, turns: int = 3) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Sessions take turns two at a time, each prompt extending its session's last one."""
+    log = record_logits(engine)
+    contexts = {s: SYSTEM + _user(s, 0) for s in range(sessions)}
+    logits: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for turn in range(turns):
+        for first in range(0, sessions, 2):
+            group = range(first, min(first + 2, sessions))
+            ids = {s: engine.add_request(contexts[s], GREEDY, job_id=f"s{s}", is_last_step=turn == turns - 1) for s in group}
+            done: dict[str, list[int]] = {}
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.token_ids
+                engine.check_integrity()
+            for s in group:
+                logits[(s, turn)] = log[ids[s]]
+                contexts[s] = contexts[s] + done[ids[s]] + _user(s, turn + 1)
+    return logits
+
+
+def test_logits_equal_cached_or_rebuilt_under_a_tight_pool(smollm):
+    """Histories evicted from the middle and rebuilt as holes (asymcache, 11 blocks for a
+    working set of ~20) give the same bits as histories kept whole in a roomy pool."""
+    roomy = multi_turn(make_engine(smollm, batch_invariant=True, num_kv_blocks=1024), sessions=4)
+    engine = make_engine(smollm, batch_invariant=True, num_kv_blocks=11, eviction_policy="asymcache")
+    tight = multi_turn(engine, sessions=4)
+    assert engine.counters.hole_tokens > 0
+    for key in roomy:
+        assert_bitwise(roomy[key], tight[key])
+
+
+def test_batch_invariant_config_is_validated():
+    from asymcache_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant=True, attention_backend="naive")
