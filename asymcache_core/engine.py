@@ -153,7 +153,8 @@ class Engine:
     """Embedded inference engine.
 
     Args:
-        config: the engine configuration (keyword overrides are applied on top).
+        config: the engine configuration (keyword overrides are applied on top), or a model
+            spec (``Engine("smollm2-135m")``), the same as ``EngineConfig(model=...)``.
         clock: time source (virtual in the simulator); ``time.monotonic`` by default.
         runner_factory: builds a :class:`Runner` instead of loading the model (the simulator);
             receives the engine and returns the runner.
@@ -169,7 +170,7 @@ class Engine:
 
     def __init__(
         self,
-        config: EngineConfig | None = None,
+        config: EngineConfig | str | None = None,
         *,
         clock: Callable[[], float] | None = None,
         runner_factory: Callable[[Engine], Runner] | None = None,
@@ -179,8 +180,16 @@ class Engine:
         latency: LatencyModel | None = None,
         **overrides: Any,
     ) -> None:
-        if config is None:
+        if isinstance(config, str):
+            if "model" in overrides:
+                raise ValueError("model: given both as the first argument and as model=")
+            config = EngineConfig(model=config, **overrides)
+        elif config is None:
             config = EngineConfig(**overrides)
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(
+                f"config: expected an EngineConfig or a model name, not {type(config).__name__}"
+            )
         elif overrides:
             from dataclasses import replace
 

@@ -120,10 +120,15 @@ def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: Any = None) -> dict
 
 
 def gguf_tokenizer(path: Path) -> Any:
-    """The HF fast tokenizer embedded in the GGUF (with its chat template)."""
-    from transformers import AutoTokenizer
+    """The HF fast tokenizer embedded in the GGUF (with its chat template).
+
+    NOTE: ``PreTrainedTokenizerFast`` reads only the tokenizer's fields; ``AutoTokenizer`` would
+    first parse the whole file again to find the model's config (seconds for a 49k vocabulary)
+    and builds the same tokenizer.
+    """
+    from transformers import PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ValueError(f"model: cannot read the tokenizer of {str(path)!r} ({exc})") from None
