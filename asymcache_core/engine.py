@@ -9,6 +9,7 @@ frees the requests they end, and the engine turns those updates into :class:`Req
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -32,6 +33,8 @@ from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, fcfs_key
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a job may stay idle (nothing in flight, no pin) before its per-job state is dropped.
 JOB_IDLE_S = 1800.0
@@ -302,6 +305,13 @@ class Engine:
         #: jobs whose state is kept at most (the longest idle dropped first)
         self.max_tracked_jobs = MAX_TRACKED_JOBS
         self._next_job_sweep = 0.0
+        if runner_factory is None:
+            ready = {
+                "model": config.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+                "eviction_policy": config.eviction_policy, "kv_blocks": self.num_blocks,
+                "kv_gib": self.num_blocks * config.block_size * mc.kv_bytes_per_token(dtype_bytes) / GIB,
+            }
+            logger.info("engine ready: %s", ready, extra={"engine_ready": ready})
 
     @classmethod
     def simulated(

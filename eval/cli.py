@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import sys
+import time
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -418,7 +421,7 @@ def generate(
     *,
     engine_args: dict[str, Any],
 ) -> None:
-    """Generate one chat answer with the embedded engine."""
+    """Generate one chat answer with the embedded engine (printed as it is generated)."""
     from asymcache_core import Engine, SamplingParams
 
     _memory_sized_pool(ctx, engine_args)
@@ -428,8 +431,97 @@ def generate(
     text = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
-    out = engine.generate([text], SamplingParams(max_tokens=max_tokens, temperature=temperature))[0]
-    typer.echo(out.text)
+    stream_answer(engine, text, SamplingParams(max_tokens=max_tokens, temperature=temperature), _write_stdout)
+    typer.echo("")
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def stream_answer(engine: Any, prompt: str, params: Any, write: Callable[[str], None]) -> str:
+    """Runs one request and writes its text as it grows (each step's new characters).
+
+    Args:
+        engine: an :class:`asymcache_core.Engine`.
+        prompt: the rendered prompt.
+        params: its :class:`asymcache_core.SamplingParams`.
+        write: called with each new piece of text.
+
+    Returns:
+        The whole answer.
+
+    Raises:
+        ValueError: the request failed.
+    """
+    request_id = engine.add_request(prompt, params)
+    shown = ""
+    while True:
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if out.error:
+                raise ValueError(f"generate: {out.error}")
+            # NOTE: a stop string would cut text already shown; only growth is written.
+            if out.text.startswith(shown) and len(out.text) > len(shown):
+                write(out.text[len(shown):])
+                shown = out.text
+            if out.finished:
+                return shown
+
+
+def startup_line(ready: Mapping[str, Any], policy: str, seconds: float) -> str:
+    """The line ``serve`` logs once its engine is built.
+
+    Args:
+        ready: the engine's ``engine_ready`` log fields (model, dtype, device,
+            eviction_policy, kv_blocks, kv_gib).
+        policy: the serving preset.
+        seconds: since the command started.
+    """
+    return (
+        f"serve: model {ready['model']}, dtype {ready['dtype']}, device {ready['device']}, "
+        f"policy {policy} (eviction {ready['eviction_policy']}), "
+        f"pool {ready['kv_blocks']} blocks ({ready['kv_gib']:.2f} GiB); loaded in {seconds:.1f} s"
+    )
+
+
+class StartupLine(logging.Handler):
+    """Writes :func:`startup_line` to stderr when the engine reports itself ready.
+
+    Args:
+        policy: the serving preset.
+        clock: time source (the start is read at construction).
+    """
+
+    def __init__(self, policy: str, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(logging.INFO)
+        self.policy = policy
+        self.clock = clock
+        self.started = clock()
+        self.done = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        ready = getattr(record, "engine_ready", None)
+        if ready is None or self.done:
+            return
+        self.done = True
+        typer.echo(startup_line(ready, self.policy, self.clock() - self.started), err=True)
+
+    @classmethod
+    @contextlib.contextmanager
+    def listening(cls, policy: str, clock: Callable[[], float] = time.monotonic) -> Iterator[StartupLine]:
+        """Attaches a handler to the engine's logger for the duration of the block."""
+        engine_log = logging.getLogger("asymcache_core.engine")
+        handler, level = cls(policy, clock), engine_log.level
+        engine_log.setLevel(logging.INFO)
+        engine_log.addHandler(handler)
+        try:
+            yield handler
+        finally:
+            engine_log.removeHandler(handler)
+            engine_log.setLevel(level)
 
 
 @app.command()
@@ -451,8 +543,9 @@ def serve(
     from agent_runtime.commands import run_serve
 
     _memory_sized_pool(ctx, engine_args)
-    run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
-              max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, **engine_args)
+    with StartupLine.listening(policy):
+        run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
+                  max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, **engine_args)
 
 
 @app.command()

@@ -25,7 +25,7 @@ from asymcache_core.models import LlamaForCausalLM, ModelConfig, build_model, lo
 
 DEFAULT_MODEL = "smollm2-135m"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-logger = logging.getLogger("asymcache.loaders")
+logger = logging.getLogger("asymcache_core.loaders")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger("asymcache.loaders")
+logger = logging.getLogger("asymcache_core.loaders")
 
 #: Environment variable naming the cache folder (it wins over ``XDG_CACHE_HOME``).
 CACHE_ENV = "ASYMCACHE_CACHE_DIR"
