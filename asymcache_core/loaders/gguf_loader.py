@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("asymcache_core.loaders")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -93,7 +96,10 @@ def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: Any = None) -> dict
     reader = reader if reader is not None else _reader(path)
     is_llama = cfg["architectures"][0] == "LlamaForCausalLM"
     out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    label = f"converting {path.name}"
+    for done, tensor in enumerate(reader.tensors, 1):
+        # NOTE: one record per tensor; a progress display shows them at its own pace.
+        logger.debug("tensor %s", tensor.name, extra={"progress": (label, done, len(reader.tensors))})
         parts = tensor.name.split(".")
         if parts[0] == "blk":
             base = _LAYER_NAMES.get(parts[2])
