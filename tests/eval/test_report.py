@@ -332,12 +332,25 @@ def test_report_module_stays_light() -> None:
 # A real headless browser
 
 
+#: Chromium-family browsers that run ``--headless --screenshot``, in the order they are tried.
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome", "microsoft-edge")
+
+
+def find_browser() -> str | None:
+    """A headless-capable Chromium-family browser: ``$ASYMCACHE_CHROMIUM``, else the first of
+    :data:`BROWSERS` on the PATH (``None``: none found)."""
+    override = os.environ.get("ASYMCACHE_CHROMIUM")
+    if override:
+        return override
+    return next((path for name in BROWSERS if (path := shutil.which(name))), None)
+
+
 def _chromium() -> str:
-    """Path of Debian's chromium; fails under CI (it must be installed there), else skips."""
-    # ASYMCACHE_CHROMIUM overrides the PATH lookup (another build or location).
-    path = os.environ.get("ASYMCACHE_CHROMIUM") or shutil.which("chromium")
+    """The browser; fails under CI (``.ci/run`` installs one there), else skips saying why."""
+    path = find_browser()
     if path is None:
-        msg = "chromium not found: install it with `apt-get update && apt-get install -y chromium`"
+        msg = (f"no browser found (tried {', '.join(BROWSERS)}; ASYMCACHE_CHROMIUM names another): "
+               "install one, e.g. `sudo apt-get install chromium` (`make browser` as root)")
         if os.environ.get("CI"):
             pytest.fail(msg + " (required when CI is set)")
         pytest.skip(msg)
@@ -405,3 +418,15 @@ def test_report_renders_in_chromium(report_dir: Path, tmp_path: Path) -> None:
     saturation = rgb.max(axis=2) - rgb.min(axis=2)
     colored = int((saturation > 80).sum())
     assert colored > 40_000, f"only {colored} colored pixels: plots did not render on screen"
+
+
+def test_find_browser_tries_each_name_on_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYMCACHE_CHROMIUM", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_browser() is None
+    chrome = tmp_path / "google-chrome"
+    chrome.write_text("#!/bin/sh\n")
+    chrome.chmod(0o755)
+    assert find_browser() == str(chrome)
+    monkeypatch.setenv("ASYMCACHE_CHROMIUM", "/opt/other/chrome")
+    assert find_browser() == "/opt/other/chrome"
