@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Debian's chromium for the report test (the page is opened in a real headless browser).
+# Debian's chromium for the report test (the page is opened in a real headless browser); needs
+# root. `make test` does not: without a browser that one test is skipped, saying why.
 browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
@@ -27,7 +28,7 @@ demo: setup
 
 # NOTE: the default suite leaves out `slow` tests: real-model runs that compare wall-clock
 # figures (they belong on an idle machine: `make test-slow`).
-test: setup browser
+test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m "not slow"
 
 test-slow: setup

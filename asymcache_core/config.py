@@ -185,8 +185,8 @@ class EngineConfig:
             raise ValueError("model: must be a non-empty string")
         try:
             device = torch.device(self.device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device: {self.device!r} is not a device ({exc})") from None
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: {self.device!r} is not a device; use cpu, cuda or cuda:N") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device: only cpu and cuda are supported, got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():

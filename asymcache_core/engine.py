@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -33,6 +34,8 @@ from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import RequestUpdate, Scheduler, SchedulerOutput, fcfs_key
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a job may stay idle (nothing in flight, no pin) before its per-job state is dropped.
 JOB_IDLE_S = 1800.0
@@ -154,7 +157,8 @@ class Engine:
     """Embedded inference engine.
 
     Args:
-        config: the engine configuration (keyword overrides are applied on top).
+        config: the engine configuration (keyword overrides are applied on top), or a model
+            spec (``Engine("smollm2-135m")``), the same as ``EngineConfig(model=...)``.
         clock: time source (virtual in the simulator); ``time.monotonic`` by default.
         runner_factory: builds a :class:`Runner` instead of loading the model (the simulator);
             receives the engine and returns the runner.
@@ -170,7 +174,7 @@ class Engine:
 
     def __init__(
         self,
-        config: EngineConfig | None = None,
+        config: EngineConfig | str | None = None,
         *,
         clock: Callable[[], float] | None = None,
         runner_factory: Callable[[Engine], Runner] | None = None,
@@ -180,8 +184,16 @@ class Engine:
         latency: LatencyModel | None = None,
         **overrides: Any,
     ) -> None:
-        if config is None:
+        if isinstance(config, str):
+            if "model" in overrides:
+                raise ValueError("model: given both as the first argument and as model=")
+            config = EngineConfig(model=config, **overrides)
+        elif config is None:
             config = EngineConfig(**overrides)
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(
+                f"config: expected an EngineConfig or a model name, not {type(config).__name__}"
+            )
         elif overrides:
             from dataclasses import replace
 
@@ -297,6 +309,13 @@ class Engine:
         #: jobs whose state is kept at most (the longest idle dropped first)
         self.max_tracked_jobs = MAX_TRACKED_JOBS
         self._next_job_sweep = 0.0
+        if runner_factory is None:
+            ready = {
+                "model": config.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+                "eviction_policy": config.eviction_policy, "kv_blocks": self.num_blocks,
+                "kv_gib": self.num_blocks * config.block_size * mc.kv_bytes_per_token(dtype_bytes) / GIB,
+            }
+            logger.info("engine ready: %s", ready, extra={"engine_ready": ready})
 
     @classmethod
     def simulated(

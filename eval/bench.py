@@ -60,6 +60,11 @@ preset (chunking sweeps); ``adaptive/slo:MS`` gives that variant its own TPOT ta
 the run's ``--tpot-slo-ms``, so one run can sweep targets side by side.
 Suffixes combine: ``asymcache/reserve-prompt/adaptive:slack``."""
 
+#: Every suffix as ``--policies`` spells it (``N``, ``P``, ``MS``: a number).
+SUFFIX_SPELLINGS: tuple[str, ...] = (
+    *SUFFIXES, "least-work:P", "adaptive", "adaptive:slack", "fixed:N", "slo:MS",
+)
+
 
 @dataclass(frozen=True)
 class BenchVariant:
@@ -118,7 +123,7 @@ class BenchVariant:
             elif suffix in SUFFIXES:
                 overrides.update(SUFFIXES[suffix])
             else:
-                raise ValueError(f"policy: unknown ablation {suffix!r} in {name!r}; known: {', '.join(SUFFIXES)}")
+                raise ValueError(f"policy: unknown ablation {suffix!r} in {name!r}; known: {', '.join(SUFFIX_SPELLINGS)}")
         if "tpot_slo_ms" in overrides and not overrides.get("chunking", "").startswith("adaptive"):
             # NOTE: only adaptive chunking reads the target; accepting it elsewhere would label a
             # fixed-budget run with a target it never used.

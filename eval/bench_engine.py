@@ -13,6 +13,7 @@ from __future__ import annotations
 import platform
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,20 +69,37 @@ def bench_hf(hf_model, batch: int, prompt_len: int, new_tokens: int, seed: int, 
     return SpeedRow("transformers", batch, batch * prompt_len / prefill, batch * (new_tokens - 1) / max(total - prefill, 1e-9))
 
 
-def run(batches: tuple[int, ...] = (1, 16), prompt_len: int = 128, new_tokens: int = 64, seed: int = 0) -> list[SpeedRow]:
-    """Measures both engines; returns the rows (also printed as a table)."""
+def run(
+    batches: tuple[int, ...] = (1, 16), prompt_len: int = 128, new_tokens: int = 64, seed: int = 0,
+    progress: Any = None,
+) -> list[SpeedRow]:
+    """Measures both engines; returns the rows (also printed as a table).
+
+    Args:
+        progress: optional ``rich.progress.Progress``-like object (``add_task``/``update``):
+            one task over the model loads and the measurements.
+    """
     from transformers import AutoModelForCausalLM
 
     from asymcache_core.loaders import load_model, packaged_smollm2_path
 
+    task = progress.add_task("bench-engine", total=2 + 2 * len(batches)) if progress is not None else None
+
+    def done(n: int) -> None:
+        if progress is not None:
+            progress.update(task, completed=n)
+
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32, seed)
+    done(1)
     path = packaged_smollm2_path()
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    done(2)
     rows: list[SpeedRow] = []
     for batch in batches:
-        ours = bench_ours(loaded, batch, prompt_len, new_tokens, seed)
-        hf = bench_hf(hf_model, batch, prompt_len, new_tokens, seed, loaded.config.vocab_size)
-        rows += [ours, hf]
+        rows.append(bench_ours(loaded, batch, prompt_len, new_tokens, seed))
+        done(len(rows) + 2)
+        rows.append(bench_hf(hf_model, batch, prompt_len, new_tokens, seed, loaded.config.vocab_size))
+        done(len(rows) + 2)
     print_table(rows, prompt_len, new_tokens)
     return rows
 

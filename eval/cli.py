@@ -2,29 +2,125 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
+import os
+import shutil
 import sys
+import time
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
 
+from agent_runtime.presets import preset_names
 from eval.bench import ENGINE_FIELDS as BENCH_ENGINE_FIELDS
+from eval.bench import SUFFIX_SPELLINGS
 
+try:  # NOTE: typer >= 0.24 ships its own copy of click; older releases use click itself.
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer
+    from click import exceptions as click_exceptions
+from typer.core import TyperGroup
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Set to show the traceback of an unexpected error instead of its one line.
+DEBUG_ENV = "ASYMCACHE_DEBUG"
+
+
+def one_line(message: str) -> str:
+    """A message on one line: its lines (list bullets dropped) joined by ``; ``, so that a list
+    of problems stays readable (``3 problem(s): run: Field required; ...``)."""
+    parts = [line.strip().removeprefix("- ").strip() for line in message.splitlines()]
+    return "; ".join(part for part in parts if part).replace(":;", ":")
+
+
+def _tidy_flags(command: Any, ctx: Any) -> None:
+    """Flags show no ``<bool>`` type in the help (they take no value)."""
+    for param in command.get_params(ctx):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
+
+class OneLineErrors(TyperGroup):
+    """The command group: every usage error (unknown option, bad value, missing argument) is one
+    ``error:`` line on stderr and exit code 2, never a box or a traceback."""
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(0)
+        except click_exceptions.ClickException as exc:
+            typer.echo(f"error: {one_line(exc.format_message())}", err=True)
+            sys.exit(2)
+        except typer.Abort:
+            typer.echo("error: aborted", err=True)
+            sys.exit(2)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _tidy_flags(command, ctx)
+        return command
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _tidy_flags(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+_CONTEXT = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
     help="AsymCache: agent serving with hole-aware KV eviction, MSA and Continuum pinning.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=OneLineErrors,
+    context_settings=_CONTEXT,
 )
-agent_app = typer.Typer(help="Run agents on the local model.", no_args_is_help=True)
+agent_app = typer.Typer(help="Run agents on the local model.", no_args_is_help=True, cls=OneLineErrors,
+                        context_settings=_CONTEXT)
 app.add_typer(agent_app, name="agent")
 
-F = TypeVar("F", bound=Callable[..., Any])
+
+def version() -> str:
+    """The installed package's version (the source tree's ``pyproject.toml`` when not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("asymcache")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"asymcache {version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main_options(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """AsymCache: agent serving with hole-aware KV eviction, MSA and Continuum pinning."""
+
 
 #: The engine settings ``asymcache profile`` takes: those that shape a forward step (the grid
 #: sizes the pool, and no scheduler runs).
@@ -34,19 +130,31 @@ PROFILE_ENGINE_FIELDS = frozenset(
 
 
 def clean_errors(fn: F) -> F:
-    """Bad input becomes one line on stderr and exit code 2, never a traceback."""
+    """Errors become one ``error:`` line on stderr and exit code 2, never a traceback.
+
+    Bad input (``ValueError``, a file that cannot be read or written) says what was wrong; an
+    unexpected exception names its type (``ASYMCACHE_DEBUG=1`` re-raises it with its traceback).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click_exceptions.ClickException):
+            raise
         except ValueError as exc:  # includes TraceError, BenchError, config errors
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            typer.echo(f"error: {message}", err=True)
-            raise typer.Exit(2) from None
-        except FileNotFoundError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
+            message = one_line(str(exc)) or type(exc).__name__
+        except OSError as exc:
+            message = one_line(str(exc)) or type(exc).__name__
+        except KeyboardInterrupt:
+            typer.echo("error: interrupted", err=True)
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            message = f"unexpected {type(exc).__name__}: {one_line(str(exc))} ({DEBUG_ENV}=1 shows the traceback)"
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -136,7 +244,9 @@ def bench(
     ),
     policies: str = typer.Option(
         "vllm-apc,continuum,asymcache,asymcache+continuum",
-        help="Comma-separated serving presets, each with optional /SUFFIX ablations (/no-holes, /fixed:N, /no-msa, ...).",
+        help=f"Comma-separated serving presets ({', '.join(preset_names())}), each with optional /SUFFIX "
+        f"ablations that combine ({', '.join('/' + x for x in SUFFIX_SPELLINGS)}; N, P, MS: numbers; "
+        "slo:MS beside /adaptive).",
     ),
     backend: str = typer.Option("real", help="real | sim | http."),
     url: str = typer.Option(None, help="Base URL of an OpenAI-compatible server (http backend)."),
@@ -154,9 +264,12 @@ def bench(
         None, help="Pool as a fraction of the workload's working set (ablations; default 0.5, at least the largest job)."
     ),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
-    no_lossless_check: bool = typer.Option(False, help="Skip the unbounded-pool reference run."),
+    lossless_check: bool = typer.Option(
+        True, "--lossless-check/--no-lossless-check",
+        help="Compare every policy's tokens with an unbounded-pool reference run (real backend).",
+    ),
     step_log: bool = typer.Option(
-        False, help="Also write every engine step to steps/<policy>.jsonl and every request to requests/<policy>.jsonl."
+        False, "--step-log", help="Also write every engine step to steps/<policy>.jsonl and every request to requests/<policy>.jsonl."
     ),
     repeats: int = typer.Option(1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report keeps each run's means."),
     *,
@@ -164,18 +277,22 @@ def bench(
 ) -> None:
     """Run a workload through a grid of policies and report JCT, TTFT, TPOT and cache figures;
     several loads, seeds or workloads make a load sweep (sweep.json, capacity at the SLO)."""
-    from eval.bench import BenchConfig, run_bench
-    from eval.sweep import SUITES, run_sweep, sweep_points
+    from asymcache_core import EngineConfig
+    from eval.bench import BenchConfig
+    from eval.sweep import SUITES, sweep_points
+
+    # NOTE: the settings are checked before anything loads (the bench resolves the model first).
+    EngineConfig(**engine_args)
 
     options: dict[str, Any] = {
         "workload": workload, "policies": policies, "backend": backend, "jobs": jobs, "rate": rate,
         "concurrency": concurrency, "seeds": seeds, "time_scale": time_scale, "token_scale": token_scale,
-        "check_lossless": not no_lossless_check, **engine_args,
+        "check_lossless": lossless_check, **engine_args,
     }
     if suite is not None:
         if suite not in SUITES:
             raise ValueError(f"suite: unknown suite {suite!r}; known: {', '.join(SUITES)}")
-        given = {name for name in ctx.params if _given(ctx, name)} | ({"check_lossless"} if no_lossless_check else set())
+        given = {name for name in ctx.params if _given(ctx, name)} | ({"check_lossless"} if _given(ctx, "lossless_check") else set())
         for key, value in SUITES[suite].items():
             if key not in given:
                 options[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
@@ -202,19 +319,52 @@ def bench(
         concurrency=first.concurrency or 1, kv_fraction=kv_fraction, out=out, step_log=step_log,
         repeats=repeats, slo=slo, **options,
     )
-    if len(points) == 1:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+    with no_empty_run_folders(out):
+        _run_bench_or_sweep(cfg, points, workers)
 
-        console = Console(stderr=True)
-        columns = (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=False) as progress:
+
+#: Where a run folder goes when ``--out`` is not given (``runs/<time>``, named by the bench).
+RUNS_DIR = Path("runs")
+
+
+def _has_files(folder: Path) -> bool:
+    return any(p.is_file() or p.is_symlink() for p in folder.rglob("*"))
+
+
+@contextlib.contextmanager
+def no_empty_run_folders(out: Path | None, runs_dir: Path = RUNS_DIR) -> Iterator[None]:
+    """Removes the run folder a failed bench created if nothing was written into it.
+
+    Args:
+        out: ``--out`` (``None``: a new folder under ``runs_dir``).
+        runs_dir: the parent of default run folders.
+    """
+    parent = runs_dir if out is None else out.parent
+    parent_existed = parent.exists()
+    before = {p.name for p in parent.iterdir()} if parent.is_dir() else set()
+    try:
+        yield
+    except BaseException:
+        created = [out] if out is not None and out.name not in before else []
+        if out is None and parent.is_dir():
+            created = [p for p in parent.iterdir() if p.name not in before and p.is_dir()]
+        for folder in created:
+            if folder.is_dir() and not _has_files(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+        if not parent_existed and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+        raise
+
+
+def _run_bench_or_sweep(cfg: Any, points: list[Any], workers: int) -> None:
+    """One run (a progress bar per policy) or a sweep (a line per point)."""
+    from eval.bench import run_bench
+    from eval.sweep import run_sweep
+
+    if len(points) == 1:
+        from eval.cli_progress import progress_for, showing_model_loads
+
+        with progress_for() as progress, showing_model_loads(progress):
             results, run_dir = run_bench(cfg, progress)
         print_results_table(results)
         typer.echo(f"report: {run_dir / 'report.html'}")
@@ -300,12 +450,19 @@ def print_results_table(results: Any) -> None:
 
 @app.command()
 @clean_errors
-def report(run_dir: Path = typer.Argument(..., help="A folder holding results.json (or a sweep's sweep.json).")) -> None:
+def report(run_dir: Path = typer.Argument(..., help="A run folder holding results.json (or a sweep's sweep.json), or that file.")) -> None:
     """Rebuild report.md, the plots and report.html from a run folder's results.json (a sweep
     folder: sweep.md and sweep.html from its sweep.json)."""
     from eval.report import rebuild_report
+    from eval.results import RESULTS_FILE
     from eval.sweep_results import SWEEP_FILE
 
+    if run_dir.is_file():
+        if run_dir.name not in (RESULTS_FILE, SWEEP_FILE):
+            raise ValueError(f"run_dir: {str(run_dir)!r} is a file; give the run folder that holds {RESULTS_FILE}")
+        run_dir = run_dir.parent
+    elif not run_dir.is_dir():
+        raise ValueError(f"run_dir: no folder {str(run_dir)!r}")
     if (run_dir / SWEEP_FILE).is_file():
         from eval.sweep_report import rebuild_sweep_report
 
@@ -322,13 +479,11 @@ def report(run_dir: Path = typer.Argument(..., help="A folder holding results.js
 def profile(
     out: Path = typer.Option(Path("profile.json"), help="Where to write the profile."),
     repeats: int = typer.Option(3, min=1),
-    quick: bool = typer.Option(False, help="A smaller grid (tests, smoke runs)."),
+    quick: bool = typer.Option(False, "--quick", help="A smaller grid (tests, smoke runs)."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
     """Measure the engine's forward steps and fit the step-latency model (knee, fit error)."""
-    from rich.progress import Progress
-
     from asymcache_core import Engine, EngineConfig
     from asymcache_core.profiler import ProfileGrid, fit, measure
 
@@ -338,8 +493,11 @@ def profile(
     if quick:
         grid = ProfileGrid(chunk_tokens=(1, 16, 64), contexts=(0, 128), decode_batches=(1, 4),
                            decode_contexts=(64, 256), repeats=1)
-    engine = Engine(dataclasses.replace(config, num_kv_blocks=grid.num_blocks_needed(config.block_size)))
-    with Progress() as progress:
+    from eval.cli_progress import progress_for, showing_model_loads
+
+    with showing_model_loads():
+        engine = Engine(dataclasses.replace(config, num_kv_blocks=grid.num_blocks_needed(config.block_size)))
+    with progress_for() as progress:
         task = progress.add_task("profiling", total=len(grid.points()))
         points = measure(engine, grid, lambda done, total: progress.update(task, completed=done))
     latency = fit(points, model=model, device=device, source=str(out))
@@ -403,8 +561,11 @@ def bench_engine(
     batch 1 and 16)."""
     from asymcache_core import EngineConfig
     from eval.bench_engine import run
+    from eval.cli_progress import progress_for, showing_model_loads
 
-    run(prompt_len=prompt_len, new_tokens=new_tokens, seed=EngineConfig(**engine_args).seed)
+    seed = EngineConfig(**engine_args).seed
+    with progress_for() as progress, showing_model_loads(progress):
+        run(prompt_len=prompt_len, new_tokens=new_tokens, seed=seed, progress=progress)
 
 
 @app.command()
@@ -418,18 +579,109 @@ def generate(
     *,
     engine_args: dict[str, Any],
 ) -> None:
-    """Generate one chat answer with the embedded engine."""
+    """Generate one chat answer with the embedded engine (printed as it is generated)."""
     from asymcache_core import Engine, SamplingParams
+    from eval.cli_progress import showing_model_loads
 
     _memory_sized_pool(ctx, engine_args)
-    engine = Engine(**engine_args)
+    with showing_model_loads():
+        engine = Engine(**engine_args)
     if engine.tokenizer is None:
         raise ValueError(f"model: {engine.config.model!r} has no tokenizer")
     text = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
-    out = engine.generate([text], SamplingParams(max_tokens=max_tokens, temperature=temperature))[0]
-    typer.echo(out.text)
+    stream_answer(engine, text, SamplingParams(max_tokens=max_tokens, temperature=temperature), _write_stdout)
+    typer.echo("")
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def stream_answer(engine: Any, prompt: str, params: Any, write: Callable[[str], None]) -> str:
+    """Runs one request and writes its text as it grows (each step's new characters).
+
+    Args:
+        engine: an :class:`asymcache_core.Engine`.
+        prompt: the rendered prompt.
+        params: its :class:`asymcache_core.SamplingParams`.
+        write: called with each new piece of text.
+
+    Returns:
+        The whole answer.
+
+    Raises:
+        ValueError: the request failed.
+    """
+    request_id = engine.add_request(prompt, params)
+    shown = ""
+    while True:
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if out.error:
+                raise ValueError(f"generate: {out.error}")
+            # NOTE: a stop string would cut text already shown; only growth is written.
+            if out.text.startswith(shown) and len(out.text) > len(shown):
+                write(out.text[len(shown):])
+                shown = out.text
+            if out.finished:
+                return shown
+
+
+def startup_line(ready: Mapping[str, Any], policy: str, seconds: float) -> str:
+    """The line ``serve`` logs once its engine is built.
+
+    Args:
+        ready: the engine's ``engine_ready`` log fields (model, dtype, device,
+            eviction_policy, kv_blocks, kv_gib).
+        policy: the serving preset.
+        seconds: since the command started.
+    """
+    return (
+        f"serve: model {ready['model']}, dtype {ready['dtype']}, device {ready['device']}, "
+        f"policy {policy} (eviction {ready['eviction_policy']}), "
+        f"pool {ready['kv_blocks']} blocks ({ready['kv_gib']:.2f} GiB); loaded in {seconds:.1f} s"
+    )
+
+
+class StartupLine(logging.Handler):
+    """Writes :func:`startup_line` to stderr when the engine reports itself ready.
+
+    Args:
+        policy: the serving preset.
+        clock: time source (the start is read at construction).
+    """
+
+    def __init__(self, policy: str, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(logging.INFO)
+        self.policy = policy
+        self.clock = clock
+        self.started = clock()
+        self.done = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        ready = getattr(record, "engine_ready", None)
+        if ready is None or self.done:
+            return
+        self.done = True
+        typer.echo(startup_line(ready, self.policy, self.clock() - self.started), err=True)
+
+    @classmethod
+    @contextlib.contextmanager
+    def listening(cls, policy: str, clock: Callable[[], float] = time.monotonic) -> Iterator[StartupLine]:
+        """Attaches a handler to the engine's logger for the duration of the block."""
+        engine_log = logging.getLogger("asymcache_core.engine")
+        handler, level = cls(policy, clock), engine_log.level
+        engine_log.setLevel(logging.INFO)
+        engine_log.addHandler(handler)
+        try:
+            yield handler
+        finally:
+            engine_log.removeHandler(handler)
+            engine_log.setLevel(level)
 
 
 @app.command()
@@ -451,8 +703,11 @@ def serve(
     from agent_runtime.commands import run_serve
 
     _memory_sized_pool(ctx, engine_args)
-    run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
-              max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, **engine_args)
+    from eval.cli_progress import showing_model_loads
+
+    with StartupLine.listening(policy), showing_model_loads():
+        run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
+                  max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, **engine_args)
 
 
 @app.command()
@@ -465,8 +720,10 @@ def chat(
 ) -> None:
     """Interactive chat with the local model (/exit to quit)."""
     from agent_runtime.commands import run_chat
+    from eval.cli_progress import showing_model_loads
 
-    run_chat(policy=policy, **engine_args)
+    with showing_model_loads():
+        run_chat(policy=policy, **engine_args)
 
 
 @agent_app.command("run")
@@ -488,7 +745,10 @@ def agent_run(
 
     if not workdir.is_dir():
         raise ValueError(f"workdir: {str(workdir)!r} is not a directory")
-    run_agent(task=task, workdir=workdir, max_turns=max_turns, policy=policy, **engine_args)
+    from eval.cli_progress import showing_model_loads
+
+    with showing_model_loads():
+        run_agent(task=task, workdir=workdir, max_turns=max_turns, policy=policy, **engine_args)
 
 
 def main() -> None:  # pragma: no cover - console entry point

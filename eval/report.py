@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal
 from eval.results import PolicyResult, Results, atomic_write_text, load_results
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 #: The policy used as the ratio baseline when present; otherwise the first policy is.
@@ -308,6 +309,29 @@ def _tables(results: Results, baseline: str | None) -> tuple[_Table, ...]:
 # Plots
 
 
+#: Parts of the recomputed tokens: name, hatch, opacity (the bar's colour is its policy's).
+RECOMPUTE_PARTS: tuple[tuple[str, str, float], ...] = (
+    ("hole", "", 1.0), ("suffix", "//", 0.6), ("preempted", "xx", 0.35),
+)
+
+
+def seconds_unit(largest_s: float) -> tuple[str, float]:
+    """The unit a panel of durations reads best in: ms below a second, else s.
+
+    Args:
+        largest_s: the largest value shown, in seconds.
+
+    Returns:
+        ``(label, factor)``: multiply seconds by ``factor`` to get the label's unit.
+    """
+    return ("s", 1.0) if largest_s >= 1.0 else ("ms", 1e3)
+
+
+def _legend_outside(ax: Axes) -> None:
+    """The legend to the right of the axes, never over the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+
+
 def _save_figure(fig: Figure, path: Path) -> None:
     """Render ``fig`` with the Agg canvas and write it as PNG.
 
@@ -361,7 +385,7 @@ def _write_plots(results: Results, run_dir: Path) -> tuple[_Plot, ...]:
         ax.set_ylim(0, 1.02)
         ax.set_title("JCT CDF")
         ax.grid(alpha=0.3)
-        ax.legend()
+        _legend_outside(ax)
     finish(
         "plot-jct-cdf",
         "jct_cdf.png",
@@ -371,7 +395,7 @@ def _write_plots(results: Results, run_dir: Path) -> tuple[_Plot, ...]:
         "skipped, no per-job JCT data.",
     )
 
-    # 2. TTFT and TPOT bars: mean and p99 per policy, in milliseconds.
+    # 2. TTFT and TPOT bars: mean and p99 per policy, each panel in the unit its values fit.
     fig = None
     if any(pols[n].ttft.count or pols[n].tpot.count for n in names):
         fig = Figure(figsize=(10, 4.5), layout="constrained")
@@ -379,11 +403,13 @@ def _write_plots(results: Results, run_dir: Path) -> tuple[_Plot, ...]:
         width = 0.38
         for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
             xs = range(len(names))
+            raw = [getattr(getattr(pols[n], metric), stat) for stat in ("mean", "p99") for n in names]
+            unit, scale = seconds_unit(max((v for v in raw if v is not None), default=0.0))
             for k, stat in enumerate(("mean", "p99")):
                 vals = []
                 for n in names:
                     v = getattr(getattr(pols[n], metric), stat)
-                    vals.append(0.0 if v is None else v * 1e3)
+                    vals.append(0.0 if v is None else v * scale)
                 ax.bar(
                     [x + (k - 0.5) * width for x in xs],
                     vals,
@@ -396,14 +422,14 @@ def _write_plots(results: Results, run_dir: Path) -> tuple[_Plot, ...]:
                     label=stat,
                 )
             ax.set_xticks(list(xs), names, rotation=20, ha="right")
-            ax.set_ylabel("ms")
+            ax.set_ylabel(unit)
             ax.set_title(f"{metric.upper()} (solid: mean, hatched: p99)")
             ax.grid(axis="y", alpha=0.3)
     finish(
         "plot-ttft-tpot",
         "ttft_tpot.png",
         "TTFT and TPOT",
-        "Bar charts of TTFT and TPOT mean and p99 per policy, in milliseconds",
+        "Bar charts of TTFT and TPOT mean and p99 per policy (milliseconds, or seconds when larger)",
         fig,
         "skipped, no TTFT or TPOT samples.",
     )
@@ -420,21 +446,25 @@ def _write_plots(results: Results, run_dir: Path) -> tuple[_Plot, ...]:
         ax_hit.set_ylim(0, 100)
         ax_hit.set_title("Prefix-cache hit rate")
         ax_hit.grid(axis="y", alpha=0.3)
+        # NOTE: bars keep their policy's colour (as in every panel); the parts differ by hatch
+        # and shade, so no part reads as another policy.
         bottom = [0] * len(names)
-        parts = ("hole", "suffix", "preempted")
-        shades = ("#4c72b0", "#dd8452", "#8c8c8c")
-        for part, shade in zip(parts, shades, strict=True):
-            vals = [getattr(pols[n].recomputed_tokens, part) for n in names]
-            ax_rec.bar(xs, vals, bottom=bottom, color=shade, label=part)
+        other = [pols[n].recomputed_tokens.total - sum(getattr(pols[n].recomputed_tokens, part)
+                 for part, _, _ in RECOMPUTE_PARTS) for n in names]
+        for part, hatch, alpha in RECOMPUTE_PARTS + (("other", "..", 0.25),):
+            vals = other if part == "other" else [getattr(pols[n].recomputed_tokens, part) for n in names]
+            if part == "other" and not any(vals):
+                continue
+            ax_rec.bar(xs, vals, bottom=bottom, color=[colors[n] for n in names], alpha=alpha, hatch=hatch,
+                       edgecolor="black", linewidth=0.5)
+            ax_rec.bar([0], [0], color="#bbbbbb", alpha=alpha, hatch=hatch, edgecolor="black", linewidth=0.5,
+                       label=part)  # a grey legend swatch: the part, not a policy
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        other = [pols[n].recomputed_tokens.total - b for n, b in zip(names, bottom, strict=True)]
-        if any(other):
-            ax_rec.bar(xs, other, bottom=bottom, color="#c0c0c0", label="other")
         ax_rec.set_xticks(xs, names, rotation=20, ha="right")
         ax_rec.set_ylabel("tokens")
         ax_rec.set_title("Recomputed tokens")
         ax_rec.grid(axis="y", alpha=0.3)
-        ax_rec.legend()
+        _legend_outside(ax_rec)
     finish(
         "plot-hit-rate",
         "hit_rate.png",
@@ -461,7 +491,7 @@ def _write_plots(results: Results, run_dir: Path) -> tuple[_Plot, ...]:
         ax.set_ylabel("KV blocks in use")
         ax.set_title("KV blocks in use over time")
         ax.grid(alpha=0.3)
-        ax.legend()
+        _legend_outside(ax)
     finish(
         "plot-blocks-in-use",
         "blocks_in_use.png",

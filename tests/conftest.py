@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +16,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Points the converted-model cache at a folder of this session (never the user's cache);
+    subprocesses started by tests inherit it."""
+    from asymcache_core.loaders.cache import CACHE_ENV
+
+    patch = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("model-cache")
+    patch.setenv(CACHE_ENV, str(path))
+    yield path
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

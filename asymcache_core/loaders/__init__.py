@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from asymcache_core.loaders.cache import GGUFCache
 from asymcache_core.loaders.gguf_loader import (
     gguf_hf_config,
     gguf_state_dict,
@@ -20,6 +25,7 @@ from asymcache_core.models import LlamaForCausalLM, ModelConfig, build_model, lo
 
 DEFAULT_MODEL = "smollm2-135m"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+logger = logging.getLogger("asymcache_core.loaders")
 
 
 @dataclass
@@ -60,10 +66,44 @@ def shipped_dummy_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
 
 
-def resolve_hf_config(spec: str, reader: Any = None) -> tuple[dict[str, Any], str]:
-    """Returns the HF config dict and the kind (``gguf``, ``hf`` or ``dummy``) of a model spec."""
+def _gguf_source(spec: str) -> Path | None:
+    """The GGUF file a spec names (``None``: not a GGUF spec)."""
     if spec == DEFAULT_MODEL:
-        return gguf_hf_config(packaged_smollm2_path(), reader), "gguf"
+        return packaged_smollm2_path()
+    if spec.endswith(".gguf"):
+        return Path(spec)
+    return None
+
+
+def _gguf_meta(path: Path) -> tuple[dict[str, Any], Any, Any]:
+    """The HF config and tokenizer of a GGUF file, from the cache or converted (and cached).
+
+    Returns:
+        ``(hf_config, tokenizer, reader)``; ``reader`` is the parsed file when it had to be
+        read, else ``None``.
+
+    Raises:
+        ValueError: a missing or unreadable file, an unsupported architecture.
+    """
+    if not path.is_file():
+        raise ValueError(f"model: GGUF file {str(path)!r} does not exist")
+    cache = GGUFCache(path)
+    cached = cache.meta()
+    if cached is not None:
+        return cached[0], cached[1], None
+    logger.info("model: converting %s (first use; cached in %s)", path.name, cache.entry)
+    reader = open_gguf(path)
+    hf_cfg = gguf_hf_config(path, reader)
+    tokenizer = gguf_tokenizer(path)
+    cache.store_meta(hf_cfg, tokenizer)
+    return hf_cfg, tokenizer, reader
+
+
+def resolve_hf_config(spec: str) -> tuple[dict[str, Any], str]:
+    """Returns the HF config dict and the kind (``gguf``, ``hf`` or ``dummy``) of a model spec."""
+    gguf_path = _gguf_source(spec)
+    if gguf_path is not None:
+        return _gguf_meta(gguf_path)[0], "gguf"
     if spec.startswith("dummy:"):
         name = spec.split(":", 1)[1]
         path = CONFIG_DIR / f"{name}.json"
@@ -78,8 +118,6 @@ def resolve_hf_config(spec: str, reader: Any = None) -> tuple[dict[str, Any], st
             )
         return _read_json(path), "dummy"
     path = Path(spec)
-    if path.suffix == ".gguf":
-        return gguf_hf_config(path, reader), "gguf"
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model: folder {spec!r} has no config.json")
@@ -113,33 +151,80 @@ def _safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+@contextmanager
+def _no_default_init() -> Iterator[None]:
+    """Builds modules without their random default init (every weight is overwritten next).
+
+    NOTE: the default (Kaiming) init of a 135M-parameter model costs about a second on two
+    cores, more than reading its converted weights back from the cache.
+    """
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method  # type: ignore[method-assign]
+
+
+def _load_gguf_weights(
+    model: LlamaForCausalLM, path: Path, hf_cfg: dict[str, Any], dtype: torch.dtype, reader: Any
+) -> None:
+    """Fills ``model`` with a GGUF file's weights, from the cache or dequantized (and cached).
+
+    NOTE: cached tensors are assigned, not copied: the parameters stay memory-mapped from the
+    cache file, so a start reads no more than the pages the first steps touch.
+    """
+    cache = GGUFCache(path)
+    cached = cache.weights(dtype)
+    if cached is not None:
+        try:
+            model.load_state_dict(cached, strict=True, assign=True)
+        except (RuntimeError, ValueError) as exc:
+            cache.invalidate_weights(dtype, f"not this model's ({exc})")
+        else:
+            if model.config.tie_word_embeddings:
+                model.lm_head.weight = model.embed_tokens.weight
+            return
+    if reader is None:
+        logger.info("model: dequantizing %s (first use in %s; cached afterwards)", path.name, dtype)
+        reader = open_gguf(path)
+    load_hf_state_dict(model, gguf_state_dict(path, hf_cfg, reader))
+    cache.store_weights(dtype, model.state_dict())
+
+
 def load_model(
     spec: str, device: torch.device, dtype: torch.dtype, seed: int, max_len: int | None = None
 ) -> LoadedModel:
     """Loads a model from its spec (see :class:`~asymcache_core.config.EngineConfig.model`).
 
+    A GGUF file is parsed at most once, on its first use; its converted config, tokenizer and
+    weights are then read from the user cache (:mod:`asymcache_core.loaders.cache`).
+
     Raises:
         ValueError: unknown spec, missing/corrupt files, unsupported architecture.
     """
+    gguf_path = _gguf_source(spec)
     reader = None
-    if spec == DEFAULT_MODEL or spec.endswith(".gguf"):
-        reader = open_gguf(packaged_smollm2_path() if spec == DEFAULT_MODEL else Path(spec))
-    hf_cfg, kind = resolve_hf_config(spec, reader)
+    tokenizer = None
+    if gguf_path is not None:
+        hf_cfg, tokenizer, reader = _gguf_meta(gguf_path)
+        kind = "gguf"
+    else:
+        hf_cfg, kind = resolve_hf_config(spec)
     cfg = ModelConfig.from_hf(hf_cfg)
     max_len = max_len or cfg.max_position_embeddings
-    tokenizer = None
     # NOTE: dummy weights are made on the target device: an 8B model in float32 on the host
     # would cost 32 GB and a minute of random init.
-    with torch.device(device if kind == "dummy" else "cpu"):
+    with torch.device(device if kind == "dummy" else "cpu"), _no_default_init():
         model = build_model(cfg, max_len)
     if kind == "dummy":
         _init_dummy(model, seed)
         source = "dummy"
-    elif kind == "gguf":
-        path = packaged_smollm2_path() if spec == DEFAULT_MODEL else Path(spec)
-        load_hf_state_dict(model, gguf_state_dict(path, hf_cfg, reader))
-        tokenizer = gguf_tokenizer(path)
-        source = str(path)
+    elif gguf_path is not None:
+        _load_gguf_weights(model, gguf_path, hf_cfg, dtype, reader)
+        source = str(gguf_path)
     else:
         folder = Path(spec)
         load_hf_state_dict(model, _safetensors_weights(folder))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("asymcache_core.loaders")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -93,7 +96,10 @@ def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: Any = None) -> dict
     reader = reader if reader is not None else _reader(path)
     is_llama = cfg["architectures"][0] == "LlamaForCausalLM"
     out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    label = f"converting {path.name}"
+    for done, tensor in enumerate(reader.tensors, 1):
+        # NOTE: one record per tensor; a progress display shows them at its own pace.
+        logger.debug("tensor %s", tensor.name, extra={"progress": (label, done, len(reader.tensors))})
         parts = tensor.name.split(".")
         if parts[0] == "blk":
             base = _LAYER_NAMES.get(parts[2])
@@ -120,10 +126,15 @@ def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: Any = None) -> dict
 
 
 def gguf_tokenizer(path: Path) -> Any:
-    """The HF fast tokenizer embedded in the GGUF (with its chat template)."""
-    from transformers import AutoTokenizer
+    """The HF fast tokenizer embedded in the GGUF (with its chat template).
+
+    NOTE: ``PreTrainedTokenizerFast`` reads only the tokenizer's fields; ``AutoTokenizer`` would
+    first parse the whole file again to find the model's config (seconds for a 49k vocabulary)
+    and builds the same tokenizer.
+    """
+    from transformers import PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ValueError(f"model: cannot read the tokenizer of {str(path)!r} ({exc})") from None

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -332,12 +333,25 @@ def test_report_module_stays_light() -> None:
 # A real headless browser
 
 
+#: Chromium-family browsers that run ``--headless --screenshot``, in the order they are tried.
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome", "microsoft-edge")
+
+
+def find_browser() -> str | None:
+    """A headless-capable Chromium-family browser: ``$ASYMCACHE_CHROMIUM``, else the first of
+    :data:`BROWSERS` on the PATH (``None``: none found)."""
+    override = os.environ.get("ASYMCACHE_CHROMIUM")
+    if override:
+        return override
+    return next((path for name in BROWSERS if (path := shutil.which(name))), None)
+
+
 def _chromium() -> str:
-    """Path of Debian's chromium; fails under CI (it must be installed there), else skips."""
-    # ASYMCACHE_CHROMIUM overrides the PATH lookup (another build or location).
-    path = os.environ.get("ASYMCACHE_CHROMIUM") or shutil.which("chromium")
+    """The browser; fails under CI (``.ci/run`` installs one there), else skips saying why."""
+    path = find_browser()
     if path is None:
-        msg = "chromium not found: install it with `apt-get update && apt-get install -y chromium`"
+        msg = (f"no browser found (tried {', '.join(BROWSERS)}; ASYMCACHE_CHROMIUM names another): "
+               "install one, e.g. `sudo apt-get install chromium` (`make browser` as root)")
         if os.environ.get("CI"):
             pytest.fail(msg + " (required when CI is set)")
         pytest.skip(msg)
@@ -405,3 +419,106 @@ def test_report_renders_in_chromium(report_dir: Path, tmp_path: Path) -> None:
     saturation = rgb.max(axis=2) - rgb.min(axis=2)
     colored = int((saturation > 80).sum())
     assert colored > 40_000, f"only {colored} colored pixels: plots did not render on screen"
+
+
+def test_find_browser_tries_each_name_on_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYMCACHE_CHROMIUM", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_browser() is None
+    chrome = tmp_path / "google-chrome"
+    chrome.write_text("#!/bin/sh\n")
+    chrome.chmod(0o755)
+    assert find_browser() == str(chrome)
+    monkeypatch.setenv("ASYMCACHE_CHROMIUM", "/opt/other/chrome")
+    assert find_browser() == "/opt/other/chrome"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the plots show
+
+
+def _figures(monkeypatch: pytest.MonkeyPatch, results: Results, run_dir: Path) -> dict[str, Any]:
+    """The figures ``write_report`` saves, by file name (rendered, so extents are known)."""
+    import eval.report as report
+
+    saved: dict[str, Any] = {}
+    real = report._save_figure
+
+    def keep(fig: Any, path: Path) -> None:
+        real(fig, path)
+        saved[path.name] = fig
+
+    monkeypatch.setattr(report, "_save_figure", keep)
+    write_report(results, run_dir)
+    return saved
+
+
+def _with_ttft(results: Results, seconds: list[float]) -> Results:
+    policies = {n: p.model_copy(update={"ttft": summarize(seconds)}) for n, p in results.policies.items()}
+    return results.model_copy(update={"policies": policies})
+
+
+def test_seconds_unit_fits_the_values() -> None:
+    from eval.report import seconds_unit
+
+    assert seconds_unit(0.045) == ("ms", 1e3)
+    assert seconds_unit(0.999) == ("ms", 1e3)
+    assert seconds_unit(45.0) == ("s", 1.0)
+
+
+def test_ttft_panel_switches_to_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figs = _figures(monkeypatch, _with_ttft(_results(), [5.0, 20.0, 45.0]), tmp_path)
+    ttft, tpot = figs["ttft_tpot.png"].axes
+    assert (ttft.get_ylabel(), tpot.get_ylabel()) == ("s", "ms")
+    assert max(bar.get_height() for bar in ttft.patches) == pytest.approx(45.0, rel=0.05)
+    figs = _figures(monkeypatch, _with_ttft(_results(), [0.05, 0.2]), tmp_path)
+    assert figs["ttft_tpot.png"].axes[0].get_ylabel() == "ms"
+
+
+def test_colours_mean_policies_in_every_panel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.colors import to_rgb
+
+    results = _results()
+    figs = _figures(monkeypatch, results, tmp_path)
+    hit, rec = figs["hit_rate.png"].axes
+    names = list(results.policies)
+    policy_colours = [to_rgb(bar.get_facecolor()) for bar in hit.patches[: len(names)]]
+    assert len(set(policy_colours)) == len(names)
+    # every stacked part of a policy's bar is drawn in that policy's colour
+    for bar in rec.patches:
+        if bar.get_height() > 0:
+            x = round(bar.get_x() + bar.get_width() / 2)
+            assert to_rgb(bar.get_facecolor()) == policy_colours[x]
+    # the parts' legend swatches are no policy's colour (a part never reads as a policy)
+    swatches = [to_rgb(h.get_facecolor()) for h in rec.get_legend().legend_handles]
+    assert not set(swatches) & set(policy_colours)
+    # and the lines of the other plots use the same colour per policy
+    for name in ("jct_cdf.png", "blocks_in_use.png"):
+        ax = figs[name].axes[0]
+        lines = {line.get_label(): to_rgb(line.get_color()) for line in ax.get_lines()}
+        assert [lines[n] for n in names] == policy_colours
+
+
+@pytest.mark.parametrize("name", ["jct_cdf.png", "hit_rate.png", "blocks_in_use.png"])
+def test_legends_sit_off_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    figs = _figures(monkeypatch, _results(), tmp_path)
+    fig = figs[name]
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert box.x0 >= area.x1, (name, box, area)  # right of the plotting area
+        assert box.x1 <= fig.bbox.x1 + 1  # and inside the image
+
+
+def test_report_files_are_world_readable(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        save_results(_results(), tmp_path)
+        written = write_report(_results(), tmp_path)
+    finally:
+        os.umask(old)
+    for path in [tmp_path / "results.json", tmp_path / "results.schema.json", *written]:
+        assert path.stat().st_mode & 0o777 == 0o644, path

@@ -1,0 +1,197 @@
+"""Every command-line error is one ``error:`` line on stderr and exit code 2; ``--version``,
+``-h``; flags that read naturally; the ``--policies`` help offers only what parses."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from eval.bench import SUFFIX_SPELLINGS, BenchVariant
+from eval.cli import app, clean_errors, one_line
+from eval.results import save_results
+from tests.eval.test_report import _results
+
+runner = CliRunner()
+
+#: What each command needs besides options (``None``: nothing).
+REQUIRED = {
+    "report": ["."],
+    "calibrate": ["steps.jsonl", "--latency-profile", "profile.json"],
+    "generate": ["hello"],
+    "agent run": ["a task"],
+}
+
+
+def _commands() -> list[tuple[str, Any]]:
+    """Every leaf command of the app, by its words (``agent run``)."""
+    root = typer.main.get_command(app)
+    found: list[tuple[str, Any]] = []
+
+    def walk(prefix: list[str], group: Any) -> None:
+        ctx = typer.Context(group)
+        for name in group.list_commands(ctx):
+            command = group.get_command(ctx, name)
+            if hasattr(command, "list_commands"):
+                walk([*prefix, name], command)
+            else:
+                found.append((" ".join([*prefix, name]), command))
+
+    walk([], root)
+    return found
+
+
+COMMANDS = _commands()
+
+
+def _bad_values(command: Any) -> list[list[str]]:
+    """For each numeric option of ``command``, an argument list giving it a word."""
+    bad = []
+    for param in command.params:
+        kind = getattr(param, "type_descriptor", None)
+        annotation = getattr(kind, "annotation", None)
+        if param.param_type_name == "option" and annotation in (int, float, int | None, float | None):
+            bad.append([param.opts[0], "abc"])
+    return bad
+
+
+def _assert_one_error_line(result: Any, argv: list[str]) -> str:
+    assert result.exit_code == 2, (argv, result.output)
+    assert result.stdout == "", (argv, result.stdout)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (argv, result.stderr)
+    assert "Traceback" not in result.output and "╭" not in result.output
+    return lines[0]
+
+
+def test_the_walk_finds_every_command() -> None:
+    names = {name for name, _ in COMMANDS}
+    assert names == {"bench", "report", "profile", "calibrate", "bench-engine", "generate", "serve", "chat",
+                     "agent run"}
+
+
+@pytest.mark.parametrize(("name", "command"), COMMANDS, ids=[n for n, _ in COMMANDS])
+def test_every_command_answers_bad_options_with_one_line(name: str, command: Any, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    words = name.split()
+    required = REQUIRED.get(name, [])
+    cases: list[tuple[list[str], str]] = [([*required, "--no-such-option"], "error: No such option")]
+    cases += [([*required, *bad], f"error: Invalid value for '{bad[0]}'") for bad in _bad_values(command)]
+    if required and not required[0].startswith("--"):
+        cases.append(([], "error: Missing argument"))
+    if any(p.name == "block_size" for p in command.params):
+        cases.append(([*required, "--block-size", "24"], "error: block_size:"))  # the config refuses it
+    if any(p.name == "device" for p in command.params):
+        cases.append(([*required, "--device", "tpu"], "error: device: 'tpu' is not a device; use cpu, cuda or cuda:N"))
+    assert len(cases) >= 2
+    for case, expected in cases:
+        argv = [*words, *case]
+        line = _assert_one_error_line(runner.invoke(app, argv), argv)
+        assert line.startswith(expected), (argv, line)
+    assert not list(tmp_path.iterdir())  # nothing written by a refused command
+
+
+def test_unknown_command_is_one_line() -> None:
+    _assert_one_error_line(runner.invoke(app, ["nosuch"]), ["nosuch"])
+
+
+def test_version_and_short_help() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and re.fullmatch(r"asymcache \d+\.\d+\.\d+\S*\n", result.stdout), result.output
+    for argv in (["-h"], ["bench", "-h"], ["agent", "run", "-h"]):
+        short, long = runner.invoke(app, argv), runner.invoke(app, [*argv[:-1], "--help"])
+        assert short.exit_code == 0 and short.stdout == long.stdout and "Usage" in short.stdout
+
+
+@pytest.mark.parametrize(("name", "command"), COMMANDS, ids=[n for n, _ in COMMANDS])
+def test_flags_read_naturally_in_the_help(name: str, command: Any) -> None:
+    result = runner.invoke(app, [*name.split(), "--help"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0
+    assert "<bool>" not in result.stdout and "--no-no-" not in result.stdout, result.stdout
+    assert "-h" in result.stdout
+
+
+def test_lossless_check_flag_pair() -> None:
+    help_text = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "250"}).stdout
+    assert "--lossless-check" in help_text and "--no-lossless-check" in help_text
+
+
+def test_policies_help_offers_only_what_parses() -> None:
+    help_text = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "400"}).stdout
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", help_text).split())
+    offered = re.findall(r"(/[a-z][a-z:-]*[A-Z]*)", flat.split("--policies", 1)[1].split("--backend", 1)[0])
+    assert {o.lstrip("/") for o in offered} == set(SUFFIX_SPELLINGS)
+    assert {"adaptive", "fixed:N", "least-work:P", "adaptive:slack", "slo:MS"} <= set(SUFFIX_SPELLINGS)
+    assert "fixed" not in SUFFIX_SPELLINGS  # /fixed alone is not offered: it needs its budget
+    numbers = {"N": "256", "P": "4", "MS": "100"}
+    for spelling in SUFFIX_SPELLINGS:
+        suffix = re.sub(r"(N|P|MS)$", lambda m: numbers[m.group(1)], spelling)
+        spec = f"asymcache/adaptive/{suffix}" if suffix.startswith("slo:") else f"asymcache/{suffix}"
+        BenchVariant.parse(spec)
+    with pytest.raises(ValueError, match="known: .*least-work:P, adaptive, adaptive:slack, fixed:N, slo:MS"):
+        BenchVariant.parse("asymcache/fixed")
+
+
+def test_report_takes_the_results_file_or_its_folder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    save_results(_results(), run)
+    result = runner.invoke(app, ["report", str(run / "results.json")])
+    assert result.exit_code == 0, result.output
+    assert (run / "report.md").is_file() and (run / "report.html").is_file()
+    other = run / "report.md"
+    line = _assert_one_error_line(runner.invoke(app, ["report", str(other)]), ["report", str(other)])
+    assert "is a file; give the run folder" in line
+    missing = tmp_path / "missing"
+    line = _assert_one_error_line(runner.invoke(app, ["report", str(missing)]), ["report"])
+    assert "no folder" in line
+
+
+def test_a_schema_error_lists_every_problem_on_its_line(tmp_path: Path) -> None:
+    (tmp_path / "results.json").write_text(json.dumps({"a": 1}))
+    line = _assert_one_error_line(runner.invoke(app, ["report", str(tmp_path)]), ["report"])
+    assert "3 problem(s): " in line
+    for problem in ("run: Field required", "policies: Field required", "a: Extra inputs are not permitted"):
+        assert problem in line, line
+
+
+def test_one_line_joins_lines_and_drops_bullets() -> None:
+    assert one_line("x: 2 problem(s):\n  - a: bad\n  - b: worse\n") == "x: 2 problem(s): a: bad; b: worse"
+    assert one_line("single") == "single"
+
+
+@pytest.mark.parametrize("out", [None, "given"])
+def test_a_failed_bench_leaves_no_empty_run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   out: str | None) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--backend", "http", "--jobs", "1"]  # fails after the run folder is made: no --url
+    if out is not None:
+        argv += ["--out", str(tmp_path / "runs" / "mine")]
+    line = _assert_one_error_line(runner.invoke(app, argv), argv)
+    assert line == "error: url: --backend http needs --url"
+    assert not (tmp_path / "runs").exists()
+    # a runs/ folder that was there before stays, with what it held
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    _assert_one_error_line(runner.invoke(app, argv), argv)
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["old"]
+
+
+def test_an_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    probe = typer.Typer()
+
+    @probe.command()
+    @clean_errors
+    def boom() -> None:
+        raise RuntimeError("kaput\nsecond line")
+
+    result = runner.invoke(probe, [])
+    assert result.exit_code == 2
+    assert result.stderr == "error: unexpected RuntimeError: kaput; second line (ASYMCACHE_DEBUG=1 shows the traceback)\n"
+    monkeypatch.setenv("ASYMCACHE_DEBUG", "1")
+    result = runner.invoke(probe, [])
+    assert isinstance(result.exception, RuntimeError)
