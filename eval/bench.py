@@ -160,8 +160,8 @@ def _suffix_number(suffix: str, name: str) -> float:
 #: and ``max_model_len`` are engine fields too, but the bench reads them itself (see there).
 ENGINE_FIELDS: tuple[str, ...] = (
     "model", "device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
-    "latency_profile", "tpot_slo_ms", "attention_backend", "enforce_eager", "mixed_graph_max_tokens", "seed",
-    "gpu_memory_utilization", "device_memory_gib",
+    "latency_profile", "tpot_slo_ms", "attention_backend", "batch_invariant", "enforce_eager",
+    "mixed_graph_max_tokens", "seed", "gpu_memory_utilization", "device_memory_gib",
 )
 
 
@@ -204,6 +204,7 @@ class BenchConfig:
         max_num_batched_tokens: per-step token cap.
         max_num_seqs: running requests at most.
         attention_backend: the engine's attention path (the ``no-msa`` suffix sets ``torch``).
+        batch_invariant: the engines' batch-invariant mode (exact on the GPU, slower).
         enforce_eager: never capture CUDA graphs.
         mixed_graph_max_tokens: largest step replayed as piecewise CUDA graphs.
         step_log: also write every engine step (``StepStats``, with the latency model's
@@ -240,6 +241,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     attention_backend: str = "auto"
+    batch_invariant: bool = False
     enforce_eager: bool = False
     mixed_graph_max_tokens: int = 1024
     step_log: bool = False

@@ -125,7 +125,10 @@ def _main_options(
 #: The engine settings ``asymcache profile`` takes: those that shape a forward step (the grid
 #: sizes the pool, and no scheduler runs).
 PROFILE_ENGINE_FIELDS = frozenset(
-    {"model", "device", "dtype", "block_size", "attention_backend", "enforce_eager", "mixed_graph_max_tokens", "seed"}
+    {
+        "model", "device", "dtype", "block_size", "attention_backend", "batch_invariant", "enforce_eager",
+        "mixed_graph_max_tokens", "seed",
+    }
 )
 
 

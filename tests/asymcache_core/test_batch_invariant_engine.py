@@ -122,3 +122,39 @@ def test_batch_invariant_config_is_validated():
         EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant=True, attention_backend="naive")
+
+
+def _gpu_script():
+    """``scripts/gpu_batch_invariant.py``: the GPU checks live there, beside the cost figures."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_batch_invariant.py"
+    spec = importlib.util.spec_from_file_location("gpu_batch_invariant", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    from asymcache_core.loaders import load_model
+
+    return load_model("dummy:llama-3.1-8b", torch.device("cuda"), torch.bfloat16, seed=0)
+
+
+@pytest.mark.gpu
+def test_gpu_logits_equal_alone_and_in_a_batch_of_64(llama8b):
+    equal, total, diff = _gpu_script().alone_vs_batch(llama8b, "dummy:llama-3.1-8b", invariant=True)
+    assert equal == total and diff == 0.0
+
+
+@pytest.mark.gpu
+def test_gpu_every_policy_equals_an_unbounded_pool_at_two_chunk_budgets(llama8b):
+    script = _gpu_script()
+    rows = [row for row in script.policy_grid(llama8b, "dummy:llama-3.1-8b") if row["mode"] == "batch-invariant"]
+    assert {row["budget"] for row in rows} == {8192, 512}
+    assert {row["policy"] for row in rows} == {"lru", "vllm-apc", "pensieve", "asymcache"}
+    assert all(row["tokens_equal"] == 1.0 for row in rows), rows
+    assert any(row["holes"] > 0 for row in rows)
