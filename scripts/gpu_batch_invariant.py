@@ -108,9 +108,9 @@ def multi_turn(engine: Engine, jobs: int = 6, turns: int = 3) -> list[list[int]]
     return outs
 
 
-def policy_grid(loaded, model: str) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+def policy_grid(loaded, model: str, modes: dict[str, bool] = MODES) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
     rows = []
-    for name, invariant in MODES.items():
+    for name, invariant in modes.items():
         for budget in (8192, 512):
             common = dict(model=model, device=DEVICE, loaded=loaded, enforce_eager=True, batch_invariant=invariant,
                           max_num_batched_tokens=budget)

@@ -153,7 +153,7 @@ def test_gpu_logits_equal_alone_and_in_a_batch_of_64(llama8b):
 @pytest.mark.gpu
 def test_gpu_every_policy_equals_an_unbounded_pool_at_two_chunk_budgets(llama8b):
     script = _gpu_script()
-    rows = [row for row in script.policy_grid(llama8b, "dummy:llama-3.1-8b") if row["mode"] == "batch-invariant"]
+    rows = script.policy_grid(llama8b, "dummy:llama-3.1-8b", {"batch-invariant": True})
     assert {row["budget"] for row in rows} == {8192, 512}
     assert {row["policy"] for row in rows} == {"lru", "vllm-apc", "pensieve", "asymcache"}
     assert all(row["tokens_equal"] == 1.0 for row in rows), rows
