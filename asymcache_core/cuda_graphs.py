@@ -6,7 +6,7 @@ so it can be captured once per batch size and replayed: one launch for the whole
 
 What a replay may change lives in static device buffers the runner refills before each replay:
 token ids, positions, KV slots, block tables, the MSA tile table (one tile per sequence, see
-:func:`kernels.msa_triton.decode_graph_plan`) and the keys per KV split, sized for the batch's
+:func:`kernels.msa_plan.decode_graph_plan`) and the keys per KV split, sized for the batch's
 longest context rather than ``max_model_len``. Batches are padded up to the next captured size;
 padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``) and their logits are
 dropped. Steps with prefill or hole tokens run eagerly.
@@ -23,7 +23,7 @@ from kernels.dispatch import AttentionBackend
 from kernels.metadata import MSAMetadata
 
 if TYPE_CHECKING:
-    from kernels.msa_triton import MSAPlan
+    from kernels.msa_plan import MSAPlan
 
 # Captured batch sizes: every size up to 8, then steps of 8 (vLLM captures a similar ladder).
 _SMALL_SIZES = (1, 2, 4, 8)
@@ -99,7 +99,7 @@ class DecodeGraphs:
     ) -> None:
         if backend.name != "triton" or device.type != "cuda":
             raise ValueError("enforce_eager: CUDA graphs need the triton attention backend on CUDA")
-        from kernels.msa_triton import decode_graph_chunk, decode_graph_plan
+        from kernels.msa_plan import decode_graph_chunk, decode_graph_plan
 
         # NOTE: kept on the instance so that scripts/gpu_decode_graphs.py can time replays with
         # the captured chunk beside the per-replay one.

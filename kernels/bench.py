@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import MSAMetadata, build_msa_metadata
-from kernels.msa_triton import MSAConfig, choose_config, msa_triton
+from kernels.msa_plan import MSAConfig, choose_config
+from kernels.msa_triton import msa_triton
 from kernels.reference import msa_naive
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16

@@ -153,7 +153,8 @@ def select_attention_backend(
     if preference == "triton":
         if not triton_available(device) and not _interpreting():
             raise ValueError("attention_backend: 'triton' needs a CUDA device and triton")
-        from kernels.msa_triton import msa_triton, plan_msa, store_kv_triton
+        from kernels.msa_plan import plan_msa
+        from kernels.msa_triton import msa_triton, store_kv_triton
 
         def prepare(meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int) -> MSAMetadata:
             device = meta.block_tables.device

@@ -25,6 +25,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from kernels import msa_plan
 from kernels.metadata import MSAMetadata, build_msa_metadata
 from kernels.reference import msa_naive, msa_torch, store_kv_torch
 
@@ -207,7 +208,7 @@ def test_msa_triton_interpreter(
     )
     cfg = None
     if config is not None:
-        cfg = interp.MSAConfig(config[0], config[1], 4, 1, config[2])
+        cfg = msa_plan.MSAConfig(config[0], config[1], 4, 1, config[2])
     out = torch.full_like(case.q, float("nan"))
     res = interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=out, config=cfg)
     assert res.data_ptr() == out.data_ptr()
@@ -253,7 +254,7 @@ def test_msa_triton_interpreter_decode_graph_plan(
     num_pad = 2
     tiles = [(seq, q_start, q_len, pos) for seq, q_start, q_len, pos in case.meta.host_segments]
     tiles += [(0, 0, 0, 0)] * num_pad
-    plan = interp.decode_graph_plan(torch.tensor(tiles, dtype=torch.int32), 2 * group, 2, max_context)
+    plan = msa_plan.decode_graph_plan(torch.tensor(tiles, dtype=torch.int32), 2 * group, 2, max_context)
     if max_context > 512:
         # the split-K path: some contexts span two chunks, others leave splits idle
         assert plan.num_splits > 1
@@ -281,11 +282,11 @@ def test_msa_triton_interpreter_decode_graph_chunk_set_per_replay(
     tiles = [(seq, q_start, q_len, pos) for seq, q_start, q_len, pos in case.meta.host_segments]
     tiles += [(0, 0, 0, 0)]
     buffer = torch.zeros(1, dtype=torch.int32)
-    plan = interp.decode_graph_plan(torch.tensor(tiles, dtype=torch.int32), 2 * group, 2, 8192, chunk_buffer=buffer)
+    plan = msa_plan.decode_graph_plan(torch.tensor(tiles, dtype=torch.int32), 2 * group, 2, 8192, chunk_buffer=buffer)
     assert plan.chunk_buffer is buffer and int(buffer) == plan.chunk  # the capture's value
     longest = max(pos + 1 for _, _, _, pos in tiles[:-1])
     assert longest <= plan.chunk  # sized for 8192: the whole batch would sit in one split
-    chunk = interp.decode_graph_chunk(plan, longest)
+    chunk = msa_plan.decode_graph_chunk(plan, longest)
     assert chunk % plan.config.block_n == 0 and -(-longest // chunk) <= plan.num_splits
     if longest > 2 * plan.config.block_n:
         assert chunk < longest  # now the longest context spans several splits
@@ -305,13 +306,13 @@ def test_msa_triton_interpreter_decode_graph_chunk_set_per_replay(
 
 def test_decode_graph_chunk_bounds(interp: ModuleType) -> None:
     """Whole KV tiles, never more than the capture's chunk, never more splits than the grid."""
-    plan = interp.decode_graph_plan(torch.zeros((8, 4), dtype=torch.int32), 32, 8, 131072)
+    plan = msa_plan.decode_graph_plan(torch.zeros((8, 4), dtype=torch.int32), 32, 8, 131072)
     block_n = plan.config.block_n
     for max_ctx in (1, 63, 64, 65, 5000, 18000, 131072):
-        chunk = interp.decode_graph_chunk(plan, max_ctx)
+        chunk = msa_plan.decode_graph_chunk(plan, max_ctx)
         assert block_n <= chunk <= plan.chunk and chunk % block_n == 0
         assert -(-max_ctx // chunk) <= plan.num_splits
-    assert interp.decode_graph_chunk(plan, 131072) == plan.chunk
+    assert msa_plan.decode_graph_chunk(plan, 131072) == plan.chunk
 
 
 def test_plan_msa_is_what_msa_triton_plans(interp: ModuleType) -> None:
@@ -320,7 +321,7 @@ def test_plan_msa_is_what_msa_triton_plans(interp: ModuleType) -> None:
         21, kind="mixed", num_seqs=3, block_size=16, num_kv_heads=1, group=4, head_dim=64,
         max_ctx=90, dtype=torch.float32, pad_tokens=1,
     )
-    plan = interp.plan_msa(case.meta, 4, 1, 64, torch.device("cpu"))
+    plan = msa_plan.plan_msa(case.meta, 4, 1, 64, torch.device("cpu"))
     assert plan.num_tiles >= case.meta.num_segments and plan.covered_rows == case.q.shape[0] - 1
     planned = interp.msa_triton(
         case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale
@@ -342,7 +343,7 @@ def test_plan_msa_gives_short_segments_their_own_split_launch(interp: ModuleType
             break
     else:
         pytest.fail("no step with a long decode and a long segment among 200 seeds")
-    plan = interp.plan_msa(case.meta, 4, 1, 64, torch.device("cpu"))
+    plan = msa_plan.plan_msa(case.meta, 4, 1, 64, torch.device("cpu"))
     long_launch, short_launch = plan.launches
     assert long_launch.config.block_m >= 32 and short_launch.config.block_m * 4 <= 64
     assert short_launch.num_splits > 1
@@ -379,9 +380,9 @@ def test_plan_msa_splits_a_deep_tile_beside_shallow_ones(interp: ModuleType) -> 
     scale = dim**-0.5
     ref = msa_naive(q, k_cache, v_cache, meta, scale)
     # NOTE: 1024 keys a chunk instead of the GPU's 4096 keeps the interpreted case small
-    (unsplit,) = interp.plan_msa(meta, heads * group, heads, dim, torch.device("cpu")).launches
+    (unsplit,) = msa_plan.plan_msa(meta, heads * group, heads, dim, torch.device("cpu")).launches
     assert unsplit.num_splits == 1  # 2448 keys: under the default 4096-key chunk
-    plan = interp.plan_msa(meta, heads * group, heads, dim, torch.device("cpu"), min_split_keys=1024)
+    plan = msa_plan.plan_msa(meta, heads * group, heads, dim, torch.device("cpu"), min_split_keys=1024)
     (launch,) = plan.launches
     assert launch.num_splits > 1 and launch.chunk >= 1024
     deepest = max(int(t[3] + t[2]) for t in launch.tiles)
@@ -399,9 +400,9 @@ def test_choose_config_splits_long_decode(interp: ModuleType) -> None:
         max_ctx=40, dtype=torch.float32,
     )
     long = build_msa_metadata([[0] * 1024], [(0, 0, 1, 16_000)], [0], 16)
-    cfg = interp.choose_config(long, 32, 8, 128, torch.device("cpu"))
+    cfg = msa_plan.choose_config(long, 32, 8, 128, torch.device("cpu"))
     assert cfg.num_splits > 1 and cfg.block_m * 4 == 16
-    cfg = interp.choose_config(case.meta, 4, 1, 64, torch.device("cpu"))
+    cfg = msa_plan.choose_config(case.meta, 4, 1, 64, torch.device("cpu"))
     assert cfg.num_splits == 1
 
 
@@ -552,8 +553,8 @@ def _check_invariant(module: ModuleType, case: Case, dtype: torch.dtype, rows: l
     outs = []
     for partial_bytes in (0, 1 << 40):  # 0: no split partials, in-program merge; else split
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(module, "_INVARIANT_PARTIAL_BYTES", partial_bytes)
-            plan = module.plan_msa(case.meta, heads, kv_heads, dim, device, dtype=dtype, invariant=True)
+            mp.setattr(msa_plan, "_INVARIANT_PARTIAL_BYTES", partial_bytes)
+            plan = msa_plan.plan_msa(case.meta, heads, kv_heads, dim, device, dtype=dtype, invariant=True)
             out = torch.full_like(case.q, float("nan"))
             module.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale, out=out)
         outs.append((plan, out))
@@ -565,7 +566,7 @@ def _check_invariant(module: ModuleType, case: Case, dtype: torch.dtype, rows: l
     if device.type != "cuda":
         return
     for row, (q_row, meta) in zip(rows, _single_rows(case, rows), strict=True):
-        plan = module.plan_msa(meta, heads, kv_heads, dim, device, dtype=dtype, invariant=True)
+        plan = msa_plan.plan_msa(meta, heads, kv_heads, dim, device, dtype=dtype, invariant=True)
         alone = module.msa_triton(q_row, case.k_cache, case.v_cache, dataclasses.replace(meta, plan=plan), case.scale)
         assert torch.equal(alone[0], merged[row]), f"row {row} differs alone"
 
@@ -582,7 +583,7 @@ def _rows_to_check(case: Case, count: int) -> list[int]:
 def test_msa_triton_interpreter_batch_invariant(interp: ModuleType) -> None:
     """Contexts past several fixed chunks, holes and decodes in one step."""
     case = _invariant_case("cpu", torch.float32, group=2, head_dim=16, max_ctx=5200, seed=_seed("bi", 3))
-    assert max(s[3] + s[2] for s in case.meta.host_segments) > 2 * interp.INVARIANT_CHUNK
+    assert max(s[3] + s[2] for s in case.meta.host_segments) > 2 * msa_plan.INVARIANT_CHUNK
     _check_invariant(interp, case, torch.float32, _rows_to_check(case, 3))
 
 
@@ -590,20 +591,20 @@ def test_invariant_config_is_the_same_for_every_step(interp: ModuleType) -> None
     cpu = torch.device("cpu")
     decode = _invariant_case("cpu", torch.float32, group=4, head_dim=64, max_ctx=300, seed=1)
     plans = [
-        interp.plan_msa(c.meta, 8, 2, 64, cpu, dtype=torch.bfloat16, invariant=True)
+        msa_plan.plan_msa(c.meta, 8, 2, 64, cpu, dtype=torch.bfloat16, invariant=True)
         for c in (decode, _invariant_case("cpu", torch.float32, group=4, head_dim=64, max_ctx=9000, seed=2))
     ]
     launches = [launch for plan in plans for launch in plan.launches]
     # what sets a row's bits is fixed: the KV tile and the chunk; tile heights may differ
     assert {launch.config.block_n for launch in launches} == {64}
-    assert {launch.chunk for launch in launches} == {interp.INVARIANT_CHUNK}
+    assert {launch.chunk for launch in launches} == {msa_plan.INVARIANT_CHUNK}
     assert all(launch.invariant for launch in launches)
-    graph = interp.decode_graph_plan(
+    graph = msa_plan.decode_graph_plan(
         torch.zeros((4, 4), dtype=torch.int32), 8, 2, 131072, head_dim=64, invariant=True
     )
     assert graph.config == plans[0].launches[-1].config  # the short (decode) launch of a step
-    assert graph.chunk == interp.INVARIANT_CHUNK and graph.chunk_buffer is None
-    assert interp.decode_graph_chunk(graph, 10) == interp.INVARIANT_CHUNK
+    assert graph.chunk == msa_plan.INVARIANT_CHUNK and graph.chunk_buffer is None
+    assert msa_plan.decode_graph_chunk(graph, 10) == msa_plan.INVARIANT_CHUNK
 
 
 @pytest.mark.parametrize("group", [1, 3])
