@@ -368,6 +368,7 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._dispatch(out)
+            self.processor.drop_forgotten(engine.job_stats.jobs)
         self._shutdown()
 
     def _handle(self, cmd: _Submit | _Abort | _Call) -> None:

@@ -14,7 +14,7 @@ finished chat stream.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,6 +89,21 @@ class OutputProcessor:
         """
         self.controller.on_job_finished(job_id, num_turns)
         self._job_tokens.pop(job_id, None)
+
+    def drop_forgotten(self, tracked: Collection[str]) -> None:
+        """Forgets the tokens of jobs the engine no longer tracks (it dropped them when they
+        idled: abandoned jobs, jobs whose last request failed or was aborted).
+
+        NOTE: a no-op while this table is no larger than the engine's, so the engine thread
+        can call it after every step; it scans only after the engine dropped jobs.
+
+        Args:
+            tracked: the engine's per-job table (``engine.job_stats.jobs``).
+        """
+        if len(self._job_tokens) <= len(tracked):
+            return
+        for job in [j for j in self._job_tokens if j not in tracked]:
+            del self._job_tokens[job]
 
     def finalize(self, options: OutputOptions, prompt_ids: Sequence[int], out: RequestOutput) -> StreamEvent:
         """The final event of a request, right after it finished: metrics, parse, pin decision.

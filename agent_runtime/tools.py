@@ -11,13 +11,17 @@ Built-in tools for SWE-style loops (``bash``, ``read_file``, ``list_files``, ``w
 confined to one working directory. ``bash`` runs ``bash -c`` in a subprocess of its own session
 with rlimits (processes, CPU, address space, file size), an environment holding nothing but
 ``PATH``, the locale and ``HOME`` = the working directory, and a time limit that holds under an
-output flood: when the command ends or its time is up, every process of the call (its session,
-and any that left it with ``setsid`` but carry the call's marker variable) is killed and the
-pipes are closed (:func:`run_bash`). Where bubblewrap (``bwrap``) is installed, the call also
+output flood. Each call runs under a small reaper process that is a child subreaper
+(``PR_SET_CHILD_SUBREAPER``, no root needed), so whatever the command leaves behind (``&``,
+``nohup``, ``setsid``, ``env -i``, double forks) is re-parented to the reaper rather than to
+init; when the command ends or its time is up, the reaper kills its whole subtree, a fallback
+sweep kills the call's session and anything carrying its marker variable, and the pipes are
+closed (:func:`run_bash`). Where bubblewrap (``bwrap``) is installed, the call also
 runs in a private mount, PID and network namespace with a read-only root and only the working
 directory writable; without it ``bash`` can read what the server's user can read, and the
 runtime should run in a container when the model is untrusted (:func:`bash_sandbox` says
-which holds). The file tools run in a worker thread (:func:`asyncio.to_thread`): they only touch
+which holds). Sync tools (the file tools among them) run in a daemon thread of their own per
+call, so one that hangs past its timeout cannot starve the others. The file tools only touch
 files whose resolved path (symlinks followed) lies inside the working directory. Nothing here
 ever ``eval``s or ``exec``s model text.
 """
@@ -34,6 +38,7 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -509,9 +514,7 @@ class ToolRegistry:
             ):
                 coro: Awaitable[Any] = tool.fn(**kwargs)
             else:
-                # A sync tool runs in a thread so the event loop (and other jobs) keep going;
-                # on timeout the thread cannot be killed, only abandoned.
-                coro = asyncio.to_thread(tool.fn, **kwargs)
+                coro = _in_own_thread(tool.fn, kwargs, name)
             value = await asyncio.wait_for(coro, timeout=timeout)
         except TimeoutError:
             return done(f"Error: tool {name} timed out after {timeout:g} s", True)
@@ -522,6 +525,39 @@ class ToolRegistry:
         if isinstance(value, ToolResult):
             return done(value.content, value.is_error)
         return done(_to_text(value), False)
+
+
+async def _in_own_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> Any:
+    """Runs a sync tool in a daemon thread of its own, so the event loop (and other jobs) go on.
+
+    NOTE: not the loop's default executor: a thread cannot be killed, so a tool that hangs past
+    its timeout is abandoned, and a few of those would fill the executor's handful of workers
+    and stall every later ``to_thread`` (the other tools, ``bash`` included). An abandoned
+    thread ends when its tool returns; its result is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():
+            return  # timed out or cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def target() -> None:
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            value = fn(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting call
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=target, name=f"asymcache-tool-{name}", daemon=True).start()
+    return await future
 
 
 def truncate_middle(text: str, limit: int) -> str:
@@ -695,6 +731,101 @@ def bash_argv(command: str, config: BuiltinToolConfig, timeout_s: float, use_bwr
     return jail + inner
 
 
+#: The reaper every ``bash`` call runs under (``python -I -S -c``; argv: report fd, command...).
+#: It makes itself a child subreaper (``PR_SET_CHILD_SUBREAPER``, no root needed), so a process
+#: the command leaves behind is re-parented to it whatever it did (``&``, ``nohup``, ``setsid``,
+#: ``env -i``, a double fork), instead of to init. When the command's bash exits, or the reaper
+#: gets SIGTERM (the call's time is up or it was cancelled), it kills its whole subtree until
+#: none is left, writes how many it killed besides bash to the report fd, and exits with bash's
+#: status (128 + the signal when bash was killed).
+_REAPER_SOURCE = r"""
+import ctypes, os, signal, sys, time
+
+class Stop(Exception):
+    pass
+
+def on_term(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one Stop only: the sweep must not be cut
+    raise Stop
+
+def live_subtree(root):
+    children, alive = {}, set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/" + name + "/stat", "rb") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(b")") + 2:].split()
+            children.setdefault(int(fields[1]), []).append(int(name))
+            if fields[0] not in (b"Z", b"X"):
+                alive.add(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, stack = [], [root]
+    while stack:
+        for pid in children.get(stack.pop(), ()):
+            found.append(pid)
+            stack.append(pid)
+    return [pid for pid in found if pid in alive]
+
+def reap():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+def sweep(me):
+    killed = set()
+    for _ in range(1000):
+        victims = live_subtree(me)
+        if not victims:
+            break
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.002)
+        reap()
+    reap()
+    return killed
+
+report = int(sys.argv[1])
+os.set_inheritable(report, False)
+signal.signal(signal.SIGTERM, on_term)
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+child = os.fork()
+if child == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+code = 128 + signal.SIGKILL
+try:
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+            code = 128 - code if code < 0 else code
+            break
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+except (Stop, ChildProcessError):
+    pass
+killed = sweep(os.getpid())
+killed.discard(child)
+os.write(report, str(len(killed)).encode())
+os._exit(code)
+"""
+#: Seconds the reaper gets to kill a call's processes and exit before the fallback kill.
+_REAPER_GRACE_S = 3.0
+
+
 def _call_processes(session: int, marker: bytes) -> list[int]:
     """Processes of one call: in its session, or carrying its marker (``setsid`` escapees)."""
     found = []
@@ -814,11 +945,34 @@ def run_bash(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float, 
     Returns:
         The outcome.
     """
-    proc = subprocess.Popen(
-        argv, cwd=str(cwd), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-    )
+    report_r, report_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER_SOURCE, str(report_w), *argv], cwd=str(cwd), env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            close_fds=True, pass_fds=(report_w,),
+        )
+    except BaseException:
+        os.close(report_r)
+        raise
+    finally:
+        os.close(report_w)
+    os.set_blocking(report_r, False)
     assert proc.stdout is not None and proc.stderr is not None
+
+    def end_call() -> int:
+        """Stops the call (its reaper kills the subtree), then sweeps what may be left."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_REAPER_GRACE_S)
+        reaped = 0
+        if proc.poll() is not None:
+            # NOTE: non-blocking: a reaper that died before writing leaves nothing to wait for.
+            with contextlib.suppress(OSError, ValueError):
+                reaped = int(os.read(report_r, 32) or b"0")
+        return reaped + kill_call(proc.pid, marker)
     buffers = {proc.stdout.fileno(): _Capped(cap), proc.stderr.fileno(): _Capped(cap)}
     out, err = buffers[proc.stdout.fileno()], buffers[proc.stderr.fileno()]
     poller = select.poll()
@@ -837,7 +991,7 @@ def run_bash(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float, 
                 expired = now >= deadline or (cancel is not None and cancel.is_set())
                 if expired or proc.poll() is not None:
                     timed_out = expired and proc.poll() is None
-                    leftovers = kill_call(proc.pid, marker)
+                    leftovers = end_call()
                     ended_at = now
             elif now - ended_at >= _DRAIN_S:
                 break
@@ -861,7 +1015,8 @@ def run_bash(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float, 
             time.sleep(0.02)
     finally:
         if ended_at is None:
-            leftovers = kill_call(proc.pid, marker)
+            leftovers = end_call()
+        os.close(report_r)
         proc.stdout.close()
         proc.stderr.close()
         try:

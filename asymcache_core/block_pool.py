@@ -175,6 +175,21 @@ class BlockPool:
         self.cached[block_hash] = block_id
         return True
 
+    def uncache(self, block_id: int) -> None:
+        """Forgets what a held block caches (a failed step left its content partly written).
+
+        It is no longer a cache hit, and goes back to the uncached free list once released.
+
+        Raises:
+            ValueError: the block is not held by a request, or a pin protects it.
+        """
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0 or block.pin_cnt > 0:
+            raise ValueError(f"block_id: block {block_id} is not held by a request alone")
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+
     # -- pins ------------------------------------------------------------------------------
     def pin(self, block_ids: Iterable[int]) -> None:
         """Protects blocks from eviction until :meth:`unpin` (counts nest)."""

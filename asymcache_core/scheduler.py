@@ -333,7 +333,7 @@ class Scheduler:
                 if self.reclaim is not None and self.reclaim():
                     continue
                 victim = self._pick_victim(i)
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -426,7 +426,8 @@ class Scheduler:
         spare = [r for r in tail if not r.is_last_step]
         return (spare or tail)[-1]
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's blocks and queues it again to recompute from scratch."""
         if self.job_admission is not None:
             self.job_admission.on_released(request, self.clock(), preempted=True)
         self.running.remove(request)

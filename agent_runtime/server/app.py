@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from agent_runtime.protocol import ChatCompletionRequest, CompletionRequest
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import serving
 from agent_runtime.server.errors import APIError
@@ -227,7 +228,54 @@ def create_app(
     app.add_middleware(
         RequestGuard, state=state, max_body_bytes=max_request_body_bytes, max_queue_len=max_queue_len
     )
+    app.openapi = _openapi_with_bodies(app, model_name)  # type: ignore[method-assign]
     return app
+
+
+#: What a chat message looks like, for the OpenAPI document (the runtime checks it in depth).
+_MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
+        "tool_call_id": {"type": "string"},
+        "name": {"type": "string"},
+    },
+}
+
+
+def _openapi_with_bodies(app: FastAPI, model_name: str) -> Callable[[], dict[str, Any]]:
+    """FastAPI's OpenAPI document plus the completion routes' request bodies.
+
+    NOTE: the routes parse their bodies themselves (a bad body is an OpenAI-style 400, not
+    FastAPI's 422), so FastAPI cannot see them; the document names the request models so that
+    clients and schema fuzzers (schemathesis) know what to send: ``model`` is required and is
+    the served name, and chat messages have a role.
+    """
+    default = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = default()
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(body.pop("$defs", {}))
+            body["properties"]["model"] = {"type": "string", "enum": [model_name]}
+            body["required"] = sorted({*body.get("required", []), "model"})
+            if "messages" in body["properties"]:
+                body["properties"]["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE_SCHEMA}
+            schemas[model.__name__] = body
+            spec["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            }
+        return spec
+
+    return openapi
 
 
 #: uvicorn's log levels.

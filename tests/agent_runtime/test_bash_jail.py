@@ -128,3 +128,84 @@ def test_sandbox_argv_and_description(tmp_path):
     assert "not sandboxed" in bash_sandbox() or shutil.which("bwrap")
     with pytest.raises(ValueError, match="sandbox"):
         make_builtin_tools(BuiltinToolConfig(tmp_path, sandbox="docker"))
+
+
+#: Ways out of a call's process group and session; each escapee writes its own pid.
+ESCAPES = {
+    "background": "sleep 310 & echo $! > e.pid",
+    "nohup": "nohup bash -c 'echo $$ > e.pid; exec sleep 311' >/dev/null 2>&1 &",
+    "setsid": "setsid bash -c 'echo $$ > e.pid; exec sleep 312' &",
+    "setsid --fork": "setsid -f bash -c 'echo $$ > e.pid; exec sleep 313'",
+    "env -i setsid": "env -i setsid bash -c 'echo $$ > e.pid; exec sleep 314' &",
+    "double fork, env -i": "(env -i setsid bash -c '(echo $BASHPID > e.pid; exec sleep 315) &' &)",
+    "disown": "sleep 316 & echo $! > e.pid; disown",
+    "closed pipes": "env -i setsid bash -c 'echo $$ > e.pid; exec sleep 317 </dev/null >/dev/null 2>&1' &",
+}
+
+
+def _escapee(tmp_path: Path) -> int:
+    for _ in range(200):
+        text = (tmp_path / "e.pid").read_text().strip() if (tmp_path / "e.pid").exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.02)
+    raise AssertionError("the escapee never wrote its pid")
+
+
+@pytest.mark.parametrize("how", sorted(ESCAPES))
+def test_no_escapee_outlives_its_call(tmp_path, how):
+    bash = _bash(tmp_path)
+    result = bash(f"{ESCAPES[how]}\nsleep 0.3\necho started", timeout_s=20)
+    assert "started" in result.content and "exit_code: 0" in result.content, result.content
+    pid = _escapee(tmp_path)
+    assert not _alive(pid), f"{how}: pid {pid} outlived the call"
+    assert "killed 1 background process" in result.content
+
+
+@pytest.mark.parametrize("how", ["env -i setsid", "double fork, env -i"])
+def test_no_escapee_outlives_a_timed_out_or_cancelled_call(tmp_path, how):
+    bash = _bash(tmp_path)
+    result = bash(f"{ESCAPES[how]}\nsleep 300", timeout_s=1.0)
+    assert result.is_error and "timed out" in result.content
+    assert not _alive(_escapee(tmp_path))
+    (tmp_path / "e.pid").unlink()
+    tools = {t.name: t for t in make_builtin_tools(BuiltinToolConfig(tmp_path, sandbox="none"))}
+
+    async def cancelled():
+        task = asyncio.ensure_future(tools["bash"].fn(command=f"{ESCAPES[how]}\nsleep 300", timeout_s=60))
+        while not (tmp_path / "e.pid").exists() or not (tmp_path / "e.pid").read_text().strip():
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(cancelled(), 60))
+    assert not _alive(_escapee(tmp_path))
+
+
+def test_a_fork_loop_is_gone_after_its_timeout(tmp_path):
+    bash = _bash(tmp_path, max_processes=200)
+    result = bash("while :; do (env -i setsid sleep 320 &) ; done", timeout_s=1.0)
+    assert result.is_error and "timed out" in result.content
+    time.sleep(0.1)
+    assert not [p for p in _processes_named("sleep 320")], "fork-loop children survived"
+
+
+def _processes_named(text: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if f.read().replace(b"\0", b" ").strip() == text.encode() and _alive(int(entry.name)):
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_exit_status_and_output_pass_through_the_reaper(tmp_path):
+    bash = _bash(tmp_path)
+    assert bash("echo out; echo err >&2; exit 7").content == "exit_code: 7\nstdout:\nout\n\nstderr:\nerr\n"
+    assert bash("kill -9 $$").content.startswith("exit_code: 137")
+    assert not bash("true").is_error
