@@ -373,11 +373,16 @@ def test_an_exception_in_the_model_step_fails_only_its_culprit_and_serving_goes_
     ``[DONE]``; the other three stream to their end (the engine retries the step without it)."""
     runner = srv.runtime.engine.runner
     original = runner.execute
-    calls = {"n": 0}
+    calls = {"n": 0, "whole_step": 0}
 
     def flaky(plan):
         calls["n"] += 1
-        if calls["n"] == 6 or any(item.request.params.max_tokens == 29 for item in plan.scheduled):
+        if any(item.request.params.max_tokens == 29 for item in plan.scheduled):
+            raise RuntimeError("injected forward-pass fault")
+        # NOTE: the one-off fault hits a step of several innocent requests (a retry of one
+        # request alone would make that request its culprit): the retry of its halves passes.
+        if not calls["whole_step"] and len(plan.scheduled) >= 2:
+            calls["whole_step"] = 1
             raise RuntimeError("injected forward-pass fault")
         return original(plan)
 
@@ -395,7 +400,7 @@ def test_an_exception_in_the_model_step_fails_only_its_culprit_and_serving_goes_
             t.join(timeout=120)
     finally:
         srv.engine(lambda e: setattr(e.runner, "execute", original))
-    assert len(results) == 4 and calls["n"] > 6
+    assert len(results) == 4 and calls["whole_step"] == 1
     for i, lines in results.items():
         assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
         last = json.loads(lines[-2][6:])
