@@ -542,7 +542,8 @@ def _render_markdown(
     out = [f"# AsymCache eval report: {_md_cell(results.run.workload)}", ""]
     out += ["## What this shows", "", _md_cell(what_this_shows(results)), ""]
     warnings = run_warnings(results)
-    out += [f"> **Warning:** {_md_cell(w)}" for w in warnings] + ([""] if warnings else [])
+    for warning in warnings:  # NOTE: one blockquote each; adjacent quote lines join into one paragraph
+        out += [f"> **Warning:** {_md_cell(warning)}", ""]
     for table in tables:
         out += [f"## {table.title}", ""]
         if table.note:

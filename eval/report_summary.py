@@ -25,6 +25,10 @@ from eval.results import PolicyResult, Results
 #: below its size (a run that evicted all step long can show 95% of the pool).
 FILLED_SHARE = 0.9
 
+#: Mean JCTs closer than this share of the baseline's read as the same in the paragraph (the
+#: ratios are printed with two decimals).
+SAME_SHARE = 0.005
+
 #: The per-run means the intervals are taken over (``RunMeans`` field names) and their labels.
 RunMetric = Literal["jct_mean", "ttft_mean", "tpot_mean"]
 COMPARED_METRICS: tuple[tuple[RunMetric, str], ...] = (("jct_mean", "JCT mean"), ("ttft_mean", "TTFT mean"))
@@ -229,15 +233,24 @@ def what_this_shows(results: Results) -> str:
     assert baseline is not None
     base = pols[baseline]
     ranked = sorted((p.jct.mean, n) for n, p in pols.items() if p.jct.mean is not None)
-    if len(pols) < 2 or not ranked or base.jct.mean is None:
+    if len(pols) < 2 or not ranked or not base.jct.mean:
         parts.append(f"{baseline} ran alone, so there is no comparison.")
         return " ".join(parts)
     best = ranked[0][1]
-    if best == baseline:
-        parts.append(f"No policy finished jobs faster than {baseline} ({format_metric(base, 'jct_mean', base.jct.mean)} mean JCT).")
+    top = pols[best]
+    ratio = ranked[0][0] / base.jct.mean
+    same: list[str] = []
+    if best == baseline or ratio >= 1.0 - SAME_SHARE:
+        # NOTE: a tie (within the printed precision) is said as such: a 1.00x "win" is none.
+        same = [n for n, p in pols.items() if n != baseline and p.jct.mean is not None
+                and abs(p.jct.mean / base.jct.mean - 1.0) < SAME_SHARE]
+        tie = f"; {_join(same)} matched it within {SAME_SHARE:.1%}" if same else ""
+        parts.append(
+            f"No policy finished jobs faster than {baseline} ({format_metric(base, 'jct_mean', base.jct.mean)} "
+            f"mean JCT{tie})."
+        )
+        best = baseline
     else:
-        top = pols[best]
-        ratio = top.jct.mean / base.jct.mean if top.jct.mean is not None else float("nan")
         parts.append(
             f"{best} had the lowest mean job completion time, {format_metric(top, 'jct_mean', top.jct.mean)} against "
             f"{baseline}'s {format_metric(base, 'jct_mean', base.jct.mean)} ({ratio:.2f}x), with a prefix-cache hit "
@@ -253,7 +266,7 @@ def what_this_shows(results: Results) -> str:
             parts.append("The two intervals do not overlap: the difference is larger than the run-to-run spread.")
     others = [
         f"{n} {p.jct.mean / base.jct.mean:.2f}x"
-        for n, p in pols.items() if n not in (baseline, best) and p.jct.mean is not None
+        for n, p in pols.items() if n not in (baseline, best, *same) and p.jct.mean is not None
     ]
     if others:
         parts.append(f"Mean JCT of the others against {baseline}: {_join(others)}.")

@@ -163,3 +163,21 @@ def test_sim_repeats_draw_fresh_workloads(tmp_path: Path) -> None:
     assert any("seeds 5..7" in note for note in results.run.notes)
     real = BenchConfig(backend="real", repeats=3, seed=5)
     assert [repeat_seed(real, r) for r in range(3)] == [5, 5, 5]
+
+
+def test_a_tie_is_no_win() -> None:
+    results = _results(asym_runs=(10.0, 10.5, 9.8))  # the same means as the baseline
+    text = what_this_shows(results)
+    assert "No policy finished jobs faster than vllm-apc (10.10 s [9.80, 10.50] mean JCT; asymcache matched it within 0.5%)." in text
+    assert "lowest mean job completion time" not in text and "Mean JCT of the others" not in text
+
+
+def test_each_warning_is_its_own_paragraph(tmp_path: Path) -> None:
+    results = _results(pool=4582, peak=847)
+    single = results.model_copy(
+        update={"policies": {n: p.model_copy(update={"runs": []}) for n, p in results.policies.items()}}
+    )
+    write_report(single, tmp_path)
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    quoted = [i for i, line in enumerate(lines) if line.startswith("> **Warning:**")]
+    assert len(quoted) == 2 and lines[quoted[0] + 1] == ""
