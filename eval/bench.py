@@ -211,7 +211,8 @@ class BenchConfig:
             prediction) to ``steps/<variant>.jsonl`` in the run folder.
         repeats: runs of each variant, in rounds over all variants (A, B, A, B...), so that
             slow drift of the machine hits every variant alike; the report pools them and
-            keeps each run's means.
+            keeps each run's means. On the ``sim`` backend repeat ``r`` runs the workload of
+            seed ``seed + r`` (see :func:`repeat_seed`).
         slo: goodput targets, ``jct:S,ttft:MS,tpot:MS`` (:class:`eval.results.SLO`).
     """
 
@@ -282,6 +283,17 @@ def run_order(variants: list[BenchVariant], repeats: int) -> list[tuple[BenchVar
         shift = r % max(1, len(variants))
         runs += [(v, r) for v in variants[shift:] + variants[:shift]]
     return runs
+
+
+def repeat_seed(cfg: BenchConfig, repeat: int) -> int:
+    """The workload, token and engine seed of run ``repeat`` (from 0) of every variant.
+
+    NOTE: the ``sim`` backend runs on a virtual clock and is deterministic: a repeat with the
+    same seed is the same run to the last step, and its spread would be zero. There each repeat
+    draws a fresh workload instead, so that the report's interval is the spread over workloads.
+    On the ``real`` and ``http`` backends the seed stays, and the spread is the machine's.
+    """
+    return cfg.seed + repeat if cfg.backend == "sim" else cfg.seed
 
 
 def release_device_memory(device: str) -> None:
@@ -470,6 +482,10 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     trace = load_workload(cfg)
+    traces = {
+        r: trace if repeat_seed(cfg, r) == cfg.seed else load_workload(replace(cfg, seed=repeat_seed(cfg, r)))
+        for r in range(cfg.repeats)
+    }
     started = dt.datetime.now(dt.UTC)
     run_dir = cfg.out or Path("runs") / started.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -505,6 +521,8 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             plan = memory_pool_plan(cfg, loaded)
             notes.append(f"KV pool from --gpu-memory-utilization {cfg.gpu_memory_utilization}: {plan.describe()}")
         blocks = pool_blocks(cfg, trace, plan)
+        for other in traces.values():
+            pool_blocks(replace(cfg, num_kv_blocks=blocks), other)  # every repeat's largest job fits
         base = replace(base, num_kv_blocks=blocks)
         if cfg.backend == "real":
             if base.torch_device.type == "cuda":
@@ -520,10 +538,12 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
         latency_source = "analytic"
         for variant, repeat in runs:
             is_reference = repeat is None
-            config = replace(base, **variant.engine_overrides)
+            run_trace = trace if repeat is None else traces[repeat]
+            run_seed = cfg.seed if repeat is None else repeat_seed(cfg, repeat)
+            config = replace(base, seed=run_seed, **variant.engine_overrides)
             if is_reference or variant.unbounded_pool:
                 # NOTE: the pool holds the whole working set: nothing is ever evicted.
-                config = replace(config, num_kv_blocks=working_set_blocks(trace, cfg.block_size) + blocks)
+                config = replace(config, num_kv_blocks=working_set_blocks(run_trace, cfg.block_size) + blocks)
             try:
                 engine = make_engine(config, cfg.backend, loaded)
             except ValueError as exc:
@@ -532,10 +552,10 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             label = "unbounded reference" if is_reference else variant.name
             if not is_reference and cfg.repeats > 1:
                 label = f"{variant.name} ({repeat + 1}/{cfg.repeats})"
-            task = progress.add_task(label, total=len(trace.jobs)) if progress is not None else None
+            task = progress.add_task(label, total=len(run_trace.jobs)) if progress is not None else None
             compiled_before = compiled_kernel_count(cfg.device) if cfg.backend == "real" else None
             outcome = drive(
-                engine, trace, variant, time_scale=cfg.time_scale, seed=cfg.seed,
+                engine, run_trace, variant, time_scale=cfg.time_scale, seed=run_seed,
                 concurrency=None if cfg.rate is not None else cfg.concurrency,
                 sleep=None if cfg.backend == "sim" else time.sleep,
                 on_progress=(lambda n, t=task: progress.update(t, completed=n)) if progress is not None else None,
@@ -559,6 +579,11 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             notes.append("lossless_agreement: tokens of every request compared with an unbounded-pool vllm-apc run")
         if cfg.backend == "sim":
             notes.append("sim backend: latency model on a virtual clock; tokens are synthetic")
+            if cfg.repeats > 1:
+                notes.append(
+                    f"sim backend: repeat r runs workload seed {cfg.seed} + r (seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1}); "
+                    "the intervals are the spread over workloads"
+                )
         results_policies = {name: repeated_result(o, reference, slo) for name, o in outcomes.items()}
     if cfg.backend == "http":
         results_policies = {name: policy_result(o, None, slo) for name, o in outcomes.items()}

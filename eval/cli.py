@@ -264,7 +264,8 @@ def bench(
     time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and arrivals."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
     kv_fraction: float = typer.Option(
-        None, help="Pool as a fraction of the workload's working set (ablations; default 0.5, at least the largest job)."
+        None, help="Pool as a fraction of the whole workload's working set (ablations; default 0.5, at least the "
+        "largest job). With many jobs that pool may never fill: --num-kv-blocks puts it under pressure.",
     ),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
     lossless_check: bool = typer.Option(
@@ -274,7 +275,10 @@ def bench(
     step_log: bool = typer.Option(
         False, "--step-log", help="Also write every engine step to steps/<policy>.jsonl and every request to requests/<policy>.jsonl."
     ),
-    repeats: int = typer.Option(1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report keeps each run's means."),
+    repeats: int = typer.Option(
+        1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report shows each mean as "
+        "[min, max] over the runs. The sim backend is deterministic, so there run r uses seed + r.",
+    ),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -432,23 +436,36 @@ def torch_device_type(device: str) -> str:
 
 def print_results_table(results: Any) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    from eval.report_summary import format_metric, run_warnings
+
     run = results.run
-    table = Table(title=f"{run.workload} x {run.num_jobs} jobs, {run.backend}, {run.model}, pool {run.kv_blocks} blocks")
-    for col in ("policy", "JCT mean", "JCT p95", "TTFT mean", "TPOT mean", "hit rate", "computed tok", "recomputed", "evictions", "lossless"):
-        table.add_column(col, justify="right" if col != "policy" else "left")
+    runs = max((len(r.runs) for r in results.policies.values()), default=0)
+    title = f"{run.workload} x {run.num_jobs} jobs, {run.backend}, {run.model}, pool {run.kv_blocks} blocks"
+    if runs > 1:
+        title += f", {runs} runs each (means: mean [min, max] over the runs)"
+    table = Table(title=escape(title))
+    for col in ("policy", "JCT mean", "JCT p95", "TTFT mean", "TPOT mean", "hit rate", "computed tok", "recomputed",
+                "evictions", "peak blocks", "lossless"):
+        table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
 
     def s(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}s"
 
     for name, r in results.policies.items():
         agree = "-" if r.lossless_agreement is None else f"{r.lossless_agreement:.0%}"
-        table.add_row(
-            name, s(r.jct.mean), s(r.jct.p95), s(r.ttft.mean), s(r.tpot.mean), f"{r.hit_rate:.1%}",
-            str(r.computed_tokens), str(r.recomputed_tokens.total), str(r.evictions), agree,
+        cells = (
+            name, format_metric(r, "jct_mean", r.jct.mean), s(r.jct.p95), format_metric(r, "ttft_mean", r.ttft.mean),
+            format_metric(r, "tpot_mean", r.tpot.mean), f"{r.hit_rate:.1%}", str(r.computed_tokens),
+            str(r.recomputed_tokens.total), str(r.evictions), str(r.peak_blocks_in_use), agree,
         )
-    Console(width=150).print(table)
+        table.add_row(*(escape(c) for c in cells))
+    # NOTE: wide enough for three intervals on one line each (a log is no terminal to wrap for).
+    Console(width=200).print(table)
+    for warning in run_warnings(results):
+        typer.echo(f"warning: {warning}")
 
 
 @app.command()

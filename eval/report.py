@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from eval.report_summary import RunMetric, format_metric, run_warnings, what_this_shows
 from eval.results import PolicyResult, Results, atomic_write_text, load_results
 
 if TYPE_CHECKING:
@@ -47,18 +48,20 @@ class _Metric:
     # True: a ratio below 1 is better; False: above 1 is better; None: no ratio row.
     lower_is_better: bool | None
     headline: bool = False
+    # The per-run mean behind the row: with several runs the cell shows their interval.
+    run_metric: RunMetric | None = None
 
 
 # Tuples of frozen dataclasses: constant, not mutable module state.
 _SUMMARY_METRICS: tuple[_Metric, ...] = (
-    _Metric("JCT mean", lambda p: p.jct.mean, "seconds", True, headline=True),
+    _Metric("JCT mean", lambda p: p.jct.mean, "seconds", True, headline=True, run_metric="jct_mean"),
     _Metric("JCT p50", lambda p: p.jct.p50, "seconds", True),
     _Metric("JCT p95", lambda p: p.jct.p95, "seconds", True),
     _Metric("JCT p99", lambda p: p.jct.p99, "seconds", True, headline=True),
-    _Metric("TTFT mean", lambda p: p.ttft.mean, "seconds", True, headline=True),
+    _Metric("TTFT mean", lambda p: p.ttft.mean, "seconds", True, headline=True, run_metric="ttft_mean"),
     _Metric("TTFT p50", lambda p: p.ttft.p50, "seconds", True),
     _Metric("TTFT p99", lambda p: p.ttft.p99, "seconds", True, headline=True),
-    _Metric("TPOT mean", lambda p: p.tpot.mean, "seconds", True, headline=True),
+    _Metric("TPOT mean", lambda p: p.tpot.mean, "seconds", True, headline=True, run_metric="tpot_mean"),
     _Metric("TPOT p50", lambda p: p.tpot.p50, "seconds", True),
     _Metric("TPOT p99", lambda p: p.tpot.p99, "seconds", True),
     _Metric("Queueing mean", lambda p: p.queue.mean, "seconds", True),
@@ -213,10 +216,17 @@ def _metric_table(
 ) -> _Table:
     """Rows are metrics, columns are policies (in display order)."""
     names = list(results.policies)
-    rows = tuple(
-        (m.label, *(_fmt(m.get(results.policies[n]), m.kind) for n in names)) for m in metrics
-    )
+    rows = tuple((m.label, *(_cell(m, results.policies[n]) for n in names)) for m in metrics)
     return _Table(table_id, title, ("Metric", *names), rows, note)
+
+
+def _cell(metric: _Metric, policy: PolicyResult) -> str:
+    """One policy's cell: the mean over its runs with their ``[min, max]`` when the metric has
+    a per-run mean and the policy ran more than once, else the value."""
+    value = metric.get(policy)
+    if metric.run_metric is not None and len(policy.runs) > 1:
+        return format_metric(policy, metric.run_metric, None if value is None else float(value))
+    return _fmt(value, metric.kind)
 
 
 def _ratio_table(results: Results, baseline: str) -> _Table:
@@ -292,9 +302,10 @@ def _tables(results: Results, baseline: str | None) -> tuple[_Table, ...]:
             "Summary",
             _SUMMARY_METRICS,
             results,
-            "Latencies per job (JCT) or per request (TTFT, TPOT, queueing). Hit rate = hit tokens "
-            "/ prompt tokens. Lossless agreement = fraction of requests whose tokens equal the "
-            "unbounded-pool run's.",
+            "Latencies per job (JCT) or per request (TTFT, TPOT, queueing). With several runs per "
+            "policy, the mean rows show the mean of the runs' means and [min, max] over the runs; "
+            "the other rows pool the runs. Hit rate = hit tokens / prompt tokens. Lossless "
+            "agreement = fraction of requests whose tokens equal the unbounded-pool run's.",
         ),
     ]
     if baseline is not None and len(results.policies) > 1:
@@ -529,6 +540,10 @@ def _render_markdown(
     plots: Sequence[_Plot],
 ) -> str:
     out = [f"# AsymCache eval report: {_md_cell(results.run.workload)}", ""]
+    out += ["## What this shows", "", _md_cell(what_this_shows(results)), ""]
+    warnings = run_warnings(results)
+    for warning in warnings:  # NOTE: one blockquote each; adjacent quote lines join into one paragraph
+        out += [f"> **Warning:** {_md_cell(warning)}", ""]
     for table in tables:
         out += [f"## {table.title}", ""]
         if table.note:
@@ -571,6 +586,7 @@ td { text-align: right; font-variant-numeric: tabular-nums; }
 tbody th { text-align: left; font-weight: normal; }
 #table-run td { text-align: left; word-break: break-all; }
 .note { color: #555; font-size: 0.9rem; }
+.warning { background: #fff4e0; border-left: 4px solid #e08a00; padding: 0.4rem 0.8rem; }
 .plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(540px, 1fr)); gap: 1rem; }
 figure { margin: 0; } img { max-width: 100%; height: auto; border: 1px solid #ddd; }
 .placeholder { border: 1px dashed #aaa; padding: 2rem; color: #555; text-align: center; }
@@ -578,6 +594,11 @@ figure { margin: 0; } img { max-width: 100%; height: auto; border: 1px solid #dd
 </head>
 <body data-images-loaded="0">
 <h1>AsymCache eval report: {{ run.workload }}</h1>
+<section id="section-what-this-shows">
+<h2>What this shows</h2>
+<p id="what-this-shows">{{ summary }}</p>
+{% for w in warnings %}<p class="warning"><strong>Warning:</strong> {{ w }}</p>
+{% endfor %}</section>
 {% for table in tables %}
 <section id="section-{{ table.id }}">
 <h2>{{ table.title }}</h2>
@@ -637,7 +658,10 @@ def _render_html(
     # A fresh environment per call (no module-level state); autoescape escapes every string.
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     template = env.from_string(_HTML_TEMPLATE)
-    return template.render(run=results.run, tables=tables, headlines=headlines, plots=plots)
+    return template.render(
+        run=results.run, tables=tables, headlines=headlines, plots=plots,
+        summary=what_this_shows(results), warnings=run_warnings(results),
+    )
 
 
 
