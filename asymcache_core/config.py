@@ -93,6 +93,8 @@ class EngineConfig:
             (:mod:`kernels.batch_invariant`, the MSA plan's fixed chunks, :func:`~kernels.reference.msa_tiled`).
             Greedy outputs are then exactly those of an unbounded pool under every policy, on
             the GPU too.
+        max_step_log: most recent steps :attr:`Engine.step_log` keeps (``None``: every step;
+            the benchmarks read them all, a long-running server keeps a window).
         enforce_eager: never capture CUDA graphs (vLLM's flag). Otherwise, on CUDA with the
             Triton backend, decode-only steps replay one CUDA graph and other steps of at most
             ``mixed_graph_max_tokens`` tokens replay piecewise graphs around the eager MSA
@@ -164,6 +166,8 @@ class EngineConfig:
     batch_invariant: bool = field(default=False, metadata=_flag(
         "--batch-invariant", "Fixed reduction order in every op: each token's logits are the same bits "
         "whatever shares its step, however its prompt was chunked, cached or rebuilt."))
+    max_step_log: int | None = field(default=None, metadata=_flag(
+        "--max-step-log", "Most recent engine steps kept in the step log (default: all; serve keeps 10,000)."))
     enforce_eager: bool = field(default=False, metadata=_flag("--enforce-eager", "Never capture CUDA graphs."))
     mixed_graph_max_tokens: int = field(default=1024, metadata=_flag(
         "--mixed-graph-max-tokens", "Largest step (tokens) replayed as piecewise CUDA graphs; 0 runs every "
@@ -229,6 +233,10 @@ class EngineConfig:
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend: one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.max_step_log is not None and (
+            isinstance(self.max_step_log, bool) or not isinstance(self.max_step_log, int) or self.max_step_log < 1
+        ):
+            raise ValueError(f"max_step_log: must be a positive integer or None, got {self.max_step_log!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant: must be a bool, got {self.batch_invariant!r}")
         if self.batch_invariant and self.attention_backend == "naive":

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
@@ -307,7 +308,8 @@ class Engine:
             self.attention_backend = "simulated"
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
-        self.step_log: list[StepStats] = []
+        # NOTE: a deque, bounded by ``max_step_log`` for servers that run for days.
+        self.step_log: deque[StepStats] = deque(maxlen=config.max_step_log)
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         #: a job idle this long (nothing in flight, no pin) loses its per-job state

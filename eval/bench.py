@@ -13,6 +13,7 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -256,7 +257,7 @@ def step_log_name(variant: str) -> str:
     return variant.replace("/", "_").replace(":", "-").replace("+", "-")
 
 
-def write_step_log(steps: list[Any], path: Path) -> Path:
+def write_step_log(steps: Iterable[Any], path: Path) -> Path:
     """Writes one JSON object per engine step (the fields of ``StepStats``).
 
     Returns:

@@ -706,7 +706,7 @@ class StartupLine(logging.Handler):
 
 @app.command()
 @clean_errors
-@engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 2048})
+@engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 2048, "max_step_log": 10_000})
 def serve(
     ctx: typer.Context,
     host: str = typer.Option("127.0.0.1"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.continuum.estimator import MAX_TOOLS, ToolDurationEstimator
 from asymcache_core.engine import JOB_SWEEP_INTERVAL_S
@@ -67,3 +69,18 @@ def test_tool_names_are_bounded():
     for i in range(MAX_TOOLS + 500):
         est.record(f"tool-{i}", 1.0)
     assert len(est._samples) == MAX_TOOLS and est.samples(f"tool-{MAX_TOOLS + 499}") == [1.0]
+
+
+def test_the_step_log_keeps_a_window_when_bounded() -> None:
+    from asymcache_core import Engine, EngineConfig, SamplingParams
+
+    with pytest.raises(ValueError, match="max_step_log"):
+        EngineConfig(max_step_log=0)
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=64, max_step_log=3))
+    engine.add_request(list(range(10, 40)), SamplingParams(max_tokens=8, ignore_eos=True))
+    starts = []
+    while engine.has_unfinished():
+        engine.step()
+        starts.append(engine.step_log[-1].start)
+    assert len(starts) > 3 and len(engine.step_log) == 3
+    assert [s.start for s in engine.step_log] == starts[-3:]  # the most recent steps, in order
