@@ -107,6 +107,7 @@ def run_agent(
     policy: str = "asymcache+continuum",
     *,
     forced_tool_turns: int = 1,
+    tool_choice: Sequence[str] | None = None,
     max_tokens: int = 256,
     tools: Sequence[str] | None = None,
     print_fn: Callable[[str], None] = print,
@@ -129,7 +130,9 @@ def run_agent(
         model: model spec.
         max_turns: LLM calls at most.
         policy: serving preset.
-        forced_tool_turns: leading turns forced into a tool call.
+        forced_tool_turns: leading turns forced into a tool call (when ``tool_choice`` is None).
+        tool_choice: one choice per leading turn, each ``auto``, ``none``, ``required`` or a
+            tool's name (that call is forced); later turns are ``auto``.
         max_tokens: generated tokens per turn.
         tools: restrict to these built-in tool names (default: all four).
         print_fn: where each turn is printed.
@@ -170,6 +173,8 @@ def run_agent(
             chosen.register(tool)
         registry = chosen
 
+    choices = _turn_choices(tool_choice, forced_tool_turns, registry.names)
+
     def show(record: TurnRecord) -> None:
         turn = record.turn
         m = turn.metrics
@@ -192,7 +197,7 @@ def run_agent(
         try:
             job = runtime.job(tools=registry, system_prompt=DEFAULT_AGENT_SYSTEM_PROMPT)
             result = await job.run(
-                task, max_turns=max_turns, tool_choice=["required"] * forced_tool_turns,
+                task, max_turns=max_turns, tool_choice=choices,
                 max_tokens=max_tokens, on_turn=show,
             )
         finally:
@@ -205,6 +210,29 @@ def run_agent(
         return result
 
     return asyncio.run(main())
+
+
+def _turn_choices(
+    tool_choice: Sequence[str] | None, forced_tool_turns: int, names: Sequence[str]
+) -> list[str | dict[str, Any]]:
+    """Per-turn ``tool_choice`` values from ``auto``/``none``/``required``/tool names.
+
+    Raises:
+        ValueError: an entry that is none of those (names ``tool_choice``).
+    """
+    if tool_choice is None:
+        return ["required"] * forced_tool_turns
+    if isinstance(tool_choice, str):
+        raise ValueError("tool_choice: give a sequence of per-turn choices, e.g. ['list_files', 'read_file']")
+    out: list[str | dict[str, Any]] = []
+    for entry in tool_choice:
+        if entry in ("auto", "none", "required"):
+            out.append(entry)
+        elif entry in names:
+            out.append({"type": "function", "function": {"name": entry}})
+        else:
+            raise ValueError(f"tool_choice: {entry!r} is not auto, none, required or one of {list(names)}")
+    return out
 
 
 def run_chat(

@@ -757,6 +757,10 @@ def agent_run(
     ),
     max_turns: int = typer.Option(6, min=1),
     policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    tool_choice: str = typer.Option(
+        "required", help="Per-turn tool choice, comma-separated: auto, none, required or a tool name (that "
+        "call is forced, constrained decoding); later turns are auto. Small models need the tools named."
+    ),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -765,10 +769,13 @@ def agent_run(
 
     if not workdir.is_dir():
         raise ValueError(f"workdir: {str(workdir)!r} is not a directory")
+    choices = [c.strip() for c in tool_choice.split(",") if c.strip()]
     from eval.cli_progress import showing_model_loads
 
     with showing_model_loads():
-        run_agent(task=task, workdir=workdir, max_turns=max_turns, policy=policy, **engine_args)
+        run_agent(
+            task=task, workdir=workdir, max_turns=max_turns, policy=policy, tool_choice=choices, **engine_args
+        )
 
 
 def main() -> None:  # pragma: no cover - console entry point

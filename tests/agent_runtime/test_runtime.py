@@ -252,6 +252,8 @@ def test_commands(smollm, tmp_path, capsys):
         run_agent("task", root, policy="bogus")
     with pytest.raises(ValueError, match="^tools:"):
         run_agent("task", root, tools=["rm"])
+    with pytest.raises(ValueError, match="^tool_choice: 'rm' is not"):
+        run_agent("task", root, tool_choice=["required", "rm"])
     with pytest.raises(ValueError, match="^port:"):
         run_serve(port=70000)
     with pytest.raises(ValueError, match="^num_kv_blocks:"):
@@ -274,6 +276,12 @@ def test_commands(smollm, tmp_path, capsys):
     assert result.metrics.num_turns == 1 and result.finish_reason == "max_turns"
     assert result.turns[0].turn.parsed.tool_calls[0].name == "list_files"
     assert lines[0].startswith("[turn 1]") and any(line.startswith("[done: max_turns]") for line in lines)
+    # a named tool per turn forces that call (constrained decoding), whatever the model prefers
+    result = run_agent(
+        "Which files are there?", root, max_turns=2, tool_choice=["list_files", "read_file"], max_tokens=40,
+        loaded=smollm, num_kv_blocks=128, print_fn=lines.append, policy="asymcache+continuum",
+    )
+    assert [t.turn.parsed.tool_calls[0].name for t in result.turns] == ["list_files", "read_file"]
 
     inputs = iter(["Hello!", "", "/exit", "never read"])
     out: list[str] = []

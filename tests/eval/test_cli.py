@@ -113,8 +113,12 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     # everything handed on is an EngineConfig field, or the command's own argument
     own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout"},
            "chat": {"policy"},
-           "agent": {"task", "workdir", "max_turns", "policy"}}[argv[0]]
+           "agent": {"task", "workdir", "max_turns", "policy", "tool_choice"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}
+    if argv[0] == "agent":
+        assert kw["tool_choice"] == ["required"]  # the first turn forced into some tool call
+    # a server keeps a window of its step log; the other commands keep every step
+    assert kw.get("max_step_log") == (10_000 if argv[0] == "serve" else None)
 
 
 def test_serve_defaults_and_bad_values(monkeypatch):
