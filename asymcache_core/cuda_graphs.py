@@ -181,7 +181,9 @@ class DecodeGraphs:
         if pad:
             self.tiles[num:size].zero_()
         self.block_tables[:num, :width].copy_(tables, non_blocking=True)
-        self.chunk.fill_(self._graph_chunk(self.plans[size], max(batch.positions) + 1))
+        plan = self.plans[size]
+        if plan.chunk_buffer is not None:  # the batch-invariant plan's chunk is fixed
+            self.chunk.fill_(self._graph_chunk(plan, max(batch.positions) + 1))
         captured = self.graphs[size]
         captured.graph.replay()
         return captured.logits[:num]

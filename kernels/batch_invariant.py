@@ -28,6 +28,12 @@ import torch.nn.functional as F
 ROW_PAD = 8
 
 
+def _as_rows(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor]:
+    """``x [..., K]`` as ``(leading shape, [M, K] rows with a contiguous last dim)``."""
+    rows = x.reshape(-1, x.shape[-1])
+    return x.shape[:-1], rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def linear_naive(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in float64, cast back to ``x``'s dtype (the oracle)."""
     out = x.double() @ weight.double().T
@@ -47,8 +53,7 @@ def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Returns:
         ``[..., N]``, each row the same bits whatever the number of rows.
     """
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
+    lead, rows = _as_rows(x)
     num = rows.shape[0]
     padded = -(-max(num, 1) // ROW_PAD) * ROW_PAD
     if padded != num:
@@ -169,10 +174,7 @@ def matmul_triton(
     """
     if triton is None:
         raise ValueError("batch_invariant: the Triton matmul needs triton")
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    lead, rows = _as_rows(x)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     num, k = rows.shape
@@ -197,10 +199,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     """Batch-invariant RMSNorm of ``x [..., N]`` on the GPU (one program per row)."""
     if triton is None:
         raise ValueError("batch_invariant: the Triton RMSNorm needs triton")
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    lead, rows = _as_rows(x)
     num, n = rows.shape
     out = torch.empty_like(rows)
     if num:

@@ -22,6 +22,7 @@ All host side, no device sync, no Triton needed:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,8 @@ class MSAConfig:
     num_splits: int
 
 
+# NOTE: cached: the planner asks once a step, and the device's properties never change.
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -64,6 +67,7 @@ _DEFAULT_SMEM = 232448
 _SMEM_SLACK = 8192
 
 
+@functools.cache
 def _smem_limit(device: torch.device) -> int:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -179,7 +183,7 @@ def _config_for(
 
 
 def _elem_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 # Keys per chunk of the batch-invariant mode's fixed KV split (a multiple of every KV tile):
@@ -192,6 +196,7 @@ _INVARIANT_PARTIAL_BYTES = 256 << 20
 _INVARIANT_ROWS = (64, 256)
 
 
+@functools.lru_cache(maxsize=64)
 def invariant_config(
     num_q_heads: int,
     num_kv_heads: int,

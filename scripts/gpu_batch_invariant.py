@@ -42,7 +42,7 @@ def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
 
     def spy(plan, sample_index, logits):  # type: ignore[no-untyped-def]
         for row, index in enumerate(sample_index):
-            log[plan.scheduled[index].request.request_id].append(logits[row].float().cpu())
+            log[plan.scheduled[index].request.request_id].append(logits[row].to("cpu", torch.float32, copy=True))
         return sample(plan, sample_index, logits)
 
     engine.runner._sample = spy  # type: ignore[method-assign]

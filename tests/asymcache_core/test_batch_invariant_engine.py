@@ -6,8 +6,6 @@ was chunked, and whether its history was cached or rebuilt as a hole under a tig
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
 
@@ -17,18 +15,20 @@ from tests.conftest import make_engine
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def record_logits(engine) -> dict[str, list[torch.Tensor]]:
-    """Every sampled row's logits, per request id, in step order."""
-    log: dict[str, list[torch.Tensor]] = defaultdict(list)
-    sample = engine.runner._sample
+def _script():
+    """``scripts/gpu_batch_invariant.py``: its logit recorder, and the GPU checks beside the cost figures."""
+    import importlib.util
+    from pathlib import Path
 
-    def spy(plan, sample_index, logits):
-        for row, index in enumerate(sample_index):
-            log[plan.scheduled[index].request.request_id].append(logits[row].clone())
-        return sample(plan, sample_index, logits)
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_batch_invariant.py"
+    spec = importlib.util.spec_from_file_location("gpu_batch_invariant", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    engine.runner._sample = spy
-    return log
+
+record_logits = _script().record_logits
 
 
 def run_all(engine, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict[str, list[torch.Tensor]]:
@@ -108,19 +108,6 @@ def test_batch_invariant_config_is_validated():
         EngineConfig(batch_invariant=True, attention_backend="naive")
 
 
-def _gpu_script():
-    """``scripts/gpu_batch_invariant.py``: the GPU checks live there, beside the cost figures."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_batch_invariant.py"
-    spec = importlib.util.spec_from_file_location("gpu_batch_invariant", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def llama8b():
     from asymcache_core.loaders import load_model
@@ -130,13 +117,13 @@ def llama8b():
 
 @pytest.mark.gpu
 def test_gpu_logits_equal_alone_and_in_a_batch_of_64(llama8b):
-    equal, total, diff = _gpu_script().alone_vs_batch(llama8b, "dummy:llama-3.1-8b", invariant=True)
+    equal, total, diff = _script().alone_vs_batch(llama8b, "dummy:llama-3.1-8b", invariant=True)
     assert equal == total and diff == 0.0
 
 
 @pytest.mark.gpu
 def test_gpu_every_policy_equals_an_unbounded_pool_at_two_chunk_budgets(llama8b):
-    script = _gpu_script()
+    script = _script()
     rows = script.policy_grid(llama8b, "dummy:llama-3.1-8b", {"batch-invariant": True})
     assert {row["budget"] for row in rows} == {8192, 512}
     assert {row["policy"] for row in rows} == {"lru", "vllm-apc", "pensieve", "asymcache"}
