@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from asymcache_core.eviction.base import EvictionPolicy
 
@@ -51,6 +52,19 @@ class KVBlock:
         self.jobs = set()
 
 
+class BlockListener(Protocol):
+    """Told when a block's content changes hands (the host tier copies blocks out on these)."""
+
+    def on_candidate(self, block: KVBlock) -> None:
+        """``block`` became an eviction candidate."""
+
+    def on_evict(self, block: KVBlock) -> None:
+        """``block`` is about to lose its cached content (called before it is reset)."""
+
+    def on_uncache(self, block_id: int) -> None:
+        """``block_id``'s content is no longer trustworthy."""
+
+
 class OutOfBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free or evictable."""
 
@@ -62,9 +76,16 @@ class BlockPool:
         num_blocks: pool size.
         policy: chooses victims among candidates.
         clock: engine time source (virtual in the simulator).
+        listener: told about candidates and evictions (the host tier), or ``None``.
     """
 
-    def __init__(self, num_blocks: int, policy: EvictionPolicy, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: EvictionPolicy,
+        clock: Callable[[], float],
+        listener: BlockListener | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.policy = policy
@@ -73,6 +94,7 @@ class BlockPool:
         self.cached: dict[int, int] = {}
         self.num_evictions = 0
         self.peak_in_use = 0
+        self.listener = listener
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -108,8 +130,7 @@ class BlockPool:
         if len(taken) < count:
             for block in self.policy.pop_victims(count - len(taken), now):
                 assert block.ref_cnt == 0 and block.pin_cnt == 0, "policy returned a held block"
-                del self.cached[block.block_hash]  # type: ignore[arg-type]
-                block.reset()
+                self._drop_content(block)
                 self.num_evictions += 1
                 taken.append(block.block_id)
         for block_id in taken:
@@ -157,6 +178,15 @@ class BlockPool:
             self.free_uncached.append(block.block_id)
         else:
             self.policy.add(block, now)
+            if self.listener is not None:
+                self.listener.on_candidate(block)
+
+    def _drop_content(self, block: KVBlock) -> None:
+        """Forgets an evicted block's cached content (the listener sees it first)."""
+        if self.listener is not None:
+            self.listener.on_evict(block)
+        del self.cached[block.block_hash]  # type: ignore[arg-type]
+        block.reset()
 
     def cache_block(self, block_id: int, block_hash: int, position: int) -> bool:
         """Registers a full, computed block under its chained hash.
@@ -187,6 +217,8 @@ class BlockPool:
         if block.ref_cnt == 0 or block.pin_cnt > 0:
             raise ValueError(f"block_id: block {block_id} is not held by a request alone")
         if block.block_hash is not None:
+            if self.listener is not None:
+                self.listener.on_uncache(block_id)
             del self.cached[block.block_hash]
             block.block_hash = None
 
@@ -218,8 +250,7 @@ class BlockPool:
         """Evicts every candidate (tests and resets); returns how many."""
         victims = self.policy.pop_victims(len(self.policy), self.clock())
         for block in victims:
-            del self.cached[block.block_hash]  # type: ignore[arg-type]
-            block.reset()
+            self._drop_content(block)
             self.free_uncached.append(block.block_id)
             self.num_evictions += 1
         return len(victims)
@@ -230,8 +261,7 @@ class BlockPool:
             raise ValueError(f"block_id: block {block_id} is not an eviction candidate")
         block = self.blocks[block_id]
         self.policy.remove(block)
-        del self.cached[block.block_hash]  # type: ignore[arg-type]
-        block.reset()
+        self._drop_content(block)
         self.free_uncached.append(block_id)
         self.num_evictions += 1
 

@@ -121,6 +121,13 @@ class EngineConfig:
             with less work go first only for this many times its own estimated prefill time
             (the latency model's; admission by ``arrival + patience x own work``), so a stream
             of short turns cannot starve a long cold prompt. ``None``: no bound (by work alone).
+        cpu_offload_gb: host memory (GiB) for a second KV tier below the device pool
+            (vLLM's name; :mod:`asymcache_core.host_tier`): evicted blocks live on there and
+            come back by copy or by recomputation, whichever costs less; ``0``: no tier. Pinned
+            memory on CUDA; on the CPU both tiers are host memory (same copies, same accounting).
+        num_host_kv_blocks: host tier size in blocks (overrides ``cpu_offload_gb``).
+        host_eviction_policy: the host tier's eviction policy (``None``: the device pool's;
+            ``vllm-apc``'s order is a plain LRU, what vLLM's CPU offload does).
         seed: seeds dummy weights and random sampling without a per-request seed.
     """
 
@@ -181,6 +188,12 @@ class EngineConfig:
     least_work_patience: float | None = field(default=None, metadata=_flag(
         "--least-work-patience", "With --least-work-first: a request lets later, smaller ones go first "
         "for at most this many times its own estimated prefill time (default: no bound)."))
+    cpu_offload_gb: float = field(default=0.0, metadata=_flag(
+        "--cpu-offload-gb", "Host memory (GiB) for a second KV tier: evicted blocks are kept there and "
+        "copied back or recomputed, whichever is cheaper (0: no tier)."))
+    num_host_kv_blocks: int | None = field(default=None, metadata=_flag(
+        "--num-host-kv-blocks", "Host KV tier size in blocks (overrides --cpu-offload-gb)."))
+    host_eviction_policy: str | None = None
     seed: int = field(default=0, metadata=_flag(
         "--seed", "Seeds dummy weights and sampling without a per-request seed."))
 
@@ -260,6 +273,16 @@ class EngineConfig:
                 raise ValueError(f"least_work_patience: must be a positive number or None, got {value!r}")
             if not self.least_work_first:
                 raise ValueError("least_work_patience: needs least_work_first=True")
+        value = self.cpu_offload_gb
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"cpu_offload_gb: must be a number >= 0, got {value!r}")
+        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks != 0:
+            _positive_int("num_host_kv_blocks", self.num_host_kv_blocks)
+        if self.host_eviction_policy is not None and self.host_eviction_policy not in registered_policies():
+            raise ValueError(
+                f"host_eviction_policy: unknown policy {self.host_eviction_policy!r}; "
+                f"registered: {', '.join(registered_policies())}"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
 

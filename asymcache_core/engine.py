@@ -26,6 +26,7 @@ from asymcache_core.continuum.backends import PinManager
 from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.eviction import PolicyContext, create_policy
+from asymcache_core.host_tier import HostTier, KVTransfers
 from asymcache_core.job_admission import JobAdmission
 from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_cache_manager import KVCacheManager
@@ -109,6 +110,7 @@ class EngineCounters:
     generated_tokens: int = 0
     num_preemptions: int = 0
     num_requests: int = 0
+    reload_tokens: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -142,6 +144,16 @@ class EngineStats:
     requests_total: int
     jobs_admitted: int = 0
     jobs_held_back_total: int = 0
+    engine_reload_tokens_total: int = 0
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_cached: int = 0
+    host_offloaded_blocks_total: int = 0
+    host_reloaded_blocks_total: int = 0
+    host_prefetched_blocks_total: int = 0
+    host_recompute_chosen_blocks_total: int = 0
+    host_evictions_total: int = 0
+    host_bytes_to_host_total: int = 0
+    host_bytes_to_device_total: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Field name -> value, in declaration order."""
@@ -246,12 +258,31 @@ class Engine:
             config.eviction_policy, PolicyContext(config.block_size, self.latency, self.job_stats)
         )
         self.pool = BlockPool(self.num_blocks, policy, self.clock)
+        self.block_bytes = mc.kv_bytes_per_token(dtype_bytes) * config.block_size
+        self.num_host_blocks = config.num_host_kv_blocks
+        if self.num_host_blocks is None:
+            self.num_host_blocks = int(config.cpu_offload_gb * GIB // self.block_bytes)
+        #: the host KV tier below the device pool (``None``: no ``cpu_offload_gb``)
+        self.host_tier: HostTier | None = None
+        if self.num_host_blocks > 0:
+            host_policy = create_policy(
+                config.host_eviction_policy or config.eviction_policy,
+                PolicyContext(config.block_size, self.latency, self.job_stats),
+            )
+            self.host_tier = HostTier(
+                self.num_host_blocks, host_policy, self.clock, block_bytes=self.block_bytes, latency=self.latency
+            )
+            self.pool.listener = self.host_tier
         hole_reuse = policy.hole_reuse if config.hole_reuse is None else config.hole_reuse
-        self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse)
+        self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse, tier=self.host_tier)
         self.pins = PinManager(self.pool)
         self.continuum = ContinuumController(self.pins, self.latency, self.job_stats, self.clock)
         job_admission = policy.job_admission if config.job_admission is None else config.job_admission
-        self.job_admission = JobAdmission(self.num_blocks * config.block_size) if job_admission else None
+        # NOTE: the host tier holds a copy of what the device evicts (it is inclusive, not
+        # additive): the jobs whose contexts it holds come back by copy, not by recomputation,
+        # so the jobs that fit are those the larger of the two tiers holds.
+        capacity = max(self.num_blocks, self.num_host_blocks) * config.block_size
+        self.job_admission = JobAdmission(capacity) if job_admission else None
         self._stalled = False
         fixed = config.chunk_budget()
         # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
@@ -301,11 +332,15 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 cuda_graphs=not config.enforce_eager and device.type == "cuda" and backend.name == "triton",
                 mixed_graph_tokens=config.mixed_graph_max_tokens,
+                num_host_blocks=self.num_host_blocks,
             )
             self.attention_backend = backend.name
         else:
             self.runner = runner_factory(self)
             self.attention_backend = "simulated"
+        if self.host_tier is not None:
+            self.host_tier.is_complete = self.runner.transfer_complete  # type: ignore[attr-defined]
+            self.host_tier.wait = self.runner.wait_transfers  # type: ignore[attr-defined]
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         # NOTE: a deque, bounded by ``max_step_log`` for servers that run for days.
@@ -352,7 +387,9 @@ class Engine:
         clock = VirtualClock()
 
         def runner(engine: Engine) -> Runner:
-            return SimulatedRunner(device_latency or engine.latency, clock, engine.model_config.vocab_size)
+            return SimulatedRunner(
+                device_latency or engine.latency, clock, engine.model_config.vocab_size, engine.host_tier
+            )
 
         return cls(config, clock=clock, runner_factory=runner, latency=latency, **overrides)
 
@@ -558,10 +595,18 @@ class Engine:
         start = self.clock()
         self.pins.expire(start)
         self._sweep_jobs(start)
+        if self.host_tier is not None:
+            self._prefetch(start)
         plan = self.scheduler.schedule()
         outputs, self._pending_outputs = self._pending_outputs, []
+        if plan.transfers is not None:
+            self._transfer(plan.transfers)
         self._stalled = plan.is_empty and self.scheduler.has_unfinished()
         if plan.is_empty:
+            if self._stalled and any(r.kv_ticket is not None for r in self.scheduler.running):
+                # NOTE: nothing to compute but copies in flight: wait for them, not for an event.
+                self.runner.wait_transfers(None)  # type: ignore[attr-defined]
+                self._stalled = False
             return outputs
         planned = self.clock()
         ran, sampled, faults = self._execute(plan)
@@ -578,6 +623,72 @@ class Engine:
                 outputs.append(self._output(request, []))
         updates = self.scheduler.update_from_output(ran, sampled, end)
         return outputs + [self._process_output(update, end) for update in updates]
+
+    # -- the host tier -------------------------------------------------------------------------
+    def _transfer(self, transfers: KVTransfers) -> None:
+        """Issues the step's host-tier copies; if they fail, what they were to fill is dropped
+        (:meth:`_abandon_transfers`: the requests waiting for it recompute it), and the step
+        goes on."""
+        if transfers.is_empty and transfers.wait_offloads_of is None:
+            return
+        try:
+            self.runner.transfer_kv(transfers)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - the copies' targets are recomputed instead
+            logger.error("host KV tier copies failed (%s: %s); recomputing their blocks", type(exc).__name__, exc)
+            self._abandon_transfers(transfers)
+
+    def _abandon_transfers(self, transfers: KVTransfers) -> None:
+        """The copies of ``transfers`` may not have landed: the host slots they were to fill
+        and the device blocks they were to reload stop being cache hits, and the requests that
+        hold such blocks start over."""
+        tier = self.host_tier
+        assert tier is not None
+        for _, slot in transfers.offloads:
+            if tier.pool.is_candidate(slot):
+                tier.pool.evict_block(slot)
+        targets = {block_id for _, block_id in transfers.reloads}
+        for request in [r for r in self.scheduler.running if targets.intersection(self.kv.held_blocks(r))]:
+            request.kv_ticket = None
+            self.scheduler.preempt(request)
+        for block_id in targets:
+            block = self.pool.blocks[block_id]
+            if block.block_hash is None or block.pin_cnt > 0:
+                continue
+            tier.on_uncache(block_id)  # never copy its content back out
+            if block.ref_cnt > 0:
+                self.pool.uncache(block_id)  # a prefetch holds it
+            else:
+                self.pool.evict_block(block_id)
+        self.kv.loading = {b: t for b, t in self.kv.loading.items() if b not in targets}
+
+    def _prefetch(self, now: float) -> None:
+        """Copies paused jobs' blocks back from the host before their next turn arrives.
+
+        A job is due when its expected return (the runtime's tool-pause hint, else its own
+        gaps: :meth:`JobStats.expected_return`) is closer than the copy of its blocks plus two
+        recent steps. Only free blocks are used, soonest job first, so nothing cached is evicted
+        for a guess.
+        """
+        free = len(self.pool.free_uncached)
+        if free == 0:
+            return
+        step_s = self.step_log[-1].duration_s if self.step_log else 0.0
+        assert self.host_tier is not None
+        due: list[tuple[float, str]] = []
+        for job_id, blocks in self.pins.last_blocks.items():
+            state = self.job_stats.jobs.get(job_id)
+            if state is None or state.running > 0 or state.finished or not blocks:
+                continue
+            back = self.job_stats.expected_return(job_id)
+            if back is None or back < now:
+                continue
+            if back - now <= self.host_tier.reload_seconds(len(blocks)) + 2 * step_s:
+                due.append((back, job_id))
+        for _, job_id in sorted(due):
+            blocks = self.pins.last_blocks[job_id]
+            free -= self.kv.prefetch([h for _, h in blocks], list(range(len(blocks))), job_id, free)
+            if free <= 0:
+                break
 
     # -- step faults ---------------------------------------------------------------------------
     def _execute(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, int], list[tuple[Request, str]]]:
@@ -757,6 +868,7 @@ class Engine:
         c.preempted_tokens += m.preempted_tokens
         c.computed_tokens += m.computed_tokens
         c.num_preemptions += m.num_preemptions
+        c.reload_tokens += m.reload_tokens
         self.continuum.on_request_finished(request)
         del self.requests[request.request_id]
 
@@ -882,17 +994,40 @@ class Engine:
             requests_total=c.num_requests,
             jobs_admitted=self.job_admission.num_jobs if self.job_admission is not None else 0,
             jobs_held_back_total=self.job_admission.num_held_back if self.job_admission is not None else 0,
+            engine_reload_tokens_total=c.reload_tokens,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, int]:
+        tier = self.host_tier
+        if tier is None:
+            return {}
+        n = tier.counters
+        return {
+            "host_kv_blocks_total": tier.pool.num_blocks,
+            "host_kv_blocks_cached": len(tier.pool.cached),
+            "host_offloaded_blocks_total": n.offloaded,
+            "host_reloaded_blocks_total": n.reloaded,
+            "host_prefetched_blocks_total": n.prefetched,
+            "host_recompute_chosen_blocks_total": n.recompute_chosen,
+            "host_evictions_total": tier.pool.num_evictions,
+            "host_bytes_to_host_total": n.bytes_to_host,
+            "host_bytes_to_device_total": n.bytes_to_device,
+        }
 
     def check_integrity(self) -> None:
         """Pool invariants plus: every block held by a request is counted by its ref count."""
         self.pool.check_integrity()
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
         if self.job_admission is not None:
             self.job_admission.check_integrity()
         refs: dict[int, int] = {}
         for request in self.scheduler.running + self.scheduler.waiting:
             for b in self.kv.held_blocks(request):
                 refs[b] = refs.get(b, 0) + 1
+        for b in self.kv.prefetch_held_blocks():
+            refs[b] = refs.get(b, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {refs.get(block.block_id, 0)}"

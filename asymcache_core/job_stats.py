@@ -101,6 +101,19 @@ class JobStats:
         if finished is not None:
             state.finished = finished
 
+    def expected_return(self, job_id: str) -> float | None:
+        """When the job's next request is expected: its last finish plus the runtime's hint,
+        else plus the mean of its own gaps; ``None`` while it runs, once it is done, or with
+        no estimate yet."""
+        state = self.jobs.get(job_id)
+        if state is None or state.finished or state.running > 0 or state.last_finish is None:
+            return None
+        if state.expected_gap is not None:
+            return state.last_finish + state.expected_gap
+        if state.gaps:
+            return state.last_finish + sum(state.gaps) / len(state.gaps)
+        return None
+
     def expected_next_tokens(self, job_id: str | None) -> int:
         if job_id is None or job_id not in self.jobs:
             return 0

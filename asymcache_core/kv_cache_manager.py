@@ -9,6 +9,13 @@ The scheduler asks for blocks with two calls: :meth:`KVCacheManager.try_admit` f
 request (lookup, room check, references on its hits, fresh blocks) and
 :meth:`KVCacheManager.try_allocate` for a running one. Both return an :class:`Allocation`, or
 ``None`` and change nothing when the blocks do not fit.
+
+With a host tier (:mod:`asymcache_core.host_tier`) a block missing on the device may be found on
+the host: the lookup then either reloads each run of such blocks or recomputes it as a hole, by
+cost (``reload_by_cost``, with hole reuse) or always reloads (prefix-only, as vLLM's offloading
+connector does). A request admitted with reloads holds its blocks at once and runs once its
+copies are complete (``Request.kv_ticket``); the step's copies go out in its plan
+(:meth:`KVCacheManager.take_transfers`).
 """
 
 from __future__ import annotations
@@ -17,9 +24,13 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from asymcache_core.block_pool import BlockPool
+from asymcache_core.host_tier import HostTier, KVTransfers
 from asymcache_core.request import HOLE, Request
 
 _ROOT_HASH = 0x5A17C0DE
+
+RELOAD = -2
+"""Block-table entry, during admission only, of a logical block to be reloaded from the host."""
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -37,6 +48,9 @@ class CacheHit(NamedTuple):
         hole_tokens: tokens in holes before the last hit (recomputed although later blocks hit).
         skipped_hit_tokens: tokens in blocks that were cached but unusable (prefix-only mode:
             past the first miss).
+        reloads: logical block index -> host slot of the blocks to reload from the host tier
+            (``RELOAD`` in ``block_table``); their tokens count in ``hit_tokens``.
+        host_recomputed_tokens: tokens found on the host but recomputed (cheaper than a reload).
     """
 
     block_table: list[int]
@@ -44,6 +58,8 @@ class CacheHit(NamedTuple):
     hit_tokens: int
     hole_tokens: int
     skipped_hit_tokens: int
+    reloads: dict[int, int] = {}
+    host_recomputed_tokens: int = 0
 
 
 class Allocation(NamedTuple):
@@ -53,11 +69,14 @@ class Allocation(NamedTuple):
         segments: ``(start, end)`` positions the step computes, ascending.
         new_block_ids: fresh blocks taken for them, in logical order (possibly none).
         hit: the cache lookup an admission installed (``None`` for a running request).
+        deferred: the request's blocks are being loaded from the host tier (or read blocks
+            that are): it holds them, and computes once the copies are complete.
     """
 
     segments: list[tuple[int, int]]
     new_block_ids: list[int]
     hit: CacheHit | None = None
+    deferred: bool = False
 
 
 class KVCacheManager:
@@ -67,12 +86,28 @@ class KVCacheManager:
         pool: the block pool.
         block_size: tokens per block.
         hole_reuse: keep hits after a miss.
+        tier: the host KV tier, or ``None``.
+        reload_by_cost: choose reload or recompute per run of host hits by cost (default: with
+            hole reuse; without it, a recomputed run would end the prefix): else reload all.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, hole_reuse: bool) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        hole_reuse: bool,
+        tier: HostTier | None = None,
+        reload_by_cost: bool | None = None,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.hole_reuse = hole_reuse
+        self.tier = tier
+        self.reload_by_cost = hole_reuse and (reload_by_cost is None or reload_by_cost)
+        #: device block -> ticket of the copy loading it (until that ticket completes)
+        self.loading: dict[int, int] = {}
+        #: prefetched device blocks held until their ticket completes: (ticket, blocks)
+        self._prefetch_held: list[tuple[int, list[int]]] = []
 
     # -- hashing ---------------------------------------------------------------------------
     def ensure_hashes(self, request: Request) -> list[int]:
@@ -94,13 +129,18 @@ class KVCacheManager:
         # NOTE: the last token must run to produce logits, so its block is never taken from cache.
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
         table: list[int] = []
-        leading = -1
+        host_slots: dict[int, int] = {}
         skipped = 0
+        tier = self.tier
         for i in range(max_blocks):
             block_id = self.pool.lookup(hashes[i])
+            if block_id is None and tier is not None:
+                slot = tier.lookup(hashes[i])
+                if slot is not None:
+                    host_slots[i] = slot
+                    table.append(RELOAD)
+                    continue
             if block_id is None:
-                if leading < 0:
-                    leading = i
                 if not self.hole_reuse:
                     skipped = sum(
                         self.pool.lookup(h) is not None for h in hashes[i + 1 : max_blocks]
@@ -109,10 +149,12 @@ class KVCacheManager:
                 table.append(HOLE)
             else:
                 table.append(block_id)
+        recomputed = 0
+        if host_slots and self.reload_by_cost:
+            recomputed = self._recompute_cheap_runs(request, table)
         while table and table[-1] == HOLE:
             table.pop()
-        if leading < 0:
-            leading = len(table)
+        leading = next((i for i, b in enumerate(table) if b == HOLE), len(table))
         hits = sum(b != HOLE for b in table)
         bs = self.block_size
         return CacheHit(
@@ -121,7 +163,42 @@ class KVCacheManager:
             hit_tokens=hits * bs,
             hole_tokens=(len(table) - hits) * bs,
             skipped_hit_tokens=skipped * bs,
+            reloads={i: host_slots[i] for i, b in enumerate(table) if b == RELOAD},
+            host_recomputed_tokens=recomputed * bs,
         )
+
+    def _recompute_cheap_runs(self, request: Request, table: list[int]) -> int:
+        """Turns each run of ``RELOAD`` entries whose recomputation costs less than its copy
+        into holes; returns the blocks turned.
+
+        A run of ``n`` blocks from logical index ``i`` costs ``n`` block rebuilds under the
+        latency model (their attention grows with the position, and tokens that ride under the
+        step's knee are almost free: the request's own new tokens set the step's base), against
+        :meth:`HostTier.reload_seconds` of ``n`` blocks.
+        """
+        assert self.tier is not None
+        bs = self.block_size
+        present = sum(b != HOLE for b in table)
+        base = max(0, request.num_tokens - present * bs)
+        fixed, slope = self.tier.latency.block_rebuild_line(bs, base)
+        turned = 0
+        i = 0
+        while i < len(table):
+            if table[i] != RELOAD:
+                i += 1
+                continue
+            j = i
+            while j < len(table) and table[j] == RELOAD:
+                j += 1
+            n = j - i
+            recompute_s = n * fixed + slope * (i + j - 1) * n / 2
+            if recompute_s < self.tier.reload_seconds(n):
+                table[i:j] = [HOLE] * n
+                turned += n
+            i = j
+        if turned:
+            self.tier.counters.recompute_chosen += turned
+        return turned
 
     def try_admit(
         self,
@@ -170,12 +247,103 @@ class KVCacheManager:
         if short:
             self._uninstall(request)
             return None
-        self.pool.touch((b for b in hit.block_table if b != HOLE), request.job_id)
+        held = [b for b in hit.block_table if b >= 0]
+        self.pool.touch(held, request.job_id)
         if on_hold is not None:
             # NOTE: before the fresh blocks are taken: what the hook releases (a pin on the
             # job's blocks that this request does not hold) may serve this allocation.
             on_hold(request)
+        tickets = [self.loading[b] for b in held if b in self.loading]
+        if hit.reloads:
+            tickets.append(self._reload(request, hit.reloads))
+        if tickets:
+            # NOTE: no fresh blocks yet: the planner skips every block in the table from the
+            # frontier on, so blocks taken now for segments that run later would read as hits.
+            # They are taken when the request is planned, once its copies are complete.
+            request.kv_ticket = max(tickets)
+            return Allocation(segments, [], hit, deferred=True)
         return Allocation(segments, self._allocate(request, needed), hit)
+
+    def _reload(self, request: Request, reloads: dict[int, int]) -> int:
+        """Gives the ``RELOAD`` entries of ``request``'s table fresh blocks and plans their
+        copies from the host; returns the copies' ticket."""
+        assert self.tier is not None
+        hashes = request.block_hashes
+        blocks = self.pool.allocate(len(reloads), request.job_id)
+        ticket = self.tier.ticket
+        for (idx, slot), block_id in zip(sorted(reloads.items()), blocks, strict=True):
+            request.block_ids[idx] = block_id
+            self.pool.cache_block(block_id, hashes[idx], idx)
+            self.tier.reload(slot, block_id)
+            self.loading[block_id] = ticket
+        return ticket
+
+    def ready(self, request: Request) -> bool:
+        """Whether ``request``'s blocks are all loaded (it may compute)."""
+        ticket = request.kv_ticket
+        if ticket is None:
+            return True
+        assert self.tier is not None
+        if not self.tier.is_complete(ticket):
+            return False
+        request.kv_ticket = None
+        return True
+
+    def prefetch(self, hashes: list[int], positions: list[int], job_id: str | None, limit: int) -> int:
+        """Brings host copies of blocks back to the device ahead of their request, into free
+        blocks only (nothing cached is evicted for them).
+
+        Args:
+            hashes: block hashes of a job's context, in order.
+            positions: their logical block indices.
+            job_id: the job they belong to.
+            limit: blocks to bring at most.
+
+        Returns:
+            Blocks whose copy was planned.
+        """
+        if self.tier is None or limit <= 0:
+            return 0
+        taken: list[int] = []
+        ticket = self.tier.ticket
+        for block_hash, position in zip(hashes, positions, strict=True):
+            if len(taken) >= limit or not self.pool.free_uncached:
+                break
+            if self.pool.lookup(block_hash) is not None:
+                continue
+            slot = self.tier.lookup(block_hash)
+            if slot is None:
+                continue
+            block_id = self.pool.allocate(1, job_id)[0]
+            self.pool.cache_block(block_id, block_hash, position)
+            self.tier.reload(slot, block_id, prefetch=True)
+            self.loading[block_id] = ticket
+            taken.append(block_id)
+        if taken:
+            # NOTE: held until the copy is complete, so that nothing evicts the block (and
+            # writes it) while the copy into it may still land.
+            self._prefetch_held.append((ticket, taken))
+        return len(taken)
+
+    def take_transfers(self) -> KVTransfers | None:
+        """This step's block copies (``None`` without a tier); releases prefetched blocks
+        whose copies are complete."""
+        if self.tier is None:
+            return None
+        done = self.tier.is_complete
+        keep: list[tuple[int, list[int]]] = []
+        for ticket, blocks in self._prefetch_held:
+            if done(ticket):
+                self.pool.free(blocks)
+            else:
+                keep.append((ticket, blocks))
+        self._prefetch_held = keep
+        self.loading = {b: t for b, t in self.loading.items() if not done(t)}
+        return self.tier.take_transfers()
+
+    def prefetch_held_blocks(self) -> list[int]:
+        """Device blocks held by prefetch copies that may be in flight."""
+        return [b for _, blocks in self._prefetch_held for b in blocks]
 
     def try_allocate(self, request: Request, segments: list[tuple[int, int]]) -> Allocation | None:
         """Takes the fresh blocks a running request's ``segments`` write to.
@@ -203,8 +371,8 @@ class KVCacheManager:
     def _fits(self, needed: list[int], hit: CacheHit) -> bool:
         """The ``needed`` blocks of a waiting request fit: its own candidate hits leave the free
         count once it holds them."""
-        candidates = sum(1 for b in hit.block_table if b != HOLE and self.pool.is_candidate(b))
-        return len(needed) + candidates <= self.pool.num_free_blocks
+        candidates = sum(1 for b in hit.block_table if b >= 0 and self.pool.is_candidate(b))
+        return len(needed) + len(hit.reloads) + candidates <= self.pool.num_free_blocks
 
     # -- allocation ------------------------------------------------------------------------
     def blocks_needed(self, request: Request, segments: list[tuple[int, int]]) -> list[int]:
@@ -246,6 +414,12 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Drops ``request``'s references, tail first (vLLM's order)."""
+        if request.kv_ticket is not None and not self.ready(request):
+            # NOTE: a copy may still land in its blocks: once freed they can be reused and
+            # written, so wait for it (rare: a request preempted or aborted while loading).
+            assert self.tier is not None
+            self.tier.wait(request.kv_ticket)
+            request.kv_ticket = None
         self.pool.free(b for b in reversed(request.block_ids) if b != HOLE)
         request.block_ids = []
         request.num_committed_blocks = 0

@@ -32,6 +32,8 @@ _DEVICE_PEAKS = {
     "cpu": (1.2e11, 1.5e10, 4.0e-3),
     "cuda": (7.0e14, 4.0e12, 2.0e-3),
 }
+# Nominal host <-> device copy bandwidth (bytes/s) when a profile has none.
+_COPY_BYTES_PER_S = {"cpu": 5.0e9, "cuda": 4.0e10}
 
 
 def segment_attn_pairs(num_tokens: int, start: int) -> float:
@@ -60,6 +62,9 @@ class LatencyModel:
             0 in profiles written before this term existed.
         device_memory_bytes: the profiled device's memory, so that a simulated engine can size
             its pool the way the device would (``gpu_memory_utilization``); ``None``: unknown.
+        h2d_bytes_per_s: measured copy bandwidth from the host KV tier to the device (pinned
+            memory, whole blocks); ``None``: the device type's nominal figure.
+        d2h_bytes_per_s: the same, device to host.
     """
 
     floor_s: float
@@ -73,6 +78,17 @@ class LatencyModel:
     decode_floor_s: float | None = None
     per_decode_kv_s: float = 0.0
     device_memory_bytes: int | None = None
+    h2d_bytes_per_s: float | None = None
+    d2h_bytes_per_s: float | None = None
+
+    def copy_bandwidth(self, to_device: bool) -> float:
+        """Bytes per second of a KV block copy between the host tier and the device: the
+        profile's measured figure, else the device type's nominal one (PCIe 5 x16 with pinned
+        memory on CUDA, a memcpy on the CPU)."""
+        measured = self.h2d_bytes_per_s if to_device else self.d2h_bytes_per_s
+        if measured is not None:
+            return measured
+        return _COPY_BYTES_PER_S.get(self.device, _COPY_BYTES_PER_S["cpu"])
 
     def step_latency(
         self, num_tokens: int, attn_pairs: float, decode_only: bool = False, decode_kv_tokens: float = 0.0

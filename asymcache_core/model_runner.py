@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 
 from asymcache_core.cuda_graphs import DecodeGraphs, decode_batch
+from asymcache_core.host_tier import KVTransfers
+from asymcache_core.kv_transfer import HostKVCache
 from asymcache_core.loaders import LoadedModel
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
@@ -51,6 +53,7 @@ class ModelRunner:
         cuda_graphs: capture decode-only steps as CUDA graphs (CUDA with the Triton backend).
         mixed_graph_tokens: with ``cuda_graphs``, also capture other steps of up to this many
             tokens piecewise (:class:`~asymcache_core.piecewise_graphs.PiecewiseGraphs`); 0: no.
+        num_host_blocks: slots of the host KV tier (:class:`~asymcache_core.kv_transfer.HostKVCache`); 0: none.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class ModelRunner:
         max_num_seqs: int = 0,
         cuda_graphs: bool = False,
         mixed_graph_tokens: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -79,6 +83,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.host_cache = HostKVCache(self.kv_caches, num_host_blocks) if num_host_blocks > 0 else None
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs:
             self.decode_graphs = DecodeGraphs(
@@ -89,6 +94,24 @@ class ModelRunner:
             self.mixed_graphs = PiecewiseGraphs(
                 self.model, self.kv_caches, backend, piecewise_sizes(mixed_graph_tokens), device
             )
+
+    # -- the host tier's copies ---------------------------------------------------------------
+    def transfer_kv(self, transfers: KVTransfers) -> None:
+        """Issues a step's block copies between the host tier and the device caches."""
+        assert self.host_cache is not None, "a plan with block copies needs the host tier"
+        self.host_cache.issue(transfers)
+
+    def transfer_complete(self, ticket: int) -> bool:
+        return self.host_cache is None or self.host_cache.is_complete(ticket)
+
+    def wait_transfers(self, ticket: int | None = None) -> None:
+        """Blocks until the reloads of ``ticket`` (``None``: every copy) have landed."""
+        if self.host_cache is None:
+            return
+        if ticket is None:
+            self.host_cache.wait_all()
+        else:
+            self.host_cache.wait(ticket)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
         """Packs the plan's segments into flat host lists and the MSA metadata."""

@@ -44,6 +44,8 @@ class RequestMetrics:
         suffix_recomputed_tokens: prompt tokens computed after a missing block in prefix-only
             mode although a later block of theirs was cached (what hole reuse would have saved).
         preempted_tokens: tokens computed again because of a preemption.
+        reload_tokens: tokens copied back from the host KV tier instead of being computed
+            (part of ``cached_tokens`` at first admission; counted at every admission).
         computed_tokens: every token the model ran for this request.
         num_preemptions: times it was preempted.
     """
@@ -56,6 +58,7 @@ class RequestMetrics:
     hole_tokens: int = 0
     suffix_recomputed_tokens: int = 0
     preempted_tokens: int = 0
+    reload_tokens: int = 0
     computed_tokens: int = 0
     num_preemptions: int = 0
     token_times: list[float] = field(default_factory=list)
@@ -112,6 +115,8 @@ class Request:
         self.max_computed_ever = 0
         # End of its last cache hit at admission: positions below it that run refill holes.
         self.hit_end = 0
+        #: ticket of the host-tier copies its blocks wait for (``None``: nothing in flight)
+        self.kv_ticket: int | None = None
         self.stop_reason: int | str | None = None
         #: why the request failed alone (sampling or detokenizing raised); None otherwise
         self.error: str | None = None

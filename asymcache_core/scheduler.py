@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
+from asymcache_core.host_tier import KVTransfers
 from asymcache_core.job_admission import JobAdmission
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
 from asymcache_core.latency_model import segment_attn_pairs
@@ -69,12 +70,15 @@ class SchedulerOutput(NamedTuple):
         preempted: requests preempted while planning this step.
         budget: the token budget the step was planned under.
         num_tokens: tokens scheduled in all.
+        transfers: the host-tier block copies issued before the forward pass (``None``
+            without a host tier).
     """
 
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     budget: int
     num_tokens: int
+    transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -325,6 +329,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and left > 0:
             request = self.running[i]
+            if not self.kv.ready(request):
+                i += 1  # its blocks are still being copied in from the host tier
+                continue
             segments = self.plan_segments(request, left)
             if not segments:
                 i += 1
@@ -345,7 +352,7 @@ class Scheduler:
 
         if not preempted:
             left = self._admit_waiting(left, scheduled, now)
-        return SchedulerOutput(scheduled, preempted, budget, budget - left)
+        return SchedulerOutput(scheduled, preempted, budget, budget - left, self.kv.take_transfers())
 
     def _admit_waiting(self, left: int, scheduled: list[ScheduledRequest], now: float) -> int:
         if left <= 0 or len(self.running) >= self.max_num_seqs:
@@ -381,12 +388,17 @@ class Scheduler:
             self._on_admitted(request, allocation.hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if allocation.deferred:
+                # NOTE: it holds its blocks, and computes in a later step, once the copies into
+                # them are complete; the budget goes to the others meanwhile.
+                continue
             self._commit(request, allocation.segments, scheduled, now)
             left -= scheduled[-1].num_tokens
         return left
 
     def _on_admitted(self, request: Request, hit: CacheHit) -> None:
         metrics = request.metrics
+        metrics.reload_tokens += len(hit.reloads) * self.block_size
         if not request.admitted_once:
             request.admitted_once = True
             metrics.cached_tokens = hit.hit_tokens

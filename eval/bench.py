@@ -162,7 +162,8 @@ def _suffix_number(suffix: str, name: str) -> float:
 ENGINE_FIELDS: tuple[str, ...] = (
     "model", "device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
     "latency_profile", "tpot_slo_ms", "attention_backend", "batch_invariant", "enforce_eager",
-    "mixed_graph_max_tokens", "seed", "gpu_memory_utilization", "device_memory_gib",
+    "mixed_graph_max_tokens", "seed", "gpu_memory_utilization", "device_memory_gib", "cpu_offload_gb",
+    "num_host_kv_blocks",
 )
 
 
@@ -215,6 +216,8 @@ class BenchConfig:
             keeps each run's means. On the ``sim`` backend repeat ``r`` runs the workload of
             seed ``seed + r`` (see :func:`repeat_seed`).
         slo: goodput targets, ``jct:S,ttft:MS,tpot:MS`` (:class:`eval.results.SLO`).
+        cpu_offload_gb: every variant's host KV tier (GiB; :mod:`asymcache_core.host_tier`).
+        num_host_kv_blocks: the host tier in blocks (overrides ``cpu_offload_gb``).
     """
 
     workload: str = "swe"
@@ -249,6 +252,8 @@ class BenchConfig:
     step_log: bool = False
     repeats: int = 1
     slo: str | None = None
+    cpu_offload_gb: float = 0.0
+    num_host_kv_blocks: int | None = None
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
 
 
@@ -367,6 +372,18 @@ def _cut_jobs(trace: Any, max_model_len: int) -> Any:
     return trace.model_copy(update={"jobs": jobs})
 
 
+def engine_dtype(cfg: BenchConfig) -> str:
+    """The engines' dtype: ``cfg.dtype``, except that a ``sim`` run with a CUDA latency profile
+    and ``auto`` holds bfloat16 KV, as the engine would on that device (block bytes size the
+    pool and the host tier)."""
+    from asymcache_core.latency_model import LatencyModel
+
+    if cfg.backend == "sim" and cfg.dtype == "auto" and cfg.latency_profile:
+        if LatencyModel.from_json(cfg.latency_profile).device == "cuda":
+            return "bfloat16"
+    return cfg.dtype
+
+
 def memory_pool_plan(cfg: BenchConfig, loaded: Any = None) -> KVPoolPlan:
     """The pool ``cfg.gpu_memory_utilization`` leaves on the run's device.
 
@@ -393,15 +410,11 @@ def memory_pool_plan(cfg: BenchConfig, loaded: Any = None) -> KVPoolPlan:
     from asymcache_core.models import ModelConfig
 
     assert cfg.gpu_memory_utilization is not None
-    engine_config = EngineConfig(device=cfg.device, dtype=cfg.dtype)
+    engine_config = EngineConfig(device=cfg.device, dtype=engine_dtype(cfg))
     dtype = engine_config.torch_dtype
     total = None if cfg.device_memory_gib is None else int(cfg.device_memory_gib * GIB)
-    if cfg.backend == "sim":
-        profile = LatencyModel.from_json(cfg.latency_profile) if cfg.latency_profile else None
-        if profile is not None and profile.device == "cuda" and cfg.dtype == "auto":
-            dtype = torch.bfloat16
-        if total is None and profile is not None:
-            total = profile.device_memory_bytes
+    if cfg.backend == "sim" and total is None and cfg.latency_profile:
+        total = LatencyModel.from_json(cfg.latency_profile).device_memory_bytes
     model = loaded.config if loaded is not None else ModelConfig.from_hf(resolve_hf_config(cfg.model)[0])
     try:
         return plan_for_device(
@@ -507,6 +520,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             # NOTE: ``max_model_len`` only cuts the jobs: the engine keeps the model's own limit,
             # which sizes its CUDA graphs, so that a shorter cut does not change what is timed.
             base = EngineConfig(**{name: getattr(cfg, name) for name in ENGINE_FIELDS})
+            base = replace(base, dtype=engine_dtype(cfg))
         except ValueError as exc:
             raise BenchError(str(exc)) from None
         loaded = None
@@ -543,8 +557,9 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             run_seed = cfg.seed if repeat is None else repeat_seed(cfg, repeat)
             config = replace(base, seed=run_seed, **variant.engine_overrides)
             if is_reference or variant.unbounded_pool:
-                # NOTE: the pool holds the whole working set: nothing is ever evicted.
-                config = replace(config, num_kv_blocks=working_set_blocks(run_trace, cfg.block_size) + blocks)
+                # NOTE: the pool holds the whole working set: nothing is ever evicted (nor offloaded).
+                config = replace(config, num_kv_blocks=working_set_blocks(run_trace, cfg.block_size) + blocks,
+                                 num_host_kv_blocks=0)
             try:
                 engine = make_engine(config, cfg.backend, loaded)
             except ValueError as exc:

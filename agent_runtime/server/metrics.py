@@ -43,7 +43,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300
 #: EngineStats fields not exported (the peak is a run statistic; requests are counted per endpoint).
 _UNEXPORTED = frozenset({"kv_blocks_peak_in_use", "requests_total"})
 #: Gauges although their names end in ``_total`` (a size, not a count of events).
-_GAUGES_NAMED_TOTAL = frozenset({"kv_blocks_total"})
+_GAUGES_NAMED_TOTAL = frozenset({"kv_blocks_total", "host_kv_blocks_total"})
 
 
 class EngineCollector(Collector):

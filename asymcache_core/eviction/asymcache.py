@@ -103,6 +103,10 @@ class AsymCachePolicy(EvictionPolicy):
         live = self._live.get(entry[-1])
         return live is not None and live[0] == entry[-2]
 
+    def worth_keeping(self, block: KVBlock, now: float) -> bool:
+        """Blocks no job can come back for (every job that used it is done) are not kept."""
+        return self.job_stats.block_reuse_probability(block.jobs, block.job_id, now) > 0.0
+
     def score(self, block: KVBlock, now: float) -> float:
         """Expected latency lost by evicting ``block`` now (seconds)."""
         p_reuse = self.job_stats.block_reuse_probability(block.jobs, block.job_id, now)

@@ -74,6 +74,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    def worth_keeping(self, block: KVBlock, now: float) -> bool:
+        """Whether ``block``'s content may still be used (a lower tier copies only those);
+        every block by default, as a plain LRU offload does."""
+        return True
+
 
 class KeyedPolicy(EvictionPolicy):
     """A policy whose order is a key fixed when the block becomes a candidate.

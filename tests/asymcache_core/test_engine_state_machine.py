@@ -2,7 +2,8 @@
 
 Requests are added (jobs with shared prefixes, some poisoned so the forward pass raises on
 them), stepped, aborted, pinned, unpinned, expired and evicted on a pool of a few blocks, with
-the simulated runner. After every rule the block pool, the KV-cache manager, the pins and job
+the simulated runner, with and without a host KV tier (whose copies fail while the device is
+down). After every rule the block pool, the host tier, the KV-cache manager, the pins and job
 admission are checked; at the end everything runs out and the pool must hold nothing.
 """
 
@@ -41,12 +42,32 @@ class FaultyRunner:
             raise RuntimeError("injected fault")
         return self.runner.execute(plan)
 
+    def transfer_kv(self, transfers) -> None:
+        if self.down:
+            raise RuntimeError("injected copy fault")
+        self.runner.transfer_kv(transfers)
 
-def make_machine(policy: str) -> type[RuleBasedStateMachine]:
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+
+def make_machine(policy: str, host_tier: bool) -> type[RuleBasedStateMachine]:
     class EngineMachine(RuleBasedStateMachine):
-        @initialize(blocks=st.integers(min_value=5, max_value=16))
-        def build(self, blocks: int) -> None:
-            self.engine = Engine.simulated(model="dummy:tiny", num_kv_blocks=blocks, eviction_policy=policy)
+        @initialize(
+            blocks=st.integers(min_value=5, max_value=16),
+            host=st.integers(min_value=2, max_value=24) if host_tier else st.just(0),
+            copy_s=st.sampled_from([1e-6, 0.05, 2.0]),
+        )
+        def build(self, blocks: int, host: int, copy_s: float) -> None:
+            self.engine = Engine.simulated(
+                model="dummy:tiny", num_kv_blocks=blocks, eviction_policy=policy, num_host_kv_blocks=host
+            )
+            if self.engine.host_tier is not None:
+                # NOTE: copies from instant to slower than several steps: reloading requests wait
+                # across steps, and blocks are reused while copies are in flight.
+                tier = self.engine.host_tier
+                tier.reload_seconds = lambda n: n * copy_s  # type: ignore[method-assign]
+                tier.offload_seconds = lambda n: n * copy_s  # type: ignore[method-assign]
             self.runner = FaultyRunner(self.engine.runner)
             self.engine.runner = self.runner
             self.live: dict[str, tuple[bool, int]] = {}  # id -> (poisoned, max_tokens)
@@ -176,6 +197,7 @@ def make_machine(policy: str) -> type[RuleBasedStateMachine]:
             for job in JOBS:
                 engine.unpin_job(job)
             engine.idle_until(engine.clock() + 1e7)
+            engine.step()  # releases prefetched blocks whose copies have landed
             engine.check_integrity()
             assert all(b.ref_cnt == 0 and b.pin_cnt == 0 for b in engine.pool.blocks)
             assert engine.stats().pinned_blocks == 0 and not engine.requests
@@ -185,10 +207,11 @@ def make_machine(policy: str) -> type[RuleBasedStateMachine]:
     return EngineMachine
 
 
+@pytest.mark.parametrize("host_tier", [False, True], ids=["device", "host-tier"])
 @pytest.mark.parametrize("policy", registered_policies())
-def test_engine_state_machine(policy: str) -> None:
+def test_engine_state_machine(policy: str, host_tier: bool) -> None:
     run_state_machine_as_test(
-        make_machine(policy),
+        make_machine(policy, host_tier),
         settings=settings(
             max_examples=60, stateful_step_count=50, deadline=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

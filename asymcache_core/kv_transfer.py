@@ -1,0 +1,184 @@
+"""The host KV tier's memory and the block copies between it and the device's paged caches.
+
+The host tensor is slot-major, ``[num_slots, L, 2, block_size, H_kv, D]``: one slot is one
+contiguous run of bytes (its K and V in every layer), so a run of consecutive slots is one copy.
+The device caches are per layer, ``[num_blocks, block_size, H_kv, D]`` each for K and V.
+
+On CUDA the host tensor is pinned and the copies run on two copy streams (one per direction),
+overlapped with the forward passes: a step's copies gather (or scatter) the device blocks
+through a fixed staging buffer in slot-major order and move whole slots over PCIe. Ordering,
+per step ``N``:
+
+- each copy stream first waits for everything the compute stream has queued (the blocks it
+  copies out were written by earlier steps; the blocks it copies into were read by them);
+- the reloads also wait for the offloads that wrote the slots they read
+  (:attr:`KVTransfers.reloads_after`) and for those named below; an event after each batch;
+- the compute stream waits, before step ``N``'s forward, for the offloads of the latest step
+  that copied out a block this step reuses (:attr:`KVTransfers.wait_offloads_of`; usually long
+  complete, or step ``N`` itself when a victim's queued copy was issued only now);
+- a request whose blocks are reloaded runs once its ticket's reload event has completed
+  (:meth:`HostKVCache.is_complete`).
+
+On the CPU both tiers are host memory and every copy completes when issued.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asymcache_core.host_tier import KVTransfers
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _runs(pairs: list[tuple[int, int]], key: int) -> list[tuple[int, int]]:
+    """``(start index into pairs, length)`` of runs whose element ``key`` is consecutive."""
+    runs: list[tuple[int, int]] = []
+    for i, pair in enumerate(pairs):
+        if runs and pairs[i - 1][key] + 1 == pair[key] and i == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+class HostKVCache:
+    """Host slots of the KV tier and the copies of each step's :class:`KVTransfers`.
+
+    Args:
+        kv_caches: the device's per-layer ``(K, V)`` caches.
+        num_slots: host slots.
+        staging_blocks: blocks one staging pass moves (CUDA; bounds its device memory).
+    """
+
+    def __init__(self, kv_caches: KVCaches, num_slots: int, staging_blocks: int = 64) -> None:
+        k0 = kv_caches[0][0]
+        self.kv_caches = kv_caches
+        self.device = k0.device
+        self.num_layers = len(kv_caches)
+        block_shape = tuple(k0.shape[1:])
+        self.cuda = self.device.type == "cuda"
+        self.host = torch.zeros(
+            (num_slots, self.num_layers, 2, *block_shape), dtype=k0.dtype, pin_memory=self.cuda
+        )
+        self.offload_staging: torch.Tensor | None = None
+        self.reload_staging: torch.Tensor | None = None
+        self.offload_stream = self.reload_stream = None
+        if self.cuda:
+            shape = (staging_blocks, self.num_layers, 2, *block_shape)
+            self.offload_staging = torch.empty(shape, dtype=k0.dtype, device=self.device)
+            self.reload_staging = torch.empty(shape, dtype=k0.dtype, device=self.device)
+            # NOTE: one stream per direction: PCIe is full duplex and the GPU has a copy engine
+            # for each, so reloads do not queue behind offloads.
+            self.offload_stream = torch.cuda.Stream(self.device)
+            self.reload_stream = torch.cuda.Stream(self.device)
+        self._reload_events: dict[int, torch.cuda.Event] = {}
+        self._offload_events: dict[int, torch.cuda.Event] = {}
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.host[0].numel() * self.host.element_size()
+
+    # -- the step's copies -------------------------------------------------------------------
+    def issue(self, transfers: KVTransfers) -> None:
+        """Issues a step's copies before its forward pass and makes the forward (and the
+        reloads) wait for the offloads the plan names."""
+        if not self.cuda:
+            self._copy_cpu(transfers)
+            return
+        assert self.offload_stream is not None and self.reload_stream is not None
+        main = torch.cuda.current_stream(self.device)
+        wait_for = transfers.wait_offloads_of
+        reuse_waits = [e for t, e in self._offload_events.items() if wait_for is not None and t <= wait_for]
+        if transfers.offloads:
+            self.offload_stream.wait_stream(main)
+            with torch.cuda.stream(self.offload_stream):
+                self._offload_cuda(transfers.offloads)
+                self._offload_events[transfers.ticket] = self.offload_stream.record_event()
+            if wait_for == transfers.ticket:
+                reuse_waits.append(self._offload_events[transfers.ticket])
+        if transfers.reloads:
+            after = transfers.reloads_after
+            self.reload_stream.wait_stream(main)
+            for ticket, event in self._offload_events.items():
+                if (after is not None and ticket <= after) or event in reuse_waits:
+                    self.reload_stream.wait_event(event)
+            with torch.cuda.stream(self.reload_stream):
+                self._reload_cuda(transfers.reloads)
+                self._reload_events[transfers.ticket] = self.reload_stream.record_event()
+        for event in reuse_waits:
+            main.wait_event(event)  # a block it copies out is written by this step
+        for ticket in [t for t, e in self._offload_events.items() if t != transfers.ticket and e.query()]:
+            del self._offload_events[ticket]
+
+    def is_complete(self, ticket: int) -> bool:
+        """Whether the reloads of ``ticket`` have landed on the device."""
+        event = self._reload_events.get(ticket)
+        if event is None:
+            return True
+        if not event.query():
+            return False
+        # NOTE: complete on the copy stream; the compute stream still orders after it.
+        torch.cuda.current_stream(self.device).wait_event(event)
+        del self._reload_events[ticket]
+        return True
+
+    def wait(self, ticket: int) -> None:
+        """Blocks the host until the reloads of ``ticket`` have landed."""
+        event = self._reload_events.pop(ticket, None)
+        if event is not None:
+            event.synchronize()
+
+    def wait_all(self) -> None:
+        """Blocks until every copy issued so far has landed."""
+        for stream in (self.offload_stream, self.reload_stream):
+            if stream is not None:
+                stream.synchronize()
+        self._reload_events.clear()
+        self._offload_events.clear()
+
+    # -- CPU ---------------------------------------------------------------------------------
+    def _copy_cpu(self, transfers: KVTransfers) -> None:
+        if transfers.offloads:
+            blocks = torch.tensor([b for b, _ in transfers.offloads], dtype=torch.long)
+            slots = torch.tensor([s for _, s in transfers.offloads], dtype=torch.long)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                self.host[slots, layer, 0] = k.index_select(0, blocks)
+                self.host[slots, layer, 1] = v.index_select(0, blocks)
+        if transfers.reloads:
+            slots = torch.tensor([s for s, _ in transfers.reloads], dtype=torch.long)
+            blocks = torch.tensor([b for _, b in transfers.reloads], dtype=torch.long)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k.index_copy_(0, blocks, self.host[slots, layer, 0])
+                v.index_copy_(0, blocks, self.host[slots, layer, 1])
+
+    # -- CUDA (on the copy stream) -----------------------------------------------------------
+    def _offload_cuda(self, offloads: list[tuple[int, int]]) -> None:
+        staging = self.offload_staging
+        assert staging is not None
+        step = staging.shape[0]
+        for first in range(0, len(offloads), step):
+            chunk = offloads[first : first + step]
+            n = len(chunk)
+            blocks = torch.tensor([b for b, _ in chunk], dtype=torch.long).to(self.device, non_blocking=True)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                staging[:n, layer, 0] = k.index_select(0, blocks)
+                staging[:n, layer, 1] = v.index_select(0, blocks)
+            for start, length in _runs(chunk, 1):
+                slot = chunk[start][1]
+                self.host[slot : slot + length].copy_(staging[start : start + length], non_blocking=True)
+
+    def _reload_cuda(self, reloads: list[tuple[int, int]]) -> None:
+        staging = self.reload_staging
+        assert staging is not None
+        step = staging.shape[0]
+        for first in range(0, len(reloads), step):
+            chunk = reloads[first : first + step]
+            n = len(chunk)
+            for start, length in _runs(chunk, 0):
+                slot = chunk[start][0]
+                staging[start : start + length].copy_(self.host[slot : slot + length], non_blocking=True)
+            blocks = torch.tensor([b for _, b in chunk], dtype=torch.long).to(self.device, non_blocking=True)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k.index_copy_(0, blocks, staging[:n, layer, 0])
+                v.index_copy_(0, blocks, staging[:n, layer, 1])

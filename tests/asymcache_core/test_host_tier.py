@@ -1,0 +1,238 @@
+"""The host KV tier: exact with the real SmolLM2 under every policy, cost-chosen reloads,
+copies that wait, prefetch during pauses, failed copies, and the copy kernels themselves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from asymcache_core import Engine, EngineConfig, SamplingParams
+from asymcache_core.eviction import registered_policies
+from asymcache_core.host_tier import KVTransfers
+from asymcache_core.kv_transfer import HostKVCache, _runs
+from tests.asymcache_core.test_holes_and_policies import run_script
+from tests.conftest import make_engine
+
+
+@pytest.fixture(scope="module")
+def unbounded(smollm):
+    return run_script(make_engine(smollm, num_kv_blocks=2048))
+
+
+# -- exactness with the real model -------------------------------------------------------------
+@pytest.mark.parametrize("host_blocks", [6, 64])
+@pytest.mark.parametrize("policy", registered_policies())
+def test_lossless_with_a_host_tier(smollm, unbounded, policy, host_blocks):
+    # the tight-pool script of test_holes_and_policies (12 device blocks for a 33-block working
+    # set) with a host tier smaller than and larger than what is evicted: blocks go out and come
+    # back by copy, and the greedy tokens stay those of an unbounded pool
+    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy=policy, num_host_kv_blocks=host_blocks)
+    assert run_script(engine) == unbounded
+    stats = engine.stats()
+    assert stats.host_offloaded_blocks_total > 0 and stats.host_reloaded_blocks_total > 0
+    # every reloaded block went to a request, or ahead of one (prefetch)
+    reloaded_for_requests = stats.host_reloaded_blocks_total - stats.host_prefetched_blocks_total
+    assert stats.engine_reload_tokens_total == 16 * reloaded_for_requests
+    if host_blocks == 6:
+        assert stats.host_evictions_total > 0  # the host tier itself evicts
+    engine.check_integrity()
+
+
+def test_reloads_replace_recomputation(smollm, unbounded):
+    without = make_engine(smollm, num_kv_blocks=12, eviction_policy="vllm-apc")
+    with_tier = make_engine(smollm, num_kv_blocks=12, eviction_policy="vllm-apc", num_host_kv_blocks=64)
+    assert run_script(without) == run_script(with_tier) == unbounded
+    a, b = without.stats(), with_tier.stats()
+    # every reloaded block (for a request or ahead of one) is one the prefix-only baseline
+    # computed again
+    assert b.engine_computed_tokens_total == a.engine_computed_tokens_total - 16 * b.host_reloaded_blocks_total
+    assert b.engine_cache_hit_tokens_total > a.engine_cache_hit_tokens_total
+
+
+def test_recompute_is_chosen_where_it_is_cheaper(smollm, unbounded):
+    # a copy made far slower than rebuilding a block: every host hit is recomputed as a hole
+    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=64)
+    tier = engine.host_tier
+    tier.latency = dataclasses.replace(tier.latency, h2d_bytes_per_s=1.0)
+    assert run_script(engine) == unbounded
+    stats = engine.stats()
+    assert stats.host_recompute_chosen_blocks_total > 0 and stats.engine_hole_tokens_total > 0
+    # only prefetches copy (in the background, into free blocks): no request waits for a copy
+    assert stats.host_reloaded_blocks_total == stats.host_prefetched_blocks_total
+    assert stats.engine_reload_tokens_total == 0
+
+
+def test_prefix_only_reloads_instead_of_choosing(smollm):
+    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy="vllm-apc", num_host_kv_blocks=64)
+    engine.host_tier.latency = dataclasses.replace(engine.host_tier.latency, h2d_bytes_per_s=1.0)
+    run_script(engine)
+    stats = engine.stats()
+    # prefix-only: a recomputed run would end the prefix, so host hits are always copied back
+    assert stats.host_recompute_chosen_blocks_total == 0 and stats.host_reloaded_blocks_total > 0
+    assert stats.engine_hole_tokens_total == 0
+
+
+# -- scheduling around copies (simulated engine) ---------------------------------------------
+def sim_engine(**overrides) -> Engine:
+    config = dict(model="dummy:tiny", num_kv_blocks=10, block_size=4, eviction_policy="asymcache", num_host_kv_blocks=40)
+    config.update(overrides)
+    return Engine.simulated(EngineConfig(**config))
+
+
+def run_until_done(engine: Engine, rid: str) -> None:
+    for _ in range(10_000):
+        if rid not in engine.requests:
+            return
+        engine.step()
+        if engine.stalled:
+            engine.idle_until(engine.clock() + 0.5)
+        engine.check_integrity()
+    raise AssertionError("request did not finish")
+
+
+def evict_to_host(engine: Engine) -> None:
+    """Evicts every candidate of the device pool, and issues the copies of what it held."""
+    engine.reset_prefix_cache()
+    engine.step()
+
+
+def test_a_reloading_request_waits_for_its_copies_while_others_run():
+    engine = sim_engine(eviction_policy="vllm-apc")
+    tier = engine.host_tier
+    prompt = list(range(10, 30))
+    run_until_done(engine, engine.add_request(prompt, SamplingParams(max_tokens=1), job_id="a"))
+    evict_to_host(engine)
+    hit = engine.kv.lookup(_probe(engine, prompt + [40, 41]))
+    assert len(hit.reloads) == 5 and all(b < 0 for b in hit.block_table), "its blocks are on the host only"
+    tier.reload_seconds = lambda n: 1.0  # type: ignore[method-assign]
+    rid = engine.add_request(prompt + [40, 41], SamplingParams(max_tokens=1), job_id="a")
+    other = engine.add_request([7, 8, 9], SamplingParams(max_tokens=3))
+    engine.step()
+    request = engine.requests[rid]
+    assert request.kv_ticket is not None and request.metrics.computed_tokens == 0
+    start = engine.clock()
+    ran_meanwhile = 0
+    while request.metrics.computed_tokens == 0:
+        plan_ids = {out.request_id for out in engine.step()}
+        ran_meanwhile += other in plan_ids
+        if engine.stalled:
+            engine.idle_until(engine.clock() + 0.1)
+    assert ran_meanwhile > 0, "the batch waited for another request's copies"
+    assert engine.clock() - start >= 1.0 - 1e-9, "it ran before its copies landed"
+    assert request.metrics.reload_tokens > 0
+    run_until_done(engine, rid)
+    engine.check_integrity()
+
+
+def test_a_job_back_from_its_pause_finds_its_blocks_prefetched():
+    engine = sim_engine(num_kv_blocks=24, eviction_policy="vllm-apc")
+    prompt = list(range(10, 42))
+    run_until_done(engine, engine.add_request(prompt, SamplingParams(max_tokens=1), job_id="a"))
+    engine.hint_job("a", expected_gap_s=5.0)
+    # another job fills the pool and leaves, evicting "a" on the way: its blocks are on the host
+    rid = engine.add_request(list(range(200, 280)), SamplingParams(max_tokens=1), job_id="b")
+    run_until_done(engine, rid)
+    engine.hint_job("b", finished=True)
+    evict_to_host(engine)
+    assert len(engine.kv.lookup(_probe(engine, prompt + [50])).reloads) == 8
+    back = engine.job_stats.expected_return("a")
+    assert back is not None and back > engine.clock()
+    engine.idle_until(back - 1e-4)
+    engine.step()
+    assert engine.stats().host_prefetched_blocks_total == 8
+    engine.idle_until(engine.clock() + 1.0)
+    engine.step()
+    hit = engine.kv.lookup(_probe(engine, prompt + [50]))
+    assert not hit.reloads and hit.hit_tokens >= 28, "the prefetched blocks are device hits"
+    engine.check_integrity()
+
+
+def _probe(engine: Engine, prompt: list[int]):
+    from asymcache_core.request import Request
+
+    return Request("probe", prompt, SamplingParams(), 0.0, job_id="a")
+
+
+def test_failed_copies_are_recomputed(smollm, unbounded):
+    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=64)
+    runner = engine.runner
+    real = runner.transfer_kv
+    calls = {"n": 0}
+
+    def flaky(transfers: KVTransfers) -> None:
+        calls["n"] += 1
+        if transfers.reloads and calls["n"] % 2:
+            raise RuntimeError("injected copy fault")
+        real(transfers)
+
+    runner.transfer_kv = flaky
+    assert run_script(engine) == unbounded
+    assert calls["n"] > 2 and engine.stats().host_reloaded_blocks_total > 0
+    engine.check_integrity()
+
+
+# -- configuration -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("cpu_offload_gb", -1.0), ("cpu_offload_gb", float("nan")), ("num_host_kv_blocks", -3),
+     ("host_eviction_policy", "nope")],
+)
+def test_bad_tier_settings_name_their_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**{field: value})
+
+
+def test_cpu_offload_gb_sizes_the_tier_in_blocks():
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, cpu_offload_gb=0.01))
+    assert engine.host_tier is not None
+    assert engine.num_host_blocks == int(0.01 * (1 << 30) // engine.block_bytes)
+    assert engine.stats().host_kv_blocks_total == engine.num_host_blocks
+    assert Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16)).host_tier is None
+
+
+# -- the copies --------------------------------------------------------------------------------
+def test_runs_of_consecutive_slots():
+    pairs = [(5, 1), (9, 2), (2, 3), (3, 7), (4, 8), (0, 9)]
+    assert _runs(pairs, 1) == [(0, 3), (3, 3)]
+    assert _runs(pairs, 0) == [(0, 1), (1, 1), (2, 3), (5, 1)]
+
+
+def _caches(device: str, blocks: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(blocks, 4, 2, 8, generator=gen).to(device), torch.randn(blocks, 4, 2, 8, generator=gen).to(device))
+        for _ in range(3)
+    ]
+
+
+def _roundtrip(device: str) -> None:
+    caches = _caches(device)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    host = HostKVCache(caches, num_slots=20, staging_blocks=2)  # several staging passes
+    offloads = [(3, 7), (4, 8), (5, 9), (0, 2), (11, 15)]
+    host.issue(KVTransfers(0, offloads, [], None))
+    # the device blocks are overwritten, then copied back into other blocks
+    for k, v in caches:
+        k.zero_()
+        v.zero_()
+    reloads = [(7, 1), (8, 2), (9, 6), (2, 10), (15, 0)]
+    host.issue(KVTransfers(1, [], reloads, None))
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert host.is_complete(1)
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        for src, dst in [(3, 1), (4, 2), (5, 6), (0, 10), (11, 0)]:
+            assert torch.equal(k[dst], k0[src]) and torch.equal(v[dst], v0[src])
+        assert not k[3].any()  # nothing else was written
+
+
+def test_host_copies_are_exact_on_the_cpu():
+    _roundtrip("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_copies_are_exact_on_the_gpu():
+    _roundtrip("cuda")
