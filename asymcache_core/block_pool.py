@@ -55,6 +55,9 @@ class KVBlock:
 class BlockListener(Protocol):
     """Told when a block's content changes hands (the host tier copies blocks out on these)."""
 
+    def on_cached(self, block: KVBlock) -> None:
+        """``block`` now caches its ``block_hash`` (its content is computed and reusable)."""
+
     def on_candidate(self, block: KVBlock) -> None:
         """``block`` became an eviction candidate."""
 
@@ -76,7 +79,8 @@ class BlockPool:
         num_blocks: pool size.
         policy: chooses victims among candidates.
         clock: engine time source (virtual in the simulator).
-        listener: told about candidates and evictions (the host tier), or ``None``.
+        listeners: told about cached blocks, candidates and evictions (the host tier, a KV
+            event publisher), in order; more can be appended to :attr:`listeners`.
     """
 
     def __init__(
@@ -84,7 +88,7 @@ class BlockPool:
         num_blocks: int,
         policy: EvictionPolicy,
         clock: Callable[[], float],
-        listener: BlockListener | None = None,
+        listeners: Iterable[BlockListener] = (),
     ) -> None:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -94,7 +98,7 @@ class BlockPool:
         self.cached: dict[int, int] = {}
         self.num_evictions = 0
         self.peak_in_use = 0
-        self.listener = listener
+        self.listeners: list[BlockListener] = list(listeners)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -178,13 +182,13 @@ class BlockPool:
             self.free_uncached.append(block.block_id)
         else:
             self.policy.add(block, now)
-            if self.listener is not None:
-                self.listener.on_candidate(block)
+            for listener in self.listeners:
+                listener.on_candidate(block)
 
     def _drop_content(self, block: KVBlock) -> None:
         """Forgets an evicted block's cached content (the listener sees it first)."""
-        if self.listener is not None:
-            self.listener.on_evict(block)
+        for listener in self.listeners:
+            listener.on_evict(block)
         del self.cached[block.block_hash]  # type: ignore[arg-type]
         block.reset()
 
@@ -203,6 +207,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.position = position
         self.cached[block_hash] = block_id
+        for listener in self.listeners:
+            listener.on_cached(block)
         return True
 
     def uncache(self, block_id: int) -> None:
@@ -217,8 +223,8 @@ class BlockPool:
         if block.ref_cnt == 0 or block.pin_cnt > 0:
             raise ValueError(f"block_id: block {block_id} is not held by a request alone")
         if block.block_hash is not None:
-            if self.listener is not None:
-                self.listener.on_uncache(block_id)
+            for listener in self.listeners:
+                listener.on_uncache(block_id)
             del self.cached[block.block_hash]
             block.block_hash = None
 

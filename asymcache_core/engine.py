@@ -272,7 +272,7 @@ class Engine:
             self.host_tier = HostTier(
                 self.num_host_blocks, host_policy, self.clock, block_bytes=self.block_bytes, latency=self.latency
             )
-            self.pool.listener = self.host_tier
+            self.pool.listeners.append(self.host_tier)
         hole_reuse = policy.hole_reuse if config.hole_reuse is None else config.hole_reuse
         self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse, tier=self.host_tier)
         self.pins = PinManager(self.pool)

@@ -134,6 +134,9 @@ class HostTier:
         self.wait: Callable[[int], None] = lambda ticket: None
 
     # -- the device pool's listener --------------------------------------------------------
+    def on_cached(self, block: KVBlock) -> None:
+        """Nothing to do: a block is copied out once it becomes a candidate."""
+
     def on_candidate(self, block: KVBlock) -> None:
         """A device block became an eviction candidate: queue its copy unless the host has it
         or the host policy sees no use for it (e.g. every job that used it is done)."""
