@@ -79,6 +79,10 @@ class StepStats:
         predicted_s: what the engine's latency model predicted for the step; the gap to
             ``duration_s`` is the model's error on live traffic.
         decode_kv_tokens: keys read by the step's decodes (the latency model's ``K``).
+        reload_blocks: blocks copied host -> device for this step's plan (host tier).
+        offload_blocks: blocks copied device -> host.
+        host_recomputed_blocks: host hits the lookups of this step chose to recompute instead
+            of reloading (cheaper by the cost model).
     """
 
     start: float
@@ -95,6 +99,9 @@ class StepStats:
     decode_only: bool = False
     predicted_s: float = 0.0
     decode_kv_tokens: float = 0.0
+    reload_blocks: int = 0
+    offload_blocks: int = 0
+    host_recomputed_blocks: int = 0
 
 
 @dataclass
@@ -352,6 +359,7 @@ class Engine:
         #: jobs whose state is kept at most (the longest idle dropped first)
         self.max_tracked_jobs = MAX_TRACKED_JOBS
         self._next_job_sweep = 0.0
+        self._logged_recomputed = 0
         if runner_factory is None:
             ready = {
                 "model": config.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
@@ -887,6 +895,11 @@ class Engine:
         decode_kv = plan.decode_kv_tokens
         predicted = self.latency.step_latency(plan.num_tokens, pairs, decode_only, decode_kv)
         self.latency_feedback.observe(predicted, end - start, decode_only)
+        transfers = plan.transfers
+        recomputed = 0
+        if self.host_tier is not None:
+            recomputed = self.host_tier.counters.recompute_chosen - self._logged_recomputed
+            self._logged_recomputed = self.host_tier.counters.recompute_chosen
         self.step_log.append(
             StepStats(
                 start=start,
@@ -903,6 +916,9 @@ class Engine:
                 decode_only=decode_only,
                 predicted_s=predicted,
                 decode_kv_tokens=decode_kv,
+                reload_blocks=len(transfers.reloads) if transfers is not None else 0,
+                offload_blocks=len(transfers.offloads) if transfers is not None else 0,
+                host_recomputed_blocks=recomputed,
             )
         )
 

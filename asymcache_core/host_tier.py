@@ -32,8 +32,9 @@ from asymcache_core.block_pool import BlockPool, KVBlock
 from asymcache_core.eviction.base import EvictionPolicy
 from asymcache_core.latency_model import LatencyModel
 
-#: Fixed cost of one batch of copies (launch and PCIe round trip), seconds.
-COPY_LATENCY_S = 20e-6
+#: Fixed cost of one batch of copies (the gather or scatter kernels per layer, launches, the
+#: PCIe round trip), seconds: 0.4-1.6 ms per batch on an H200 for an 8B model (BENCHMARKS.md).
+COPY_LATENCY_S = 1e-3
 
 
 class KVTransfers(NamedTuple):

@@ -196,8 +196,6 @@ class KVCacheManager:
                 table[i:j] = [HOLE] * n
                 turned += n
             i = j
-        if turned:
-            self.tier.counters.recompute_chosen += turned
         return turned
 
     def try_admit(
@@ -249,6 +247,9 @@ class KVCacheManager:
             return None
         held = [b for b in hit.block_table if b >= 0]
         self.pool.touch(held, request.job_id)
+        if self.tier is not None:
+            # NOTE: counted here, once per admission: lookups also run for requests that wait.
+            self.tier.counters.recompute_chosen += hit.host_recomputed_tokens // self.block_size
         if on_hold is not None:
             # NOTE: before the fresh blocks are taken: what the hook releases (a pin on the
             # job's blocks that this request does not hold) may serve this allocation.

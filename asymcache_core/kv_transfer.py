@@ -2,7 +2,8 @@
 
 The host tensor is slot-major, ``[num_slots, L, 2, block_size, H_kv, D]``: one slot is one
 contiguous run of bytes (its K and V in every layer), so a run of consecutive slots is one copy.
-The device caches are per layer, ``[num_blocks, block_size, H_kv, D]`` each for K and V.
+The device cache is one tensor ``[L, 2, num_blocks, block_size, H_kv, D]`` (the model's per-layer
+K and V caches are views of it), so one kernel gathers or scatters a block of every layer.
 
 On CUDA the host tensor is pinned and the copies run on two copy streams (one per direction),
 overlapped with the forward passes: a step's copies gather (or scatter) the device blocks
@@ -28,8 +29,6 @@ import torch
 
 from asymcache_core.host_tier import KVTransfers
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
 
 def _runs(pairs: list[tuple[int, int]], key: int) -> list[tuple[int, int]]:
     """``(start index into pairs, length)`` of runs whose element ``key`` is consecutive."""
@@ -46,28 +45,29 @@ class HostKVCache:
     """Host slots of the KV tier and the copies of each step's :class:`KVTransfers`.
 
     Args:
-        kv_caches: the device's per-layer ``(K, V)`` caches.
+        kv_cache: the device cache, ``[L, 2, num_blocks, block_size, H_kv, D]``.
         num_slots: host slots.
         staging_blocks: blocks one staging pass moves (CUDA; bounds its device memory).
     """
 
-    def __init__(self, kv_caches: KVCaches, num_slots: int, staging_blocks: int = 64) -> None:
-        k0 = kv_caches[0][0]
-        self.kv_caches = kv_caches
-        self.device = k0.device
-        self.num_layers = len(kv_caches)
-        block_shape = tuple(k0.shape[1:])
+    def __init__(self, kv_cache: torch.Tensor, num_slots: int, staging_blocks: int = 64) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache: expected [L, 2, blocks, block_size, H, D], got {tuple(kv_cache.shape)}")
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.num_layers = kv_cache.shape[0]
+        block_shape = tuple(kv_cache.shape[3:])
         self.cuda = self.device.type == "cuda"
         self.host = torch.zeros(
-            (num_slots, self.num_layers, 2, *block_shape), dtype=k0.dtype, pin_memory=self.cuda
+            (num_slots, self.num_layers, 2, *block_shape), dtype=kv_cache.dtype, pin_memory=self.cuda
         )
         self.offload_staging: torch.Tensor | None = None
         self.reload_staging: torch.Tensor | None = None
         self.offload_stream = self.reload_stream = None
         if self.cuda:
             shape = (staging_blocks, self.num_layers, 2, *block_shape)
-            self.offload_staging = torch.empty(shape, dtype=k0.dtype, device=self.device)
-            self.reload_staging = torch.empty(shape, dtype=k0.dtype, device=self.device)
+            self.offload_staging = torch.empty(shape, dtype=kv_cache.dtype, device=self.device)
+            self.reload_staging = torch.empty(shape, dtype=kv_cache.dtype, device=self.device)
             # NOTE: one stream per direction: PCIe is full duplex and the GPU has a copy engine
             # for each, so reloads do not queue behind offloads.
             self.offload_stream = torch.cuda.Stream(self.device)
@@ -142,17 +142,21 @@ class HostKVCache:
         if transfers.offloads:
             blocks = torch.tensor([b for b, _ in transfers.offloads], dtype=torch.long)
             slots = torch.tensor([s for _, s in transfers.offloads], dtype=torch.long)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                self.host[slots, layer, 0] = k.index_select(0, blocks)
-                self.host[slots, layer, 1] = v.index_select(0, blocks)
+            self.host[slots] = self.kv_cache.index_select(2, blocks).permute(2, 0, 1, 3, 4, 5)
         if transfers.reloads:
             slots = torch.tensor([s for s, _ in transfers.reloads], dtype=torch.long)
             blocks = torch.tensor([b for _, b in transfers.reloads], dtype=torch.long)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k.index_copy_(0, blocks, self.host[slots, layer, 0])
-                v.index_copy_(0, blocks, self.host[slots, layer, 1])
+            self.kv_cache.index_copy_(2, blocks, self.host[slots].permute(1, 2, 0, 3, 4, 5))
 
-    # -- CUDA (on the copy stream) -----------------------------------------------------------
+    # -- CUDA (on the copy streams) ----------------------------------------------------------
+    def _device_index(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, copied from pinned memory on the current (copy) stream.
+
+        NOTE: a copy from pageable memory would be synchronous and could serialize with the
+        compute stream; a pinned source keeps it asynchronous and ordered on this stream.
+        """
+        return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
+
     def _offload_cuda(self, offloads: list[tuple[int, int]]) -> None:
         staging = self.offload_staging
         assert staging is not None
@@ -160,10 +164,9 @@ class HostKVCache:
         for first in range(0, len(offloads), step):
             chunk = offloads[first : first + step]
             n = len(chunk)
-            blocks = torch.tensor([b for b, _ in chunk], dtype=torch.long).to(self.device, non_blocking=True)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                staging[:n, layer, 0] = k.index_select(0, blocks)
-                staging[:n, layer, 1] = v.index_select(0, blocks)
+            blocks = self._device_index([b for b, _ in chunk])
+            # NOTE: one gather for every layer, then one copy into the slot-major staging
+            staging[:n].permute(1, 2, 0, 3, 4, 5).copy_(self.kv_cache.index_select(2, blocks))
             for start, length in _runs(chunk, 1):
                 slot = chunk[start][1]
                 self.host[slot : slot + length].copy_(staging[start : start + length], non_blocking=True)
@@ -178,7 +181,5 @@ class HostKVCache:
             for start, length in _runs(chunk, 0):
                 slot = chunk[start][0]
                 staging[start : start + length].copy_(self.host[slot : slot + length], non_blocking=True)
-            blocks = torch.tensor([b for _, b in chunk], dtype=torch.long).to(self.device, non_blocking=True)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k.index_copy_(0, blocks, staging[:n, layer, 0])
-                v.index_copy_(0, blocks, staging[:n, layer, 1])
+            blocks = self._device_index([b for _, b in chunk])
+            self.kv_cache.index_copy_(2, blocks, staging[:n].permute(1, 2, 0, 3, 4, 5))

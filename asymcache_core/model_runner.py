@@ -78,12 +78,14 @@ class ModelRunner:
         self.backend = backend
         self.sampler = Sampler(seed)
         cfg = loaded.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        self.host_cache = HostKVCache(self.kv_caches, num_host_blocks) if num_host_blocks > 0 else None
+        # NOTE: one tensor [L, 2, num_blocks, block_size, H_kv, D] whose per-layer K and V views
+        # are each contiguous: the host tier gathers a block of every layer in one kernel.
+        self.kv_cache = torch.zeros(
+            (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim),
+            dtype=dtype, device=device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
+        self.host_cache = HostKVCache(self.kv_cache, num_host_blocks) if num_host_blocks > 0 else None
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs:
             self.decode_graphs = DecodeGraphs(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from asymcache_core import Engine, EngineConfig, SamplingParams
 from eval.results import (
     SLO,
+    HostTierResult,
     PolicyResult,
     Recompute,
     RunMeans,
@@ -263,6 +264,18 @@ def drive(
         "peak_blocks_in_use": final.kv_blocks_peak_in_use,
         "num_preemptions": final.preemptions_total,
     }
+    if final.host_kv_blocks_total:
+        stats |= {
+            "host_blocks": final.host_kv_blocks_total,
+            "host_offloaded_blocks": final.host_offloaded_blocks_total,
+            "host_reloaded_blocks": final.host_reloaded_blocks_total,
+            "host_prefetched_blocks": final.host_prefetched_blocks_total,
+            "host_recompute_chosen_blocks": final.host_recompute_chosen_blocks_total,
+            "host_evictions": final.host_evictions_total,
+            "host_bytes_to_host": final.host_bytes_to_host_total,
+            "host_bytes_to_device": final.host_bytes_to_device_total,
+            "host_reload_tokens": final.engine_reload_tokens_total,
+        }
     series = [(s.start - t0, s.blocks_in_use) for s in engine.step_log]
     stride = max(1, len(series) // 400)
     return RunOutcome(
@@ -357,6 +370,9 @@ def policy_result(
         goodput_jobs_per_hour=goodput,
         serving=serving,
         series=Series(jct=jcts, ttft=ttft, tpot=tpot, blocks_in_use=outcome.blocks_in_use, budget=outcome.budgets),
+        host_tier=HostTierResult(**{k.removeprefix("host_"): v for k, v in s.items() if k.startswith("host_")})
+        if "host_blocks" in s
+        else None,
     )
 
 

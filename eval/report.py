@@ -89,6 +89,19 @@ _VOLUME_METRICS: tuple[_Metric, ...] = (
 )
 
 
+_HOST_TIER_METRICS: tuple[_Metric, ...] = (
+    _Metric("Host tier blocks", lambda p: p.host_tier and p.host_tier.blocks, "int", None),
+    _Metric("Offloaded blocks (device -> host)", lambda p: p.host_tier and p.host_tier.offloaded_blocks, "int", None),
+    _Metric("Reloaded blocks (host -> device)", lambda p: p.host_tier and p.host_tier.reloaded_blocks, "int", None),
+    _Metric("  of which prefetched", lambda p: p.host_tier and p.host_tier.prefetched_blocks, "int", None),
+    _Metric("Host hits recomputed (cheaper)", lambda p: p.host_tier and p.host_tier.recompute_chosen_blocks, "int", None),
+    _Metric("Host evictions (blocks)", lambda p: p.host_tier and p.host_tier.evictions, "int", None),
+    _Metric("Tokens reloaded instead of computed", lambda p: p.host_tier and p.host_tier.reload_tokens, "int", None),
+    _Metric("GiB to host", lambda p: p.host_tier and round(p.host_tier.bytes_to_host / 2**30), "int", None),
+    _Metric("GiB to device", lambda p: p.host_tier and round(p.host_tier.bytes_to_device / 2**30), "int", None),
+)
+
+
 @dataclass(frozen=True)
 class _Table:
     """A rendered-to-strings table; the first cell of each row is its row header."""
@@ -311,6 +324,14 @@ def _tables(results: Results, baseline: str | None) -> tuple[_Table, ...]:
     if baseline is not None and len(results.policies) > 1:
         tables.append(_ratio_table(results, baseline))
     tables.append(_metric_table("table-volume", "Volumes", _VOLUME_METRICS, results))
+    if any(p.host_tier is not None for p in results.policies.values()):
+        tables.append(
+            _metric_table(
+                "table-host-tier", "Host KV tier", _HOST_TIER_METRICS, results,
+                "Device pool and host tier together: what was copied each way, what came back by copy "
+                "instead of being computed, and the host hits the cost model chose to recompute.",
+            )
+        )
     if any(len(p.runs) > 1 for p in results.policies.values()):
         tables.append(_runs_table(results))
     return tuple(tables)

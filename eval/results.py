@@ -159,6 +159,20 @@ class SLO(_Model):
         return not (self.tpot_ms is not None and tpot_s is not None and tpot_s * 1e3 > self.tpot_ms)
 
 
+class HostTierResult(_Model):
+    """The host KV tier's counters of one run (per-run means with ``--repeats``)."""
+
+    blocks: int = Field(ge=0, description="Host tier size in blocks.")
+    offloaded_blocks: int = Field(ge=0, description="Blocks copied device -> host.")
+    reloaded_blocks: int = Field(ge=0, description="Blocks copied host -> device (prefetches included).")
+    prefetched_blocks: int = Field(ge=0, description="Reloads ahead of a paused job's next turn.")
+    recompute_chosen_blocks: int = Field(ge=0, description="Host hits recomputed because that was cheaper.")
+    evictions: int = Field(ge=0, description="Host slots evicted.")
+    bytes_to_host: int = Field(ge=0)
+    bytes_to_device: int = Field(ge=0)
+    reload_tokens: int = Field(ge=0, description="Request tokens served by reloads instead of computed.")
+
+
 class PolicyResult(_Model):
     """Everything measured for one entry of ``--policies`` (a bench variant) on the run's workload.
 
@@ -206,6 +220,7 @@ class PolicyResult(_Model):
         ),
     )
     series: Series = Field(default_factory=Series)
+    host_tier: HostTierResult | None = Field(default=None, description="The host KV tier's counters; None without one.")
     runs: list[RunMeans] = Field(
         default_factory=list, description="Each run's means when the policy ran more than once."
     )

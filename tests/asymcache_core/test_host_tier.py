@@ -122,6 +122,7 @@ def test_a_reloading_request_waits_for_its_copies_while_others_run():
     assert ran_meanwhile > 0, "the batch waited for another request's copies"
     assert engine.clock() - start >= 1.0 - 1e-9, "it ran before its copies landed"
     assert request.metrics.reload_tokens > 0
+    assert any(step.reload_blocks == 5 for step in engine.step_log), "the step log names the reloads"
     run_until_done(engine, rid)
     engine.check_integrity()
 
@@ -199,33 +200,29 @@ def test_runs_of_consecutive_slots():
     assert _runs(pairs, 0) == [(0, 1), (1, 1), (2, 3), (5, 1)]
 
 
-def _caches(device: str, blocks: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(blocks, 4, 2, 8, generator=gen).to(device), torch.randn(blocks, 4, 2, 8, generator=gen).to(device))
-        for _ in range(3)
-    ]
-
-
 def _roundtrip(device: str) -> None:
-    caches = _caches(device)
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    host = HostKVCache(caches, num_slots=20, staging_blocks=2)  # several staging passes
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 2, 12, 4, 2, 8, generator=gen).to(device)  # [L, 2, blocks, bs, H, D]
+    before = cache.clone()
+    host = HostKVCache(cache, num_slots=20, staging_blocks=2)  # several staging passes
     offloads = [(3, 7), (4, 8), (5, 9), (0, 2), (11, 15)]
     host.issue(KVTransfers(0, offloads, [], None))
-    # the device blocks are overwritten, then copied back into other blocks
-    for k, v in caches:
-        k.zero_()
-        v.zero_()
+    cache.zero_()  # the device blocks are overwritten, then copied back into other blocks
     reloads = [(7, 1), (8, 2), (9, 6), (2, 10), (15, 0)]
-    host.issue(KVTransfers(1, [], reloads, None))
+    host.issue(KVTransfers(1, [], reloads, 0, 0))
     if device == "cuda":
         torch.cuda.synchronize()
         assert host.is_complete(1)
-    for (k, v), (k0, v0) in zip(caches, before, strict=True):
-        for src, dst in [(3, 1), (4, 2), (5, 6), (0, 10), (11, 0)]:
-            assert torch.equal(k[dst], k0[src]) and torch.equal(v[dst], v0[src])
-        assert not k[3].any()  # nothing else was written
+    for src, dst in [(3, 1), (4, 2), (5, 6), (0, 10), (11, 0)]:
+        assert torch.equal(cache[:, :, dst], before[:, :, src])
+    assert not cache[:, :, 3].any()  # nothing else was written
+    # the views the model reads are the same memory
+    assert cache[1, 0].data_ptr() == cache[1, 0, 0].data_ptr() and cache[1, 0].is_contiguous()
+
+
+def test_the_host_cache_wants_the_stacked_device_cache():
+    with pytest.raises(ValueError, match="^kv_cache:"):
+        HostKVCache(torch.zeros(12, 4, 2, 8), num_slots=4)
 
 
 def test_host_copies_are_exact_on_the_cpu():

@@ -337,3 +337,24 @@ def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path):
     tight, loose = (results.policies[name] for name in policies)
     assert tight.tpot.mean < 0.8 * loose.tpot.mean
     assert tight.tpot.p99 < 0.8 * loose.tpot.p99
+
+
+def test_a_host_tier_shows_in_the_results_and_the_report(tmp_path):
+    # a bench with --num-host-kv-blocks: every variant's results carry the tier's counters
+    # (the unbounded ceiling has no tier), the copies replace recomputation, and the report has
+    # the tier's table
+    cfg = BenchConfig(
+        workload="swe", jobs=30, concurrency=12, backend="sim", model="dummy:tiny", num_kv_blocks=120,
+        num_host_kv_blocks=600, policies=("vllm-apc", "asymcache+continuum", "vllm-apc/unbounded"),
+        out=tmp_path / "run", check_lossless=False, time_scale=0.05, token_scale=0.05,
+    )
+    results, folder = run_bench(cfg)
+    tiered = results.policies["vllm-apc"].host_tier
+    assert tiered is not None and tiered.blocks == 600
+    assert tiered.offloaded_blocks > 0 and tiered.reloaded_blocks > 0 and tiered.reload_tokens > 0
+    assert results.policies["asymcache+continuum"].host_tier is not None
+    assert results.policies["vllm-apc/unbounded"].host_tier is None
+    assert "## Host KV tier" in (folder / "report.md").read_text()
+    without, _ = run_bench(replace(cfg, num_host_kv_blocks=None, policies=("vllm-apc",), out=tmp_path / "b"))
+    assert without.policies["vllm-apc"].host_tier is None
+    assert results.policies["vllm-apc"].computed_tokens < without.policies["vllm-apc"].computed_tokens
