@@ -99,3 +99,21 @@ def test_each_app_has_its_own_registry():
     assert sa[("vllm:kv_cache_usage_perc", (("model_name", "a"),))] == 0.0
     # an engine without blocks reads as 0 % used, not a division error
     assert _samples(a.render(_stats()).decode())[("vllm:kv_cache_usage_perc", (("model_name", "a"),))] == 0.0
+
+
+def test_the_host_tier_series():
+    stats = _stats(host_kv_blocks_total=4096, host_kv_blocks_cached=100, host_offloaded_blocks_total=300,
+                   host_reloaded_blocks_total=120, host_prefetched_blocks_total=7,
+                   host_recompute_chosen_blocks_total=3, host_bytes_to_device_total=120 * 2**21,
+                   engine_reload_tokens_total=1808)
+    text = ServerMetrics("tiny").render(stats).decode()
+    s = _samples(text)
+    assert s[("asymcache_host_kv_blocks_total", ())] == 4096  # a size: a gauge although named _total
+    assert "# TYPE asymcache_host_kv_blocks_total gauge" in text
+    assert s[("asymcache_host_kv_blocks_cached", ())] == 100
+    assert s[("asymcache_host_offloaded_blocks_total", ())] == 300
+    assert s[("asymcache_host_reloaded_blocks_total", ())] == 120
+    assert s[("asymcache_host_prefetched_blocks_total", ())] == 7
+    assert s[("asymcache_host_recompute_chosen_blocks_total", ())] == 3
+    assert s[("asymcache_host_bytes_to_device_total", ())] == 120 * 2**21
+    assert s[("asymcache_engine_reload_tokens_total", ())] == 1808
