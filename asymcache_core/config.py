@@ -129,6 +129,11 @@ class EngineConfig:
         host_eviction_policy: the host tier's eviction policy (``None``: the device pool's;
             ``vllm-apc``'s order is a plain LRU, what vLLM's CPU offload does).
         seed: seeds dummy weights and random sampling without a per-request seed.
+        kv_events_config: vLLM's ``--kv-events-config`` JSON (``enable_kv_cache_events``,
+            ``publisher``, ``endpoint``, ``replay_endpoint``, ``topic``, ...): the KV blocks the
+            device pool and the host tier store and remove are published for KV-aware routers
+            in vLLM's KV-events format (:mod:`asymcache_core.kv_events`, ``docs/kv-events.md``);
+            ``None``: off.
     """
 
     model: str = field(default="smollm2-135m", metadata=_flag(
@@ -196,6 +201,9 @@ class EngineConfig:
     host_eviction_policy: str | None = None
     seed: int = field(default=0, metadata=_flag(
         "--seed", "Seeds dummy weights and sampling without a per-request seed."))
+    kv_events_config: str | None = field(default=None, metadata=_flag(
+        "--kv-events-config", "vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+        "\"tcp://*:5557\"}': publish stored/removed KV blocks for KV-aware routers (docs/kv-events.md)."))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -285,6 +293,10 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.kv_events_config is not None:
+            from asymcache_core.kv_events import KVEventsConfig
+
+            KVEventsConfig.from_json(self.kv_events_config)
 
     def chunk_budget(self) -> int | None:
         """Fixed per-step token budget, or ``None`` when chunking is adaptive."""

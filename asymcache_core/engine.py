@@ -30,6 +30,7 @@ from asymcache_core.host_tier import HostTier, KVTransfers
 from asymcache_core.job_admission import JobAdmission
 from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_cache_manager import KVCacheManager
+from asymcache_core.kv_events import create_kv_events
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.memory_budget import GIB, KVPoolPlan, plan_for_device
 from asymcache_core.request import Request, RequestOutput, RequestStatus
@@ -161,6 +162,7 @@ class EngineStats:
     host_evictions_total: int = 0
     host_bytes_to_host_total: int = 0
     host_bytes_to_device_total: int = 0
+    kv_block_size: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Field name -> value, in declaration order."""
@@ -282,6 +284,8 @@ class Engine:
             self.pool.listeners.append(self.host_tier)
         hole_reuse = policy.hole_reuse if config.hole_reuse is None else config.hole_reuse
         self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse, tier=self.host_tier)
+        #: publishes the pools' stored / removed blocks for KV-aware routers (``kv_events_config``)
+        self.kv_events = create_kv_events(config.kv_events_config, self.pool, self.host_tier, self.kv, config.block_size)
         self.pins = PinManager(self.pool)
         self.continuum = ContinuumController(self.pins, self.latency, self.job_stats, self.clock)
         job_admission = policy.job_admission if config.job_admission is None else config.job_admission
@@ -595,10 +599,26 @@ class Engine:
         Returns:
             Blocks evicted.
         """
-        return self.pool.evict_all()
+        evicted = self.pool.evict_all()
+        if self.kv_events is not None:
+            self.kv_events.flush()  # routers learn of the removals now, not at the next step
+        return evicted
+
+    def close(self) -> None:
+        """Closes the KV event publisher, if any (idempotent); the engine holds nothing else."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Runs one step (:meth:`_step`); its KV events, if published, go out as one batch."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs."""
         start = self.clock()
         self.pins.expire(start)
@@ -1011,6 +1031,7 @@ class Engine:
             jobs_admitted=self.job_admission.num_jobs if self.job_admission is not None else 0,
             jobs_held_back_total=self.job_admission.num_held_back if self.job_admission is not None else 0,
             engine_reload_tokens_total=c.reload_tokens,
+            kv_block_size=self.block_size,
             **self._host_stats(),
         )
 

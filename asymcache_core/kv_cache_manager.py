@@ -108,6 +108,9 @@ class KVCacheManager:
         self.loading: dict[int, int] = {}
         #: prefetched device blocks held until their ticket completes: (ticket, blocks)
         self._prefetch_held: list[tuple[int, list[int]]] = []
+        #: told ``(block hash, parent hash or None, tokens)`` of each block :meth:`commit`
+        #: caches (a KV event publisher: the pool knows hashes, not tokens); ``None``: nobody
+        self.on_commit: Callable[[int, int | None, list[int]], None] | None = None
 
     # -- hashing ---------------------------------------------------------------------------
     def ensure_hashes(self, request: Request) -> list[int]:
@@ -410,6 +413,9 @@ class KVCacheManager:
             block_id = request.block_ids[idx]
             block = self.pool.blocks[block_id]
             if block.block_hash is None:
+                if self.on_commit is not None:
+                    parent = hashes[idx - 1] if idx else None
+                    self.on_commit(hashes[idx], parent, request.all_token_ids[idx * bs : (idx + 1) * bs])
                 self.pool.cache_block(block_id, hashes[idx], idx)
         request.num_committed_blocks = max(request.num_committed_blocks, full)
 

@@ -9,6 +9,12 @@ Two families of names for the same quantities:
   server unchanged (running / waiting requests, KV usage, prompt and generation tokens, TTFT,
   TPOT, end-to-end latency, prefix-cache queries and hits, preemptions).
 
+The ``vllm:*`` gauges include what the Gateway API inference extension's endpoint picker scrapes
+from a model server (its model-server protocol; ``docs/kv-events.md`` has the table): queued and
+running requests, KV-cache utilization (under vLLM's current and earlier names), the block size
+and pool size as ``vllm:cache_config_info`` labels, and ``vllm:lora_requests_info`` (no adapters:
+this server serves no LoRA, and the picker reads an empty list as such).
+
 Request-level series are updated when a request finishes (:meth:`ServerMetrics.observe`).
 Engine series come from an :class:`~asymcache_core.EngineStats` snapshot that the ``/metrics``
 handler takes on the engine thread and hands to :meth:`ServerMetrics.render`.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import fields
 
@@ -85,15 +92,33 @@ class EngineCollector(Collector):
             else:
                 yield GaugeMetricFamily(name, doc, value=value)
         labels = [self.model_name]
+        usage = stats.kv_blocks_in_use / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
         for name, doc, value in (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.requests_running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.requests_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             stats.kv_blocks_in_use / stats.kv_blocks_total if stats.kv_blocks_total else 0.0),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
+            # NOTE: vLLM's earlier name of the same gauge; endpoint pickers configured for it scrape it.
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (earlier name).", usage),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
+        config = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the KV cache config (the value is 1).",
+            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching"],
+        )
+        config.add_metric(
+            [str(stats.kv_block_size), str(stats.kv_blocks_total), str(stats.host_kv_blocks_total), "True"], 1.0
+        )
+        yield config
+        # NOTE: the picker's LoRA-affinity scorer takes the sample with the latest timestamp
+        # (the value); without the series it logs a scrape error every time.
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running and waiting LoRA adapters (the value is the update time).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
         preemptions = CounterMetricFamily(
             "vllm:num_preemptions_total", "Cumulative number of preemptions.", labels=["model_name"]
         )
