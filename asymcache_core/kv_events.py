@@ -253,21 +253,29 @@ class ZmqEventPublisher:
     # -- the sender thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay()
+            # NOTE: everything queued is published before any replay is served, so a replay
+            # answers with every batch the engine published before the request came.
             try:
                 item = self._queue.get(timeout=self.POLL_S)
+                while True:
+                    if item is None:
+                        return
+                    self._send(*item)
+                    item = self._queue.get_nowait()
             except queue.Empty:
-                continue
-            if item is None:
-                return
-            seq, payload = item
-            try:
-                self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-            except self._zmq.ZMQError as exc:  # the batch stays replayable
-                logger.error("KV events: publishing batch %d failed: %s", seq, exc)
-            self._kept.append((seq, payload))
+                pass
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    if not self._queue.empty():
+                        break  # newer batches first: the request is served on the next pass
+                    self._serve_replay()
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        try:
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        except self._zmq.ZMQError as exc:  # the batch stays replayable
+            logger.error("KV events: publishing batch %d failed: %s", seq, exc)
+        self._kept.append((seq, payload))
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

@@ -115,9 +115,12 @@ class AppState:
             self.owned = True  # whatever the factory built is ours to close
 
     async def stop(self) -> None:
-        """Close the runtime if the app owns it."""
+        """Close the runtime, and its engine's KV event sockets, if the app owns it."""
         if self.runtime is not None and self.owned:
             await self.runtime.close()
+            close = getattr(self.runtime.engine, "close", None)
+            if close is not None:
+                close()
 
     def require_runtime(self) -> AgentRuntime:
         """The running runtime.
