@@ -46,12 +46,6 @@ def run_script(engine) -> list[list[int]]:
     return outputs
 
 
-@pytest.fixture(scope="module")
-def unbounded(smollm):
-    engine = make_engine(smollm, num_kv_blocks=2048)
-    return run_script(engine)
-
-
 @pytest.mark.parametrize("policy", registered_policies())
 def test_lossless_under_pressure(smollm, unbounded, policy):
     # working set: a 3-block shared system prompt + 6 sessions x 5 own blocks = 33 blocks; the
