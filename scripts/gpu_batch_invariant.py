@@ -139,15 +139,21 @@ def step_ms(engine: Engine, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def decode_ms(engine: Engine, batch: int, context: int) -> float:
-    gen = torch.Generator().manual_seed(batch)
+def start_decodes(engine: Engine, batch: int, context: int, max_tokens: int, seed: int) -> float:
+    """Prefills ``batch`` random prompts of ``context`` tokens, warms up, and returns the median
+    decode step (ms) of the batch."""
+    gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     for _ in range(batch):
-        engine.add_request(random_prompt(gen, vocab, context), SamplingParams(max_tokens=40, ignore_eos=True))
+        engine.add_request(random_prompt(gen, vocab, context), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
         engine.step()
     step_ms(engine, 3)
-    ms = step_ms(engine, 20)
+    return step_ms(engine, 20)
+
+
+def decode_ms(engine: Engine, batch: int, context: int) -> float:
+    ms = start_decodes(engine, batch, context, max_tokens=40, seed=batch)
     drain(engine)
     return ms
 

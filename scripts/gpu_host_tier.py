@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from asymcache_core import Engine, SamplingParams
+from asymcache_core import Engine
 from asymcache_core.host_tier import KVTransfers
 from asymcache_core.kv_transfer import HostKVCache
 from asymcache_core.loaders import load_model
-from scripts.gpu_batch_invariant import multi_turn, random_prompt, step_ms
+from scripts.gpu_batch_invariant import multi_turn, start_decodes
 
 DEVICE = "cuda"
 
@@ -87,14 +87,7 @@ def exactness(loaded, model: str) -> list[dict[str, object]]:  # type: ignore[no
 
 def overlap(loaded, model: str, batch: int = 32, context: int = 4096, moving: int = 256) -> dict[str, float]:  # type: ignore[no-untyped-def]
     engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=16384, num_host_kv_blocks=4096)
-    gen = torch.Generator().manual_seed(3)
-    vocab = engine.model_config.vocab_size
-    for _ in range(batch):
-        engine.add_request(random_prompt(gen, vocab, context), SamplingParams(max_tokens=80, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
-        engine.step()
-    step_ms(engine, 3)
-    alone = step_ms(engine, 20)
+    alone = start_decodes(engine, batch, context, max_tokens=80, seed=3)
     host = engine.runner.host_cache  # type: ignore[attr-defined]
     held = {b for r in engine.scheduler.running for b in engine.kv.held_blocks(r)}
     spare = [b for b in range(engine.num_blocks) if b not in held][: 2 * moving]
