@@ -52,6 +52,8 @@ JOB_IDLE_S = 1800.0
 MAX_TRACKED_JOBS = 10_000
 #: Engine seconds between idle-job sweeps.
 JOB_SWEEP_INTERVAL_S = 10.0
+#: Engine seconds between scans for paused jobs to prefetch from the host tier.
+PREFETCH_SCAN_S = 0.01
 
 
 class Runner(Protocol):
@@ -364,6 +366,7 @@ class Engine:
         self.max_tracked_jobs = MAX_TRACKED_JOBS
         self._next_job_sweep = 0.0
         self._logged_recomputed = 0
+        self._next_prefetch_scan = 0.0
         if runner_factory is None:
             ready = {
                 "model": config.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
@@ -690,31 +693,21 @@ class Engine:
         self.kv.loading = {b: t for b, t in self.kv.loading.items() if b not in targets}
 
     def _prefetch(self, now: float) -> None:
-        """Copies paused jobs' blocks back from the host before their next turn arrives.
+        """Copies paused jobs' blocks back from the host before their next turn arrives
+        (:meth:`HostTier.due_for_prefetch`), soonest job first, into free blocks only, so
+        nothing cached is evicted for a guess.
 
-        A job is due when its expected return (the runtime's tool-pause hint, else its own
-        gaps: :meth:`JobStats.expected_return`) is closer than the copy of its blocks plus two
-        recent steps. Only free blocks are used, soonest job first, so nothing cached is evicted
-        for a guess.
+        NOTE: the scan walks every remembered job; it runs at most every
+        ``PREFETCH_SCAN_S`` of engine time, and not at all while no block is free.
         """
         free = len(self.pool.free_uncached)
-        if free == 0:
+        if free == 0 or now < self._next_prefetch_scan:
             return
-        step_s = self.step_log[-1].duration_s if self.step_log else 0.0
+        self._next_prefetch_scan = now + PREFETCH_SCAN_S
         assert self.host_tier is not None
-        due: list[tuple[float, str]] = []
-        for job_id, blocks in self.pins.last_blocks.items():
-            state = self.job_stats.jobs.get(job_id)
-            if state is None or state.running > 0 or state.finished or not blocks:
-                continue
-            back = self.job_stats.expected_return(job_id)
-            if back is None or back < now:
-                continue
-            if back - now <= self.host_tier.reload_seconds(len(blocks)) + 2 * step_s:
-                due.append((back, job_id))
-        for _, job_id in sorted(due):
-            blocks = self.pins.last_blocks[job_id]
-            free -= self.kv.prefetch([h for _, h in blocks], list(range(len(blocks))), job_id, free)
+        step_s = self.step_log[-1].duration_s if self.step_log else 0.0
+        for job_id in self.host_tier.due_for_prefetch(self.pins.last_blocks, self.job_stats, now, 2 * step_s):
+            free -= self.kv.prefetch([h for _, h in self.pins.last_blocks[job_id]], job_id, free)
             if free <= 0:
                 break
 

@@ -24,12 +24,13 @@ referenced while a copy that reads it may be in flight, a candidate otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from asymcache_core.block_pool import BlockPool, KVBlock
 from asymcache_core.eviction.base import EvictionPolicy
+from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
 
 #: Fixed cost of one batch of copies (the gather or scatter kernels per layer, launches, the
@@ -198,6 +199,27 @@ class HostTier:
             return 0.0
         return COPY_LATENCY_S + num_blocks * self.block_bytes / self.latency.copy_bandwidth(False)
 
+    def due_for_prefetch(
+        self, last_blocks: Mapping[str, list[tuple[int, int]]], job_stats: JobStats, now: float, lead_s: float
+    ) -> list[str]:
+        """Paused jobs whose blocks should start coming back now, soonest first.
+
+        A job is due when its expected return (:meth:`JobStats.expected_return`: the runtime's
+        tool-pause hint, else its own gaps) is closer than the copy of its blocks plus ``lead_s``.
+
+        Args:
+            last_blocks: job -> ``(block, hash)`` of its last finished request (the pins').
+            job_stats: the engine's job statistics.
+            now: engine time.
+            lead_s: margin before the return (a few steps).
+        """
+        due: list[tuple[float, str]] = []
+        for job_id, blocks in last_blocks.items():
+            back = job_stats.expected_return(job_id)
+            if blocks and back is not None and 0 <= back - now <= self.reload_seconds(len(blocks)) + lead_s:
+                due.append((back, job_id))
+        return [job_id for _, job_id in sorted(due)]
+
     # -- the step's copies -----------------------------------------------------------------
     def take_transfers(self) -> KVTransfers:
         """Closes this step's copies: the queued offloads get host slots, the planned reloads
@@ -242,11 +264,6 @@ class HostTier:
         transfers = KVTransfers(self._ticket, offloads, reloads, wait, after)
         self._ticket += 1
         return transfers
-
-    @property
-    def num_queued(self) -> int:
-        """Device blocks whose copy to the host is queued (not issued yet)."""
-        return len(self._queued) + len(self._evicted)
 
     def check_integrity(self) -> None:
         """Raises ``AssertionError`` when an invariant of the class docstring is broken."""

@@ -293,13 +293,12 @@ class KVCacheManager:
         request.kv_ticket = None
         return True
 
-    def prefetch(self, hashes: list[int], positions: list[int], job_id: str | None, limit: int) -> int:
+    def prefetch(self, hashes: list[int], job_id: str | None, limit: int) -> int:
         """Brings host copies of blocks back to the device ahead of their request, into free
         blocks only (nothing cached is evicted for them).
 
         Args:
-            hashes: block hashes of a job's context, in order.
-            positions: their logical block indices.
+            hashes: block hashes of a job's context, in order (the i-th is logical block i).
             job_id: the job they belong to.
             limit: blocks to bring at most.
 
@@ -310,7 +309,7 @@ class KVCacheManager:
             return 0
         taken: list[int] = []
         ticket = self.tier.ticket
-        for block_hash, position in zip(hashes, positions, strict=True):
+        for position, block_hash in enumerate(hashes):
             if len(taken) >= limit or not self.pool.free_uncached:
                 break
             if self.pool.lookup(block_hash) is not None:

@@ -30,6 +30,11 @@ import torch
 from asymcache_core.host_tier import KVTransfers
 
 
+def _chunks(pairs: list[tuple[int, int]], size: int) -> list[list[tuple[int, int]]]:
+    """``pairs`` in consecutive chunks of at most ``size`` (one staging pass each)."""
+    return [pairs[first : first + size] for first in range(0, len(pairs), size)]
+
+
 def _runs(pairs: list[tuple[int, int]], key: int) -> list[tuple[int, int]]:
     """``(start index into pairs, length)`` of runs whose element ``key`` is consecutive."""
     runs: list[tuple[int, int]] = []
@@ -160,13 +165,10 @@ class HostKVCache:
     def _offload_cuda(self, offloads: list[tuple[int, int]]) -> None:
         staging = self.offload_staging
         assert staging is not None
-        step = staging.shape[0]
-        for first in range(0, len(offloads), step):
-            chunk = offloads[first : first + step]
-            n = len(chunk)
+        for chunk in _chunks(offloads, staging.shape[0]):
             blocks = self._device_index([b for b, _ in chunk])
             # NOTE: one gather for every layer, then one copy into the slot-major staging
-            staging[:n].permute(1, 2, 0, 3, 4, 5).copy_(self.kv_cache.index_select(2, blocks))
+            staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5).copy_(self.kv_cache.index_select(2, blocks))
             for start, length in _runs(chunk, 1):
                 slot = chunk[start][1]
                 self.host[slot : slot + length].copy_(staging[start : start + length], non_blocking=True)
@@ -174,12 +176,9 @@ class HostKVCache:
     def _reload_cuda(self, reloads: list[tuple[int, int]]) -> None:
         staging = self.reload_staging
         assert staging is not None
-        step = staging.shape[0]
-        for first in range(0, len(reloads), step):
-            chunk = reloads[first : first + step]
-            n = len(chunk)
+        for chunk in _chunks(reloads, staging.shape[0]):
             for start, length in _runs(chunk, 0):
                 slot = chunk[start][0]
                 staging[start : start + length].copy_(self.host[slot : slot + length], non_blocking=True)
             blocks = self._device_index([b for _, b in chunk])
-            self.kv_cache.index_copy_(2, blocks, staging[:n].permute(1, 2, 0, 3, 4, 5))
+            self.kv_cache.index_copy_(2, blocks, staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5))

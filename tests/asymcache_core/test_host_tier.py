@@ -213,6 +213,25 @@ def _roundtrip(device: str) -> None:
     assert cache[1, 0].data_ptr() == cache[1, 0, 0].data_ptr() and cache[1, 0].is_contiguous()
 
 
+def test_the_staged_copy_path_moves_the_same_bytes():
+    # the CUDA path's staging (chunks of 2 blocks, runs of consecutive slots, one gather or
+    # scatter of every layer), driven on CPU tensors: the streams are CUDA's, the data
+    # movement is this code's
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(3, 2, 12, 4, 2, 8, generator=gen)
+    before = cache.clone()
+    host = HostKVCache(cache, num_slots=20)
+    host.offload_staging = torch.empty(2, 3, 2, 4, 2, 8)
+    host.reload_staging = torch.empty(2, 3, 2, 4, 2, 8)
+    host._device_index = lambda ids: torch.tensor(ids, dtype=torch.long)  # type: ignore[method-assign]
+    host._offload_cuda([(3, 7), (4, 8), (5, 9), (0, 2), (11, 15)])
+    cache.zero_()
+    host._reload_cuda([(7, 1), (8, 2), (9, 6), (2, 10), (15, 0)])
+    for src, dst in [(3, 1), (4, 2), (5, 6), (0, 10), (11, 0)]:
+        assert torch.equal(cache[:, :, dst], before[:, :, src])
+    assert not cache[:, :, 3].any()
+
+
 def test_the_host_cache_wants_the_stacked_device_cache():
     with pytest.raises(ValueError, match="^kv_cache:"):
         HostKVCache(torch.zeros(12, 4, 2, 8), num_slots=4)
