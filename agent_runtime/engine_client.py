@@ -32,6 +32,7 @@ from agent_runtime.output_processor import OutputOptions, OutputProcessor
 from agent_runtime.protocol import ToolChoice
 from agent_runtime.types import StreamEvent
 from asymcache_core import Engine
+from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import RequestOutput
 from asymcache_core.sampling_params import SamplingParams
 
@@ -362,6 +363,13 @@ class AsyncEngine:
                 break
             try:
                 outputs = engine.step()
+            except EngineDeadError as exc:
+                # NOTE: no later step can run: fail what is in flight and close, so the server
+                # answers 503 from now on instead of queueing requests nobody will run.
+                logger.error("the engine is dead: %s", exc)
+                self._closed = True
+                self._fail_all(exc)
+                break
             except Exception as exc:  # noqa: BLE001 - keep serving; fail the victims loudly
                 logger.exception("engine step failed")
                 self._fail_all(exc)
@@ -431,7 +439,8 @@ class AsyncEngine:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - best effort while failing
                 logger.exception("abort of %s failed", rid)
-            active.submit.sink.put(RuntimeError(f"engine step failed: {exc!r}"))
+            failure = exc if isinstance(exc, EngineDeadError) else RuntimeError(f"engine step failed: {exc!r}")
+            active.submit.sink.put(failure)
         self._active.clear()
 
     def _shutdown(self) -> None:
@@ -449,7 +458,10 @@ class AsyncEngine:
             self.engine.abort(rid)
             active.submit.sink.put(RuntimeError("runtime: closed"))
         self._active.clear()
-        self.engine.step()  # flush the aborts' outputs so the engine is left consistent
+        try:
+            self.engine.step()  # flush the aborts' outputs so the engine is left consistent
+        except EngineDeadError:
+            pass  # nothing left to flush into
 
 
 __all__ = ["AsyncEngine", "PromptEncoder", "RequestFailed", "RequestStream"]

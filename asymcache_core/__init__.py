@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from asymcache_core.config import EngineConfig
 from asymcache_core.engine import Engine, EngineStats, GenerationOutput
+from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import RequestOutput
 from asymcache_core.sampling_params import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "GenerationOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "Engine", "EngineConfig", "EngineDeadError", "EngineStats", "GenerationOutput", "RequestOutput", "SamplingParams",
+]

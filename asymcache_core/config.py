@@ -126,6 +126,11 @@ class EngineConfig:
             come back by copy or by recomputation, whichever costs less; ``0``: no tier. Pinned
             memory on CUDA; on the CPU both tiers are host memory (same copies, same accounting).
         num_host_kv_blocks: host tier size in blocks (overrides ``cpu_offload_gb``).
+        tensor_parallel_size: ranks the model is split over (:mod:`asymcache_core.parallel`):
+            each holds a share of every layer's heads and of every KV block; the block pool,
+            scheduler and eviction run once, in this process (rank 0), which sends each step's
+            plan to the others. Ranks 1.. are worker processes on ``cuda:<rank>`` (NCCL) or
+            on the CPU (gloo).
         host_eviction_policy: the host tier's eviction policy (``None``: the device pool's;
             ``vllm-apc``'s order is a plain LRU, what vLLM's CPU offload does).
         seed: seeds dummy weights and random sampling without a per-request seed.
@@ -199,6 +204,9 @@ class EngineConfig:
     num_host_kv_blocks: int | None = field(default=None, metadata=_flag(
         "--num-host-kv-blocks", "Host KV tier size in blocks (overrides --cpu-offload-gb)."))
     host_eviction_policy: str | None = None
+    tensor_parallel_size: int = field(default=1, metadata=_flag(
+        "--tensor-parallel-size", "Split the model over this many ranks (GPUs, or CPU processes): each "
+        "holds a share of the heads and of every KV block.", "-tp"))
     seed: int = field(default=0, metadata=_flag(
         "--seed", "Seeds dummy weights and sampling without a per-request seed."))
     kv_events_config: str | None = field(default=None, metadata=_flag(
@@ -286,6 +294,7 @@ class EngineConfig:
             raise ValueError(f"cpu_offload_gb: must be a number >= 0, got {value!r}")
         if self.num_host_kv_blocks is not None and self.num_host_kv_blocks != 0:
             _positive_int("num_host_kv_blocks", self.num_host_kv_blocks)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.host_eviction_policy is not None and self.host_eviction_policy not in registered_policies():
             raise ValueError(
                 f"host_eviction_policy: unknown policy {self.host_eviction_policy!r}; "

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,6 +25,7 @@ from asymcache_core.config import EngineConfig
 from asymcache_core.continuum.backends import PinManager
 from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.detokenizer import detokenize_incrementally
+from asymcache_core.errors import EngineDeadError
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.host_tier import HostTier, KVTransfers
 from asymcache_core.job_admission import JobAdmission
@@ -43,6 +44,9 @@ from asymcache_core.scheduler import (
     fcfs_key,
 )
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
+
+if TYPE_CHECKING:
+    from asymcache_core.tensor_parallel import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -233,13 +237,23 @@ class Engine:
         device, dtype = config.torch_device, config.torch_dtype
 
         self.loaded = None
+        #: the worker ranks of a tensor-parallel engine (``None``: one rank)
+        self.tp_workers: TensorParallelWorkers | None = None
+        #: why the engine can run no more steps (``None``: it can)
+        self.dead: EngineDeadError | None = None
         if runner_factory is None:
             from asymcache_core.loaders import load_model
 
             if loaded is not None:
                 if loaded.name != config.model:
                     raise ValueError(f"model: the shared model is {loaded.name!r}, not {config.model!r}")
+                if config.tensor_parallel_size > 1:
+                    raise ValueError("tensor_parallel_size: a shared, already loaded model cannot be split")
                 self.loaded = loaded
+            elif config.tensor_parallel_size > 1:
+                self.tp_workers = self._start_tensor_parallel(config, device, dtype)
+                group = self.tp_workers.group
+                self.loaded = load_model(config.model, device, dtype, config.seed, config.max_model_len, group)
             else:
                 self.loaded = load_model(config.model, device, dtype, config.seed, config.max_model_len)
             self.model_config = self.loaded.config
@@ -339,14 +353,29 @@ class Engine:
                 device, config.attention_backend, dtype, batch_invariant=config.batch_invariant
             )
             backend = dataclasses.replace(backend, dense=select_dense_ops(device, config.batch_invariant))
-            self.runner: Runner = ModelRunner(
-                self.loaded, self.num_blocks, config.block_size, device, dtype, backend, config.seed,
+            runner_kwargs: dict[str, Any] = dict(
+                num_blocks=self.num_blocks, block_size=config.block_size, seed=config.seed,
                 max_model_len=self.max_model_len,
                 max_num_seqs=config.max_num_seqs,
-                cuda_graphs=not config.enforce_eager and device.type == "cuda" and backend.name == "triton",
+                # NOTE: tensor-parallel steps run eagerly: a captured graph would have to hold
+                # the collectives of every rank in lockstep.
+                cuda_graphs=not config.enforce_eager and device.type == "cuda" and backend.name == "triton"
+                and self.tp_workers is None,
                 mixed_graph_tokens=config.mixed_graph_max_tokens,
                 num_host_blocks=self.num_host_blocks,
             )
+            if self.tp_workers is not None:
+                from asymcache_core.tensor_parallel import TensorParallelRunner
+
+                try:
+                    self.runner: Runner = TensorParallelRunner(
+                        self.tp_workers, self.loaded, device, dtype, backend, **runner_kwargs
+                    )
+                except BaseException:
+                    self.tp_workers.close()
+                    raise
+            else:
+                self.runner = ModelRunner(self.loaded, device=device, dtype=dtype, backend=backend, **runner_kwargs)
             self.attention_backend = backend.name
         else:
             self.runner = runner_factory(self)
@@ -409,8 +438,18 @@ class Engine:
         return cls(config, clock=clock, runner_factory=runner, latency=latency, **overrides)
 
     # -- setup helpers -----------------------------------------------------------------------
+    def _rank_model_config(self) -> Any:
+        """The model as rank 0 holds it: its share of the KV heads sizes its share of a block.
+
+        NOTE: rank 0 holds the largest share, so a pool that fits rank 0 fits every rank.
+        """
+        mc = self.model_config
+        if self.tp_workers is None:
+            return mc
+        return dataclasses.replace(mc, num_key_value_heads=self.tp_workers.shards[0].num_kv_heads)
+
     def _blocks_from_memory(self, dtype_bytes: int) -> int:
-        per_block = self.model_config.kv_bytes_per_token(dtype_bytes) * self.config.block_size
+        per_block = self._rank_model_config().kv_bytes_per_token(dtype_bytes) * self.config.block_size
         device = self.config.torch_device
         if self.config.gpu_memory_utilization is not None:
             self.memory_plan = self._memory_plan(dtype_bytes)
@@ -431,7 +470,7 @@ class Engine:
         config = self.config
         assert config.gpu_memory_utilization is not None
         return plan_for_device(
-            self.model_config, gpu_memory_utilization=config.gpu_memory_utilization, device=config.torch_device,
+            self._rank_model_config(), gpu_memory_utilization=config.gpu_memory_utilization, device=config.torch_device,
             block_size=config.block_size, dtype_bytes=dtype_bytes,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             weights=self.loaded.model if self.loaded is not None else None,
@@ -608,14 +647,49 @@ class Engine:
         return evicted
 
     def close(self) -> None:
-        """Closes the KV event publisher, if any (idempotent); the engine holds nothing else."""
+        """Closes the KV event publisher and stops the tensor-parallel workers, if any
+        (idempotent)."""
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+
+    @staticmethod
+    def _start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> TensorParallelWorkers:
+        """Starts ranks 1.. of a tensor-parallel engine (they load their shards meanwhile).
+
+        Raises:
+            ValueError: the model's heads cannot be split over ``tensor_parallel_size`` ranks,
+                or there are fewer GPUs than ranks.
+        """
+        from asymcache_core.loaders import resolve_hf_config
+        from asymcache_core.models import ModelConfig
+        from asymcache_core.parallel import plan_tensor_shards
+        from asymcache_core.tensor_parallel import TensorParallelWorkers
+
+        size = config.tensor_parallel_size
+        mc = ModelConfig.from_hf(resolve_hf_config(config.model)[0])
+        shards = plan_tensor_shards(mc, size)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs; {torch.cuda.device_count()} visible")
+        workers = TensorParallelWorkers(
+            size, config.model, device, dtype, config.seed, config.max_model_len or mc.max_position_embeddings,
+            config.attention_backend, config.batch_invariant, shards,
+        )
+        workers.start()
+        return workers
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one step (:meth:`_step`); its KV events, if published, go out as one batch."""
+        """Runs one step (:meth:`_step`); its KV events, if published, go out as one batch.
+
+        Raises:
+            EngineDeadError: the engine can run no more steps (a tensor-parallel rank died);
+                every later call raises it too.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
         outputs = self._step()
         if self.kv_events is not None:
             self.kv_events.flush()
@@ -729,6 +803,9 @@ class Engine:
         """
         try:
             return plan, self.runner.execute(plan), []
+        except EngineDeadError as exc:
+            self.dead = exc  # no request is the culprit: the engine is gone
+            raise
         except Exception as exc:  # noqa: BLE001 - isolated below; the step goes on without the culprit
             logger.warning("a step of %d requests failed (%s: %s); isolating the fault",
                            len(plan.scheduled), type(exc).__name__, exc)

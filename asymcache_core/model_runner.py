@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from asymcache_core.cuda_graphs import DecodeGraphs, decode_batch
+from asymcache_core.cuda_graphs import DecodeBatch, DecodeGraphs
 from asymcache_core.host_tier import KVTransfers
 from asymcache_core.kv_transfer import HostKVCache
 from asymcache_core.loaders import LoadedModel
@@ -14,27 +14,31 @@ from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
-from kernels.metadata import MSAMetadata, build_msa_metadata
+from kernels.metadata import build_msa_metadata
 
 
 class StepInputs(NamedTuple):
-    """Host-side batch of one step.
+    """Host-side batch of one step: plain lists, so that tensor-parallel ranks receive it as is.
 
     Attributes:
         input_ids: packed token ids.
         positions: their absolute positions.
         slots: their KV slots.
-        meta: MSA metadata (segments, block tables, slot mapping).
+        segments: ``(sequence, packed start, length, first position)`` per segment.
+        block_tables: each scheduled sequence's physical blocks.
         logits_rows: packed row of each sampling request's last token.
         sample_index: index into ``SchedulerOutput.scheduled`` of each sampling row.
+        decode_only: one new token per sequence, every sequence sampled (the CUDA-graph case).
     """
 
     input_ids: list[int]
     positions: list[int]
     slots: list[int]
-    meta: MSAMetadata
+    segments: list[tuple[int, int, int, int]]
+    block_tables: list[list[int]]
     logits_rows: list[int]
     sample_index: list[int]
+    decode_only: bool
 
 
 class ModelRunner:
@@ -78,10 +82,13 @@ class ModelRunner:
         self.backend = backend
         self.sampler = Sampler(seed)
         cfg = loaded.config
+        # NOTE: the heads this rank holds (all of them without tensor parallelism).
+        attn = self.model.layers[0].self_attn
+        self.num_q_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         # NOTE: one tensor [L, 2, num_blocks, block_size, H_kv, D] whose per-layer K and V views
         # are each contiguous: the host tier gathers a block of every layer in one kernel.
         self.kv_cache = torch.zeros(
-            (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim),
+            (cfg.num_hidden_layers, 2, num_blocks, block_size, self.num_kv_heads, cfg.head_dim),
             dtype=dtype, device=device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
@@ -116,7 +123,7 @@ class ModelRunner:
             self.host_cache.wait(ticket)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
-        """Packs the plan's segments into flat host lists and the MSA metadata."""
+        """Packs the plan's segments into flat host lists."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -138,37 +145,47 @@ class ModelRunner:
             if item.sample:
                 logits_rows.append(len(input_ids) - 1)
                 sample_index.append(seq)
-        meta = build_msa_metadata(tables, segments, slots, bs, self.device)
-        cfg = self.loaded.config
-        # NOTE: once per step, not once per layer: the backend's launch plan (the Triton tile
-        # table and its copy to the device) is shared by all layers.
-        meta = self.backend.prepare(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        return StepInputs(input_ids, positions, slots, meta, logits_rows, sample_index)
+        return StepInputs(
+            input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only
+        )
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Runs the step; returns the sampled token of every request that reached its end."""
-        if self.decode_graphs is not None:
-            batch = decode_batch(plan, self.block_size)
-            logits = self.decode_graphs.run(batch) if batch is not None else None
-            if logits is not None:
-                return self._sample(plan, list(range(len(plan.scheduled))), logits)
         inputs = self.prepare(plan)
+        return self._sample(plan, inputs.sample_index, self.forward(inputs))
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's forward pass: ``[len(inputs.logits_rows), vocab]`` float32 logits.
+
+        Decode-only steps replay a CUDA graph where one is captured; other steps run the
+        piecewise graphs, else eagerly.
+        """
+        if self.decode_graphs is not None and inputs.decode_only:
+            batch = DecodeBatch(inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables)
+            logits = self.decode_graphs.run(batch)
+            if logits is not None:
+                return logits
+        meta = build_msa_metadata(inputs.block_tables, inputs.segments, inputs.slots, self.block_size, self.device)
+        # NOTE: once per step, not once per layer: the backend's launch plan (the Triton tile
+        # table and its copy to the device) is shared by all layers.
+        meta = self.backend.prepare(meta, self.num_q_heads, self.num_kv_heads, self.loaded.config.head_dim)
         dev = self.device
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long).to(dev, non_blocking=True)
         logits = None
         if self.mixed_graphs is not None:
-            logits = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.meta, rows)
+            logits = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, meta, rows)
         if logits is None:
             logits = self.model(
                 torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True),
                 torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
                 self.kv_caches,
-                inputs.meta,
+                meta,
                 self.backend,
                 rows,
             )
-        return self._sample(plan, inputs.sample_index, logits)
+        return logits
 
     def _sample(self, plan: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> dict[str, int]:
         """Samples one token per row of ``logits`` for ``plan.scheduled[sample_index[row]]``."""

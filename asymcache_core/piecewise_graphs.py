@@ -81,7 +81,7 @@ class PiecewiseGraphs:
     """Per captured token count, the ``L + 1`` pieces of a step between its attention calls.
 
     Args:
-        model: the causal LM; it provides ``embed_tokens``, ``rotary``, ``pre_attention``,
+        model: the causal LM; it provides ``embed``, ``embed_tokens``, ``rotary``, ``pre_attention``,
             ``post_attention``, ``compute_logits`` and ``layers`` (see ``models/llama.py``).
         kv_caches: per-layer paged caches.
         backend: the attention backend (its ``store_kv`` must skip negative slots).
@@ -138,7 +138,7 @@ class PiecewiseGraphs:
         num_layers = len(kv)
 
         def first() -> None:
-            h = model.embed_tokens(ids)
+            h = model.embed(ids)
             state["rope"] = model.rotary.tables(positions, h.dtype)
             q, state["residual"] = model.pre_attention(0, h, None, state["rope"], kv[0], slots, backend)
             query.copy_(q)

@@ -25,6 +25,7 @@ from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import serving
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.state import AppState, RuntimeSource, app_state
+from asymcache_core.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,11 @@ class RequestGuard:
         self.in_flight += counted
         try:
             await self.app(scope, replay, tracked_send)
+        except EngineDeadError as exc:
+            logger.error("request to %s failed: the engine is dead (%s)", path, exc)
+            if not started:
+                await self._reject(send, path, APIError(
+                    503, f"The engine is not running: {exc}", type="server_error", code="engine_unavailable"))
         except Exception as exc:  # noqa: BLE001 - one request's bug must not cost the connection
             logger.exception("request to %s failed", path)
             if not started:

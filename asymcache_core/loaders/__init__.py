@@ -22,6 +22,7 @@ from asymcache_core.loaders.gguf_loader import (
     open_gguf,
 )
 from asymcache_core.models import LlamaForCausalLM, ModelConfig, build_model, load_hf_state_dict
+from asymcache_core.parallel import TensorParallelGroup, shard_parameter
 
 DEFAULT_MODEL = "smollm2-135m"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -195,12 +196,22 @@ def _load_gguf_weights(
 
 
 def load_model(
-    spec: str, device: torch.device, dtype: torch.dtype, seed: int, max_len: int | None = None
+    spec: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    max_len: int | None = None,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> LoadedModel:
     """Loads a model from its spec (see :class:`~asymcache_core.config.EngineConfig.model`).
 
     A GGUF file is parsed at most once, on its first use; its converted config, tokenizer and
     weights are then read from the user cache (:mod:`asymcache_core.loaders.cache`).
+
+    With ``tensor_parallel``, the model is this rank's share (:mod:`asymcache_core.parallel`):
+    checkpoint weights are read whole on the host and sliced; dummy weights are drawn tensor
+    by tensor exactly as the whole model's are, and sliced, so every split of a dummy model
+    holds the same weights as the unsplit one.
 
     Raises:
         ValueError: unknown spec, missing/corrupt files, unsupported architecture.
@@ -217,6 +228,11 @@ def load_model(
     max_len = max_len or cfg.max_position_embeddings
     # NOTE: dummy weights are made on the target device: an 8B model in float32 on the host
     # would cost 32 GB and a minute of random init.
+    if kind == "dummy" and tensor_parallel is not None:
+        with torch.device(device), _no_default_init():
+            model = build_model(cfg, max_len, tensor_parallel)
+        _init_dummy_shard(model, cfg, max_len, seed, tensor_parallel)
+        return _finish(LoadedModel(spec, cfg, model, tokenizer, "dummy"), device, dtype)
     with torch.device(device if kind == "dummy" else "cpu"), _no_default_init():
         model = build_model(cfg, max_len)
     if kind == "dummy":
@@ -233,12 +249,53 @@ def load_model(
 
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
         source = str(folder)
-    model = model.to(device=device, dtype=dtype).eval()
+    if tensor_parallel is not None:
+        model = _shard_model(model, max_len, tensor_parallel)
+    return _finish(LoadedModel(spec, cfg, model, tokenizer, source), device, dtype)
+
+
+def _finish(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    model = loaded.model.to(device=device, dtype=dtype).eval()
     # NOTE: rope tables stay float32 whatever the weights' dtype: positions beyond 2k lose
     # precision in bf16.
     model.rotary.cos = model.rotary.cos.float()
     model.rotary.sin = model.rotary.sin.float()
-    return LoadedModel(spec, cfg, model, tokenizer, source)
+    return LoadedModel(loaded.name, loaded.config, model, loaded.tokenizer, loaded.source)
+
+
+def _shard_model(full: LlamaForCausalLM, max_len: int, tensor_parallel: TensorParallelGroup) -> LlamaForCausalLM:
+    """This rank's share of a whole (host) model: a new module holding slices of its weights."""
+    cfg = full.config
+    with torch.device("cpu"), _no_default_init():
+        model = build_model(cfg, max_len, tensor_parallel)
+    whole = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(shard_parameter(name, whole[name], cfg, tensor_parallel.shard))
+    return model
+
+
+def _init_dummy_shard(
+    model: LlamaForCausalLM, cfg: ModelConfig, max_len: int, seed: int, tensor_parallel: TensorParallelGroup
+) -> None:
+    """:func:`_init_dummy` of the whole model, sliced to this rank's share.
+
+    NOTE: one whole tensor at a time, drawn in the whole model's order from the same
+    generator: the shares of every rank put together are the unsplit model's weights, while
+    no rank ever holds more than one whole tensor (a 70B model does not fit one GPU).
+    """
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in build_model(cfg, max_len).named_parameters()}
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+                continue
+            whole = torch.empty(shapes[name], dtype=param.dtype, device=device).uniform_(-0.05, 0.05, generator=gen)
+            param.copy_(shard_parameter(name, whole, cfg, tensor_parallel.shard))
+            del whole
 
 
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:

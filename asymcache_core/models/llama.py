@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asymcache_core.models.config import ModelConfig
+from asymcache_core.parallel import TensorParallelGroup, TensorShard
 from kernels.dispatch import DEFAULT_DENSE_OPS, AttentionBackend, DenseOps
 from kernels.metadata import MSAMetadata
 
@@ -89,10 +90,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """GQA attention of the heads one rank holds (all of them without tensor parallelism)."""
+
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads if shard is None else shard.num_q_heads
+        self.num_kv_heads = cfg.num_key_value_heads if shard is None else shard.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -127,11 +130,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU MLP over one rank's share of the intermediate width (a partial sum under TP)."""
+
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        a, b = (0, cfg.intermediate_size) if shard is None else shard.intermediate
+        self.intermediate = b - a
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: DenseOps = DEFAULT_DENSE_OPS) -> torch.Tensor:
         gate, up = _linear(self.gate_up_proj, x, ops).split(self.intermediate, dim=-1)
@@ -139,27 +145,47 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TensorShard | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model; ``forward`` runs a packed multi-segment step and returns selected logits."""
+    """The model; ``forward`` runs a packed multi-segment step and returns selected logits.
 
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+    Args:
+        cfg: the model's shape.
+        max_len: longest position (sizes the rope tables).
+        tensor_parallel: this rank's share and collectives (:mod:`asymcache_core.parallel`);
+            ``None``: the whole model on one device.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_len: int, tensor_parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.tensor_parallel = tensor_parallel
+        shard = tensor_parallel.shard if tensor_parallel is not None else None
+        vocab = cfg.vocab_size if shard is None else shard.vocab[1] - shard.vocab[0]
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, max_len)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` embeddings of ``input_ids [T]`` (the full vocabulary's, under TP too)."""
+        if self.tensor_parallel is None:
+            return self.embed_tokens(input_ids)
+        return self.tensor_parallel.embed(input_ids, self.embed_tokens.weight)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: the row-parallel projections' partial sums; a no-op on one device.
+        return x if self.tensor_parallel is None else self.tensor_parallel.all_reduce(x)
 
     def forward(
         self,
@@ -183,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[len(logits_indices), vocab]`` float32 logits.
         """
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
         residual: torch.Tensor | None = None
         for index, kv_cache in enumerate(kv_caches):
@@ -235,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
         """
         layer = self.layers[index]
         attn = layer.self_attn
-        residual = residual + _linear(attn.o_proj, o.reshape(-1, attn.q_size), ops)
-        return layer.mlp(layer.post_attention_layernorm(residual, ops), ops), residual
+        residual = residual + self._reduce(_linear(attn.o_proj, o.reshape(-1, attn.q_size), ops))
+        return self._reduce(layer.mlp(layer.post_attention_layernorm(residual, ops), ops)), residual
 
     def compute_logits(
         self,
@@ -247,7 +273,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """``[len(logits_indices), vocab]`` float32 logits of the selected rows."""
         out = residual + h
-        return _linear(self.lm_head, self.norm(out[logits_indices], ops), ops).float()
+        logits = _linear(self.lm_head, self.norm(out[logits_indices], ops), ops)
+        if self.tensor_parallel is not None:
+            logits = self.tensor_parallel.gather_vocab(logits)
+        return logits.float()
 
 
 # Legacy per-projection names in checkpoints -> (fused param, slice index).

@@ -1,0 +1,204 @@
+"""Tensor parallelism over gloo on this CPU: the shard plan, the collectives, and SmolLM2 split
+over two worker processes giving the greedy tokens of one, under a tight pool with holes and
+with the host tier; a rank that dies fails the engine loudly and the server answers 503."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asymcache_core import Engine, EngineDeadError
+from asymcache_core.models import ModelConfig
+from asymcache_core.parallel import TensorParallelGroup, plan_tensor_shards, shard_parameter
+from tests.asymcache_core.test_holes_and_policies import TURN, run_script
+
+MODEL = "smollm2-135m"
+
+
+def _config(heads: int, kv: int, inter: int = 48, vocab: int = 101, hidden: int = 32) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv, head_dim=4,
+    )
+
+
+# -- the shard plan ----------------------------------------------------------------------------
+def test_smollm2_splits_its_three_kv_heads_unevenly_over_two_ranks() -> None:
+    cfg = _config(heads=9, kv=3, inter=1536, vocab=49152)
+    a, b = plan_tensor_shards(cfg, 2)
+    assert (a.kv_heads, b.kv_heads) == ((0, 2), (2, 3))
+    assert (a.q_heads, b.q_heads) == ((0, 6), (6, 9))  # whole GQA groups of 3
+    assert (a.intermediate, b.intermediate) == ((0, 768), (768, 1536))
+    assert (a.vocab, b.vocab) == ((0, 24576), (24576, 49152))
+
+
+def test_more_ranks_than_kv_heads_replicate_each_kv_head() -> None:
+    shards = plan_tensor_shards(_config(heads=8, kv=2), 4)
+    assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [s.q_heads for s in shards] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+@pytest.mark.parametrize(("heads", "kv", "size"), [(9, 3, 4), (8, 2, 3), (4, 2, 8), (8, 8, 0)])
+def test_a_split_that_cuts_a_kv_group_is_refused(heads: int, kv: int, size: int) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        plan_tensor_shards(_config(heads=heads, kv=kv), size)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv=st.sampled_from([1, 2, 3, 4]), group=st.sampled_from([1, 2, 3]), size=st.integers(1, 4),
+    vocab=st.integers(7, 40), inter=st.integers(4, 20),
+)
+def test_the_shards_put_together_are_the_whole_model(kv: int, group: int, size: int, vocab: int, inter: int) -> None:
+    cfg = _config(heads=kv * group, kv=kv, inter=inter, vocab=vocab, hidden=8)
+    try:
+        shards = plan_tensor_shards(cfg, size)
+    except ValueError:
+        return  # an indivisible split (tested above)
+    from asymcache_core.models import build_model
+
+    full = build_model(cfg, 16)
+    for name, param in full.named_parameters():
+        torch.nn.init.normal_(param)
+        parts = [shard_parameter(name, param.detach(), cfg, s) for s in shards]
+        d = cfg.head_dim
+        if name.endswith("qkv_proj.weight"):
+            # each rank's rows: its q heads, then its k heads, then its v heads
+            q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+            for s, part in zip(shards, parts, strict=True):
+                (q0, q1), (k0, k1) = s.q_heads, s.kv_heads
+                expected = torch.cat((
+                    param[q0 * d : q1 * d],
+                    param[q_size + k0 * d : q_size + k1 * d],
+                    param[q_size + kv_size + k0 * d : q_size + kv_size + k1 * d],
+                ))
+                assert torch.equal(part, expected)
+            assert torch.equal(torch.cat([p[: s.num_q_heads * d] for s, p in zip(shards, parts, strict=True)]),
+                               param[:q_size])  # every query head once, in order
+        elif name.endswith("o_proj.weight"):
+            assert torch.equal(torch.cat(parts, dim=1), param)
+        elif name.endswith("gate_up_proj.weight"):
+            gates = torch.cat([p[: p.shape[0] // 2] for p in parts])
+            ups = torch.cat([p[p.shape[0] // 2 :] for p in parts])
+            assert torch.equal(torch.cat((gates, ups)), param)
+        elif name.endswith("down_proj.weight"):
+            assert torch.equal(torch.cat(parts, dim=1), param)
+        elif name in ("embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(torch.cat(parts), param)
+        else:
+            assert all(p is param or torch.equal(p, param) for p in parts)
+
+
+# -- the collectives, two gloo ranks ------------------------------------------------------------
+def _collectives(rank: int, port: int, deterministic: bool, queue: object = None) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank`` of the collectives test (rank 1 runs in a spawned process)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    weight, partials, logits = torch.randn(11, 5), [torch.randn(3, 5), torch.randn(3, 5)], torch.randn(2, 11)
+    ids = torch.tensor([0, 5, 6, 10, 3])
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, 2, timedelta(seconds=60))
+    shard = plan_tensor_shards(_config(heads=6, kv=3, vocab=11), 2)[rank]
+    group = TensorParallelGroup(shard, pg, deterministic=deterministic)
+    v0, v1 = shard.vocab
+    out = (
+        group.all_reduce(partials[rank].clone()), partials[0] + partials[1],
+        group.embed(ids, weight[v0:v1]), weight[ids],
+        group.gather_vocab(logits[:, v0:v1]), logits,
+    )
+    if queue is not None:
+        queue.put([t.tolist() for t in out])  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_collectives_sum_embed_and_gather_the_uneven_vocab(deterministic: bool) -> None:
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    assert [s.vocab for s in plan_tensor_shards(_config(heads=6, kv=3, vocab=11), 2)] == [(0, 6), (6, 11)]
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    peer = ctx.Process(target=_collectives, args=(1, store.port, deterministic, queue))
+    peer.start()
+    try:
+        ours = _collectives(0, store.port, deterministic)
+        theirs = [torch.tensor(t) for t in queue.get(timeout=60)]
+    finally:
+        peer.join(timeout=60)
+    for summed, expected_sum, embedded, expected_rows, gathered, expected_logits in (ours, theirs):
+        assert torch.equal(summed, expected_sum)
+        assert torch.equal(embedded, expected_rows)  # one non-zero term per row: exact
+        assert torch.equal(gathered, expected_logits)
+
+
+# -- SmolLM2 over two worker processes -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp_holes() -> Engine:
+    engine = Engine(MODEL, num_kv_blocks=12, eviction_policy="asymcache", tensor_parallel_size=2)
+    yield engine
+    engine.close()
+
+
+def test_tp2_gives_the_greedy_tokens_of_one_rank_under_a_tight_pool_with_holes(tp_holes, unbounded) -> None:
+    # the multi-session script of test_holes_and_policies on a 12-block pool: constant eviction,
+    # holes in the middle of histories rebuilt by MSA, on both ranks' shares of every block
+    assert run_script(tp_holes) == unbounded
+    stats = tp_holes.stats()
+    assert stats.evictions_total > 0 and stats.engine_hole_tokens_total > 0
+    tp_holes.check_integrity()
+    assert tp_holes.runner.kv_cache.shape[-2] == 2  # rank 0 holds 2 of the 3 KV heads
+
+
+def test_tp2_with_the_host_tier_reloads_every_rank_share(unbounded) -> None:
+    engine = Engine(MODEL, num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert run_script(engine) == unbounded
+        assert engine.stats().host_reloaded_blocks_total > 0
+        engine.check_integrity()
+        # a rank killed between steps: the next step fails loudly, and so does every later one
+        victim = engine.tp_workers.processes[0]
+        victim.kill()
+        victim.wait(timeout=30)
+        engine.add_request(list(range(300, 340)), TURN)
+        with pytest.raises(EngineDeadError, match="rank 1 died"):
+            engine.step()
+        with pytest.raises(EngineDeadError):
+            engine.step()
+    finally:
+        engine.close()
+
+
+def test_a_dead_rank_makes_the_server_answer_503_not_hang(tp_holes) -> None:
+    from fastapi.testclient import TestClient
+
+    from agent_runtime.runtime import AgentRuntime
+    from agent_runtime.server import create_app
+
+    runtime = AgentRuntime(tp_holes, policy="asymcache")
+    with TestClient(create_app(runtime, MODEL)) as client:
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+        victim = tp_holes.tp_workers.processes[0]
+        victim.kill()
+        victim.wait(timeout=30)
+        failed = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello again", "max_tokens": 3})
+        assert failed.status_code == 503, failed.text
+        assert failed.json()["error"]["code"] == "engine_unavailable"
+        later = client.post("/v1/completions", json={"model": MODEL, "prompt": "Anyone?", "max_tokens": 3})
+        assert later.status_code == 503
+        assert client.get("/health").status_code == 503
+
+
+def test_bad_tensor_parallel_sizes_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Engine(MODEL, num_kv_blocks=16, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks cannot split 3 KV heads"):
+        Engine(MODEL, num_kv_blocks=16, tensor_parallel_size=4)
