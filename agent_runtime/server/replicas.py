@@ -48,6 +48,7 @@ from prometheus_client.registry import Collector
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from starlette.requests import Request
@@ -511,16 +512,20 @@ class Gateway:
     Args:
         engine: the engine deployment's handle.
         max_attempts: sends of one request before it is a 503.
-        app_name: the application's name (to find this process's router of ``engine``).
+        app_name: the application's name, to find this process's router of ``engine``
+            (default: the one this replica runs in).
         live_replicas: the live replicas' ids (default: those the handle's router knows;
             None while it knows nothing yet).
     """
 
-    def __init__(self, engine: DeploymentHandle, max_attempts: int = 3, app_name: str = APP_NAME,
+    def __init__(self, engine: DeploymentHandle, max_attempts: int = 3, app_name: str | None = None,
                  live_replicas: Callable[[], tuple[str, ...] | None] | None = None) -> None:
         self.engine = engine
         self.max_attempts = max_attempts
-        self.app_name = app_name
+        if app_name is None:
+            with contextlib.suppress(RayServeException):
+                app_name = serve.get_replica_context().app_name
+        self.app_name = app_name or APP_NAME
         self._live = live_replicas or self._router_live
         #: requests sent again because their replica died before answering
         self.retries = 0
@@ -638,18 +643,16 @@ async def _bounded(gen: DeploymentResponseGenerator, timeout: float) -> AsyncIte
 # ----------------------------------------------------------------------------------------------
 
 
-def build_app(options: ServeOptions, settings: ReplicaSettings | None = None,
-              app_name: str = APP_NAME) -> serve.Application:
+def build_app(options: ServeOptions, settings: ReplicaSettings | None = None) -> serve.Application:
     """The Ray Serve application: ``settings.num_replicas`` engines behind one gateway.
 
-    Deploy it on any Ray cluster with ``serve.run(build_app(options, settings), name=app_name,
+    Deploy it on any Ray cluster with ``serve.run(build_app(options, settings), name="asymcache",
     route_prefix="/")``; the endpoint is Ray Serve's HTTP proxy (its ``http_options``: host and
     port), not ``options.host`` / ``options.port``.
 
     Args:
         options: what each replica serves (model, preset, pool, API key, caps).
         settings: the replicas and their routing (default: 2 replicas).
-        app_name: the name the application is run under (the gateway finds its router by it).
 
     Returns:
         The application (``serve.run`` it).
@@ -677,7 +680,7 @@ def build_app(options: ServeOptions, settings: ReplicaSettings | None = None,
         num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS * settings.num_replicas,
         ray_actor_options={"num_cpus": 0},
     )
-    return gateway.bind(engine.bind(options), settings.max_attempts, app_name)
+    return gateway.bind(engine.bind(options), settings.max_attempts)
 
 
 #: uvicorn's log levels -> Ray Serve's.

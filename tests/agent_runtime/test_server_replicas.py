@@ -155,15 +155,18 @@ def test_a_killed_replica_is_replaced_and_its_jobs_continue(client: httpx.Client
     # a long turn in flight on the victim when it is killed: retried on another replica, not lost
     result: dict[str, httpx.Response] = {}
     worker = threading.Thread(target=lambda: result.setdefault(
-        "r", _chat(client, messages, "job-k", max_tokens=48, ignore_eos=True)))
+        "r", _chat(client, messages, "job-k", max_tokens=64, ignore_eos=True)))
     worker.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while _per_replica(_replica_metrics(client), "vllm:num_requests_running").get(victim, 0) < 1:
+        assert time.monotonic() < deadline and worker.is_alive(), "the long turn never ran on its replica"
+        time.sleep(0.05)
     _kill(victim)
     worker.join(timeout=120)
     retried = result["r"]
     assert retried.status_code == 200, retried.text
     assert retried.headers[REPLICA_HEADER] != victim
-    assert retried.json()["usage"]["completion_tokens"] == 48
+    assert retried.json()["usage"]["completion_tokens"] == 64
     assert _replica_metrics(client)[("asymcache_gateway_retries_total", ())] >= 1  # it was sent twice
     # the job's next turn is served, on a live replica
     messages += [retried.json()["choices"][0]["message"], {"role": "user", "content": "Thanks."}]
