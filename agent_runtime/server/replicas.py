@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -705,7 +706,7 @@ def serve_replicas(options: ServeOptions, num_replicas: int, settings: ReplicaSe
         # NOTE: on one host every replica would bind the same ZMQ endpoints.
         raise ValueError("kv_events_config: not with more than one replica on a local cluster (the replicas "
                          "would bind the same endpoints); deploy build_app() with one endpoint per node instead")
-    settings = ReplicaSettings(**{**(settings.__dict__ if settings else {}), "num_replicas": num_replicas})
+    settings = dataclasses.replace(settings or ReplicaSettings(), num_replicas=num_replicas)
     if not ray.is_initialized():
         # NOTE: logical CPUs: enough for every replica even on a small machine.
         ray.init(num_cpus=max(os.cpu_count() or 1, int(num_replicas * settings.num_cpus) + 1),

@@ -60,3 +60,10 @@ def test_replicas_go_to_ray_serve_with_the_same_options(monkeypatch: pytest.Monk
     assert result.exit_code == 0, result.output
     options, n = calls[-1]
     assert n == 3 and (options.port, options.num_kv_blocks, options.api_key) == (9001, 64, "k")
+
+
+def test_replicas_on_one_machine_refuse_kv_events() -> None:
+    pytest.importorskip("ray")
+    config = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+    line = _one_error_line(["serve", "--replicas", "2", "--kv-events-config", config])
+    assert line.startswith("error: kv_events_config: not with more than one replica")
