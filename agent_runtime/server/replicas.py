@@ -1,0 +1,734 @@
+"""Engine replicas on Ray Serve behind one OpenAI-compatible endpoint, with job-affinity routing.
+
+The application has two deployments:
+
+- ``engine`` (:class:`EngineReplica`, ``num_replicas`` copies): each runs its own
+  :class:`~agent_runtime.runtime.AgentRuntime` (own engine, KV pool, Continuum pins and job
+  FCFS) and the single server's app (:func:`~agent_runtime.server.app.create_app`) over it,
+  called in-process as ASGI: every route, error body, API-key check and 429 is the single
+  server's. It reports its queue length and free KV blocks as Ray Serve routing stats
+  (``record_routing_stats``) and answers Ray Serve's health check (``check_health``).
+- ``gateway`` (:class:`Gateway`, one copy, the HTTP ingress): reads each request's body, takes
+  its affinity key (:func:`~agent_runtime.server.job_router.routing_key`) and forwards the
+  request through a streaming :class:`~ray.serve.handle.DeploymentHandle`. The handle's
+  request router is :class:`JobRequestRouter`, a Ray Serve custom ``RequestRouter`` that applies
+  :func:`~agent_runtime.server.job_router.route` (the job's replica first, new jobs by queue
+  length and free KV). ``/metrics`` is every replica's exposition with a ``replica`` label,
+  plus the router's own series.
+
+Faults: Ray Serve replaces a replica that dies or fails its health check. A request whose
+replica dies before its response started (a non-streamed one until it finishes) is sent again,
+to another replica, where its job re-prefills; a stream that loses its replica midway ends
+with an error frame and ``[DONE]``. With no live replica the answer is a 503 with OpenAI's body.
+
+Entry points: :func:`build_app` (the Ray Serve application, for ``serve.run`` on any Ray
+cluster) and :func:`serve_replicas` (a local Ray cluster, as ``asymcache serve --replicas N``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from starlette.requests import Request
+from starlette.responses import Response
+
+from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server.app import ServeOptions, create_app
+from agent_runtime.server.errors import APIError, stream_error_frame
+from agent_runtime.server.job_router import (
+    AffinityTable,
+    ReplicaLoad,
+    RoutingPolicy,
+    route,
+    routing_key,
+)
+from agent_runtime.server.metrics import CONTENT_TYPE
+
+logger = logging.getLogger(__name__)
+
+Message = MutableMapping[str, Any]
+
+#: The Ray Serve application's name (and the deployments').
+APP_NAME = "asymcache"
+ENGINE_DEPLOYMENT = "engine"
+GATEWAY_DEPLOYMENT = "gateway"
+#: The response header that names the replica that answered.
+REPLICA_HEADER = "x-asymcache-replica"
+#: Requests one engine replica takes from Ray Serve at once; the replica's own bound
+#: (``max_queue_len`` beyond the running batch, a 429) answers before this one does.
+MAX_ONGOING_REQUESTS = 4096
+#: Routing choices a router remembers for requests not yet routed (see ``choose_replicas``).
+_MAX_CHOSEN = 8192
+#: Paths answered with the gateway's aggregation rather than by one replica.
+_METRICS_PATH = "/metrics"
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """How the replicas are deployed and routed (the Ray side of ``serve --replicas``).
+
+    Attributes:
+        num_replicas: engine replicas.
+        policy: the affinity and overload rule of the router.
+        num_cpus: Ray CPUs each engine replica reserves.
+        num_gpus: Ray GPUs each engine replica reserves (None: 1 when the engine's device is
+            CUDA, else 0).
+        routing_stats_period_s: how often each replica reports its load to the routers.
+        health_check_period_s: how often Ray Serve checks each replica.
+        health_check_timeout_s: a check unanswered this long fails (the replica is replaced).
+        max_attempts: sends of one request before it is a 503 (replicas that die under it).
+
+    Raises:
+        ValueError: a bad count or period (one line naming it).
+    """
+
+    num_replicas: int = 2
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    num_cpus: float = 1.0
+    num_gpus: float | None = None
+    routing_stats_period_s: float = 1.0
+    health_check_period_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        check_replicas(self.num_replicas)
+        for name in ("num_cpus", "routing_stats_period_s", "health_check_period_s", "health_check_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value!r}")
+        if self.num_gpus is not None and not self.num_gpus >= 0:
+            raise ValueError(f"num_gpus: must be >= 0, got {self.num_gpus!r}")
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts: must be an integer >= 1, got {self.max_attempts!r}")
+
+
+def check_replicas(value: Any) -> int:
+    """A replica count, checked.
+
+    Args:
+        value: the ``--replicas`` value.
+
+    Returns:
+        It.
+
+    Raises:
+        ValueError: not an integer >= 1 (``replicas: ...``).
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"replicas: must be an integer >= 1, got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# The request router
+# ----------------------------------------------------------------------------------------------
+
+#: The job routers of this process (a gateway's handle builds one; the gateway reads its
+#: replica set and counters). NOTE: weak, so that a router Ray drops is not kept alive here.
+_ROUTERS: weakref.WeakSet[JobRequestRouter] = weakref.WeakSet()
+
+
+def _registry() -> weakref.WeakSet[JobRequestRouter]:
+    """This process's :data:`_ROUTERS`.
+
+    NOTE: looked up through the imported module, not as a global of the caller: Ray may ship
+    a deployment's class by value, with copies of its globals, and a copied set would be empty.
+    """
+    from agent_runtime.server import replicas
+
+    return replicas._ROUTERS
+
+
+class JobRequestRouter(RequestRouter):
+    """Ray Serve's router for the engine replicas: :func:`~agent_runtime.server.job_router.route`
+    over the replicas' routing stats.
+
+    A request's ``routing_key`` keyword argument is its affinity key; a ``replica`` keyword
+    argument sends it to that replica only (the gateway's per-replica ``/metrics``). A
+    replica's load is the larger of the queue it reported (running plus waiting requests) and
+    the requests this router has sent there and not seen finish, counting those it has just
+    chosen a replica for (so that a burst of new jobs spreads before any stats come back).
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Set the policy (Ray Serve calls this with ``request_router_kwargs``).
+
+        Args:
+            **kwargs: :class:`RoutingPolicy` fields.
+        """
+        self.policy = RoutingPolicy(**kwargs)
+        self.table = AffinityTable(self.policy.max_jobs)
+        self.decisions: Counter[str] = Counter()
+        self.live: tuple[str, ...] = ()
+        #: request id -> (the replica chosen first, why), until it is routed or completed.
+        self._chosen: dict[str, tuple[str, str]] = {}
+        #: request id -> the replica it runs on, until it completes.
+        self._routed: dict[str, str] = {}
+        # NOTE: the table and counters are touched on the router's event loop only; the gateway
+        # reads ``live`` (a tuple, replaced whole) and copies of the counters.
+        _registry().add(self)
+
+    @property
+    def deployment(self) -> tuple[str, str]:
+        """``(app name, deployment name)`` this router serves."""
+        return (self._deployment_id.app_name, self._deployment_id.name)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._refresh_live()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._refresh_live()
+
+    def _refresh_live(self) -> None:
+        self.live = tuple(sorted(r.unique_id for r in self.curr_replicas))
+        self.table.forget_replicas(self.live)
+
+    def _in_flight(self) -> Counter[str]:
+        return Counter([*self._routed.values(), *(uid for uid, _ in self._chosen.values())])
+
+    def load_of(self, replica: RunningReplica, in_flight: Counter[str] | None = None) -> ReplicaLoad:
+        """What this router knows of one replica's load.
+
+        Args:
+            replica: the replica.
+            in_flight: this router's requests per replica (default: counted now).
+
+        Returns:
+            Its load.
+        """
+        uid = replica.replica_id.unique_id
+        stats = replica.routing_stats or {}
+        reported = stats.get("queue_len")
+        mine = (in_flight if in_flight is not None else self._in_flight())[uid]
+        queue = max(int(reported) if isinstance(reported, int) else 0, mine)
+        free = stats.get("free_kv_blocks")
+        return ReplicaLoad(uid, queue, int(free) if isinstance(free, int) else None)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """The replicas to try, in ranks (Ray Serve takes the first rank that accepts).
+
+        Args:
+            candidate_replicas: the live replicas.
+            pending_request: the request.
+
+        Returns:
+            The ranks: the job's replica alone, then the rest; or every replica in its own rank,
+            best first, for a new (or moved) job.
+        """
+        kwargs: dict[str, Any] = {}
+        rid: str | None = None
+        if pending_request is not None:
+            # NOTE: after every rank refused, back off before asking again (no busy loop).
+            pending_request.routing_context.should_backoff = True
+            kwargs = pending_request.kwargs
+            rid = pending_request.metadata.internal_request_id
+            self._chosen.pop(rid, None)  # a retry: its earlier choice no longer counts
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        target = kwargs.get("replica")
+        if target is not None:
+            return [[by_id[target]]] if target in by_id else []
+        key = kwargs.get("routing_key")
+        in_flight = self._in_flight()
+        decision = route(key, [self.load_of(r, in_flight) for r in candidate_replicas], self.table, self.policy)
+        if not decision.order:
+            return []
+        first = decision.order[0]
+        if rid is not None:
+            self._chosen[rid] = (first, decision.reason)
+            if len(self._chosen) > _MAX_CHOSEN:
+                # NOTE: a request cancelled while it was being routed is never completed;
+                # the oldest choices go so that such leftovers cannot pile up.
+                for stale in list(self._chosen)[: _MAX_CHOSEN // 2]:
+                    del self._chosen[stale]
+        if key is not None and decision.reason != "affinity":
+            # NOTE: claimed now, so that the job's concurrent requests follow it here.
+            self.table.assign(key, first)
+        if decision.reason == "affinity":
+            return [[by_id[first]], [by_id[r] for r in decision.order[1:]]]
+        return [[by_id[r]] for r in decision.order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Record where the request went: its key's replica, and one more in flight there."""
+        uid = replica_id.unique_id
+        rid = pending_request.metadata.internal_request_id
+        first, reason = self._chosen.pop(rid, (uid, ""))
+        if pending_request.kwargs.get("replica") is not None:
+            return  # a targeted request (metrics) is neither load nor a job
+        self._routed[rid] = uid
+        if uid != first:
+            reason = "overflow"  # the replica chosen first refused it (full): the job follows
+        key = pending_request.kwargs.get("routing_key")
+        if key is not None:
+            self.table.assign(key, uid)
+            self.decisions[reason or "new"] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """One fewer in flight on the replica."""
+        self._routed.pop(internal_request_id, None)
+        self._chosen.pop(internal_request_id, None)
+
+
+def _routers_of(app_name: str, deployment: str) -> list[JobRequestRouter]:
+    return [r for r in list(_registry()) if hasattr(r, "live") and r.deployment == (app_name, deployment)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine replica
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardedRequest:
+    """An HTTP request as the gateway hands it to a replica.
+
+    Attributes:
+        method: the HTTP method.
+        path: the path.
+        query_string: the raw query.
+        headers: the raw headers.
+        body: the whole body.
+    """
+
+    method: str
+    path: str
+    query_string: bytes = b""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    body: bytes = b""
+
+    def scope(self) -> dict[str, Any]:
+        """The ASGI scope of this request."""
+        return {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": self.method, "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
+            "query_string": self.query_string, "root_path": "", "headers": list(self.headers),
+            "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+        }
+
+
+class EngineReplica:
+    """One engine replica: an :class:`AgentRuntime` and the single server's app over it.
+
+    Args:
+        options: what to serve (the host and port are the gateway's).
+    """
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.runtime = AgentRuntime.from_model(
+            options.model, options.policy, num_kv_blocks=options.num_kv_blocks,
+            max_model_len=options.max_model_len, **options.engine_settings,
+        )
+        # NOTE: the app is given the runtime, so it never closes it; :meth:`__del__` does.
+        self.app = create_app(
+            self.runtime, options.served_model_name or options.model, options.api_key,
+            max_request_body_bytes=options.max_request_body_bytes, max_queue_len=options.max_queue_len,
+        )
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+    async def forward(self, request: ForwardedRequest, routing_key: str | None = None,
+                      replica: str | None = None) -> AsyncIterator[Message]:
+        """Run one request through the app; yields its ASGI response messages.
+
+        Args:
+            request: the request.
+            routing_key: its affinity key (read by the router, not here).
+            replica: the replica it was sent to, if targeted (read by the router).
+
+        Yields:
+            ``http.response.start`` (with the :data:`REPLICA_HEADER`), then the body messages.
+        """
+        queue: asyncio.Queue[Message | None] = asyncio.Queue()
+        gone = asyncio.Event()
+        delivered = False
+
+        async def receive() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": request.body, "more_body": False}
+            await gone.wait()  # NOTE: the app learns of a disconnect when the gateway lets go
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((REPLICA_HEADER.encode(), self.replica_id.encode()))
+                message = {**message, "headers": headers}
+            await queue.put(message)
+
+        async def run() -> None:
+            try:
+                await self.app(request.scope(), receive, send)
+            finally:
+                await queue.put(None)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while (message := await queue.get()) is not None:
+                yield message
+        finally:
+            gone.set()
+            if not task.done():
+                # NOTE: the app aborts the request on the disconnect (its KV is freed); give it
+                # a moment before cancelling outright.
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
+                task.cancel()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """The load the router reads (Ray Serve calls this every ``routing_stats_period_s``).
+
+        Returns:
+            ``queue_len`` (running plus waiting), ``free_kv_blocks``, ``kv_blocks_total`` and
+            ``cache_hit_tokens`` (prompt tokens served from the cache so far).
+        """
+        stats = await self.runtime.call(lambda engine: engine.stats())
+        return {
+            "queue_len": stats.requests_running + stats.requests_waiting,
+            "free_kv_blocks": stats.kv_blocks_total - stats.kv_blocks_in_use,
+            "kv_blocks_total": stats.kv_blocks_total,
+            "cache_hit_tokens": stats.engine_cache_hit_tokens_total,
+        }
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: the engine thread answers between steps.
+
+        Raises:
+            RuntimeError: the runtime is closed or the engine thread does not answer.
+        """
+        if self.runtime.closed:
+            raise RuntimeError("the engine is not running")
+        await asyncio.wait_for(self.runtime.call(lambda engine: None), timeout=20.0)
+
+    def __del__(self) -> None:
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None:
+            runtime.close_sync(timeout=5.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The gateway
+# ----------------------------------------------------------------------------------------------
+
+
+def _no_replica() -> APIError:
+    return APIError(503, "No engine replica is alive; retry shortly", type="server_error", code="no_replica")
+
+
+class _Relay(Response):
+    """Sends a replica's response as it comes: the start message already received, then the
+    body messages of the stream (a stream that loses its replica ends with an error frame)."""
+
+    def __init__(self, start: Message, rest: DeploymentResponseGenerator) -> None:
+        self.start = start
+        self.rest = rest
+        self.status_code = int(start.get("status", 200))
+        self.raw_headers = list(start.get("headers", []))
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send(self.start)
+        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                  for k, v in self.start.get("headers", []))
+        ended = False
+        try:
+            async for message in self.rest:
+                await send(message)
+                ended = message.get("type") == "http.response.body" and not message.get("more_body", False)
+        except RayActorError as exc:
+            logger.warning("replica died mid-response: %s", exc)
+            if not ended:
+                tail = (stream_error_frame(exc) + "data: [DONE]\n\n").encode() if sse else b""
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return
+        finally:
+            self.rest.cancel()
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Families(Collector):
+    """Prometheus families given whole (the merged exposition)."""
+
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        yield from self.families
+
+
+def merge_expositions(texts: dict[str, str], extra: Sequence[Metric] = ()) -> bytes:
+    """Several replicas' Prometheus texts as one, every sample labelled with its ``replica``.
+
+    Args:
+        texts: replica id -> its ``/metrics`` text.
+        extra: further families (the gateway's own).
+
+    Returns:
+        The exposition (``CONTENT_TYPE``).
+    """
+    merged: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            into = merged.get(family.name)
+            if into is None:
+                into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                into.add_sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+    registry = CollectorRegistry()
+    registry.register(_Families([*merged.values(), *extra]))
+    return generate_latest(registry)
+
+
+class Gateway:
+    """The HTTP ingress: one endpoint for every replica (see the module docstring).
+
+    Args:
+        engine: the engine deployment's handle.
+        max_attempts: sends of one request before it is a 503.
+        app_name: the application's name, to find this process's router of ``engine``
+            (default: the one this replica runs in).
+        live_replicas: the live replicas' ids (default: those the handle's router knows;
+            None while it knows nothing yet).
+    """
+
+    def __init__(self, engine: DeploymentHandle, max_attempts: int = 3, app_name: str | None = None,
+                 live_replicas: Callable[[], tuple[str, ...] | None] | None = None) -> None:
+        self.engine = engine
+        self.max_attempts = max_attempts
+        if app_name is None:
+            with contextlib.suppress(RayServeException):
+                app_name = serve.get_replica_context().app_name
+        self.app_name = app_name or APP_NAME
+        self._live = live_replicas or self._router_live
+        #: requests sent again because their replica died before answering
+        self.retries = 0
+
+    def _routers(self) -> list[JobRequestRouter]:
+        return _routers_of(self.app_name, ENGINE_DEPLOYMENT)
+
+    def _router_live(self) -> tuple[str, ...] | None:
+        routers = self._routers()
+        if not routers:
+            return None
+        return tuple(sorted({uid for r in routers for uid in r.live}))
+
+    async def __call__(self, request: Request) -> Response:
+        """Answer one HTTP request."""
+        body = await request.body()
+        forwarded = ForwardedRequest(
+            request.method, request.url.path, request.scope.get("query_string", b""),
+            tuple((bytes(k), bytes(v)) for k, v in request.scope.get("headers", [])), body,
+        )
+        if forwarded.path == _METRICS_PATH:
+            return await self._metrics(forwarded)
+        key = routing_key(body) if request.method == "POST" else None
+        return await self._send(forwarded, routing_key=key)
+
+    async def _send(self, forwarded: ForwardedRequest, **routing: Any) -> Response:
+        """Forward to a replica; again to another when the one chosen dies before answering."""
+        for attempt in range(1, self.max_attempts + 1):
+            if self._live() == ():
+                break
+            gen: DeploymentResponseGenerator = self.engine.options(stream=True).forward.remote(forwarded, **routing)
+            try:
+                start = await self._first(gen)
+            except RayActorError as exc:
+                gen.cancel()
+                self.retries += 1
+                logger.warning("replica died before answering (attempt %d of %d): %s", attempt, self.max_attempts, exc)
+                continue
+            if start is None:
+                gen.cancel()
+                break
+            return _Relay(start, gen)
+        return _no_replica().response()
+
+    async def _first(self, gen: DeploymentResponseGenerator) -> Message | None:
+        """The response's first message; None when no replica is alive while waiting for it."""
+        first = asyncio.ensure_future(gen.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=0.5)
+                if done:
+                    return first.result()
+                if self._live() == ():
+                    return None
+        finally:
+            if not first.done():
+                first.cancel()
+
+    async def _metrics(self, forwarded: ForwardedRequest) -> Response:
+        """Every live replica's ``/metrics`` with a ``replica`` label, plus the router's series."""
+        live = self._live()
+        if live is None:  # the router exists once a request went through the handle
+            warm = await self._send(forwarded)
+            if warm.status_code != 200:
+                return warm
+            live = self._live() or ()
+        texts: dict[str, str] = {}
+        for uid in live:
+            gen = self.engine.options(stream=True).forward.remote(forwarded, replica=uid)
+            try:
+                messages = [m async for m in _bounded(gen, timeout=30.0)]
+            except (TimeoutError, RayActorError):
+                continue  # died or replaced meanwhile: the next scrape sees its successor
+            start, chunks = messages[0], messages[1:]
+            body = b"".join(m.get("body", b"") for m in chunks)
+            if start.get("status") != 200:
+                return Response(body, status_code=int(start["status"]), media_type="application/json")
+            texts[uid] = body.decode("utf-8")
+        if not texts:
+            return _no_replica().response()
+        return Response(merge_expositions(texts, self._router_families(len(texts))), media_type=CONTENT_TYPE)
+
+    def _router_families(self, alive: int) -> list[Metric]:
+        replicas = GaugeMetricFamily("asymcache_replicas", "Engine replicas answering the scrape.", value=alive)
+        decisions = Counter[str]()
+        jobs = 0
+        for router in self._routers():
+            decisions.update(dict(router.decisions))
+            jobs += len(router.table)
+        table = GaugeMetricFamily("asymcache_router_jobs", "Routing keys in the router's affinity table.", value=jobs)
+        routed = Metric("asymcache_router_decisions", "Requests with a routing key routed, by why they went where they did.", "counter")
+        for reason in ("affinity", "new", "replica_gone", "overloaded", "overflow"):
+            routed.add_sample("asymcache_router_decisions_total", {"reason": reason}, float(decisions[reason]))
+        retried = Metric("asymcache_gateway_retries", "Requests sent again: their replica died before answering.",
+                         "counter")
+        retried.add_sample("asymcache_gateway_retries_total", {}, float(self.retries))
+        return [replicas, table, routed, retried]
+
+
+async def _bounded(gen: DeploymentResponseGenerator, timeout: float) -> AsyncIterator[Message]:
+    """The messages of a short response, all within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                yield await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+    finally:
+        gen.cancel()
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def build_app(options: ServeOptions, settings: ReplicaSettings | None = None) -> serve.Application:
+    """The Ray Serve application: ``settings.num_replicas`` engines behind one gateway.
+
+    Deploy it on any Ray cluster with ``serve.run(build_app(options, settings), name="asymcache",
+    route_prefix="/")``; the endpoint is Ray Serve's HTTP proxy (its ``http_options``: host and
+    port), not ``options.host`` / ``options.port``.
+
+    Args:
+        options: what each replica serves (model, preset, pool, API key, caps).
+        settings: the replicas and their routing (default: 2 replicas).
+
+    Returns:
+        The application (``serve.run`` it).
+    """
+    settings = settings or ReplicaSettings()
+    device = str(options.engine_settings.get("device") or "cpu")
+    gpus = settings.num_gpus if settings.num_gpus is not None else (1.0 if device.startswith("cuda") else 0.0)
+    policy = settings.policy
+    engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
+        num_replicas=settings.num_replicas,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": gpus},
+        health_check_period_s=settings.health_check_period_s,
+        health_check_timeout_s=settings.health_check_timeout_s,
+        graceful_shutdown_timeout_s=float(options.shutdown_timeout),
+        request_router_config=RequestRouterConfig(
+            request_router_class=JobRequestRouter,
+            request_router_kwargs={"overload_factor": policy.overload_factor,
+                                   "overload_margin": policy.overload_margin, "max_jobs": policy.max_jobs},
+            request_routing_stats_period_s=settings.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(settings.routing_stats_period_s, 10.0),
+        ),
+    )
+    gateway = serve.deployment(Gateway, name=GATEWAY_DEPLOYMENT).options(
+        num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS * settings.num_replicas,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return gateway.bind(engine.bind(options), settings.max_attempts)
+
+
+#: uvicorn's log levels -> Ray Serve's.
+_SERVE_LOG_LEVELS = {"critical": "CRITICAL", "error": "ERROR", "warning": "WARNING", "info": "INFO",
+                     "debug": "DEBUG", "trace": "DEBUG"}
+
+
+def serve_replicas(options: ServeOptions, num_replicas: int, settings: ReplicaSettings | None = None) -> None:
+    """Start a local Ray cluster and serve ``num_replicas`` engine replicas at
+    ``options.host:options.port`` until interrupted (SIGINT or SIGTERM); blocking.
+
+    Args:
+        options: what to serve, and where.
+        num_replicas: engine replicas (>= 1).
+        settings: the rest of the replicas' settings (their count is ``num_replicas``).
+
+    Raises:
+        ValueError: a bad replica count.
+    """
+    check_replicas(num_replicas)
+    if num_replicas > 1 and options.engine_settings.get("kv_events_config"):
+        # NOTE: on one host every replica would bind the same ZMQ endpoints.
+        raise ValueError("kv_events_config: not with more than one replica on a local cluster (the replicas "
+                         "would bind the same endpoints); deploy build_app() with one endpoint per node instead")
+    settings = dataclasses.replace(settings or ReplicaSettings(), num_replicas=num_replicas)
+    if not ray.is_initialized():
+        # NOTE: logical CPUs: enough for every replica even on a small machine.
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(num_replicas * settings.num_cpus) + 1),
+                 include_dashboard=False, logging_level=logging.WARNING)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": options.host, "port": options.port})
+        serve.run(build_app(options, settings), name=APP_NAME, route_prefix="/",
+                  logging_config={"log_level": _SERVE_LOG_LEVELS[options.log_level]})
+        logger.warning("serving %d replicas of %s at http://%s:%d", num_replicas, options.model,
+                       options.host, options.port)
+        with contextlib.suppress(KeyboardInterrupt):
+            while not stop.wait(0.5):
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        serve.shutdown()
+        ray.shutdown()
+
+
+__all__ = [
+    "APP_NAME", "REPLICA_HEADER", "EngineReplica", "ForwardedRequest", "Gateway", "JobRequestRouter",
+    "ReplicaSettings", "build_app", "check_replicas", "merge_expositions", "serve_replicas",
+]

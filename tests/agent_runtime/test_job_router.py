@@ -1,0 +1,111 @@
+"""The replicas' routing decisions as pure functions (no Ray): keys, affinity, balance, moves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent_runtime.server.job_router import (
+    PREFIX_CHARS,
+    AffinityTable,
+    ReplicaLoad,
+    RoutingPolicy,
+    rank_for_new,
+    route,
+    routing_key,
+)
+
+POLICY = RoutingPolicy()
+
+
+def _conversation(task: str, turns: int) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": task}]
+    for i in range(turns):
+        messages += [{"role": "assistant", "content": f"step {i}"}, {"role": "tool", "content": f"out {i}"}]
+    return messages
+
+
+def test_key_is_the_job_id_else_the_conversation_prefix():
+    assert routing_key({"job_id": "j-1", "messages": _conversation("a", 0)}) == "job:j-1"
+    assert routing_key(json.dumps({"job_id": "j-1"}).encode()) == "job:j-1"
+    # the turns of one conversation share a key; another task has another
+    first = routing_key({"messages": _conversation("fix the bug", 0)})
+    later = routing_key({"messages": _conversation("fix the bug", 3)})
+    other = routing_key({"messages": _conversation("write the docs", 3)})
+    assert first is not None and first.startswith("prefix:")
+    assert first == later != other
+    # text prompts: the head decides; token prompts too
+    head = "x" * PREFIX_CHARS
+    assert routing_key({"prompt": head + "turn 1"}) == routing_key({"prompt": head + "turn 2"})
+    assert routing_key({"prompt": "short a"}) != routing_key({"prompt": "short b"})
+    assert routing_key({"prompt": [1, 2, 3]}) == routing_key({"prompt": [1, 2, 3]}) != routing_key({"prompt": [1, 2]})
+    # nothing to key on
+    for body in (b"not json", b"[1, 2]", {"model": "m"}, {"job_id": "", "messages": []}, {"prompt": ""}):
+        assert routing_key(body) is None, body
+
+
+def test_new_jobs_go_to_the_shortest_queue_then_the_most_free_kv_then_the_fewest_jobs():
+    loads = [ReplicaLoad("a", 3, 100), ReplicaLoad("b", 1, 10), ReplicaLoad("c", 1, 50)]
+    assert rank_for_new(loads) == ["c", "b", "a"]
+    table = AffinityTable()
+    table.assign("job:1", "x")
+    idle = [ReplicaLoad("x", 0, 64), ReplicaLoad("y", 0, 64)]
+    assert rank_for_new(idle, table) == ["y", "x"]  # a tie: the replica with fewer jobs
+    decision = route("job:new", idle, table, POLICY)
+    assert decision.reason == "new" and decision.order == ("y", "x")
+    assert route(None, idle, table, POLICY).reason == "new"
+    assert route("job:1", [], table, POLICY).reason == "no_replica"
+
+
+def test_a_job_stays_on_its_replica_until_that_replica_is_overloaded_or_gone():
+    table = AffinityTable()
+    table.assign("job:1", "a")
+    # busier than the other, but not overloaded: it stays (its KV is there)
+    loads = [ReplicaLoad("a", 6, 0), ReplicaLoad("b", 1, 500)]
+    decision = route("job:1", loads, table, POLICY)
+    assert decision.reason == "affinity" and decision.order == ("a", "b")
+    # overloaded: queue beyond 2 x 1 + 4
+    loads = [ReplicaLoad("a", 7, 0), ReplicaLoad("b", 1, 500)]
+    decision = route("job:1", loads, table, POLICY)
+    assert decision.reason == "overloaded" and decision.order == ("b", "a")
+    # the threshold is the policy's
+    assert route("job:1", loads, table, RoutingPolicy(overload_factor=3.0)).reason == "affinity"
+    # its replica died (or was replaced): routed as new
+    decision = route("job:1", [ReplicaLoad("b", 5), ReplicaLoad("c", 0)], table, POLICY)
+    assert decision.reason == "replica_gone" and decision.order == ("c", "b")
+    # the least loaded replica is never "overloaded" against itself
+    assert route("job:1", [ReplicaLoad("a", 50)], table, POLICY).order == ("a",)
+
+
+def test_route_does_not_write_the_table():
+    table = AffinityTable()
+    route("job:1", [ReplicaLoad("a")], table, POLICY)
+    assert len(table) == 0
+
+
+def test_the_affinity_table_is_bounded_lru():
+    table = AffinityTable(max_jobs=3)
+    for i in range(3):
+        table.assign(f"k{i}", "a" if i < 2 else "b")
+    assert table.get("k0") == "a"  # k0 is now the most recent
+    table.assign("k3", "b")
+    assert len(table) == 3 and table.get("k1") is None and table.get("k0") == "a"
+    assert (table.jobs_on("a"), table.jobs_on("b")) == (1, 2)
+    table.assign("k0", "b")  # a job that moved
+    assert (table.jobs_on("a"), table.jobs_on("b")) == (0, 3)
+    for i in range(1000):
+        table.assign(f"many{i}", "c")
+    assert len(table) == 3 and table.jobs_on("c") == 3 and table.jobs_on("b") == 0
+    table.forget_replicas(["a"])
+    assert len(table) == 0 and table.jobs_on("c") == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"overload_factor": 0.5}, "overload_factor"), ({"overload_margin": -1}, "overload_margin"),
+     ({"max_jobs": 0}, "max_jobs")],
+)
+def test_bad_policies_name_their_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        RoutingPolicy(**kwargs)

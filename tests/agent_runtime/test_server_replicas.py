@@ -1,0 +1,204 @@
+"""Two SmolLM2 engine replicas on a local Ray Serve cluster behind one endpoint: the single
+server's routes and error bodies, job affinity under a multi-turn agent load (with cache hits
+on the job's replica), new jobs spread, and a replica killed mid-request (replaced; its request
+retried elsewhere, its jobs' next turns served)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ray = pytest.importorskip("ray")
+
+from ray import serve  # noqa: E402
+from ray.serve.request_router import ReplicaID  # noqa: E402
+
+from agent_runtime.server.app import ServeOptions  # noqa: E402
+from agent_runtime.server.replicas import (  # noqa: E402
+    APP_NAME,
+    ENGINE_DEPLOYMENT,
+    REPLICA_HEADER,
+    Gateway,
+    ReplicaSettings,
+    build_app,
+    merge_expositions,
+)
+
+MODEL = "smollm2-135m"
+SYSTEM = "You are a terse agent. Answer in a few words."
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[str]:
+    """One local Ray cluster for the module, serving two replicas."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = ServeOptions(model=MODEL, num_kv_blocks=96, max_model_len=1024)
+        settings = ReplicaSettings(num_replicas=2, routing_stats_period_s=0.5, health_check_period_s=1.0,
+                                   health_check_timeout_s=20.0)
+        serve.run(build_app(options, settings), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base, timeout=120) as c:
+        yield c
+
+
+def _replica_metrics(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(response.text) for s in f.samples}
+
+
+def _per_replica(samples: dict, name: str) -> dict[str, float]:
+    return {dict(labels)["replica"]: v for (n, labels), v in samples.items() if n == name and "replica" in dict(labels)}
+
+
+def _chat(client: httpx.Client, messages: list[dict[str, Any]], job: str | None, max_tokens: int = 6,
+          **extra: Any) -> httpx.Response:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
+    if job is not None:
+        body["job_id"] = job
+    return client.post("/v1/chat/completions", json=body)
+
+
+def _run_job(client: httpx.Client, job: str | None, task: str, turns: int = 3) -> list[tuple[str, int]]:
+    """One agent job: ``turns`` turns, each adding the reply and a tool result; (replica, cached) per turn."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+    seen = []
+    for turn in range(turns):
+        response = _chat(client, messages, job, is_last_step=turn == turns - 1)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        seen.append((response.headers[REPLICA_HEADER], body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        messages += [body["choices"][0]["message"], {"role": "user", "content": f"Tool output {turn}: ok."}]
+    return seen
+
+
+def test_routes_and_error_bodies_are_the_single_servers(client: httpx.Client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    wrong = _chat(client, [{"role": "user", "content": "hi"}], None, model="other")
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+    bad = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    text = client.post("/v1/completions", json={"model": MODEL, "prompt": "The sky is", "max_tokens": 4})
+    assert text.status_code == 200 and text.json()["usage"]["completion_tokens"] == 4
+    with client.stream("POST", "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 5,
+        "stream": True, "stream_options": {"include_usage": True},
+    }) as stream:
+        assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+        frames = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]" and '"completion_tokens": 5' in frames[-2]
+
+
+def test_jobs_keep_their_replica_and_hit_its_cache(client: httpx.Client):
+    tasks = {f"job-{i}": f"Task {i}: name a {word}." for i, word in enumerate(("color", "fruit", "planet", "tree"))}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        runs = dict(zip(tasks, pool.map(lambda kv: _run_job(client, *kv), tasks.items()), strict=True))
+    # a conversation without a job id is kept by its prefix
+    runs["no-job-id"] = _run_job(client, None, "Task 9: name a river.")
+    for job, turns in runs.items():
+        replicas = {replica for replica, _ in turns}
+        assert len(replicas) == 1, (job, turns)
+        assert all(cached > 0 for _, cached in turns[1:]), (job, turns)
+    homes = {turns[0][0] for job, turns in runs.items() if job.startswith("job-")}
+    assert len(homes) == 2, runs  # new jobs spread over both replicas
+    samples = _replica_metrics(client)
+    hits = _per_replica(samples, "asymcache_cache_hit_tokens_total")
+    assert set(hits) == homes and all(hits[r] > 0 for r in homes), hits
+    assert samples[("asymcache_replicas", ())] == 2
+    assert samples[("asymcache_router_decisions_total", (("reason", "affinity"),))] >= 10
+
+
+def _kill(replica: str) -> None:
+    from ray.serve._private.common import DeploymentID
+
+    name = ReplicaID(replica, DeploymentID(name=ENGINE_DEPLOYMENT, app_name=APP_NAME)).to_full_id_str()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def _engine_replicas() -> int:
+    status = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_a_killed_replica_is_replaced_and_its_jobs_continue(client: httpx.Client):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Task K: list some numbers."}]
+    first = _chat(client, messages, "job-k")
+    assert first.status_code == 200
+    victim = first.headers[REPLICA_HEADER]
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "Continue the list."}]
+    # a long turn in flight on the victim when it is killed: retried on another replica, not lost
+    result: dict[str, httpx.Response] = {}
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "r", _chat(client, messages, "job-k", max_tokens=64, ignore_eos=True)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while _per_replica(_replica_metrics(client), "vllm:num_requests_running").get(victim, 0) < 1:
+        assert time.monotonic() < deadline and worker.is_alive(), "the long turn never ran on its replica"
+        time.sleep(0.05)
+    _kill(victim)
+    worker.join(timeout=120)
+    retried = result["r"]
+    assert retried.status_code == 200, retried.text
+    assert retried.headers[REPLICA_HEADER] != victim
+    assert retried.json()["usage"]["completion_tokens"] == 64
+    assert _replica_metrics(client)[("asymcache_gateway_retries_total", ())] >= 1  # it was sent twice
+    # the job's next turn is served, on a live replica
+    messages += [retried.json()["choices"][0]["message"], {"role": "user", "content": "Thanks."}]
+    after = _chat(client, messages, "job-k")
+    assert after.status_code == 200 and after.headers[REPLICA_HEADER] != victim
+    # Ray Serve brings the deployment back to two replicas, and the endpoint keeps answering
+    deadline = time.monotonic() + 60
+    while _engine_replicas() < 2:
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(0.5)
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+# ---- the gateway's own paths, with no cluster ------------------------------------------------
+
+
+def test_no_live_replica_is_an_openai_503():
+    import asyncio
+
+    from agent_runtime.server.replicas import ForwardedRequest
+
+    gateway = Gateway(engine=None, live_replicas=lambda: ())  # type: ignore[arg-type]
+    response = asyncio.run(gateway._send(ForwardedRequest("POST", "/v1/chat/completions")))
+    assert response.status_code == 503
+    assert b'"code":"no_replica"' in response.body and b'"type":"server_error"' in response.body
+
+
+def test_expositions_merge_with_a_replica_label():
+    one = "# HELP x_total Things.\n# TYPE x_total counter\nx_total{model=\"m\"} 2.0\n"
+    two = "# HELP x_total Things.\n# TYPE x_total counter\nx_total{model=\"m\"} 5.0\n"
+    text = merge_expositions({"a": one, "b": two}).decode()
+    assert text.count("# TYPE x_total counter") == 1
+    samples = {tuple(sorted(s.labels.items())): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples if s.name == "x_total"}
+    assert samples == {(("model", "m"), ("replica", "a")): 2.0, (("model", "m"), ("replica", "b")): 5.0}
