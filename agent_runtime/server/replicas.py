@@ -94,8 +94,8 @@ class ReplicaSettings:
         num_replicas: engine replicas.
         policy: the affinity and overload rule of the router.
         num_cpus: Ray CPUs each engine replica reserves.
-        num_gpus: Ray GPUs each engine replica reserves (None: 1 when the engine's device is
-            CUDA, else 0).
+        num_gpus: Ray GPUs each engine replica reserves (None: its ``tensor_parallel_size``,
+            1 by default, when the engine's device is CUDA, else 0).
         routing_stats_period_s: how often each replica reports its load to the routers.
         health_check_period_s: how often Ray Serve checks each replica.
         health_check_timeout_s: a check unanswered this long fails (the replica is replaced).
@@ -660,7 +660,10 @@ def build_app(options: ServeOptions, settings: ReplicaSettings | None = None) ->
     """
     settings = settings or ReplicaSettings()
     device = str(options.engine_settings.get("device") or "cpu")
-    gpus = settings.num_gpus if settings.num_gpus is not None else (1.0 if device.startswith("cuda") else 0.0)
+    # NOTE: a tensor-parallel replica's worker ranks are its own subprocesses: they inherit the
+    # GPUs Ray gives the replica, one per rank.
+    ranks = int(options.engine_settings.get("tensor_parallel_size") or 1)
+    gpus = settings.num_gpus if settings.num_gpus is not None else (float(ranks) if device.startswith("cuda") else 0.0)
     policy = settings.policy
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
         num_replicas=settings.num_replicas,
