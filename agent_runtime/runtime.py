@@ -103,6 +103,8 @@ class AgentRuntime:
         )
         self._processor = OutputProcessor(self.controller, engine.block_size)
         self._client = AsyncEngine(engine, self._processor, idle_poll_s=idle_poll_s)
+        #: close the engine too (its KV event sockets, its tensor-parallel workers) on close
+        self.owns_engine = False
 
     @classmethod
     def from_model(
@@ -132,7 +134,9 @@ class AgentRuntime:
         spec = resolve_preset(policy)
         kwargs = {**engine_kwargs, **spec.engine_overrides}
         engine = Engine(model=model, loaded=loaded, clock=clock, **kwargs)
-        return cls(engine, policy=spec, clock=clock)
+        runtime = cls(engine, policy=spec, clock=clock)
+        runtime.owns_engine = True
+        return runtime
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -141,8 +145,10 @@ class AgentRuntime:
         return self._client.closed
 
     async def close(self) -> None:
-        """Abort what is in flight and stop the engine thread (idempotent)."""
+        """Abort what is in flight and stop the engine thread (idempotent); a runtime built by
+        :meth:`from_model` also closes its engine."""
         await self._client.close()
+        self._close_engine()
 
     def close_sync(self, timeout: float | None = 30.0) -> None:
         """:meth:`close` for code without an event loop.
@@ -151,6 +157,11 @@ class AgentRuntime:
             timeout: seconds to wait for the engine thread.
         """
         self._client.close_sync(timeout)
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        if self.owns_engine:
+            self.engine.close()
 
     async def __aenter__(self) -> AgentRuntime:
         return self
