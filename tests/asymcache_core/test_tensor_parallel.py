@@ -42,6 +42,18 @@ def test_more_ranks_than_kv_heads_replicate_each_kv_head() -> None:
     assert [s.q_heads for s in shards] == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_llama_70b_splits_evenly_and_its_shards_fit_an_h200(size: int) -> None:
+    from asymcache_core.loaders import resolve_hf_config
+
+    cfg = ModelConfig.from_hf(resolve_hf_config("dummy:llama-3.1-70b")[0])
+    assert cfg.num_params == pytest.approx(70.6e9, rel=0.01)
+    shards = plan_tensor_shards(cfg, size)
+    assert {s.num_kv_heads for s in shards} == {8 // size} and {s.num_q_heads for s in shards} == {64 // size}
+    # bf16 weights per rank: ~141 GB / size, under an H200's 141 GB from two ranks up
+    assert cfg.num_params * 2 / size < 141e9 * (0.55 if size == 2 else 0.3)
+
+
 @pytest.mark.parametrize(("heads", "kv", "size"), [(9, 3, 4), (8, 2, 3), (4, 2, 8), (8, 8, 0)])
 def test_a_split_that_cuts_a_kv_group_is_refused(heads: int, kv: int, size: int) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
