@@ -27,7 +27,8 @@ from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.eviction import PolicyContext, create_policy
-from asymcache_core.host_tier import HostTier, KVTransfers
+from asymcache_core.host_tier import HostTier
+from asymcache_core.host_tier_driver import HostTierDriver
 from asymcache_core.job_admission import JobAdmission
 from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_cache_manager import KVCacheManager
@@ -57,7 +58,6 @@ MAX_TRACKED_JOBS = 10_000
 #: Engine seconds between idle-job sweeps.
 JOB_SWEEP_INTERVAL_S = 10.0
 #: Engine seconds between scans for paused jobs to prefetch from the host tier.
-PREFETCH_SCAN_S = 0.01
 
 
 class Runner(Protocol):
@@ -380,9 +380,14 @@ class Engine:
         else:
             self.runner = runner_factory(self)
             self.attention_backend = "simulated"
+        #: issues the host tier's copies and prefetches (``None``: no tier)
+        self.host_driver: HostTierDriver | None = None
         if self.host_tier is not None:
             self.host_tier.is_complete = self.runner.transfer_complete  # type: ignore[attr-defined]
             self.host_tier.wait = self.runner.wait_transfers  # type: ignore[attr-defined]
+            self.host_driver = HostTierDriver(
+                self.host_tier, self.kv, self.scheduler, self.pins, self.job_stats, self.runner
+            )
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         # NOTE: a deque, bounded by ``max_step_log`` for servers that run for days.
@@ -395,7 +400,6 @@ class Engine:
         self.max_tracked_jobs = MAX_TRACKED_JOBS
         self._next_job_sweep = 0.0
         self._logged_recomputed = 0
-        self._next_prefetch_scan = 0.0
         if runner_factory is None:
             ready = {
                 "model": config.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
@@ -700,12 +704,12 @@ class Engine:
         start = self.clock()
         self.pins.expire(start)
         self._sweep_jobs(start)
-        if self.host_tier is not None:
-            self._prefetch(start)
+        if self.host_driver is not None:
+            self.host_driver.prefetch(start, self.step_log[-1].duration_s if self.step_log else 0.0)
         plan = self.scheduler.schedule()
         outputs, self._pending_outputs = self._pending_outputs, []
-        if plan.transfers is not None:
-            self._transfer(plan.transfers)
+        if plan.transfers is not None and self.host_driver is not None:
+            self.host_driver.transfer(plan.transfers)
         self._stalled = plan.is_empty and self.scheduler.has_unfinished()
         if plan.is_empty:
             if self._stalled and any(r.kv_ticket is not None for r in self.scheduler.running):
@@ -728,62 +732,6 @@ class Engine:
                 outputs.append(self._output(request, []))
         updates = self.scheduler.update_from_output(ran, sampled, end)
         return outputs + [self._process_output(update, end) for update in updates]
-
-    # -- the host tier -------------------------------------------------------------------------
-    def _transfer(self, transfers: KVTransfers) -> None:
-        """Issues the step's host-tier copies; if they fail, what they were to fill is dropped
-        (:meth:`_abandon_transfers`: the requests waiting for it recompute it), and the step
-        goes on."""
-        if transfers.is_empty and transfers.wait_offloads_of is None:
-            return
-        try:
-            self.runner.transfer_kv(transfers)  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001 - the copies' targets are recomputed instead
-            logger.error("host KV tier copies failed (%s: %s); recomputing their blocks", type(exc).__name__, exc)
-            self._abandon_transfers(transfers)
-
-    def _abandon_transfers(self, transfers: KVTransfers) -> None:
-        """The copies of ``transfers`` may not have landed: the host slots they were to fill
-        and the device blocks they were to reload stop being cache hits, and the requests that
-        hold such blocks start over."""
-        tier = self.host_tier
-        assert tier is not None
-        for _, slot in transfers.offloads:
-            if tier.pool.is_candidate(slot):
-                tier.pool.evict_block(slot)
-        targets = {block_id for _, block_id in transfers.reloads}
-        for request in [r for r in self.scheduler.running if targets.intersection(self.kv.held_blocks(r))]:
-            request.kv_ticket = None
-            self.scheduler.preempt(request)
-        for block_id in targets:
-            block = self.pool.blocks[block_id]
-            if block.block_hash is None or block.pin_cnt > 0:
-                continue
-            tier.on_uncache(block_id)  # never copy its content back out
-            if block.ref_cnt > 0:
-                self.pool.uncache(block_id)  # a prefetch holds it
-            else:
-                self.pool.evict_block(block_id)
-        self.kv.loading = {b: t for b, t in self.kv.loading.items() if b not in targets}
-
-    def _prefetch(self, now: float) -> None:
-        """Copies paused jobs' blocks back from the host before their next turn arrives
-        (:meth:`HostTier.due_for_prefetch`), soonest job first, into free blocks only, so
-        nothing cached is evicted for a guess.
-
-        NOTE: the scan walks every remembered job; it runs at most every
-        ``PREFETCH_SCAN_S`` of engine time, and not at all while no block is free.
-        """
-        free = len(self.pool.free_uncached)
-        if free == 0 or now < self._next_prefetch_scan:
-            return
-        self._next_prefetch_scan = now + PREFETCH_SCAN_S
-        assert self.host_tier is not None
-        step_s = self.step_log[-1].duration_s if self.step_log else 0.0
-        for job_id in self.host_tier.due_for_prefetch(self.pins.last_blocks, self.job_stats, now, 2 * step_s):
-            free -= self.kv.prefetch([h for _, h in self.pins.last_blocks[job_id]], job_id, free)
-            if free <= 0:
-                break
 
     # -- step faults ---------------------------------------------------------------------------
     def _execute(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, int], list[tuple[Request, str]]]:
@@ -1102,25 +1050,8 @@ class Engine:
             jobs_held_back_total=self.job_admission.num_held_back if self.job_admission is not None else 0,
             engine_reload_tokens_total=c.reload_tokens,
             kv_block_size=self.block_size,
-            **self._host_stats(),
+            **(self.host_driver.stats() if self.host_driver is not None else {}),
         )
-
-    def _host_stats(self) -> dict[str, int]:
-        tier = self.host_tier
-        if tier is None:
-            return {}
-        n = tier.counters
-        return {
-            "host_kv_blocks_total": tier.pool.num_blocks,
-            "host_kv_blocks_cached": len(tier.pool.cached),
-            "host_offloaded_blocks_total": n.offloaded,
-            "host_reloaded_blocks_total": n.reloaded,
-            "host_prefetched_blocks_total": n.prefetched,
-            "host_recompute_chosen_blocks_total": n.recompute_chosen,
-            "host_evictions_total": tier.pool.num_evictions,
-            "host_bytes_to_host_total": n.bytes_to_host,
-            "host_bytes_to_device_total": n.bytes_to_device,
-        }
 
     def check_integrity(self) -> None:
         """Pool invariants plus: every block held by a request is counted by its ref count."""
