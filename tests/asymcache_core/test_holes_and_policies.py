@@ -47,13 +47,13 @@ def run_script(engine) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("policy", registered_policies())
-def test_lossless_under_pressure(smollm, unbounded, policy):
+def test_lossless_under_pressure(tight_run, unbounded, policy):
     # working set: a 3-block shared system prompt + 6 sessions x 5 own blocks = 33 blocks; the
     # pool holds 12 (~36%), barely two running requests, so eviction (and preemption) is constant.
-    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy=policy)
-    assert run_script(engine) == unbounded
-    assert engine.stats().evictions_total > 0
-    engine.check_integrity()
+    run = tight_run(policy)
+    assert run.outputs == unbounded
+    assert run.engine.stats().evictions_total > 0
+    run.engine.check_integrity()
 
 
 @pytest.mark.parametrize(("policy", "patience"), [("vllm-apc", None), ("asymcache", None), ("asymcache", 2.0)])
@@ -138,12 +138,17 @@ def test_prefix_only_recomputes_the_suffix_after_a_hole(smollm):
     assert out.metrics.hole_tokens == 0
 
 
-@pytest.mark.parametrize("policy", ["vllm-apc", "asymcache"])
-def test_lossless_with_job_admission_holding_jobs_back(smollm, unbounded, policy):
+@pytest.mark.parametrize(
+    ("policy", "overrides"), [("vllm-apc", {"job_admission": True}), ("asymcache", {})], ids=["vllm-apc", "asymcache"]
+)
+def test_lossless_with_job_admission_holding_jobs_back(tight_run, unbounded, policy, overrides):
     # the same script with job-level admission on: the pool cannot hold the older sessions'
-    # contexts and a new one's, so younger jobs wait between turns; the tokens do not change
-    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy=policy, job_admission=True)
-    assert run_script(engine) == unbounded
+    # contexts and a new one's, so younger jobs wait between turns; the tokens do not change.
+    # NOTE: asymcache admits by job by default, so its run is the one test_lossless_under_pressure checks.
+    run = tight_run(policy, **overrides)
+    engine = run.engine
+    assert engine.job_admission is not None
+    assert run.outputs == unbounded
     stats = engine.stats()
     assert stats.jobs_held_back_total > 0 and stats.jobs_admitted == 0
     engine.check_integrity()

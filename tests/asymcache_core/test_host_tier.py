@@ -38,14 +38,16 @@ def test_lossless_with_a_host_tier(smollm, unbounded, policy, host_blocks):
     engine.check_integrity()
 
 
-def test_reloads_replace_recomputation(smollm, unbounded):
-    without = make_engine(smollm, num_kv_blocks=12, eviction_policy="vllm-apc")
+def test_reloads_replace_recomputation(smollm, unbounded, tight_run):
+    # the baseline: the same pool and policy without a tier (the run test_lossless_under_pressure checks)
+    without = tight_run("vllm-apc")
     with_tier = make_engine(smollm, num_kv_blocks=12, eviction_policy="vllm-apc", num_host_kv_blocks=64)
     # a copy made far slower than a rebuild: prefix-only still copies every host hit back (a
     # recomputed run would end the prefix), so the choice by cost is not made
     with_tier.host_tier.latency = dataclasses.replace(with_tier.host_tier.latency, h2d_bytes_per_s=1.0)
-    assert run_script(without) == run_script(with_tier) == unbounded
-    a, b = without.stats(), with_tier.stats()
+    assert without.outputs == run_script(with_tier) == unbounded
+    assert without.engine.host_tier is None
+    a, b = without.engine.stats(), with_tier.stats()
     # every token reloaded for a request is one the prefix-only baseline computed again (and
     # prefetched blocks that were used saved theirs too)
     assert b.engine_reload_tokens_total > 0

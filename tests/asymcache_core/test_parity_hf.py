@@ -6,17 +6,13 @@ import pytest
 import torch
 
 from asymcache_core import SamplingParams
-from asymcache_core.loaders import packaged_smollm2_path
 from tests.conftest import make_engine
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = packaged_smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_smollm):
+    """transformers' model on the same GGUF (the session's shared copy)."""
+    return hf_smollm
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
