@@ -209,3 +209,28 @@ def test_bad_tensor_parallel_sizes_are_refused_before_any_process_starts() -> No
         Engine(MODEL, num_kv_blocks=16, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size: 4 ranks cannot split 3 KV heads"):
         Engine(MODEL, num_kv_blocks=16, tensor_parallel_size=4)
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_group_runs_the_collectives_on_device_tensors() -> None:
+    # one GPU: a one-rank NCCL group (two ranks need two GPUs) through the engine's own
+    # constructor, so the NCCL options and the backend's collectives are exercised on CUDA
+    import torch.distributed as dist
+
+    from asymcache_core.tensor_parallel import new_process_group
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    pg = new_process_group(store, 0, 1, device)
+    cfg = _config(heads=6, kv=3, vocab=11)
+    for deterministic in (False, True):
+        group = TensorParallelGroup(plan_tensor_shards(cfg, 1)[0], pg, deterministic=deterministic)
+        x = torch.randn(4, 8, device=device, dtype=torch.bfloat16)
+        assert torch.equal(group.all_reduce(x.clone()), x)
+        weight = torch.randn(11, 8, device=device)
+        ids = torch.tensor([0, 10, 3], device=device)
+        assert torch.equal(group.embed(ids, weight), weight[ids])
+        logits = torch.randn(3, 11, device=device)
+        assert torch.equal(group.gather_vocab(logits), logits)
+    torch.cuda.synchronize()
