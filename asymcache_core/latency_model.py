@@ -65,6 +65,10 @@ class LatencyModel:
         h2d_bytes_per_s: measured copy bandwidth from the host KV tier to the device (pinned
             memory, whole blocks); ``None``: the device type's nominal figure.
         d2h_bytes_per_s: the same, device to host.
+        copy_slowdown: how many times slower a step runs while host-tier copies are in flight
+            (they share the device's memory bandwidth and the launching host thread); 1.0:
+            copies are free for compute. Measured, not fitted: ``scripts/gpu_host_tier.py``'s
+            decode step beside copies (1.54 on the H200, batch 32 at 4k context).
     """
 
     floor_s: float
@@ -80,6 +84,7 @@ class LatencyModel:
     device_memory_bytes: int | None = None
     h2d_bytes_per_s: float | None = None
     d2h_bytes_per_s: float | None = None
+    copy_slowdown: float = 1.0
 
     def copy_bandwidth(self, to_device: bool) -> float:
         """Bytes per second of a KV block copy between the host tier and the device: the

@@ -60,7 +60,8 @@ class SimulatedRunner:
     the same token stream (the harness runs with ``ignore_eos``; losslessness is checked on the
     real backend). Host-tier copies run on a simulated copy stream at the tier's bandwidth, in
     the order the real runner issues them (:mod:`asymcache_core.kv_transfer`): a forward waits
-    only for the offloads its plan names, a reloading request for its own ticket.
+    only for the offloads its plan names, a reloading request for its own ticket. While copies
+    are in flight a step runs ``latency.copy_slowdown`` times slower (:meth:`contended`).
 
     Args:
         latency: the latency model.
@@ -124,13 +125,24 @@ class SimulatedRunner:
             self.copies.stall_s += done - self.clock.now
             self.clock.advance_to(done)
 
+    def contended(self, seconds: float) -> float:
+        """The duration of ``seconds`` of compute that starts now, run at
+        ``1 / latency.copy_slowdown`` of its speed while the copy streams are busy."""
+        slowdown = self.latency.copy_slowdown
+        busy = max(self.copies.offload_busy_until, self.copies.reload_busy_until) - self.clock.now
+        if slowdown <= 1.0 or busy <= 0.0:
+            return seconds
+        if seconds * slowdown <= busy:
+            return seconds * slowdown
+        return busy + (seconds - busy / slowdown)
+
     def step_cost(self, plan: SchedulerOutput) -> float:
         return self.latency.step_latency(
             plan.num_tokens, plan.attn_pairs, plan.is_decode_only, plan.decode_kv_tokens
         )
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        self.clock.advance(self.step_cost(plan))
+        self.clock.advance(self.contended(self.step_cost(plan)))
         span = max(1, self.vocab_size - 200)
         return {
             item.request.request_id: 100 + (item.request.num_tokens * 7919) % span

@@ -247,3 +247,23 @@ def test_host_copies_are_exact_on_the_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_host_copies_are_exact_on_the_gpu():
     _roundtrip("cuda")
+
+
+def test_simulated_steps_slow_down_while_copies_are_in_flight() -> None:
+    # the measured contention of the copy streams with compute (copy_slowdown): a step that
+    # starts while copies run goes at 1/slowdown of its speed until they land, then at full speed
+    from asymcache_core.latency_model import LatencyModel
+    from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
+
+    latency = LatencyModel(floor_s=0.01, per_token_s=0.0, per_attn_s=0.0, knee_tokens=1, copy_slowdown=2.0)
+    clock = VirtualClock()
+    runner = SimulatedRunner(latency, clock, vocab_size=1000)
+    assert runner.contended(0.010) == pytest.approx(0.010)  # no copies: full speed
+    runner.copies.reload_busy_until = 0.004
+    # 4 ms at half speed (2 ms of work), then the other 8 ms of work at full speed
+    assert runner.contended(0.010) == pytest.approx(0.012)
+    runner.copies.offload_busy_until = 0.050
+    assert runner.contended(0.010) == pytest.approx(0.020)  # copies outlast the step
+    free = SimulatedRunner(dataclasses.replace(latency, copy_slowdown=1.0), clock, vocab_size=1000)
+    free.copies.reload_busy_until = 1.0
+    assert free.contended(0.010) == pytest.approx(0.010)
