@@ -231,7 +231,7 @@ def load_model(
     if kind == "dummy" and tensor_parallel is not None:
         with torch.device(device), _no_default_init():
             model = build_model(cfg, max_len, tensor_parallel)
-        _init_dummy_shard(model, cfg, max_len, seed, tensor_parallel)
+        _init_dummy(model, seed, tensor_parallel)
         return _finish(LoadedModel(spec, cfg, model, tokenizer, "dummy"), device, dtype)
     with torch.device(device if kind == "dummy" else "cpu"), _no_default_init():
         model = build_model(cfg, max_len)
@@ -275,36 +275,28 @@ def _shard_model(full: LlamaForCausalLM, max_len: int, tensor_parallel: TensorPa
     return model
 
 
-def _init_dummy_shard(
-    model: LlamaForCausalLM, cfg: ModelConfig, max_len: int, seed: int, tensor_parallel: TensorParallelGroup
-) -> None:
-    """:func:`_init_dummy` of the whole model, sliced to this rank's share.
+def _init_dummy(model: LlamaForCausalLM, seed: int, tensor_parallel: TensorParallelGroup | None = None) -> None:
+    """Random weights with small variance (vLLM's ``--load-format dummy`` does the same).
 
-    NOTE: one whole tensor at a time, drawn in the whole model's order from the same
-    generator: the shares of every rank put together are the unsplit model's weights, while
-    no rank ever holds more than one whole tensor (a 70B model does not fit one GPU).
+    With ``tensor_parallel`` (``model`` is one rank's share), each tensor is drawn whole, in the
+    whole model's order from the same generator, and sliced. NOTE: so the shares of every rank
+    put together are the unsplit model's weights, while no rank ever holds more than one whole
+    tensor (a 70B model does not fit one GPU).
     """
-    with torch.device("meta"):
-        shapes = {name: p.shape for name, p in build_model(cfg, max_len).named_parameters()}
+    shapes = None
+    if tensor_parallel is not None:
+        with torch.device("meta"):
+            whole_model = build_model(model.config, model.rotary.cos.shape[0])
+        shapes = {name: p.shape for name, p in whole_model.named_parameters()}
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 param.fill_(1.0)
-                continue
-            whole = torch.empty(shapes[name], dtype=param.dtype, device=device).uniform_(-0.05, 0.05, generator=gen)
-            param.copy_(shard_parameter(name, whole, cfg, tensor_parallel.shard))
-            del whole
-
-
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Random weights with small variance (vLLM's ``--load-format dummy`` does the same)."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                param.fill_(1.0)
-            else:
+            elif shapes is None or tensor_parallel is None:
                 param.uniform_(-0.05, 0.05, generator=gen)
+            else:
+                whole = torch.empty(shapes[name], dtype=param.dtype, device=device).uniform_(-0.05, 0.05, generator=gen)
+                param.copy_(shard_parameter(name, whole, model.config, tensor_parallel.shard))
+                del whole

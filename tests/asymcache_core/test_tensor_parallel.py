@@ -105,6 +105,21 @@ def test_the_shards_put_together_are_the_whole_model(kv: int, group: int, size: 
             assert all(p is param or torch.equal(p, param) for p in parts)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_dummy_shards_hold_the_slices_of_the_whole_dummy_model(size: int) -> None:
+    # dummy weights are drawn tensor by tensor as the whole model's are, then sliced: every split
+    # of a dummy model is the unsplit one (no collective runs while loading)
+    from asymcache_core.loaders import load_model
+
+    cpu = torch.device("cpu")
+    whole = load_model("dummy:tiny", cpu, torch.float32, seed=3)
+    params = dict(whole.model.named_parameters())
+    for shard in plan_tensor_shards(whole.config, size):
+        part = load_model("dummy:tiny", cpu, torch.float32, seed=3, tensor_parallel=TensorParallelGroup(shard, None))
+        for name, param in part.model.named_parameters():
+            assert torch.equal(param, shard_parameter(name, params[name], whole.config, shard)), name
+
+
 # -- the collectives, two gloo ranks ------------------------------------------------------------
 def _collectives(rank: int, port: int, deterministic: bool, queue: object = None) -> tuple[torch.Tensor, ...]:
     """Rank ``rank`` of the collectives test (rank 1 runs in a spawned process)."""
