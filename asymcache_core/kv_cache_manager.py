@@ -135,19 +135,22 @@ class KVCacheManager:
         host_slots: dict[int, int] = {}
         skipped = 0
         tier = self.tier
+        # NOTE: the hash maps' own ``get``, bound once: a waiting request's walk covers its whole
+        # context on every step it waits (with a host tier or hole reuse it does not stop at the
+        # first device miss), so each call level per block shows in the step's host time.
+        on_device = self.pool.cached.get
+        on_host = tier.pool.cached.get if tier is not None else None
         for i in range(max_blocks):
-            block_id = self.pool.lookup(hashes[i])
-            if block_id is None and tier is not None:
-                slot = tier.lookup(hashes[i])
+            block_id = on_device(hashes[i])
+            if block_id is None and on_host is not None:
+                slot = on_host(hashes[i])
                 if slot is not None:
                     host_slots[i] = slot
                     table.append(RELOAD)
                     continue
             if block_id is None:
                 if not self.hole_reuse:
-                    skipped = sum(
-                        self.pool.lookup(h) is not None for h in hashes[i + 1 : max_blocks]
-                    )
+                    skipped = sum(on_device(h) is not None for h in hashes[i + 1 : max_blocks])
                     break
                 table.append(HOLE)
             else:
