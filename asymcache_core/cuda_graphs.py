@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
 from kernels.metadata import MSAMetadata
 
@@ -51,21 +50,6 @@ class DecodeBatch(NamedTuple):
     positions: list[int]
     slots: list[int]
     block_tables: list[list[int]]
-
-
-def decode_batch(plan: SchedulerOutput, block_size: int) -> DecodeBatch | None:
-    """The plan as a :class:`DecodeBatch` when it is decode-only
-    (:attr:`SchedulerOutput.is_decode_only`), else ``None``."""
-    if not plan.is_decode_only:
-        return None
-    requests = [item.request for item in plan.scheduled]
-    positions = [r.num_tokens - 1 for r in requests]
-    return DecodeBatch(
-        [r.all_token_ids[-1] for r in requests],
-        positions,
-        [r.block_ids[p // block_size] * block_size + p % block_size for r, p in zip(requests, positions, strict=True)],
-        [r.block_ids for r in requests],
-    )
 
 
 class _Captured(NamedTuple):

@@ -57,8 +57,6 @@ JOB_IDLE_S = 1800.0
 MAX_TRACKED_JOBS = 10_000
 #: Engine seconds between idle-job sweeps.
 JOB_SWEEP_INTERVAL_S = 10.0
-#: Engine seconds between scans for paused jobs to prefetch from the host tier.
-
 
 class Runner(Protocol):
     """Runs a planned step and returns ``request_id -> sampled token`` for finished contexts."""
@@ -251,7 +249,9 @@ class Engine:
                     raise ValueError("tensor_parallel_size: a shared, already loaded model cannot be split")
                 self.loaded = loaded
             elif config.tensor_parallel_size > 1:
-                self.tp_workers = self._start_tensor_parallel(config, device, dtype)
+                from asymcache_core.tensor_parallel import start_workers
+
+                self.tp_workers = start_workers(config, device, dtype)
                 group = self.tp_workers.group
                 self.loaded = load_model(config.model, device, dtype, config.seed, config.max_model_len, group)
             else:
@@ -347,12 +347,11 @@ class Engine:
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner
-            from kernels.dispatch import select_attention_backend, select_dense_ops
+            from kernels.dispatch import select_attention_backend
 
             backend = select_attention_backend(
                 device, config.attention_backend, dtype, batch_invariant=config.batch_invariant
             )
-            backend = dataclasses.replace(backend, dense=select_dense_ops(device, config.batch_invariant))
             runner_kwargs: dict[str, Any] = dict(
                 num_blocks=self.num_blocks, block_size=config.block_size, seed=config.seed,
                 max_model_len=self.max_model_len,
@@ -658,31 +657,6 @@ class Engine:
             self.kv_events = None
         if self.tp_workers is not None:
             self.tp_workers.close()
-
-    @staticmethod
-    def _start_tensor_parallel(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> TensorParallelWorkers:
-        """Starts ranks 1.. of a tensor-parallel engine (they load their shards meanwhile).
-
-        Raises:
-            ValueError: the model's heads cannot be split over ``tensor_parallel_size`` ranks,
-                or there are fewer GPUs than ranks.
-        """
-        from asymcache_core.loaders import resolve_hf_config
-        from asymcache_core.models import ModelConfig
-        from asymcache_core.parallel import plan_tensor_shards
-        from asymcache_core.tensor_parallel import TensorParallelWorkers
-
-        size = config.tensor_parallel_size
-        mc = ModelConfig.from_hf(resolve_hf_config(config.model)[0])
-        shards = plan_tensor_shards(mc, size)
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs; {torch.cuda.device_count()} visible")
-        workers = TensorParallelWorkers(
-            size, config.model, device, dtype, config.seed, config.max_model_len or mc.max_position_embeddings,
-            config.attention_backend, config.batch_invariant, shards,
-        )
-        workers.start()
-        return workers
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -41,6 +41,36 @@ class StepInputs(NamedTuple):
     decode_only: bool
 
 
+def pack_step(plan: SchedulerOutput, block_size: int) -> StepInputs:
+    """Packs the plan's segments into flat host lists.
+
+    NOTE: block tables are the requests' own lists, not copies: the step consumes them before
+    the scheduler changes them (a tensor-parallel runner pickles them at once).
+    """
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    segments: list[tuple[int, int, int, int]] = []
+    tables: list[list[int]] = []
+    logits_rows: list[int] = []
+    sample_index: list[int] = []
+    for seq, item in enumerate(plan.scheduled):
+        request = item.request
+        table = request.block_ids
+        tokens = request.all_token_ids
+        for start, end in item.segments:
+            segments.append((seq, len(input_ids), end - start, start))
+            input_ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        tables.append(table)
+        if item.sample:
+            logits_rows.append(len(input_ids) - 1)
+            sample_index.append(seq)
+    return StepInputs(input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only)
+
+
 class ModelRunner:
     """Owns the model, its paged KV caches and the sampler.
 
@@ -122,37 +152,10 @@ class ModelRunner:
         else:
             self.host_cache.wait(ticket)
 
-    def prepare(self, plan: SchedulerOutput) -> StepInputs:
-        """Packs the plan's segments into flat host lists."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        segments: list[tuple[int, int, int, int]] = []
-        tables: list[list[int]] = []
-        logits_rows: list[int] = []
-        sample_index: list[int] = []
-        for seq, item in enumerate(plan.scheduled):
-            request = item.request
-            table = request.block_ids
-            tokens = request.all_token_ids
-            for start, end in item.segments:
-                segments.append((seq, len(input_ids), end - start, start))
-                input_ids.extend(tokens[start:end])
-                positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            tables.append(list(table))
-            if item.sample:
-                logits_rows.append(len(input_ids) - 1)
-                sample_index.append(seq)
-        return StepInputs(
-            input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only
-        )
-
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Runs the step; returns the sampled token of every request that reached its end."""
-        inputs = self.prepare(plan)
+        inputs = pack_step(plan, self.block_size)
         return self._sample(plan, inputs.sample_index, self.forward(inputs))
 
     @torch.inference_mode()

@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
+from asymcache_core.config import EngineConfig
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.host_tier import KVTransfers
-from asymcache_core.model_runner import ModelRunner
-from asymcache_core.parallel import TensorParallelGroup, TensorShard
+from asymcache_core.model_runner import ModelRunner, pack_step
+from asymcache_core.parallel import TensorParallelGroup, TensorShard, plan_tensor_shards
 from asymcache_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger("asymcache_core.tensor_parallel")
@@ -61,7 +62,7 @@ class RankSpec:
         device: ``cpu`` or ``cuda`` (the worker takes ``cuda:<rank>``).
         dtype: the weights' and cache's dtype.
         seed: the engine seed (dummy weights).
-        max_model_len: longest context.
+        max_model_len: longest context (``None``: the model's).
         attention_backend: the backend name the engine asked for.
         batch_invariant: the batch-invariant mode (fixed-order reductions across ranks too).
         num_threads: torch threads of the worker (CPU ranks share the host's cores).
@@ -75,7 +76,7 @@ class RankSpec:
     device: str
     dtype: torch.dtype
     seed: int
-    max_model_len: int
+    max_model_len: int | None
     attention_backend: str
     batch_invariant: bool
     num_threads: int
@@ -106,14 +107,6 @@ def new_process_group(store: Any, rank: int, size: int, device: torch.device) ->
     return dist.ProcessGroupGloo(prefix, rank, size, timeout)
 
 
-def build_backend(device: torch.device, name: str, dtype: torch.dtype, batch_invariant: bool) -> Any:
-    """The attention backend (with its dense ops) the engine's runner uses on ``device``."""
-    from kernels.dispatch import select_attention_backend, select_dense_ops
-
-    backend = select_attention_backend(device, name, dtype, batch_invariant=batch_invariant)
-    return dataclasses.replace(backend, dense=select_dense_ops(device, batch_invariant))
-
-
 def _worker_main(conn: Connection) -> None:
     """A worker rank: receives its :class:`RankSpec`, builds its shard, then runs every step
     rank 0 sends until told to stop.
@@ -124,6 +117,7 @@ def _worker_main(conn: Connection) -> None:
     import torch.distributed as dist
 
     from asymcache_core.loaders import load_model
+    from kernels.dispatch import select_attention_backend
 
     try:
         spec: RankSpec = conn.recv()
@@ -138,7 +132,7 @@ def _worker_main(conn: Connection) -> None:
         group = new_process_group(store, spec.rank, spec.size, device)
         tp = TensorParallelGroup(spec.shard, group, deterministic=spec.batch_invariant)
         loaded = load_model(spec.model, device, spec.dtype, spec.seed, spec.max_model_len, tp)
-        backend = build_backend(device, spec.attention_backend, spec.dtype, spec.batch_invariant)
+        backend = select_attention_backend(device, spec.attention_backend, spec.dtype, spec.batch_invariant)
         # NOTE: the pool size comes after the load: rank 0 sizes it from its own shard's memory.
         kind, runner_kwargs = conn.recv()
         assert kind == "runner", kind
@@ -176,7 +170,7 @@ class TensorParallelWorkers:
         device: rank 0's device.
         dtype: weights and cache.
         seed: the engine seed.
-        max_model_len: longest context.
+        max_model_len: longest context (``None``: the model's).
         attention_backend: the backend name asked for.
         batch_invariant: fixed-order reductions.
         shards: every rank's share (:func:`~asymcache_core.parallel.plan_tensor_shards`).
@@ -189,7 +183,7 @@ class TensorParallelWorkers:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
-        max_model_len: int,
+        max_model_len: int | None,
         attention_backend: str,
         batch_invariant: bool,
         shards: list[TensorShard],
@@ -205,9 +199,11 @@ class TensorParallelWorkers:
         self.store = dist.TCPStore(
             "127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False
         )
-        self.device = rank_device(device, 0) if device.type == "cuda" else device
+        self.device = rank_device(device, 0)
         self.shards = shards
-        self._processes: list[Any] = []
+        self.batch_invariant = batch_invariant
+        #: the worker processes, rank 1 first
+        self.processes: list[subprocess.Popen[bytes]] = []
         self._conns: list[Connection] = []
         self.dead: str | None = None
         self.group: TensorParallelGroup | None = None
@@ -227,18 +223,18 @@ class TensorParallelWorkers:
             host, port = listener.address
             env = dict(os.environ, ASYMCACHE_TP_AUTHKEY=authkey.hex())
             # NOTE: stops the workers even if this object is never closed (a crashed caller).
-            self._finalizer = weakref.finalize(self, _stop_workers, self._processes, self._conns)
+            self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self._conns)
             for rank in range(1, self.size):
                 process = subprocess.Popen(
                     [sys.executable, "-m", "asymcache_core.tensor_parallel", f"{host}:{port}"],
                     env=env, stdin=subprocess.DEVNULL,
                 )
-                self._processes.append(process)
+                self.processes.append(process)
                 conn = _accept(listener, process, rank)
                 conn.send(RankSpec(rank=rank, shard=self.shards[rank], store_port=self.store.port, **self._spec))
                 self._conns.append(conn)
         group = new_process_group(self.store, 0, self.size, self.device)
-        self.group = TensorParallelGroup(self.shards[0], group, deterministic=bool(self._spec["batch_invariant"]))
+        self.group = TensorParallelGroup(self.shards[0], group, deterministic=self.batch_invariant)
         return self.group
 
     def configure(self, runner_kwargs: dict[str, Any]) -> None:
@@ -253,14 +249,6 @@ class TensorParallelWorkers:
             EngineDeadError: a worker failed to start (its error in the message).
         """
         self.send("runner", runner_kwargs)
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        """Blocks until every worker has its shard and runner.
-
-        Raises:
-            EngineDeadError: a worker failed to start (its error in the message).
-        """
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(STARTUP_TIMEOUT_S):
                 self._fail(f"tensor-parallel rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -288,7 +276,7 @@ class TensorParallelWorkers:
         """Raises :class:`EngineDeadError` if any worker has exited (or failed before)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        for rank, (process, conn) in enumerate(zip(self._processes, self._conns, strict=True), start=1):
+        for rank, (process, conn) in enumerate(zip(self.processes, self._conns, strict=True), start=1):
             if process.poll() is not None:
                 detail = ""
                 try:
@@ -299,27 +287,45 @@ class TensorParallelWorkers:
                     pass
                 self._fail(f"tensor-parallel rank {rank} died (exit code {process.returncode}){detail}")
 
-    def collective_failed(self, exc: BaseException) -> EngineDeadError:
-        """The error to raise when a collective on rank 0 failed: names the dead rank if one is."""
+    def step_failed(self, exc: BaseException) -> EngineDeadError:
+        """The error to raise when rank 0's part of a step failed: names the dead rank if one is."""
         try:
             self.check_alive()
         except EngineDeadError as dead:
             return dead
-        self.dead = f"tensor-parallel collective failed: {exc}"
+        self.dead = f"tensor-parallel step failed on rank 0: {exc}"
         return EngineDeadError(self.dead)
 
     def _fail(self, why: str) -> None:
         self.dead = why
         raise EngineDeadError(why)
 
-    @property
-    def processes(self) -> list[Any]:
-        return list(self._processes)
-
     def close(self) -> None:
         """Stops the workers (idempotent)."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+def start_workers(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> TensorParallelWorkers:
+    """Starts ranks 1.. of a tensor-parallel engine (they load their shards meanwhile).
+
+    Raises:
+        ValueError: the model's heads cannot be split over ``tensor_parallel_size`` ranks, or
+            there are fewer GPUs than ranks.
+    """
+    from asymcache_core.loaders import resolve_hf_config
+    from asymcache_core.models import ModelConfig
+
+    size = config.tensor_parallel_size
+    shards = plan_tensor_shards(ModelConfig.from_hf(resolve_hf_config(config.model)[0]), size)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs; {torch.cuda.device_count()} visible")
+    workers = TensorParallelWorkers(
+        size, config.model, device, dtype, config.seed, config.max_model_len,
+        config.attention_backend, config.batch_invariant, shards,
+    )
+    workers.start()
+    return workers
 
 
 def _accept(listener: Listener, process: subprocess.Popen[bytes], rank: int) -> Connection:
@@ -382,16 +388,18 @@ class TensorParallelRunner(ModelRunner):
         self.workers = workers
         # NOTE: reloads rank 0 has seen land: the workers order their next forward after their
         # own copies of those tickets (each rank copies its share of every block).
-        self._landed: list[int] = []
+        self._landed: set[int] = set()
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        inputs = self.prepare(plan)
-        landed, self._landed = self._landed, []
+        inputs = pack_step(plan, self.block_size)
+        landed, self._landed = sorted(self._landed), set()
         self.workers.send("step", (inputs, landed))
         try:
             logits = self.forward(inputs)
         except RuntimeError as exc:
-            raise self.workers.collective_failed(exc) from exc
+            # NOTE: no fault isolation across ranks: the others are inside this step's
+            # collectives, so the group is out of step whatever failed here.
+            raise self.workers.step_failed(exc) from exc
         return self._sample(plan, inputs.sample_index, logits)
 
     def transfer_kv(self, transfers: KVTransfers) -> None:
@@ -401,16 +409,12 @@ class TensorParallelRunner(ModelRunner):
     def transfer_complete(self, ticket: int) -> bool:
         done = super().transfer_complete(ticket)
         if done:
-            self._landed.append(ticket)
+            self._landed.add(ticket)
         return done
 
     def wait_transfers(self, ticket: int | None = None) -> None:
         self.workers.send("wait", ticket)
         super().wait_transfers(ticket)
-
-    def close(self) -> None:
-        self.workers.close()
-
 
 
 def main(argv: list[str]) -> None:

@@ -140,7 +140,8 @@ def select_attention_backend(
         batch_invariant: a query's output never depends on what else shares the step, how its
             prompt was chunked or whether its history was cached or rebuilt: the Triton plan's
             fixed configuration and KV chunks, or :func:`~kernels.reference.msa_tiled` for
-            ``torch``. ``naive`` is a test oracle and has no such mode.
+            ``torch``, with the batch-invariant dense ops (:func:`select_dense_ops`). ``naive``
+            is a test oracle and has no such mode.
 
     Raises:
         ValueError: unknown preference, or ``triton`` where it cannot run.
@@ -148,6 +149,9 @@ def select_attention_backend(
     device = torch.device(device)
     if preference not in BACKENDS:
         raise ValueError(f"attention_backend: unknown backend {preference!r}; one of {BACKENDS}")
+    if preference == "naive" and batch_invariant:
+        raise ValueError("attention_backend: 'naive' has no batch-invariant mode; use 'torch'")
+    dense = select_dense_ops(device, batch_invariant)
     if preference == "auto":
         preference = "triton" if triton_available(device) else "torch"
     if preference == "triton":
@@ -163,13 +167,11 @@ def select_attention_backend(
             )
             return dataclasses.replace(meta, plan=plan)
 
-        return AttentionBackend("triton", store_kv_triton, msa_triton, prepare, batch_invariant)
+        return AttentionBackend("triton", store_kv_triton, msa_triton, prepare, batch_invariant, dense)
     if preference == "naive":
-        if batch_invariant:
-            raise ValueError("attention_backend: 'naive' has no batch-invariant mode; use 'torch'")
         return AttentionBackend("naive", store_kv_torch, msa_naive)
     if batch_invariant:
-        return AttentionBackend("torch", store_kv_torch, msa_tiled, no_plan, True)
+        return AttentionBackend("torch", store_kv_torch, msa_tiled, no_plan, True, dense)
     return AttentionBackend("torch", store_kv_torch, msa_torch)
 
 

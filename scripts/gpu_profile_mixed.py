@@ -45,9 +45,14 @@ def timed(fn: Callable[..., Any], bucket: list[float]) -> Callable[..., Any]:
 
 def instrument(runner: Any) -> dict[str, list[float]]:
     """Wraps the model runner's phases with synchronised timers: ``prepare`` (host input
-    preparation), ``forward`` (eager or piecewise graphs) and ``sample``; returns their buckets."""
+    packing and the MSA metadata), ``forward`` (eager or piecewise graphs) and ``sample``;
+    returns their buckets."""
+    from asymcache_core import model_runner
+
     phases: dict[str, list[float]] = defaultdict(list)
-    runner.prepare = timed(runner.prepare, phases["prepare"])
+    # NOTE: module functions the runner calls by their global names
+    model_runner.pack_step = timed(model_runner.pack_step, phases["prepare"])
+    model_runner.build_msa_metadata = timed(model_runner.build_msa_metadata, phases["prepare"])
     runner.model = timed(runner.model, phases["forward"])
     if runner.mixed_graphs is not None:
         runner.mixed_graphs.run = timed(runner.mixed_graphs.run, phases["forward"])

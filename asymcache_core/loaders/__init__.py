@@ -283,7 +283,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, tensor_parallel: TensorParal
     put together are the unsplit model's weights, while no rank ever holds more than one whole
     tensor (a 70B model does not fit one GPU).
     """
-    shapes = None
+    shapes: dict[str, torch.Size] = {}
     if tensor_parallel is not None:
         with torch.device("meta"):
             whole_model = build_model(model.config, model.rotary.cos.shape[0])
@@ -294,7 +294,7 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, tensor_parallel: TensorParal
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 param.fill_(1.0)
-            elif shapes is None or tensor_parallel is None:
+            elif tensor_parallel is None:
                 param.uniform_(-0.05, 0.05, generator=gen)
             else:
                 whole = torch.empty(shapes[name], dtype=param.dtype, device=device).uniform_(-0.05, 0.05, generator=gen)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from asymcache_core.cuda_graphs import decode_batch, graph_batch_sizes
+from asymcache_core.cuda_graphs import graph_batch_sizes
 from asymcache_core.latency_model import LatencyModel
+from asymcache_core.model_runner import pack_step
 from asymcache_core.profiler import ProfilePoint, fit
 from asymcache_core.request import Request
 from asymcache_core.sampling_params import SamplingParams
@@ -33,15 +34,17 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
     assert graph_batch_sizes(3) == [1, 2, 3]
 
 
-def test_decode_batch_packs_last_tokens() -> None:
+def test_a_decode_step_packs_last_tokens() -> None:
+    # what a graph replay is fed (DecodeBatch is these fields of the packed step)
     a = _request("a", list(range(100, 140)), [7, 3, 9])  # last token at 39: logical block 2 -> 9
     b = _request("b", [5, 6, 7], [4])
-    batch = decode_batch(_plan(ScheduledRequest(a, [(39, 40)], True), ScheduledRequest(b, [(2, 3)], True)), 16)
-    assert batch is not None
+    batch = pack_step(_plan(ScheduledRequest(a, [(39, 40)], True), ScheduledRequest(b, [(2, 3)], True)), 16)
+    assert batch.decode_only
     assert batch.input_ids == [139, 7]
     assert batch.positions == [39, 2]
     assert batch.slots == [9 * 16 + 7, 4 * 16 + 2]
     assert batch.block_tables == [[7, 3, 9], [4]]
+    assert batch.logits_rows == [0, 1] and batch.sample_index == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -54,7 +57,7 @@ def test_decode_batch_packs_last_tokens() -> None:
 )
 def test_steps_with_other_work_are_not_decode_batches(item: ScheduledRequest) -> None:
     d = _request("d", [1, 2, 3], [0])
-    assert decode_batch(_plan(ScheduledRequest(d, [(2, 3)], True), item), 16) is None
+    assert not pack_step(_plan(ScheduledRequest(d, [(2, 3)], True), item), 16).decode_only
 
 
 def test_latency_model_prices_decode_only_steps_at_their_floor() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asymcache_core.config import EngineConfig
+from asymcache_core.model_runner import pack_step
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampling_params import SamplingParams
 from tests.conftest import make_engine
@@ -76,7 +77,7 @@ def test_padding_rows_store_nothing(smollm) -> None:
     engine.scheduler.add(engine.requests.setdefault("r", _request(list(range(200, 205)))))
     plan = engine.scheduler.schedule()
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    inputs = runner.prepare(plan)
+    inputs = pack_step(plan, runner.block_size)
     runner.execute(plan)
     changed: set[int] = set()
     for (k0, v0), (k1, v1) in zip(before, runner.kv_caches, strict=True):
