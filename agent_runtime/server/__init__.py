@@ -16,7 +16,8 @@ Modules: :mod:`~agent_runtime.server.app` (:func:`create_app`, :class:`ServeOpti
 :mod:`~agent_runtime.server.serving` (the handlers and their shared SSE path),
 :mod:`~agent_runtime.server.metrics` (``prometheus_client``), :mod:`~agent_runtime.server.errors`;
 :mod:`~agent_runtime.server.replicas` runs N of these apps on Ray Serve behind one endpoint, routed
-by :mod:`~agent_runtime.server.job_router` (``serve --replicas N``, the ``ray`` extra).
+by :mod:`~agent_runtime.server.replica_router` under the rule of
+:mod:`~agent_runtime.server.job_router` (``serve --replicas N``, the ``ray`` extra).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ job's next turn is cheapest where its last turn ran. The policy:
   order is deterministic).
 
 :func:`route` returns the replicas in the order to try them; the Ray Serve router
-(:class:`~agent_runtime.server.replicas.JobRequestRouter`) hands that order to Ray, which falls
+(:class:`~agent_runtime.server.replica_router.JobRequestRouter`) hands that order to Ray, which falls
 through to the next replica when one refuses the request (it is at ``max_ongoing_requests``),
 and records where the request actually went (:meth:`AffinityTable.assign`).
 """

@@ -25,8 +25,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -36,6 +37,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from agent_runtime.types import StreamEvent
@@ -248,4 +250,37 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics"]
+class _Families(Collector):
+    """Prometheus families given whole (the merged exposition)."""
+
+    def __init__(self, families: Sequence[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Any:
+        yield from self.families
+
+
+def merge_expositions(texts: dict[str, str], extra: Sequence[Metric] = ()) -> bytes:
+    """Several replicas' Prometheus texts as one, every sample labelled with its ``replica``.
+
+    Args:
+        texts: replica id -> its ``/metrics`` text.
+        extra: further families (the gateway's own).
+
+    Returns:
+        The exposition (``CONTENT_TYPE``).
+    """
+    merged: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            into = merged.get(family.name)
+            if into is None:
+                into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                into.add_sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+    registry = CollectorRegistry()
+    registry.register(_Families([*merged.values(), *extra]))
+    return generate_latest(registry)
+
+
+__all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics", "merge_expositions"]

@@ -11,7 +11,8 @@ The application has two deployments:
 - ``gateway`` (:class:`Gateway`, one copy, the HTTP ingress): reads each request's body, takes
   its affinity key (:func:`~agent_runtime.server.job_router.routing_key`) and forwards the
   request through a streaming :class:`~ray.serve.handle.DeploymentHandle`. The handle's
-  request router is :class:`JobRequestRouter`, a Ray Serve custom ``RequestRouter`` that applies
+  request router is :class:`~agent_runtime.server.replica_router.JobRequestRouter`, a Ray Serve
+  custom ``RequestRouter`` that applies
   :func:`~agent_runtime.server.job_router.route` (the job's replica first, new jobs by queue
   length and free KV). ``/metrics`` is every replica's exposition with a ``replica`` label,
   plus the router's own series.
@@ -35,37 +36,27 @@ import os
 import signal
 import threading
 import time
-import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import Response
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.app import ServeOptions, create_app
 from agent_runtime.server.errors import APIError, stream_error_frame
-from agent_runtime.server.job_router import (
-    AffinityTable,
-    ReplicaLoad,
-    RoutingPolicy,
-    route,
-    routing_key,
-)
-from agent_runtime.server.metrics import CONTENT_TYPE
+from agent_runtime.server.job_router import RoutingPolicy, routing_key
+from agent_runtime.server.metrics import CONTENT_TYPE, merge_expositions
+from agent_runtime.server.replica_router import JobRequestRouter, routers_of
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +71,6 @@ REPLICA_HEADER = "x-asymcache-replica"
 #: Requests one engine replica takes from Ray Serve at once; the replica's own bound
 #: (``max_queue_len`` beyond the running batch, a 429) answers before this one does.
 MAX_ONGOING_REQUESTS = 4096
-#: Routing choices a router remembers for requests not yet routed (see ``choose_replicas``).
-_MAX_CHOSEN = 8192
 #: Paths answered with the gateway's aggregation rather than by one replica.
 _METRICS_PATH = "/metrics"
 
@@ -141,163 +130,6 @@ def check_replicas(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {value!r}")
     return value
-
-
-# ----------------------------------------------------------------------------------------------
-# The request router
-# ----------------------------------------------------------------------------------------------
-
-#: The job routers of this process (a gateway's handle builds one; the gateway reads its
-#: replica set and counters). NOTE: weak, so that a router Ray drops is not kept alive here.
-_ROUTERS: weakref.WeakSet[JobRequestRouter] = weakref.WeakSet()
-
-
-def _registry() -> weakref.WeakSet[JobRequestRouter]:
-    """This process's :data:`_ROUTERS`.
-
-    NOTE: looked up through the imported module, not as a global of the caller: Ray may ship
-    a deployment's class by value, with copies of its globals, and a copied set would be empty.
-    """
-    from agent_runtime.server import replicas
-
-    return replicas._ROUTERS
-
-
-class JobRequestRouter(RequestRouter):
-    """Ray Serve's router for the engine replicas: :func:`~agent_runtime.server.job_router.route`
-    over the replicas' routing stats.
-
-    A request's ``routing_key`` keyword argument is its affinity key; a ``replica`` keyword
-    argument sends it to that replica only (the gateway's per-replica ``/metrics``). A
-    replica's load is the larger of the queue it reported (running plus waiting requests) and
-    the requests this router has sent there and not seen finish, counting those it has just
-    chosen a replica for (so that a burst of new jobs spreads before any stats come back).
-    """
-
-    def initialize_state(self, **kwargs: Any) -> None:
-        """Set the policy (Ray Serve calls this with ``request_router_kwargs``).
-
-        Args:
-            **kwargs: :class:`RoutingPolicy` fields.
-        """
-        self.policy = RoutingPolicy(**kwargs)
-        self.table = AffinityTable(self.policy.max_jobs)
-        self.decisions: Counter[str] = Counter()
-        self.live: tuple[str, ...] = ()
-        #: request id -> (the replica chosen first, why), until it is routed or completed.
-        self._chosen: dict[str, tuple[str, str]] = {}
-        #: request id -> the replica it runs on, until it completes.
-        self._routed: dict[str, str] = {}
-        # NOTE: the table and counters are touched on the router's event loop only; the gateway
-        # reads ``live`` (a tuple, replaced whole) and copies of the counters.
-        _registry().add(self)
-
-    @property
-    def deployment(self) -> tuple[str, str]:
-        """``(app name, deployment name)`` this router serves."""
-        return (self._deployment_id.app_name, self._deployment_id.name)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self._refresh_live()
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self._refresh_live()
-
-    def _refresh_live(self) -> None:
-        self.live = tuple(sorted(r.unique_id for r in self.curr_replicas))
-        self.table.forget_replicas(self.live)
-
-    def _in_flight(self) -> Counter[str]:
-        return Counter([*self._routed.values(), *(uid for uid, _ in self._chosen.values())])
-
-    def load_of(self, replica: RunningReplica, in_flight: Counter[str] | None = None) -> ReplicaLoad:
-        """What this router knows of one replica's load.
-
-        Args:
-            replica: the replica.
-            in_flight: this router's requests per replica (default: counted now).
-
-        Returns:
-            Its load.
-        """
-        uid = replica.replica_id.unique_id
-        stats = replica.routing_stats or {}
-        reported = stats.get("queue_len")
-        mine = (in_flight if in_flight is not None else self._in_flight())[uid]
-        queue = max(int(reported) if isinstance(reported, int) else 0, mine)
-        free = stats.get("free_kv_blocks")
-        return ReplicaLoad(uid, queue, int(free) if isinstance(free, int) else None)
-
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
-    ) -> list[list[RunningReplica]]:
-        """The replicas to try, in ranks (Ray Serve takes the first rank that accepts).
-
-        Args:
-            candidate_replicas: the live replicas.
-            pending_request: the request.
-
-        Returns:
-            The ranks: the job's replica alone, then the rest; or every replica in its own rank,
-            best first, for a new (or moved) job.
-        """
-        kwargs: dict[str, Any] = {}
-        rid: str | None = None
-        if pending_request is not None:
-            # NOTE: after every rank refused, back off before asking again (no busy loop).
-            pending_request.routing_context.should_backoff = True
-            kwargs = pending_request.kwargs
-            rid = pending_request.metadata.internal_request_id
-            self._chosen.pop(rid, None)  # a retry: its earlier choice no longer counts
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        target = kwargs.get("replica")
-        if target is not None:
-            return [[by_id[target]]] if target in by_id else []
-        key = kwargs.get("routing_key")
-        in_flight = self._in_flight()
-        decision = route(key, [self.load_of(r, in_flight) for r in candidate_replicas], self.table, self.policy)
-        if not decision.order:
-            return []
-        first = decision.order[0]
-        if rid is not None:
-            self._chosen[rid] = (first, decision.reason)
-            if len(self._chosen) > _MAX_CHOSEN:
-                # NOTE: a request cancelled while it was being routed is never completed;
-                # the oldest choices go so that such leftovers cannot pile up.
-                for stale in list(self._chosen)[: _MAX_CHOSEN // 2]:
-                    del self._chosen[stale]
-        if key is not None and decision.reason != "affinity":
-            # NOTE: claimed now, so that the job's concurrent requests follow it here.
-            self.table.assign(key, first)
-        if decision.reason == "affinity":
-            return [[by_id[first]], [by_id[r] for r in decision.order[1:]]]
-        return [[by_id[r]] for r in decision.order]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Record where the request went: its key's replica, and one more in flight there."""
-        uid = replica_id.unique_id
-        rid = pending_request.metadata.internal_request_id
-        first, reason = self._chosen.pop(rid, (uid, ""))
-        if pending_request.kwargs.get("replica") is not None:
-            return  # a targeted request (metrics) is neither load nor a job
-        self._routed[rid] = uid
-        if uid != first:
-            reason = "overflow"  # the replica chosen first refused it (full): the job follows
-        key = pending_request.kwargs.get("routing_key")
-        if key is not None:
-            self.table.assign(key, uid)
-            self.decisions[reason or "new"] += 1
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """One fewer in flight on the replica."""
-        self._routed.pop(internal_request_id, None)
-        self._chosen.pop(internal_request_id, None)
-
-
-def _routers_of(app_name: str, deployment: str) -> list[JobRequestRouter]:
-    return [r for r in list(_registry()) if hasattr(r, "live") and r.deployment == (app_name, deployment)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,39 +306,6 @@ class _Relay(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-class _Families(Collector):
-    """Prometheus families given whole (the merged exposition)."""
-
-    def __init__(self, families: Sequence[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> Any:
-        yield from self.families
-
-
-def merge_expositions(texts: dict[str, str], extra: Sequence[Metric] = ()) -> bytes:
-    """Several replicas' Prometheus texts as one, every sample labelled with its ``replica``.
-
-    Args:
-        texts: replica id -> its ``/metrics`` text.
-        extra: further families (the gateway's own).
-
-    Returns:
-        The exposition (``CONTENT_TYPE``).
-    """
-    merged: dict[str, Metric] = {}
-    for replica, text in sorted(texts.items()):
-        for family in text_string_to_metric_families(text):
-            into = merged.get(family.name)
-            if into is None:
-                into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
-            for s in family.samples:
-                into.add_sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
-    registry = CollectorRegistry()
-    registry.register(_Families([*merged.values(), *extra]))
-    return generate_latest(registry)
-
-
 class Gateway:
     """The HTTP ingress: one endpoint for every replica (see the module docstring).
 
@@ -532,7 +331,7 @@ class Gateway:
         self.retries = 0
 
     def _routers(self) -> list[JobRequestRouter]:
-        return _routers_of(self.app_name, ENGINE_DEPLOYMENT)
+        return routers_of(self.app_name, ENGINE_DEPLOYMENT)
 
     def _router_live(self) -> tuple[str, ...] | None:
         routers = self._routers()
@@ -732,6 +531,6 @@ def serve_replicas(options: ServeOptions, num_replicas: int, settings: ReplicaSe
 
 
 __all__ = [
-    "APP_NAME", "REPLICA_HEADER", "EngineReplica", "ForwardedRequest", "Gateway", "JobRequestRouter",
-    "ReplicaSettings", "build_app", "check_replicas", "merge_expositions", "serve_replicas",
+    "APP_NAME", "REPLICA_HEADER", "EngineReplica", "ForwardedRequest", "Gateway", "ReplicaSettings", "build_app",
+    "check_replicas", "serve_replicas",
 ]

@@ -22,6 +22,7 @@ from ray import serve  # noqa: E402
 from ray.serve.request_router import ReplicaID  # noqa: E402
 
 from agent_runtime.server.app import ServeOptions  # noqa: E402
+from agent_runtime.server.metrics import merge_expositions  # noqa: E402
 from agent_runtime.server.replicas import (  # noqa: E402
     APP_NAME,
     ENGINE_DEPLOYMENT,
@@ -29,7 +30,6 @@ from agent_runtime.server.replicas import (  # noqa: E402
     Gateway,
     ReplicaSettings,
     build_app,
-    merge_expositions,
 )
 
 MODEL = "smollm2-135m"
