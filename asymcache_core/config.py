@@ -93,6 +93,9 @@ class EngineConfig:
             (:mod:`kernels.batch_invariant`, the MSA plan's fixed chunks, :func:`~kernels.reference.msa_tiled`).
             Greedy outputs are then exactly those of an unbounded pool under every policy, on
             the GPU too.
+        fused_kernels: with the Triton backend, the fused rotary + KV store, add + RMSNorm and
+            SiLU-mul kernels (:mod:`kernels.fused`); ``False`` runs those steps as separate torch
+            ops (an ablation; the benchmarks compare the two).
         max_step_log: most recent steps :attr:`Engine.step_log` keeps (``None``: every step;
             the benchmarks read them all, a long-running server keeps a window).
         enforce_eager: never capture CUDA graphs (vLLM's flag). Otherwise, on CUDA with the
@@ -183,6 +186,7 @@ class EngineConfig:
     batch_invariant: bool = field(default=False, metadata=_flag(
         "--batch-invariant", "Fixed reduction order in every op: each token's logits are the same bits "
         "whatever shares its step, however its prompt was chunked, cached or rebuilt."))
+    fused_kernels: bool = True
     max_step_log: int | None = field(default=None, metadata=_flag(
         "--max-step-log", "Most recent engine steps kept in the step log (default: all; serve keeps 10,000)."))
     enforce_eager: bool = field(default=False, metadata=_flag("--enforce-eager", "Never capture CUDA graphs."))
@@ -266,6 +270,8 @@ class EngineConfig:
             isinstance(self.max_step_log, bool) or not isinstance(self.max_step_log, int) or self.max_step_log < 1
         ):
             raise ValueError(f"max_step_log: must be a positive integer or None, got {self.max_step_log!r}")
+        if not isinstance(self.fused_kernels, bool):
+            raise ValueError(f"fused_kernels: must be a bool, got {self.fused_kernels!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant: must be a bool, got {self.batch_invariant!r}")
         if self.batch_invariant and self.attention_backend == "naive":

@@ -350,7 +350,8 @@ class Engine:
             from kernels.dispatch import select_attention_backend
 
             backend = select_attention_backend(
-                device, config.attention_backend, dtype, batch_invariant=config.batch_invariant
+                device, config.attention_backend, dtype, batch_invariant=config.batch_invariant,
+                fused=config.fused_kernels,
             )
             runner_kwargs: dict[str, Any] = dict(
                 num_blocks=self.num_blocks, block_size=config.block_size, seed=config.seed,

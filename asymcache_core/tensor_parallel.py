@@ -65,6 +65,7 @@ class RankSpec:
         max_model_len: longest context (``None``: the model's).
         attention_backend: the backend name the engine asked for.
         batch_invariant: the batch-invariant mode (fixed-order reductions across ranks too).
+        fused_kernels: the Triton backend's fused elementwise kernels.
         num_threads: torch threads of the worker (CPU ranks share the host's cores).
     """
 
@@ -79,6 +80,7 @@ class RankSpec:
     max_model_len: int | None
     attention_backend: str
     batch_invariant: bool
+    fused_kernels: bool
     num_threads: int
 
 
@@ -132,7 +134,9 @@ def _worker_main(conn: Connection) -> None:
         group = new_process_group(store, spec.rank, spec.size, device)
         tp = TensorParallelGroup(spec.shard, group, deterministic=spec.batch_invariant)
         loaded = load_model(spec.model, device, spec.dtype, spec.seed, spec.max_model_len, tp)
-        backend = select_attention_backend(device, spec.attention_backend, spec.dtype, spec.batch_invariant)
+        backend = select_attention_backend(
+            device, spec.attention_backend, spec.dtype, spec.batch_invariant, fused=spec.fused_kernels
+        )
         # NOTE: the pool size comes after the load: rank 0 sizes it from its own shard's memory.
         kind, runner_kwargs = conn.recv()
         assert kind == "runner", kind
@@ -173,6 +177,7 @@ class TensorParallelWorkers:
         max_model_len: longest context (``None``: the model's).
         attention_backend: the backend name asked for.
         batch_invariant: fixed-order reductions.
+        fused_kernels: the Triton backend's fused elementwise kernels.
         shards: every rank's share (:func:`~asymcache_core.parallel.plan_tensor_shards`).
     """
 
@@ -186,6 +191,7 @@ class TensorParallelWorkers:
         max_model_len: int | None,
         attention_backend: str,
         batch_invariant: bool,
+        fused_kernels: bool,
         shards: list[TensorShard],
     ) -> None:
         import torch.distributed as dist
@@ -193,7 +199,7 @@ class TensorParallelWorkers:
         self.size = size
         self._spec = dict(
             size=size, model=model, device=device.type, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            attention_backend=attention_backend, batch_invariant=batch_invariant,
+            attention_backend=attention_backend, batch_invariant=batch_invariant, fused_kernels=fused_kernels,
             num_threads=max(1, torch.get_num_threads() // size),
         )
         self.store = dist.TCPStore(
@@ -322,7 +328,7 @@ def start_workers(config: EngineConfig, device: torch.device, dtype: torch.dtype
         raise ValueError(f"tensor_parallel_size: {size} ranks need {size} GPUs; {torch.cuda.device_count()} visible")
     workers = TensorParallelWorkers(
         size, config.model, device, dtype, config.seed, config.max_model_len,
-        config.attention_backend, config.batch_invariant, shards,
+        config.attention_backend, config.batch_invariant, config.fused_kernels, shards,
     )
     workers.start()
     return workers

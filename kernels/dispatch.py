@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import MSAMetadata
-from kernels.reference import msa_naive, msa_tiled, msa_torch, store_kv_torch
+from kernels.reference import (
+    msa_naive,
+    msa_tiled,
+    msa_torch,
+    rope_store_torch,
+    silu_mul_torch,
+    store_kv_torch,
+)
 
 MSAFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MSAMetadata, float], torch.Tensor]
 StoreFn = Callable[
@@ -23,6 +30,14 @@ StoreFn = Callable[
 PrepareFn = Callable[[MSAMetadata, int, int, int], MSAMetadata]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+AddNormFn = Callable[
+    [torch.Tensor, "torch.Tensor | None", torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
+ActFn = Callable[[torch.Tensor], torch.Tensor]
+RopeStoreFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+    torch.Tensor,
+]
 
 BACKENDS = ("auto", "torch", "naive", "triton")
 
@@ -46,6 +61,8 @@ class AttentionBackend:
         batch_invariant: ``attend`` gives each query the same bits whatever shares its step.
         dense: the linear and norm ops the model runs beside this attention: every kernel
             choice of an engine travels in this one object, passed to each forward call.
+        rope_store: a fused rotary + KV store (:func:`kernels.fused.rope_store_triton`);
+            ``None``: :meth:`rotate_and_store` rotates with torch ops and calls ``store_kv``.
     """
 
     name: str
@@ -54,6 +71,30 @@ class AttentionBackend:
     prepare: PrepareFn = no_plan
     batch_invariant: bool = False
     dense: DenseOps = field(default_factory=lambda: DEFAULT_DENSE_OPS)
+    rope_store: RopeStoreFn | None = None
+
+    def rotate_and_store(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """Rotates the q and k heads of a fused projection ``qkv [T, (HQ + 2 * HKV) * D]``,
+        stores k and v at ``slot_mapping``; returns ``q [T, HQ, D]``.
+
+        ``cos, sin [T, 1, D]`` are the step's rotary tables (``cat(cos, cos)``,
+        ``cat(-sin, sin)``).
+        """
+        if self.rope_store is not None:
+            return self.rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+        return rope_store_torch(
+            qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, self.store_kv
+        )
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,11 +113,32 @@ class DenseOps:
             the batch) or ``batch-invariant`` (a row's bits never depend on the other rows).
         linear: ``(x [..., K], weight [N, K], bias [N] | None) -> [..., N]``.
         rms_norm: ``(x [..., N], weight [N], eps) -> [..., N]``.
+        add_rms_norm: a fused residual add + norm (:func:`kernels.fused.add_rms_norm_triton`);
+            ``None``: :meth:`add_norm` adds, then calls ``rms_norm``.
+        silu_mul: a fused ``silu(gate) * up`` (:func:`kernels.fused.silu_mul_triton`);
+            ``None``: :meth:`act` runs torch's ops.
     """
 
     name: str
     linear: LinearFn
     rms_norm: NormFn
+    add_rms_norm: AddNormFn | None = None
+    silu_mul: ActFn | None = None
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(residual + x), residual + x)``; without a residual, ``(rms_norm(x), x)``."""
+        if self.add_rms_norm is not None:
+            return self.add_rms_norm(x, residual, weight, eps)
+        total = x if residual is None else residual + x
+        return self.rms_norm(total, weight, eps), total
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a fused ``gate_up [..., 2I]`` projection (gate first)."""
+        if self.silu_mul is not None:
+            return self.silu_mul(gate_up)
+        return silu_mul_torch(gate_up)
 
 
 DEFAULT_DENSE_OPS = DenseOps("default", F.linear, _rms_norm_torch)
@@ -129,6 +191,7 @@ def select_attention_backend(
     preference: str = "auto",
     dtype: torch.dtype = torch.bfloat16,
     batch_invariant: bool = False,
+    fused: bool = True,
 ) -> AttentionBackend:
     """Returns the backend for ``device``.
 
@@ -142,6 +205,9 @@ def select_attention_backend(
             fixed configuration and KV chunks, or :func:`~kernels.reference.msa_tiled` for
             ``torch``, with the batch-invariant dense ops (:func:`select_dense_ops`). ``naive``
             is a test oracle and has no such mode.
+        fused: with ``triton``, the fused rotary + KV store, add + RMSNorm and SiLU-mul
+            kernels of :mod:`kernels.fused` (one row per program: batch-invariant too);
+            ``False`` (an ablation) runs those steps as separate torch ops.
 
     Raises:
         ValueError: unknown preference, or ``triton`` where it cannot run.
@@ -167,7 +233,14 @@ def select_attention_backend(
             )
             return dataclasses.replace(meta, plan=plan)
 
-        return AttentionBackend("triton", store_kv_triton, msa_triton, prepare, batch_invariant, dense)
+        if not fused:
+            return AttentionBackend("triton", store_kv_triton, msa_triton, prepare, batch_invariant, dense)
+        from kernels.fused import add_rms_norm_triton, rope_store_triton, silu_mul_triton
+
+        dense = dataclasses.replace(dense, add_rms_norm=add_rms_norm_triton, silu_mul=silu_mul_triton)
+        return AttentionBackend(
+            "triton", store_kv_triton, msa_triton, prepare, batch_invariant, dense, rope_store_triton
+        )
     if preference == "naive":
         return AttentionBackend("naive", store_kv_torch, msa_naive)
     if batch_invariant:

@@ -1,4 +1,5 @@
-"""Torch implementations of MSA and the KV store: the CPU path and the test oracle.
+"""Torch implementations of MSA, the KV store and the layer's elementwise steps: the CPU path and
+the test oracle.
 
 Shapes: packed queries ``q`` are ``[T, HQ, D]``; caches are ``[num_blocks, block_size, HKV, D]``
 per layer; the output is ``[T, HQ, D]``. ``HQ`` is a multiple of ``HKV`` (GQA).
@@ -12,14 +13,71 @@ Two twins with one signature:
   with an explicit causal mask offset by its position.
 - :func:`msa_tiled` is the batch-invariant torch path: a query's output is the same bits alone,
   inside a prefill chunk of any length, or rebuilt as a hole.
+
+The twins of :mod:`kernels.fused`: :func:`rope_store_torch` (rotary + KV store),
+:func:`add_rms_norm_torch` and :func:`silu_mul_torch`, each the unfused sequence of torch ops.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kernels.metadata import MSAMetadata
+
+
+def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x [T, H, D]`` (neox half-split layout) in ``x``'s dtype, as HF does.
+
+    Args:
+        x: ``[T, H, D]``.
+        cos: ``[T, 1, D]``, ``cat(cos, cos)`` of each token's position.
+        sin: ``[T, 1, D]``, ``cat(-sin, sin)``: the sign of rotate-half is in its first half.
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
+
+
+def rope_store_torch(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> torch.Tensor:
+    """The unfused twin of :func:`rope_store_triton`; ``store_kv`` is the backend's KV store.
+
+    Returns:
+        ``q [T, HQ, D]`` (a view of the rotated projection).
+    """
+    head_dim = cos.shape[-1]
+    heads = num_q_heads + num_kv_heads
+    qk = rotate_torch(qkv[:, : heads * head_dim].reshape(-1, heads, head_dim), cos, sin)
+    q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
+    v = qkv[:, heads * head_dim :].reshape(-1, num_kv_heads, head_dim)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused twin of :func:`add_rms_norm_triton`: ``(rms_norm(residual + x), residual + x)``."""
+    total = residual + x
+    return F.rms_norm(total, (total.shape[-1],), weight.to(total.dtype), eps), total
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """The unfused twin of :func:`silu_mul_triton`: ``silu(gate) * up`` of ``[..., 2I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def store_kv_torch(

@@ -1,8 +1,9 @@
 """Engine step time on the GPU: eager vs CUDA-graph decode, and a mixed step. GPU machine only.
 
 ``python scripts/gpu_profile_step.py [--model dummy:llama-3.1-8b]`` prints one table: the
-median ``engine.step()`` wall time of decode-only steps at several batch sizes with and without
-CUDA graphs, the weight-read floor (bytes of weights / measured copy bandwidth) beside them, and
+median ``engine.step()`` wall time of decode-only steps at several batch sizes, eager and with
+CUDA graphs, each with and without the fused elementwise kernels (``fused_kernels``), the
+weight-read floor and the weights + KV floor (bytes / measured copy bandwidth) beside them, and
 an eager mixed step (decodes plus a prefill chunk); then the busiest ops of an eager decode step.
 """
 
@@ -71,18 +72,27 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}: "
           f"{weight_bytes / 1e9:.1f} GB of weights, copy {bandwidth / 1e12:.2f} TB/s, weight-read floor {floor_ms:.2f} ms")
     engines = {}
+    # NOTE: four engines share the weights; 8,192 blocks each hold the largest row (64 x 1,024).
     for eager in (True, False):
-        start = time.perf_counter()
-        engines[eager] = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=16384,
-                                max_num_batched_tokens=8192, max_model_len=32768, enforce_eager=eager)
-        print(f"engine (enforce_eager={eager}) ready in {time.perf_counter() - start:.1f} s")
-    print("| step | batch | context | eager ms | graph ms | speed-up | graph / weight floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for batch, context in ((1, 2048), (8, 2048), (32, 2048), (64, 1024)):
-        eager = decode_ms(engines[True], batch, context, torch.Generator().manual_seed(batch))
-        graph = decode_ms(engines[False], batch, context, torch.Generator().manual_seed(batch))
-        print(f"| decode | {batch} | {context} | {eager:.2f} | {graph:.2f} | {eager / graph:.2f}x | {graph / floor_ms:.2f}x |")
-    engine = engines[True]
+        for fused in (False, True):
+            start = time.perf_counter()
+            engines[eager, fused] = Engine(
+                model=args.model, device="cuda", loaded=loaded, num_kv_blocks=8192, max_num_batched_tokens=8192,
+                max_model_len=32768, enforce_eager=eager, fused_kernels=fused,
+            )
+            print(f"engine (enforce_eager={eager}, fused_kernels={fused}) ready in {time.perf_counter() - start:.1f} s")
+    cfg = loaded.config
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    print("| step | batch | context | eager ms | eager fused ms | graph ms | graph fused ms | fused speed-up (graph) "
+          "| graph fused / weight floor | graph fused / weights+KV floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, context in ((1, 2048), (1, 16384), (8, 2048), (32, 2048), (64, 1024)):
+        ms = {key: decode_ms(engine, batch, context, torch.Generator().manual_seed(batch)) for key, engine in engines.items()}
+        kv_floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth * 1e3
+        print(f"| decode | {batch} | {context} | {ms[True, False]:.2f} | {ms[True, True]:.2f} | {ms[False, False]:.2f} "
+              f"| {ms[False, True]:.2f} | {ms[False, False] / ms[False, True]:.2f}x | {ms[False, True] / floor_ms:.2f}x "
+              f"| {ms[False, True] / kv_floor:.2f}x |")
+    engine = engines[True, True]
     gen = torch.Generator().manual_seed(7)
     vocab = engine.model_config.vocab_size
     for _ in range(16):

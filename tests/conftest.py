@@ -103,6 +103,23 @@ def hf_smollm_tokenizer() -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+class StepClock:
+    """A deterministic engine clock for real-model tests: each reading is ``tick_s`` later.
+
+    Eviction scores, host-tier admission and pin TTLs read the engine's clock; on the wall clock
+    their decisions (and so the counters a test asserts) change with the machine's load. This
+    clock makes a run depend only on the sequence of calls, which the script fixes.
+    """
+
+    def __init__(self, tick_s: float = 2e-3) -> None:
+        self.tick_s = tick_s
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.tick_s
+        return self.now
+
+
 def make_engine(loaded, **overrides):
     """An engine sharing ``loaded``'s weights."""
     from asymcache_core import Engine

@@ -5,6 +5,9 @@ Attention goes through an explicit :class:`~kernels.dispatch.AttentionBackend` a
 norms go through the backend's :class:`~kernels.dispatch.DenseOps` (``backend.dense``): the
 library kernels by default, the batch-invariant ones when the engine asks for them.
 Projections are fused (``qkv_proj``, ``gate_up_proj``) because one matmul beats three on a CPU.
+The elementwise steps between them (rotary + KV store, residual add + norm, SiLU-mul) go
+through the backend too, so the Triton backend runs each group as one kernel
+(:mod:`kernels.fused`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asymcache_core.models.config import ModelConfig
@@ -81,13 +83,6 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions]
         return torch.cat((cos, cos), -1).unsqueeze(1).to(dtype), torch.cat((-sin, sin), -1).unsqueeze(1).to(dtype)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates ``x [T, H, D]`` (neox half-split layout) in ``x``'s dtype, as HF does."""
-        half = x.shape[-1] // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + swapped * sin
-
 
 class Attention(nn.Module):
     """GQA attention of the heads one rank holds (all of them without tensor parallelism)."""
@@ -115,18 +110,14 @@ class Attention(nn.Module):
         """Projects ``x [T, hidden]``, rotates q and k, stores k and v at ``slot_mapping``.
 
         Returns:
-            ``q [T, HQ, D]`` (a view of the fused projection).
+            ``q [T, HQ, D]``.
         """
         qkv = _linear(self.qkv_proj, x, ops)
-        heads = self.num_heads + self.num_kv_heads
-        # NOTE: q and k are adjacent in the fused projection: rotate them in one pass.
-        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].reshape(-1, heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].reshape(-1, self.num_kv_heads, self.head_dim)
         # NOTE: every new K/V of the step is stored before any query attends, so holes and
         # suffixes computed in the same step see each other at their absolute positions.
-        backend.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)
-        return q
+        return backend.rotate_and_store(
+            qkv, *rope, kv_cache[0], kv_cache[1], slot_mapping, self.num_heads, self.num_kv_heads
+        )
 
 
 class MLP(nn.Module):
@@ -140,8 +131,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: DenseOps = DEFAULT_DENSE_OPS) -> torch.Tensor:
-        gate, up = _linear(self.gate_up_proj, x, ops).split(self.intermediate, dim=-1)
-        return _linear(self.down_proj, F.silu(gate) * up, ops)
+        return _linear(self.down_proj, ops.act(_linear(self.gate_up_proj, x, ops)), ops)
 
 
 class DecoderLayer(nn.Module):
@@ -239,10 +229,11 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``(q [T, HQ, D], residual [T, hidden])``.
         """
-        residual = h if residual is None else residual + h
         layer = self.layers[index]
         ops = backend.dense
-        q = layer.self_attn.project(layer.input_layernorm(residual, ops), rope, kv_cache, slot_mapping, backend, ops)
+        norm = layer.input_layernorm
+        normed, residual = ops.add_norm(h, residual, norm.weight, norm.eps)
+        q = layer.self_attn.project(normed, rope, kv_cache, slot_mapping, backend, ops)
         return q, residual
 
     def post_attention(
@@ -261,8 +252,11 @@ class LlamaForCausalLM(nn.Module):
         """
         layer = self.layers[index]
         attn = layer.self_attn
-        residual = residual + self._reduce(_linear(attn.o_proj, o.reshape(-1, attn.q_size), ops))
-        return self._reduce(layer.mlp(layer.post_attention_layernorm(residual, ops), ops)), residual
+        norm = layer.post_attention_layernorm
+        normed, residual = ops.add_norm(
+            self._reduce(_linear(attn.o_proj, o.reshape(-1, attn.q_size), ops)), residual, norm.weight, norm.eps
+        )
+        return self._reduce(layer.mlp(normed, ops)), residual
 
     def compute_logits(
         self,
@@ -272,8 +266,8 @@ class LlamaForCausalLM(nn.Module):
         ops: DenseOps = DEFAULT_DENSE_OPS,
     ) -> torch.Tensor:
         """``[len(logits_indices), vocab]`` float32 logits of the selected rows."""
-        out = residual + h
-        logits = _linear(self.lm_head, self.norm(out[logits_indices], ops), ops)
+        normed, _ = ops.add_norm(h[logits_indices], residual[logits_indices], self.norm.weight, self.norm.eps)
+        logits = _linear(self.lm_head, normed, ops)
         if self.tensor_parallel is not None:
             logits = self.tensor_parallel.gather_vocab(logits)
         return logits.float()

@@ -14,9 +14,9 @@ def unbounded(smollm) -> list[list[int]]:
     """The greedy outputs of the multi-session script (``test_holes_and_policies.run_script``)
     on a pool that never evicts: what every policy, pool and tier must reproduce."""
     from tests.asymcache_core.test_holes_and_policies import run_script
-    from tests.conftest import make_engine
+    from tests.conftest import StepClock, make_engine
 
-    return run_script(make_engine(smollm, num_kv_blocks=2048))
+    return run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
 
 
 @dataclass
@@ -36,14 +36,14 @@ def tight_run(smollm) -> Callable[..., TightRun]:
     deterministic run; they read the engine and never step it again.
     """
     from tests.asymcache_core.test_holes_and_policies import run_script
-    from tests.conftest import make_engine
+    from tests.conftest import StepClock, make_engine
 
     runs: dict[tuple[str, tuple[tuple[str, Any], ...]], TightRun] = {}
 
     def get(policy: str, **overrides: Any) -> TightRun:
         key = (policy, tuple(sorted(overrides.items())))
         if key not in runs:
-            engine = make_engine(smollm, num_kv_blocks=12, eviction_policy=policy, **overrides)
+            engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy=policy, **overrides)
             runs[key] = TightRun(run_script(engine), engine)
         return runs[key]
 

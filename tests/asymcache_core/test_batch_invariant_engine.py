@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asymcache_core import SamplingParams
-from tests.conftest import make_engine
+from tests.conftest import StepClock, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -85,7 +85,7 @@ def test_logits_equal_cached_or_rebuilt_under_a_tight_pool(smollm):
     logs = []
     engines = [
         make_engine(smollm, batch_invariant=True, num_kv_blocks=1024),
-        make_engine(smollm, batch_invariant=True, num_kv_blocks=12, eviction_policy="asymcache"),
+        make_engine(smollm, clock=StepClock(), batch_invariant=True, num_kv_blocks=12, eviction_policy="asymcache"),
     ]
     for engine in engines:
         log = record_logits(engine)

@@ -6,7 +6,7 @@ import pytest
 
 from asymcache_core import SamplingParams
 from asymcache_core.eviction import registered_policies
-from tests.conftest import make_engine
+from tests.conftest import StepClock, make_engine
 
 TURN = SamplingParams(max_tokens=6, ignore_eos=True)
 SYSTEM = list(range(300, 348))  # a 48-token system prompt shared by every session
@@ -68,7 +68,8 @@ def test_lossless_under_pressure_with_least_work_first(smollm, unbounded, policy
     # admission as vLLM), with or without a patience bound: other interleavings, other victims,
     # the same tokens
     engine = make_engine(
-        smollm, num_kv_blocks=12, eviction_policy=policy, least_work_first=True, admit_full_prompt=True,
+        smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy=policy, least_work_first=True,
+        admit_full_prompt=True,
         least_work_patience=patience,
     )
     assert run_script(engine) == unbounded

@@ -13,7 +13,7 @@ from asymcache_core.eviction import registered_policies
 from asymcache_core.host_tier import KVTransfers
 from asymcache_core.kv_transfer import HostKVCache, _runs
 from tests.asymcache_core.test_holes_and_policies import run_script
-from tests.conftest import make_engine
+from tests.conftest import StepClock, make_engine
 
 
 # -- exactness with the real model -------------------------------------------------------------
@@ -26,7 +26,7 @@ def test_lossless_with_a_host_tier(smollm, unbounded, policy, host_blocks):
     # the tight-pool script of test_holes_and_policies (12 device blocks for a 33-block working
     # set) with a host tier smaller than and larger than what is evicted: blocks go out and come
     # back by copy, and the greedy tokens stay those of an unbounded pool
-    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy=policy, num_host_kv_blocks=host_blocks)
+    engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy=policy, num_host_kv_blocks=host_blocks)
     assert run_script(engine) == unbounded
     stats = engine.stats()
     assert stats.host_offloaded_blocks_total > 0 and stats.host_reloaded_blocks_total > 0
@@ -41,7 +41,7 @@ def test_lossless_with_a_host_tier(smollm, unbounded, policy, host_blocks):
 def test_reloads_replace_recomputation(smollm, unbounded, tight_run):
     # the baseline: the same pool and policy without a tier (the run test_lossless_under_pressure checks)
     without = tight_run("vllm-apc")
-    with_tier = make_engine(smollm, num_kv_blocks=12, eviction_policy="vllm-apc", num_host_kv_blocks=64)
+    with_tier = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy="vllm-apc", num_host_kv_blocks=64)
     # a copy made far slower than a rebuild: prefix-only still copies every host hit back (a
     # recomputed run would end the prefix), so the choice by cost is not made
     with_tier.host_tier.latency = dataclasses.replace(with_tier.host_tier.latency, h2d_bytes_per_s=1.0)
@@ -58,7 +58,7 @@ def test_reloads_replace_recomputation(smollm, unbounded, tight_run):
 
 def test_recompute_is_chosen_where_it_is_cheaper(smollm, unbounded):
     # a copy made far slower than rebuilding a block: every host hit is recomputed as a hole
-    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=64)
+    engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=64)
     tier = engine.host_tier
     tier.latency = dataclasses.replace(tier.latency, h2d_bytes_per_s=1.0)
     assert run_script(engine) == unbounded
@@ -152,7 +152,7 @@ def _probe(engine: Engine, prompt: list[int]):
 
 
 def test_failed_copies_are_recomputed(smollm, unbounded):
-    engine = make_engine(smollm, num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=64)
+    engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=64)
     runner = engine.runner
     real = runner.transfer_kv
     calls = {"n": 0}

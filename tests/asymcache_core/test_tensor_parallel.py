@@ -15,6 +15,7 @@ from asymcache_core import Engine, EngineDeadError
 from asymcache_core.models import ModelConfig
 from asymcache_core.parallel import TensorParallelGroup, plan_tensor_shards, shard_parameter
 from tests.asymcache_core.test_holes_and_policies import TURN, run_script
+from tests.conftest import StepClock
 
 MODEL = "smollm2-135m"
 
@@ -172,7 +173,10 @@ def tp_engine() -> Engine:
     # NOTE: one engine for the module (each starts a worker interpreter that loads its shard):
     # a 12-block pool with holes and a 16-block host tier, so that the script both rebuilds
     # holes and reloads blocks from the host (measured: 80 hole tokens, 13 reloads)
-    engine = Engine(MODEL, num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=16, tensor_parallel_size=2)
+    engine = Engine(
+        MODEL, clock=StepClock(), num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=16,
+        tensor_parallel_size=2,
+    )
     yield engine
     engine.close()
 

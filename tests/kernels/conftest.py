@@ -102,3 +102,15 @@ def interp_dense() -> Iterator[ModuleType]:
 def compiled_dense() -> ModuleType:
     """``kernels.batch_invariant`` compiled for the GPU."""
     return _compiled("batch_invariant.py")
+
+
+@pytest.fixture(scope="module")
+def interp_fused() -> Iterator[ModuleType]:
+    """``kernels/fused.py`` under the interpreter."""
+    yield from _interpreted("fused.py")
+
+
+@pytest.fixture(scope="module")
+def compiled_fused() -> ModuleType:
+    """``kernels.fused`` compiled for the GPU."""
+    return _compiled("fused.py")
