@@ -276,7 +276,9 @@ class AgentRuntime:
                 without a tokenizer.
         """
         if self.renderer is None:
-            raise ValueError("messages: this model has no tokenizer/chat template (dummy weights)")
+            loaded = getattr(self.engine, "loaded", None)
+            why = f" ({loaded.tokenizer_source})" if loaded is not None else ""
+            raise ValueError(f"messages: this model has no tokenizer/chat template{why}")
         validate_messages(messages)
         try:
             return self.renderer.prompt(messages, tools or None, add_generation_prompt=True)

@@ -486,7 +486,8 @@ class Engine:
         """Token ids of a prompt (strings go through the tokenizer)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer (dummy weights); pass token ids")
+                why = f" ({self.loaded.tokenizer_source})" if self.loaded is not None else ""
+                raise ValueError(f"prompt: this model has no tokenizer{why}; pass token ids")
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return list(prompt)
 

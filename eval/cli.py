@@ -607,7 +607,8 @@ def generate(
     with showing_model_loads():
         engine = Engine(**engine_args)
     if engine.tokenizer is None:
-        raise ValueError(f"model: {engine.config.model!r} has no tokenizer")
+        why = f" ({engine.loaded.tokenizer_source})" if engine.loaded is not None else ""
+        raise ValueError(f"model: {engine.config.model!r} has no tokenizer{why}")
     text = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )

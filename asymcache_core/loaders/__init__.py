@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from asymcache_core.loaders.cache import GGUFCache
+from asymcache_core.loaders.dummy_tokenizer import load_dummy_tokenizer
 from asymcache_core.loaders.gguf_loader import (
     gguf_hf_config,
     gguf_state_dict,
@@ -37,8 +38,9 @@ class LoadedModel:
         name: the spec it was loaded from.
         config: its shape.
         model: the module, on its device and dtype, in eval mode.
-        tokenizer: an HF tokenizer, or ``None`` (dummy weights).
+        tokenizer: an HF tokenizer, or ``None`` (prompts are then token ids).
         source: the file or folder read (``dummy`` for random weights).
+        tokenizer_source: what the tokenizer is, or why there is none.
     """
 
     name: str
@@ -46,6 +48,7 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: Any
     source: str
+    tokenizer_source: str
 
 
 def packaged_smollm2_path() -> Path:
@@ -206,7 +209,9 @@ def load_model(
     """Loads a model from its spec (see :class:`~asymcache_core.config.EngineConfig.model`).
 
     A GGUF file is parsed at most once, on its first use; its converted config, tokenizer and
-    weights are then read from the user cache (:mod:`asymcache_core.loaders.cache`).
+    weights are then read from the user cache (:mod:`asymcache_core.loaders.cache`). A dummy
+    model gets a tokenizer in its family's shape built from SmolLM2's, also cached
+    (:mod:`asymcache_core.loaders.dummy_tokenizer`; none for vocabularies too small for it).
 
     With ``tensor_parallel``, the model is this rank's share (:mod:`asymcache_core.parallel`):
     checkpoint weights are read whole on the host and sliced; dummy weights are drawn tensor
@@ -222,17 +227,28 @@ def load_model(
     if gguf_path is not None:
         hf_cfg, tokenizer, reader = _gguf_meta(gguf_path)
         kind = "gguf"
+        tokenizer_source = f"the one in {gguf_path.name}"
     else:
         hf_cfg, kind = resolve_hf_config(spec)
     cfg = ModelConfig.from_hf(hf_cfg)
     max_len = max_len or cfg.max_position_embeddings
+    if kind == "dummy":
+        # NOTE: only rank 0 tokenizes: tensor-parallel workers run the steps it packs.
+        if tensor_parallel is None or tensor_parallel.shard.rank == 0:
+            tokenizer, tokenizer_source = _dummy_tokenizer(hf_cfg)
+            logger.info(
+                "model: %s has random weights; tokenizer: %s", spec,
+                tokenizer_source if tokenizer is not None else f"none ({tokenizer_source})",
+            )
+        else:
+            tokenizer_source = "rank 0 holds it"
     # NOTE: dummy weights are made on the target device: an 8B model in float32 on the host
     # would cost 32 GB and a minute of random init.
     if kind == "dummy" and tensor_parallel is not None:
         with torch.device(device), _no_default_init():
             model = build_model(cfg, max_len, tensor_parallel)
         _init_dummy(model, seed, tensor_parallel)
-        return _finish(LoadedModel(spec, cfg, model, tokenizer, "dummy"), device, dtype)
+        return _finish(LoadedModel(spec, cfg, model, tokenizer, "dummy", tokenizer_source), device, dtype)
     with torch.device(device if kind == "dummy" else "cpu"), _no_default_init():
         model = build_model(cfg, max_len)
     if kind == "dummy":
@@ -248,10 +264,23 @@ def load_model(
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            tokenizer_source = "the folder's tokenizer.json"
+        else:
+            tokenizer_source = "the folder has no tokenizer.json"
         source = str(folder)
     if tensor_parallel is not None:
         model = _shard_model(model, max_len, tensor_parallel)
-    return _finish(LoadedModel(spec, cfg, model, tokenizer, source), device, dtype)
+    return _finish(LoadedModel(spec, cfg, model, tokenizer, source, tokenizer_source), device, dtype)
+
+
+def _dummy_tokenizer(hf_cfg: dict[str, Any]) -> tuple[Any, str]:
+    """A dummy model's tokenizer (:mod:`asymcache_core.loaders.dummy_tokenizer`) and what it is,
+    or ``None`` and why there is none."""
+    try:
+        base_path = packaged_smollm2_path()
+    except ValueError as exc:
+        return None, str(exc).removeprefix("model: ")
+    return load_dummy_tokenizer(hf_cfg, base_path, lambda: _gguf_meta(base_path)[1])
 
 
 def _finish(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -260,7 +289,7 @@ def _finish(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> Lo
     # precision in bf16.
     model.rotary.cos = model.rotary.cos.float()
     model.rotary.sin = model.rotary.sin.float()
-    return LoadedModel(loaded.name, loaded.config, model, loaded.tokenizer, loaded.source)
+    return LoadedModel(loaded.name, loaded.config, model, loaded.tokenizer, loaded.source, loaded.tokenizer_source)
 
 
 def _shard_model(full: LlamaForCausalLM, max_len: int, tensor_parallel: TensorParallelGroup) -> LlamaForCausalLM:

@@ -1,13 +1,15 @@
-"""A per-user cache of converted GGUF checkpoints (HF config, tokenizer, dequantized weights).
+"""A per-user cache of converted checkpoints: GGUF files (HF config, tokenizer, dequantized
+weights) and the tokenizers built for dummy models (:mod:`asymcache_core.loaders.dummy_tokenizer`).
 
 Converting a GGUF costs seconds (parsing its metadata, building the tokenizer, dequantizing
 every tensor); reading the converted form back costs a fraction of a second. Entries live in
-:func:`cache_dir`, one folder per source file::
+:func:`cache_dir`, one folder per source::
 
     <cache>/gguf/<path-hash>-<stat-hash>/meta/            config.json, tokenizer files
     <cache>/gguf/<path-hash>-<stat-hash>/weights-<dtype>/ the model's state dict (safetensors)
+    <cache>/dummy-tokenizer/<spec-hash>-<source-hash>/tokenizer/   tokenizer files
 
-An entry is keyed by the source's resolved path, size and modification time, so a replaced or
+A GGUF entry is keyed by the source's resolved path, size and modification time, so a replaced or
 edited file gets a new entry (and the stale one is removed when the new one is written). Each
 part is written into a temporary folder and renamed into place, with a manifest of its files'
 sizes and CRC-32s written last: a part that fails that check (a crash mid-write, a truncated or
@@ -57,6 +59,21 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def file_fingerprint(path: Path) -> dict[str, Any]:
+    """What identifies one version of a source file: its resolved path, size and modification
+    time (with the cache's format version)."""
+    resolved = path.resolve()
+    st = resolved.stat()
+    return {"format": FORMAT_VERSION, "source": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """A tokenizer written by ``save_pretrained`` (the fast tokenizer reads only its files)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
 def _crc32(path: Path) -> int:
     crc = 0
     with path.open("rb") as f:
@@ -65,61 +82,21 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-class GGUFCache:
-    """The cache entry of one GGUF file.
+class CacheEntry:
+    """One cache entry: a folder of parts, each checked against a manifest when read.
 
     Args:
-        source: the GGUF file (it must exist).
-        root: the cache folder (default: :func:`cache_dir`).
+        root: the folder of this kind of entry (``<cache>/gguf``).
+        key: what names the source whatever its version (its entries share a prefix: writing
+            a new version removes the others).
+        fingerprint: what the entry was built from (a part written for another is invalid).
     """
 
-    def __init__(self, source: Path, root: Path | None = None) -> None:
-        resolved = source.resolve()
-        st = resolved.stat()
-        self.source = resolved
-        self.root = (root or cache_dir()) / "gguf"
-        self._prefix = _digest([FORMAT_VERSION, str(resolved)])
-        self.fingerprint = {
-            "format": FORMAT_VERSION, "source": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-        }
+    def __init__(self, root: Path, key: Any, fingerprint: dict[str, Any]) -> None:
+        self.root = root
+        self._prefix = _digest(key)
+        self.fingerprint = fingerprint
         self.entry = self.root / f"{self._prefix}-{_digest(self.fingerprint)}"
-
-    # -- reading --------------------------------------------------------------------------
-
-    def meta(self) -> tuple[dict[str, Any], Any] | None:
-        """The cached HF config dict and tokenizer, or ``None`` (absent or invalid: removed)."""
-        part = self._valid_part("meta")
-        if part is None:
-            return None
-        try:
-            from transformers import PreTrainedTokenizerFast
-
-            config = json.loads((part / "config.json").read_text())
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(part / "tokenizer"))
-        except Exception as exc:  # any parse failure means the part is unusable
-            return self._drop(part, f"unreadable ({exc})")
-        return config, tokenizer
-
-    def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-        """The cached state dict in ``dtype`` (memory-mapped), or ``None`` (absent or invalid:
-        removed)."""
-        part = self._valid_part(_weights_part(dtype))
-        if part is None:
-            return None
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(str(part / _WEIGHTS))
-            aliases = json.loads((part / _ALIASES).read_text())
-            for name, target in aliases.items():
-                tensors[name] = tensors[target]
-        except Exception as exc:
-            return self._drop(part, f"unreadable ({exc})")
-        return tensors
-
-    def invalidate_weights(self, dtype: torch.dtype, why: str) -> None:
-        """Removes the weights part (it did not fit the model it was loaded into)."""
-        self._drop(self.entry / _weights_part(dtype), why)
 
     def _valid_part(self, name: str) -> Path | None:
         part = self.entry / name
@@ -143,41 +120,6 @@ class GGUFCache:
         logger.warning("model cache: %s is %s; rebuilding it", part, why)
         shutil.rmtree(part, ignore_errors=True)
         return None
-
-    # -- writing --------------------------------------------------------------------------
-
-    def store_meta(self, config: dict[str, Any], tokenizer: Any) -> None:
-        """Writes the HF config dict and the tokenizer (``save_pretrained``) into the entry."""
-
-        def write(folder: Path) -> None:
-            (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
-            tokenizer.save_pretrained(str(folder / "tokenizer"))
-
-        self._store("meta", write)
-
-    def store_weights(self, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]) -> None:
-        """Writes a model's state dict (cast to ``dtype``) into the entry.
-
-        Tensors that share storage (tied embeddings) are written once, the other names as
-        aliases.
-        """
-        from safetensors.torch import save_file
-
-        def write(folder: Path) -> None:
-            first: dict[tuple[int, tuple[int, ...]], str] = {}
-            tensors: dict[str, torch.Tensor] = {}
-            aliases: dict[str, str] = {}
-            for name, tensor in state_dict.items():
-                key = (tensor.data_ptr(), tuple(tensor.shape))
-                if key in first:
-                    aliases[name] = first[key]
-                    continue
-                first[key] = name
-                tensors[name] = tensor.detach().to("cpu", dtype).contiguous()
-            save_file(tensors, str(folder / _WEIGHTS))
-            (folder / _ALIASES).write_text(json.dumps(aliases))
-
-        self._store(_weights_part(dtype), write)
 
     def _store(self, name: str, write: Callable[[Path], None]) -> None:
         tmp: Path | None = None
@@ -217,5 +159,117 @@ class GGUFCache:
                 shutil.rmtree(other, ignore_errors=True)
 
 
+class GGUFCache(CacheEntry):
+    """The cache entry of one GGUF file.
+
+    Args:
+        source: the GGUF file (it must exist).
+        root: the cache folder (default: :func:`cache_dir`).
+    """
+
+    def __init__(self, source: Path, root: Path | None = None) -> None:
+        resolved = source.resolve()
+        super().__init__((root or cache_dir()) / "gguf", [FORMAT_VERSION, str(resolved)], file_fingerprint(resolved))
+        self.source = resolved
+
+    # -- reading --------------------------------------------------------------------------
+
+    def meta(self) -> tuple[dict[str, Any], Any] | None:
+        """The cached HF config dict and tokenizer, or ``None`` (absent or invalid: removed)."""
+        part = self._valid_part("meta")
+        if part is None:
+            return None
+        try:
+            config = json.loads((part / "config.json").read_text())
+            tokenizer = load_tokenizer(part / "tokenizer")
+        except Exception as exc:  # any parse failure means the part is unusable
+            return self._drop(part, f"unreadable ({exc})")
+        return config, tokenizer
+
+    def weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """The cached state dict in ``dtype`` (memory-mapped), or ``None`` (absent or invalid:
+        removed)."""
+        part = self._valid_part(_weights_part(dtype))
+        if part is None:
+            return None
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(part / _WEIGHTS))
+            aliases = json.loads((part / _ALIASES).read_text())
+            for name, target in aliases.items():
+                tensors[name] = tensors[target]
+        except Exception as exc:
+            return self._drop(part, f"unreadable ({exc})")
+        return tensors
+
+    def invalidate_weights(self, dtype: torch.dtype, why: str) -> None:
+        """Removes the weights part (it did not fit the model it was loaded into)."""
+        self._drop(self.entry / _weights_part(dtype), why)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def store_meta(self, config: dict[str, Any], tokenizer: Any) -> None:
+        """Writes the HF config dict and the tokenizer (``save_pretrained``) into the entry."""
+
+        def write(folder: Path) -> None:
+            (folder / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+            tokenizer.save_pretrained(str(folder / "tokenizer"))
+
+        self._store("meta", write)
+
+    def store_weights(self, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]) -> None:
+        """Writes a model's state dict (cast to ``dtype``) into the entry.
+
+        Tensors that share storage (tied embeddings) are written once, the other names as
+        aliases.
+        """
+        from safetensors.torch import save_file
+
+        def write(folder: Path) -> None:
+            first: dict[tuple[int, tuple[int, ...]], str] = {}
+            tensors: dict[str, torch.Tensor] = {}
+            aliases: dict[str, str] = {}
+            for name, tensor in state_dict.items():
+                key = (tensor.data_ptr(), tuple(tensor.shape))
+                if key in first:
+                    aliases[name] = first[key]
+                    continue
+                first[key] = name
+                tensors[name] = tensor.detach().to("cpu", dtype).contiguous()
+            save_file(tensors, str(folder / _WEIGHTS))
+            (folder / _ALIASES).write_text(json.dumps(aliases))
+
+        self._store(_weights_part(dtype), write)
+
+
 def _weights_part(dtype: torch.dtype) -> str:
     return "weights-" + str(dtype).removeprefix("torch.")
+
+
+class TokenizerCache(CacheEntry):
+    """The cache entry of a tokenizer built from other files (a dummy model's).
+
+    Args:
+        key: what the tokenizer is for (its entries share a prefix: writing one built from a
+            new version of its sources removes the others).
+        fingerprint: what it was built from (the sources' fingerprints, the builder's version).
+        root: the cache folder (default: :func:`cache_dir`).
+    """
+
+    def __init__(self, key: Any, fingerprint: dict[str, Any], root: Path | None = None) -> None:
+        super().__init__((root or cache_dir()) / "dummy-tokenizer", key, fingerprint)
+
+    def tokenizer(self) -> Any:
+        """The cached tokenizer, or ``None`` (absent or invalid: removed)."""
+        part = self._valid_part("tokenizer")
+        if part is None:
+            return None
+        try:
+            return load_tokenizer(part)
+        except Exception as exc:  # any parse failure means the part is unusable
+            return self._drop(part, f"unreadable ({exc})")
+
+    def store_tokenizer(self, tokenizer: Any) -> None:
+        """Writes the tokenizer (``save_pretrained``) into the entry."""
+        self._store("tokenizer", lambda folder: tokenizer.save_pretrained(str(folder)))
