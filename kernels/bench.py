@@ -1,6 +1,8 @@
 """Benchmark of the Triton MSA kernel against its peers, one table from one run.
 
-``python -m kernels.bench [--quick] [--sweep] [--json PATH]`` on a CUDA machine.
+``python -m kernels.bench [--quick] [--sweep] [--json PATH]`` on a CUDA machine;
+``python -m kernels.bench --decode-sweep`` times only decode launches (batch 1-8, contexts
+8k-128k) over tile shapes and KV splits, against the planner's choice and the copy bandwidth.
 
 Shapes: bf16, head_dim 128, 32 query heads / 8 KV heads, paged caches of 16-token blocks
 scattered over a larger pool. Layouts: one sequence of context 4k-32k whose step holds 1-8
@@ -311,15 +313,68 @@ def sweep(rows: list[Row]) -> None:
                                 f"bm{bm} bn{bn} w{w} s{s} split{sp}"))
 
 
+def decode_sweep(copy_gbps: float) -> list[Row]:
+    """Decode launches over KV tile widths, warps, stages and splits, per (batch, context).
+
+    Prints, per layout, the planner's launch and the fastest one found with their share of the
+    copy bandwidth; returns every timed row.
+    """
+    scale = D**-0.5
+    rows: list[Row] = []
+    print("| layout | planner | planner GB/s | best | best GB/s |")
+    print("|---|---|---:|---|---:|")
+    for batch in (1, 2, 4, 8):
+        for ctx in (8192, 32768, 131072):
+            layout = decode_layout(batch, ctx)
+            inp = make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx))
+            kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * inp.k_cache.element_size()
+            base = choose_config(inp.meta, HQ, HKV, D, inp.q.device)
+            timed: list[tuple[float, MSAConfig]] = []
+            ms = bench_ms(lambda inp=inp: msa_triton(inp.q, inp.k_cache, inp.v_cache, inp.meta, scale))
+            timed.append((ms, base))
+            splits = sorted({max(1, base.num_splits * f // 2) for f in (1, 2, 4, 8, 16)})
+            for bn, warps, stages in ((64, 2, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 2, 4)):
+                for sp in splits:
+                    cfg = MSAConfig(base.block_m, bn, warps, stages, sp)
+                    try:
+                        ms = bench_ms(lambda cfg=cfg, inp=inp: msa_triton(
+                            inp.q, inp.k_cache, inp.v_cache, inp.meta, scale, config=cfg))
+                    except Exception as exc:  # noqa: BLE001 - report, keep the sweep going
+                        print(f"sweep {layout.name} {cfg} failed: {exc!r}", file=sys.stderr)
+                        continue
+                    timed.append((ms, cfg))
+            for ms, cfg in timed:
+                rows.append(Row(layout.name, "decode-sweep", ms, None, kv_bytes / ms / 1e6,
+                                f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.num_splits}"))
+            best_ms, best = min(timed, key=lambda t: t[0])
+            plan_gbps, best_gbps = kv_bytes / timed[0][0] / 1e6, kv_bytes / best_ms / 1e6
+            print(f"| {layout.name} | bn{base.block_n} w{base.num_warps} s{base.num_stages} split{base.num_splits} "
+                  f"| {plan_gbps:.0f} ({plan_gbps / copy_gbps:.0%}) | bn{best.block_n} w{best.num_warps} "
+                  f"s{best.num_stages} split{best.num_splits} | {best_gbps:.0f} ({best_gbps / copy_gbps:.0%}) |",
+                  flush=True)
+            del inp
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer layouts")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
+    parser.add_argument("--decode-sweep", action="store_true", help="only the decode launch sweep")
     parser.add_argument("--json", default=None, help="write all rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench needs a CUDA device", file=sys.stderr)
         return 2
+    if args.decode_sweep:
+        copy_gbps = copy_bandwidth()
+        print(f"device: {torch.cuda.get_device_name()}, copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
+        rows = decode_sweep(copy_gbps)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"copy_gbps": copy_gbps, "rows": [r.__dict__ for r in rows]}, f, indent=1)
+        return 0
     t0 = time.time()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     import triton
