@@ -14,10 +14,18 @@ name                       eviction       priority     TTL pins
 ``pensieve``               pensieve       fcfs         no
 ``asymcache``              asymcache      fcfs         no
 ``continuum``              vllm-apc       program      yes
-``asymcache+continuum``    asymcache      program      yes
+``asymcache+continuum``    asymcache      adaptive     yes
 ``continuum-preview``      vllm-apc       program      yes (preview TTL rule: 2 s if mean <= 2 s)
-``asymcache+continuum-preview``  asymcache  program    yes (preview TTL rule)
+``asymcache+continuum-preview``  asymcache  adaptive   yes (preview TTL rule)
 =========================  =============  ===========  =========
+
+The AsymCache presets with Continuum order their waiting requests by ``adaptive`` priority: by
+their job's start as far as the jobs seen so far are memoryful (Continuum's eta), by arrival as
+far as they are not, with running requests in arrival order. Continuum's program order favours
+old jobs, which pays when an old job is near its end (fixed-length tasks such as BFCL's) and
+costs when job lengths are memoryless (chat), where it also reordered the running requests
+so that new turns preempted mid-decode ones (BENCHMARKS.md, "The default on chat, tool loops
+and BFCL").
 """
 
 from __future__ import annotations
@@ -66,13 +74,14 @@ _TABLE: Mapping[str, tuple[dict[str, Any], bool, TTLRule, str]] = MappingProxyTy
         "asymcache": _row("asymcache", "fcfs", False, "AsymCache expected-latency eviction with hole reuse"),
         "continuum": _row("vllm-apc", "program", True, "Continuum: TTL pins across tool pauses + program FCFS"),
         "asymcache+continuum": _row(
-            "asymcache", "program", True, "Continuum pins over AsymCache eviction (holes refilled)"
+            "asymcache", "adaptive", True,
+            "Continuum pins over AsymCache eviction (holes refilled), job admission, eta-weighted program order",
         ),
         "continuum-preview": _row(
             "vllm-apc", "program", True, "Continuum with the preview code's fixed 2 s TTL", "preview"
         ),
         "asymcache+continuum-preview": _row(
-            "asymcache", "program", True, "AsymCache + Continuum with the fixed 2 s TTL", "preview"
+            "asymcache", "adaptive", True, "AsymCache + Continuum with the fixed 2 s TTL", "preview"
         ),
     }
 )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-PRIORITIES = ("fcfs", "program")
+PRIORITIES = ("fcfs", "program", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,11 @@ class EngineConfig:
             may spend half of what fast steps saved; :class:`~asymcache_core.budget.AdaptiveBudget`).
         tpot_slo_ms: time-per-output-token target the adaptive budget keeps.
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
-        priority: admission order of waiting work: ``fcfs`` (by request) or ``program`` (by job).
+        priority: admission order of waiting work: ``fcfs`` (by request), ``program`` (by job:
+            Continuum's program order, running requests too) or ``adaptive`` (waiting requests
+            by their job's start as far as the jobs seen so far are memoryful, Continuum's eta:
+            :meth:`~asymcache_core.continuum.controller.ContinuumController.adaptive_program_key`;
+            running requests by arrival).
         attention_backend: ``auto``, ``torch``, ``naive`` or ``triton``.
         batch_invariant: each token's logits are the same bits whatever else shares its step,
             however its prompt was chunked and whether its history was cached or rebuilt as a

@@ -309,7 +309,9 @@ class Engine:
         # additive): the jobs whose contexts it holds come back by copy, not by recomputation,
         # so the jobs that fit are those the larger of the two tiers holds.
         capacity = max(self.num_blocks, self.num_host_blocks) * config.block_size
-        self.job_admission = JobAdmission(capacity) if job_admission else None
+        self.job_admission = (
+            JobAdmission(capacity, min_held_tokens=config.max_num_batched_tokens) if job_admission else None
+        )
         self._stalled = False
         fixed = config.chunk_budget()
         # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
@@ -332,6 +334,7 @@ class Engine:
             config.max_num_seqs,
             self.budget,
             self.continuum.program_key if config.priority == "program" else fcfs_key,
+            admission_key=self.continuum.adaptive_program_key if config.priority == "adaptive" else None,
             reclaim=self.pins.release_for_pressure,
             on_admit=self.continuum.on_admit,
             on_finish=self._on_finish,

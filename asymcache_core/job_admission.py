@@ -15,6 +15,13 @@ become ordinary eviction candidates) and resume, oldest first, when older jobs f
 forecast is needed: the set that runs is whatever fits now, and the oldest job always runs, so
 the gate cannot deadlock. Where the pool is not the bottleneck, nothing is ever held back.
 
+Holding a job back is worth it only when the contexts it would push out are dear to rebuild. A
+job between turns whose context is at most :attr:`JobAdmission.min_held_tokens` (the engine
+passes its step budget: one step rebuilds such a context) keeps its rank but reserves nothing:
+letting a younger job evict it costs the older one at most a step when it returns, while
+holding the younger one back costs it a whole wait (chat and tool loops, whose contexts are
+short, lose more to the wait than they gain in hits; agents with long histories keep the gate).
+
 Clients that never say ``is_last_step`` would hold their rank forever: a job with nothing in
 flight for longer than :attr:`JobAdmission.idle_timeout_s` (learned from the gaps between
 turns seen so far) leaves the ranking; if it comes back it ranks as a new job.
@@ -47,15 +54,22 @@ class JobAdmission:
     Args:
         capacity_tokens: the pool's size in tokens (blocks x block size).
         min_idle_timeout_s: the floor of :attr:`idle_timeout_s`.
+        min_held_tokens: a job with nothing in flight reserves its context only when it is
+            longer than this (0: every ranked job reserves its context).
     """
 
-    def __init__(self, capacity_tokens: int, *, min_idle_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, capacity_tokens: int, *, min_idle_timeout_s: float = 30.0, min_held_tokens: int = 0
+    ) -> None:
         if capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens: must be positive, got {capacity_tokens!r}")
         if not min_idle_timeout_s > 0:
             raise ValueError(f"min_idle_timeout_s: must be positive, got {min_idle_timeout_s!r}")
+        if min_held_tokens < 0:
+            raise ValueError(f"min_held_tokens: must be >= 0, got {min_held_tokens!r}")
         self.capacity_tokens = capacity_tokens
         self.min_idle_timeout_s = min_idle_timeout_s
+        self.min_held_tokens = min_held_tokens
         self.jobs: OrderedDict[str, _JobState] = OrderedDict()
         self._gaps: deque[float] = deque(maxlen=256)
         # NOTE: jobs that idled out, with their last release: a gap longer than the timeout
@@ -85,6 +99,11 @@ class JobAdmission:
         """Jobs in the ranking (running, between turns, or held back between turns)."""
         return len(self.jobs)
 
+    def reserved_tokens(self, job: _JobState) -> int:
+        """The tokens ``job`` holds in the gate's sum: its context while it has a request in
+        flight or its context is longer than :attr:`min_held_tokens`; else none."""
+        return job.tokens if job.in_flight or job.tokens > self.min_held_tokens else 0
+
     def ranked_tokens(self) -> int:
         """Sum of the ranked jobs' latest context lengths."""
         return sum(job.tokens for job in self.jobs.values())
@@ -100,7 +119,8 @@ class JobAdmission:
 
         Returns:
             True for requests without a job, for the oldest job, and while the contexts of
-            ``request``'s job and of every job ranked before it fit ``capacity_tokens``.
+            ``request``'s job and of every job ranked before it (those they reserve:
+            :meth:`reserved_tokens`) fit ``capacity_tokens``.
         """
         job_id = request.job_id
         if job_id is None or engine_idle:
@@ -123,7 +143,7 @@ class JobAdmission:
             total = 0
             for other_id, other in self.jobs.items():
                 self._older[other_id] = total
-                total += other.tokens
+                total += self.reserved_tokens(other)
             self._older_total = total
             self._older_version = self._version
         return self._older.get(job_id, self._older_total)
@@ -188,7 +208,7 @@ class JobAdmission:
             total = 0
             for job_id, job in self.jobs.items():
                 assert self._older.get(job_id) == total, f"stale prefix sum for job {job_id!r}"
-                total += job.tokens
+                total += self.reserved_tokens(job)
             assert self._older_total == total, "stale total of the ranked contexts"
         assert not set(self.jobs) & set(self._expired), "a job both ranked and expired"
         assert len(self._expired) <= self._max_expired, "expired jobs past their bound"

@@ -155,6 +155,9 @@ class Scheduler:
         max_num_seqs: running requests at most.
         budget_fn: token budget of the next step given the running requests.
         priority_key: admission/preemption order (smaller first).
+        admission_key: another order for the waiting queue only (``None``: ``priority_key``):
+            running requests then keep ``priority_key``'s order for the budget and the choice of
+            victims.
         reclaim: frees pinned blocks under memory pressure (returns False when it cannot);
             tried before any preemption and before an admission gives up.
         on_admit: called when a waiting request is admitted (after its cache hits are held,
@@ -189,6 +192,7 @@ class Scheduler:
         max_num_seqs: int,
         budget_fn: BudgetFn,
         priority_key: PriorityKey = fcfs_key,
+        admission_key: PriorityKey | None = None,
         reclaim: Callable[[], bool] | None = None,
         on_admit: AdmitHook | None = None,
         on_finish: FinishHook | None = None,
@@ -220,6 +224,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.budget_fn = budget_fn
         self.priority_key = priority_key
+        self.admission_key = admission_key or priority_key
         self.job_admission = job_admission
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -238,9 +243,13 @@ class Scheduler:
         return (*self.priority_key(request), self._seq[request.request_id])
 
     def _admission_key(self, request: Request) -> tuple:
-        """Order of the waiting queue: :meth:`_key`, or the patience-bounded deadline."""
+        """Order of the waiting queue: :meth:`_key` with ``admission_key``, or the
+        patience-bounded deadline."""
+        order = self.admission_key(request)
         if self.least_work_patience is None or self.work_seconds is None:
-            return self._key(request)
+            if self.least_work_first:
+                return (request.priority, self.remaining_work(request), *order, self._seq[request.request_id])
+            return (*order, self._seq[request.request_id])
         # NOTE: arrival + P x own work time is a deadline that does not move while the request
         # waits (only its cache hits can change it): short work still overtakes long work that
         # arrived a little earlier, but no later arrival passes a request that has waited P
@@ -248,7 +257,7 @@ class Scheduler:
         # on the GPU long-chat grid (a third of the mean TTFT came from three requests).
         work = self.remaining_work(request)
         deadline = request.metrics.arrival_time + self.least_work_patience * self.work_seconds(work, request.num_tokens)
-        return (request.priority, deadline, *self.priority_key(request), self._seq[request.request_id])
+        return (request.priority, deadline, *order, self._seq[request.request_id])
 
     def remaining_work(self, request: Request) -> int:
         """Tokens ``request`` still has to compute to reach its next sample, cache hits excluded.

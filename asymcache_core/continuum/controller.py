@@ -306,6 +306,28 @@ class ContinuumController:
         first = self._first_arrival.get(request.job_id or "", request.metrics.arrival_time)
         return (pinned, first, request.metrics.arrival_time)
 
+    def adaptive_program_key(self, request: Request) -> tuple:
+        """Program order as far as jobs are memoryful: pinned jobs first, then by
+        ``first + (1 - eta) * (arrival - first)``, the job's first arrival moved towards the
+        request's own by the memoryfulness ``eta`` of the jobs finished so far.
+
+        With eta = 1 (a job's turns done predict its turns left: an old job is near its end)
+        this is :meth:`program_key`; with eta = 0 (memoryless lengths: an old job is no closer
+        to its end than a young one) it is arrival order, which then serves jobs better than
+        favouring old ones.
+
+        Args:
+            request: a waiting request.
+
+        Returns:
+            Its sort key (smaller first).
+        """
+        pinned = 0 if request.had_pin else 1
+        arrival = request.metrics.arrival_time
+        first = self._first_arrival.get(request.job_id or "", arrival)
+        eta = self.memoryfulness.eta()
+        return (pinned, first + (1.0 - eta) * (arrival - first), arrival)
+
     def on_admit(self, request: Request) -> None:
         """A waiting request was admitted: its job's pin is released.
 

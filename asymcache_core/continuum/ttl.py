@@ -151,6 +151,9 @@ class MemoryfulnessEstimator:
     min_jobs: int = 8
     default: float = 0.5
     _jobs: deque[int] = field(default_factory=deque, repr=False)
+    # NOTE: eta is read for every waiting request of every step (adaptive admission order)
+    # and changes only when a job finishes: cached until then.
+    _eta: float | None = field(default=None, repr=False)
 
     def record_job(self, num_turns: int) -> None:
         """Add a finished job.
@@ -163,6 +166,7 @@ class MemoryfulnessEstimator:
         self._jobs.append(int(num_turns))
         while len(self._jobs) > self.window:
             self._jobs.popleft()
+        self._eta = None
 
     @property
     def num_jobs(self) -> int:
@@ -175,6 +179,11 @@ class MemoryfulnessEstimator:
         Returns:
             eta in [0, 1], or ``default`` with too few jobs or a degenerate sample.
         """
+        if self._eta is None:
+            self._eta = self._estimate()
+        return self._eta
+
+    def _estimate(self) -> float:
         if len(self._jobs) < self.min_jobs:
             return self.default
         # Closed-form sums over the points (k, r = N - k), k = 1..N, of every job.

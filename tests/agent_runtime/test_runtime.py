@@ -234,10 +234,13 @@ def test_runtime_rejects_policy_engine_mismatch(smollm):
         AgentRuntime(engine, policy="continuum")
     # without a policy the runtime takes the preset the engine is built for
     for eng, want in ((make_engine(smollm), "asymcache"), (engine, "vllm-apc"),  # Engine()'s default first
-                      (make_engine(smollm, priority="program"), "asymcache+continuum")):
+                      (make_engine(smollm, eviction_policy="vllm-apc", priority="program"), "continuum"),
+                      (make_engine(smollm, priority="adaptive"), "asymcache+continuum")):
         runtime = AgentRuntime(eng)
         assert runtime.policy.name == want
         runtime.close_sync()
+    with pytest.raises(ValueError, match="^policy: no preset has eviction_policy='asymcache' and priority='program'"):
+        AgentRuntime(make_engine(smollm, priority="program"))
 
 
 def test_commands(smollm, tmp_path, capsys):

@@ -92,3 +92,32 @@ def test_nothing_is_held_back_while_the_engine_is_idle() -> None:
     _admit(gate, _req("a", 90))
     assert not gate.admits(_req("b", 50), 0.0)
     assert gate.admits(_req("b", 50), 0.0, engine_idle=True)
+
+
+def test_idle_jobs_with_contexts_one_step_rebuilds_reserve_nothing() -> None:
+    # a job between turns whose context is within min_held_tokens keeps its rank (it still goes
+    # first when it returns) but does not hold the younger jobs back
+    gate = JobAdmission(capacity_tokens=1000, min_held_tokens=500)
+    a1, b1 = _req("a", 400), _req("b", 550)
+    assert _admit(gate, a1) and _admit(gate, b1)
+    gate.on_released(a1, 1.0)
+    gate.on_released(b1, 1.0)
+    # a (400, idle) reserves nothing; b (550, idle) reserves its context
+    assert _admit(gate, _req("c", 400), 1.1)  # 0 + 550 + 400 fits
+    assert not gate.admits(_req("d", 100), 1.2)  # 550 + 400 (c in flight) + 100 > 1000
+    assert _admit(gate, _req("a", 450, rid="a2"), 1.3)  # the oldest returns first
+    gate.check_integrity()
+    # in flight again, a's 450 counts: c's next turn no longer fits beside a and b
+    gate.on_released(_req("c", 400), 1.4)
+    assert not gate.admits(_req("c", 350, rid="c2"), 1.5)  # 450 + 550 + 400 > 1000
+    gate.check_integrity()
+
+
+def test_min_held_tokens_zero_reserves_every_ranked_context() -> None:
+    gate = JobAdmission(capacity_tokens=1000)
+    a1 = _req("a", 400)
+    assert _admit(gate, a1)
+    gate.on_released(a1, 1.0)
+    assert not gate.admits(_req("b", 700), 1.1)  # a's idle 400 is reserved
+    with pytest.raises(ValueError, match="min_held_tokens"):
+        JobAdmission(capacity_tokens=1000, min_held_tokens=-1)

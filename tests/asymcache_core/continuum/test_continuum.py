@@ -68,7 +68,8 @@ def test_policy_table():
     c = resolve_preset("continuum")
     assert c.engine_overrides == {"eviction_policy": "vllm-apc", "priority": "program"} and c.pinning
     ac = resolve_preset("asymcache+continuum")
-    assert ac.engine_overrides == {"eviction_policy": "asymcache", "priority": "program"} and ac.pinning
+    # waiting requests in program order as far as jobs are memoryful (adaptive_program_key)
+    assert ac.engine_overrides == {"eviction_policy": "asymcache", "priority": "adaptive"} and ac.pinning
     c.engine_overrides["priority"] = "fcfs"  # a fresh dict each time: the table is not touched
     assert resolve_preset("continuum").engine_overrides["priority"] == "program"
     with pytest.raises(ValueError, match="^policy: unknown policy 'nope'"):
@@ -318,3 +319,29 @@ def test_program_fcfs_admission_order(smollm):
     # pinned jobs first, then by the job's first arrival (not the request's)
     assert _admission_order(smollm, "program") == ["pinned", "old", "new"]
     assert _admission_order(smollm, "fcfs") == ["new", "old", "pinned"]
+
+
+def test_adaptive_admission_order_follows_the_jobs_memoryfulness(smollm):
+    # before any job finished eta is 0.5: the old job's request (job start 0, arrival 6) ranks at
+    # 3, before the new job's (5): the same order as program order
+    assert _admission_order(smollm, "adaptive") == ["pinned", "old", "new"]
+
+
+def test_adaptive_program_key_moves_from_program_to_arrival_order():
+    from asymcache_core.request import Request
+
+    clock = FakeClock()
+    ctl = ContinuumController(PinSet(0), SLOW_RELOAD, JobStats(), clock)
+    old = Request("old-2", [1, 2], ONE, 6.0, job_id="old")
+    new = Request("new-1", [1, 2], ONE, 5.0, job_id="new")
+    first = Request("old-1", [1, 2], ONE, 0.0, job_id="old")
+    for request in (first, new, old):
+        ctl.on_request_added(request)
+    for _ in range(10):  # jobs of equal length: turns done predict turns left exactly
+        ctl.memoryfulness.record_job(5)
+    assert ctl.memoryfulness.eta() == pytest.approx(1.0)
+    assert ctl.adaptive_program_key(old) < ctl.adaptive_program_key(new)  # program order
+    assert ctl.adaptive_program_key(old)[1] == ctl.program_key(old)[1] == 0.0
+    ctl.memoryfulness.eta = lambda: 0.0  # memoryless lengths
+    assert ctl.adaptive_program_key(new) < ctl.adaptive_program_key(old)  # arrival order
+    assert ctl.adaptive_program_key(old)[1] == 6.0
