@@ -1,4 +1,4 @@
-"""Constrained decoding of tool calls with xgrammar.
+"""Constrained decoding of tool calls and of JSON replies (``response_format``) with xgrammar.
 
 For ``tool_choice="required"`` (some tool must be called) or a named function, the model's
 output is forced into the shape the parser and the chat template use::
@@ -17,6 +17,13 @@ so a small model cannot wander into whitespace runs, and the text equals what
 ``GrammarCompiler`` per tokenizer and the compiled grammars per (tokenizer, schema).
 :class:`GrammarLogitsProcessor` implements :class:`asymcache_core.sampling_params.LogitsProcessor`
 for one request.
+
+``response_format`` (OpenAI's ``json_object`` / ``json_schema``, normalised by
+:func:`agent_runtime.protocol.normalize_response_format`) constrains the reply to bare JSON: any
+object, or one matching the schema. When the request also offers tools under ``tool_choice``
+``"auto"``, the reply may instead be a tool call: the grammar is the union of the JSON grammar
+and the tool-call grammar, so neither the answer nor the tool call is ruled out. A forced
+``tool_choice`` and a JSON ``response_format`` contradict each other (a 400).
 
 xgrammar is the ``constrained`` extra: it is imported on the first grammar a request needs, so
 the runtime and unconstrained requests work without it, and a constrained request without it
@@ -131,6 +138,31 @@ def needs_constraint(tool_choice: ToolChoice) -> bool:
     return tool_choice == "required" or tool_choice_name(tool_choice) is not None
 
 
+def response_json_schema(response_format: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON schema a normalised ``response_format`` asks the reply to match.
+
+    Args:
+        response_format: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+            {"name": ..., "schema": {...}}}`` (as :func:`agent_runtime.protocol.normalize_response_format`
+            returns them).
+
+    Returns:
+        ``{"type": "object"}`` (any JSON object) for ``json_object``, else the given schema.
+
+    Raises:
+        ValueError: naming ``response_format`` for any other value.
+    """
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if isinstance(spec, Mapping) and isinstance(spec.get("schema"), Mapping):
+            return dict(spec["schema"])
+        raise ValueError("response_format.json_schema.schema: must be a JSON schema object")
+    raise ValueError(f"response_format.type: {kind!r} does not ask for JSON")
+
+
 def _rewrite_refs(node: Any, prefix: str) -> Any:
     """Point ``#/$defs/X`` references at ``#/$defs/<prefix>X`` (defs hoisted to the root).
 
@@ -236,6 +268,28 @@ def tool_call_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
     )
 
 
+def _json_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
+    xgr = load_xgrammar("response_format")
+    return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def json_or_tool_call_grammar(schema: Mapping[str, Any], call_schema: Mapping[str, Any]) -> xgr.Grammar:
+    """Grammar of a JSON reply matching ``schema``, or of one tagged tool call.
+
+    Args:
+        schema: the reply's JSON schema.
+        call_schema: the call-object schema (see :func:`tool_call_json_schema`).
+
+    Returns:
+        The (uncompiled) grammar.
+
+    Raises:
+        ValueError: xgrammar is not installed.
+    """
+    xgr = load_xgrammar("response_format")
+    return xgr.Grammar.union(_json_grammar(schema), tool_call_grammar(call_schema))
+
+
 @dataclass
 class _TokenizerEntry:
     tokenizer: Any  # held so its id() cannot be reused while the entry lives
@@ -295,6 +349,10 @@ class GrammarCache:
         if compiled is None:
             if kind == "tool_call":
                 compiled = entry.compiler.compile_grammar(tool_call_grammar(schema))
+            elif kind == "json_or_tool_call":
+                compiled = entry.compiler.compile_grammar(
+                    json_or_tool_call_grammar(schema["json"], schema["tool_call"])
+                )
             else:
                 compiled = entry.compiler.compile_json_schema(schema_key, any_whitespace=False)
             if len(self._grammars) >= self._max_grammars:
@@ -343,6 +401,30 @@ class GrammarCache:
             ValueError: xgrammar is not installed.
         """
         return self._compiled(tokenizer, vocab_size, "json", schema)
+
+    def json_or_tool_call_grammar(
+        self,
+        tokenizer: Any,
+        schema: Mapping[str, Any],
+        tools: Sequence[Mapping[str, Any]],
+        vocab_size: int | None = None,
+    ) -> xgr.CompiledGrammar:
+        """Compiled grammar of a JSON reply matching ``schema`` or one call of ``tools``.
+
+        Args:
+            tokenizer: HF tokenizer.
+            schema: the reply's JSON schema.
+            tools: OpenAI tool schemas (any of them may be called).
+            vocab_size: the model's vocabulary size.
+
+        Returns:
+            The compiled grammar (cached).
+
+        Raises:
+            ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
+        """
+        both = {"json": dict(schema), "tool_call": tool_call_json_schema(tools, "required")}
+        return self._compiled(tokenizer, vocab_size, "json_or_tool_call", both)
 
     def __len__(self) -> int:
         return len(self._grammars)
@@ -480,4 +562,47 @@ def make_tool_call_processor(
     except RuntimeError as exc:
         # NOTE: xgrammar raises RuntimeError for schemas it cannot compile: a client error.
         raise ValueError(f"tools: constrained decoding cannot use these schemas: {str(exc)[:300]}") from None
+    return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)
+
+
+def make_request_processor(
+    cache: GrammarCache,
+    tokenizer: Any,
+    tools: Sequence[Mapping[str, Any]],
+    tool_choice: ToolChoice,
+    response_format: Mapping[str, Any] | None,
+    vocab_size: int | None = None,
+) -> GrammarLogitsProcessor | None:
+    """A fresh processor for what a request constrains: a forced tool call, a JSON reply, or
+    (tools offered under ``"auto"`` and a JSON ``response_format``) either of the two.
+
+    Args:
+        cache: the caller's grammar cache.
+        tokenizer: HF tokenizer.
+        tools: OpenAI tool schemas.
+        tool_choice: OpenAI ``tool_choice`` (normalised).
+        response_format: a normalised ``response_format`` (None: free text).
+        vocab_size: the model's vocabulary size (logit row length).
+
+    Returns:
+        The processor, or None when nothing is constrained.
+
+    Raises:
+        ValueError: a forced call together with a JSON ``response_format``, a forced call without
+            tools or of an unknown tool, a schema xgrammar cannot compile; xgrammar is not
+            installed.
+    """
+    if response_format is None:
+        return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size)
+    if needs_constraint(tool_choice):
+        raise ValueError("response_format: a JSON reply cannot be combined with a tool_choice that forces a tool call")
+    schema = response_json_schema(response_format)
+    try:
+        if tools and tool_choice != "none":
+            compiled = cache.json_or_tool_call_grammar(tokenizer, schema, tools, vocab_size)
+        else:
+            compiled = cache.json_schema_grammar(tokenizer, schema, vocab_size)
+    except RuntimeError as exc:
+        # NOTE: xgrammar raises RuntimeError for schemas it cannot compile: a client error.
+        raise ValueError(f"response_format: constrained decoding cannot use this schema: {str(exc)[:300]}") from None
     return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from agent_runtime.constrained import GrammarCache, make_tool_call_processor
+from agent_runtime.constrained import GrammarCache, make_request_processor
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
 from agent_runtime.protocol import ToolChoice
 from agent_runtime.types import StreamEvent
@@ -110,6 +110,7 @@ class _Submit:
     request_id: str | None
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
+    response_format: dict[str, Any] | None
     options: OutputOptions
     sink: _Sink
     accepted: concurrent.futures.Future[tuple[str, list[int]]]
@@ -289,6 +290,7 @@ class AsyncEngine:
         request_id: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice = None,
+        response_format: Mapping[str, Any] | None = None,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -299,6 +301,9 @@ class AsyncEngine:
             request_id: caller-chosen id.
             tools: tool schemas (for constrained decoding when ``tool_choice`` forces a call).
             tool_choice: ``required`` or a named function constrains decoding.
+            response_format: a normalised ``response_format``
+                (:func:`~agent_runtime.protocol.normalize_response_format`): JSON replies are
+                constrained to it (None: free text).
 
         Returns:
             The stream.
@@ -319,6 +324,7 @@ class AsyncEngine:
             request_id,
             [dict(t) for t in tools] if tools else None,
             tool_choice,
+            dict(response_format) if response_format is not None else None,
             options or OutputOptions(),
             sink,
             accepted,
@@ -396,10 +402,10 @@ class AsyncEngine:
         opts = cmd.options
         try:
             params = cmd.params
-            if cmd.tool_choice is not None and cmd.tool_choice not in ("auto", "none"):
-                processor = make_tool_call_processor(
+            if cmd.response_format is not None or cmd.tool_choice not in (None, "auto", "none"):
+                processor = make_request_processor(
                     self._grammars, engine.tokenizer, cmd.tools or [], cmd.tool_choice,
-                    vocab_size=engine.model_config.vocab_size,
+                    cmd.response_format, vocab_size=engine.model_config.vocab_size,
                 )
                 if processor is not None:
                     params = replace(params, logits_processors=(*params.logits_processors, processor))

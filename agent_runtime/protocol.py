@@ -37,7 +37,7 @@ from pydantic import (
     field_validator,
 )
 
-from agent_runtime.constrained import tool_choice_name
+from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
 from agent_runtime.tools import Tool, ToolRegistry, validate_tool_schema
 from asymcache_core.sampling_params import SamplingParams
 
@@ -49,6 +49,8 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 #: Stop strings per request at most (OpenAI allows 4; vLLM more).
 MAX_STOP_STRINGS = 16
 MAX_JOB_ID_CHARS = 256
+#: OpenAI's rule for a ``response_format.json_schema.name``.
+_SCHEMA_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
 class RequestError(ValueError):
@@ -166,6 +168,61 @@ def normalize_tool_choice(tool_choice: ToolChoice, tools: Sequence[Mapping[str, 
     raise ValueError(f"tool_choice: must be a string or an object, got {type(tool_choice).__name__}")
 
 
+def normalize_response_format(response_format: Any, tool_choice: ToolChoice = None) -> dict[str, Any] | None:
+    """Validate an OpenAI ``response_format``.
+
+    ``{"type": "text"}`` (or None) is free text. ``{"type": "json_object"}`` asks for any JSON
+    object; ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?,
+    "description"?}}`` for JSON matching the schema, which must be one constrained decoding can
+    compile (checked here when xgrammar is installed, so a bad schema is a client error before
+    anything runs). The schema is enforced whatever ``strict`` says (vLLM does the same).
+
+    Args:
+        response_format: the value given.
+        tool_choice: the request's ``tool_choice``; one that forces a tool call contradicts a
+            JSON reply.
+
+    Returns:
+        None for free text, else the normalised format (unknown keys dropped).
+
+    Raises:
+        ValueError: naming ``response_format`` or the offending key below it.
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise ValueError(f"response_format: must be an object, got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise ValueError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if needs_constraint(tool_choice):
+        raise ValueError("response_format: a JSON reply cannot be combined with a tool_choice that forces a tool call")
+    if kind == "json_object":
+        return {"type": "json_object"}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise ValueError("response_format.json_schema: must be an object with 'name' and 'schema'")
+    name = spec.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not set(name) <= _SCHEMA_NAME_CHARS:
+        raise ValueError("response_format.json_schema.name: must be 1-64 characters of a-z, A-Z, 0-9, _ and -")
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise ValueError("response_format.json_schema.schema: must be a JSON schema object")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError("response_format.json_schema.strict: must be a boolean or null")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ValueError("response_format.json_schema.description: must be a string")
+    check_schema_compiles(schema, "response_format.json_schema.schema")
+    out: dict[str, Any] = {"name": name, "schema": dict(schema), "strict": strict}
+    if description is not None:
+        out["description"] = description
+    return {"type": "json_schema", "json_schema": out}
+
+
 class ChatSampling(TypedDict, total=False):
     """How one chat turn of the Python API samples; every key is optional.
 
@@ -174,12 +231,16 @@ class ChatSampling(TypedDict, total=False):
         temperature: 0 (the default) is greedy.
         seed: sampling seed (default: none).
         stop: stop strings (default: none).
+        response_format: OpenAI's ``response_format`` (default: free text;
+            :func:`normalize_response_format`); not a sampling parameter, so
+            :func:`chat_sampling_params` leaves it to the caller.
     """
 
     max_tokens: int
     temperature: float
     seed: int | None
     stop: Sequence[str]
+    response_format: Mapping[str, Any] | None
 
 
 def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
@@ -232,6 +293,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "prompt_logprobs": (None,),
+    # NOTE: vLLM's older spellings of structured output; ``response_format`` is the one served.
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -276,6 +338,12 @@ class _GenerationRequest(BaseModel):
     is_last_step: StrictBool | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, response_format: Any) -> dict[str, Any] | None:
+        return normalize_response_format(response_format)
 
     @field_validator("n")
     @classmethod
@@ -477,10 +545,6 @@ def reject_unsupported(body: Mapping[str, Any]) -> None:
     for name, off in UNSUPPORTED_FIELDS.items():
         if name in body and body[name] not in off:
             raise RequestError(f"{name}: not supported by this server", param=name, code="unsupported_field")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("response_format: only {'type': 'text'} is supported", param="response_format",
-                           code="unsupported_field")
 
 
 def parse_request(model: type[ModelT], body: Mapping[str, Any]) -> ModelT:
@@ -720,8 +784,10 @@ def _request_error(exc: ValidationError) -> RequestError:
     if err["type"] == "value_error":
         # NOTE: our validators already write "field: message"; pydantic prefixes "Value error, ".
         msg = msg.removeprefix("Value error, ")
-        if param is not None and msg.startswith(f"{param}:"):
-            return RequestError(msg, param)
+        head = msg.split(":", 1)[0]
+        if param is not None and (head == param or head.startswith((f"{param}.", f"{param}["))):
+            # NOTE: a validator may name a key below its field (``response_format.json_schema.name``).
+            return RequestError(msg, head)
     elif err["type"] != "missing" and "input" in err:
         shown = repr(err["input"])
         msg = f"{msg}, got {shown if len(shown) <= 80 else shown[:77] + '...'}"
@@ -757,6 +823,7 @@ __all__ = [
     "chat_sampling_params",
     "check_json_tree",
     "completion_prompt",
+    "normalize_response_format",
     "normalize_tool_choice",
     "normalize_tools",
     "parse_json_body",

@@ -31,6 +31,7 @@ from agent_runtime.protocol import (
     ToolChoice,
     ToolsArg,
     chat_sampling_params,
+    normalize_response_format,
     normalize_tool_choice,
     normalize_tools,
     validate_messages,
@@ -219,6 +220,7 @@ class AgentRuntime:
         is_last_step: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice = None,
+        response_format: Mapping[str, Any] | None = None,
         parse_format: ToolCallFormat | None = None,
         pinning: bool | None = None,
         ttl_rule: str | None = None,
@@ -234,6 +236,7 @@ class AgentRuntime:
             is_last_step: the job ends with this request.
             tools: tool schemas (for constrained decoding when ``tool_choice`` forces a call).
             tool_choice: ``required`` or a named function constrains decoding.
+            response_format: a normalised ``response_format`` (JSON replies are constrained).
             parse_format: parse tool calls out of the final text with this format (needed for
                 pinning); None: no parsing.
             pinning: per-request override of the policy's pinning.
@@ -252,7 +255,7 @@ class AgentRuntime:
         options = OutputOptions(job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool)
         return await self._client.submit(
             prompt, params, options=options, request_id=request_id,
-            tools=tools, tool_choice=tool_choice,
+            tools=tools, tool_choice=tool_choice, response_format=response_format,
         )
 
     # -- chat ----------------------------------------------------------------------------------
@@ -291,6 +294,7 @@ class AgentRuntime:
         *,
         tools: ToolsArg = None,
         tool_choice: ToolChoice = "auto",
+        response_format: Mapping[str, Any] | None = None,
         params: SamplingParams | None = None,
         job_id: str | None = None,
         is_last_step: bool = False,
@@ -305,6 +309,8 @@ class AgentRuntime:
             tools: tool schemas, a registry, or tools.
             tool_choice: ``auto``, ``none``, ``required`` or ``{"type": "function",
                 "function": {"name": ...}}``.
+            response_format: OpenAI's ``response_format`` (``text``, ``json_object`` or
+                ``json_schema``): JSON replies are constrained to it.
             params: sampling parameters.
             job_id: the job.
             is_last_step: the job's last step.
@@ -316,15 +322,17 @@ class AgentRuntime:
             The stream and the normalised tool choice.
 
         Raises:
-            ValueError: bad messages, tools or tool_choice, or rejected by the engine.
+            ValueError: bad messages, tools, tool_choice or response_format, or rejected by the
+                engine.
         """
         schemas = normalize_tools(tools)
         choice = normalize_tool_choice(tool_choice, schemas)
+        fmt = normalize_response_format(response_format, choice)
         prompt = self.render_chat(messages, schemas)
         parse = self.tool_call_format if schemas and choice != "none" else None
         stream = await self.submit(
             prompt, params, job_id=job_id, request_id=request_id, is_last_step=is_last_step,
-            tools=schemas, tool_choice=choice, parse_format=parse, pinning=pinning,
+            tools=schemas, tool_choice=choice, response_format=fmt, parse_format=parse, pinning=pinning,
             ttl_rule=ttl_rule,
         )
         return stream, choice if isinstance(choice, str) else "named"
@@ -351,7 +359,7 @@ class AgentRuntime:
             is_last_step: the job's last step.
             pinning: per-request pinning override.
             ttl_rule: per-request TTL rule override.
-            **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``
+            **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``, ``response_format``
                 (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
@@ -363,7 +371,8 @@ class AgentRuntime:
         """
         params = chat_sampling_params(sampling)
         stream, _ = await self.start_chat(
-            messages, tools=tools, tool_choice=tool_choice, params=params, job_id=job_id,
+            messages, tools=tools, tool_choice=tool_choice, response_format=sampling.get("response_format"),
+            params=params, job_id=job_id,
             is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,
         )
         try:

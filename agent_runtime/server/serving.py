@@ -101,6 +101,7 @@ async def chat_completions(request: Request) -> Response:
             req.messages,  # validated in depth by the runtime (ValueError names the field)
             tools=req.tools,
             tool_choice=req.tool_choice,
+            response_format=req.response_format,
             params=params,
             job_id=req.job_id,
             is_last_step=req.last_step,
@@ -121,6 +122,7 @@ async def completions(request: Request) -> Response:
         # after a tool call, attributing the pause to ``tool_name`` when the client names it.
         stream = await rt.submit(
             req.prompt, params, job_id=req.job_id, is_last_step=req.last_step,
+            response_format=req.response_format,
             pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
         )
     except ValueError as e:

@@ -40,7 +40,7 @@ def corpus(rng: random.Random, n_random: int) -> list[Case]:
     fields = ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens", "n",
               "stop", "stream", "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty",
               "repetition_penalty", "logit_bias", "stop_token_ids", "job_id", "is_last_step", "tools",
-              "tool_choice", "messages", "model"]
+              "tool_choice", "messages", "model", "response_format"]
     for f in fields:
         for v in bad_values:
             cases.append((f"type:{f}={str(v)[:12]}", CHAT, {**chat, f: v}, {}))
@@ -81,6 +81,17 @@ def corpus(rng: random.Random, n_random: int) -> list[Case]:
             if choice is not None:
                 body["tool_choice"] = choice
             cases.append((f"schema:{i}:{choice}", CHAT, body, {}))
+    for i, schema in enumerate(schemas):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        cases.append((f"response_format:schema:{i}", CHAT, {**chat, "response_format": fmt}, {}))
+    for fmt in ({"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
+                {"type": "json_schema", "json_schema": {"name": "x" * 65, "schema": {}}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "json", [],
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(60)}}):
+        cases.append((f"response_format:{str(fmt)[:24]}", CHAT, {**chat, "response_format": fmt}, {}))
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        cases.append((f"response_format:forced:{str(choice)[:10]}", CHAT, {
+            **chat, "tools": [_tool({"type": "object"})], "tool_choice": choice, "response_format": {"type": "json_object"}}, {}))
     for choice in ({"type": "function", "function": {"name": "rm"}}, {"type": "function"}, {"type": "x"}, "sometimes", 5):
         cases.append((f"tool_choice:{str(choice)[:20]}", CHAT, {**chat, "tools": [_tool({"type": "object"})],
                                                                "tool_choice": choice}, {}))
@@ -88,7 +99,7 @@ def corpus(rng: random.Random, n_random: int) -> list[Case]:
         cases.append((f"tool_name:{str(name)[:10]}", CHAT, {**chat, "tools": [_tool({"type": "object"}, name)]}, {}))
     cases.append(("tools:dup", CHAT, {**chat, "tools": [_tool({"type": "object"}), _tool({"type": "object"})]}, {}))
     for f, v in (("logprobs", True), ("top_logprobs", 5), ("echo", True), ("best_of", 2), ("n", 3),
-                 ("response_format", {"type": "json_object"}), ("functions", [{}]), ("suffix", "z"),
+                 ("guided_json", {"type": "object"}), ("functions", [{}]), ("suffix", "z"),
                  ("logit_bias", {"99999999": 1}), ("logit_bias", {"5": 101}), ("stop", ["a"] * 40),
                  ("stop", ["z" * 4096]), ("stop_token_ids", [-3])):
         cases.append((f"field:{f}", CHAT, {**chat, f: v}, {}))

@@ -1,6 +1,7 @@
 """Without the ``constrained`` extra (xgrammar hidden from the import system, in a fresh
 interpreter): the runtime and the server load and serve unconstrained requests; a request that
-needs constrained decoding fails with a ValueError naming the extra, a 400 from the server."""
+needs constrained decoding (a forced tool call, a JSON ``response_format``) fails with a ValueError
+naming the extra, a 400 from the server naming the field."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ SCRIPT = textwrap.dedent(
         ok = client.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
         bad = client.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
         report["server"] = [ok.status_code, bad.status_code, bad.json()]
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+        report["formats"] = [
+            [r.status_code, r.json()] for r in (
+                client.post("/v1/chat/completions", json={**body, "response_format": f})
+                for f in ({"type": "json_object"}, fmt, {"type": "text"}))
+        ]
     runtime.close_sync()
     report["xgrammar_loaded"] = sys.modules.get("xgrammar") is not None
     print("REPORT " + json.dumps(report))
@@ -81,4 +88,8 @@ def test_no_xgrammar_serves_unconstrained_and_names_the_extra() -> None:
     assert ok_status == 200
     assert bad_status == 400
     assert hint in bad_body["error"]["message"] and bad_body["error"]["param"] == "tool_choice"
+    (obj_status, obj_body), (schema_status, schema_body), (text_status, _) = report["formats"]
+    assert obj_status == schema_status == 400 and text_status == 200
+    for body in (obj_body, schema_body):
+        assert body["error"]["param"] == "response_format" and hint in body["error"]["message"]
     assert report["xgrammar_loaded"] is False

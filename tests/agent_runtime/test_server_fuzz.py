@@ -181,7 +181,7 @@ def test_hostile_corpus_gets_only_4xx_with_an_openai_body(runtime, reference) ->
     assert sum(n for s, n in statuses.items() if 400 <= s < 500) >= 300
     # every family of hostile input was tried
     assert {"type", "nonfinite", "raw", "size", "depth", "ids", "prompt", "schema", "tool_choice", "field",
-            "messages", "auth", "random"} <= set(kinds)
+            "messages", "auth", "random", "response_format"} <= set(kinds)
     _assert_clean(runtime)
     again = _call(app, "POST", CHAT, REFERENCE, {"Authorization": f"Bearer {KEY}"}).json()
     assert again["choices"][0]["message"] == reference
@@ -203,6 +203,10 @@ def test_the_families_that_must_be_rejected_are(runtime) -> None:
           "tool_choice": "required"}, 400),
         ({**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
           "tool_choice": {"type": "function", "function": {"name": "rm"}}}, 400),
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"x": {"type": "string", "pattern": "("}}}}}}, 400),
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+          "tool_choice": "required", "response_format": {"type": "json_object"}}, 400),
     ]
     for body, status in cases:
         r = _call(app, "POST", CHAT, body, {"content-type": "application/json"})

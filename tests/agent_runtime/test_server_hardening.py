@@ -122,7 +122,7 @@ def test_non_finite_numbers_are_a_400(srv, literal):
 
 
 UNSUPPORTED = [("logprobs", True), ("top_logprobs", 2), ("echo", True), ("best_of", 3), ("n", 2),
-               ("response_format", {"type": "json_object"}), ("functions", [{"name": "f"}]), ("suffix", "x")]
+               ("guided_json", {"type": "object"}), ("functions", [{"name": "f"}]), ("suffix", "x")]
 
 
 @pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
