@@ -108,7 +108,7 @@ def main() -> int:
     rng = random.Random(args.seed)
 
     loaded = load_model(MODEL, torch.device("cpu"), torch.float32, seed=0)
-    engine = Engine(model=MODEL, loaded=loaded, num_kv_blocks=512, max_model_len=2048)
+    engine = Engine(model=MODEL, loaded=loaded, num_kv_blocks=512, max_model_len=2048, eviction_policy="vllm-apc")
     runtime = AgentRuntime(engine, policy="vllm-apc")
     app = create_app(runtime, MODEL, api_key=KEY)
     port = _free_port()
