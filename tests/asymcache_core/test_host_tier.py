@@ -19,8 +19,12 @@ from tests.conftest import StepClock, make_engine
 # -- exactness with the real model -------------------------------------------------------------
 @pytest.mark.parametrize(
     ("policy", "host_blocks"),
-    # NOTE: a tier larger than what is evicted runs in the tests below (64 blocks)
-    [(policy, 12) for policy in registered_policies()],
+    # NOTE: a tier larger than what is evicted runs in the tests below (64 blocks). The two
+    # policies the tests below do not cover with a tier run with `make test-slow` (suite time).
+    [
+        pytest.param(policy, 12, marks=[pytest.mark.slow] if policy in ("lru", "pensieve") else [])
+        for policy in registered_policies()
+    ],
 )
 def test_lossless_with_a_host_tier(smollm, unbounded, policy, host_blocks):
     # the tight-pool script of test_holes_and_policies (12 device blocks for a 33-block working
