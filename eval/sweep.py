@@ -29,11 +29,15 @@ from eval.bench import BenchConfig, BenchError, run_bench
 from eval.results import RESULTS_FILE, SLO, load_results
 from eval.sweep_results import SweepPoint, SweepResults, point_figures, save_sweep
 
+# NOTE: the suites' files live in the project's bench_traces/, found from here, so that a suite
+# runs from any working directory.
+_TRACES = Path(__file__).resolve().parents[1] / "bench_traces"
+
 #: A suite: the workloads, seeds and load points ``--suite NAME`` runs, and the settings it
 #: runs them at unless the command line says otherwise.
 SUITES: dict[str, dict[str, Any]] = {
     "agents": {
-        "workload": ("swe", "toolloop", "chat", "bfcl:bench_traces/bfcl_multi_turn_sample.jsonl"),
+        "workload": ("swe", "toolloop", "chat", f"bfcl:{_TRACES / 'bfcl_multi_turn_sample.jsonl'}"),
         "seeds": (1, 2, 3),
         "concurrency": (32, 64, 128, 256),
         "jobs": 300,
@@ -43,7 +47,7 @@ SUITES: dict[str, dict[str, Any]] = {
         ),
         "backend": "sim",
         "model": "dummy:llama-3.1-8b",
-        "latency_profile": "bench_traces/profile_h200_llama8b_live_decode_kv.json",
+        "latency_profile": str(_TRACES / "profile_h200_llama8b_live_decode_kv.json"),
         "gpu_memory_utilization": 0.9,
         "max_num_batched_tokens": 8192,
         "max_num_seqs": 256,
