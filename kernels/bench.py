@@ -2,7 +2,8 @@
 
 ``python -m kernels.bench [--quick] [--sweep] [--json PATH]`` on a CUDA machine;
 ``python -m kernels.bench --decode-sweep`` times only decode launches (batch 1-8, contexts
-8k-128k) over tile shapes and KV splits, against the planner's choice and the copy bandwidth.
+8k-128k) over tile shapes and KV splits, against the planner's choice and the copy bandwidth
+(:mod:`kernels.bench_decode`).
 
 Shapes: bf16, head_dim 128, 32 query heads / 8 KV heads, paged caches of 16-token blocks
 scattered over a larger pool. Layouts: one sequence of context 4k-32k whose step holds 1-8
@@ -74,37 +75,6 @@ def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> floa
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def graph_ms(fns: list[Callable[[], object]], reps: int = 50) -> float:
-    """Median milliseconds per call of ``fns``, replayed as one CUDA graph that runs each once.
-
-    For launches shorter than their host-side launch cost (decodes at small batch): eager
-    timing measures the Python launch, not the kernel, and the engine replays decodes as
-    graphs. ``fns`` work on distinct inputs whose total exceeds the L2 cache, so no call reads
-    what the previous one left there.
-    """
-    import statistics
-
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for fn in fns:
-            fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(fns))
-    return statistics.median(times)
 
 
 def segment_layout(ctx: int, num_segs: int, hole: int = 512, suffix: int = 1024) -> Layout:
@@ -353,57 +323,6 @@ def sweep(rows: list[Row]) -> None:
                                 f"bm{bm} bn{bn} w{w} s{s} split{sp}"))
 
 
-def _decode_graph_ms(inputs: list[Inputs], cfg: MSAConfig | None, scale: float) -> float:
-    fns = []
-    for inp in inputs:
-        meta = planned(inp.meta, cfg)
-        fns.append(lambda inp=inp, meta=meta: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale))
-    return graph_ms(fns)
-
-
-def decode_sweep(copy_gbps: float) -> list[Row]:
-    """Decode launches over KV tile widths, warps, stages and splits, per (batch, context),
-    timed as CUDA-graph replays (:func:`graph_ms`), as the engine runs them.
-
-    Prints, per layout, the planner's launch and the fastest one found with their share of the
-    copy bandwidth; returns every timed row.
-    """
-    scale = D**-0.5
-    rows: list[Row] = []
-    print("| layout | planner | planner GB/s | best | best GB/s |")
-    print("|---|---|---:|---|---:|")
-    for batch in (1, 2, 4, 8):
-        for ctx in (8192, 32768, 131072):
-            layout = decode_layout(batch, ctx)
-            kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * 2
-            # NOTE: enough distinct caches that together they overflow the 50 MB L2 cache
-            copies = max(1, min(8, -(-(256 << 20) // int(kv_bytes))))
-            inputs = [make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx + i)) for i in range(copies)]
-            base = choose_config(inputs[0].meta, HQ, HKV, D, inputs[0].q.device)
-
-            timed: list[tuple[float, MSAConfig]] = [(_decode_graph_ms(inputs, None, scale), base)]
-            splits = sorted({max(1, base.num_splits * f // 4) for f in (1, 2, 4, 8, 16)})
-            for bn, warps, stages in ((64, 2, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (32, 2, 4)):
-                for sp in splits:
-                    cfg = MSAConfig(base.block_m, bn, warps, stages, sp)
-                    try:
-                        timed.append((_decode_graph_ms(inputs, cfg, scale), cfg))
-                    except Exception as exc:  # noqa: BLE001 - report, keep the sweep going
-                        print(f"sweep {layout.name} {cfg} failed: {exc!r}", file=sys.stderr)
-            for ms, cfg in timed:
-                rows.append(Row(layout.name, "decode-sweep", ms, None, kv_bytes / ms / 1e6,
-                                f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.num_splits}"))
-            best_ms, best = min(timed, key=lambda t: t[0])
-            plan_gbps, best_gbps = kv_bytes / timed[0][0] / 1e6, kv_bytes / best_ms / 1e6
-            print(f"| {layout.name} | bn{base.block_n} w{base.num_warps} s{base.num_stages} split{base.num_splits} "
-                  f"| {plan_gbps:.0f} ({plan_gbps / copy_gbps:.0%}) | bn{best.block_n} w{best.num_warps} "
-                  f"s{best.num_stages} split{best.num_splits} | {best_gbps:.0f} ({best_gbps / copy_gbps:.0%}) |",
-                  flush=True)
-            del inputs
-            torch.cuda.empty_cache()
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer layouts")
@@ -415,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kernels.bench needs a CUDA device", file=sys.stderr)
         return 2
     if args.decode_sweep:
+        from kernels.bench_decode import decode_sweep
+
         copy_gbps = copy_bandwidth()
         print(f"device: {torch.cuda.get_device_name()}, copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
         rows = decode_sweep(copy_gbps)

@@ -16,6 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from asymcache_core.loaders import resolve_hf_config
 from asymcache_core.models.config import ModelConfig
 from asymcache_core.models.llama import LlamaForCausalLM, RotaryEmbedding
 from kernels.dispatch import AttentionBackend, select_attention_backend
@@ -28,19 +29,8 @@ from kernels.reference import (
     store_kv_torch,
 )
 
-_TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
+# the packaged tiny Llama config (2 layers, 4 q / 2 KV heads, head_dim 16)
+_TINY = resolve_hf_config("dummy:tiny")[0]
 
 
 def _rope_case(num_tokens: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype, device: str, seed: int):
@@ -145,6 +135,7 @@ def _model_step(backend: AttentionBackend) -> torch.Tensor:
     torch.manual_seed(0)
     cfg = ModelConfig.from_hf(_TINY)
     model = LlamaForCausalLM(cfg, 512).eval()
+    vocab = cfg.vocab_size
     for p in model.parameters():
         p.data.normal_(0, 0.2)
     page = 16
@@ -153,12 +144,12 @@ def _model_step(backend: AttentionBackend) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         # step 1: sequence 1 prefills 20 tokens into blocks 3, 4
-        ids = torch.randint(0, 256, (20,), generator=gen)
+        ids = torch.randint(0, vocab, (20,), generator=gen)
         meta = build_msa_metadata([[3, 4]], [(0, 0, 20, 0)], [3 * page + i if i < page else 4 * page + i - page
                                                                for i in range(20)], page)
         model(ids, torch.arange(20), caches, meta, backend, torch.tensor([19]))
         # step 2: sequence 0 prefills 9 tokens (block 7); sequence 1 decodes its 21st token
-        ids = torch.randint(0, 256, (10,), generator=gen)
+        ids = torch.randint(0, vocab, (10,), generator=gen)
         positions = torch.tensor(list(range(9)) + [20])
         slots = [7 * page + i for i in range(9)] + [4 * page + 4]
         meta = build_msa_metadata([[7], [3, 4]], [(0, 0, 9, 0), (1, 9, 1, 20)], slots, page)
@@ -177,7 +168,7 @@ def test_model_step_with_fused_kernels_matches_unfused(interp_fused: ModuleType)
     )
     ref = _model_step(unfused)
     out = _model_step(fused)
-    assert ref.shape == (2, 256)
+    assert ref.shape == (2, _TINY["vocab_size"])
     assert float((out - ref).abs().max()) < 1e-5 * float(ref.abs().max())
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
