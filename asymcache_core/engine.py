@@ -366,6 +366,9 @@ class Engine:
                 and self.tp_workers is None,
                 mixed_graph_tokens=config.mixed_graph_max_tokens,
                 num_host_blocks=self.num_host_blocks,
+                # NOTE: a step's rows: its chunk budget plus a token per running decode.
+                max_num_batched_tokens=max(config.max_num_batched_tokens, config.chunk_budget() or 0)
+                + config.max_num_seqs,
             )
             if self.tp_workers is not None:
                 from asymcache_core.tensor_parallel import TensorParallelRunner

@@ -88,6 +88,10 @@ class ModelRunner:
         mixed_graph_tokens: with ``cuda_graphs``, also capture other steps of up to this many
             tokens piecewise (:class:`~asymcache_core.piecewise_graphs.PiecewiseGraphs`); 0: no.
         num_host_blocks: slots of the host KV tier (:class:`~asymcache_core.kv_transfer.HostKVCache`); 0: none.
+        max_num_batched_tokens: most tokens in one step: the row counts up to which the
+            batch-invariant linear op checks where the library's GEMM gives its bits
+            (:meth:`~kernels.batch_invariant.BatchInvariantLinear.calibrate`); 0: the
+            longest context.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         mixed_graph_tokens: int = 0,
         num_host_blocks: int = 0,
+        max_num_batched_tokens: int = 0,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -123,6 +128,13 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
         self.host_cache = HostKVCache(self.kv_cache, num_host_blocks) if num_host_blocks > 0 else None
+        calibrate = getattr(backend.dense.linear, "calibrate", None)
+        if calibrate is not None:
+            # NOTE: before any graph capture: the checks run GEMMs and read their results.
+            from asymcache_core.loaders.cache import cache_dir
+
+            rows = self.model.linear_row_bounds(max_num_batched_tokens or max_model_len, max(1, max_num_seqs))
+            calibrate(rows, dtype, cache_dir() / "batch-invariant-gemm.json")
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs:
             self.decode_graphs = DecodeGraphs(

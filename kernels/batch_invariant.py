@@ -5,21 +5,34 @@ same row of activations multiplied by the same weight gives different bits at ba
 batch 64: the reduction over ``K`` runs in another order. These ops fix that order.
 
 - :func:`matmul_triton`: ``x [M, K] @ w[N, K]^T`` without split-K: every output element is one
-  accumulator walking ``K`` in ascending order through tensor-core steps, whatever the batch.
-  Measured on the H200 (``scripts/gpu_bi_matmul_configs.py``): tile sizes, warps and stages
-  leave the bits unchanged (row tiles of 16 to 128, column tiles of 64 to 256, K tiles of 64
-  and 128 all agree), so the tiling may follow the batch size; only splitting ``K`` across
-  programs would change them.
+  float32 accumulator walking ``K`` in ascending order through tensor-core steps, whatever the
+  batch. Measured on the H200 (``scripts/gpu_bi_matmul.py``): tile sizes, warps and stages leave the bits unchanged (row
+  tiles of 16 to 256, column tiles of 16 to 256, K tiles of 64 to 512 all agree), so the tiling
+  follows the batch size; only splitting ``K`` across programs would change them.
+- :class:`BatchInvariantLinear`: the engine's linear op. cuBLAS's kernels that do not split
+  ``K`` walk it in the same order, so they give the same bits, and they are faster on large
+  batches; the ones it picks for a few rows split ``K``. So the op runs cuBLAS for exactly the
+  (weight shape, rows) it has checked, bit for bit, on this device and library (every row count
+  from a threshold up, :meth:`BatchInvariantLinear.calibrate`), and the Triton kernel for all
+  others.
 - :func:`rms_norm_triton`: one program per row, the whole row in one block.
 - :func:`linear_padded`: the CPU twin of the matmul. CPU BLAS switches kernels for a handful of
   rows (matrix-vector paths below 4-8 rows); padded to a multiple of :data:`ROW_PAD` rows, every
   call runs the same blocked kernel, checked by the tests on this machine's BLAS.
 - :func:`linear_naive`: the float64 oracle.
 
+A bias is added after the product is rounded, elementwise, on every path (a fused bias epilogue
+may differ from one kernel to another).
+
 Shapes: activations ``[M, K]``, weights ``[N, K]`` (``nn.Linear`` layout), outputs ``[M, N]``.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +90,6 @@ if triton is not None:
     def _matmul_kernel(
         x,
         w,
-        bias,
         out,
         M,
         N,
@@ -85,7 +97,6 @@ if triton is not None:
         stride_xm,
         stride_wn,
         stride_om,
-        HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -122,8 +133,6 @@ if triton is not None:
                 b_acc = tl.dot(b_x, b_w, b_acc)
             p_x += BLOCK_K
             p_w += BLOCK_K
-        if HAS_BIAS:
-            b_acc += tl.load(bias + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         p_o = out + o_m[:, None].to(tl.int64) * stride_om + o_n[None, :]
         tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
@@ -140,18 +149,38 @@ if triton is not None:
         tl.store(out + i_row * stride_o + o_c, b_y.to(out.dtype.element_ty), mask=m_c)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per operand width. Float32 halves the K
-# tile to fit shared memory with IEEE dots.
-_MATMUL_CONFIG = {2: (128, 128, 64, 8, 3), 4: (64, 64, 32, 4, 3)}
-# 16-bit operands at decode-sized batches: more programs per weight, the fastest measured at
-# 1-32 rows on the H200 (the bits are those of the large-batch tiling).
-_SMALL_BATCH_CONFIG = (64, 64, 64, 4, 4)
+# (up to rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)) per operand width, the first
+# whose bound holds. The bits are the same for every entry; the times were measured on the H200
+# (scripts/gpu_bi_matmul.py): at a few rows, narrow column tiles and long K tiles give the
+# weight stream enough programs and loads in flight to match cuBLAS's split-K kernels without
+# splitting K. Float32 keeps K tiles short to fit shared memory with IEEE dots.
+_CONFIGS: dict[int, tuple[tuple[int, tuple[int, int, int, int, int]], ...]] = {
+    2: (
+        (8, (16, 32, 128, 4, 6)),
+        (16, (16, 16, 128, 2, 6)),
+        (32, (32, 32, 256, 4, 4)),
+        (64, (64, 32, 128, 4, 6)),
+        (128, (64, 64, 128, 4, 4)),
+        (256, (128, 64, 64, 4, 4)),
+        (1 << 62, (128, 128, 64, 8, 3)),
+    ),
+    4: (
+        (32, (16, 32, 32, 4, 3)),
+        (1 << 62, (64, 64, 32, 4, 3)),
+    ),
+}
 
 
 def _matmul_config(num_rows: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
-    if elem_bytes == 4:
-        return _MATMUL_CONFIG[4]
-    return _SMALL_BATCH_CONFIG if num_rows <= 64 else _MATMUL_CONFIG[2]
+    for bound, config in _CONFIGS[4 if elem_bytes == 4 else 2]:
+        if num_rows <= bound:
+            return config
+    raise AssertionError("unreachable: the last bound holds")
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # NOTE: after rounding, elementwise: the same bits whichever GEMM ran.
+    return out if bias is None else out.add_(bias)
 
 
 def matmul_triton(
@@ -165,7 +194,7 @@ def matmul_triton(
     Args:
         x: ``[..., K]`` activations (last dim contiguous).
         weight: ``[N, K]``, contiguous.
-        bias: optional ``[N]``.
+        bias: optional ``[N]``, added after the product is rounded.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` to force (benchmarks);
             ``None``: chosen from the dtype and the number of rows.
 
@@ -187,12 +216,158 @@ def matmul_triton(
     block_m, block_n, block_k, num_warps, num_stages = config
     grid = (triton.cdiv(num, block_m) * triton.cdiv(n, block_n),)
     _matmul_kernel[grid](
-        rows, weight, bias if bias is not None else weight, out, num, n, k,
-        rows.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        rows, weight, out, num, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    return out.reshape(*lead, n)
+    return _add_bias(out, bias).reshape(*lead, n)
+
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: Row counts compared per device-side batch of :meth:`BatchInvariantLinear.calibrate` (one
+#: host sync each).
+_CALIBRATION_CHUNK = 128
+
+
+def library_key(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """What decides which kernel the library picks, besides the shape: the device and the
+    library builds, and torch's settings that change cuBLAS's choices."""
+    key: dict[str, object] = {"torch": torch.__version__, "dtype": str(dtype), "device": device.type}
+    if device.type == "cuda":
+        matmul = torch.backends.cuda.matmul
+        key.update(
+            name=torch.cuda.get_device_name(device),
+            cuda=torch.version.cuda,
+            blas=str(torch.backends.cuda.preferred_blas_library()),
+            reduced_bf16=matmul.allow_bf16_reduced_precision_reduction,
+            reduced_fp16=matmul.allow_fp16_reduced_precision_reduction,
+            tf32=matmul.allow_tf32,
+        )
+    return key
+
+
+class BatchInvariantLinear:
+    """The batch-invariant linear op of an engine: ``(x, weight, bias) -> x @ weight.T + bias``.
+
+    Every row's bits are those of :func:`matmul_triton` (one accumulator per output, ``K``
+    ascending) whatever the number of rows. A call runs the library's GEMM (``library``,
+    cuBLAS) when :meth:`calibrate` found, for that weight shape and dtype, that the library
+    gives those bits at this row count and every larger one up to the calibrated bound; the
+    Triton kernel otherwise (any other shape, fewer rows, more rows than calibrated, inputs not
+    16-byte aligned).
+
+    Invariant: :attr:`library_rows` only holds thresholds checked on this process's device and
+    library (the disk store is keyed by :func:`library_key`).
+
+    Args:
+        device: where the op runs.
+        library: the fast GEMM whose bits are checked (``F.linear``; tests pass others).
+        reference: the order-defining kernel (:func:`matmul_triton`).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        library: LinearFn | None = None,
+        reference: LinearFn | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.library = library or F.linear
+        self.reference = reference or matmul_triton
+        #: ``(N, K, dtype) -> (first row count, last row count)`` served by the library
+        self.library_rows: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = weight.shape
+        span = self.library_rows.get((n, k, x.dtype))
+        if span is not None and weight.stride(-1) == 1:
+            lead, rows = _as_rows(x)
+            if span[0] <= rows.shape[0] <= span[1] and rows.stride(0) == k and rows.data_ptr() % 16 == 0:
+                return _add_bias(self.library(rows, weight), bias).reshape(*lead, n)
+        return _add_bias(self.reference(x, weight), bias)
+
+    def calibrate(
+        self, shapes: dict[tuple[int, int], int], dtype: torch.dtype, store: Path | None = None, seed: int = 0
+    ) -> dict[tuple[int, int], tuple[int, int] | None]:
+        """Finds, per weight shape, the row counts at which the library gives the reference bits.
+
+        For each ``(N, K) -> max_rows``, every row count from ``max_rows`` down is compared bit
+        for bit (random inputs, each row count its own GEMM call: the library picks its kernel
+        per call) until the first that differs; the library then serves the counts above it.
+        Exhaustive, so a count is served by the library only if that very call was checked.
+        Results are kept in ``store`` (a JSON file keyed by :func:`library_key`), so a process
+        on the same device and libraries skips the work. Run it before any CUDA graph capture.
+
+        Args:
+            shapes: ``(N, K) -> the most rows a call will have``.
+            dtype: the activations' and weights' dtype.
+            store: the JSON file of earlier results; ``None``: none kept.
+            seed: the random inputs' seed.
+
+        Returns:
+            ``(N, K) -> (first, last)`` row counts the library serves, ``None`` where none.
+        """
+        key = json.dumps(library_key(self.device, dtype), sort_keys=True)
+        saved = _read_store(store).get(key, {})
+        found: dict[tuple[int, int], tuple[int, int] | None] = {}
+        gen = torch.Generator().manual_seed(seed)
+        for (n, k), max_rows in shapes.items():
+            entry = saved.get(f"{n}x{k}")
+            if entry is not None and entry["max_rows"] >= max_rows:
+                first = entry["first"]
+            else:
+                first = self._first_library_rows(n, k, max_rows, dtype, gen)
+                saved[f"{n}x{k}"] = {"first": first, "max_rows": max_rows}
+            span = (first, max_rows) if first <= max_rows else None
+            found[(n, k)] = span
+            if span is not None:
+                self.library_rows[(n, k, dtype)] = span
+            else:
+                self.library_rows.pop((n, k, dtype), None)
+        if store is not None:
+            data = _read_store(store)
+            data[key] = saved
+            _write_store(store, data)
+        return found
+
+    def _first_library_rows(self, n: int, k: int, max_rows: int, dtype: torch.dtype, gen: torch.Generator) -> int:
+        """The smallest row count from which every count up to ``max_rows`` gives the
+        reference bits (``max_rows + 1``: none)."""
+        weight = (torch.randn((n, k), generator=gen) / k**0.5).to(self.device, dtype)
+        x = torch.randn((max_rows, k), generator=gen).to(self.device, dtype)
+        ref = self.reference(x, weight)
+        first = max_rows + 1
+        top = max_rows
+        while top >= 1:
+            counts = range(top, max(0, top - _CALIBRATION_CHUNK), -1)
+            # NOTE: one flag per count on the device, one host sync per chunk.
+            differs = torch.stack([(self.library(x[:m], weight) != ref[:m]).any() for m in counts]).cpu()
+            for m, bad in zip(counts, differs.tolist(), strict=True):
+                if bad:
+                    return first
+                first = m
+            top -= _CALIBRATION_CHUNK
+        return first
+
+
+def _read_store(store: Path | None) -> dict[str, dict[str, dict[str, int]]]:
+    if store is None or not store.exists():
+        return {}
+    try:
+        data = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_store(store: Path, data: dict[str, dict[str, dict[str, int]]]) -> None:
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(store)
+    except OSError:
+        pass  # NOTE: a read-only home costs a calibration per process, nothing else
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -219,6 +394,8 @@ def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 __all__ = [
     "ROW_PAD",
+    "BatchInvariantLinear",
+    "library_key",
     "linear_naive",
     "linear_padded",
     "matmul_triton",

@@ -153,9 +153,9 @@ def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) 
     if device.type == "cuda":
         if not triton_available(device):
             raise ValueError("batch_invariant: needs triton on CUDA")
-        from kernels.batch_invariant import matmul_triton, rms_norm_triton
+        from kernels.batch_invariant import BatchInvariantLinear, rms_norm_triton
 
-        return DenseOps("batch-invariant", matmul_triton, rms_norm_triton)
+        return DenseOps("batch-invariant", BatchInvariantLinear(device), rms_norm_triton)
     if device.type != "cpu":
         raise ValueError(f"batch_invariant: not supported on {device.type}")
     from kernels.batch_invariant import linear_padded

@@ -192,6 +192,9 @@ INVARIANT_CHUNK = 512
 # Largest float32 split-partial buffer (bytes) the batch-invariant mode spreads over programs;
 # past it, each program merges its chunks itself (same bits, fewer programs).
 _INVARIANT_PARTIAL_BYTES = 256 << 20
+# Programs per SM below which the batch-invariant mode spreads a launch's chunks over more
+# programs (short, bandwidth-bound tiles, as _short_tile_splits aims for).
+_INVARIANT_PROGRAMS_PER_SM = 3
 # Query rows per program of the batch-invariant mode: decode-sized and prefill-sized tiles.
 _INVARIANT_ROWS = (64, 256)
 
@@ -245,8 +248,10 @@ class MSAPlan:
             ``chunk`` is passed as is.
         invariant: the batch-invariant mode: ``chunk`` is :data:`INVARIANT_CHUNK` whatever the
             step, and the chunks of a context are merged in order, by the split merge when
-            ``num_splits > 1`` (partials indexed by packed row) or inside each program
-            otherwise.
+            ``num_splits > 1`` (partials indexed by packed row and chunk; a program walks every
+            ``num_splits``-th chunk) or inside each program otherwise.
+        num_chunks: with ``invariant`` and a split, the most chunks a tile's context spans
+            (the partial slots); 0 otherwise.
     """
 
     config: MSAConfig
@@ -257,6 +262,12 @@ class MSAPlan:
     covered_rows: int
     chunk_buffer: torch.Tensor | None = None
     invariant: bool = False
+    num_chunks: int = 0
+
+    @property
+    def partial_slots(self) -> int:
+        """Split partials per row: one per chunk (batch-invariant split) or per split."""
+        return max(self.num_chunks, self.num_splits)
 
     @property
     def launches(self) -> tuple[MSAPlan, ...]:
@@ -383,18 +394,19 @@ def plan_msa(
 
 def _invariant_splits(
     programs: int, max_ctx: int, num_rows: int, num_q_heads: int, head_dim: int, device: torch.device
-) -> int:
-    """Grid splits of a batch-invariant launch: the fixed chunks spread over programs when the
-    launch cannot fill the GPU and its partials stay small; 1 (in-program merge) otherwise.
-    Either way the bits are the same: this only trades programs for partial traffic."""
-    splits = -(-max(max_ctx, 1) // INVARIANT_CHUNK)
-    # NOTE: from one program per SM on, walking the chunks in-program beat the split on the
-    # H200 (a 32-sequence decode graph: 16.7 ms a step in-program, 19.8 ms split 64 ways).
-    if splits <= 1 or programs >= _num_sms(device):
-        return 1
-    if splits * num_rows * num_q_heads * head_dim * 4 > _INVARIANT_PARTIAL_BYTES:
-        return 1
-    return splits
+) -> tuple[int, int]:
+    """``(grid splits, chunks)`` of a batch-invariant launch: the fixed chunks spread over
+    programs (each walking every ``splits``-th chunk of its tile) when the launch has fewer
+    than :data:`_INVARIANT_PROGRAMS_PER_SM` programs per SM and its partials stay small;
+    ``(1, 0)`` (in-program merge) otherwise. Either way the bits are the same: this only
+    trades programs for partial traffic."""
+    chunks = -(-max(max_ctx, 1) // INVARIANT_CHUNK)
+    target = _INVARIANT_PROGRAMS_PER_SM * _num_sms(device)
+    if chunks <= 1 or programs >= target:
+        return 1, 0
+    if chunks * num_rows * num_q_heads * head_dim * 4 > _INVARIANT_PARTIAL_BYTES:
+        return 1, 0
+    return min(chunks, -(-target // programs)), chunks
 
 
 def _plan_invariant_launch(
@@ -409,8 +421,10 @@ def _plan_invariant_launch(
     """One batch-invariant launch over ``segments``: ``cfg``'s tiles, the fixed chunk."""
     plan = _plan_launch(segments, cfg, device)
     max_ctx = max((seg[3] + seg[2] for seg in segments), default=0)
-    splits = _invariant_splits(plan.num_tiles * num_kv_heads, max_ctx, num_tokens, num_q_heads, head_dim, device)
-    return dataclasses.replace(plan, chunk=INVARIANT_CHUNK, num_splits=splits, invariant=True)
+    splits, chunks = _invariant_splits(
+        plan.num_tiles * num_kv_heads, max_ctx, num_tokens, num_q_heads, head_dim, device
+    )
+    return dataclasses.replace(plan, chunk=INVARIANT_CHUNK, num_splits=splits, invariant=True, num_chunks=chunks)
 
 
 def decode_graph_plan(
@@ -448,8 +462,8 @@ def decode_graph_plan(
     programs = max(batch * num_kv_heads, 1)
     if invariant:
         cfg = invariant_config(num_q_heads, num_kv_heads, head_dim, tiles.device, dtype)
-        splits = _invariant_splits(programs, max_context, batch, num_q_heads, head_dim, tiles.device)
-        return MSAPlan(cfg, tiles, batch, INVARIANT_CHUNK, splits, 0, None, True)
+        splits, chunks = _invariant_splits(programs, max_context, batch, num_q_heads, head_dim, tiles.device)
+        return MSAPlan(cfg, tiles, batch, INVARIANT_CHUNK, splits, 0, None, True, chunks)
     g_pad = _next_pow2(num_q_heads // num_kv_heads)
     block_m = max(1, 16 // g_pad)
     rows, block_n, num_warps, num_stages = _tile_shape(

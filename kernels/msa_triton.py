@@ -226,7 +226,9 @@ def _msa_fwd_kernel(
     ``DYN_CHUNK`` the keys per split are read from ``p_chunk`` (a graph replay sets them for
     its batch) instead of ``chunk``. With ``CHUNK_MERGE`` (no ``SPLIT``) one program walks the
     whole context as consecutive chunks of ``chunk`` keys and merges their partials itself,
-    exactly as the split merge would: the batch-invariant mode's reduction order.
+    exactly as the split merge would: the batch-invariant mode's reduction order. With
+    ``SPLIT`` and ``PART_BY_ROW`` (the batch-invariant split) a program may walk several
+    chunks (every ``S``-th), and partials are indexed by chunk, ``S`` being the grid's splits.
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
@@ -266,6 +268,25 @@ def _msa_fwd_kernel(
             b_o, b_lse = _chunk_partial(b_acc, b_m, b_l)
             b_macc, b_mw, b_mm = _merge_partial(b_macc, b_mw, b_mm, b_o, b_lse)
         tl.store(p_o, _merged_output(b_macc, b_mw).to(o.dtype.element_ty), mask=m_o)
+    elif SPLIT and PART_BY_ROW:
+        # batch-invariant split: program i_split walks chunks i_split, i_split + S, ... of its
+        # tile's context and stores each chunk's partial at that chunk's index; the merge folds
+        # them in chunk order, as the in-program merge above does
+        n_tile_chunks = tl.cdiv(ctx_end, chunk)
+        o_zero = o_r * 0  # per-row copies of the tile's scalars, for the store masks
+        m_direct = (o_zero + n_tile_chunks) == 1
+        for i_c in range(i_split, n_tile_chunks, tl.num_programs(2)):
+            i_lo = i_c * chunk
+            b_acc, b_m, b_l = _attend_range(
+                b_q, p_bt, k_cache, v_cache, i_kvh, i_lo, tl.minimum(i_lo + chunk, ctx_end), i_pos0,
+                o_d, o_pos, ctx_end, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb,
+                stride_vs, stride_vh, PAGE, BLOCK_N, BLOCK_R, D, IEEE,
+            )
+            b_o, b_lse = _chunk_partial(b_acc, b_m, b_l)
+            p_op = o_part + i_c * stride_ps + o_t[:, None] * stride_pt + o_h[:, None] * stride_ph + o_d[None, :]
+            tl.store(p_op, b_o, mask=m_o & ~m_direct[:, None])
+            tl.store(lse_part + i_c * stride_ls + o_t * stride_lt + o_h, b_lse, mask=m_r & ~m_direct)
+            tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o & m_direct[:, None])
     else:
         i_lo = i_split * chunk
         i_hi = tl.minimum(i_lo + chunk, ctx_end)
@@ -282,10 +303,7 @@ def _msa_fwd_kernel(
             b_o, b_lse = _chunk_partial(b_acc, b_m, b_l)
             o_zero = o_r * 0  # per-row copies of the tile's scalars, for the store masks
             m_part = ((o_zero + n_tile_splits) > 1) & ((o_zero + i_split) < n_tile_splits)
-            if PART_BY_ROW:
-                o_pt = o_t
-            else:
-                o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
+            o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
             p_op = o_part + i_split * stride_ps + o_pt[:, None] * stride_pt
             p_op = p_op + o_h[:, None] * stride_ph + o_d[None, :]
             tl.store(p_op, b_o, mask=m_o & m_part[:, None])
@@ -474,8 +492,9 @@ def _launch(
         # partial rows are tile-local (tile i owns rows i * block_m ..) or, in the
         # batch-invariant mode, the packed rows: see _msa_fwd_kernel
         part_rows = q.shape[0] if part_by_row else num_tiles * cfg.block_m
-        o_part = torch.empty((num_splits, part_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, part_rows, num_q_heads), dtype=torch.float32, device=q.device)
+        slots = plan.partial_slots
+        o_part = torch.empty((slots, part_rows, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((slots, part_rows, num_q_heads), dtype=torch.float32, device=q.device)
     else:
         o_part = out
         lse_part = out
@@ -499,7 +518,7 @@ def _launch(
     )
     if split:
         _msa_reduce_kernel[(num_tiles, num_q_heads)](
-            out, o_part, lse_part, tiles, chunk, p_chunk, num_splits,
+            out, o_part, lse_part, tiles, chunk, p_chunk, plan.partial_slots,
             out.stride(0), out.stride(1),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1),

@@ -184,9 +184,9 @@ def chat_seconds(engine: Engine, requests: int = 32) -> float:
     return time.perf_counter() - start
 
 
-def cost(loaded, model: str) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
+def cost(loaded, model: str, modes: dict[str, bool] = MODES) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
     figures: dict[str, dict[str, float]] = {}
-    for name, invariant in MODES.items():
+    for name, invariant in modes.items():
         engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=16384, max_num_batched_tokens=8192,
                         max_model_len=32768, batch_invariant=invariant)
         chat_seconds(engine, 4)  # warm-up: compiles every kernel variant the runs use
@@ -202,16 +202,64 @@ def cost(loaded, model: str) -> dict[str, dict[str, float]]:  # type: ignore[no-
     return figures
 
 
+def kernel_profile(loaded, model: str, top: int = 12) -> None:  # type: ignore[no-untyped-def]
+    """Per mode, the GPU time by kernel of a decode step at batch 1 and 32 (2k contexts, eager)
+    and of an 8k prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, invariant in MODES.items():
+        engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=16384, max_num_batched_tokens=8192,
+                        max_model_len=32768, batch_invariant=invariant, enforce_eager=True)
+        chat_seconds(engine, 4)
+        for what in ("decode_b1", "decode_b32", "prefill_8k"):
+            gen = torch.Generator().manual_seed(1)
+            vocab = engine.model_config.vocab_size
+            longest = engine.max_model_len - 16
+            if what.startswith("decode"):
+                for _ in range(int(what.removeprefix("decode_b"))):
+                    engine.add_request(random_prompt(gen, vocab, min(2048, longest)),
+                                       SamplingParams(max_tokens=8, ignore_eos=True))
+                while engine.scheduler.waiting or any(
+                    r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+                ):
+                    engine.step()
+                engine.step()
+            else:
+                engine.add_request(random_prompt(gen, vocab, min(8192, longest)), SamplingParams(max_tokens=1, ignore_eos=True))
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                sync()
+            drain(engine)
+            rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0]
+            rows.sort(key=lambda r: -r[1])
+            total = sum(r[1] for r in rows)
+            print(f"### {name} {what}: {total / 1e3:.2f} ms GPU", flush=True)
+            for key, t, count in rows[:top]:
+                print(f"  {t / 1e3:8.3f} ms {count:5d}x  {key[:90]}")
+        del engine
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: batch, policies, cost")
+    ap.add_argument("--extra", default="", help="extra parts to run: profile (GPU time by kernel)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of modes to time: default, batch-invariant")
+    ap.add_argument("--invariant-programs-per-sm", type=int, default=None,
+                    help="override kernels.msa_plan._INVARIANT_PROGRAMS_PER_SM (an ablation of the split rule)")
     ap.add_argument("--device", default="cuda", help="cuda; cpu only to try the script with a tiny model")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
     skip = set(filter(None, args.skip.split(",")))
+    modes = {name: MODES[name] for name in args.modes.split(",")}
+    if args.invariant_programs_per_sm is not None:
+        from kernels import msa_plan
+
+        msa_plan._INVARIANT_PROGRAMS_PER_SM = args.invariant_programs_per_sm
     dtype = torch.bfloat16 if DEVICE.startswith("cuda") else torch.float32
     name = torch.cuda.get_device_name(0) if DEVICE.startswith("cuda") else "cpu"
     print(f"# {name}, torch {torch.__version__}, {args.model} {dtype}", flush=True)
@@ -228,14 +276,19 @@ def main() -> None:
         print("| mode | chunk budget | policy | turns equal to unbounded | tokens equal | hole tokens | evictions |")
         print("|---|---:|---|---:|---:|---:|---:|")
         result["policies"] = policy_grid(loaded, args.model)
+    if "profile" in args.extra.split(","):
+        kernel_profile(loaded, args.model)
     if "cost" not in skip:
-        figures = cost(loaded, args.model)
+        figures = cost(loaded, args.model, modes)
         result["cost"] = figures
-        base, inv = figures["default"], figures["batch-invariant"]
-        print("| figure | default | batch-invariant | ratio |\n|---|---:|---:|---:|")
-        for key in base:
-            slower = inv[key] / base[key] if not key.endswith("tok_s") else base[key] / inv[key]
-            print(f"| {key} | {base[key]:.2f} | {inv[key]:.2f} | {slower:.2f}x slower |")
+        print("| figure | " + " | ".join(figures) + " | ratio |\n|---|" + "---:|" * (len(figures) + 1))
+        for key in next(iter(figures.values())):
+            values = [figures[name][key] for name in figures]
+            ratio = ""
+            if len(values) == 2:
+                slower = values[1] / values[0] if not key.endswith("tok_s") else values[0] / values[1]
+                ratio = f"{slower:.2f}x slower"
+            print(f"| {key} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {ratio} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -167,6 +167,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, max_len)
 
+    def linear_row_bounds(self, max_tokens: int, max_logits_rows: int) -> dict[tuple[int, int], int]:
+        """``(N, K) -> the most rows`` of each distinct linear weight in a step: ``max_tokens``
+        for the layers', ``max_logits_rows`` (one per sequence) for the vocabulary head's."""
+        bounds: dict[tuple[int, int], int] = {}
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                rows = max_logits_rows if module is self.lm_head else max_tokens
+                shape = (module.out_features, module.in_features)
+                bounds[shape] = max(bounds.get(shape, 0), rows)
+        return bounds
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` embeddings of ``input_ids [T]`` (the full vocabulary's, under TP too)."""
         if self.tensor_parallel is None:

@@ -1,19 +1,29 @@
 """The batch-invariant linear and RMSNorm ops (:mod:`kernels.batch_invariant`).
 
 - CPU: the row-padded BLAS linear gives each row the same bits at every batch size and
-  offset; the Triton matmul and RMSNorm under the interpreter against the float64 oracle.
+  offset; the Triton matmul and RMSNorm under the interpreter against the float64 oracle;
+  the calibrated linear's routing (library only where its bits were checked) with a library
+  that differs on chosen row counts.
 - GPU (``-m gpu``): the compiled Triton matmul and RMSNorm, bitwise per row across batch sizes
   (1 to 1,000 rows, several offsets), and accurate.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-from kernels.batch_invariant import linear_naive, linear_padded, rms_norm_naive
+from kernels.batch_invariant import (
+    BatchInvariantLinear,
+    library_key,
+    linear_naive,
+    linear_padded,
+    rms_norm_naive,
+)
 from kernels.dispatch import DEFAULT_DENSE_OPS, select_dense_ops
 
 # (N, K): a fused QKV, a wide gate-up, a down projection and a vocabulary head of SmolLM2.
@@ -61,6 +71,61 @@ def test_cpu_batch_invariant_ops_are_row_invariant() -> None:
     _rows_invariant(lambda rows: ops.rms_norm(rows, weight, 1e-5), x)
     err = (ops.rms_norm(x, weight, 1e-5).double() - rms_norm_naive(x.double(), weight.double(), 1e-5)).abs()
     assert float(err.max()) < 1e-5
+
+
+class _FlakyLibrary:
+    """``linear_padded``, one ulp off on the row counts in ``differs``; counts its calls."""
+
+    def __init__(self, differs: set[int]) -> None:
+        self.differs = differs
+        self.calls: list[int] = []
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        out = linear_padded(x, weight)
+        if x.shape[0] in self.differs:
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+
+def test_calibrated_linear_serves_the_library_only_where_checked(tmp_path: Path) -> None:
+    """Counts 5..40 match except 9: the library serves 10..40, the reference everything else,
+    and every row keeps the reference's bits (bias added after rounding on both paths)."""
+    library = _FlakyLibrary({1, 2, 3, 4, 9})
+    reference_calls: list[int] = []
+
+    def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        reference_calls.append(x.shape[0])
+        return linear_padded(x, weight)
+
+    op = BatchInvariantLinear("cpu", library=library, reference=reference)
+    store = tmp_path / "gemm.json"
+    found = op.calibrate({(24, 16): 40, (8, 16): 3}, torch.float32, store)
+    assert found == {(24, 16): (10, 40), (8, 16): None}
+    # exhaustive: every count from the top down to the first that differs was a call of its own
+    assert set(range(9, 41)) <= set(library.calls) and {1, 2, 3} <= set(library.calls)
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn((24, 16), generator=gen), torch.randn(24, generator=gen)
+    x = torch.randn((60, 16), generator=gen)
+    full = linear_padded(x, weight) + bias
+    for m in (1, 9, 10, 25, 40, 41, 60):
+        library.calls.clear()
+        reference_calls.clear()
+        assert torch.equal(op(x[:m], weight, bias), full[:m])
+        assert (library.calls, reference_calls) == (([m], []) if 10 <= m <= 40 else ([], [m]))
+    # rows that are not 16-byte aligned never reach the library
+    buf = torch.empty(20 * 16 + 1)
+    misaligned = buf[1:].view(20, 16)
+    misaligned.copy_(x[:20])
+    assert misaligned.data_ptr() % 16 != 0
+    library.calls.clear()
+    assert torch.equal(op(misaligned, weight), linear_padded(x[:20], weight)) and library.calls == []
+    # a second op on the same store reuses the checks; a larger bound checks again
+    again = BatchInvariantLinear("cpu", library=_FlakyLibrary(set()), reference=reference)
+    assert again.calibrate({(24, 16): 40}, torch.float32, store) == {(24, 16): (10, 40)}
+    assert again.library.calls == []  # type: ignore[attr-defined]
+    assert again.calibrate({(24, 16): 44}, torch.float32, store) == {(24, 16): (1, 44)}
+    assert json.loads(store.read_text())[json.dumps(library_key(torch.device("cpu"), torch.float32), sort_keys=True)]
 
 
 def test_select_dense_ops_rejects_unknown_devices() -> None:
@@ -111,3 +176,22 @@ def test_rms_norm_triton_gpu_row_invariant(compiled_dense: ModuleType, dtype: to
     ref = rms_norm_naive(x.double(), weight.double(), 1e-5)
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     assert float((compiled_dense.rms_norm_triton(x, weight, 1e-5).double() - ref).abs().max()) < tol
+
+
+@pytest.mark.gpu
+def test_calibrated_linear_gpu_keeps_the_triton_bits(compiled_dense: ModuleType, tmp_path: Path) -> None:
+    """cuBLAS where the calibration checked it, Triton elsewhere: every row count gives the
+    Triton kernel's bits, and the split-K shapes of Llama-3.1-8B (o and down projections at
+    a few rows) are left to Triton."""
+    shapes = {(6144, 4096): 300, (4096, 4096): 300, (4096, 14336): 300}
+    op = compiled_dense.BatchInvariantLinear("cuda")
+    found = op.calibrate(shapes, torch.bfloat16, tmp_path / "gemm.json")
+    assert set(found) == set(shapes)
+    gen = torch.Generator().manual_seed(7)
+    for (n, k) in shapes:
+        weight = (torch.randn((n, k), generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+        x = torch.randn((303, k), generator=gen).to("cuda", torch.bfloat16)
+        ref = compiled_dense.matmul_triton(x, weight)
+        for m in (1, 2, 8, 31, 32, 33, 64, 100, 255, 256, 257, 300):
+            for start in (0, 3):
+                assert torch.equal(op(x[start : start + m], weight), ref[start : start + m]), (n, k, m, start)

@@ -562,6 +562,18 @@ def _check_invariant(module: ModuleType, case: Case, dtype: torch.dtype, rows: l
     assert all(launch.num_splits == 1 for launch in merged_plan.launches)
     assert any(launch.num_splits > 1 for launch in split_plan.launches), "no launch took the split path"
     assert torch.equal(merged, split)
+    # fewer programs than chunks: each walks every second (third) chunk, partials by chunk
+    for splits in (2, 3):
+        launches = [
+            dataclasses.replace(launch, num_splits=min(splits, launch.num_splits), num_chunks=launch.partial_slots)
+            if launch.num_splits > 1 else launch
+            for launch in split_plan.launches
+        ]
+        fewer_plan = dataclasses.replace(split_plan, launches=tuple(launches))
+        assert any(1 < launch.num_splits < launch.num_chunks for launch in fewer_plan.launches)
+        fewer = torch.full_like(case.q, float("nan"))
+        module.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=fewer_plan), case.scale, out=fewer)
+        assert torch.equal(merged, fewer), f"{splits} programs per tile"
     check_close(merged, case, dtype)
     if device.type != "cuda":
         return
