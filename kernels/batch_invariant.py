@@ -6,9 +6,10 @@ batch 64: the reduction over ``K`` runs in another order. These ops fix that ord
 
 - :func:`matmul_triton`: ``x [M, K] @ w[N, K]^T`` without split-K: every output element is one
   float32 accumulator walking ``K`` in ascending order through tensor-core steps, whatever the
-  batch. Measured on the H200 (``scripts/gpu_bi_matmul.py``): tile sizes, warps and stages leave the bits unchanged (row
-  tiles of 16 to 256, column tiles of 16 to 256, K tiles of 64 to 512 all agree), so the tiling
-  follows the batch size; only splitting ``K`` across programs would change them.
+  batch. Measured on the H200 (``scripts/gpu_bi_matmul.py``): tile sizes, warps and stages
+  leave the bits unchanged (row tiles of 16 to 256, column tiles of 16 to 256, K tiles of 64
+  to 512 all agree), so the tiling follows the batch size; only splitting ``K`` across programs
+  would change them.
 - :class:`BatchInvariantLinear`: the engine's linear op. cuBLAS's kernels that do not split
   ``K`` walk it in the same order, so they give the same bits, and they are faster on large
   batches; the ones it picks for a few rows split ``K``. So the op runs cuBLAS for exactly the
