@@ -206,7 +206,8 @@ class BenchConfig:
         max_num_batched_tokens: per-step token cap.
         max_num_seqs: running requests at most.
         attention_backend: the engine's attention path (the ``no-msa`` suffix sets ``torch``).
-        batch_invariant: the engines' batch-invariant mode (exact on the GPU, slower).
+        batch_invariant: the engines' batch-invariant mode (``None``: the engine's default, on
+            for CUDA devices).
         enforce_eager: never capture CUDA graphs.
         mixed_graph_max_tokens: largest step replayed as piecewise CUDA graphs.
         step_log: also write every engine step (``StepStats``, with the latency model's
@@ -246,7 +247,7 @@ class BenchConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     attention_backend: str = "auto"
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None
     enforce_eager: bool = False
     mixed_graph_max_tokens: int = 1024
     step_log: bool = False

@@ -204,7 +204,8 @@ def engine_options(
     options = []
     for name in chosen:
         flag = flags[name]
-        decls = (f"{flag.name}/--no-{flag.name[2:]}",) if hints[name] is bool else (flag.name, *flag.aliases)
+        is_flag = hints[name] in (bool, bool | None)
+        decls = (f"{flag.name}/--no-{flag.name[2:]}",) if is_flag else (flag.name, *flag.aliases)
         default = (defaults or {}).get(name, config_defaults[name])
         option = typer.Option(default, *decls, help=(helps or {}).get(name, flag.help))
         options.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=hints[name]))

@@ -172,11 +172,50 @@ _CONFIGS: dict[int, tuple[tuple[int, tuple[int, int, int, int, int]], ...]] = {
 }
 
 
-def _matmul_config(num_rows: int, elem_bytes: int) -> tuple[int, int, int, int, int]:
+Tiling = tuple[int, int, int, int, int]
+# Tilings :meth:`BatchInvariantLinear.calibrate` times per row bucket (16-bit operands) on the
+# shapes the library leaves to Triton at a few rows: the best tiling differs by shape (on the
+# H200 the table's choice at 32 rows took 1.34x cuBLAS's time on Llama-3.1-8B's o and down
+# projections, the best per shape 0.99-1.15x), and the bits do not.
+_TUNE_CANDIDATES: dict[int, tuple[Tiling, ...]] = {
+    8: ((16, 16, 128, 2, 6), (16, 32, 128, 4, 6), (16, 16, 256, 2, 5), (16, 32, 256, 4, 4)),
+    16: ((16, 16, 128, 2, 6), (16, 32, 128, 4, 6), (16, 16, 256, 2, 5), (16, 32, 256, 4, 4)),
+    32: ((32, 32, 256, 4, 4), (32, 16, 256, 2, 5), (32, 32, 128, 4, 6), (16, 16, 128, 2, 6), (16, 32, 128, 4, 6)),
+    64: ((64, 32, 128, 4, 6), (64, 16, 128, 4, 5), (32, 32, 256, 4, 4), (64, 64, 128, 4, 4)),
+    128: ((64, 64, 128, 4, 4), (64, 32, 128, 4, 6), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)),
+    256: ((128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (128, 64, 64, 8, 4)),
+}
+
+
+def _matmul_config(num_rows: int, elem_bytes: int) -> Tiling:
     for bound, config in _CONFIGS[4 if elem_bytes == 4 else 2]:
         if num_rows <= bound:
             return config
     raise AssertionError("unreachable: the last bound holds")
+
+
+def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
+    """GPU time of one call of ``fn`` (microseconds): the best of three replays of a CUDA
+    graph of ``reps`` calls, so host launch time does not count."""
+    fn()  # compiles outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
 
 
 def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -188,7 +227,7 @@ def matmul_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: Tiling | None = None,
 ) -> torch.Tensor:
     """Batch-invariant ``x @ weight.T + bias`` on the GPU.
 
@@ -196,8 +235,9 @@ def matmul_triton(
         x: ``[..., K]`` activations (last dim contiguous).
         weight: ``[N, K]``, contiguous.
         bias: optional ``[N]``, added after the product is rounded.
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` to force (benchmarks);
-            ``None``: chosen from the dtype and the number of rows.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` to use (a tuned tiling,
+            benchmarks); ``None``: chosen from the dtype and the number of rows. The bits do
+            not depend on it.
 
     Returns:
         ``[..., N]`` in ``x``'s dtype.
@@ -225,6 +265,10 @@ def matmul_triton(
 
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``(x, weight, config=tiling or None) -> x @ weight.T``: the order-defining kernel.
+ReferenceFn = Callable[..., torch.Tensor]
+#: ``fn -> microseconds per call``: how the calibration times a tiling.
+TimerFn = Callable[[Callable[[], object]], float]
 #: Row counts compared per device-side batch of :meth:`BatchInvariantLinear.calibrate` (one
 #: host sync each).
 _CALIBRATION_CHUNK = 128
@@ -255,49 +299,71 @@ class BatchInvariantLinear:
     cuBLAS) when :meth:`calibrate` found, for that weight shape and dtype, that the library
     gives those bits at this row count and every larger one up to the calibrated bound; the
     Triton kernel otherwise (any other shape, fewer rows, more rows than calibrated, inputs not
-    16-byte aligned).
+    16-byte aligned), with the tiling the calibration timed fastest for that shape and row
+    bucket where it timed one.
 
     Invariant: :attr:`library_rows` only holds thresholds checked on this process's device and
-    library (the disk store is keyed by :func:`library_key`).
+    library (the disk store is keyed by :func:`library_key`); :attr:`tilings` only holds
+    tilings whose bits were checked equal to the reference's.
 
     Args:
         device: where the op runs.
         library: the fast GEMM whose bits are checked (``F.linear``; tests pass others).
-        reference: the order-defining kernel (:func:`matmul_triton`).
+        reference: the order-defining kernel (:func:`matmul_triton`), called as
+            ``reference(x, weight, config=tiling)`` (``config=None``: its own choice).
+        timer: times a call for the tiling search (:func:`graph_time_us` on CUDA); ``None``
+            (the default off CUDA): no search.
+        candidates: ``row bound -> tilings`` to time (:data:`_TUNE_CANDIDATES`), 16-bit
+            operands only (float32's K tiles are bounded by shared memory).
     """
 
     def __init__(
         self,
         device: torch.device | str,
         library: LinearFn | None = None,
-        reference: LinearFn | None = None,
+        reference: ReferenceFn | None = None,
+        timer: TimerFn | None = None,
+        candidates: dict[int, tuple[Tiling, ...]] | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.library = library or F.linear
         self.reference = reference or matmul_triton
+        self.timer = timer if timer is not None else (graph_time_us if self.device.type == "cuda" else None)
+        self.candidates = dict(_TUNE_CANDIDATES if candidates is None else candidates)
         #: ``(N, K, dtype) -> (first row count, last row count)`` served by the library
         self.library_rows: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {}
+        #: ``(N, K, dtype) -> ((row bound, tiling), ...)`` ascending: the Triton tiling per bucket
+        self.tilings: dict[tuple[int, int, torch.dtype], tuple[tuple[int, Tiling], ...]] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         n, k = weight.shape
+        lead, rows = _as_rows(x)
         span = self.library_rows.get((n, k, x.dtype))
         if span is not None and weight.stride(-1) == 1:
-            lead, rows = _as_rows(x)
             if span[0] <= rows.shape[0] <= span[1] and rows.stride(0) == k and rows.data_ptr() % 16 == 0:
                 return _add_bias(self.library(rows, weight), bias).reshape(*lead, n)
-        return _add_bias(self.reference(x, weight), bias)
+        config = None
+        for bound, tiling in self.tilings.get((n, k, x.dtype), ()):
+            if rows.shape[0] <= bound:
+                config = tiling
+                break
+        return _add_bias(self.reference(x, weight, config=config), bias)
 
     def calibrate(
         self, shapes: dict[tuple[int, int], int], dtype: torch.dtype, store: Path | None = None, seed: int = 0
     ) -> dict[tuple[int, int], tuple[int, int] | None]:
-        """Finds, per weight shape, the row counts at which the library gives the reference bits.
+        """Finds, per weight shape, the row counts at which the library gives the reference
+        bits, and the fastest reference tiling for the row counts it does not.
 
         For each ``(N, K) -> max_rows``, every row count from ``max_rows`` down is compared bit
         for bit (random inputs, each row count its own GEMM call: the library picks its kernel
         per call) until the first that differs; the library then serves the counts above it.
         Exhaustive, so a count is served by the library only if that very call was checked.
-        Results are kept in ``store`` (a JSON file keyed by :func:`library_key`), so a process
-        on the same device and libraries skips the work. Run it before any CUDA graph capture.
+        Below that count, each row bucket of :attr:`candidates` gets the candidate tiling
+        :attr:`timer` finds fastest at the bucket's largest count (a candidate whose bits
+        differ from the reference's is never kept). Results are kept in ``store`` (a JSON file
+        keyed by :func:`library_key`), so a process on the same device and libraries skips the
+        work. Run it before any CUDA graph capture.
 
         Args:
             shapes: ``(N, K) -> the most rows a call will have``.
@@ -314,17 +380,19 @@ class BatchInvariantLinear:
         gen = torch.Generator().manual_seed(seed)
         for (n, k), max_rows in shapes.items():
             entry = saved.get(f"{n}x{k}")
-            if entry is not None and entry["max_rows"] >= max_rows:
-                first = entry["first"]
-            else:
-                first = self._first_library_rows(n, k, max_rows, dtype, gen)
-                saved[f"{n}x{k}"] = {"first": first, "max_rows": max_rows}
+            if entry is None or entry["max_rows"] < max_rows:
+                entry = {"first": self._first_library_rows(n, k, max_rows, dtype, gen), "max_rows": max_rows}
+            first = entry["first"]
+            if "tilings" not in entry:
+                entry["tilings"] = self._tune_tilings(n, k, min(first - 1, max_rows), dtype, gen)
+            saved[f"{n}x{k}"] = entry
             span = (first, max_rows) if first <= max_rows else None
             found[(n, k)] = span
             if span is not None:
                 self.library_rows[(n, k, dtype)] = span
             else:
                 self.library_rows.pop((n, k, dtype), None)
+            self.tilings[(n, k, dtype)] = tuple((int(b), tuple(t)) for b, t in entry["tilings"])  # type: ignore[misc]
         if store is not None:
             data = _read_store(store)
             data[key] = saved
@@ -349,6 +417,33 @@ class BatchInvariantLinear:
                 first = m
             top -= _CALIBRATION_CHUNK
         return first
+
+    def _tune_tilings(
+        self, n: int, k: int, top_rows: int, dtype: torch.dtype, gen: torch.Generator
+    ) -> list[list[object]]:
+        """``[[row bound, tiling], ...]`` for the buckets that reach row counts ``<= top_rows``
+        (the ones Triton serves): per bucket the candidate fastest at its largest count among
+        those giving the reference's bits; empty without a timer or for 32-bit operands."""
+        if self.timer is None or dtype.itemsize == 4 or top_rows < 1:
+            return []
+        weight = (torch.randn((n, k), generator=gen) / k**0.5).to(self.device, dtype)
+        x = torch.randn((top_rows, k), generator=gen).to(self.device, dtype)
+        chosen: list[list[object]] = []
+        low = 0
+        for bound in sorted(self.candidates):
+            if low >= top_rows:
+                break
+            rows = x[: min(bound, top_rows)]
+            ref = self.reference(rows, weight)
+            timed = []
+            for tiling in self.candidates[bound]:
+                if not torch.equal(self.reference(rows, weight, config=tiling), ref):
+                    continue  # NOTE: never expected (tilings keep the order); never kept either
+                timed.append((self.timer(lambda rows=rows, tiling=tiling: self.reference(rows, weight, config=tiling)), tiling))
+            if timed:
+                chosen.append([bound, list(min(timed)[1])])
+            low = bound
+        return chosen
 
 
 def _read_store(store: Path | None) -> dict[str, dict[str, dict[str, int]]]:
@@ -396,6 +491,7 @@ def rms_norm_naive(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 __all__ = [
     "ROW_PAD",
     "BatchInvariantLinear",
+    "graph_time_us",
     "library_key",
     "linear_naive",
     "linear_padded",

@@ -193,10 +193,19 @@ INVARIANT_CHUNK = 512
 # past it, each program merges its chunks itself (same bits, fewer programs).
 _INVARIANT_PARTIAL_BYTES = 256 << 20
 # Programs per SM below which the batch-invariant mode spreads a launch's chunks over more
-# programs (short, bandwidth-bound tiles, as _short_tile_splits aims for).
-_INVARIANT_PROGRAMS_PER_SM = 3
+# programs, and the programs per SM it then aims for. NOTE: measured on the H200
+# (scripts/gpu_bi_msa.py, bf16, Llama-3.1-8B heads): with one program per SM or more the
+# in-program walk is fastest (batch 32 at 2k keys: 1.08x the default launch's time, 1.43x
+# spread over 3 programs per SM); below it, spreading wide pays (4 decodes at 32k keys: 1.63x
+# at 12 per SM, 2.16x at 1).
+_INVARIANT_SPLIT_BELOW = 1
+_INVARIANT_PROGRAMS_PER_SM = 12
 # Query rows per program of the batch-invariant mode: decode-sized and prefill-sized tiles.
-_INVARIANT_ROWS = (64, 256)
+# NOTE: prefill tiles of 128 rows, not the default mode's 256: the invariant walk holds two
+# float32 accumulators (the chunk's and the merged one), and at 256 rows they spill (H200:
+# 1.30x the default's time at a causal 8k prefill, 1.25x at 128 rows; 1.27x and 1.12x on a
+# 16k context of 4 segments).
+_INVARIANT_ROWS = (64, 128)
 
 
 @functools.lru_cache(maxsize=64)
@@ -396,13 +405,15 @@ def _invariant_splits(
     programs: int, max_ctx: int, num_rows: int, num_q_heads: int, head_dim: int, device: torch.device
 ) -> tuple[int, int]:
     """``(grid splits, chunks)`` of a batch-invariant launch: the fixed chunks spread over
-    programs (each walking every ``splits``-th chunk of its tile) when the launch has fewer
-    than :data:`_INVARIANT_PROGRAMS_PER_SM` programs per SM and its partials stay small;
-    ``(1, 0)`` (in-program merge) otherwise. Either way the bits are the same: this only
-    trades programs for partial traffic."""
+    programs (each walking every ``splits``-th chunk of its tile, up to
+    :data:`_INVARIANT_PROGRAMS_PER_SM` programs per SM) when the launch has fewer than
+    :data:`_INVARIANT_SPLIT_BELOW` programs per SM and its partials stay small; ``(1, 0)``
+    (in-program merge) otherwise. Either way the bits are the same: this only trades programs
+    for partial traffic."""
     chunks = -(-max(max_ctx, 1) // INVARIANT_CHUNK)
-    target = _INVARIANT_PROGRAMS_PER_SM * _num_sms(device)
-    if chunks <= 1 or programs >= target:
+    num_sms = _num_sms(device)
+    target = _INVARIANT_PROGRAMS_PER_SM * num_sms
+    if chunks <= 1 or programs >= _INVARIANT_SPLIT_BELOW * num_sms:
         return 1, 0
     if chunks * num_rows * num_q_heads * head_dim * 4 > _INVARIANT_PARTIAL_BYTES:
         return 1, 0

@@ -5,7 +5,8 @@ projections of Llama-3.1-8B (and a few other models) in bf16, the reference is
 :func:`kernels.batch_invariant.matmul_triton` (one accumulator per output, ``K`` ascending).
 Prints, per shape and batch size, whether ``F.linear`` of the rows equals the reference bits;
 then, on the shapes where cuBLAS splits ``K`` at a few rows, times Triton tilings against
-cuBLAS (CUDA-graph replays) and checks that each gives the reference bits.
+cuBLAS (CUDA-graph replays) and checks that each gives the reference bits; then times the
+engine's calibrated linear op (tilings chosen at start-up per shape) on those shapes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kernels.batch_invariant import matmul_triton
+from kernels.batch_invariant import BatchInvariantLinear, graph_time_us, matmul_triton
 
 SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336), (4096, 4096), (128256, 4096), (1728, 576), (14336, 5120)]
 BATCHES = [1, 8, 32, 64, 128, 200, 256, 384, 512, 777, 1024, 1500, 2048, 3000, 4096, 8192]
@@ -31,25 +32,7 @@ DECODE = [(16, 16, 128, 2, 6), (16, 16, 128, 2, 8), (16, 16, 256, 2, 5), (16, 16
 
 
 def graph_us(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
+    return graph_time_us(fn, reps)
 
 
 def bits_table(gen: torch.Generator) -> None:
@@ -101,15 +84,40 @@ def tune(gen: torch.Generator) -> None:
         print(f"| {cfg} | " + " | ".join(f"{row[m] / len(TUNE_SHAPES):.2f}" for m in TUNE_BATCHES) + " |")
 
 
+def calibrated(gen: torch.Generator) -> None:
+    """The engine's linear op after its start-up calibration (bits checked, tilings timed per
+    shape and row bucket) against cuBLAS and the fixed tiling table, on the split-K shapes."""
+    print("\n| N x K | rows | cuBLAS us | table us | calibrated us | calibrated / cuBLAS | path |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for n, k in TUNE_SHAPES[:2]:
+        op = BatchInvariantLinear("cuda")
+        op.calibrate({(n, k): 512}, torch.bfloat16)
+        w = (torch.randn((n, k), generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+        x = torch.randn((512, k), generator=gen).to("cuda", torch.bfloat16)
+        ref = matmul_triton(x, w)
+        for m in (1, 8, 16, 32, 64, 128, 256, 512):
+            xm = x[:m]
+            assert torch.equal(op(xm, w), ref[:m]), (n, k, m)
+            cub = graph_us(lambda xm=xm, w=w: F.linear(xm, w))
+            table = graph_us(lambda xm=xm, w=w: matmul_triton(xm, w))
+            cal = graph_us(lambda xm=xm, w=w, op=op: op(xm, w))
+            span = op.library_rows.get((n, k, torch.bfloat16))
+            path = "cuBLAS" if span and span[0] <= m else next(
+                (str(t) for b, t in op.tilings[(n, k, torch.bfloat16)] if m <= b), "table")
+            print(f"| {n} x {k} | {m} | {cub:.1f} | {table:.1f} | {cal:.1f} | {cal / cub:.2f} | {path} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: bits, tune")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: bits, tune, calibrated")
     skip = set(filter(None, ap.parse_args().skip.split(",")))
     gen = torch.Generator().manual_seed(0)
     if "bits" not in skip:
         bits_table(gen)
     if "tune" not in skip:
         tune(gen)
+    if "calibrated" not in skip:
+        calibrated(gen)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,39 @@ def test_batch_invariant_config_is_validated():
         EngineConfig(batch_invariant="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant=True, attention_backend="naive")
+    # the default resolves to a bool: off on the CPU (float32 steps are exact without it)
+    assert EngineConfig().batch_invariant is False
+    assert EngineConfig(batch_invariant=True).batch_invariant is True
+
+
+def test_cli_batch_invariant_flag_is_tri_state():
+    """``--batch-invariant`` / ``--no-batch-invariant`` set it; neither leaves the engine's default."""
+    from eval.cli import engine_options
+
+    seen: list[object] = []
+
+    @engine_options({"batch_invariant"})
+    def command(engine_args: dict[str, object]) -> None:
+        seen.append(engine_args["batch_invariant"])
+
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command()(command)
+    for args, expected in (([], None), (["--batch-invariant"], True), (["--no-batch-invariant"], False)):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert seen.pop() is expected
+
+
+@pytest.mark.gpu
+def test_batch_invariant_is_the_default_on_cuda():
+    from asymcache_core.config import EngineConfig
+
+    assert EngineConfig(device="cuda").batch_invariant is True
+    assert EngineConfig(device="cuda", batch_invariant=False).batch_invariant is False
+    assert EngineConfig(device="cuda", attention_backend="naive").batch_invariant is False
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ def test_calibrated_linear_serves_the_library_only_where_checked(tmp_path: Path)
     library = _FlakyLibrary({1, 2, 3, 4, 9})
     reference_calls: list[int] = []
 
-    def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def reference(x: torch.Tensor, weight: torch.Tensor, config: object = None) -> torch.Tensor:
         reference_calls.append(x.shape[0])
         return linear_padded(x, weight)
 
@@ -126,6 +126,57 @@ def test_calibrated_linear_serves_the_library_only_where_checked(tmp_path: Path)
     assert again.library.calls == []  # type: ignore[attr-defined]
     assert again.calibrate({(24, 16): 44}, torch.float32, store) == {(24, 16): (1, 44)}
     assert json.loads(store.read_text())[json.dumps(library_key(torch.device("cpu"), torch.float32), sort_keys=True)]
+
+
+def test_calibration_picks_the_fastest_tiling_with_the_reference_bits(tmp_path: Path) -> None:
+    """Below the library's first row count, each row bucket gets the candidate tiling the timer
+    finds fastest among those giving the reference's bits; calls then use it, and a second op
+    reads the choices back from the store without timing anything."""
+    fast_wrong, slow, fast, mid = (1, 1, 1, 1, 1), (2, 2, 2, 2, 2), (3, 3, 3, 3, 3), (4, 4, 4, 4, 4)
+    times = {fast_wrong: 1.0, slow: 5.0, fast: 3.0, mid: 4.0}
+    calls: list[tuple[int, object]] = []
+
+    def reference(x: torch.Tensor, weight: torch.Tensor, config: object = None) -> torch.Tensor:
+        calls.append((x.shape[0], config))
+        out = linear_padded(x, weight)
+        return (out.float() * 1.05).to(out.dtype) if config == fast_wrong else out
+
+    def library(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = linear_padded(x, weight)
+        return (out.float() * 1.05).to(out.dtype) if x.shape[0] <= 12 else out
+
+    timed: list[object] = []
+
+    def timer(fn: object) -> float:
+        fn()  # type: ignore[operator]
+        timed.append(calls[-1][1])
+        return times[calls[-1][1]]  # type: ignore[index]
+
+    candidates = {4: (slow, fast, fast_wrong), 8: (slow, mid), 16: (fast, mid), 64: (slow,)}
+    op = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
+    store = tmp_path / "gemm.json"
+    assert op.calibrate({(24, 16): 40}, torch.bfloat16, store) == {(24, 16): (13, 40)}
+    # buckets up to 16 reach the 12 rows Triton serves; the one of 64 does not
+    assert op.tilings[(24, 16, torch.bfloat16)] == ((4, fast), (8, mid), (16, fast))
+    assert fast_wrong not in timed and timed.count(slow) == 2
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn((24, 16), generator=gen).bfloat16()
+    x = torch.randn((50, 16), generator=gen).bfloat16()
+    for m, config in ((3, fast), (7, mid), (12, fast), (41, None)):
+        calls.clear()
+        assert torch.equal(op(x[:m], weight), linear_padded(x[:m], weight))
+        assert calls == [(m, config)]
+    calls.clear()
+    op(x[:20], weight)
+    assert calls == []  # the library's rows
+    again = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
+    timed.clear()
+    again.calibrate({(24, 16): 40}, torch.bfloat16, store)
+    assert again.tilings == op.tilings and timed == []
+    # float32 operands keep the default table: no search
+    op32 = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
+    op32.calibrate({(24, 16): 40}, torch.float32)
+    assert op32.tilings[(24, 16, torch.float32)] == () and timed == []
 
 
 def test_select_dense_ops_rejects_unknown_devices() -> None:
