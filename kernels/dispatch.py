@@ -17,6 +17,7 @@ from kernels.reference import (
     msa_naive,
     msa_tiled,
     msa_torch,
+    prepare_msa_torch,
     rope_store_torch,
     silu_mul_torch,
     store_kv_torch,
@@ -245,7 +246,7 @@ def select_attention_backend(
         return AttentionBackend("naive", store_kv_torch, msa_naive)
     if batch_invariant:
         return AttentionBackend("torch", store_kv_torch, msa_tiled, no_plan, True, dense)
-    return AttentionBackend("torch", store_kv_torch, msa_torch)
+    return AttentionBackend("torch", store_kv_torch, msa_torch, prepare_msa_torch)
 
 
 def _interpreting() -> bool:

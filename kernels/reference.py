@@ -20,7 +20,9 @@ The twins of :mod:`kernels.fused`: :func:`rope_store_torch` (rotary + KV store),
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +151,120 @@ def msa_naive(
     return out
 
 
+# Largest K (or V) gather, in elements, that one batched SDPA call of :func:`msa_torch` makes;
+# a larger group of equal segments is cut into several calls.
+_GATHER_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class TorchDecodeBatch:
+    """The decodes of a step (length-1 segments), as one padded SDPA call.
+
+    Attributes:
+        rows: packed rows of the decodes (a slice when they are consecutive).
+        tables: ``[B, NB]`` int64 block tables, ``NB`` blocks covering the longest context.
+        mask: ``[B, S]`` bool, key ``j`` visible to decode ``b`` (``S``: the longest context).
+        pad: ``[B, S - lo, 1, 1]`` bool, gathered slots past a context (zeroed: a pool slot
+            may hold NaN, and ``0 * NaN`` survives a mask), or ``None`` when no context is
+            shorter than ``S``.
+        lo: the shortest context.
+    """
+
+    rows: slice | torch.Tensor
+    tables: torch.Tensor
+    mask: torch.Tensor
+    pad: torch.Tensor | None
+    lo: int
+
+
+@dataclass(frozen=True)
+class TorchSegmentGroup:
+    """Segments of one length at one position (say, a batch of fresh prompts), as one SDPA call.
+
+    Attributes:
+        rows: packed rows of the group, segment after segment (a slice when consecutive).
+        tables: ``[B, NB]`` int64 block tables covering ``pos_start + q_len`` keys.
+        q_len: each segment's query tokens.
+        pos_start: each segment's first position.
+    """
+
+    rows: slice | torch.Tensor
+    tables: torch.Tensor
+    q_len: int
+    pos_start: int
+
+
+@dataclass(frozen=True)
+class TorchMSAPlan:
+    """:func:`msa_torch`'s step plan (:func:`plan_msa_torch`), built once per step and shared
+    by every layer: the index tensors and masks would otherwise be rebuilt per layer.
+
+    Attributes:
+        decodes: the step's decodes when there are several, else ``None``.
+        groups: every other segment, grouped by ``(q_len, pos_start)``.
+    """
+
+    decodes: TorchDecodeBatch | None
+    groups: tuple[TorchSegmentGroup, ...]
+
+
+def _packed_rows(starts: list[int], length: int, device: torch.device) -> slice | torch.Tensor:
+    """Rows ``start .. start + length`` of each start, in order: a slice when they follow each
+    other, an index tensor otherwise."""
+    if all(b == starts[0] + i * length for i, b in enumerate(starts)):
+        return slice(starts[0], starts[0] + len(starts) * length)
+    return torch.tensor([b + i for b in starts for i in range(length)], device=device)
+
+
+def plan_msa_torch(meta: MSAMetadata, num_kv_heads: int, head_dim: int) -> TorchMSAPlan:
+    """Plans a step of :func:`msa_torch` (host work and small tensors, no attention).
+
+    Args:
+        meta: the step's segments.
+        num_kv_heads: KV heads (bounds a group's gather, :data:`_GATHER_ELEMENTS`).
+        head_dim: the heads' width.
+    """
+    device = meta.block_tables.device
+    block_size = meta.block_size
+    decodes = [s for s in meta.host_segments if s[2] == 1]
+    batch = None
+    if len(decodes) > 1:
+        ctx = [s[3] + 1 for s in decodes]
+        max_ctx, lo = max(ctx), min(ctx)
+        seqs = torch.tensor([s[0] for s in decodes], device=device)
+        tables = meta.block_tables[seqs, : -(-max_ctx // block_size)].long()
+        mask = torch.arange(max_ctx, device=device)[None, :] < torch.tensor(ctx, device=device)[:, None]
+        pad = ~mask[:, lo:, None, None] if lo < max_ctx else None
+        batch = TorchDecodeBatch(_packed_rows([s[1] for s in decodes], 1, device), tables, mask, pad, lo)
+    others: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for seg in meta.host_segments:
+        if batch is None or seg[2] != 1:
+            others.setdefault((seg[2], seg[3]), []).append(seg)
+    groups = []
+    for (q_len, pos_start), segs in others.items():
+        ctx_len = pos_start + q_len
+        per_call = max(1, _GATHER_ELEMENTS // max(1, ctx_len * num_kv_heads * head_dim))
+        for i in range(0, len(segs), per_call):
+            part = segs[i : i + per_call]
+            seqs = torch.tensor([s[0] for s in part], device=device)
+            tables = meta.block_tables[seqs, : -(-ctx_len // block_size)].long()
+            rows = _packed_rows([s[1] for s in part], q_len, device)
+            groups.append(TorchSegmentGroup(rows, tables, q_len, pos_start))
+    return TorchMSAPlan(batch, tuple(groups))
+
+
+def prepare_msa_torch(meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int) -> MSAMetadata:
+    """The torch backend's ``prepare``: ``meta`` with its :class:`TorchMSAPlan` attached."""
+    return dataclasses.replace(meta, plan=plan_msa_torch(meta, num_kv_heads, head_dim))
+
+
+def _gather_batch(cache: torch.Tensor, tables: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """``[B, HKV, ctx_len, D]``: the first ``ctx_len`` cached tokens of each table's sequence."""
+    batch, num_blocks = tables.shape
+    blocks = cache[tables].reshape(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+    return blocks[:, :ctx_len].transpose(1, 2)
+
+
 def msa_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -156,36 +272,34 @@ def msa_torch(
     meta: MSAMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Fast torch MSA (same contract as :func:`msa_naive`)."""
+    """Fast torch MSA (same contract as :func:`msa_naive`): the decodes in one SDPA call, the
+    other segments in one call per ``(length, position)``, planned by :func:`plan_msa_torch`
+    (``meta.plan`` when the backend's ``prepare`` set it)."""
+    plan = meta.plan if isinstance(meta.plan, TorchMSAPlan) else plan_msa_torch(meta, k_cache.shape[2], k_cache.shape[3])
     out = torch.zeros_like(q)
     group = q.shape[1] // k_cache.shape[2]
-    decodes = [s for s in meta.host_segments if s[2] == 1]
-    if len(decodes) > 1:
-        _decode_batched(q, k_cache, v_cache, meta, decodes, scale, group, out)
-    else:
-        decodes = []
-    for seg in meta.host_segments:
-        if decodes and seg[2] == 1:
-            continue
-        seq, q_start, q_len, pos_start = seg
-        ctx_len = pos_start + q_len
-        k = _gather_context(k_cache, meta.block_tables[seq], ctx_len).transpose(0, 1)
-        v = _gather_context(v_cache, meta.block_tables[seq], ctx_len).transpose(0, 1)
-        qs = q[q_start : q_start + q_len].transpose(0, 1)  # [HQ, L, D]
-        if pos_start == 0:
+    if plan.decodes is not None:
+        _decode_batched(q, k_cache, v_cache, plan.decodes, scale, group, out)
+    for grp in plan.groups:
+        ctx_len = grp.pos_start + grp.q_len
+        k = _gather_batch(k_cache, grp.tables, ctx_len)
+        v = _gather_batch(v_cache, grp.tables, ctx_len)
+        num = grp.tables.shape[0]
+        qs = q[grp.rows].reshape(num, grp.q_len, *q.shape[1:]).transpose(1, 2)  # [B, HQ, L, D]
+        if grp.pos_start == 0:
             mask = None
-            causal = q_len > 1
+            causal = grp.q_len > 1
         else:
             # NOTE: SDPA's is_causal is top-left aligned; a segment deep in its sequence needs
             # the mask aligned to its absolute position instead.
-            q_pos = torch.arange(pos_start, ctx_len, device=q.device)[:, None]
+            q_pos = torch.arange(grp.pos_start, ctx_len, device=q.device)[:, None]
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
             causal = False
         o = F.scaled_dot_product_attention(
             qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=group > 1,
         )
-        out[q_start : q_start + q_len] = o.transpose(0, 1)
+        out[grp.rows] = o.transpose(1, 2).reshape(num * grp.q_len, *q.shape[1:])
     return out
 
 
@@ -267,37 +381,27 @@ def _decode_batched(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: MSAMetadata,
-    decodes: list[tuple[int, int, int, int]],
+    batch: TorchDecodeBatch,
     scale: float,
     group: int,
     out: torch.Tensor,
 ) -> None:
     """All length-1 segments in one SDPA call over a padded gather of their contexts."""
-    block_size = k_cache.shape[1]
-    seqs = torch.tensor([s[0] for s in decodes], device=q.device)
-    rows = torch.tensor([s[1] for s in decodes], device=q.device)
-    ctx = torch.tensor([s[3] + 1 for s in decodes], device=q.device)
-    max_ctx = int(max(s[3] + 1 for s in decodes))
-    num_blocks = (max_ctx + block_size - 1) // block_size
-    tables = meta.block_tables[seqs, :num_blocks].long()  # [B, NB]
-    shape = (len(decodes), num_blocks * block_size, *k_cache.shape[2:])
-    k = k_cache[tables].reshape(shape)[:, :max_ctx]  # [B, S, HKV, D], a fresh gather
-    v = v_cache[tables].reshape(shape)[:, :max_ctx]
-    mask = torch.arange(max_ctx, device=q.device)[None, :] < ctx[:, None]  # [B, S]
+    num, max_ctx = batch.mask.shape
+    shape = (num, batch.tables.shape[1] * k_cache.shape[1], *k_cache.shape[2:])
+    k = k_cache[batch.tables].reshape(shape)[:, :max_ctx]  # [B, S, HKV, D], a fresh gather
+    v = v_cache[batch.tables].reshape(shape)[:, :max_ctx]
     # Slots past a context hold whatever the pool left there (NaN included): a masked score
     # still multiplies its V by 0, and 0 * NaN = NaN, so zero them. Only columns past the
     # shortest context can be masked: zero just that tail, in place (decode hot path).
-    lo = int(min(s[3] + 1 for s in decodes))
-    if lo < max_ctx:
-        pad = ~mask[:, lo:, None, None]
-        k[:, lo:].masked_fill_(pad, 0)
-        v[:, lo:].masked_fill_(pad, 0)
+    if batch.pad is not None:
+        k[:, batch.lo :].masked_fill_(batch.pad, 0)
+        v[:, batch.lo :].masked_fill_(batch.pad, 0)
     k = k.transpose(1, 2)  # [B, HKV, S, D]
     v = v.transpose(1, 2)
-    qs = q[rows].unsqueeze(2)  # [B, HQ, 1, D]
+    qs = q[batch.rows].unsqueeze(2)  # [B, HQ, 1, D]
     o = F.scaled_dot_product_attention(
-        qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :],
+        qs, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask[:, None, None, :],
         scale=scale, enable_gqa=group > 1,
     )
-    out[rows] = o.squeeze(2)
+    out[batch.rows] = o.squeeze(2)

@@ -213,12 +213,18 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
         residual: torch.Tensor | None = None
+        last = len(kv_caches) - 1
         for index, kv_cache in enumerate(kv_caches):
             q, residual = self.pre_attention(index, h, residual, rope, kv_cache, meta.slot_mapping, backend)
             o = backend.attend(q, kv_cache[0], kv_cache[1], meta, self.layers[index].self_attn.scale)
+            if index == last:
+                # NOTE: past the last attention only the rows whose logits are asked for
+                # matter (no later layer reads the others' K/V): the last output projection
+                # and MLP run on those alone, a prefill's last token instead of all of them.
+                o, residual = o[logits_indices], residual[logits_indices]
             h, residual = self.post_attention(index, o, residual, backend.dense)
         assert residual is not None
-        return self.compute_logits(h, residual, logits_indices, backend.dense)
+        return self.compute_logits(h, residual, None, backend.dense)
 
     # NOTE: the step is split at attention so that piecewise CUDA graphs
     # (asymcache_core.piecewise_graphs) can capture everything between two attention calls;
@@ -273,11 +279,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         h: torch.Tensor,
         residual: torch.Tensor,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
         ops: DenseOps = DEFAULT_DENSE_OPS,
     ) -> torch.Tensor:
-        """``[len(logits_indices), vocab]`` float32 logits of the selected rows."""
-        normed, _ = ops.add_norm(h[logits_indices], residual[logits_indices], self.norm.weight, self.norm.eps)
+        """``[len(logits_indices), vocab]`` float32 logits of the selected rows (``None``: every
+        row of ``h``, already selected)."""
+        if logits_indices is not None:
+            h, residual = h[logits_indices], residual[logits_indices]
+        normed, _ = ops.add_norm(h, residual, self.norm.weight, self.norm.eps)
         logits = _linear(self.lm_head, normed, ops)
         if self.tensor_parallel is not None:
             logits = self.tensor_parallel.gather_vocab(logits)

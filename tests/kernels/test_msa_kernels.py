@@ -424,6 +424,50 @@ def test_msa_torch_matches_naive(kind: str, block_size: int, group: int, head_di
     check_close(out, case, torch.float32)
 
 
+def test_msa_torch_batches_equal_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments of one length at one position share an SDPA call (consecutive rows or not),
+    decodes of different contexts another, the plan is built once and reused; a cap on the
+    gather cuts a group into several calls. Every way, the output matches the oracle, and
+    NaN left in pool slots past a context never reaches it."""
+    from kernels import reference
+    from kernels.dispatch import select_attention_backend
+
+    gen = torch.Generator().manual_seed(11)
+    block, kv_heads, group, dim = 4, 2, 3, 16
+    num_blocks = 40
+    k_cache = torch.randn((num_blocks, block, kv_heads, dim), generator=gen)
+    v_cache = torch.randn((num_blocks, block, kv_heads, dim), generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [perm[i * 5 : i * 5 + 5] for i in range(7)]  # 7 sequences, 20 slots each
+    # (seq, q_start, q_len, pos_start): three fresh 5-token prompts (rows 0..14), a decode, two
+    # 3-token segments at position 7 with a second decode between them
+    segments = [(0, 0, 5, 0), (1, 5, 5, 0), (2, 10, 5, 0), (3, 15, 1, 12), (4, 16, 3, 7), (6, 19, 1, 9),
+                (5, 20, 3, 7)]
+    num_tokens = 23
+    for seq, _, q_len, pos in segments:  # NaN in every slot past each context
+        for p in range(pos + q_len, 20):
+            k_cache[tables[seq][p // block], p % block] = float("nan")
+            v_cache[tables[seq][p // block], p % block] = float("nan")
+    meta = build_msa_metadata(tables, segments, [-1] * num_tokens, block)
+    q = torch.randn((num_tokens, kv_heads * group, dim), generator=gen)
+    scale = dim**-0.5
+    ref = msa_naive(q, k_cache, v_cache, meta, scale)
+    prepared = select_attention_backend("cpu", "torch").prepare(meta, kv_heads * group, kv_heads, dim)
+    plan = prepared.plan
+    assert isinstance(plan, reference.TorchMSAPlan)
+    assert plan.decodes is not None and plan.decodes.tables.shape[0] == 2 and plan.decodes.pad is not None
+    shapes = sorted((g.tables.shape[0], g.q_len, g.pos_start, isinstance(g.rows, slice)) for g in plan.groups)
+    assert shapes == [(2, 3, 7, False), (3, 5, 0, True)]
+    out = msa_torch(q, k_cache, v_cache, prepared, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(reference, "_GATHER_ELEMENTS", 5 * kv_heads * dim)  # one segment per call
+    cut = reference.plan_msa_torch(meta, kv_heads, dim)
+    assert len(cut.groups) == 5
+    torch.testing.assert_close(msa_torch(q, k_cache, v_cache, dataclasses.replace(meta, plan=cut), scale), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: compiled kernels, bf16/fp16
 # --------------------------------------------------------------------------------------------
