@@ -5,12 +5,15 @@ of this engine and of HF ``generate`` at batch 1 and 16, measured in one run on 
 
 Prefill is timed as the first step of a batch (all prompts, one token sampled); decode is the
 rest of a ``max_tokens`` generation divided by its generated tokens. Both engines run greedy,
-float32, with EOS ignored so that every row generates exactly ``new_tokens`` tokens.
+float32, with EOS ignored so that every row generates exactly ``new_tokens`` tokens. Each
+measurement is repeated, the two engines alternating, and the table shows medians and the
+range of the paired ratios: on a shared 2-core machine one run's figures swing by 10% or more.
 """
 
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,29 @@ class SpeedRow:
     batch: int
     prefill_tok_s: float
     decode_tok_s: float
+
+
+@dataclass(frozen=True)
+class SpeedSummary:
+    """An engine's repeated measurements at one batch size.
+
+    Attributes:
+        engine: ``asymcache`` or ``transformers``.
+        batch: prompts per batch.
+        runs: the measurements, in order (the engines alternate between them).
+    """
+
+    engine: str
+    batch: int
+    runs: tuple[SpeedRow, ...]
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return statistics.median(r.prefill_tok_s for r in self.runs)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return statistics.median(r.decode_tok_s for r in self.runs)
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -71,44 +97,64 @@ def bench_hf(hf_model, batch: int, prompt_len: int, new_tokens: int, seed: int, 
 
 def run(
     batches: tuple[int, ...] = (1, 16), prompt_len: int = 128, new_tokens: int = 64, seed: int = 0,
-    progress: Any = None,
-) -> list[SpeedRow]:
-    """Measures both engines; returns the rows (also printed as a table).
+    progress: Any = None, repeats: int = 3,
+) -> list[SpeedSummary]:
+    """Measures both engines, ``repeats`` times each, alternating; returns the summaries (also
+    printed as a table).
 
     Args:
         progress: optional ``rich.progress.Progress``-like object (``add_task``/``update``):
             one task over the model loads and the measurements.
+        repeats: measurements per engine and batch size.
     """
     from transformers import AutoModelForCausalLM
 
     from asymcache_core.loaders import load_model, packaged_smollm2_path
 
-    task = progress.add_task("bench-engine", total=2 + 2 * len(batches)) if progress is not None else None
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    task = progress.add_task("bench-engine", total=2 + 2 * len(batches) * repeats) if progress is not None else None
+    completed = 0
 
-    def done(n: int) -> None:
+    def done() -> None:
+        nonlocal completed
+        completed += 1
         if progress is not None:
-            progress.update(task, completed=n)
+            progress.update(task, completed=completed)
 
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32, seed)
-    done(1)
+    done()
     path = packaged_smollm2_path()
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    done(2)
-    rows: list[SpeedRow] = []
+    done()
+    summaries: list[SpeedSummary] = []
     for batch in batches:
-        rows.append(bench_ours(loaded, batch, prompt_len, new_tokens, seed))
-        done(len(rows) + 2)
-        rows.append(bench_hf(hf_model, batch, prompt_len, new_tokens, seed, loaded.config.vocab_size))
-        done(len(rows) + 2)
-    print_table(rows, prompt_len, new_tokens)
-    return rows
+        ours: list[SpeedRow] = []
+        theirs: list[SpeedRow] = []
+        for _ in range(repeats):
+            ours.append(bench_ours(loaded, batch, prompt_len, new_tokens, seed))
+            done()
+            theirs.append(bench_hf(hf_model, batch, prompt_len, new_tokens, seed, loaded.config.vocab_size))
+            done()
+        summaries += [SpeedSummary("asymcache", batch, tuple(ours)), SpeedSummary("transformers", batch, tuple(theirs))]
+    print_table(summaries, prompt_len, new_tokens)
+    return summaries
 
 
-def print_table(rows: list[SpeedRow], prompt_len: int, new_tokens: int) -> None:
+def _ratio_range(ours: SpeedSummary, hf: SpeedSummary, key: str) -> str:
+    """``min-max`` of the paired runs' ratios (run ``i`` of each engine ran back to back)."""
+    ratios = [getattr(a, key) / getattr(b, key) for a, b in zip(ours.runs, hf.runs, strict=True)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def print_table(rows: list[SpeedSummary], prompt_len: int, new_tokens: int) -> None:
+    repeats = max((len(r.runs) for r in rows), default=0)
     print(f"# SmolLM2-135M fp32, prompt {prompt_len}, {new_tokens} new tokens, "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}")
-    by_batch: dict[int, dict[str, SpeedRow]] = {}
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"median of {repeats} alternating runs (ratio range over the paired runs)")
+    print(f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}"
+          f"{'prefill range':>15}{'decode range':>14}")
+    by_batch: dict[int, dict[str, SpeedSummary]] = {}
     for row in rows:
         by_batch.setdefault(row.batch, {})[row.engine] = row
     for batch, pair in by_batch.items():
@@ -116,7 +162,11 @@ def print_table(rows: list[SpeedRow], prompt_len: int, new_tokens: int) -> None:
         for row in pair.values():
             px = row.prefill_tok_s / hf.prefill_tok_s if hf else float("nan")
             dx = row.decode_tok_s / hf.decode_tok_s if hf else float("nan")
-            print(f"{row.engine:<14}{batch:>6}{row.prefill_tok_s:>15.1f}{row.decode_tok_s:>14.1f}{px:>10.2f}x{dx:>9.2f}x")
+            ranges = ("", "")
+            if hf is not None and row is not hf:
+                ranges = (_ratio_range(row, hf, "prefill_tok_s"), _ratio_range(row, hf, "decode_tok_s"))
+            print(f"{row.engine:<14}{batch:>6}{row.prefill_tok_s:>15.1f}{row.decode_tok_s:>14.1f}{px:>10.2f}x{dx:>9.2f}x"
+                  f"{ranges[0]:>15}{ranges[1]:>14}")
 
 
 if __name__ == "__main__":

@@ -575,18 +575,19 @@ def calibrate(
 def bench_engine(
     prompt_len: int = typer.Option(128, min=1),
     new_tokens: int = typer.Option(64, min=2),
+    repeats: int = typer.Option(3, min=1, help="Measurements per engine and batch size, the engines alternating."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
     """Engine prefill/decode tokens/s against transformers' generate (SmolLM2 fp32 on the CPU,
-    batch 1 and 16)."""
+    batch 1 and 16; medians of alternating runs)."""
     from asymcache_core import EngineConfig
     from eval.bench_engine import run
     from eval.cli_progress import progress_for, showing_model_loads
 
     seed = EngineConfig(**engine_args).seed
     with progress_for() as progress, showing_model_loads(progress):
-        run(prompt_len=prompt_len, new_tokens=new_tokens, seed=seed, progress=progress)
+        run(prompt_len=prompt_len, new_tokens=new_tokens, seed=seed, progress=progress, repeats=repeats)
 
 
 @app.command()

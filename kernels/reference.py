@@ -105,7 +105,7 @@ def _gather_context(
     """Returns the first ``ctx_len`` cached tokens of one sequence as ``[ctx_len, HKV, D]``."""
     block_size = cache.shape[1]
     num_blocks = (ctx_len + block_size - 1) // block_size
-    blocks = cache[block_row[:num_blocks].long()]
+    blocks = cache.index_select(0, block_row[:num_blocks].long())
     return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:ctx_len]
 
 
@@ -258,11 +258,20 @@ def prepare_msa_torch(meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, he
     return dataclasses.replace(meta, plan=plan_msa_torch(meta, num_kv_heads, head_dim))
 
 
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``[B, NB * block_size, HKV, D]``: the blocks of each row of ``tables`` ``[B, NB]``.
+
+    NOTE: ``index_select`` on the block axis, not ``cache[tables]``: on the CPU the advanced
+    index ran 5x slower for a decode batch's gather (173 against 35 us, 16 x 12 blocks).
+    """
+    batch, num_blocks = tables.shape
+    blocks = cache.index_select(0, tables.reshape(-1))
+    return blocks.view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+
+
 def _gather_batch(cache: torch.Tensor, tables: torch.Tensor, ctx_len: int) -> torch.Tensor:
     """``[B, HKV, ctx_len, D]``: the first ``ctx_len`` cached tokens of each table's sequence."""
-    batch, num_blocks = tables.shape
-    blocks = cache[tables].reshape(batch, num_blocks * cache.shape[1], *cache.shape[2:])
-    return blocks[:, :ctx_len].transpose(1, 2)
+    return _gather_blocks(cache, tables)[:, :ctx_len].transpose(1, 2)
 
 
 def msa_torch(
@@ -387,10 +396,9 @@ def _decode_batched(
     out: torch.Tensor,
 ) -> None:
     """All length-1 segments in one SDPA call over a padded gather of their contexts."""
-    num, max_ctx = batch.mask.shape
-    shape = (num, batch.tables.shape[1] * k_cache.shape[1], *k_cache.shape[2:])
-    k = k_cache[batch.tables].reshape(shape)[:, :max_ctx]  # [B, S, HKV, D], a fresh gather
-    v = v_cache[batch.tables].reshape(shape)[:, :max_ctx]
+    max_ctx = batch.mask.shape[1]
+    k = _gather_blocks(k_cache, batch.tables)[:, :max_ctx]  # [B, S, HKV, D], a fresh gather
+    v = _gather_blocks(v_cache, batch.tables)[:, :max_ctx]
     # Slots past a context hold whatever the pool left there (NaN included): a masked score
     # still multiplies its V by 0, and 0 * NaN = NaN, so zero them. Only columns past the
     # shortest context can be masked: zero just that tail, in place (decode hot path).

@@ -137,7 +137,7 @@ def test_bench_engine_reports_through_the_progress(monkeypatch: pytest.MonkeyPat
 
     seen: list[Any] = []
     monkeypatch.setattr(bench_engine, "run", lambda **kw: seen.append(kw))
-    result = runner.invoke(app, ["bench-engine", "--prompt-len", "8", "--new-tokens", "4"])
+    result = runner.invoke(app, ["bench-engine", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "2"])
     assert result.exit_code == 0, result.output
     assert isinstance(seen[0]["progress"], LineProgress)
-    assert (seen[0]["prompt_len"], seen[0]["new_tokens"]) == (8, 4)
+    assert (seen[0]["prompt_len"], seen[0]["new_tokens"], seen[0]["repeats"]) == (8, 4, 2)
