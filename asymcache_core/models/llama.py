@@ -213,18 +213,20 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
         residual: torch.Tensor | None = None
+        rows: torch.Tensor | None = logits_indices
         last = len(kv_caches) - 1
         for index, kv_cache in enumerate(kv_caches):
             q, residual = self.pre_attention(index, h, residual, rope, kv_cache, meta.slot_mapping, backend)
             o = backend.attend(q, kv_cache[0], kv_cache[1], meta, self.layers[index].self_attn.scale)
-            if index == last:
+            if index == last and logits_indices.shape[0] < o.shape[0]:
                 # NOTE: past the last attention only the rows whose logits are asked for
                 # matter (no later layer reads the others' K/V): the last output projection
                 # and MLP run on those alone, a prefill's last token instead of all of them.
-                o, residual = o[logits_indices], residual[logits_indices]
+                # (A decode step asks for every row: nothing to select, no gather.)
+                o, residual, rows = o[logits_indices], residual[logits_indices], None
             h, residual = self.post_attention(index, o, residual, backend.dense)
         assert residual is not None
-        return self.compute_logits(h, residual, None, backend.dense)
+        return self.compute_logits(h, residual, rows, backend.dense)
 
     # NOTE: the step is split at attention so that piecewise CUDA graphs
     # (asymcache_core.piecewise_graphs) can capture everything between two attention calls;
