@@ -96,9 +96,10 @@ class EngineConfig:
             hole: linear layers, norms and attention run with a fixed reduction order
             (:mod:`kernels.batch_invariant`, the MSA plan's fixed chunks, :func:`~kernels.reference.msa_tiled`).
             Greedy outputs are then exactly those of an unbounded pool under every policy, on
-            the GPU too. ``None`` (the default): on for CUDA devices, where it costs 2-7% of
-            a step (H200, BENCHMARKS.md), off on the CPU, whose float32 steps are exact
-            without it; the resolved bool is what the field then holds.
+            the GPU too. ``None`` (the default): on for CUDA devices in bfloat16/float16, where
+            it costs 1-7% of a step (H200, BENCHMARKS.md), off on the CPU, whose float32 steps
+            are exact without it, and off for float32 on a GPU (cost not measured); the
+            resolved bool is what the field then holds.
         fused_kernels: with the Triton backend, the fused rotary + KV store, add + RMSNorm and
             SiLU-mul kernels (:mod:`kernels.fused`); ``False`` runs those steps as separate torch
             ops (an ablation; the benchmarks compare the two).
@@ -192,7 +193,7 @@ class EngineConfig:
     batch_invariant: bool | None = field(default=None, metadata=_flag(
         "--batch-invariant", "Fixed reduction order in every op: each token's logits are the same bits "
         "whatever shares its step, however its prompt was chunked, cached or rebuilt (default: on for "
-        "CUDA devices, off on the CPU)."))
+        "CUDA devices in bfloat16/float16, off on the CPU)."))
     fused_kernels: bool = True
     max_step_log: int | None = field(default=None, metadata=_flag(
         "--max-step-log", "Most recent engine steps kept in the step log (default: all; serve keeps 10,000)."))
@@ -281,8 +282,11 @@ class EngineConfig:
             raise ValueError(f"fused_kernels: must be a bool, got {self.fused_kernels!r}")
         if self.batch_invariant is None:
             # NOTE: resolved here, once, so every reader sees a bool: exact by default where the
-            # default kernels are not (the GPU), at the measured 2-7% of a step.
-            object.__setattr__(self, "batch_invariant", device.type == "cuda" and self.attention_backend != "naive")
+            # library kernels are not (the GPU in 16-bit, where the cost was measured at 1-7% of
+            # a step). float32 on a GPU keeps the library kernels unless asked: its fixed-order
+            # GEMMs are IEEE Triton ones wherever cuBLAS's bits differ, a cost not measured.
+            on = device.type == "cuda" and self.dtype in ("auto", "bfloat16", "float16")
+            object.__setattr__(self, "batch_invariant", on and self.attention_backend != "naive")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant: must be a bool or None, got {self.batch_invariant!r}")
         if self.batch_invariant and self.attention_backend == "naive":

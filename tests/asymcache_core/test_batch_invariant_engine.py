@@ -139,6 +139,8 @@ def test_batch_invariant_is_the_default_on_cuda():
     assert EngineConfig(device="cuda").batch_invariant is True
     assert EngineConfig(device="cuda", batch_invariant=False).batch_invariant is False
     assert EngineConfig(device="cuda", attention_backend="naive").batch_invariant is False
+    assert EngineConfig(device="cuda", dtype="float16").batch_invariant is True
+    assert EngineConfig(device="cuda", dtype="float32").batch_invariant is False
 
 
 @pytest.fixture(scope="module")
