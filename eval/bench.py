@@ -207,7 +207,7 @@ class BenchConfig:
         max_num_seqs: running requests at most.
         attention_backend: the engine's attention path (the ``no-msa`` suffix sets ``torch``).
         batch_invariant: the engines' batch-invariant mode (``None``: the engine's default, on
-            for CUDA devices).
+            for CUDA devices in bfloat16/float16).
         enforce_eager: never capture CUDA graphs.
         mixed_graph_max_tokens: largest step replayed as piecewise CUDA graphs.
         step_log: also write every engine step (``StepStats``, with the latency model's

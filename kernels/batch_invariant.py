@@ -347,7 +347,7 @@ class BatchInvariantLinear:
             if rows.shape[0] <= bound:
                 config = tiling
                 break
-        return _add_bias(self.reference(x, weight, config=config), bias)
+        return _add_bias(self.reference(rows, weight, config=config), bias).reshape(*lead, n)
 
     def calibrate(
         self, shapes: dict[tuple[int, int], int], dtype: torch.dtype, store: Path | None = None, seed: int = 0

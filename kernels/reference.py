@@ -186,12 +186,18 @@ class TorchSegmentGroup:
         tables: ``[B, NB]`` int64 block tables covering ``pos_start + q_len`` keys.
         q_len: each segment's query tokens.
         pos_start: each segment's first position.
+        mask: ``[q_len, pos_start + q_len]`` bool, the keys each query sees, for a group deep
+            in its sequences (``None`` at position 0: SDPA's own causal mask).
+
+    NOTE: SDPA's ``is_causal`` is top-left aligned; a segment deep in its sequence needs the
+    mask aligned to its absolute position instead.
     """
 
     rows: slice | torch.Tensor
     tables: torch.Tensor
     q_len: int
     pos_start: int
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,11 @@ def plan_msa_torch(meta: MSAMetadata, num_kv_heads: int, head_dim: int) -> Torch
             seqs = torch.tensor([s[0] for s in part], device=device)
             tables = meta.block_tables[seqs, : -(-ctx_len // block_size)].long()
             rows = _packed_rows([s[1] for s in part], q_len, device)
-            groups.append(TorchSegmentGroup(rows, tables, q_len, pos_start))
+            mask = None
+            if pos_start > 0:
+                q_pos = torch.arange(pos_start, ctx_len, device=device)[:, None]
+                mask = torch.arange(ctx_len, device=device)[None, :] <= q_pos
+            groups.append(TorchSegmentGroup(rows, tables, q_len, pos_start, mask))
     return TorchMSAPlan(batch, tuple(groups))
 
 
@@ -295,18 +305,9 @@ def msa_torch(
         v = _gather_batch(v_cache, grp.tables, ctx_len)
         num = grp.tables.shape[0]
         qs = q[grp.rows].reshape(num, grp.q_len, *q.shape[1:]).transpose(1, 2)  # [B, HQ, L, D]
-        if grp.pos_start == 0:
-            mask = None
-            causal = grp.q_len > 1
-        else:
-            # NOTE: SDPA's is_causal is top-left aligned; a segment deep in its sequence needs
-            # the mask aligned to its absolute position instead.
-            q_pos = torch.arange(grp.pos_start, ctx_len, device=q.device)[:, None]
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
-            causal = False
         o = F.scaled_dot_product_attention(
-            qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal,
-            scale=scale, enable_gqa=group > 1,
+            qs, k.to(q.dtype), v.to(q.dtype), attn_mask=grp.mask,
+            is_causal=grp.mask is None and grp.q_len > 1, scale=scale, enable_gqa=group > 1,
         )
         out[grp.rows] = o.transpose(1, 2).reshape(num * grp.q_len, *q.shape[1:])
     return out
