@@ -413,14 +413,16 @@ def _msa_reduce_kernel(
     BLOCK_M: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     DYN_CHUNK: tl.constexpr,
     PART_BY_ROW: tl.constexpr,
 ):
     """Merges the split partials of one (q-tile, q head): o_part ``[S, R, HQ, D]`` -> o.
 
-    Partials are normalised outputs with their log-sum-exp in ``lse_part [S, R, HQ]``, or,
-    with ``PART_BY_ROW`` (the batch-invariant mode), unnormalised chunk states: ``m`` in
-    ``lse_part`` and ``l`` ``stat_off`` elements after it.
+    Partials are normalised outputs with their log-sum-exp in ``lse_part [S, R, HQ]``, merged
+    ``BLOCK_S`` splits a load, or, with ``PART_BY_ROW`` (the batch-invariant mode),
+    unnormalised chunk states: ``m`` in ``lse_part`` and ``l`` ``stat_off`` elements after it,
+    folded one chunk at a time in chunk order.
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
@@ -443,18 +445,35 @@ def _msa_reduce_kernel(
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_w = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for i_s in range(0, n_split):
-        p_op = o_part + i_s * stride_ps + o_pt[:, None] * stride_pt + i_h * stride_ph
-        b_o = tl.load(p_op + o_d[None, :], mask=m_o, other=0.0)
-        p_ml = lse_part + i_s * stride_ls + o_pt * stride_lt + i_h
-        if PART_BY_ROW:
+    if PART_BY_ROW:
+        for i_s in range(0, n_split):
             # the batch-invariant mode's unnormalised chunk states, folded in chunk order
+            p_op = o_part + i_s * stride_ps + o_pt[:, None] * stride_pt + i_h * stride_ph
+            b_o = tl.load(p_op + o_d[None, :], mask=m_o, other=0.0)
+            p_ml = lse_part + i_s * stride_ls + o_pt * stride_lt + i_h
             b_cm = tl.load(p_ml, mask=m_t, other=float("-inf"))
             b_cl = tl.load(p_ml + stat_off, mask=m_t, other=0.0)
             b_acc, b_w, b_m = _fold_chunk(b_acc, b_w, b_m, b_o, b_cm, b_cl)
-        else:
-            b_lse = tl.load(p_ml, mask=m_t, other=0.0)
-            b_acc, b_w, b_m = _merge_partial(b_acc, b_w, b_m, b_o, b_lse)
+    else:
+        # NOTE: BLOCK_S splits per load: one split a loop turn made the merge a chain of
+        # dependent loads, and at batch 1 it took as long as the attention it merges.
+        o_s = tl.arange(0, BLOCK_S)
+        for i_s0 in range(0, n_split, BLOCK_S):
+            m_s = (i_s0 + o_s) < n_split
+            p_op = o_part + (i_s0 + o_s)[:, None, None] * stride_ps + o_pt[None, :, None] * stride_pt
+            b_o = tl.load(
+                p_op + i_h * stride_ph + o_d[None, None, :], mask=m_s[:, None, None] & m_o[None, :, :], other=0.0
+            )
+            p_ml = lse_part + (i_s0 + o_s)[:, None] * stride_ls + o_pt[None, :] * stride_lt + i_h
+            b_lse = tl.load(p_ml, mask=m_s[:, None] & m_t[None, :], other=float("-inf"))
+            # rows past the tile's tokens: any finite value (their output is not stored)
+            b_lse = tl.where(m_t[None, :], b_lse, 0.0)
+            b_m_new = tl.maximum(b_m, tl.max(b_lse, axis=0))
+            b_alpha = tl.exp2(b_m - b_m_new)
+            b_beta = tl.exp2(b_lse - b_m_new[None, :])
+            b_w = b_w * b_alpha + tl.sum(b_beta, axis=0)
+            b_acc = b_acc * b_alpha[:, None] + tl.sum(b_o * b_beta[:, :, None], axis=0)
+            b_m = b_m_new
     b_out = _merged_output(b_acc, b_w)
     p_o = o + o_t[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
     # a tile within one chunk was written by the forward kernel itself
@@ -615,9 +634,16 @@ def _launch(
             out.stride(0), out.stride(1),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), stat_off,
-            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, DYN_CHUNK=dyn_chunk, PART_BY_ROW=part_by_row,
-            num_warps=4,
+            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, BLOCK_S=_merge_splits_per_load(cfg.block_m),
+            DYN_CHUNK=dyn_chunk, PART_BY_ROW=part_by_row, num_warps=4,
         )
+
+
+def _merge_splits_per_load(block_m: int) -> int:
+    """Splits the merge kernel loads at once: ``BLOCK_S x BLOCK_M`` rows of ``D`` fp32 stay
+    within 64 rows (32 registers a thread at ``D = 128``), so decode tiles (4 rows) merge 16
+    splits a load and 64-row prefill tiles one."""
+    return max(1, min(16, 64 // block_m))
 
 
 def compiled_keys() -> dict[str, set[str]] | None:

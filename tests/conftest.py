@@ -138,3 +138,15 @@ def expensive_reload_profile(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("profiles") / "expensive_reload.json"
     LatencyModel(floor_s=0.04, per_token_s=0.0045, per_attn_s=1.15e-6, knee_tokens=8, source="test").to_json(path)
     return str(path)
+
+
+def load_script(name: str) -> Any:
+    """The module of ``scripts/<name>.py`` (scripts are not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

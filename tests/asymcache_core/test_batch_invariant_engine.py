@@ -10,22 +10,14 @@ import pytest
 import torch
 
 from asymcache_core import SamplingParams
-from tests.conftest import StepClock, make_engine
+from tests.conftest import StepClock, load_script, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 def _script():
     """``scripts/gpu_batch_invariant.py``: its logit recorder, and the GPU checks beside the cost figures."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_batch_invariant.py"
-    spec = importlib.util.spec_from_file_location("gpu_batch_invariant", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_batch_invariant")
 
 
 record_logits = _script().record_logits
