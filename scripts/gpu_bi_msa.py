@@ -88,6 +88,7 @@ def timed(module, inputs, metas, decode: bool) -> float:  # type: ignore[no-unty
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compare", default=None, help="another msa_triton.py to time beside this one")
+    ap.add_argument("--decodes-only", action="store_true", help="the decode table only")
     args = ap.parse_args()
     modules = [importlib.import_module("kernels.msa_triton")]
     if args.compare:
@@ -115,6 +116,8 @@ def main() -> None:
                   + " | ".join(f"{c:.3f} ({c / t_def:.2f}x)" for c in cells) + " |", flush=True)
         del inputs
         torch.cuda.empty_cache()
+    if args.decodes_only:
+        return
     print("\n| layout | module | default ms | " + " | ".join(f"rows {v}" for v in rows_grid) + " |")
     print("|---|---|---:|" + "---:|" * len(rows_grid))
     for layout in prefills:

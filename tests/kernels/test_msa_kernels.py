@@ -579,9 +579,11 @@ def _single_rows(case: Case, rows: list[int]) -> list[tuple[torch.Tensor, MSAMet
     return alone
 
 
-def _invariant_case(device: str, dtype: torch.dtype, group: int, head_dim: int, max_ctx: int, seed: int) -> Case:
+def _invariant_case(
+    device: str, dtype: torch.dtype, group: int, head_dim: int, max_ctx: int, seed: int, kind: str = "mixed"
+) -> Case:
     return make_case(
-        seed, kind="mixed", num_seqs=4, block_size=16, num_kv_heads=2, group=group,
+        seed, kind=kind, num_seqs=4, block_size=16, num_kv_heads=2, group=group,
         head_dim=head_dim, max_ctx=max_ctx, dtype=dtype, device=device, max_segs=3,
     )
 
@@ -643,6 +645,22 @@ def test_msa_triton_interpreter_batch_invariant(interp: ModuleType) -> None:
     case = _invariant_case("cpu", torch.float32, group=2, head_dim=16, max_ctx=5200, seed=_seed("bi", 3))
     assert max(s[3] + s[2] for s in case.meta.host_segments) > 2 * msa_plan.INVARIANT_CHUNK
     _check_invariant(interp, case, torch.float32, _rows_to_check(case, 3))
+
+
+def test_msa_triton_interpreter_batch_invariant_decodes(interp: ModuleType) -> None:
+    """Decode tiles over many chunks, spread over programs as on an H200: the split merge
+    folds every chunk, in order, to the in-program walk's bits."""
+    case = _invariant_case(
+        "cpu", torch.float32, group=4, head_dim=16, max_ctx=5200, seed=_seed("bi-decode", 4), kind="decode"
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        # an H200's SMs: 4 decodes x 2 KV heads are too few programs, so the chunks spread
+        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        plan = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True)
+        (launch,) = plan.launches
+        chunks = -(-max(s[3] + s[2] for s in case.meta.host_segments) // msa_plan.INVARIANT_CHUNK)
+        assert 1 < launch.num_splits and chunks >= 4
+        _check_invariant(interp, case, torch.float32, _rows_to_check(case, 4))
 
 
 def test_invariant_config_is_the_same_for_every_step(interp: ModuleType) -> None:
