@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -287,6 +288,13 @@ class Engine:
         self.num_host_blocks = config.num_host_kv_blocks
         if self.num_host_blocks is None:
             self.num_host_blocks = int(config.cpu_offload_gb * GIB // self.block_bytes)
+        if runner_factory is None and self.num_host_blocks > 0:
+            # NOTE: checked before the tier's block table is built: a tier larger than the
+            # machine can never be allocated, and building its table alone would take minutes.
+            _check_host_tier_fits(
+                self.num_host_blocks * self.block_bytes,
+                "cpu_offload_gb" if config.num_host_kv_blocks is None else "num_host_kv_blocks",
+            )
         #: the host KV tier below the device pool (``None``: no ``cpu_offload_gb``)
         self.host_tier: HostTier | None = None
         if self.num_host_blocks > 0:
@@ -1058,3 +1066,14 @@ class Engine:
                 pinned[b] = pinned.get(b, 0) + 1
         for block in self.pool.blocks:
             assert block.pin_cnt == pinned.get(block.block_id, 0), f"block {block.block_id}: pin count"
+
+
+def _check_host_tier_fits(tier_bytes: int, field_name: str) -> None:
+    """Raises ``ValueError`` naming ``field_name`` when a host KV tier of ``tier_bytes`` exceeds
+    this machine's physical memory."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if tier_bytes > total:
+        raise ValueError(
+            f"{field_name}: a host KV tier of {tier_bytes / GIB:.1f} GiB does not fit this machine's "
+            f"{total / GIB:.1f} GiB of memory"
+        )

@@ -25,6 +25,8 @@ On the CPU both tiers are host memory and every copy completes when issued.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from asymcache_core.host_tier import KVTransfers
@@ -63,9 +65,18 @@ class HostKVCache:
         self.num_layers = kv_cache.shape[0]
         block_shape = tuple(kv_cache.shape[3:])
         self.cuda = self.device.type == "cuda"
-        self.host = torch.zeros(
-            (num_slots, self.num_layers, 2, *block_shape), dtype=kv_cache.dtype, pin_memory=self.cuda
-        )
+        shape = (num_slots, self.num_layers, 2, *block_shape)
+        try:
+            self.host = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=self.cuda)
+        except (RuntimeError, MemoryError) as exc:
+            # NOTE: pinned (page-locked) memory can fail well below the machine's RAM (a
+            # container's lock limit, other pinned users); the message names the setting to lower.
+            gib = math.prod(shape) * kv_cache.element_size() / (1 << 30)
+            what = "pin" if self.cuda else "allocate"
+            raise ValueError(
+                f"cpu_offload_gb: could not {what} {gib:.1f} GiB of host memory for {num_slots} KV blocks "
+                f"({str(exc).splitlines()[0]}); lower cpu_offload_gb"
+            ) from exc
         self.offload_staging: torch.Tensor | None = None
         self.reload_staging: torch.Tensor | None = None
         self.offload_stream = self.reload_stream = None

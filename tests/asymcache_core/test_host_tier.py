@@ -192,6 +192,13 @@ def test_cpu_offload_gb_sizes_the_tier_in_blocks():
     assert Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16)).host_tier is None
 
 
+@pytest.mark.parametrize(("field", "value"), [("cpu_offload_gb", 1e7), ("num_host_kv_blocks", 10**13)])
+def test_a_tier_larger_than_the_machine_names_its_field(field, value):
+    # fails at once, before the tier's block table or its host memory is built
+    with pytest.raises(ValueError, match=f"^{field}: a host KV tier of .* GiB does not fit this machine's"):
+        Engine(model="dummy:tiny", device="cpu", num_kv_blocks=16, **{field: value})
+
+
 # -- the copies --------------------------------------------------------------------------------
 def test_runs_of_consecutive_slots():
     pairs = [(5, 1), (9, 2), (2, 3), (3, 7), (4, 8), (0, 9)]
@@ -241,6 +248,19 @@ def test_the_staged_copy_path_moves_the_same_bytes():
 def test_the_host_cache_wants_the_stacked_device_cache():
     with pytest.raises(ValueError, match="^kv_cache:"):
         HostKVCache(torch.zeros(12, 4, 2, 8), num_slots=4)
+
+
+def test_host_memory_that_cannot_be_had_names_cpu_offload_gb(monkeypatch):
+    real_zeros = torch.zeros
+
+    def failing_zeros(*args, **kwargs):
+        if args and args[0] and args[0][0] == 1000:  # the host slots' allocation
+            raise RuntimeError("CUDA error: out of memory\nmore detail")
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", failing_zeros)
+    with pytest.raises(ValueError, match=r"cpu_offload_gb: could not allocate .* GiB .* 1000 KV blocks \(CUDA error: out of memory\); lower cpu_offload_gb"):
+        HostKVCache(real_zeros(2, 2, 8, 16, 2, 4), num_slots=1000)
 
 
 def test_host_copies_are_exact_on_the_cpu():
