@@ -5,6 +5,8 @@ median ``engine.step()`` wall time of decode-only steps at several batch sizes, 
 CUDA graphs, each with and without the fused elementwise kernels (``fused_kernels``), the
 weight-read floor and the weights + KV floor (bytes / measured copy bandwidth) beside them, and
 an eager mixed step (decodes plus a prefill chunk); then the busiest ops of an eager decode step.
+With ``--modes``, one table instead: CUDA-graph fused decode steps with the library kernels
+against the batch-invariant mode (the CUDA default), beside the same floors.
 """
 
 from __future__ import annotations
@@ -60,9 +62,34 @@ def decode_ms(engine: Engine, batch: int, context: int, gen: torch.Generator) ->
     return ms
 
 
+def compare_modes(model: str, loaded: object, weight_bytes: int, bandwidth: float, floor_ms: float) -> None:
+    """Decode steps (CUDA graphs, fused kernels) with the library kernels and in the
+    batch-invariant mode, the CUDA default, against the same floors."""
+    engines = {}
+    for invariant in (False, True):
+        start = time.perf_counter()
+        engines[invariant] = Engine(
+            model=model, device="cuda", loaded=loaded, num_kv_blocks=8192, max_num_batched_tokens=8192,
+            max_model_len=32768, batch_invariant=invariant,
+        )
+        print(f"engine (batch_invariant={invariant}) ready in {time.perf_counter() - start:.1f} s")
+    cfg = loaded.config  # type: ignore[attr-defined]
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    print("| batch | context | library ms | batch-invariant ms | invariant / library "
+          "| invariant / weight floor | invariant / weights+KV floor |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, context in ((1, 2048), (1, 16384), (8, 2048), (32, 2048), (64, 1024)):
+        ms = {key: decode_ms(engine, batch, context, torch.Generator().manual_seed(batch)) for key, engine in engines.items()}
+        kv_floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth * 1e3
+        print(f"| {batch} | {context} | {ms[False]:.2f} | {ms[True]:.2f} | {ms[True] / ms[False]:.2f}x "
+              f"| {ms[True] / floor_ms:.2f}x | {ms[True] / kv_floor:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--modes", action="store_true",
+                    help="instead: CUDA-graph fused decode steps, library kernels against the batch-invariant mode")
     args = ap.parse_args()
     dev = torch.device("cuda")
     loaded = load_model(args.model, dev, torch.bfloat16, seed=0)
@@ -71,6 +98,9 @@ def main() -> None:
     floor_ms = weight_bytes / bandwidth * 1e3
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}: "
           f"{weight_bytes / 1e9:.1f} GB of weights, copy {bandwidth / 1e12:.2f} TB/s, weight-read floor {floor_ms:.2f} ms")
+    if args.modes:
+        compare_modes(args.model, loaded, weight_bytes, bandwidth, floor_ms)
+        return
     engines = {}
     # NOTE: four engines share the weights; 8,192 blocks each hold the largest row (64 x 1,024).
     for eager in (True, False):
