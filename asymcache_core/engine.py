@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,7 +34,7 @@ from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.kv_events import create_kv_events
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
-from asymcache_core.memory_budget import GIB, KVPoolPlan, plan_for_device
+from asymcache_core.memory_budget import GIB, KVPoolPlan, check_host_tier_fits, plan_for_device
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import (
@@ -291,7 +290,7 @@ class Engine:
         if runner_factory is None and self.num_host_blocks > 0:
             # NOTE: checked before the tier's block table is built: a tier larger than the
             # machine can never be allocated, and building its table alone would take minutes.
-            _check_host_tier_fits(
+            check_host_tier_fits(
                 self.num_host_blocks * self.block_bytes,
                 "cpu_offload_gb" if config.num_host_kv_blocks is None else "num_host_kv_blocks",
             )
@@ -1066,14 +1065,3 @@ class Engine:
                 pinned[b] = pinned.get(b, 0) + 1
         for block in self.pool.blocks:
             assert block.pin_cnt == pinned.get(block.block_id, 0), f"block {block.block_id}: pin count"
-
-
-def _check_host_tier_fits(tier_bytes: int, field_name: str) -> None:
-    """Raises ``ValueError`` naming ``field_name`` when a host KV tier of ``tier_bytes`` exceeds
-    this machine's physical memory."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if tier_bytes > total:
-        raise ValueError(
-            f"{field_name}: a host KV tier of {tier_bytes / GIB:.1f} GiB does not fit this machine's "
-            f"{total / GIB:.1f} GiB of memory"
-        )

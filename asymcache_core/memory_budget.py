@@ -185,3 +185,19 @@ def plan_for_device(
         # NOTE: a real CPU engine has no CUDA graphs or allocator pools to reserve for.
         runtime_overhead_bytes=0 if weights is not None and device.type == "cpu" else RUNTIME_OVERHEAD_BYTES,
     )
+
+
+def check_host_tier_fits(tier_bytes: int, field_name: str) -> None:
+    """Raises ``ValueError`` naming ``field_name`` when a host KV tier of ``tier_bytes`` exceeds
+    this machine's physical memory.
+
+    Args:
+        tier_bytes: the tier's size.
+        field_name: the setting that sized it (``cpu_offload_gb`` or ``num_host_kv_blocks``).
+    """
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if tier_bytes > total:
+        raise ValueError(
+            f"{field_name}: a host KV tier of {tier_bytes / GIB:.1f} GiB does not fit this machine's "
+            f"{total / GIB:.1f} GiB of memory"
+        )

@@ -189,6 +189,28 @@ def _chunk_start(i_n, chunk, b_macc, b_ml, b_mm, b_acc, b_m, b_l, BLOCK_R: tl.co
 
 
 @triton.jit
+def _invariant_span(
+    i_lo, i_hi, b_macc, b_ml, b_mm, b_acc, b_m, b_l, b_q, p_bt, k_cache, v_cache, i_kvh, o_d, o_pos,
+    ctx_end, chunk, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The KV tiles ``[i_lo, i_hi)`` of :func:`_invariant_walk`: at each chunk's first tile the
+    finished chunk is folded, then the tile attended (``MASKED``: with the causal mask).
+    Returns ``(macc, ml, mm, acc, m, l)``."""
+    for i_n in range(i_lo, i_hi, BLOCK_N):
+        b_macc, b_ml, b_mm, b_acc, b_m, b_l = _chunk_start(
+            i_n, chunk, b_macc, b_ml, b_mm, b_acc, b_m, b_l, BLOCK_R, D
+        )
+        b_acc, b_m, b_l = _attend_tile(
+            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
+            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE, BLOCK_N, MASKED, IEEE,
+        )
+    return b_macc, b_ml, b_mm, b_acc, b_m, b_l
+
+
+@triton.jit
 def _invariant_walk(
     b_q, p_bt, k_cache, v_cache, i_kvh, i_pos0, o_d, o_pos, ctx_end, chunk, scale_log2,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -212,24 +234,17 @@ def _invariant_walk(
     b_m = tl.full([BLOCK_R], _MASKED, dtype=tl.float32)
     b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
     i_full = tl.minimum(ctx_end, (i_pos0 + 1) // BLOCK_N * BLOCK_N)
-    for i_n in range(0, i_full, BLOCK_N):
-        b_macc, b_ml, b_mm, b_acc, b_m, b_l = _chunk_start(
-            i_n, chunk, b_macc, b_ml, b_mm, b_acc, b_m, b_l, BLOCK_R, D
-        )
-        b_acc, b_m, b_l = _attend_tile(
-            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
-            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, BLOCK_N, False, IEEE,
-        )
-    for i_n in range(i_full, ctx_end, BLOCK_N):
-        b_macc, b_ml, b_mm, b_acc, b_m, b_l = _chunk_start(
-            i_n, chunk, b_macc, b_ml, b_mm, b_acc, b_m, b_l, BLOCK_R, D
-        )
-        b_acc, b_m, b_l = _attend_tile(
-            b_q, b_acc, b_m, b_l, p_bt, k_cache, v_cache, i_kvh, i_n, o_d, o_pos, ctx_end,
-            scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            PAGE, BLOCK_N, True, IEEE,
-        )
+    # tiles every row sees in full, then the tiles the causal mask cuts
+    b_macc, b_ml, b_mm, b_acc, b_m, b_l = _invariant_span(
+        0, i_full, b_macc, b_ml, b_mm, b_acc, b_m, b_l, b_q, p_bt, k_cache, v_cache, i_kvh, o_d, o_pos,
+        ctx_end, chunk, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE, BLOCK_N, BLOCK_R, D, False, IEEE,
+    )
+    b_macc, b_ml, b_mm, b_acc, b_m, b_l = _invariant_span(
+        i_full, ctx_end, b_macc, b_ml, b_mm, b_acc, b_m, b_l, b_q, p_bt, k_cache, v_cache, i_kvh, o_d, o_pos,
+        ctx_end, chunk, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        PAGE, BLOCK_N, BLOCK_R, D, True, IEEE,
+    )
     b_macc, b_ml, b_mm = _fold_chunk(b_macc, b_ml, b_mm, b_acc, b_m, b_l)
     return _merged_output(b_macc, b_ml)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 from torch.autograd import DeviceType
@@ -26,21 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
-
-
-def timed_ms(fn: Callable[[], object], repeats: int = 20) -> float:
-    """Median milliseconds of ``fn`` (CUDA events, after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from kernels.bench import bench_ms
 
 
 def matmul_peak(shapes: list[tuple[int, int]], rows: int, dev: torch.device) -> tuple[float, str]:
@@ -49,7 +34,7 @@ def matmul_peak(shapes: list[tuple[int, int]], rows: int, dev: torch.device) -> 
     for out_f, in_f in shapes:
         x = torch.randn(rows, in_f, device=dev, dtype=torch.bfloat16)
         w = torch.randn(out_f, in_f, device=dev, dtype=torch.bfloat16)
-        ms = timed_ms(lambda x=x, w=w: torch.mm(x, w.t()))
+        ms = bench_ms(lambda x=x, w=w: torch.mm(x, w.t()))
         tflops = 2 * rows * in_f * out_f / ms / 1e9
         if tflops > best:
             best, best_name = tflops, f"{rows}x{in_f} @ {in_f}x{out_f}"

@@ -62,25 +62,43 @@ def decode_ms(engine: Engine, batch: int, context: int, gen: torch.Generator) ->
     return ms
 
 
+# (batch, context) of the decode rows
+DECODE_CASES = ((1, 2048), (1, 16384), (8, 2048), (32, 2048), (64, 1024))
+
+
+def shared_engines(model: str, loaded: object, variants: dict[object, dict[str, object]]) -> dict[object, Engine]:
+    """One engine per variant (its ``Engine`` keyword arguments), all sharing ``loaded``'s weights.
+
+    NOTE: 8,192 blocks each hold the largest row (64 x 1,024).
+    """
+    engines = {}
+    for key, kwargs in variants.items():
+        start = time.perf_counter()
+        engines[key] = Engine(
+            model=model, device="cuda", loaded=loaded, num_kv_blocks=8192, max_num_batched_tokens=8192,
+            max_model_len=32768, **kwargs,
+        )
+        print(f"engine ({', '.join(f'{k}={v}' for k, v in kwargs.items())}) ready in {time.perf_counter() - start:.1f} s")
+    return engines
+
+
+def decode_rows(engines: dict[object, Engine], loaded: object, weight_bytes: int, bandwidth: float):  # type: ignore[no-untyped-def]
+    """Per case of :data:`DECODE_CASES`: ``(batch, context, ms by engine key, weights+KV floor ms)``."""
+    cfg = loaded.config  # type: ignore[attr-defined]
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    for batch, context in DECODE_CASES:
+        ms = {key: decode_ms(engine, batch, context, torch.Generator().manual_seed(batch)) for key, engine in engines.items()}
+        yield batch, context, ms, (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth * 1e3
+
+
 def compare_modes(model: str, loaded: object, weight_bytes: int, bandwidth: float, floor_ms: float) -> None:
     """Decode steps (CUDA graphs, fused kernels) with the library kernels and in the
     batch-invariant mode, the CUDA default, against the same floors."""
-    engines = {}
-    for invariant in (False, True):
-        start = time.perf_counter()
-        engines[invariant] = Engine(
-            model=model, device="cuda", loaded=loaded, num_kv_blocks=8192, max_num_batched_tokens=8192,
-            max_model_len=32768, batch_invariant=invariant,
-        )
-        print(f"engine (batch_invariant={invariant}) ready in {time.perf_counter() - start:.1f} s")
-    cfg = loaded.config  # type: ignore[attr-defined]
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    engines = shared_engines(model, loaded, {inv: {"batch_invariant": inv} for inv in (False, True)})
     print("| batch | context | library ms | batch-invariant ms | invariant / library "
           "| invariant / weight floor | invariant / weights+KV floor |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, context in ((1, 2048), (1, 16384), (8, 2048), (32, 2048), (64, 1024)):
-        ms = {key: decode_ms(engine, batch, context, torch.Generator().manual_seed(batch)) for key, engine in engines.items()}
-        kv_floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth * 1e3
+    for batch, context, ms, kv_floor in decode_rows(engines, loaded, weight_bytes, bandwidth):
         print(f"| {batch} | {context} | {ms[False]:.2f} | {ms[True]:.2f} | {ms[True] / ms[False]:.2f}x "
               f"| {ms[True] / floor_ms:.2f}x | {ms[True] / kv_floor:.2f}x |")
 
@@ -101,24 +119,13 @@ def main() -> None:
     if args.modes:
         compare_modes(args.model, loaded, weight_bytes, bandwidth, floor_ms)
         return
-    engines = {}
-    # NOTE: four engines share the weights; 8,192 blocks each hold the largest row (64 x 1,024).
-    for eager in (True, False):
-        for fused in (False, True):
-            start = time.perf_counter()
-            engines[eager, fused] = Engine(
-                model=args.model, device="cuda", loaded=loaded, num_kv_blocks=8192, max_num_batched_tokens=8192,
-                max_model_len=32768, enforce_eager=eager, fused_kernels=fused,
-            )
-            print(f"engine (enforce_eager={eager}, fused_kernels={fused}) ready in {time.perf_counter() - start:.1f} s")
-    cfg = loaded.config
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    variants = {(eager, fused): {"enforce_eager": eager, "fused_kernels": fused}
+                for eager in (True, False) for fused in (False, True)}
+    engines = shared_engines(args.model, loaded, variants)  # type: ignore[arg-type]
     print("| step | batch | context | eager ms | eager fused ms | graph ms | graph fused ms | fused speed-up (graph) "
           "| graph fused / weight floor | graph fused / weights+KV floor |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, context in ((1, 2048), (1, 16384), (8, 2048), (32, 2048), (64, 1024)):
-        ms = {key: decode_ms(engine, batch, context, torch.Generator().manual_seed(batch)) for key, engine in engines.items()}
-        kv_floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth * 1e3
+    for batch, context, ms, kv_floor in decode_rows(engines, loaded, weight_bytes, bandwidth):
         print(f"| decode | {batch} | {context} | {ms[True, False]:.2f} | {ms[True, True]:.2f} | {ms[False, False]:.2f} "
               f"| {ms[False, True]:.2f} | {ms[False, False] / ms[False, True]:.2f}x | {ms[False, True] / floor_ms:.2f}x "
               f"| {ms[False, True] / kv_floor:.2f}x |")
