@@ -328,17 +328,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer layouts")
     parser.add_argument("--sweep", action="store_true", help="also time launch configurations")
     parser.add_argument("--decode-sweep", action="store_true", help="only the decode launch sweep")
+    parser.add_argument("--decode-floor", action="store_true",
+                        help="only the decode launch breakdown against read floors (kernels.bench_decode)")
     parser.add_argument("--json", default=None, help="write all rows to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench needs a CUDA device", file=sys.stderr)
         return 2
-    if args.decode_sweep:
-        from kernels.bench_decode import decode_sweep
+    if args.decode_sweep or args.decode_floor:
+        from kernels.bench_decode import decode_floor, decode_sweep
 
         copy_gbps = copy_bandwidth()
         print(f"device: {torch.cuda.get_device_name()}, copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
-        rows = decode_sweep(copy_gbps)
+        rows = decode_floor(copy_gbps) if args.decode_floor else decode_sweep(copy_gbps)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"copy_gbps": copy_gbps, "rows": [r.__dict__ for r in rows]}, f, indent=1)

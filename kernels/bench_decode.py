@@ -7,14 +7,19 @@ Shapes and inputs are those of :mod:`kernels.bench` (bf16, 32 q / 8 KV heads, he
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from collections.abc import Callable
+from unittest import mock
 
 import torch
+import triton
+import triton.language as tl
 
-from kernels.bench import HKV, HQ, D, Inputs, Row, decode_layout, make_inputs, planned
-from kernels.msa_plan import MSAConfig, choose_config
+from kernels import msa_triton as msa_triton_module
+from kernels.bench import DTYPE, HKV, HQ, D, Inputs, Row, decode_layout, make_inputs, planned
+from kernels.msa_plan import MSAConfig, choose_config, plan_msa
 from kernels.msa_triton import msa_triton
 
 
@@ -93,6 +98,138 @@ def decode_sweep(copy_gbps: float) -> list[Row]:
                   f"| {plan_gbps:.0f} ({plan_gbps / copy_gbps:.0%}) | bn{best.block_n} w{best.num_warps} "
                   f"s{best.num_stages} split{best.num_splits} | {best_gbps:.0f} ({best_gbps / copy_gbps:.0%}) |",
                   flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+    return rows
+
+
+@triton.jit
+def _empty_kernel(p_x):
+    pass
+
+
+@triton.jit
+def _read_kernel(p_x, p_out, n, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    """Reads ``n`` elements of ``p_x``, ``TILES`` blocks of ``BLOCK`` a program, and writes one
+    sum a program: the read floor of a launch that streams as many bytes as a decode."""
+    i_p = tl.program_id(0)
+    o = tl.arange(0, BLOCK)
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i_t in tl.range(0, TILES, num_stages=4):
+        o_x = (i_p * TILES + i_t).to(tl.int64) * BLOCK + o
+        b_acc += tl.load(p_x + o_x, mask=o_x < n, other=0.0).to(tl.float32)
+    tl.store(p_out + i_p, tl.sum(b_acc))
+
+
+def _read_floor(x: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`_read_kernel` over ``x`` with ~4 programs per SM (at least one 8k-element block each)."""
+    block = 8192
+    blocks = triton.cdiv(x.numel(), block)
+    programs = min(blocks, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    tiles = triton.cdiv(blocks, programs)
+    _read_kernel[(triton.cdiv(blocks, tiles),)](x, out, x.numel(), BLOCK=block, TILES=tiles, num_warps=8)
+
+
+class _SkippedLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _copies(layout_bytes: float) -> int:
+    # NOTE: enough distinct inputs that together they overflow the 50 MB L2 cache
+    return max(1, min(8, -(-(256 << 20) // int(layout_bytes))))
+
+
+def decode_floor(copy_gbps: float) -> list[Row]:
+    """Where a small-batch decode launch's time goes, per (batch, context), as CUDA-graph replays.
+
+    Rows per layout: the planner's launch (split walk + merge); the split walk alone (merge
+    skipped: its output is wrong, only its time counts); the batch-invariant mode's launch (the
+    default on CUDA); two hardware floors for reading the same KV bytes at this size, a
+    ``sum`` and a ``copy_`` of a contiguous buffer as large as the KV; and an empty Triton
+    launch (the fixed cost of one graph node). Shares are of ``copy_gbps`` (a 2 GiB copy).
+    """
+    scale = D**-0.5
+    rows: list[Row] = []
+    empty_ms = graph_ms([lambda: _empty_kernel[(1,)](torch.empty(1, device="cuda"))] * 8)
+    print(f"empty Triton launch in a graph: {empty_ms * 1000:.1f} us")
+    print("| layout | KV MB | msa | split walk only | batch-invariant | its walk only | sum floor | read floor | copy floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in (1, 2, 4):
+        for ctx in (8192, 32768, 131072):
+            layout = decode_layout(batch, ctx)
+            kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * 2
+            copies = _copies(kv_bytes)
+            inputs = [make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx + i)) for i in range(copies)]
+            timed: dict[str, float] = {}
+            timed["msa"] = _decode_graph_ms(inputs, None, scale)
+            with mock.patch.object(msa_triton_module, "_msa_reduce_kernel", _SkippedLaunch()):
+                timed["split walk only"] = _decode_graph_ms(inputs, None, scale)
+            fns = []
+            for inp in inputs:
+                meta = dataclasses.replace(
+                    inp.meta, plan=plan_msa(inp.meta, HQ, HKV, D, inp.q.device, dtype=DTYPE, invariant=True)
+                )
+                fns.append(lambda inp=inp, meta=meta: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale))
+            timed["batch-invariant"] = graph_ms(fns)
+            with mock.patch.object(msa_triton_module, "_msa_reduce_kernel", _SkippedLaunch()):
+                timed["batch-invariant walk only"] = graph_ms(fns)
+            flat = [torch.empty(int(kv_bytes) // 2, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(copies)]
+            sums = [torch.empty((), dtype=torch.float32, device="cuda") for _ in range(copies)]
+            timed["sum floor"] = graph_ms([lambda x=x, o=o: torch.sum(x, dim=0, dtype=torch.float32, out=o) for x, o in zip(flat, sums, strict=True)])
+            partial = [torch.empty(1 << 12, dtype=torch.float32, device="cuda") for _ in range(copies)]
+            timed["read floor"] = graph_ms([lambda x=x, o=o: _read_floor(x, o) for x, o in zip(flat, partial, strict=True)])
+            dst = [torch.empty_like(x) for x in flat]
+            # a copy moves twice the bytes: its time is that of reading them and writing them
+            timed["copy floor"] = graph_ms([lambda x=x, y=y: y.copy_(x) for x, y in zip(flat, dst, strict=True)]) / 2
+            cells = []
+            for name, ms in timed.items():
+                gbps = kv_bytes / ms / 1e6
+                rows.append(Row(layout.name, f"floor:{name}", ms, None, gbps))
+                cells.append(f"{ms * 1000:.1f} us {gbps / copy_gbps:.0%}")
+            print(f"| {layout.name} | {kv_bytes / 1e6:.0f} | " + " | ".join(cells) + " |", flush=True)
+            del inputs, flat, dst
+            torch.cuda.empty_cache()
+    rows.append(Row("empty launch", "floor:empty", empty_ms))
+    rows += _invariant_sweep(copy_gbps)
+    return rows
+
+
+def _invariant_sweep(copy_gbps: float) -> list[Row]:
+    """The batch-invariant decode launch over its programs per SM and pipelining depth (neither
+    changes a row's bits), per (batch, context)."""
+    from kernels import msa_plan
+
+    scale = D**-0.5
+    rows: list[Row] = []
+    variants = [(pps, stages) for pps in (3, 6, 12, 24) for stages in (3, 4)]
+    print("| layout | " + " | ".join(f"{p}/SM s{st}" for p, st in variants) + " |")
+    print("|---|" + "---:|" * len(variants))
+    for batch in (1, 4):
+        for ctx in (8192, 32768, 131072):
+            layout = decode_layout(batch, ctx)
+            kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * 2
+            inputs = [make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx + i))
+                      for i in range(_copies(kv_bytes))]
+            cells = []
+            for pps, stages in variants:
+                fns = []
+                with mock.patch.object(msa_plan, "_INVARIANT_PROGRAMS_PER_SM", pps):
+                    for inp in inputs:
+                        plan = plan_msa(inp.meta, HQ, HKV, D, inp.q.device, dtype=DTYPE, invariant=True)
+                        plan = msa_plan.MSAStepPlan(tuple(
+                            dataclasses.replace(launch, config=dataclasses.replace(launch.config, num_stages=stages))
+                            for launch in plan.launches
+                        ))
+                        meta = dataclasses.replace(inp.meta, plan=plan)
+                        fns.append(lambda inp=inp, meta=meta: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale))
+                ms = graph_ms(fns)
+                gbps = kv_bytes / ms / 1e6
+                rows.append(Row(layout.name, "bi-sweep", ms, None, gbps, f"{pps}/SM s{stages}"))
+                cells.append(f"{ms * 1000:.0f} us {gbps / copy_gbps:.0%}")
+            print(f"| {layout.name} | " + " | ".join(cells) + " |", flush=True)
             del inputs
             torch.cuda.empty_cache()
     return rows

@@ -397,6 +397,27 @@ def _msa_fwd_kernel(
 
 # NOTE: ``num_splits`` is only a loop bound; left specialized, a launch with 16 or 32 splits (a
 # value divisible by 16) compiled a second binary mid-benchmark, after the warm-up.
+@triton.jit
+def _chunk_state(p_op, p_ml, i_s, n_split, stride_ps, stride_ls, stat_off, m_o, m_t):
+    """Chunk ``i_s``'s unnormalised state ``(acc, m, l)`` of the batch-invariant split merge;
+    past ``n_split`` nothing is loaded (the fold skips it)."""
+    # NOTE: compared as a vector: the interpreter makes a scalar comparison's ``&`` an int32 mask
+    m_ts = m_t & ((tl.zeros(m_t.shape, dtype=tl.int32) + i_s) < n_split)
+    b_o = tl.load(p_op + i_s * stride_ps, mask=m_o & m_ts[:, None], other=0.0)
+    b_m = tl.load(p_ml + i_s * stride_ls, mask=m_ts, other=float("-inf"))
+    b_l = tl.load(p_ml + i_s * stride_ls + stat_off, mask=m_ts, other=0.0)
+    return b_o, b_m, b_l
+
+
+@triton.jit
+def _fold_if(fold, b_macc, b_ml, b_mm, b_acc, b_m, b_l):
+    """:func:`_fold_chunk` when ``fold``; the running merge unchanged otherwise (an empty
+    chunk folded in would turn a ``-0.0`` into ``+0.0``)."""
+    if fold:
+        b_macc, b_ml, b_mm = _fold_chunk(b_macc, b_ml, b_mm, b_acc, b_m, b_l)
+    return b_macc, b_ml, b_mm
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _msa_reduce_kernel(
     o,
@@ -421,23 +442,24 @@ def _msa_reduce_kernel(
     DYN_CHUNK: tl.constexpr,
     PART_BY_ROW: tl.constexpr,
 ):
-    """Merges the split partials of one (q-tile, q head): o_part ``[S, R, HQ, D]`` -> o.
+    """Merges the split partials of one (q-tile, q head, ``BLOCK_D`` columns): o_part
+    ``[S, R, HQ, D]`` -> o.
 
     Partials are normalised outputs with their log-sum-exp in ``lse_part [S, R, HQ]``, merged
     ``BLOCK_S`` splits a load, or, with ``PART_BY_ROW`` (the batch-invariant mode),
     unnormalised chunk states: ``m`` in ``lse_part`` and ``l`` ``stat_off`` elements after it,
-    folded one chunk at a time in chunk order.
+    loaded eight chunks at a time and folded one chunk at a time in chunk order.
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
-    i_tile, i_h = tl.program_id(0), tl.program_id(1)
+    i_tile, i_h, i_dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_row0 = tl.load(tiles + i_tile * 4 + 1)
     n_q = tl.load(tiles + i_tile * 4 + 2)
     i_pos0 = tl.load(tiles + i_tile * 4 + 3)
     n_split = tl.minimum(tl.cdiv(i_pos0 + n_q, chunk), num_splits)
 
     o_tok = tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = i_dblk * BLOCK_D + tl.arange(0, BLOCK_D)
     m_t = o_tok < n_q
     m_o = m_t[:, None] & (o_d < D)[None, :]
     o_t = (i_row0 + o_tok).to(tl.int64)
@@ -450,14 +472,28 @@ def _msa_reduce_kernel(
     b_w = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if PART_BY_ROW:
-        for i_s in range(0, n_split):
-            # the batch-invariant mode's unnormalised chunk states, folded in chunk order
-            p_op = o_part + i_s * stride_ps + o_pt[:, None] * stride_pt + i_h * stride_ph
-            b_o = tl.load(p_op + o_d[None, :], mask=m_o, other=0.0)
-            p_ml = lse_part + i_s * stride_ls + o_pt * stride_lt + i_h
-            b_cm = tl.load(p_ml, mask=m_t, other=float("-inf"))
-            b_cl = tl.load(p_ml + stat_off, mask=m_t, other=0.0)
-            b_acc, b_w, b_m = _fold_chunk(b_acc, b_w, b_m, b_o, b_cm, b_cl)
+        # NOTE: the chunk states are folded one at a time in chunk order (the bits), but
+        # loaded eight at a time, all before the first fold: one chunk a loop turn made the
+        # merge a chain of dependent loads (H200: 120 us of a 330 us decode at 128k keys).
+        p_op = o_part + o_pt[:, None] * stride_pt + i_h * stride_ph + o_d[None, :]
+        p_ml = lse_part + o_pt * stride_lt + i_h
+        for i_s0 in range(0, n_split, 8):
+            b_o0, b_m0, b_l0 = _chunk_state(p_op, p_ml, i_s0 + 0, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_o1, b_m1, b_l1 = _chunk_state(p_op, p_ml, i_s0 + 1, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_o2, b_m2, b_l2 = _chunk_state(p_op, p_ml, i_s0 + 2, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_o3, b_m3, b_l3 = _chunk_state(p_op, p_ml, i_s0 + 3, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_o4, b_m4, b_l4 = _chunk_state(p_op, p_ml, i_s0 + 4, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_o5, b_m5, b_l5 = _chunk_state(p_op, p_ml, i_s0 + 5, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_o6, b_m6, b_l6 = _chunk_state(p_op, p_ml, i_s0 + 6, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_o7, b_m7, b_l7 = _chunk_state(p_op, p_ml, i_s0 + 7, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+            b_acc, b_w, b_m = _fold_chunk(b_acc, b_w, b_m, b_o0, b_m0, b_l0)
+            b_acc, b_w, b_m = _fold_if(i_s0 + 1 < n_split, b_acc, b_w, b_m, b_o1, b_m1, b_l1)
+            b_acc, b_w, b_m = _fold_if(i_s0 + 2 < n_split, b_acc, b_w, b_m, b_o2, b_m2, b_l2)
+            b_acc, b_w, b_m = _fold_if(i_s0 + 3 < n_split, b_acc, b_w, b_m, b_o3, b_m3, b_l3)
+            b_acc, b_w, b_m = _fold_if(i_s0 + 4 < n_split, b_acc, b_w, b_m, b_o4, b_m4, b_l4)
+            b_acc, b_w, b_m = _fold_if(i_s0 + 5 < n_split, b_acc, b_w, b_m, b_o5, b_m5, b_l5)
+            b_acc, b_w, b_m = _fold_if(i_s0 + 6 < n_split, b_acc, b_w, b_m, b_o6, b_m6, b_l6)
+            b_acc, b_w, b_m = _fold_if(i_s0 + 7 < n_split, b_acc, b_w, b_m, b_o7, b_m7, b_l7)
     else:
         # NOTE: BLOCK_S splits per load, folded as one online-softmax step: one split a loop
         # turn made the merge a chain of dependent loads (measured on the H200: +2-7% of the
@@ -634,12 +670,16 @@ def _launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
-        _msa_reduce_kernel[(num_tiles, num_q_heads)](
+        # NOTE: the batch-invariant merge splits the head dimension over programs: its loads
+        # of eight chunk states at a time stay within the registers, and a decode's few
+        # (tile, head) pairs get 4x the programs
+        merge_d = min(block_d, 32) if part_by_row else block_d
+        _msa_reduce_kernel[(num_tiles, num_q_heads, triton.cdiv(head_dim, merge_d))](
             out, o_part, lse_part, tiles, chunk, p_chunk, plan.partial_slots,
             out.stride(0), out.stride(1),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), stat_off,
-            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=block_d, BLOCK_S=_merge_splits_per_load(cfg.block_m),
+            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=merge_d, BLOCK_S=_merge_splits_per_load(cfg.block_m),
             DYN_CHUNK=dyn_chunk, PART_BY_ROW=part_by_row, num_warps=4,
         )
 
