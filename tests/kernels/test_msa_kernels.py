@@ -175,8 +175,8 @@ _INTERP_CASES = [
     ("decode", 3, 16, 1, 4, 64, 150, None),
     ("decode", 2, 32, 2, 3, 64, 200, (4, 32, 3)),  # split-K path
     ("decode", 2, 16, 1, 8, 128, 120, (2, 16, 4)),  # split-K, GQA 8, d 128
-    ("decode", 2, 16, 1, 4, 64, 700, (4, 16, 40)),  # 40 splits: merged 16 a load, a partial group
-    ("prefill", 1, 16, 1, 2, 64, 300, (16, 16, 9)),  # 9 splits merged 4 a load (16-row tiles)
+    ("decode", 2, 16, 1, 4, 64, 1700, (4, 16, 100)),  # 100 splits: merged 64 a load, a partial group
+    ("prefill", 1, 16, 1, 2, 64, 300, (64, 16, 9)),  # 9 splits merged 4 a load (64-token tiles)
     ("prefill", 2, 16, 1, 1, 64, 120, None),
     ("prefill", 2, 32, 1, 3, 64, 140, (8, 32, 1)),
     ("prefill", 1, 16, 1, 4, 128, 100, (4, 16, 2)),  # split-K on prefill tiles
