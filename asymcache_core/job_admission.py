@@ -17,10 +17,14 @@ the gate cannot deadlock. Where the pool is not the bottleneck, nothing is ever 
 
 Holding a job back is worth it only when the contexts it would push out are dear to rebuild. A
 job between turns whose context is at most :attr:`JobAdmission.min_held_tokens` (the engine
-passes its step budget: one step rebuilds such a context) keeps its rank but reserves nothing:
-letting a younger job evict it costs the older one at most a step when it returns, while
-holding the younger one back costs it a whole wait (chat and tool loops, whose contexts are
-short, lose more to the wait than they gain in hits; agents with long histories keep the gate).
+passes its step budget: one step rebuilds such a context) keeps its rank but reserves nothing,
+provided that jobs stay that short: the median final context of the last jobs that finished is
+within it too. Letting a younger job evict such a job costs the older one at most a step when
+it returns, while holding the younger one back costs it a whole wait (chat and tool loops,
+whose contexts stay short, lose more to the wait than they gain in hits). Jobs whose histories
+grow long (coding agents) start short too: there a short context is only a job's first turns,
+and the gate reserves it, or the young jobs it let in would have to stop later, once grown.
+Until a job has finished, every idle job reserves its context.
 
 Clients that never say ``is_last_step`` would hold their rank forever: a job with nothing in
 flight for longer than :attr:`JobAdmission.idle_timeout_s` (learned from the gaps between
@@ -49,17 +53,25 @@ class JobAdmission:
       - ``jobs`` is ordered by first admission and holds each job once;
       - a job's ``in_flight`` count is its admitted, unfinished requests (never negative);
       - the oldest job, requests without a ``job_id``, jobs that fit, and any request while
-        nothing runs (holding back only pays while other jobs use the pool) are never held back.
+        nothing runs (holding back only pays while other jobs use the pool) are never held back;
+      - ``final_tokens`` holds at most ``final_history`` final contexts, of jobs that finished.
 
     Args:
         capacity_tokens: the pool's size in tokens (blocks x block size).
         min_idle_timeout_s: the floor of :attr:`idle_timeout_s`.
         min_held_tokens: a job with nothing in flight reserves its context only when it is
-            longer than this (0: every ranked job reserves its context).
+            longer than this or jobs do not stay that short (:meth:`jobs_stay_short`; 0: every
+            ranked job reserves its context).
+        final_history: finished jobs whose final contexts :meth:`jobs_stay_short` looks at.
     """
 
     def __init__(
-        self, capacity_tokens: int, *, min_idle_timeout_s: float = 30.0, min_held_tokens: int = 0
+        self,
+        capacity_tokens: int,
+        *,
+        min_idle_timeout_s: float = 30.0,
+        min_held_tokens: int = 0,
+        final_history: int = 64,
     ) -> None:
         if capacity_tokens <= 0:
             raise ValueError(f"capacity_tokens: must be positive, got {capacity_tokens!r}")
@@ -67,9 +79,15 @@ class JobAdmission:
             raise ValueError(f"min_idle_timeout_s: must be positive, got {min_idle_timeout_s!r}")
         if min_held_tokens < 0:
             raise ValueError(f"min_held_tokens: must be >= 0, got {min_held_tokens!r}")
+        if final_history < 1:
+            raise ValueError(f"final_history: must be >= 1, got {final_history!r}")
         self.capacity_tokens = capacity_tokens
         self.min_idle_timeout_s = min_idle_timeout_s
         self.min_held_tokens = min_held_tokens
+        self.final_history = final_history
+        #: final contexts of the last jobs that finished (their last step released), oldest first
+        self.final_tokens: deque[int] = deque(maxlen=final_history)
+        self._stay_short: bool | None = None
         self.jobs: OrderedDict[str, _JobState] = OrderedDict()
         self._gaps: deque[float] = deque(maxlen=256)
         # NOTE: jobs that idled out, with their last release: a gap longer than the timeout
@@ -99,10 +117,21 @@ class JobAdmission:
         """Jobs in the ranking (running, between turns, or held back between turns)."""
         return len(self.jobs)
 
+    def jobs_stay_short(self) -> bool:
+        """Whether the median final context of the last :attr:`final_history` finished jobs
+        is at most :attr:`min_held_tokens` (False before any job finished)."""
+        if self._stay_short is None:
+            finals = sorted(self.final_tokens)
+            self._stay_short = bool(finals) and finals[(len(finals) - 1) // 2] <= self.min_held_tokens
+        return self._stay_short
+
     def reserved_tokens(self, job: _JobState) -> int:
         """The tokens ``job`` holds in the gate's sum: its context while it has a request in
-        flight or its context is longer than :attr:`min_held_tokens`; else none."""
-        return job.tokens if job.in_flight or job.tokens > self.min_held_tokens else 0
+        flight, its context is longer than :attr:`min_held_tokens`, or jobs do not stay that
+        short (:meth:`jobs_stay_short`); else none."""
+        if job.in_flight or job.tokens > self.min_held_tokens or not self.jobs_stay_short():
+            return job.tokens
+        return 0
 
     def ranked_tokens(self) -> int:
         """Sum of the ranked jobs' latest context lengths."""
@@ -179,6 +208,9 @@ class JobAdmission:
         job.last_release = now
         if request.is_last_step and job.in_flight == 0:
             del self.jobs[request.job_id]  # type: ignore[arg-type]
+            if self.min_held_tokens:
+                self.final_tokens.append(job.tokens)
+                self._stay_short = None
 
     def expire(self, now: float) -> list[str]:
         """Drops the jobs idle past :attr:`idle_timeout_s`; returns their ids."""
@@ -212,3 +244,5 @@ class JobAdmission:
             assert self._older_total == total, "stale total of the ranked contexts"
         assert not set(self.jobs) & set(self._expired), "a job both ranked and expired"
         assert len(self._expired) <= self._max_expired, "expired jobs past their bound"
+        assert len(self.final_tokens) <= self.final_history, "final contexts past their bound"
+        assert all(tokens > 0 for tokens in self.final_tokens), "a finished job with no context"

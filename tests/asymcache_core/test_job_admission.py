@@ -94,10 +94,19 @@ def test_nothing_is_held_back_while_the_engine_is_idle() -> None:
     assert gate.admits(_req("b", 50), 0.0, engine_idle=True)
 
 
+def _finish_job(gate: JobAdmission, job: str, tokens: int, now: float) -> None:
+    request = _req(job, tokens, last=True)
+    gate.on_admitted(request, now)  # a one-turn job, admitted whatever the gate would say now
+    gate.on_released(request, now)
+
+
 def test_idle_jobs_with_contexts_one_step_rebuilds_reserve_nothing() -> None:
     # a job between turns whose context is within min_held_tokens keeps its rank (it still goes
-    # first when it returns) but does not hold the younger jobs back
+    # first when it returns) but does not hold the younger jobs back, once jobs are seen to
+    # stay that short
     gate = JobAdmission(capacity_tokens=1000, min_held_tokens=500)
+    _finish_job(gate, "done", 300, 0.0)
+    assert gate.jobs_stay_short() and list(gate.final_tokens) == [300]
     a1, b1 = _req("a", 400), _req("b", 550)
     assert _admit(gate, a1) and _admit(gate, b1)
     gate.on_released(a1, 1.0)
@@ -111,6 +120,41 @@ def test_idle_jobs_with_contexts_one_step_rebuilds_reserve_nothing() -> None:
     gate.on_released(_req("c", 400), 1.4)
     assert not gate.admits(_req("c", 350, rid="c2"), 1.5)  # 450 + 550 + 400 > 1000
     gate.check_integrity()
+
+
+def test_short_idle_jobs_reserve_their_context_while_jobs_grow_long() -> None:
+    # jobs start short and grow (coding agents): a short idle context is a job's first turns,
+    # and letting younger jobs in past it would stop them later, once grown
+    gate = JobAdmission(capacity_tokens=1000, min_held_tokens=500)
+    a1 = _req("a", 400)
+    assert _admit(gate, a1)
+    gate.on_released(a1, 1.0)
+    assert not gate.jobs_stay_short()  # no job finished yet: every idle job reserves
+    assert not gate.admits(_req("b", 700), 1.1)  # 400 + 700 > 1000
+    for i, tokens in enumerate((900, 300, 2000)):  # median 900 > 500: jobs grow long
+        _finish_job(gate, f"done{i}", tokens, 2.0 + i)
+    assert not gate.jobs_stay_short()
+    assert not gate.admits(_req("b", 700), 5.1)
+    for i in range(2):  # two more short ones: median 300
+        _finish_job(gate, f"short{i}", 200 + i, 6.0 + i)
+    assert gate.jobs_stay_short()
+    assert _admit(gate, _req("b", 700), 8.1)  # a's idle 400 is one step: not reserved now
+    gate.check_integrity()
+
+
+def test_final_contexts_are_a_bounded_window_of_finished_jobs() -> None:
+    gate = JobAdmission(capacity_tokens=10_000, min_held_tokens=500, final_history=3)
+    for i, tokens in enumerate((5000, 5000, 5000, 100, 100)):
+        _finish_job(gate, f"j{i}", tokens, float(i))
+    assert list(gate.final_tokens) == [5000, 100, 100]  # the oldest two left the window
+    assert gate.jobs_stay_short()
+    unfinished = _req("k", 50)
+    assert _admit(gate, unfinished, 9.0)
+    gate.on_released(unfinished, 9.5)  # a turn that is not the last step: nothing recorded
+    assert len(gate.final_tokens) == 3
+    gate.check_integrity()
+    with pytest.raises(ValueError, match="final_history"):
+        JobAdmission(capacity_tokens=1000, final_history=0)
 
 
 def test_min_held_tokens_zero_reserves_every_ranked_context() -> None:
