@@ -2,8 +2,9 @@
 
 ``python -m kernels.bench [--quick] [--sweep] [--json PATH]`` on a CUDA machine;
 ``python -m kernels.bench --decode-sweep`` times only decode launches (batch 1-8, contexts
-8k-128k) over tile shapes and KV splits, against the planner's choice and the copy bandwidth
-(:mod:`kernels.bench_decode`).
+8k-128k) over tile shapes and KV splits, against the planner's choice and the copy bandwidth;
+``python -m kernels.bench --decode-floor`` splits the planner's decode launches into walk and
+merge, in both modes, against a kernel that only reads as many bytes (:mod:`kernels.bench_decode`).
 
 Shapes: bf16, head_dim 128, 32 query heads / 8 KV heads, paged caches of 16-token blocks
 scattered over a larger pool. Layouts: one sequence of context 4k-32k whose step holds 1-8

@@ -1,5 +1,9 @@
-"""The decode launch sweep of ``python -m kernels.bench --decode-sweep``: decode launches as
-CUDA-graph replays, over KV tile widths, warps, stages and splits, per (batch, context).
+"""Decode launches as CUDA-graph replays, per (batch, context):
+
+- ``python -m kernels.bench --decode-sweep``: over KV tile widths, warps, stages and splits;
+- ``python -m kernels.bench --decode-floor``: the planner's launch split into its walk and its
+  merge, in the library and batch-invariant modes, against a read floor (a kernel that only
+  streams as many bytes), then the batch-invariant launch over programs per SM and stages.
 
 Shapes and inputs are those of :mod:`kernels.bench` (bf16, 32 q / 8 KV heads, head_dim 128,
 16-token pages scattered over the pool).
