@@ -345,27 +345,36 @@ def _msa_fwd_kernel(
         # tile's context and stores each chunk's unnormalised state (acc, m, l) at that chunk's
         # index; the merge folds them in chunk order, as the in-program walk does. A context
         # of one chunk is folded and written here.
+        # NOTE: the one-chunk case is its own branch, not a test inside the chunk loop: there
+        # its second accumulator (the fold) stayed live across the loop, and the program
+        # spilled 104 bytes a thread instead of 24 (python -m kernels.offline_compile,
+        # Triton 3.6, sm_90).
         n_tile_chunks = tl.cdiv(ctx_end, chunk)
-        o_zero = o_r * 0  # per-row copies of the tile's scalars, for the store masks
-        m_direct = (o_zero + n_tile_chunks) == 1
-        for i_c in range(i_split, n_tile_chunks, tl.num_programs(2)):
-            i_lo = i_c * chunk
-            b_acc, b_m, b_l = _attend_range(
-                b_q, p_bt, k_cache, v_cache, i_kvh, i_lo, tl.minimum(i_lo + chunk, ctx_end), i_pos0,
-                o_d, o_pos, ctx_end, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb,
-                stride_vs, stride_vh, PAGE, BLOCK_N, BLOCK_R, D, IEEE,
-            )
-            p_op = o_part + i_c * stride_ps + o_t[:, None] * stride_pt + o_h[:, None] * stride_ph + o_d[None, :]
-            tl.store(p_op, b_acc, mask=m_o & ~m_direct[:, None])
-            p_ml = lse_part + i_c * stride_ls + o_t * stride_lt + o_h
-            tl.store(p_ml, b_m, mask=m_r & ~m_direct)
-            tl.store(p_ml + stat_off, b_l, mask=m_r & ~m_direct)
-            if n_tile_chunks == 1:
+        if n_tile_chunks == 1:
+            if i_split == 0:
+                b_acc, b_m, b_l = _attend_range(
+                    b_q, p_bt, k_cache, v_cache, i_kvh, 0, ctx_end, i_pos0, o_d, o_pos, ctx_end,
+                    scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    PAGE, BLOCK_N, BLOCK_R, D, IEEE,
+                )
                 b_macc, b_ml, _ = _fold_chunk(
                     tl.zeros([BLOCK_R, D], dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32),
                     tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), b_acc, b_m, b_l,
                 )
                 tl.store(p_o, _merged_output(b_macc, b_ml).to(o.dtype.element_ty), mask=m_o)
+        else:
+            for i_c in range(i_split, n_tile_chunks, tl.num_programs(2)):
+                i_lo = i_c * chunk
+                b_acc, b_m, b_l = _attend_range(
+                    b_q, p_bt, k_cache, v_cache, i_kvh, i_lo, tl.minimum(i_lo + chunk, ctx_end), i_pos0,
+                    o_d, o_pos, ctx_end, scale_log2, stride_kb, stride_ks, stride_kh, stride_vb,
+                    stride_vs, stride_vh, PAGE, BLOCK_N, BLOCK_R, D, IEEE,
+                )
+                p_op = o_part + i_c * stride_ps + o_t[:, None] * stride_pt + o_h[:, None] * stride_ph + o_d[None, :]
+                tl.store(p_op, b_acc, mask=m_o)
+                p_ml = lse_part + i_c * stride_ls + o_t * stride_lt + o_h
+                tl.store(p_ml, b_m, mask=m_r)
+                tl.store(p_ml + stat_off, b_l, mask=m_r)
     else:
         i_lo = i_split * chunk
         i_hi = tl.minimum(i_lo + chunk, ctx_end)

@@ -100,10 +100,14 @@ def make_case(
     device: str = "cpu",
     max_segs: int = 6,
     pad_tokens: int = 0,
+    ctxs: list[int] | None = None,
 ) -> Case:
-    """Builds a random step; ``kind`` is decode, prefill (holes + suffix), prefill-full or mixed."""
+    """Builds a random step; ``kind`` is decode, prefill (holes + suffix), prefill-full or mixed.
+    ``ctxs`` sets the sequences' contexts (``num_seqs`` of them) instead of drawing them."""
     gen = torch.Generator().manual_seed(seed + 7919 * _SEED)
-    ctxs = torch.randint(2, max_ctx + 1, (num_seqs,), generator=gen).tolist()
+    drawn = torch.randint(2, max_ctx + 1, (num_seqs,), generator=gen).tolist()
+    ctxs = drawn if ctxs is None else ctxs
+    assert len(ctxs) == num_seqs
     kinds = [kind] * num_seqs
     if kind == "mixed":
         kinds = ["decode" if i % 2 == 0 else "prefill" for i in range(num_seqs)]
@@ -580,11 +584,12 @@ def _single_rows(case: Case, rows: list[int]) -> list[tuple[torch.Tensor, MSAMet
 
 
 def _invariant_case(
-    device: str, dtype: torch.dtype, group: int, head_dim: int, max_ctx: int, seed: int, kind: str = "mixed"
+    device: str, dtype: torch.dtype, group: int, head_dim: int, max_ctx: int, seed: int, kind: str = "mixed",
+    ctxs: list[int] | None = None,
 ) -> Case:
     return make_case(
         seed, kind=kind, num_seqs=4, block_size=16, num_kv_heads=2, group=group,
-        head_dim=head_dim, max_ctx=max_ctx, dtype=dtype, device=device, max_segs=3,
+        head_dim=head_dim, max_ctx=max_ctx, dtype=dtype, device=device, max_segs=3, ctxs=ctxs,
     )
 
 
@@ -661,6 +666,22 @@ def test_msa_triton_interpreter_batch_invariant_decodes(interp: ModuleType) -> N
         chunks = -(-max(s[3] + s[2] for s in case.meta.host_segments) // msa_plan.INVARIANT_CHUNK)
         assert 1 < launch.num_splits and chunks >= 4
         _check_invariant(interp, case, torch.float32, _rows_to_check(case, 4))
+
+
+def test_msa_triton_interpreter_batch_invariant_split_with_one_chunk_contexts(interp: ModuleType) -> None:
+    """A split launch whose short decodes fit one chunk: those tiles fold and write their rows
+    themselves (the merge skips them), to the in-program walk's bits."""
+    chunk = msa_plan.INVARIANT_CHUNK
+    ctxs = [chunk // 2, 4 * chunk + 100, 37, chunk]  # one chunk, five, one, exactly one
+    case = _invariant_case(
+        "cpu", torch.float32, group=4, head_dim=16, max_ctx=max(ctxs), seed=_seed("bi-one-chunk", 5),
+        kind="decode", ctxs=ctxs,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        (launch,) = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True).launches
+        assert launch.num_splits > 1
+        _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
 
 
 def test_invariant_config_is_the_same_for_every_step(interp: ModuleType) -> None:
