@@ -220,7 +220,8 @@ def reports(arch: int = 90, steps: tuple[tuple[str, list[tuple[int, int]]], ...]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    parser.add_argument("--arch", type=int, default=90, choices=(80, 86, 89, 90),
+                        help="compute capability x 10 (90: Hopper, 80: Ampere)")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args(argv)
     try:
