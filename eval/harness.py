@@ -28,6 +28,7 @@ from asymcache_core import Engine, EngineConfig, SamplingParams
 from eval.results import (
     SLO,
     HostTierResult,
+    JobTime,
     PolicyResult,
     Recompute,
     RunMeans,
@@ -329,6 +330,34 @@ def serving_metrics(outcome: RunOutcome, slo: SLO | None) -> tuple[dict[str, flo
     return serving, good_jobs / duration * 3600.0
 
 
+def job_time(outcome: RunOutcome) -> JobTime | None:
+    """Where the mean job's completion time goes (:class:`~eval.results.JobTime`), over the
+    jobs that completed; ``None`` when none did.
+
+    NOTE: per request, its time before its first scheduling is queueing, from there to its
+    first token prefill (a request preempted before its first token counts its wait again as
+    prefill), and the rest decode; whatever of the job's time no request covers is a pause.
+    """
+    if not outcome.jct:
+        return None
+    spans: dict[str, list[float]] = {job: [0.0, 0.0, 0.0] for job in outcome.jct}
+    for r in outcome.records:
+        span = spans.get(r.job_id)
+        if span is None or r.first_scheduled is None:
+            continue
+        first_token = r.first_token if r.first_token is not None else r.finish
+        span[0] += r.first_scheduled - r.arrival
+        span[1] += first_token - r.first_scheduled
+        span[2] += r.finish - first_token
+    n = len(spans)
+    queue, prefill, decode = (sum(span[i] for span in spans.values()) / n for i in range(3))
+    jct = sum(outcome.jct.values()) / n
+    return JobTime(
+        queue_s=max(queue, 0.0), prefill_s=max(prefill, 0.0), decode_s=max(decode, 0.0),
+        pause_s=max(jct - queue - prefill - decode, 0.0),
+    )
+
+
 def policy_result(
     outcome: RunOutcome, reference: dict[tuple[str, int], list[int]] | None, slo: SLO | None = None
 ) -> PolicyResult:
@@ -370,6 +399,7 @@ def policy_result(
         goodput_jobs_per_hour=goodput,
         serving=serving,
         series=Series(jct=jcts, ttft=ttft, tpot=tpot, blocks_in_use=outcome.blocks_in_use, budget=outcome.budgets),
+        job_time=job_time(outcome),
         host_tier=HostTierResult(**{k.removeprefix("host_"): v for k, v in s.items() if k.startswith("host_")})
         if "host_blocks" in s
         else None,
@@ -413,8 +443,16 @@ def repeated_result(
         # NOTE: per run, then averaged: the pooled records repeat every job id once per run.
         serving["job_goodput"] = sum(r.serving["job_goodput"] for r in single) / len(single)
         serving["request_goodput"] = sum(r.serving["request_goodput"] for r in single) / len(single)
+    # NOTE: per run, then weighted by jobs: the pooled records repeat every job id once per run.
+    times = [(r.job_time, r.num_jobs) for r in single if r.job_time is not None]
+    jobs = sum(n for _, n in times)
+    pooled_time = (
+        JobTime(**{k: sum(getattr(t, k) * n for t, n in times) / jobs for k in JobTime.model_fields})
+        if jobs else None
+    )
     return pooled.model_copy(
         update={
+            "job_time": pooled_time,
             "goodput_jobs_per_hour": sum(goodputs) / len(goodputs) if goodputs else None,
             "serving": serving,
             "lossless_agreement": sum(agreements) / len(agreements) if agreements else None,

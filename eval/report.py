@@ -102,6 +102,14 @@ _HOST_TIER_METRICS: tuple[_Metric, ...] = (
 )
 
 
+_JOB_TIME_METRICS: tuple[_Metric, ...] = (
+    _Metric("Queued", lambda p: p.job_time and p.job_time.queue_s, "seconds", None),
+    _Metric("To first tokens", lambda p: p.job_time and p.job_time.prefill_s, "seconds", None),
+    _Metric("Decoding", lambda p: p.job_time and p.job_time.decode_s, "seconds", None),
+    _Metric("Between turns", lambda p: p.job_time and p.job_time.pause_s, "seconds", None),
+)
+
+
 @dataclass(frozen=True)
 class _Table:
     """A rendered-to-strings table; the first cell of each row is its row header."""
@@ -324,6 +332,17 @@ def _tables(results: Results, baseline: str | None) -> tuple[_Table, ...]:
     if baseline is not None and len(results.policies) > 1:
         tables.append(_ratio_table(results, baseline))
     tables.append(_metric_table("table-volume", "Volumes", _VOLUME_METRICS, results))
+    if any(p.job_time is not None for p in results.policies.values()):
+        tables.append(
+            _metric_table(
+                "table-job-time", "Where the job time goes", _JOB_TIME_METRICS, results,
+                "Seconds per job, mean over jobs; the four add up to the mean JCT. Each of a job's "
+                "requests is queued (before its first scheduling), then computes its prompt up to its "
+                "first token (recomputed history included), then decodes; the rest of the job's time "
+                "is between its turns (tool calls, the client). Against the unbounded-pool run, the "
+                "rows show which part a policy's extra time is in.",
+            )
+        )
     if any(p.host_tier is not None for p in results.policies.values()):
         tables.append(
             _metric_table(

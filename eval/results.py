@@ -107,6 +107,22 @@ class Series(_Model):
     )
 
 
+class JobTime(_Model):
+    """Where a job's completion time goes, in seconds, mean over jobs.
+
+    For each of a job's requests (turns): waiting before its first scheduling (``queue_s``:
+    admission, job admission included), from then to its first token (``prefill_s``: the
+    prompt's computation, recomputed history included, and the steps it shared) and from there
+    to its end (``decode_s``); ``pause_s`` is the rest of the job's time, between a turn's end
+    and its next turn's arrival (tool calls, the client). The four add up to the mean JCT.
+    """
+
+    queue_s: float = Field(ge=0.0)
+    prefill_s: float = Field(ge=0.0)
+    decode_s: float = Field(ge=0.0)
+    pause_s: float = Field(ge=0.0)
+
+
 class RunMeans(_Model):
     """The headline means of one run of a policy (``--repeats``: one per repetition)."""
 
@@ -220,6 +236,9 @@ class PolicyResult(_Model):
         ),
     )
     series: Series = Field(default_factory=Series)
+    job_time: JobTime | None = Field(
+        default=None, description="Where the mean job's completion time goes; None for runs without jobs."
+    )
     host_tier: HostTierResult | None = Field(default=None, description="The host KV tier's counters; None without one.")
     runs: list[RunMeans] = Field(
         default_factory=list, description="Each run's means when the policy ran more than once."

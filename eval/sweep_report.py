@@ -129,8 +129,64 @@ def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
                     ]
                     lines.append(f"| {name} | " + " | ".join(cells) + " |")
                 lines.append("")
+    lines += _job_time_section(sweep, names)
     lines += ["## Plots", ""] + [f"![{title}]({path.name})" for title, path in plots]
     return "\n".join(lines) + "\n"
+
+
+JOB_TIME_PARTS = (("queue_s", "queued"), ("prefill_s", "to first token"), ("decode_s", "decoding"), ("pause_s", "between turns"))
+
+
+def _job_time_section(sweep: SweepResults, names: list[str]) -> list[str]:
+    """"Where the job time goes": the mean job's seconds queued, to first tokens, decoding and
+    between turns per variant and load, mean over seeds, each with its difference to the
+    ceiling's (the ``/unbounded`` variant) at the same load, so that every second a variant
+    spends above the ceiling is placed."""
+    ceiling = next((n for n in names if "unbounded" in n.split("/")), None)
+    lines = [
+        "",
+        "## Where the job time goes (s per job, mean over seeds)",
+        "",
+        "Each of a job's requests is queued (before its first scheduling), then computes its prompt up to "
+        "its first token, then decodes; the rest of the job's time is between turns (tool calls). "
+        + (f"In brackets: the difference to `{ceiling}` at the same load." if ceiling else ""),
+        "",
+    ]
+    found = False
+    for workload in workloads_of(sweep):
+        for rates in _has_rates(sweep, workload):
+            parts = {
+                name: [curve(sweep, workload, name, field, rates) for field, _ in JOB_TIME_PARTS] for name in names
+            }
+            loads = parts[names[0]][0].loads
+            if all(math.isnan(y) for c in parts[names[0]] for y in c.mean):
+                continue
+            found = True
+            unit = "jobs/s" if rates else "agents"
+            lines += [
+                f"**{_slug(workload)}**",
+                "",
+                f"| variant | {unit} | " + " | ".join(title for _, title in JOB_TIME_PARTS) + " | JCT |",
+                "|:---|---:|" + "---:|" * (len(JOB_TIME_PARTS) + 1),
+            ]
+            for name in names:
+                for i, load in enumerate(loads):
+                    cells, total, base_total = [], 0.0, 0.0
+                    for j, c in enumerate(parts[name]):
+                        y = c.mean[i]
+                        total += y
+                        cell = _fmt(y, 1)
+                        if ceiling is not None and name != ceiling:
+                            b = parts[ceiling][j].mean[i]
+                            base_total += b
+                            cell += f" ({y - b:+.1f})" if not math.isnan(y - b) else ""
+                        cells.append(cell)
+                    jct = _fmt(total, 1)
+                    if ceiling is not None and name != ceiling and not math.isnan(total - base_total):
+                        jct += f" ({total - base_total:+.1f})"
+                    lines.append(f"| {name} | {load:g} | " + " | ".join(cells) + f" | {jct} |")
+            lines.append("")
+    return lines if found else []
 
 
 def _plots(sweep: SweepResults, run_dir: Path) -> list[tuple[str, Path]]:

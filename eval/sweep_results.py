@@ -36,6 +36,10 @@ class PointFigures(_Model):
     computed_tokens: int = Field(ge=0)
     recomputed_tokens: int = Field(ge=0)
     preempted_tokens: int = Field(ge=0)
+    queue_s: float | None = Field(default=None, description="Mean job's time queued (eval.results.JobTime).")
+    prefill_s: float | None = Field(default=None, description="Mean job's time from scheduling to first tokens.")
+    decode_s: float | None = Field(default=None, description="Mean job's time decoding.")
+    pause_s: float | None = Field(default=None, description="Mean job's time between turns.")
 
 
 class SweepPoint(_Model):
@@ -74,6 +78,7 @@ def point_figures(results: Results) -> dict[str, PointFigures]:
             jobs_per_hour=p.jobs_per_hour, goodput_jobs_per_hour=p.goodput_jobs_per_hour, hit_rate=p.hit_rate,
             computed_tokens=p.computed_tokens, recomputed_tokens=p.recomputed_tokens.total,
             preempted_tokens=p.recomputed_tokens.preempted,
+            **(p.job_time.model_dump() if p.job_time is not None else {}),
         )
     return figures
 

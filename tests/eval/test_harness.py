@@ -358,3 +358,39 @@ def test_a_host_tier_shows_in_the_results_and_the_report(tmp_path):
     without, _ = run_bench(replace(cfg, num_host_kv_blocks=None, policies=("vllm-apc",), out=tmp_path / "b"))
     assert without.policies["vllm-apc"].host_tier is None
     assert results.policies["vllm-apc"].computed_tokens < without.policies["vllm-apc"].computed_tokens
+
+
+def test_job_time_places_every_second_of_a_job():
+    from eval.harness import RequestRecord, RunOutcome, job_time
+
+    def record(job: str, turn: int, arrival: float, scheduled: float | None, first: float | None, finish: float):
+        return RequestRecord(job, turn, arrival, scheduled, first, finish, 10, 0, [1], None, None)
+
+    # job a: turn 0 queued 1 s, 2 s to its first token, 3 s decoding; a 4 s tool call; turn 1
+    # queued 0.5 s, 1 s to first token, 0.5 s decoding: JCT 12 s
+    # job b: one turn, never queued, its first token is its end (one output token): JCT 2 s
+    records = [
+        record("a", 0, 0.0, 1.0, 3.0, 6.0),
+        record("a", 1, 10.0, 10.5, 11.5, 12.0),
+        record("b", 0, 0.0, 0.0, None, 2.0),
+    ]
+    outcome = RunOutcome("p", records, {"a": 12.0, "b": 2.0}, 12.0, {})
+    t = job_time(outcome)
+    assert t is not None
+    assert (t.queue_s, t.prefill_s, t.decode_s, t.pause_s) == pytest.approx((0.75, 2.5, 1.75, 2.0))
+    assert t.queue_s + t.prefill_s + t.decode_s + t.pause_s == pytest.approx(7.0)  # the mean JCT
+    assert job_time(RunOutcome("p", [], {}, 0.0, {})) is None
+
+
+def test_repeated_result_weighs_each_runs_job_time_by_its_jobs():
+    from eval.harness import repeated_result
+
+    first = _outcome([0.1, 0.2, 0.3], 900, [1, 2, 3])
+    second = _outcome([0.5, 0.6, 0.7], 1100, [9, 9, 9])
+    result = repeated_result([first, second], None)
+    # every record: arrival 0, scheduled 0, first token at its TTFT, finish 1, JCT 1 + TTFT
+    assert result.job_time is not None
+    assert result.job_time.queue_s == pytest.approx(0.0)
+    assert result.job_time.prefill_s == pytest.approx(0.4)
+    assert result.job_time.decode_s == pytest.approx(0.6)
+    assert result.job_time.pause_s == pytest.approx(0.4)  # JCT 1 + TTFT against 1 s of requests

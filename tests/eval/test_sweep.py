@@ -94,10 +94,19 @@ def test_cli_sweep_writes_every_point_and_the_capacity(tmp_path):
             policy = results.policies[name]
             assert figures.jct_p90 == policy.jct.p90 and policy.serving["p90_jct_ms"] == pytest.approx(policy.jct.p90 * 1e3)
             assert policy.goodput_jobs_per_hour is not None and policy.goodput_jobs_per_hour <= policy.jobs_per_hour
+        for name, figures in point.policies.items():
+            # where the job time goes: the four parts add up to the mean JCT
+            parts = (figures.queue_s, figures.prefill_s, figures.decode_s, figures.pause_s)
+            assert all(x is not None and x >= 0 for x in parts), name
+            assert sum(parts) == pytest.approx(figures.jct_mean, rel=1e-6), name
     c = curve(sweep, "swe", "vllm-apc/unbounded", "jct_p90")
     assert c.loads == (2.0, 8.0) and all(lo <= m <= hi for m, lo, hi in zip(c.mean, c.low, c.high, strict=True))
     md = (out / "sweep.md").read_text()
     assert "## Capacity: load within the JCT p90 target" in md and "| swe | asymcache+continuum | 400.0 |" in md
+    # each variant's job time by part, with its difference to the ceiling's at the same load
+    assert "## Where the job time goes" in md and "difference to `vllm-apc/unbounded`" in md
+    rows = [line for line in md.splitlines() if line.startswith("| vllm-apc | 8 |")]
+    assert len(rows) == 1 and rows[0].count("(") == 5, rows  # four parts and the JCT, each with its delta
     assert (out / "sweep_swe.png").stat().st_size > 1000 and "data:image/png;base64," in (out / "sweep.html").read_text()
     assert "capacity within the JCT p90 target" in result.output
     # rebuilt from sweep.json alone
