@@ -17,6 +17,7 @@ from eval.results import atomic_write_text
 from eval.sweep_results import (
     SweepResults,
     capacity_at_slo,
+    ceiling_variant,
     curve,
     default_jct_slo,
     load_sweep,
@@ -134,7 +135,7 @@ def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-JOB_TIME_PARTS = (("queue_s", "queued"), ("prefill_s", "to first token"), ("decode_s", "decoding"), ("pause_s", "between turns"))
+JOB_TIME_PARTS = (("queue_s", "queued"), ("prefill_s", "to first tokens"), ("decode_s", "decoding"), ("pause_s", "between turns"))
 
 
 def _job_time_section(sweep: SweepResults, names: list[str]) -> list[str]:
@@ -142,7 +143,7 @@ def _job_time_section(sweep: SweepResults, names: list[str]) -> list[str]:
     between turns per variant and load, mean over seeds, each with its difference to the
     ceiling's (the ``/unbounded`` variant) at the same load, so that every second a variant
     spends above the ceiling is placed."""
-    ceiling = next((n for n in names if "unbounded" in n.split("/")), None)
+    ceiling = ceiling_variant(names)
     lines = [
         "",
         "## Where the job time goes (s per job, mean over seeds)",

@@ -199,10 +199,15 @@ def default_jct_slo(sweep: SweepResults, workload: str, rates: bool = False) -> 
     names = list(sweep.points[0].policies) if sweep.points else []
     if not names:
         return None
-    ceiling = next((n for n in names if n.endswith("/unbounded")), names[0])
+    ceiling = ceiling_variant(names) or names[0]
     c = curve(sweep, workload, ceiling, "jct_p90", rates)
     firsts = [y for y in c.mean if not math.isnan(y)]
     return 2.0 * firsts[0] if firsts else None
+
+
+def ceiling_variant(names: list[str]) -> str | None:
+    """The sweep's unbounded-pool ceiling: the first ``.../unbounded`` variant, if any."""
+    return next((n for n in names if "unbounded" in n.split("/")), None)
 
 
 def workloads_of(sweep: SweepResults) -> list[str]:

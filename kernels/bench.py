@@ -127,10 +127,12 @@ def make_inputs(layout: Layout, gen: torch.Generator) -> Inputs:
     return Inputs(q, k_cache, v_cache, meta, tables, torch.tensor(qpos, device="cuda"))
 
 
-def planned(meta: MSAMetadata, config: MSAConfig | None = None) -> MSAMetadata:
+def planned(meta: MSAMetadata, config: MSAConfig | None = None, invariant: bool = False) -> MSAMetadata:
     """``meta`` with its launch plan attached, as the engine runs it: planned once per step and
-    shared by every layer, so the timed calls are the kernels alone."""
-    return dataclasses.replace(meta, plan=plan_msa(meta, HQ, HKV, D, meta.block_tables.device, config, dtype=DTYPE))
+    shared by every layer, so the timed calls are the kernels alone (``invariant``: the
+    batch-invariant mode's plan)."""
+    plan = plan_msa(meta, HQ, HKV, D, meta.block_tables.device, config, dtype=DTYPE, invariant=invariant)
+    return dataclasses.replace(meta, plan=plan)
 
 
 def causal_flops(inp: Inputs) -> float:

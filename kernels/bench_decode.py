@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import msa_plan
 from kernels import msa_triton as msa_triton_module
-from kernels.bench import DTYPE, HKV, HQ, D, Inputs, Row, decode_layout, make_inputs, planned
-from kernels.msa_plan import MSAConfig, choose_config, plan_msa
+from kernels.bench import HKV, HQ, D, Inputs, Layout, Row, decode_layout, make_inputs, planned
+from kernels.metadata import MSAMetadata
+from kernels.msa_plan import MSAConfig, choose_config
 from kernels.msa_triton import msa_triton
 
 
@@ -56,12 +58,25 @@ def graph_ms(fns: list[Callable[[], object]], reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def _decode_graph_ms(inputs: list[Inputs], cfg: MSAConfig | None, scale: float) -> float:
-    fns = []
-    for inp in inputs:
-        meta = planned(inp.meta, cfg)
-        fns.append(lambda inp=inp, meta=meta: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale))
-    return graph_ms(fns)
+def _decode_fns(inputs: list[Inputs], metas: list[MSAMetadata], scale: float) -> list[Callable[[], object]]:
+    return [
+        lambda inp=inp, meta=meta: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale)
+        for inp, meta in zip(inputs, metas, strict=True)
+    ]
+
+
+def _decode_graph_ms(inputs: list[Inputs], cfg: MSAConfig | None, scale: float, invariant: bool = False) -> float:
+    return graph_ms(_decode_fns(inputs, [planned(inp.meta, cfg, invariant) for inp in inputs], scale))
+
+
+def _copies(layout_bytes: float) -> int:
+    # NOTE: enough distinct inputs that together they overflow the 50 MB L2 cache
+    return max(1, min(8, -(-(256 << 20) // int(layout_bytes))))
+
+
+def _inputs(layout: Layout, batch: int, ctx: int, kv_bytes: float) -> list[Inputs]:
+    """Distinct random inputs of ``layout`` (:func:`_copies` of them), seeded per layout."""
+    return [make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx + i)) for i in range(_copies(kv_bytes))]
 
 
 def decode_sweep(copy_gbps: float) -> list[Row]:
@@ -79,9 +94,7 @@ def decode_sweep(copy_gbps: float) -> list[Row]:
         for ctx in (8192, 32768, 131072):
             layout = decode_layout(batch, ctx)
             kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * 2
-            # NOTE: enough distinct caches that together they overflow the 50 MB L2 cache
-            copies = max(1, min(8, -(-(256 << 20) // int(kv_bytes))))
-            inputs = [make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx + i)) for i in range(copies)]
+            inputs = _inputs(layout, batch, ctx, kv_bytes)
             base = choose_config(inputs[0].meta, HQ, HKV, D, inputs[0].q.device)
 
             timed: list[tuple[float, MSAConfig]] = [(_decode_graph_ms(inputs, None, scale), base)]
@@ -141,45 +154,33 @@ class _SkippedLaunch:
         return lambda *args, **kwargs: None
 
 
-def _copies(layout_bytes: float) -> int:
-    # NOTE: enough distinct inputs that together they overflow the 50 MB L2 cache
-    return max(1, min(8, -(-(256 << 20) // int(layout_bytes))))
-
-
 def decode_floor(copy_gbps: float) -> list[Row]:
     """Where a small-batch decode launch's time goes, per (batch, context), as CUDA-graph replays.
 
-    Rows per layout: the planner's launch (split walk + merge); the split walk alone (merge
-    skipped: its output is wrong, only its time counts); the batch-invariant mode's launch (the
-    default on CUDA); two hardware floors for reading the same KV bytes at this size, a
-    ``sum`` and a ``copy_`` of a contiguous buffer as large as the KV; and an empty Triton
-    launch (the fixed cost of one graph node). Shares are of ``copy_gbps`` (a 2 GiB copy).
+    Rows per layout: the planner's launch (split walk + merge) and its split walk alone (merge
+    skipped: its output is wrong, only its time counts), the same two for the batch-invariant
+    mode (the default on CUDA); three floors for reading the same KV bytes at this size from a
+    contiguous buffer: :func:`_read_floor`, torch's ``sum`` and half a ``copy_``; and an empty
+    Triton launch (the fixed cost of one graph node). Then :func:`_invariant_sweep`. Shares are
+    of ``copy_gbps`` (a 2 GiB copy).
     """
     scale = D**-0.5
     rows: list[Row] = []
     empty_ms = graph_ms([lambda: _empty_kernel[(1,)](torch.empty(1, device="cuda"))] * 8)
     print(f"empty Triton launch in a graph: {empty_ms * 1000:.1f} us")
-    print("| layout | KV MB | msa | split walk only | batch-invariant | its walk only | sum floor | read floor | copy floor |")
+    print("| layout | KV MB | msa | its walk only | batch-invariant | its walk only | sum floor | read floor | copy floor |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in (1, 2, 4):
         for ctx in (8192, 32768, 131072):
             layout = decode_layout(batch, ctx)
             kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * 2
-            copies = _copies(kv_bytes)
-            inputs = [make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx + i)) for i in range(copies)]
+            inputs = _inputs(layout, batch, ctx, kv_bytes)
+            copies = len(inputs)
             timed: dict[str, float] = {}
-            timed["msa"] = _decode_graph_ms(inputs, None, scale)
-            with mock.patch.object(msa_triton_module, "_msa_reduce_kernel", _SkippedLaunch()):
-                timed["split walk only"] = _decode_graph_ms(inputs, None, scale)
-            fns = []
-            for inp in inputs:
-                meta = dataclasses.replace(
-                    inp.meta, plan=plan_msa(inp.meta, HQ, HKV, D, inp.q.device, dtype=DTYPE, invariant=True)
-                )
-                fns.append(lambda inp=inp, meta=meta: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale))
-            timed["batch-invariant"] = graph_ms(fns)
-            with mock.patch.object(msa_triton_module, "_msa_reduce_kernel", _SkippedLaunch()):
-                timed["batch-invariant walk only"] = graph_ms(fns)
+            for label, invariant in (("msa", False), ("batch-invariant", True)):
+                timed[label] = _decode_graph_ms(inputs, None, scale, invariant)
+                with mock.patch.object(msa_triton_module, "_msa_reduce_kernel", _SkippedLaunch()):
+                    timed[f"{label} walk only"] = _decode_graph_ms(inputs, None, scale, invariant)
             flat = [torch.empty(int(kv_bytes) // 2, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(copies)]
             sums = [torch.empty((), dtype=torch.float32, device="cuda") for _ in range(copies)]
             timed["sum floor"] = graph_ms([lambda x=x, o=o: torch.sum(x, dim=0, dtype=torch.float32, out=o) for x, o in zip(flat, sums, strict=True)])
@@ -204,8 +205,6 @@ def decode_floor(copy_gbps: float) -> list[Row]:
 def _invariant_sweep(copy_gbps: float) -> list[Row]:
     """The batch-invariant decode launch over its programs per SM and pipelining depth (neither
     changes a row's bits), per (batch, context)."""
-    from kernels import msa_plan
-
     scale = D**-0.5
     rows: list[Row] = []
     variants = [(pps, stages) for pps in (3, 6, 12, 24) for stages in (3, 4)]
@@ -215,21 +214,19 @@ def _invariant_sweep(copy_gbps: float) -> list[Row]:
         for ctx in (8192, 32768, 131072):
             layout = decode_layout(batch, ctx)
             kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * 2
-            inputs = [make_inputs(layout, torch.Generator().manual_seed(batch * 7 + ctx + i))
-                      for i in range(_copies(kv_bytes))]
+            inputs = _inputs(layout, batch, ctx, kv_bytes)
             cells = []
             for pps, stages in variants:
-                fns = []
+                metas = []
                 with mock.patch.object(msa_plan, "_INVARIANT_PROGRAMS_PER_SM", pps):
                     for inp in inputs:
-                        plan = plan_msa(inp.meta, HQ, HKV, D, inp.q.device, dtype=DTYPE, invariant=True)
+                        plan = planned(inp.meta, invariant=True).plan
                         plan = msa_plan.MSAStepPlan(tuple(
                             dataclasses.replace(launch, config=dataclasses.replace(launch.config, num_stages=stages))
                             for launch in plan.launches
                         ))
-                        meta = dataclasses.replace(inp.meta, plan=plan)
-                        fns.append(lambda inp=inp, meta=meta: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale))
-                ms = graph_ms(fns)
+                        metas.append(dataclasses.replace(inp.meta, plan=plan))
+                ms = graph_ms(_decode_fns(inputs, metas, scale))
                 gbps = kv_bytes / ms / 1e6
                 rows.append(Row(layout.name, "bi-sweep", ms, None, gbps, f"{pps}/SM s{stages}"))
                 cells.append(f"{ms * 1000:.0f} us {gbps / copy_gbps:.0%}")

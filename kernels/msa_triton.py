@@ -347,7 +347,7 @@ def _msa_fwd_kernel(
         # of one chunk is folded and written here.
         # NOTE: the one-chunk case is its own branch, not a test inside the chunk loop: there
         # its second accumulator (the fold) stayed live across the loop, and the program
-        # spilled 104 bytes a thread instead of 24 (python -m kernels.offline_compile,
+        # spilled 104 bytes a thread; as a branch, none (python -m kernels.offline_compile,
         # Triton 3.6, sm_90).
         n_tile_chunks = tl.cdiv(ctx_end, chunk)
         if n_tile_chunks == 1:
@@ -404,8 +404,6 @@ def _msa_fwd_kernel(
             tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
 
 
-# NOTE: ``num_splits`` is only a loop bound; left specialized, a launch with 16 or 32 splits (a
-# value divisible by 16) compiled a second binary mid-benchmark, after the warm-up.
 @triton.jit
 def _chunk_state(p_op, p_ml, i_s, n_split, stride_ps, stride_ls, stat_off, m_o, m_t):
     """Chunk ``i_s``'s unnormalised state ``(acc, m, l)`` of the batch-invariant split merge;
@@ -427,6 +425,8 @@ def _fold_if(fold, b_macc, b_ml, b_mm, b_acc, b_m, b_l):
     return b_macc, b_ml, b_mm
 
 
+# NOTE: ``num_splits`` is only a loop bound; left specialized, a launch with 16 or 32 splits (a
+# value divisible by 16) compiled a second binary mid-benchmark, after the warm-up.
 @triton.jit(do_not_specialize=["num_splits"])
 def _msa_reduce_kernel(
     o,
@@ -688,7 +688,10 @@ def _launch(
             out.stride(0), out.stride(1),
             o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse_part.stride(0), lse_part.stride(1), stat_off,
-            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=merge_d, BLOCK_S=_merge_splits_per_load(cfg.block_m, plan.partial_slots),
+            BLOCK_M=cfg.block_m, D=head_dim, BLOCK_D=merge_d,
+            # the batch-invariant fold loads eight chunk states a turn whatever BLOCK_S says:
+            # a fixed value keeps it to one compiled variant
+            BLOCK_S=1 if part_by_row else _merge_splits_per_load(cfg.block_m, plan.partial_slots),
             DYN_CHUNK=dyn_chunk, PART_BY_ROW=part_by_row, num_warps=4,
         )
 
@@ -698,14 +701,21 @@ _MERGE_D = 32
 
 
 def _merge_splits_per_load(block_m: int, num_splits: int) -> int:
-    """Splits the merge kernel loads at once: all ``num_splits`` (to a power of two) while
-    ``BLOCK_S x BLOCK_M`` rows of :data:`_MERGE_D` fp32 stay within 256 rows (64 registers a
-    thread over 4 warps): up to 64 for decode tiles (4 rows), four for 64-row prefill tiles.
+    """Splits the merge kernel loads at once: the widest load, ``BLOCK_S x BLOCK_M`` rows of
+    :data:`_MERGE_D` fp32 within 256 rows (64 registers a thread over 4 warps), is 64 splits
+    for decode tiles (4 rows) and four for 64-row prefill tiles; a launch of fewer splits loads
+    a quarter or half of that, the narrowest of the three that holds them all.
 
-    NOTE: no wider than the splits: masked rows of a load still cost their instructions (H200,
-    4 decodes at 8k keys in 13 splits: the merge took 6.5 us loading 64 a turn, 5.1 loading 16).
+    NOTE: no wider than the splits need: masked rows of a load still cost their instructions
+    (H200, 4 decodes at 8k keys in 13 splits: the merge took 6.5 us loading 64 a turn, 5.1
+    loading 16). Three widths, not every power of two: each is a compiled variant, and one
+    first met mid-run compiles inside the run's timings.
     """
-    return max(1, min(triton.next_power_of_2(max(num_splits, 1)), 64, 256 // block_m))
+    widest = max(1, min(64, 256 // block_m))
+    for width in (max(1, widest // 4), max(1, widest // 2)):
+        if num_splits <= width:
+            return width
+    return widest
 
 
 def compiled_keys() -> dict[str, set[str]] | None:
