@@ -8,7 +8,8 @@ each launch's arguments the way Triton's runtime does (dtypes, 16-byte alignment
 divisibility, constexprs), compiles it for ``sm_<arch>`` with the Triton installed here, and
 prints what decides a kernel's speed before it ever runs: registers per thread, bytes spilled to
 local memory (and the local loads/stores in its SASS), shared memory, the software-pipelined
-copies (``async_copy_global_to_local`` in the TTGIR) and the tensor-core instructions.
+copies (``async_copy_global_to_local`` in the TTGIR), how many of them a wait leaves in flight,
+and the tensor-core instructions.
 
 Nothing is launched: no GPU is needed, only Triton's NVIDIA backend (its bundled ``ptxas`` and
 ``cuobjdump``). The device machine runs another Triton version than this one may, so the figures
@@ -66,6 +67,9 @@ class Report:
         local_ops: local loads and stores (``LDL`` / ``STL``) in the SASS.
         shared_bytes: shared memory per program.
         async_copies: pipelined global-to-shared copies in the TTGIR.
+        copies_in_flight: the most copies a wait of the TTGIR leaves in flight
+            (``async_wait {num = N}``): 0 when every wait drains the pipeline, so only the
+            copies issued since the last wait overlap compute.
         tensor_core_ops: ``HGMMA`` (Hopper) or ``HMMA`` instructions in the SASS.
     """
 
@@ -78,6 +82,7 @@ class Report:
     local_ops: int
     shared_bytes: int
     async_copies: int
+    copies_in_flight: int
     tensor_core_ops: int
 
 
@@ -182,6 +187,9 @@ def analyse(compiled: Any) -> dict[str, int]:
         "local_ops": len(re.findall(r"\b(?:LDL|STL)\b", sass)),
         "shared_bytes": int(compiled.metadata.shared),
         "async_copies": compiled.asm["ttgir"].count("async_copy_global_to_local"),
+        "copies_in_flight": max(
+            (int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", compiled.asm["ttgir"])), default=0
+        ),
         "tensor_core_ops": len(re.findall(r"\bH(?:G)?MMA\b", sass)),
     }
 
@@ -189,7 +197,7 @@ def analyse(compiled: Any) -> dict[str, int]:
 def _config(launch: Launch) -> str:
     kw = launch.kwargs
     tiles = " ".join(f"{k}={kw[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_S", "BLOCK_D") if k in kw)
-    flags = " ".join(k for k in ("SPLIT", "CHUNK_MERGE", "PART_BY_ROW") if kw.get(k))
+    flags = " ".join(k for k in ("SPLIT", "CHUNK_MERGE", "PART_BY_ROW", "PREFETCH") if kw.get(k))
     return f"w{kw.get('num_warps', 4)} s{kw.get('num_stages', '-')} {tiles} {flags}".strip()
 
 
@@ -234,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = reports(args.arch)
     print(f"triton {triton.__version__}, sm_{args.arch}, bf16, {HQ} q / {HKV} KV heads, head_dim {D}")
-    print("| step | mode | kernel | config | regs | spill B | LDL/STL | smem B | async copies | MMA |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| step | mode | kernel | config | regs | spill B | LDL/STL | smem B | async copies | in flight | MMA |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r.step} | {r.mode} | {r.kernel} | {r.config} | {r.registers} | {r.spill_bytes} | "
-              f"{r.local_ops} | {r.shared_bytes} | {r.async_copies} | {r.tensor_core_ops} |")
+              f"{r.local_ops} | {r.shared_bytes} | {r.async_copies} | {r.copies_in_flight} | {r.tensor_core_ops} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)

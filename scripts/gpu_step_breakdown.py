@@ -1,0 +1,138 @@
+"""Where a CUDA-graph decode step's wall time goes: host phases against the GPU's time. GPU only.
+
+``python scripts/gpu_step_breakdown.py [--model dummy:llama-3.1-8b]`` prints, for decode-only
+steps of a few batch sizes in the default (batch-invariant) mode: the median wall time of
+``engine.step()``, the host time of each phase (scheduling, packing the inputs and refilling the
+graph's buffers, sampling with its device-to-host copy, the scheduler's update and the outputs)
+and the GPU time of the forward pass (CUDA events around it). A step's wall time minus its
+forward's GPU time is what overlapping the host work with the previous step (async
+scheduling) could at most save. ``--profile`` adds the busiest GPU kernels of batch-1 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from asymcache_core import Engine, SamplingParams
+from asymcache_core.loaders import load_model
+
+CASES = ((1, 2048), (1, 16384), (8, 2048), (32, 2048))
+
+
+def timed(store: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped so that each call's host time is appended to ``store[name]``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            store[name].append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="also list the GPU kernels of batch-1 steps")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    loaded = load_model(args.model, dev, torch.bfloat16, seed=0)
+    engine = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=8192,
+                    max_num_batched_tokens=8192, max_model_len=32768)
+    runner = engine.runner
+    host: dict[str, list[float]] = defaultdict(list)
+    gpu: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    forward = runner.forward
+
+    def forward_with_events(inputs: Any) -> torch.Tensor:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = forward(inputs)
+        end.record()
+        gpu.append((begin, end))
+        return out
+
+    runner.forward = timed(host, "forward (enqueue)", forward_with_events)
+    runner._sample = timed(host, "sample (incl. sync)", runner._sample)
+    engine.scheduler.schedule = timed(host, "schedule", engine.scheduler.schedule)
+    engine.scheduler.update_from_output = timed(host, "update", engine.scheduler.update_from_output)
+    engine._process_output = timed(host, "outputs", engine._process_output)
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}, "
+          f"batch_invariant={engine.config.batch_invariant}")
+    phases = ("schedule", "forward (enqueue)", "sample (incl. sync)", "update", "outputs")
+    print("| batch | context | step ms | forward GPU ms | host-only ms | "
+          + " | ".join(f"{p} ms" for p in phases) + " |")
+    print("|---:|---:|---:|---:|---:|" + "---:|" * len(phases))
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    for batch, context in CASES:
+        for _ in range(batch):
+            prompt = torch.randint(1000, vocab - 1000, (context,), generator=gen).tolist()
+            engine.add_request(prompt, SamplingParams(max_tokens=args.steps + 10, ignore_eos=True))
+        while any(r.num_computed_tokens < r.num_prompt_tokens
+                  for r in engine.scheduler.running + engine.scheduler.waiting):
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        host.clear()
+        gpu.clear()
+        walls = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - start)
+        gpu_ms = statistics.median(b.elapsed_time(e) for b, e in gpu)
+        wall_ms = statistics.median(walls) * 1e3
+        per_step = {p: sum(host[p]) / args.steps * 1e3 for p in phases}
+        print(f"| {batch} | {context} | {wall_ms:.2f} | {gpu_ms:.2f} | {wall_ms - gpu_ms:.2f} | "
+              + " | ".join(f"{per_step[p]:.2f}" for p in phases) + " |")
+        if batch == 1 and context == 2048 and args.profile:
+            print("CUDA-graph steps:")
+            profile_steps(engine, 5)
+        while engine.has_unfinished():
+            engine.step()
+    if args.profile:
+        del engine
+        eager = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=1024,
+                       max_num_batched_tokens=8192, max_model_len=32768, enforce_eager=True)
+        eager.add_request(torch.randint(1000, vocab - 1000, (2048,), generator=gen).tolist(),
+                          SamplingParams(max_tokens=40, ignore_eos=True))
+        for _ in range(5):
+            eager.step()
+        print("eager steps (the same kernels, launched one by one):")
+        profile_steps(eager, 5)
+
+
+def profile_steps(engine: Engine, steps: int) -> None:
+    """The GPU kernels of ``steps`` decode steps (graph replays included), busiest first."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events)
+    print(f"kernels of {steps} steps: {sum(e.count for e in events)} launches, "
+          f"{total_us / steps / 1e3:.2f} ms of GPU time a step")
+    print("| kernel | calls a step | us a step | share |")
+    print("|---|---:|---:|---:|")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:20]:
+        print(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.0f} "
+              f"| {e.self_device_time_total / total_us:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
