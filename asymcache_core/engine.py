@@ -317,7 +317,9 @@ class Engine:
         # so the jobs that fit are those the larger of the two tiers holds.
         capacity = max(self.num_blocks, self.num_host_blocks) * config.block_size
         self.job_admission = (
-            JobAdmission(capacity, min_held_tokens=config.max_num_batched_tokens) if job_admission else None
+            JobAdmission(capacity, min_held_tokens=config.max_num_batched_tokens, block_size=config.block_size)
+            if job_admission
+            else None
         )
         self._stalled = False
         fixed = config.chunk_budget()

@@ -374,6 +374,9 @@ class Scheduler:
         gate = self.job_admission
         while idx < len(self.waiting) and left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[idx]
+            if gate is not None and request.job_id is not None:
+                # NOTE: the gate finds a new job's shared prefix by its block hashes
+                self.kv.ensure_hashes(request)
             if gate is not None and not gate.admits(request, now, engine_idle=not self.running):
                 # NOTE: its job waits between turns for older jobs to finish; the ones behind
                 # it (older jobs' turns, requests without a job) may still fit.
@@ -393,7 +396,7 @@ class Scheduler:
             assert allocation.hit is not None
             self.waiting.pop(idx)
             if gate is not None:
-                gate.on_admitted(request, now)
+                gate.on_admitted(request, now, cached_prefix_tokens=allocation.hit.leading_tokens)
             self._on_admitted(request, allocation.hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -165,3 +165,71 @@ def test_min_held_tokens_zero_reserves_every_ranked_context() -> None:
     assert not gate.admits(_req("b", 700), 1.1)  # a's idle 400 is reserved
     with pytest.raises(ValueError, match="min_held_tokens"):
         JobAdmission(capacity_tokens=1000, min_held_tokens=-1)
+
+
+def _with_prefix(request: Request, hashes: list[int]) -> Request:
+    request.block_hashes = list(hashes)
+    return request
+
+
+def _admit_sharing(gate: JobAdmission, job: str, tokens: int, shared: list[int], cached: int) -> bool:
+    """Admits the first request of ``job``: its blocks hashed ``shared`` and then its own."""
+    own = 10_000 + 100 * len(gate.jobs)  # block hashes no other job holds
+    request = _with_prefix(_req(job, tokens), [*shared, *range(own, own + tokens // 100 - len(shared))])
+    if not gate.admits(request, 0.0):
+        return False
+    gate.on_admitted(request, 0.0, cached_prefix_tokens=cached)
+    return True
+
+
+def test_a_shared_prefix_is_keyed_and_counted_once_in_the_unique_sum() -> None:
+    gate = JobAdmission(capacity_tokens=10_000, block_size=100)
+    shared = list(range(1, 9))  # an 800-token prompt
+    assert _admit_sharing(gate, "a", 1000, shared, cached=0)  # the first: nothing cached
+    assert _admit_sharing(gate, "b", 1000, shared, cached=800)
+    assert gate.jobs["b"].shared_tokens == 800 and gate.jobs["b"].shared_key == 8
+    assert gate.jobs["a"].shared_key is None
+    # per job: 1000 + 1000; unique: a's 1000 (the prompt inside), b's 200 and the prompt once
+    assert gate._tokens_before("c") == 2000 and gate._unique_before("c") == 2000
+    assert _admit_sharing(gate, "c", 1000, shared, cached=800)
+    assert gate._tokens_before("d") == 3000 and gate._unique_before("d") == 2200
+    assert gate._older_keys["c"] == frozenset({8})
+    gate.check_integrity()
+
+
+def test_jobs_sharing_a_prompt_pass_while_their_unique_tokens_fit_half_the_pool() -> None:
+    # jobs of 1,000 tokens, 800 of them one shared prompt: ten fill the per-job count of a
+    # 10,000-token pool; the pool holds far less (a's 1,000, the prompt, 200 a job), so more
+    # pass while that is within half of it
+    gate = JobAdmission(capacity_tokens=10_000, min_held_tokens=1000, block_size=100, final_history=2)
+    shared = list(range(1, 9))
+    for i in range(10):
+        assert _admit_sharing(gate, f"j{i}", 1000, shared, cached=800 if i else 0)
+    assert gate._tokens_before("k") == 10_000 and gate._unique_before("k") == 3600
+    assert not _admit_sharing(gate, "j10", 1000, shared, cached=800)  # no job has finished yet
+    _finish_job(gate, "done0", 300, 0.0)
+    assert not _admit_sharing(gate, "j10", 1000, shared, cached=800)  # one of final_history (2)
+    _finish_job(gate, "done1", 300, 0.0)
+    assert _admit_sharing(gate, "j10", 1000, shared, cached=800)  # 2 x (3600 + 200) <= 10,000
+    # a job with another 2,000-token prompt needs 2 x (3800 + 2000) > 10,000: held
+    assert not _admit_sharing(gate, "other", 2000, [901, 902], cached=0)
+    assert gate.num_held_back == 3
+    gate.check_integrity()
+
+
+def test_where_the_unique_tokens_pass_half_the_pool_the_per_job_count_holds() -> None:
+    # the same jobs on a 5,000-token pool: the sixth fits neither count (the pool binds, and
+    # the prompt counted per job is the room the running jobs take as they grow)
+    gate = JobAdmission(capacity_tokens=5000, min_held_tokens=1000, block_size=100, final_history=1)
+    _finish_job(gate, "done", 300, 0.0)
+    shared = list(range(1, 9))
+    for i in range(5):
+        assert _admit_sharing(gate, f"j{i}", 1000, shared, cached=800 if i else 0)
+    assert gate._unique_before("k") == 2600  # 2 x (2600 + 200) > 5000
+    assert not _admit_sharing(gate, "j5", 1000, shared, cached=800)
+    gate.check_integrity()
+
+
+def test_bad_block_size_names_the_field() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        JobAdmission(capacity_tokens=10, block_size=0)
