@@ -127,10 +127,10 @@ class JobAdmission:
         # (and the expiry scan at one instant) are computed once per change, not once a request.
         self._version = 0
         self._older: dict[str, int] = {}
-        #: per job with a shared prefix: the keys the reserving jobs ranked before it bring in
-        self._older_keys: dict[str, frozenset[int]] = {}
-        #: the keys of every reserving ranked job's shared prefix
-        self._all_keys: frozenset[int] = frozenset()
+        #: each shared prefix's key -> the oldest reserving job that keys it (it brings it in)
+        self._key_owner: dict[int, str] = {}
+        #: the jobs whose shared prefix a reserving job ranked before them brings in
+        self._prefix_from_older: set[str] = set()
         self._older_total = 0
         #: the same prefix sums with each shared prefix counted once
         self._older_unique: dict[str, int] = {}
@@ -167,9 +167,7 @@ class JobAdmission:
     def reserved_tokens(self, job: _JobState) -> int:
         """The tokens ``job`` holds in the gate's sum when it :meth:`reserves` (else none): its
         context."""
-        if not self.reserves(job):
-            return 0
-        return job.tokens
+        return job.tokens if self.reserves(job) else 0
 
     def ranked_tokens(self) -> int:
         """Sum of the ranked jobs' latest context lengths."""
@@ -199,25 +197,28 @@ class JobAdmission:
             return True
         job = self.jobs.get(job_id)
         own = max(request.num_tokens, job.tokens if job is not None else 0)
-        if older + own <= self.capacity_tokens:
-            return True
-        # NOTE: the per-job count (every shared prefix once a job) does not fit, but with each
-        # shared prefix counted once the older jobs and this one may need at most half the
-        # pool: the pool does not bind (module docstring). Only once final_history jobs have
-        # finished: before, every job is young and short, whatever it will grow to.
-        if len(self.final_tokens) < self.final_history:
-            self.num_held_back += 1
-            return False
-        if job is None:
-            own_unique = own - self._shared_with_ranked(request)
-        elif job.shared_key is not None and job.shared_key in self._older_keys.get(job_id, ()):
-            own_unique = own - job.shared_tokens  # an older job brought its shared prefix in
-        else:
-            own_unique = own
-        if 2 * (self._unique_before(job_id) + own_unique) <= self.capacity_tokens:
+        if older + own <= self.capacity_tokens or self._fits_half_pool_unique(request, job_id, job, own):
             return True
         self.num_held_back += 1
         return False
+
+    def _fits_half_pool_unique(self, request: Request, job_id: str, job: _JobState | None, own: int) -> bool:
+        """Whether, with each shared prefix counted once, ``request``'s job (``own`` tokens)
+        and the jobs ranked before it need at most half the pool, once ``final_history`` jobs
+        have finished.
+
+        NOTE: the per-job count (every shared prefix once a job) did not fit; this one fitting
+        half the pool says the pool does not bind (module docstring). Before final_history jobs
+        finished, every job is young and short, whatever it will grow to.
+        """
+        if len(self.final_tokens) < self.final_history:
+            return False
+        older = self._unique_before(job_id)
+        if job is None:
+            own -= self._shared_with_ranked(request)
+        elif job_id in self._prefix_from_older:
+            own -= job.shared_tokens  # counted with the older job that brings it in
+        return 2 * (older + own) <= self.capacity_tokens
 
     def _tokens_before(self, job_id: str) -> int:
         """Sum of what the jobs ranked before ``job_id`` reserve (all ranked jobs for a job not
@@ -236,16 +237,19 @@ class JobAdmission:
         """The leading tokens of a new job's ``request`` that are a prefix a reserving ranked
         job brought in (its hashed blocks up to the last one that is such a prefix's key).
 
-        NOTE: block hashes are chained, so a request holding a key's hash holds the whole
-        prefix that key ends.
+        NOTE: block hashes are chained, so a request whose block at a key's position has the
+        key's hash holds the whole prefix that key ends.
         """
-        keys = self._all_keys
-        if not keys:
-            return 0
-        for i in range(len(request.block_hashes) - 1, -1, -1):
-            if request.block_hashes[i] in keys:
-                return (i + 1) * self.block_size
-        return 0
+        if self._older_version != self._version:
+            self._recount()
+        hashes = request.block_hashes
+        shared = 0
+        for key, owner in self._key_owner.items():
+            tokens = self.jobs[owner].shared_tokens
+            n = tokens // self.block_size
+            if tokens > shared and len(hashes) >= n and hashes[n - 1] == key:
+                shared = tokens
+        return shared
 
     def _recount(self) -> None:
         """The prefix sums of :meth:`_tokens_before` and :meth:`_unique_before`, in rank order:
@@ -253,25 +257,23 @@ class JobAdmission:
         shared prefix, plus that prefix if no older reserving job brought it in."""
         self._older.clear()
         self._older_unique.clear()
-        self._older_keys.clear()
-        keys: set[int] = set()
+        self._key_owner.clear()
+        self._prefix_from_older.clear()
         total = unique = 0
         for other_id, other in self.jobs.items():
             self._older[other_id] = total
             self._older_unique[other_id] = unique
-            if other.shared_key is not None:
-                self._older_keys[other_id] = frozenset(keys)
+            if other.shared_key in self._key_owner:
+                self._prefix_from_older.add(other_id)
             if not self.reserves(other):
                 continue
-            reserved = self.reserved_tokens(other)
-            total += reserved
-            unique += reserved - other.shared_tokens
-            if other.shared_key is not None and other.shared_key not in keys:
-                keys.add(other.shared_key)
+            total += other.tokens
+            unique += other.tokens - other.shared_tokens
+            if other.shared_key is not None and other.shared_key not in self._key_owner:
+                self._key_owner[other.shared_key] = other_id
                 unique += other.shared_tokens
         self._older_total = total
         self._older_unique_total = unique
-        self._all_keys = frozenset(keys)
         self._older_version = self._version
 
     def on_admitted(self, request: Request, now: float, *, cached_prefix_tokens: int = 0) -> None:
@@ -317,9 +319,8 @@ class JobAdmission:
         job.last_release = now
         if request.is_last_step and job.in_flight == 0:
             del self.jobs[request.job_id]  # type: ignore[arg-type]
-            if self.min_held_tokens:
-                self.final_tokens.append(job.tokens)
-                self._stay_short = None
+            self.final_tokens.append(job.tokens)
+            self._stay_short = None
 
     def expire(self, now: float) -> list[str]:
         """Drops the jobs idle past :attr:`idle_timeout_s`; returns their ids."""
@@ -347,16 +348,17 @@ class JobAdmission:
         assert all(job.tokens > 0 for job in self.jobs.values()), "a ranked job with no context"
         if self._older_version == self._version:
             total = unique = 0
-            keys: set[int] = set()
+            owners: dict[int, str] = {}
             for job_id, job in self.jobs.items():
                 assert self._older.get(job_id) == total, f"stale prefix sum for job {job_id!r}"
                 assert self._older_unique.get(job_id) == unique, f"stale unique prefix sum for job {job_id!r}"
                 if self.reserves(job):
                     total += self.reserved_tokens(job)
                     unique += self.reserved_tokens(job) - job.shared_tokens
-                    if job.shared_key is not None and job.shared_key not in keys:
-                        keys.add(job.shared_key)
+                    if job.shared_key is not None and job.shared_key not in owners:
+                        owners[job.shared_key] = job_id
                         unique += job.shared_tokens
+            assert self._key_owner == owners, "stale owners of the shared prefixes"
             assert self._older_total == total, "stale total of the ranked contexts"
             assert self._older_unique_total == unique <= total, "stale unique total of the ranked contexts"
         for job in self.jobs.values():

@@ -193,7 +193,7 @@ def test_a_shared_prefix_is_keyed_and_counted_once_in_the_unique_sum() -> None:
     assert gate._tokens_before("c") == 2000 and gate._unique_before("c") == 2000
     assert _admit_sharing(gate, "c", 1000, shared, cached=800)
     assert gate._tokens_before("d") == 3000 and gate._unique_before("d") == 2200
-    assert gate._older_keys["c"] == frozenset({8})
+    assert gate._key_owner == {8: "b"} and gate._prefix_from_older == {"c"}
     gate.check_integrity()
 
 
