@@ -98,6 +98,9 @@ class BlockPool:
         self.cached: dict[int, int] = {}
         self.num_evictions = 0
         self.peak_in_use = 0
+        #: blocks pinned and held by no request (:attr:`num_pinned_idle`), kept by the four
+        #: places that change a count: Continuum's pin cap reads it on every pin
+        self._pinned_idle = 0
         self.listeners: list[BlockListener] = list(listeners)
 
     # -- queries -------------------------------------------------------------------------
@@ -152,8 +155,11 @@ class BlockPool:
         now = self.clock()
         for block_id in block_ids:
             block = self.blocks[block_id]
-            if self.is_candidate(block_id):
-                self.policy.remove(block)
+            if block.ref_cnt == 0:
+                if block.pin_cnt > 0:
+                    self._pinned_idle -= 1
+                elif block.block_hash is not None:
+                    self.policy.remove(block)  # a candidate (:meth:`is_candidate`, inlined)
             block.ref_cnt += 1
             block.last_access = now
             if job_id is not None:
@@ -171,6 +177,8 @@ class BlockPool:
             block.ref_cnt -= 1
             block.last_access = now
             if block.ref_cnt == 0:
+                if block.pin_cnt > 0:
+                    self._pinned_idle += 1
                 self._release(block, now)
 
     def _release(self, block: KVBlock, now: float) -> None:
@@ -233,8 +241,10 @@ class BlockPool:
         """Protects blocks from eviction until :meth:`unpin` (counts nest)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
-            if self.is_candidate(block_id):
-                self.policy.remove(block)
+            if block.pin_cnt == 0 and block.ref_cnt == 0:
+                self._pinned_idle += 1
+                if block.block_hash is not None:
+                    self.policy.remove(block)  # a candidate (:meth:`is_candidate`, inlined)
             block.pin_cnt += 1
 
     def unpin(self, block_ids: Iterable[int]) -> None:
@@ -245,12 +255,13 @@ class BlockPool:
                 raise RuntimeError(f"unpin of unpinned block {block_id}")
             block.pin_cnt -= 1
             if block.pin_cnt == 0 and block.ref_cnt == 0:
+                self._pinned_idle -= 1
                 self._release(block, now)
 
     @property
     def num_pinned_idle(self) -> int:
         """Pinned blocks that no running request holds (what pins cost the pool)."""
-        return sum(1 for b in self.blocks if b.pin_cnt > 0 and b.ref_cnt == 0)
+        return self._pinned_idle
 
     def evict_all(self) -> int:
         """Evicts every candidate (tests and resets); returns how many."""
@@ -292,3 +303,5 @@ class BlockPool:
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash) == bid, f"hash map misses block {bid}"
         assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
+        pinned_idle = sum(1 for b in self.blocks if b.pin_cnt > 0 and b.ref_cnt == 0)
+        assert self._pinned_idle == pinned_idle, f"pinned idle count {self._pinned_idle}, blocks say {pinned_idle}"

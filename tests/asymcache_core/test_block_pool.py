@@ -219,3 +219,26 @@ def test_try_allocate_fits_or_takes_nothing():
     assert kv.try_allocate(other, [(0, 12)]) is None  # 3 blocks, 1 free
     assert other.block_ids == [] and kv.pool.num_in_use == 3
     kv.pool.check_integrity()
+
+
+def test_pinned_idle_count_follows_every_transition():
+    """A cached block pinned while idle, taken by a request, released, and unpinned: the count
+    of pinned blocks no request holds (what Continuum's pin cap reads) at each step."""
+    ctx = PolicyContext(block_size=16, job_stats=JobStats())
+    pool = BlockPool(4, create_policy("lru", ctx), lambda: 0.0)
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, 7, position=0)
+    pool.pin([block])  # held and pinned: not idle
+    assert pool.num_pinned_idle == 0
+    pool.free([block])  # the request lets go: pinned and idle
+    assert pool.num_pinned_idle == 1
+    pool.touch([block])  # the job's next turn takes it
+    assert pool.num_pinned_idle == 0
+    pool.free([block])
+    pool.pin([block])  # nested pin
+    assert pool.num_pinned_idle == 1
+    pool.unpin([block])
+    assert pool.num_pinned_idle == 1, "still pinned once"
+    pool.unpin([block])  # a candidate again
+    assert pool.num_pinned_idle == 0 and pool.num_free_blocks == 4
+    pool.check_integrity()
