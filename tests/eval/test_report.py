@@ -314,7 +314,7 @@ def test_rebuild_report(tmp_path: Path) -> None:
 def test_report_module_stays_light() -> None:
     """`asymcache report` must not pay for torch or the engine: check in a fresh interpreter."""
     code = (
-        "import sys, eval.report\n"
+        "import sys, eval.report, eval.report_plots\n"
         "heavy = [m for m in ('torch', 'asymcache_core', 'agent_runtime', 'matplotlib') "
         "if m in sys.modules]\n"
         "print(heavy)\n"
@@ -439,16 +439,16 @@ def test_find_browser_tries_each_name_on_the_path(tmp_path: Path, monkeypatch: p
 
 def _figures(monkeypatch: pytest.MonkeyPatch, results: Results, run_dir: Path) -> dict[str, Any]:
     """The figures ``write_report`` saves, by file name (rendered, so extents are known)."""
-    import eval.report as report
+    import eval.report_plots as report_plots
 
     saved: dict[str, Any] = {}
-    real = report._save_figure
+    real = report_plots._save_figure
 
     def keep(fig: Any, path: Path) -> None:
         real(fig, path)
         saved[path.name] = fig
 
-    monkeypatch.setattr(report, "_save_figure", keep)
+    monkeypatch.setattr(report_plots, "_save_figure", keep)
     write_report(results, run_dir)
     return saved
 
@@ -459,7 +459,7 @@ def _with_ttft(results: Results, seconds: list[float]) -> Results:
 
 
 def test_seconds_unit_fits_the_values() -> None:
-    from eval.report import seconds_unit
+    from eval.report_plots import seconds_unit
 
     assert seconds_unit(0.045) == ("ms", 1e3)
     assert seconds_unit(0.999) == ("ms", 1e3)
