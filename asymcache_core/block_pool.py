@@ -155,11 +155,10 @@ class BlockPool:
         now = self.clock()
         for block_id in block_ids:
             block = self.blocks[block_id]
-            if block.ref_cnt == 0:
-                if block.pin_cnt > 0:
-                    self._pinned_idle -= 1
-                elif block.block_hash is not None:
-                    self.policy.remove(block)  # a candidate (:meth:`is_candidate`, inlined)
+            if block.ref_cnt == 0 and block.pin_cnt > 0:
+                self._pinned_idle -= 1
+            elif self.is_candidate(block_id):
+                self.policy.remove(block)
             block.ref_cnt += 1
             block.last_access = now
             if job_id is not None:
@@ -243,8 +242,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.pin_cnt == 0 and block.ref_cnt == 0:
                 self._pinned_idle += 1
-                if block.block_hash is not None:
-                    self.policy.remove(block)  # a candidate (:meth:`is_candidate`, inlined)
+            if self.is_candidate(block_id):
+                self.policy.remove(block)
             block.pin_cnt += 1
 
     def unpin(self, block_ids: Iterable[int]) -> None:

@@ -395,12 +395,7 @@ class KVCacheManager:
             return False
         if fresh + len(table) - table.count(HOLE) - table.count(RELOAD) <= free:
             return True
-        blocks = self.pool.blocks
-        candidates = sum(
-            1
-            for b in table
-            if b >= 0 and (blk := blocks[b]).ref_cnt == 0 and blk.pin_cnt == 0 and blk.block_hash is not None
-        )
+        candidates = sum(1 for b in table if b >= 0 and self.pool.is_candidate(b))
         return fresh + candidates <= free
 
     # -- allocation ------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from gpu_bi_msa import rows_alone_equal, timed  # type: ignore[import-not-found]
@@ -27,14 +29,23 @@ from kernels import msa_plan
 from kernels.bench import DTYPE, HKV, HQ, D, Layout, decode_layout, make_inputs, segment_layout
 
 
+@contextmanager
+def invariant_chunk(chunk: int, partial_bytes: int | None = None) -> Iterator[None]:
+    """The planner's fixed chunk (and, if given, its partial-buffer bound) set for the block."""
+    saved = msa_plan.INVARIANT_CHUNK, msa_plan._INVARIANT_PARTIAL_BYTES
+    msa_plan.INVARIANT_CHUNK = chunk
+    if partial_bytes is not None:
+        msa_plan._INVARIANT_PARTIAL_BYTES = partial_bytes
+    try:
+        yield
+    finally:
+        msa_plan.INVARIANT_CHUNK, msa_plan._INVARIANT_PARTIAL_BYTES = saved
+
+
 def plan_at(meta, chunk: int, stages: int):  # type: ignore[no-untyped-def]
     """``meta`` with its batch-invariant plan at ``chunk`` keys a chunk and ``stages`` deep."""
-    saved = msa_plan.INVARIANT_CHUNK
-    msa_plan.INVARIANT_CHUNK = chunk
-    try:
+    with invariant_chunk(chunk):
         p = msa_plan.plan_msa(meta, HQ, HKV, D, meta.block_tables.device, dtype=DTYPE, invariant=True)
-    finally:
-        msa_plan.INVARIANT_CHUNK = saved
     launches = tuple(
         dataclasses.replace(launch, config=dataclasses.replace(launch.config, num_stages=stages))
         for launch in p.launches
@@ -73,10 +84,8 @@ def main() -> None:
         results = []
         for c, s in cells:
             meta = plan_at(inp.meta, c, s)
-            saved_bytes, saved_chunk = msa_plan._INVARIANT_PARTIAL_BYTES, msa_plan.INVARIANT_CHUNK
-            msa_plan._INVARIANT_PARTIAL_BYTES, msa_plan.INVARIANT_CHUNK = 0, c
-            same = rows_alone_equal(module, inp, meta, check)
-            msa_plan._INVARIANT_PARTIAL_BYTES, msa_plan.INVARIANT_CHUNK = saved_bytes, saved_chunk
+            with invariant_chunk(c, partial_bytes=0):  # rows alone: in-program merge, same chunk
+                same = rows_alone_equal(module, inp, meta, check)
             results.append((timed(module, [inp], [meta], False), same))
         ref = results[-1][0]
         print(f"| {layout.name} | "
