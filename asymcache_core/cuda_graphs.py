@@ -9,10 +9,7 @@ token ids, positions, KV slots, block tables, the MSA tile table (one tile per s
 :func:`kernels.msa_plan.decode_graph_plan`) and the keys per KV split, sized for the batch's
 longest context rather than ``max_model_len``. Batches are padded up to the next captured size;
 padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``) and their logits are
-dropped. The batch-invariant mode, whose KV splits cannot change per replay, captures small
-batch sizes once per context limit (:func:`kernels.msa_plan.decode_graph_contexts`) and replays
-the graph of the shortest limit that holds the batch. Steps with prefill or hole tokens run
-eagerly.
+dropped. Steps with prefill or hole tokens run eagerly.
 """
 
 from __future__ import annotations
@@ -30,8 +27,6 @@ if TYPE_CHECKING:
 # Captured batch sizes: every size up to 8, then steps of 8 (vLLM captures a similar ladder).
 _SMALL_SIZES = (1, 2, 4, 8)
 _STEP = 8
-# Context limits of a batch size's batch-invariant graphs grow 4x (2k, 8k, 32k, ... keys).
-_DEFAULT_CONTEXT_RATIO = 4
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -74,9 +69,6 @@ class DecodeGraphs:
         max_model_len: longest context a replay may see (sizes the KV split and block tables).
         max_batch: largest batch to capture; larger decode steps run eagerly.
         device: a CUDA device.
-        context_ratio: ratio between the context limits of one batch size's graphs
-            (:func:`kernels.msa_plan.decode_graph_contexts`); ``None``: one graph per batch
-            size, sized for ``max_model_len`` (the ablation).
     """
 
     def __init__(
@@ -88,11 +80,10 @@ class DecodeGraphs:
         max_model_len: int,
         max_batch: int,
         device: torch.device,
-        context_ratio: int | None = _DEFAULT_CONTEXT_RATIO,
     ) -> None:
         if backend.name != "triton" or device.type != "cuda":
             raise ValueError("enforce_eager: CUDA graphs need the triton attention backend on CUDA")
-        from kernels.msa_plan import decode_graph_chunk, decode_graph_contexts, decode_graph_plan
+        from kernels.msa_plan import decode_graph_chunk, decode_graph_plan
 
         # NOTE: kept on the instance so that scripts/gpu_decode_graphs.py can time replays with
         # the captured chunk beside the per-replay one.
@@ -113,33 +104,24 @@ class DecodeGraphs:
         # keys per KV split, set before each replay for the batch's longest context
         self.chunk = torch.zeros(1, dtype=torch.int32, device=device)
         self.sizes = graph_batch_sizes(max_batch)
-        # the context limits of each size's graphs, ascending, the last max_model_len
-        self.contexts = {
-            size: decode_graph_contexts(
-                size, cfg.num_attention_heads, cfg.num_key_value_heads, max_model_len, device,
-                head_dim=cfg.head_dim, invariant=backend.batch_invariant, ratio=context_ratio,
-            )
-            for size in self.sizes
-        }
-        self.graphs: dict[tuple[int, int], _Captured] = {}
-        self.plans: dict[tuple[int, int], MSAPlan] = {}
+        self.graphs: dict[int, _Captured] = {}
+        self.plans: dict[int, MSAPlan] = {}
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         pool = None
         self.token_rows[2] = -1  # every row starts as padding: no KV store, empty tile
         with torch.inference_mode():
             # NOTE: largest first, so the smaller graphs fit in the memory pool it leaves.
-            for key in sorted(((s, c) for s in self.sizes for c in self.contexts[s]), reverse=True):
-                size, context = key
+            for size in reversed(self.sizes):
                 plan = decode_graph_plan(
-                    self.tiles[:size], cfg.num_attention_heads, cfg.num_key_value_heads, context,
+                    self.tiles[:size], cfg.num_attention_heads, cfg.num_key_value_heads, max_model_len,
                     chunk_buffer=self.chunk, head_dim=cfg.head_dim, dtype=kv_caches[0][0].dtype,
                     invariant=backend.batch_invariant,
                 )
-                self.plans[key] = plan
+                self.plans[size] = plan
                 meta = MSAMetadata(
                     block_tables=self.block_tables[:size], seg_seq=empty, seg_q_start=empty,
                     seg_q_len=empty, seg_pos_start=empty, slot_mapping=self.token_rows[2, :size],
-                    block_size=block_size, max_q_len=1, max_ctx_len=context,
+                    block_size=block_size, max_q_len=1, max_ctx_len=max_model_len,
                     host_segments=(), plan=plan,
                 )
                 args = (
@@ -152,7 +134,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     logits = model(*args)
                 pool = graph.pool()
-                self.graphs[key] = _Captured(graph, logits)
+                self.graphs[size] = _Captured(graph, logits)
         torch.cuda.synchronize(device)
 
     def run(self, batch: DecodeBatch) -> torch.Tensor | None:
@@ -183,16 +165,9 @@ class DecodeGraphs:
         if pad:
             self.tiles[num:size].zero_()
         self.block_tables[:num, :width].copy_(tables, non_blocking=True)
-        longest = max(batch.positions) + 1
-        key = (size, self.context_limit(size, longest))
-        plan = self.plans[key]
+        plan = self.plans[size]
         if plan.chunk_buffer is not None:  # the batch-invariant plan's chunk is fixed
-            self.chunk.fill_(self._graph_chunk(plan, longest))
-        captured = self.graphs[key]
+            self.chunk.fill_(self._graph_chunk(plan, max(batch.positions) + 1))
+        captured = self.graphs[size]
         captured.graph.replay()
         return captured.logits[:num]
-
-    def context_limit(self, size: int, longest: int) -> int:
-        """The context limit of the ``size`` graph to replay for a batch whose longest context is
-        ``longest`` tokens: the shortest that holds it."""
-        return next((c for c in self.contexts[size] if c >= longest), self.contexts[size][-1])

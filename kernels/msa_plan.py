@@ -489,52 +489,6 @@ def decode_graph_plan(
     return MSAPlan(cfg, tiles, batch, chunk, num_splits, 0, chunk_buffer)
 
 
-# Ratio between the context limits of one batch size's batch-invariant decode graphs: see
-# :func:`decode_graph_contexts`.
-_GRAPH_CONTEXT_RATIO = 4
-
-
-def decode_graph_contexts(
-    batch: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    max_context: int,
-    device: torch.device,
-    head_dim: int = 128,
-    invariant: bool = False,
-    ratio: int | None = _GRAPH_CONTEXT_RATIO,
-) -> tuple[int, ...]:
-    """The longest contexts of the decode graphs to capture for ``batch`` sequences, ascending
-    and ending with ``max_context``: one :func:`decode_graph_plan` each, and a replay takes the
-    first that holds its batch's longest context.
-
-    Only the batch-invariant plan has more than one: its chunk is fixed, so its grid's splits
-    are fixed at capture too, and a grid sized for ``max_context`` launches every split for a
-    short context as well. Contexts grow ``ratio`` times from ``ratio`` chunks while a
-    graph's splits stay below those of ``max_context`` (``ratio=None``: one graph). The bits do
-    not depend on the grid (a program walks every ``splits``-th chunk and the merge folds them in
-    chunk order), so which graph replays changes only the time.
-
-    NOTE: measured on the H200 (2026-12-02, batch-1 decode of Llama-3.1-8B at 2,048 keys): the
-    kernel planned for its context took 16.4 us a layer (walk and merge), the same kernel in the
-    graph sized for a 131,072-token ``max_model_len`` 22.0 us: 1,584 programs of which 32 had
-    keys to walk, one at a time per SM (115 KB of shared memory each), the others ending at once.
-    """
-    if not invariant or ratio is None or ratio < 2:
-        return (max_context,)
-    programs = max(batch * num_kv_heads, 1)
-    top, _ = _invariant_splits(programs, max_context, batch, num_q_heads, head_dim, device)
-    limits: list[int] = []
-    limit = ratio * INVARIANT_CHUNK
-    while limit < max_context:
-        splits, _ = _invariant_splits(programs, limit, batch, num_q_heads, head_dim, device)
-        if splits >= top:
-            break
-        limits.append(limit)
-        limit *= ratio
-    return (*limits, max_context)
-
-
 def decode_graph_chunk(plan: MSAPlan, max_ctx: int) -> int:
     """Keys per split for a replay of a :func:`decode_graph_plan` launch whose longest context
     is ``max_ctx``: the plan's splits spread over that context, in whole KV tiles.
@@ -557,7 +511,6 @@ __all__ = [
     "MSAStepPlan",
     "choose_config",
     "decode_graph_chunk",
-    "decode_graph_contexts",
     "decode_graph_plan",
     "invariant_config",
     "plan_msa",

@@ -122,15 +122,12 @@ def test_simulator_charges_decodes_their_keys() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("dtype", "max_model_len"), [("float32", 1024), ("float32", 8192), ("bfloat16", 8192)])
+@pytest.mark.parametrize(("dtype", "max_model_len"), [("float32", 1024), ("float32", 8192), ("bfloat16", 2048)])
 def test_graph_decode_matches_eager_engine(dtype: str, max_model_len: int) -> None:
-    """On the GPU: graph replays and eager steps pick the same greedy tokens, and the
-    engine really replays graphs for its decode steps; also with a ``max_model_len`` far beyond
-    the contexts, where each replay sets a smaller KV chunk than the capture's or, in the
-    batch-invariant mode, replays the graph of a shorter context limit, whose logits equal those
-    of the widest graph bit for bit."""
-    import torch
-
+    """On the GPU: graph replays and eager steps pick the same greedy tokens, and the engine
+    really replays graphs for its decode steps; also with a ``max_model_len`` far beyond the
+    contexts, where each replay sets a smaller KV chunk than the capture's (fp32, the library
+    kernels), and in bf16, the batch-invariant default, whose KV split is fixed."""
     from asymcache_core import Engine
 
     prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate((5, 40, 77, 130, 260))]
@@ -141,27 +138,15 @@ def test_graph_decode_matches_eager_engine(dtype: str, max_model_len: int) -> No
             max_model_len=max_model_len, enforce_eager=eager,
         )
         assert (engine.runner.decode_graphs is None) == eager
-        replays = compared = 0
+        assert engine.runner.backend.batch_invariant == (dtype == "bfloat16")
+        replays = 0
         if not eager:
             graphs = engine.runner.decode_graphs
-            original, by_limit = graphs.run, graphs.context_limit
-            # bfloat16 is the batch-invariant mode, whose small batches get a graph per limit
-            assert engine.runner.backend.batch_invariant == (dtype == "bfloat16")
-            assert (len(graphs.contexts[1]) > 1) == (dtype == "bfloat16")
+            original = graphs.run
 
-            def counting(batch, original=original, by_limit=by_limit, graphs=graphs):  # type: ignore[no-untyped-def]
-                nonlocal replays, compared
+            def counting(batch, original=original):  # type: ignore[no-untyped-def]
+                nonlocal replays
                 replays += 1
-                size = next(s for s in graphs.sizes if s >= len(batch.input_ids))
-                limits = [c for c in graphs.contexts[size] if c > max(batch.positions)]
-                if len(limits) > 1:  # the same inputs through every graph that holds them
-                    logits = []
-                    for limit in limits:
-                        graphs.context_limit = lambda size, longest, limit=limit: limit
-                        logits.append(original(batch).clone())
-                    graphs.context_limit = by_limit
-                    assert all(torch.equal(logits[0], other) for other in logits[1:])
-                    compared += 1
                 return original(batch)
 
             graphs.run = counting
@@ -169,6 +154,5 @@ def test_graph_decode_matches_eager_engine(dtype: str, max_model_len: int) -> No
         outputs.append([o.token_ids for o in engine.generate(prompts, params)])
         if not eager:
             assert replays >= 20
-            assert (compared > 0) == (len(graphs.contexts[1]) > 1)
         engine.check_integrity()
     assert outputs[0] == outputs[1]

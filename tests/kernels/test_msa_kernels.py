@@ -704,55 +704,6 @@ def test_invariant_config_is_the_same_for_every_step(interp: ModuleType) -> None
     assert msa_plan.decode_graph_chunk(graph, 10) == msa_plan.INVARIANT_CHUNK
 
 
-@pytest.mark.parametrize("batch", [1, 4, 8, 16, 64])
-def test_decode_graph_contexts_ladder(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
-    """The batch-invariant graphs of a batch size: limits ascending by the ratio from four
-    chunks, ending at ``max_context``, each with fewer grid splits than the next, and a plan at
-    each limit with partial slots for every chunk of its contexts; one graph otherwise."""
-    monkeypatch.setattr(msa_plan, "_num_sms", lambda device: 132)  # plan as on an H200
-    cpu, chunk = torch.device("cpu"), msa_plan.INVARIANT_CHUNK
-    limits = msa_plan.decode_graph_contexts(batch, 32, 8, 131072, cpu, invariant=True)
-    assert limits[-1] == 131072 and list(limits) == sorted(set(limits))
-    assert all(b == 4 * a for a, b in zip(limits, limits[1:-1], strict=False))
-    assert len(limits) == 1 or limits[0] == 4 * chunk
-    tiles = torch.zeros((batch, 4), dtype=torch.int32)
-    plans = [msa_plan.decode_graph_plan(tiles, 32, 8, limit, invariant=True) for limit in limits]
-    splits = [plan.num_splits for plan in plans]
-    assert splits == sorted(set(splits)), "a limit whose grid equals a wider one's is no use"
-    for limit, plan in zip(limits, plans, strict=True):
-        assert plan.num_splits == 1 or plan.partial_slots >= -(-limit // chunk)
-    # batch 1 spreads over an H200 up to the longest contexts; batch 64 fills it in-program
-    assert {1: 4, 4: 3, 8: 3, 16: 2, 64: 1}[batch] == len(limits)
-    for kwargs in ({"invariant": False}, {"invariant": True, "ratio": None}):
-        assert msa_plan.decode_graph_contexts(batch, 32, 8, 131072, cpu, **kwargs) == (131072,)
-    assert msa_plan.decode_graph_contexts(batch, 32, 8, 1024, cpu, invariant=True) == (1024,)
-
-
-def test_msa_triton_interpreter_invariant_graph_limits_equal_bits(
-    interp: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch's decodes through the graph plan of a short context limit (a program per chunk)
-    and through the one sized for ``max_model_len`` (most programs idle): same bits."""
-    monkeypatch.setattr(msa_plan, "_num_sms", lambda device: 132)  # plan as on an H200
-    chunk = msa_plan.INVARIANT_CHUNK
-    ctxs = [2 * chunk + 70, 40, chunk - 3, 4 * chunk]
-    case = _invariant_case(
-        "cpu", torch.float32, group=4, head_dim=16, max_ctx=max(ctxs), seed=_seed("bi-limits", 6),
-        kind="decode", ctxs=ctxs,
-    )
-    tiles = torch.tensor([(seq, q0, n, pos) for seq, q0, n, pos in case.meta.host_segments], dtype=torch.int32)
-    limits = msa_plan.decode_graph_contexts(len(ctxs), 8, 2, 8 * chunk, torch.device("cpu"), head_dim=16, invariant=True)
-    assert len(limits) > 1 and limits[0] >= max(ctxs)
-    outs = []
-    for limit in (limits[0], limits[-1]):
-        plan = msa_plan.decode_graph_plan(tiles, 8, 2, limit, head_dim=16, dtype=torch.float32, invariant=True)
-        outs.append((plan, interp.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale)))
-    (short_plan, short), (wide_plan, wide) = outs
-    assert 1 < short_plan.num_splits < wide_plan.num_splits
-    assert torch.equal(short, wide)
-    check_close(short, case, torch.float32)
-
-
 @pytest.mark.parametrize("group", [1, 3])
 def test_msa_tiled_rows_equal_alone(group: int) -> None:
     """The batch-invariant torch path: every checked row alone gives the same bits as inside
