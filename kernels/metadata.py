@@ -60,21 +60,20 @@ class MSAMetadata:
         return int(self.slot_mapping.shape[0])
 
 
-def pad_block_tables(block_tables: list[list[int]], width: int, rows: int | None = None) -> torch.Tensor:
-    """The ragged block tables as one zero-padded ``[rows, width]`` int32 CPU tensor.
+def pad_block_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
+    """The ragged block tables as one zero-padded ``[len(block_tables), width]`` int32 CPU tensor.
 
     Args:
         block_tables: one list of physical block ids per sequence, each at most ``width`` long.
         width: the row length.
-        rows: rows of the result (default ``len(block_tables)``); rows past the tables are zero.
 
     NOTE: filled row by row through numpy. A long-context batch's tables hold tens of thousands
     of ids, rebuilt every step: ``torch.tensor`` of the padded nested lists took ~3x as long
-    (this project's CPU: 32 tables of 1,875 blocks 8.1 against 2.5 ms, 8 of 1,560 1.6 against
-    0.5 ms).
+    (``python scripts/bench_block_tables.py``: 32 tables of 1,875 blocks 7.3 against 2.6 ms on
+    this project's CPU).
     """
-    table = np.zeros((len(block_tables) if rows is None else rows, width), dtype=np.int32)
-    for row, ids in zip(table, block_tables, strict=False):
+    table = np.zeros((len(block_tables), width), dtype=np.int32)
+    for row, ids in zip(table, block_tables, strict=True):
         row[: len(ids)] = ids
     return torch.from_numpy(table)
 
@@ -104,7 +103,7 @@ def build_msa_metadata(
     # second time in the middle of a run (about a second each on a GPU).
     max_blocks = max((len(t) for t in block_tables), default=1) or 1
     max_blocks = -(-max_blocks // 16) * 16
-    tables = pad_block_tables(block_tables, max_blocks, rows=max(len(block_tables), 1))
+    tables = pad_block_tables(block_tables or [[]], max_blocks)  # one row at least
     seg = list(zip(*segments, strict=True)) if segments else [(), (), (), ()]
 
     def as_tensor(values: object, dtype: torch.dtype) -> torch.Tensor:
