@@ -722,7 +722,11 @@ class Engine:
                 self._fail_request(request, error, end)
                 outputs.append(self._output(request, []))
         updates = self.scheduler.update_from_output(ran, sampled, end)
-        return outputs + [self._process_output(update, end) for update in updates]
+        outputs += [self._process_output(update, end) for update in updates]
+        if isinstance(self.runner, SimulatedRunner):
+            # NOTE: after the outputs, as a live loop pays it: a step's duration does not hold it
+            self.runner.between_steps()
+        return outputs
 
     # -- step faults ---------------------------------------------------------------------------
     def _execute(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, int], list[tuple[Request, str]]]:

@@ -69,6 +69,9 @@ class LatencyModel:
             (they share the device's memory bandwidth and the launching host thread); 1.0:
             copies are free for compute. Measured, not fitted: ``scripts/gpu_host_tier.py``'s
             decode step beside copies (1.54 on the H200, batch 32 at 4k context).
+        host_gap_s: host time a live serving loop spends between two steps (outputs handed
+            back and detokenized, requests taken in), which no step's duration holds; the
+            simulator charges it after every step. 0 in profiles written before this term.
     """
 
     floor_s: float
@@ -85,6 +88,7 @@ class LatencyModel:
     h2d_bytes_per_s: float | None = None
     d2h_bytes_per_s: float | None = None
     copy_slowdown: float = 1.0
+    host_gap_s: float = 0.0
 
     def copy_bandwidth(self, to_device: bool) -> float:
         """Bytes per second of a KV block copy between the host tier and the device: the

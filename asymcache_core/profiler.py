@@ -9,6 +9,7 @@ uses, timed after a warm-up (median of ``repeats``). The fit is the piecewise-li
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -245,6 +246,11 @@ def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrate
       decode-only step those are its ``attn_pairs``, so older logs serve as well);
     - other steps: the floor moves by their mean residual under the new decode term.
 
+    - the host gap: the mean time from one step's end to the next one's start, over the
+      gaps of at most :data:`HOST_GAP_CUTOFF_S` (longer ones are the engine idle, nothing to
+      run, which the simulator reproduces itself); records without ``start`` leave it as it
+      was. Logs of several runs may be concatenated: a jump between runs is no such gap.
+
     The token and attention terms stay, and the simulator's total time matches the live runs'.
 
     Args:
@@ -286,5 +292,27 @@ def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrate
     if (~decode).any():
         residual = measured[~decode] - predict(out)[~decode]
         out = replace(out, floor_s=max(latency.floor_s + float(residual.mean()), 0.0))
+    gaps = _host_gaps(steps)
+    if gaps.size:
+        out = replace(out, host_gap_s=float(gaps.mean()))
     error = float(np.mean(np.abs(predict(out) - measured) / np.maximum(measured, 1e-9)))
     return replace(out, fit_error=error)
+
+
+#: Longest pause between two live steps counted as the serving loop's host time: past it the
+#: engine had nothing to run (every job in a tool pause). NOTE: the H200 bench logs of
+#: 2026-12-03 put the loop's gaps at 0.15-0.4 ms and idle spells at tens of milliseconds on.
+HOST_GAP_CUTOFF_S = 0.005
+
+
+def _host_gaps(steps: list[dict]) -> np.ndarray:
+    """Seconds from each step's end to the next one's start, where both have ``start`` and
+    the gap is within ``[0, HOST_GAP_CUTOFF_S]``."""
+    gaps = []
+    for before, after in itertools.pairwise(steps):
+        if "start" not in before or "start" not in after:
+            continue
+        gap = float(after["start"]) - float(before["start"]) - float(before["duration_s"])
+        if 0.0 <= gap <= HOST_GAP_CUTOFF_S:
+            gaps.append(gap)
+    return np.array(gaps)

@@ -141,6 +141,11 @@ class SimulatedRunner:
             plan.num_tokens, plan.attn_pairs, plan.is_decode_only, plan.decode_kv_tokens
         )
 
+    def between_steps(self) -> None:
+        """Moves the clock past the host time a live serving loop spends between two steps
+        (``latency.host_gap_s``): the engine calls it once a step's outputs are out."""
+        self.clock.advance(self.latency.host_gap_s)
+
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         self.clock.advance(self.contended(self.step_cost(plan)))
         span = max(1, self.vocab_size - 200)

@@ -545,7 +545,7 @@ def calibrate(
     latency_profile: Path = typer.Option(..., help="The profile to correct."),
     out: Path = typer.Option(Path("profile_live.json"), help="Where to write the corrected profile."),
 ) -> None:
-    """Refit a latency profile's floors and decode term to live steps (for the simulator)."""
+    """Refit a latency profile's floors, decode term and host gap to live steps (for the simulator)."""
     import json
 
     from asymcache_core.latency_model import LatencyModel
@@ -565,7 +565,8 @@ def calibrate(
     typer.echo(
         f"{len(records)} steps: floor {base.floor_s * 1e3:.2f} -> {latency.floor_s * 1e3:.2f} ms, decode-only "
         f"{before * 1e3:.2f} -> {after * 1e3:.2f} ms + {base.per_decode_kv_s * 1e9:.2f} -> "
-        f"{latency.per_decode_kv_s * 1e9:.2f} ns a key, error on these steps {latency.fit_error:.1%} -> {out}"
+        f"{latency.per_decode_kv_s * 1e9:.2f} ns a key, host gap between steps {base.host_gap_s * 1e3:.2f} -> "
+        f"{latency.host_gap_s * 1e3:.2f} ms, error on these steps {latency.fit_error:.1%} -> {out}"
     )
 
 

@@ -11,7 +11,9 @@
 # Each stage writes OUT_DIR/STAGE.log (the table) and OUT_DIR/STAGE.tar.gz (report.md and
 # results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`) unless
 # PROFILE=... names another (bench_traces/profile_h200_llama8b_live_decode_kv.json: fitted to live steps,
-# with the decode-key term, so adaptive chunking meets its TPOT target more closely).
+# with the decode-key term, so adaptive chunking meets its TPOT target more closely; or
+# bench_traces/profile_h200_llama8b_live_2026_12_03.json, refitted to the step logs of twelve
+# H200 runs on four workloads, with the host gap between steps: the load sweep's default).
 set -uo pipefail
 out=$1; shift
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

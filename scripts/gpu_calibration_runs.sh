@@ -8,13 +8,15 @@
 #   bash scripts/gpu_calibration_runs.sh STAGE
 # STAGE: swe (seed 21, 3,000 blocks: continuum and asymcache+continuum, ~6 min) or
 # others (seed 23: chat on 900 blocks, BFCL on 800, tool loop on 1,200, three policies each,
-# ~8 min). Needs the pydantic wheels of .whl/ carried (the bench CLI imports pydantic).
+# ~8 min) or ceiling (seed 21: the unbounded pool, and asymcache+continuum with a 64 GB host tier,
+# ~5 min). PROFILE=... sets the engines' profile (default: the load sweep's). Needs the pydantic
+# wheels of .whl/ carried (the bench CLI imports pydantic).
 # Writes $OUT/results.tgz: every run's results.json, report.md, steps/ and requests/ (the
 # device returns a bounded number of files, so one archive), and the logs.
 set -uo pipefail
 STAGE=$1
 export PYTHONUNBUFFERED=1
-PROFILE=bench_traces/profile_h200_llama8b_live_decode_kv.json
+PROFILE=${PROFILE:-bench_traces/profile_h200_llama8b_live_2026_12_03.json}
 COMMON=(--backend real --device cuda --model dummy:llama-3.1-8b --time-scale 0.1 --token-scale 1.0
   --max-model-len 131072 --max-num-batched-tokens 8192 --max-num-seqs 256 --no-lossless-check
   --latency-profile "$PROFILE" --step-log)
@@ -32,6 +34,12 @@ case "$STAGE" in
         --num-kv-blocks 3000 --policies "$policy"
     done
     ;;
+  ceiling)
+    run swe21-unbounded 200 --workload swe --seed 21 --jobs 32 --concurrency 16 --num-kv-blocks 3000 \
+      --policies vllm-apc/unbounded
+    run swe21-tier64-asymcache-continuum 230 --workload swe --seed 21 --jobs 32 --concurrency 16 \
+      --num-kv-blocks 3000 --cpu-offload-gb 64 --policies asymcache+continuum
+    ;;
   others)
     P=vllm-apc/reserve-prompt,continuum/reserve-prompt,asymcache+continuum/reserve-prompt
     run chat900 250 --workload chat --seed 23 --jobs 96 --concurrency 48 --num-kv-blocks 900 --policies "$P"
@@ -40,7 +48,7 @@ case "$STAGE" in
     run tool1200 120 --workload toolloop --seed 23 --jobs 96 --concurrency 48 --num-kv-blocks 1200 --policies "$P"
     ;;
   *)
-    echo "STAGE: swe or others, got $STAGE" >&2
+    echo "STAGE: swe, others or ceiling, got $STAGE" >&2
     exit 2
     ;;
 esac

@@ -47,6 +47,15 @@ def copy_bandwidth(dev: torch.device) -> float:
     return 2 * src.numel() * 5 / (time.perf_counter() - start)
 
 
+def load_with_floor(model: str) -> tuple[object, int, float, float]:
+    """``(loaded model, weight bytes, copy bandwidth B/s, weight-read floor ms)`` on the GPU."""
+    dev = torch.device("cuda")
+    loaded = load_model(model, dev, torch.bfloat16, seed=0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    bandwidth = copy_bandwidth(dev)
+    return loaded, weight_bytes, bandwidth, weight_bytes / bandwidth * 1e3
+
+
 def decode_ms(engine: Engine, batch: int, context: int, gen: torch.Generator) -> float:
     """Median decode-only step of ``batch`` sequences at ``context`` tokens."""
     vocab = engine.model_config.vocab_size
@@ -109,11 +118,7 @@ def main() -> None:
     ap.add_argument("--modes", action="store_true",
                     help="instead: CUDA-graph fused decode steps, library kernels against the batch-invariant mode")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    loaded = load_model(args.model, dev, torch.bfloat16, seed=0)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    bandwidth = copy_bandwidth(dev)
-    floor_ms = weight_bytes / bandwidth * 1e3
+    loaded, weight_bytes, bandwidth, floor_ms = load_with_floor(args.model)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}: "
           f"{weight_bytes / 1e9:.1f} GB of weights, copy {bandwidth / 1e12:.2f} TB/s, weight-read floor {floor_ms:.2f} ms")
     if args.modes:

@@ -264,6 +264,13 @@ def test_simulated_engine_moves_only_its_virtual_clock():
     mispredicted = Engine.simulated(model="dummy:tiny", num_kv_blocks=32, device_latency=slow)
     mispredicted.generate([prompt], params)
     assert all(s.duration_s == pytest.approx(s.predicted_s + 0.01) for s in mispredicted.step_log)
+    # a live loop's host time between steps: after each step's outputs, outside its duration
+    gapped = Engine.simulated(model="dummy:tiny", num_kv_blocks=32, device_latency=replace(slow, host_gap_s=0.002))
+    gapped.generate([prompt], params)
+    log = list(gapped.step_log)
+    assert all(s.duration_s == pytest.approx(s.predicted_s + 0.01) for s in log)
+    assert all(b.start == pytest.approx(a.start + a.duration_s + 0.002) for a, b in zip(log, log[1:], strict=False))
+    assert gapped.clock() == pytest.approx(sum(s.duration_s for s in log) + 0.002 * len(log))
 
 
 def test_idle_until_leaves_a_real_clock_alone_and_expires_pins():

@@ -131,6 +131,27 @@ def test_calibrate_shifts_the_floors_by_the_live_residuals():
         calibrate(profile, [{"num_tokens": 3}])
 
 
+def test_calibrate_fits_the_host_gap_between_steps():
+    """Two runs' logs concatenated: steps 0.3 ms apart, idle spells of a second (nothing to
+    run) and the jump back between the runs are not the loop's host time; logs without
+    ``start`` leave the gap as it was."""
+    from dataclasses import replace
+
+    from asymcache_core.profiler import calibrate
+
+    profile = LatencyModel(floor_s=0.017, per_token_s=2e-5, per_attn_s=1.5e-9, knee_tokens=512, host_gap_s=0.001)
+    steps = []
+    for run in range(2):
+        now = 50.0 * run
+        for i, step in enumerate(_live_steps(profile)):
+            steps.append({**step, "start": now})
+            now += step["duration_s"] + (1.0 if i % 10 == 9 else 0.0003)
+    live = calibrate(profile, steps)
+    assert live.host_gap_s == pytest.approx(0.0003)
+    assert live.floor_s == pytest.approx(profile.floor_s) and live.fit_error == pytest.approx(0.0, abs=1e-9)
+    assert calibrate(replace(profile, host_gap_s=0.002), _live_steps(profile)).host_gap_s == 0.002
+
+
 @pytest.mark.parametrize("logged_keys", [True, False])
 def test_calibrate_fits_the_decode_key_term(logged_keys):
     """A profile that prices a decode's keys at 0 against live steps that pay 30 ns a key (an
