@@ -233,8 +233,14 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return coef
 
 
+#: Longest pause between two live steps counted as the serving loop's host time: past it the
+#: engine had nothing to run (every job in a tool pause). NOTE: the H200 bench logs of
+#: 2026-12-03 put the loop's gaps at 0.15-0.4 ms and idle spells at tens of milliseconds on.
+HOST_GAP_CUTOFF_S = 0.005
+
+
 def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrated") -> LatencyModel:
-    """Refits a profile's floors and decode term to what live engine steps cost.
+    """Refits a profile's floors, decode term and host gap to what live engine steps cost.
 
     A profile times forward passes alone; a live step also pays scheduling, input preparation
     and sampling, and mixes shapes the grid never ran. Given step records (``StepStats`` as
@@ -244,8 +250,7 @@ def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrate
     - decode-only steps: what they cost beyond the token and attention terms is fitted as
       ``decode_floor_s + per_decode_kv_s * K`` (a line over the keys their decodes read; in a
       decode-only step those are its ``attn_pairs``, so older logs serve as well);
-    - other steps: the floor moves by their mean residual under the new decode term.
-
+    - other steps: the floor moves by their mean residual under the new decode term;
     - the host gap: the mean time from one step's end to the next one's start, over the
       gaps of at most :data:`HOST_GAP_CUTOFF_S` (longer ones are the engine idle, nothing to
       run, which the simulator reproduces itself); records without ``start`` leave it as it
@@ -259,7 +264,8 @@ def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrate
         source: the result's ``source``.
 
     Raises:
-        ValueError: no steps, or a record without the fields above.
+        ValueError: no steps, or a record without the fields above (or with a ``start`` that
+            is not a number).
 
     Returns:
         The corrected model; ``fit_error`` is its mean relative error on ``steps``.
@@ -299,11 +305,6 @@ def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrate
     return replace(out, fit_error=error)
 
 
-#: Longest pause between two live steps counted as the serving loop's host time: past it the
-#: engine had nothing to run (every job in a tool pause). NOTE: the H200 bench logs of
-#: 2026-12-03 put the loop's gaps at 0.15-0.4 ms and idle spells at tens of milliseconds on.
-HOST_GAP_CUTOFF_S = 0.005
-
 
 def _host_gaps(steps: list[dict]) -> np.ndarray:
     """Seconds from each step's end to the next one's start, where both have ``start`` and
@@ -312,7 +313,10 @@ def _host_gaps(steps: list[dict]) -> np.ndarray:
     for before, after in itertools.pairwise(steps):
         if "start" not in before or "start" not in after:
             continue
-        gap = float(after["start"]) - float(before["start"]) - float(before["duration_s"])
+        try:
+            gap = float(after["start"]) - float(before["start"]) - float(before["duration_s"])
+        except (TypeError, ValueError):
+            raise ValueError(f"steps: start must be a number, got {after['start']!r} after {before['start']!r}") from None
         if 0.0 <= gap <= HOST_GAP_CUTOFF_S:
             gaps.append(gap)
     return np.array(gaps)

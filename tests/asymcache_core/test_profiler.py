@@ -150,6 +150,8 @@ def test_calibrate_fits_the_host_gap_between_steps():
     assert live.host_gap_s == pytest.approx(0.0003)
     assert live.floor_s == pytest.approx(profile.floor_s) and live.fit_error == pytest.approx(0.0, abs=1e-9)
     assert calibrate(replace(profile, host_gap_s=0.002), _live_steps(profile)).host_gap_s == 0.002
+    with pytest.raises(ValueError, match="start"):
+        calibrate(profile, [{**steps[0], "start": "soon"}, steps[1]])
 
 
 @pytest.mark.parametrize("logged_keys", [True, False])
