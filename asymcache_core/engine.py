@@ -29,7 +29,7 @@ from asymcache_core.errors import EngineDeadError
 from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.host_tier import HostTier
 from asymcache_core.host_tier_driver import HostTierDriver
-from asymcache_core.job_admission import JobAdmission
+from asymcache_core.job_admission import JobAdmission, gate_capacity_blocks
 from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_cache_manager import KVCacheManager
 from asymcache_core.kv_events import create_kv_events
@@ -312,10 +312,9 @@ class Engine:
         self.pins = PinManager(self.pool)
         self.continuum = ContinuumController(self.pins, self.latency, self.job_stats, self.clock)
         job_admission = policy.job_admission if config.job_admission is None else config.job_admission
-        # NOTE: the host tier holds a copy of what the device evicts (it is inclusive, not
-        # additive): the jobs whose contexts it holds come back by copy, not by recomputation,
-        # so the jobs that fit are those the larger of the two tiers holds.
-        capacity = max(self.num_blocks, self.num_host_blocks) * config.block_size
+        # NOTE: jobs whose contexts the host tier holds come back by copy, not by
+        # recomputation: the gate counts part of the tier (gate_capacity_blocks says why not all)
+        capacity = gate_capacity_blocks(self.num_blocks, self.num_host_blocks) * config.block_size
         self.job_admission = (
             JobAdmission(capacity, min_held_tokens=config.max_num_batched_tokens, block_size=config.block_size)
             if job_admission

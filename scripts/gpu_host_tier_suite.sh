@@ -11,7 +11,7 @@ PIDS=()
 for gb in $TIERS; do
   timeout $((BUDGET - 25)) python3 -m eval.cli bench --suite agents --workload swe --gpu-memory-utilization 0.4 \
     --cpu-offload-gb "$gb" --policies vllm-apc/reserve-prompt,asymcache+continuum/reserve-prompt \
-    --slo jct:180.6 --workers "$WORKERS" --out "$OUT/tier$gb" >"$OUT/tier$gb.log" 2>&1 &
+    --slo jct:160.4 --workers "$WORKERS" --out "$OUT/tier$gb" >"$OUT/tier$gb.log" 2>&1 &
   PIDS+=($!)
 done
 timeout 150 python3 scripts/gpu_host_tier.py --skip-exactness --json "$OUT/host_tier_overlap.json" >"$OUT/host_tier_overlap.log" 2>&1

@@ -97,6 +97,15 @@ def evict_to_host(engine: Engine) -> None:
     engine.step()
 
 
+def test_the_job_gate_counts_half_of_the_tier_beyond_the_device_pool():
+    # 10 device blocks and 40 host slots of 4 tokens: the gate admits jobs against
+    # 10 + (40 - 10) // 2 = 25 blocks, not the whole tier (it would over-commit the host)
+    assert sim_engine().job_admission.capacity_tokens == 25 * 4
+    assert sim_engine(num_host_kv_blocks=6).job_admission.capacity_tokens == 10 * 4
+    no_tier = dict(model="dummy:tiny", num_kv_blocks=10, block_size=4, eviction_policy="asymcache")
+    assert Engine.simulated(EngineConfig(**no_tier)).job_admission.capacity_tokens == 10 * 4
+
+
 def test_a_reloading_request_waits_for_its_copies_while_others_run():
     engine = sim_engine(eviction_policy="vllm-apc")
     tier = engine.host_tier

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asymcache_core.job_admission import JobAdmission
+from asymcache_core.job_admission import JobAdmission, gate_capacity_blocks
 from asymcache_core.request import Request
 from asymcache_core.sampling_params import SamplingParams
 
@@ -233,3 +233,18 @@ def test_where_the_unique_tokens_pass_half_the_pool_the_per_job_count_holds() ->
 def test_bad_block_size_names_the_field() -> None:
     with pytest.raises(ValueError, match="block_size"):
         JobAdmission(capacity_tokens=10, block_size=0)
+
+
+def test_gate_capacity_counts_half_of_what_a_host_tier_holds_beyond_the_device():
+    assert gate_capacity_blocks(19_934) == 19_934  # no tier
+    assert gate_capacity_blocks(19_934, 0) == 19_934
+    assert gate_capacity_blocks(100, 60) == 100  # a tier smaller than the device adds nothing
+    assert gate_capacity_blocks(100, 100) == 100
+    assert gate_capacity_blocks(19_934, 32_768) == 19_934 + (32_768 - 19_934) // 2
+    assert gate_capacity_blocks(10, 41) == 25
+
+
+@pytest.mark.parametrize(("device", "host", "field"), [(0, 10, "device_blocks"), (10, -1, "host_blocks")])
+def test_gate_capacity_rejects_bad_sizes(device, host, field):
+    with pytest.raises(ValueError, match=field):
+        gate_capacity_blocks(device, host)
