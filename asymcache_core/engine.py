@@ -1054,6 +1054,9 @@ class Engine:
             self.host_tier.check_integrity()
         if self.job_admission is not None:
             self.job_admission.check_integrity()
+        table_rows = getattr(self.runner, "block_table_rows", None)  # the model runner's, on a real backend
+        if table_rows is not None:
+            table_rows.check_integrity(self.scheduler.running + self.scheduler.waiting)
         refs: dict[int, int] = {}
         for request in self.scheduler.running + self.scheduler.waiting:
             for b in self.kv.held_blocks(request):

@@ -286,6 +286,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         blocks = self.pool.allocate(len(reloads), request.job_id)
         ticket = self.tier.ticket
+        request.table_dirty_from = min(request.table_dirty_from, min(reloads))
         for (idx, slot), block_id in zip(sorted(reloads.items()), blocks, strict=True):
             request.block_ids[idx] = block_id
             self.pool.cache_block(block_id, hashes[idx], idx)
@@ -416,6 +417,7 @@ class KVCacheManager:
             return []
         fresh = self.pool.allocate(len(block_indices), request.job_id)
         table = request.block_ids
+        request.table_dirty_from = min(request.table_dirty_from, min(block_indices))
         for idx, block_id in zip(block_indices, fresh, strict=True):
             if idx >= len(table):
                 table.extend([HOLE] * (idx + 1 - len(table)))

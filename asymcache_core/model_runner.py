@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from asymcache_core.block_tables import BlockTableRows
 from asymcache_core.cuda_graphs import DecodeBatch, DecodeGraphs
 from asymcache_core.host_tier import KVTransfers
 from asymcache_core.kv_transfer import HostKVCache
@@ -14,7 +16,7 @@ from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
-from kernels.metadata import build_msa_metadata
+from kernels.metadata import build_msa_metadata, table_width
 
 
 class StepInputs(NamedTuple):
@@ -29,6 +31,8 @@ class StepInputs(NamedTuple):
         logits_rows: packed row of each sampling request's last token.
         sample_index: index into ``SchedulerOutput.scheduled`` of each sampling row.
         decode_only: one new token per sequence, every sequence sampled (the CUDA-graph case).
+        block_table_array: ``block_tables`` padded to ``[sequences, width]`` int32 (width a
+            multiple of 16), from the runner's persistent rows; ``None``: pad the lists.
     """
 
     input_ids: list[int]
@@ -39,10 +43,17 @@ class StepInputs(NamedTuple):
     logits_rows: list[int]
     sample_index: list[int]
     decode_only: bool
+    block_table_array: np.ndarray | None = None
 
 
-def pack_step(plan: SchedulerOutput, block_size: int) -> StepInputs:
+def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | None = None) -> StepInputs:
     """Packs the plan's segments into flat host lists.
+
+    Args:
+        plan: the step's plan.
+        block_size: tokens per block.
+        rows: the runner's persistent block table rows: the padded table is built from them
+            (``StepInputs.block_table_array``); ``None``: only the lists.
 
     NOTE: block tables are the requests' own lists, not copies: the step consumes them before
     the scheduler changes them (a tensor-parallel runner pickles them at once).
@@ -68,7 +79,12 @@ def pack_step(plan: SchedulerOutput, block_size: int) -> StepInputs:
         if item.sample:
             logits_rows.append(len(input_ids) - 1)
             sample_index.append(seq)
-    return StepInputs(input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only)
+    array = None
+    if rows is not None and tables:
+        array = rows.build([item.request for item in plan.scheduled], table_width(tables))
+    return StepInputs(
+        input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only, array
+    )
 
 
 class ModelRunner:
@@ -140,6 +156,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, backend, block_size, max_model_len, max_num_seqs, device
             )
+        #: each scheduled request's block table between steps (:mod:`asymcache_core.block_tables`)
+        self.block_table_rows = BlockTableRows()
         self.mixed_graphs: PiecewiseGraphs | None = None
         if cuda_graphs and mixed_graph_tokens > 0:
             self.mixed_graphs = PiecewiseGraphs(
@@ -167,7 +185,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Runs the step; returns the sampled token of every request that reached its end."""
-        inputs = pack_step(plan, self.block_size)
+        inputs = pack_step(plan, self.block_size, self.block_table_rows)
         return self._sample(plan, inputs.sample_index, self.forward(inputs))
 
     @torch.inference_mode()
@@ -178,11 +196,15 @@ class ModelRunner:
         piecewise graphs, else eagerly.
         """
         if self.decode_graphs is not None and inputs.decode_only:
-            batch = DecodeBatch(inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables)
+            batch = DecodeBatch(
+                inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables, inputs.block_table_array
+            )
             logits = self.decode_graphs.run(batch)
             if logits is not None:
                 return logits
-        meta = build_msa_metadata(inputs.block_tables, inputs.segments, inputs.slots, self.block_size, self.device)
+        meta = build_msa_metadata(
+            inputs.block_tables, inputs.segments, inputs.slots, self.block_size, self.device, inputs.block_table_array
+        )
         # NOTE: once per step, not once per layer: the backend's launch plan (the Triton tile
         # table and its copy to the device) is shared by all layers.
         meta = self.backend.prepare(meta, self.num_q_heads, self.num_kv_heads, self.loaded.config.head_dim)

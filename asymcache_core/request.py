@@ -107,6 +107,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        #: the lowest index of ``block_ids`` changed in place since the model runner last copied
+        #: the table (:class:`~asymcache_core.block_tables.BlockTableRows`); ``len(block_ids)``
+        #: or more: none. A new list needs no mark.
+        self.table_dirty_from = 0
         self.block_hashes: list[int] = []
         self.num_committed_blocks = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time)

@@ -78,12 +78,25 @@ def pad_block_tables(block_tables: list[list[int]], width: int) -> torch.Tensor:
     return torch.from_numpy(table)
 
 
+def table_width(block_tables: list[list[int]]) -> int:
+    """The padded table's row length: the longest table rounded up to a multiple of 16 (at least 16).
+
+    NOTE: the width is the table's row stride. Triton compiles one kernel variant per
+    divisibility of an integer argument, so a width that is sometimes a multiple of 16 and
+    sometimes not would compile every MSA configuration twice, the second time in the middle of
+    a run (about a second each on a GPU).
+    """
+    longest = max((len(t) for t in block_tables), default=1) or 1
+    return -(-longest // 16) * 16
+
+
 def build_msa_metadata(
     block_tables: list[list[int]],
     segments: list[tuple[int, int, int, int]],
     slot_mapping: list[int],
     block_size: int,
     device: torch.device | str = "cpu",
+    table_array: np.ndarray | None = None,
 ) -> MSAMetadata:
     """Builds :class:`MSAMetadata` from host lists.
 
@@ -93,17 +106,17 @@ def build_msa_metadata(
         slot_mapping: one flat slot per packed query token.
         block_size: tokens per block.
         device: where the tensors live.
+        table_array: ``block_tables`` already padded to ``[len(block_tables), table_width]``
+            int32 (a persistent table's rows); ``None``: padded here.
 
     Returns:
         The metadata, tensors on ``device``.
     """
-    # NOTE: the width (the table's row stride) is padded to a multiple of 16: Triton compiles
-    # one kernel variant per divisibility of an integer argument, so a width that is sometimes
-    # a multiple of 16 and sometimes not would compile every MSA configuration twice, the
-    # second time in the middle of a run (about a second each on a GPU).
-    max_blocks = max((len(t) for t in block_tables), default=1) or 1
-    max_blocks = -(-max_blocks // 16) * 16
-    tables = pad_block_tables(block_tables or [[]], max_blocks)  # one row at least
+    if table_array is not None:
+        assert table_array.shape == (len(block_tables), table_width(block_tables)), table_array.shape
+        tables = torch.from_numpy(table_array)
+    else:
+        tables = pad_block_tables(block_tables or [[]], table_width(block_tables))  # one row at least
     seg = list(zip(*segments, strict=True)) if segments else [(), (), (), ()]
 
     def as_tensor(values: object, dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,10 @@ graph's buffers, sampling with its device-to-host copy, the scheduler's update a
 and the GPU time of the forward pass (CUDA events around it). A step's wall time minus its
 forward's GPU time is what overlapping the host work with the previous step (async
 scheduling) could at most save. ``--profile`` adds the busiest GPU kernels of batch-1 steps.
+``--cases 1x2048,16x32768`` picks the decode batches (sequences x context). ``--compare-tables``
+times every case's steps twice, alternating in rounds: with the runner's persistent block table
+rows (the default) and with the tables padded from the requests' lists each step (the path
+before them), and prints both.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+import asymcache_core.model_runner as model_runner
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
 
@@ -46,12 +51,20 @@ def main() -> None:
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="also list the GPU kernels of batch-1 steps")
+    ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES), help="BATCHxCONTEXT,...")
+    ap.add_argument("--compare-tables", action="store_true",
+                    help="also time each case with block tables padded from the lists every step")
     args = ap.parse_args()
+    cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
+    modes = ("rows", "lists") if args.compare_tables else ("rows",)
+    rounds = 3 if args.compare_tables else 1
     dev = torch.device("cuda")
     loaded = load_model(args.model, dev, torch.bfloat16, seed=0)
-    engine = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=8192,
-                    max_num_batched_tokens=8192, max_model_len=32768)
+    blocks = max(b * -(-(c + rounds * len(modes) * args.steps + 64) // 16) for b, c in cases) + 256
+    engine = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=max(8192, blocks),
+                    max_num_batched_tokens=8192, max_model_len=max(32768, max(c for _, c in cases) + 4096))
     runner = engine.runner
+    table_rows = runner.block_table_rows
     host: dict[str, list[float]] = defaultdict(list)
     gpu: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     forward = runner.forward
@@ -69,37 +82,48 @@ def main() -> None:
     engine.scheduler.schedule = timed(host, "schedule", engine.scheduler.schedule)
     engine.scheduler.update_from_output = timed(host, "update", engine.scheduler.update_from_output)
     engine._process_output = timed(host, "outputs", engine._process_output)
+    model_runner.pack_step = timed(host, "pack", model_runner.pack_step)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}, "
           f"batch_invariant={engine.config.batch_invariant}")
-    phases = ("schedule", "forward (enqueue)", "sample (incl. sync)", "update", "outputs")
-    print("| batch | context | step ms | forward GPU ms | host-only ms | "
+    phases = ("schedule", "pack", "forward (enqueue)", "sample (incl. sync)", "update", "outputs")
+    print("| batch | context | tables | step ms | forward GPU ms | host-only ms | "
           + " | ".join(f"{p} ms" for p in phases) + " |")
-    print("|---:|---:|---:|---:|---:|" + "---:|" * len(phases))
+    print("|---:|---:|---|---:|---:|---:|" + "---:|" * len(phases))
     gen = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
-    for batch, context in CASES:
+    for batch, context in cases:
         for _ in range(batch):
             prompt = torch.randint(1000, vocab - 1000, (context,), generator=gen).tolist()
-            engine.add_request(prompt, SamplingParams(max_tokens=args.steps + 10, ignore_eos=True))
+            engine.add_request(prompt, SamplingParams(max_tokens=rounds * len(modes) * args.steps + 10, ignore_eos=True))
         while any(r.num_computed_tokens < r.num_prompt_tokens
                   for r in engine.scheduler.running + engine.scheduler.waiting):
             engine.step()
         for _ in range(3):
             engine.step()
-        host.clear()
-        gpu.clear()
-        walls = []
-        for _ in range(args.steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            walls.append(time.perf_counter() - start)
-        gpu_ms = statistics.median(b.elapsed_time(e) for b, e in gpu)
-        wall_ms = statistics.median(walls) * 1e3
-        per_step = {p: sum(host[p]) / args.steps * 1e3 for p in phases}
-        print(f"| {batch} | {context} | {wall_ms:.2f} | {gpu_ms:.2f} | {wall_ms - gpu_ms:.2f} | "
-              + " | ".join(f"{per_step[p]:.2f}" for p in phases) + " |")
+        walls: dict[str, list[float]] = {m: [] for m in modes}
+        gpus: dict[str, list[float]] = {m: [] for m in modes}
+        hosts: dict[str, dict[str, float]] = {m: defaultdict(float) for m in modes}
+        for _ in range(rounds):
+            for mode in modes:
+                # NOTE: without rows the runner pads the requests' lists every step (pack_step)
+                runner.block_table_rows = table_rows if mode == "rows" else None
+                host.clear()
+                gpu.clear()
+                for _ in range(args.steps):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    engine.step()
+                    torch.cuda.synchronize()
+                    walls[mode].append(time.perf_counter() - start)
+                gpus[mode].extend(b.elapsed_time(e) for b, e in gpu)
+                for p in phases:
+                    hosts[mode][p] += sum(host[p]) / (args.steps * rounds) * 1e3
+        runner.block_table_rows = table_rows
+        for mode in modes:
+            gpu_ms = statistics.median(gpus[mode])
+            wall_ms = statistics.median(walls[mode]) * 1e3
+            print(f"| {batch} | {context} | {mode} | {wall_ms:.2f} | {gpu_ms:.2f} | {wall_ms - gpu_ms:.2f} | "
+                  + " | ".join(f"{hosts[mode][p]:.2f}" for p in phases) + " |", flush=True)
         if batch == 1 and context == 2048 and args.profile:
             print("CUDA-graph steps:")
             profile_steps(engine, 5)
