@@ -153,14 +153,12 @@ class DecodeGraphs:
         if size is None:
             return None
         width = max(len(t) for t in batch.block_tables)
-        array = batch.block_table_array
-        if array is not None and array.shape[1] <= self.block_tables.shape[1]:
-            # NOTE: the whole padded rows, not a column slice: a strided host source made the
-            # copy to the device slower than the numpy rows it saves (H200, 16 x 32k decode)
-            width = array.shape[1]
-            tables = torch.from_numpy(array)
-        elif array is not None:
-            tables = torch.from_numpy(np.ascontiguousarray(array[:, :width]))
+        if batch.block_table_array is not None:
+            # NOTE: a contiguous copy of exactly the columns the lists fill, so the device sees
+            # the same copy whichever way the table was built (H200, 16 x 32k decode: with a
+            # strided source, and with the whole padded rows, the forward took 0.9 and 1.4 ms
+            # longer than with the lists' table, not explained: BENCHMARKS.md)
+            tables = torch.from_numpy(np.ascontiguousarray(batch.block_table_array[:, :width]))
         else:
             tables = pad_block_tables(batch.block_tables, width)
         tiles = torch.tensor([(i, i, 1, p) for i, p in enumerate(batch.positions)], dtype=torch.int32)
