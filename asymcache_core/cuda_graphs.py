@@ -154,10 +154,8 @@ class DecodeGraphs:
             return None
         width = max(len(t) for t in batch.block_tables)
         if batch.block_table_array is not None:
-            # NOTE: a contiguous copy of exactly the columns the lists fill, so the device sees
-            # the same copy whichever way the table was built (H200, 16 x 32k decode: with a
-            # strided source, and with the whole padded rows, the forward took 0.9 and 1.4 ms
-            # longer than with the lists' table, not explained: BENCHMARKS.md)
+            # NOTE: a contiguous copy of exactly the columns the lists fill: one memcpy to the
+            # device of the bytes it needs, whatever width the rows were padded to
             tables = torch.from_numpy(np.ascontiguousarray(batch.block_table_array[:, :width]))
         else:
             tables = pad_block_tables(batch.block_tables, width)

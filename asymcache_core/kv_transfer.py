@@ -30,11 +30,7 @@ import math
 import torch
 
 from asymcache_core.host_tier import KVTransfers
-
-
-def _chunks(pairs: list[tuple[int, int]], size: int) -> list[list[tuple[int, int]]]:
-    """``pairs`` in consecutive chunks of at most ``size`` (one staging pass each)."""
-    return [pairs[first : first + size] for first in range(0, len(pairs), size)]
+from kernels import block_copy
 
 
 def _runs(pairs: list[tuple[int, int]], key: int) -> list[tuple[int, int]]:
@@ -46,6 +42,21 @@ def _runs(pairs: list[tuple[int, int]], key: int) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
+
+
+def staging_passes(pairs: list[tuple[int, int]], key: int, size: int) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+    """A step's copies as staging passes: ``(pairs of the pass, runs of consecutive host slots
+    in it)``, at most ``size`` pairs a pass, the host slot being element ``key`` of a pair.
+
+    The pairs are sorted by host slot first: each run is one host-device copy call, and a
+    request's blocks come back from slots that are consecutive but not in the order of its
+    block table. NOTE: in the simulator's SWE row with a 64 GB tier (seed 21, 3,000 blocks),
+    125,723 reloaded blocks made 92,782 runs in table order and 3,963 sorted; each run costs
+    the engine's thread a copy call before the step's forward is launched.
+    """
+    ordered = sorted(pairs, key=lambda pair: pair[key])
+    chunks = [ordered[first : first + size] for first in range(0, len(ordered), size)]
+    return [(chunk, _runs(chunk, key)) for chunk in chunks]
 
 
 class HostKVCache:
@@ -90,6 +101,12 @@ class HostKVCache:
             self.reload_stream = torch.cuda.Stream(self.device)
         self._reload_events: dict[int, torch.cuda.Event] = {}
         self._offload_events: dict[int, torch.cuda.Event] = {}
+        # The cache as ``[L * 2, num_blocks, piece]`` for the block-copy kernels, or ``None``
+        # (CPU, no Triton, a cache that is not one contiguous tensor): torch's index ops then.
+        self.pieces: torch.Tensor | None = None
+        self.copy_launch = block_copy.DEFAULT_LAUNCH
+        if self.cuda and block_copy.triton is not None and kv_cache.is_contiguous():
+            self.pieces = kv_cache.view(self.num_layers * 2, kv_cache.shape[2], -1)
 
     @property
     def slot_bytes(self) -> int:
@@ -176,20 +193,30 @@ class HostKVCache:
     def _offload_cuda(self, offloads: list[tuple[int, int]]) -> None:
         staging = self.offload_staging
         assert staging is not None
-        for chunk in _chunks(offloads, staging.shape[0]):
+        for chunk, runs in staging_passes(offloads, 1, staging.shape[0]):
             blocks = self._device_index([b for b, _ in chunk])
-            # NOTE: one gather for every layer, then one copy into the slot-major staging
-            staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5).copy_(self.kv_cache.index_select(2, blocks))
-            for start, length in _runs(chunk, 1):
+            if self.pieces is not None:
+                block_copy.gather_blocks_triton(
+                    self.pieces, blocks, staging.view(staging.shape[0], *self.pieces.shape[::2]), self.copy_launch
+                )
+            else:
+                # NOTE: one gather for every layer, then one copy into the slot-major staging
+                staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5).copy_(self.kv_cache.index_select(2, blocks))
+            for start, length in runs:
                 slot = chunk[start][1]
                 self.host[slot : slot + length].copy_(staging[start : start + length], non_blocking=True)
 
     def _reload_cuda(self, reloads: list[tuple[int, int]]) -> None:
         staging = self.reload_staging
         assert staging is not None
-        for chunk in _chunks(reloads, staging.shape[0]):
-            for start, length in _runs(chunk, 0):
+        for chunk, runs in staging_passes(reloads, 0, staging.shape[0]):
+            for start, length in runs:
                 slot = chunk[start][0]
                 staging[start : start + length].copy_(self.host[slot : slot + length], non_blocking=True)
             blocks = self._device_index([b for _, b in chunk])
-            self.kv_cache.index_copy_(2, blocks, staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5))
+            if self.pieces is not None:
+                block_copy.scatter_blocks_triton(
+                    staging.view(staging.shape[0], *self.pieces.shape[::2]), blocks, self.pieces, self.copy_launch
+                )
+            else:
+                self.kv_cache.index_copy_(2, blocks, staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5))

@@ -10,7 +10,7 @@ scheduling) could at most save. ``--profile`` adds the busiest GPU kernels of ba
 ``--cases 1x2048,16x32768`` picks the decode batches (sequences x context). ``--compare-tables``
 times every case's steps twice, alternating in rounds: with the runner's persistent block table
 rows (the default) and with the tables padded from the requests' lists each step (the path
-before them), and prints both.
+before them), and prints both; ``--lists-first`` puts the lists first in each round.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ def main() -> None:
     ap.add_argument("--cases", default=",".join(f"{b}x{c}" for b, c in CASES), help="BATCHxCONTEXT,...")
     ap.add_argument("--compare-tables", action="store_true",
                     help="also time each case with block tables padded from the lists every step")
+    ap.add_argument("--lists-first", action="store_true",
+                    help="with --compare-tables, each round times the lists before the rows")
     args = ap.parse_args()
     cases = [tuple(int(v) for v in case.split("x")) for case in args.cases.split(",")]
-    modes = ("rows", "lists") if args.compare_tables else ("rows",)
+    modes = (("lists", "rows") if args.lists_first else ("rows", "lists")) if args.compare_tables else ("rows",)
     rounds = 3 if args.compare_tables else 1
     dev = torch.device("cuda")
     loaded = load_model(args.model, dev, torch.bfloat16, seed=0)

@@ -11,7 +11,7 @@ import torch
 from asymcache_core import Engine, EngineConfig, SamplingParams
 from asymcache_core.eviction import registered_policies
 from asymcache_core.host_tier import KVTransfers
-from asymcache_core.kv_transfer import HostKVCache, _runs
+from asymcache_core.kv_transfer import HostKVCache, _runs, staging_passes
 from tests.asymcache_core.test_holes_and_policies import run_script
 from tests.conftest import StepClock, make_engine
 
@@ -213,6 +213,18 @@ def test_runs_of_consecutive_slots():
     pairs = [(5, 1), (9, 2), (2, 3), (3, 7), (4, 8), (0, 9)]
     assert _runs(pairs, 1) == [(0, 3), (3, 3)]
     assert _runs(pairs, 0) == [(0, 1), (1, 1), (2, 3), (5, 1)]
+
+
+def test_staging_passes_sort_by_slot_and_cover_every_pair_once():
+    # a request's blocks come back from consecutive slots in another order than its table
+    reloads = [(12, 0), (11, 1), (10, 2), (3, 3), (2, 4), (14, 5), (13, 6)]
+    passes = staging_passes(reloads, 0, 4)
+    assert [chunk for chunk, _ in passes] == [[(2, 4), (3, 3), (10, 2), (11, 1)], [(12, 0), (13, 6), (14, 5)]]
+    assert [runs for _, runs in passes] == [[(0, 2), (2, 2)], [(0, 3)]]  # 3 copy calls, not 6
+    assert sorted(p for chunk, _ in passes for p in chunk) == sorted(reloads)
+    offloads = [(7, 5), (8, 4), (9, 6)]  # (device block, host slot): sorted by the slot
+    assert staging_passes(offloads, 1, 64) == [([(8, 4), (7, 5), (9, 6)], [(0, 3)])]
+    assert staging_passes([], 0, 64) == []
 
 
 def _roundtrip(device: str) -> None:

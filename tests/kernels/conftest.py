@@ -114,3 +114,15 @@ def interp_fused() -> Iterator[ModuleType]:
 def compiled_fused() -> ModuleType:
     """``kernels.fused`` compiled for the GPU."""
     return _compiled("fused.py")
+
+
+@pytest.fixture(scope="module")
+def interp_copy() -> Iterator[ModuleType]:
+    """``kernels/block_copy.py`` under the interpreter."""
+    yield from _interpreted("block_copy.py")
+
+
+@pytest.fixture(scope="module")
+def compiled_copy() -> ModuleType:
+    """``kernels.block_copy`` compiled for the GPU."""
+    return _compiled("block_copy.py")
