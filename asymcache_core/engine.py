@@ -39,12 +39,12 @@ from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import (
     RequestUpdate,
-    ScheduledRequest,
     Scheduler,
     SchedulerOutput,
     fcfs_key,
 )
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
+from asymcache_core.step_faults import StepResult, execute_isolating_faults
 
 if TYPE_CHECKING:
     from asymcache_core.tensor_parallel import TensorParallelWorkers
@@ -728,120 +728,15 @@ class Engine:
         return outputs
 
     # -- step faults ---------------------------------------------------------------------------
-    def _execute(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[str, int], list[tuple[Request, str]]]:
-        """Runs the step; a fault of the forward pass fails only the requests that cause it.
-
-        When the runner raises, the step's requests are run again in smaller batches (bisected
-        over groups that must run together, see :meth:`_step_groups`) until every request has
-        either run or failed on its own. A request that fails alone gets the error; one that
-        read a block a failed request was to write this step is preempted (recomputed later).
-        Blocks a failed or preempted request wrote this step stop being cache hits: their
-        content is not trustworthy. A fault that hits every request (the device is gone) fails
-        them all, and the engine stays usable.
-
-        Returns:
-            The plan of what ran (for ``update_from_output``), the sampled tokens, and the
-            requests that failed with their error text (not finished yet).
-        """
+    def _execute(self, plan: SchedulerOutput) -> StepResult:
+        """Runs the step; a fault of the forward pass fails only the requests that cause it
+        (:func:`~asymcache_core.step_faults.execute_isolating_faults`). A dead engine (a
+        tensor-parallel rank gone) is recorded, and every later step raises."""
         try:
-            return plan, self.runner.execute(plan), []
+            return execute_isolating_faults(plan, self.runner, self.kv, self.pool, self.scheduler, self.block_size)
         except EngineDeadError as exc:
             self.dead = exc  # no request is the culprit: the engine is gone
             raise
-        except Exception as exc:  # noqa: BLE001 - isolated below; the step goes on without the culprit
-            logger.warning("a step of %d requests failed (%s: %s); isolating the fault",
-                           len(plan.scheduled), type(exc).__name__, exc)
-            first = exc
-        items = plan.scheduled
-        written = [self._written_blocks(item) for item in items]
-        sampled: dict[str, int] = {}
-        ok: set[int] = set()
-        failed: dict[int, BaseException] = {}
-        tainted: set[int] = set()
-
-        def run(indices: list[int]) -> BaseException | None:
-            sub = [items[i] for i in indices]
-            try:
-                sampled.update(self.runner.execute(SchedulerOutput(sub, [], plan.budget, sum(x.num_tokens for x in sub))))
-            except Exception as exc:  # noqa: BLE001 - narrowed down by the caller
-                return exc
-            ok.update(indices)
-            return None
-
-        def bisect(groups: list[list[int]], error: BaseException) -> None:
-            if len(groups) == 1:
-                group = groups[0]
-                if len(group) == 1:
-                    failed[group[0]] = error
-                    return
-                # NOTE: members of a group read blocks that earlier members write this step, so
-                # they run one at a time in batch order (a reader always follows its writer);
-                # a reader of a failed member's blocks cannot run and is recomputed later.
-                bad_blocks: set[int] = set()
-                for i in group:
-                    if bad_blocks.intersection(self.kv.held_blocks(items[i].request)):
-                        tainted.add(i)
-                        bad_blocks.update(written[i])
-                        continue
-                    member_error = run([i])
-                    if member_error is not None:
-                        failed[i] = member_error
-                        bad_blocks.update(written[i])
-                return
-            mid = len(groups) // 2
-            for half in (groups[:mid], groups[mid:]):
-                error = run([i for group in half for i in group])
-                if error is not None:
-                    bisect(half, error)
-
-        bisect(self._step_groups(plan, written), first)
-        for i in (*failed, *tainted):
-            for block_id in written[i]:
-                self.pool.uncache(block_id)
-        if failed and len(failed) == len(items):
-            logger.error("every request of the step failed: %s: %s", type(first).__name__, first)
-        for i in sorted(tainted):
-            self.scheduler.preempt(items[i].request)
-        ran = [item for i, item in enumerate(items) if i in ok]
-        faults = [
-            (items[i].request, f"the model step failed: {type(error).__name__}: {error}")
-            for i, error in sorted(failed.items())
-        ]
-        return (
-            SchedulerOutput(ran, [*plan.preempted, *(items[i].request for i in sorted(tainted))],
-                            plan.budget, sum(item.num_tokens for item in ran)),
-            sampled,
-            faults,
-        )
-
-    def _written_blocks(self, item: ScheduledRequest) -> list[int]:
-        """The blocks a scheduled request writes in its step (those under its segments)."""
-        bs = self.block_size
-        table = item.request.block_ids
-        return sorted({table[idx] for start, end in item.segments for idx in range(start // bs, (end - 1) // bs + 1)})
-
-    def _step_groups(self, plan: SchedulerOutput, written: list[list[int]]) -> list[list[int]]:
-        """Indices of the step's requests, grouped so that a request that reads a block another
-        one writes in this step (a prefix cached at admission, computed in the same step) is in
-        its writer's group; groups and their members in batch order."""
-        writer = {block_id: i for i, blocks in enumerate(written) for block_id in blocks}
-        parent = list(range(len(plan.scheduled)))
-
-        def root(i: int) -> int:
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        for i, item in enumerate(plan.scheduled):
-            for block_id in self.kv.held_blocks(item.request):
-                j = writer.get(block_id)
-                if j is not None and j != i:
-                    parent[max(root(i), root(j))] = min(root(i), root(j))
-        groups: dict[int, list[int]] = {}
-        for i in range(len(plan.scheduled)):
-            groups.setdefault(root(i), []).append(i)
-        return list(groups.values())
 
     def _fail_request(self, request: Request, error: str, now: float) -> None:
         """Ends one request that failed on its own (its blocks are freed; the batch goes on)."""

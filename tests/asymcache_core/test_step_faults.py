@@ -167,3 +167,43 @@ def test_a_pinned_job_survives_a_fault_of_another_request(smollm, chat_prompts):
     assert engine.stats().pinned_blocks == pinned
     assert engine.unpin_job("job-a")
     assert_clean(engine)
+
+
+# -- the grouping, without a model ---------------------------------------------------------------
+class _Held:
+    """``held_blocks`` of a KV cache manager, from a dict."""
+
+    def __init__(self, held: dict[int, list[int]]) -> None:
+        self.held = held
+
+    def held_blocks(self, request: Any) -> list[int]:
+        return self.held[request.block_ids[0]]
+
+
+def _item(first_block: int, blocks: list[int], segments: list[tuple[int, int]]) -> Any:
+    from types import SimpleNamespace
+
+    from asymcache_core.scheduler import ScheduledRequest
+
+    return ScheduledRequest(SimpleNamespace(block_ids=[first_block, *blocks]), segments, True)
+
+
+def test_written_blocks_are_those_under_the_segments():
+    from asymcache_core.step_faults import written_blocks
+
+    item = _item(10, [11, 12, 13], [(0, 3), (33, 40)])  # block size 16: blocks 0 and 2 of the table
+    assert written_blocks(item, 16) == [10, 12]
+    assert written_blocks(_item(10, [11], [(16, 17)]), 16) == [11]
+
+
+def test_a_reader_of_a_block_written_in_the_step_joins_its_writers_group():
+    from asymcache_core.scheduler import SchedulerOutput
+    from asymcache_core.step_faults import step_groups
+
+    # request 0 writes block 10; request 2 reads it (a prefix cached at admission), request 1
+    # and request 3 share nothing with anyone; request 3 reads what 2 writes
+    items = [_item(10, [], [(0, 16)]), _item(20, [], [(0, 4)]), _item(30, [], [(0, 4)]), _item(40, [], [(0, 4)])]
+    kv = _Held({10: [10], 20: [20], 30: [10, 30], 40: [30, 40]})
+    written = [[10], [20], [30], [40]]
+    groups = step_groups(SchedulerOutput(items, [], 64, 28), written, kv)  # type: ignore[arg-type]
+    assert groups == [[0, 2, 3], [1]]
