@@ -52,7 +52,9 @@ def staging_passes(pairs: list[tuple[int, int]], key: int, size: int) -> list[tu
     request's blocks come back from slots that are consecutive but not in the order of its
     block table. NOTE: in the simulator's SWE row with a 64 GB tier (seed 21, 3,000 blocks),
     125,723 reloaded blocks made 92,782 runs in table order and 3,963 sorted; each run costs
-    the engine's thread a copy call before the step's forward is launched.
+    the engine's thread a copy call before the step's forward is launched (H200, 256 blocks
+    from reversed slots a step: 13.63 ms a decode step in table order, 11.75 sorted,
+    ``scripts/gpu_copy_order.py``).
     """
     ordered = sorted(pairs, key=lambda pair: pair[key])
     chunks = [ordered[first : first + size] for first in range(0, len(ordered), size)]
