@@ -73,6 +73,8 @@ class HostKVCache:
     def __init__(self, kv_cache: torch.Tensor, num_slots: int, staging_blocks: int = 64) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache: expected [L, 2, blocks, block_size, H, D], got {tuple(kv_cache.shape)}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache: must be one contiguous tensor (its blocks are copied as views of it)")
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.num_layers = kv_cache.shape[0]
@@ -103,12 +105,13 @@ class HostKVCache:
             self.reload_stream = torch.cuda.Stream(self.device)
         self._reload_events: dict[int, torch.cuda.Event] = {}
         self._offload_events: dict[int, torch.cuda.Event] = {}
-        # The cache as ``[L * 2, num_blocks, piece]`` for the block-copy kernels, or ``None``
-        # (CPU, no Triton, a cache that is not one contiguous tensor): torch's index ops then.
-        self.pieces: torch.Tensor | None = None
-        self.copy_launch = block_copy.DEFAULT_LAUNCH
-        if self.cuda and block_copy.triton is not None and kv_cache.is_contiguous():
-            self.pieces = kv_cache.view(self.num_layers * 2, kv_cache.shape[2], -1)
+        # NOTE: the cache as ``[L * 2, num_blocks, piece]`` and the staging buffers as
+        # ``[blocks, L * 2, piece]``: the block-copy kernels' views. ``copy_launch`` ``None``
+        # (off CUDA, or no Triton) runs their torch twins.
+        self.pieces = kv_cache.view(self.num_layers * 2, kv_cache.shape[2], -1)
+        self.copy_launch: block_copy.CopyLaunch | None = (
+            block_copy.DEFAULT_LAUNCH if self.cuda and block_copy.triton is not None else None
+        )
 
     @property
     def slot_bytes(self) -> int:
@@ -192,18 +195,16 @@ class HostKVCache:
         """
         return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
 
+    def staged(self, staging: torch.Tensor) -> torch.Tensor:
+        """A staging buffer as the block-copy kernels see it: ``[blocks, L * 2, piece]``."""
+        return staging.view(staging.shape[0], *self.pieces.shape[::2])
+
     def _offload_cuda(self, offloads: list[tuple[int, int]]) -> None:
         staging = self.offload_staging
         assert staging is not None
         for chunk, runs in staging_passes(offloads, 1, staging.shape[0]):
             blocks = self._device_index([b for b, _ in chunk])
-            if self.pieces is not None:
-                block_copy.gather_blocks_triton(
-                    self.pieces, blocks, staging.view(staging.shape[0], *self.pieces.shape[::2]), self.copy_launch
-                )
-            else:
-                # NOTE: one gather for every layer, then one copy into the slot-major staging
-                staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5).copy_(self.kv_cache.index_select(2, blocks))
+            block_copy.gather_blocks(self.pieces, blocks, self.staged(staging), self.copy_launch)
             for start, length in runs:
                 slot = chunk[start][1]
                 self.host[slot : slot + length].copy_(staging[start : start + length], non_blocking=True)
@@ -216,9 +217,4 @@ class HostKVCache:
                 slot = chunk[start][0]
                 staging[start : start + length].copy_(self.host[slot : slot + length], non_blocking=True)
             blocks = self._device_index([b for _, b in chunk])
-            if self.pieces is not None:
-                block_copy.scatter_blocks_triton(
-                    staging.view(staging.shape[0], *self.pieces.shape[::2]), blocks, self.pieces, self.copy_launch
-                )
-            else:
-                self.kv_cache.index_copy_(2, blocks, staging[: len(chunk)].permute(1, 2, 0, 3, 4, 5))
+            block_copy.scatter_blocks(self.staged(staging), blocks, self.pieces, self.copy_launch)

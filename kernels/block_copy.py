@@ -21,6 +21,7 @@ K/V merged), staging ``[n, LC, P]``, block ids ``[n]`` int64 on the device.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -81,6 +82,7 @@ if triton is not None:
 PROGRAMS_PER_SM = 4
 
 
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     """SMs of ``device`` (one on the CPU, where the interpreter runs the kernel)."""
     if device.type != "cuda":
@@ -145,3 +147,23 @@ def scatter_blocks_torch(staging: torch.Tensor, block_ids: torch.Tensor, cache: 
     """The twin of :func:`scatter_blocks_triton`: ``index_copy_`` from the transposed staging."""
     _check(cache, staging, block_ids)
     cache.index_copy_(1, block_ids, staging[: block_ids.numel()].transpose(0, 1))
+
+
+def gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor, launch: CopyLaunch | None = DEFAULT_LAUNCH
+) -> None:
+    """:func:`gather_blocks_triton` with ``launch``, or its torch twin when ``launch`` is ``None``."""
+    if launch is None:
+        gather_blocks_torch(cache, block_ids, staging)
+    else:
+        gather_blocks_triton(cache, block_ids, staging, launch)
+
+
+def scatter_blocks(
+    staging: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor, launch: CopyLaunch | None = DEFAULT_LAUNCH
+) -> None:
+    """:func:`scatter_blocks_triton` with ``launch``, or its torch twin when ``launch`` is ``None``."""
+    if launch is None:
+        scatter_blocks_torch(staging, block_ids, cache)
+    else:
+        scatter_blocks_triton(staging, block_ids, cache, launch)

@@ -36,10 +36,10 @@ from scripts.gpu_batch_invariant import multi_turn, start_decodes
 DEVICE = "cuda"
 
 
-def timed_copies(host: HostKVCache, transfers: KVTransfers, pieces: torch.Tensor | None) -> float:
-    """Median seconds of issuing ``transfers`` until they land, gathering with ``pieces`` (the
-    block-copy kernel) or without (torch's index ops)."""
-    kept, host.pieces = host.pieces, pieces
+def timed_copies(host: HostKVCache, transfers: KVTransfers, launch: CopyLaunch | None) -> float:
+    """Median seconds of issuing ``transfers`` until they land, the staging passes run by the
+    block-copy kernel with ``launch`` or (``None``) by torch's index ops."""
+    kept, host.copy_launch = host.copy_launch, launch
     times = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -47,7 +47,7 @@ def timed_copies(host: HostKVCache, transfers: KVTransfers, pieces: torch.Tensor
         host.issue(transfers)
         host.wait_all()
         times.append(time.perf_counter() - start)
-    host.pieces = kept
+    host.copy_launch = kept
     return statistics.median(times[1:])
 
 
@@ -63,7 +63,7 @@ def bandwidth(engine: Engine, sizes: tuple[int, ...] = (16, 64, 256, 1024)) -> l
             ("d2h", KVTransfers(0, list(zip(blocks, slots, strict=True)), [], None)),
             ("h2d", KVTransfers(1, [], list(zip(slots, blocks, strict=True)), None)),
         ):
-            seconds, torch_seconds = (timed_copies(host, transfers, pieces) for pieces in (host.pieces, None))
+            seconds, torch_seconds = (timed_copies(host, transfers, launch) for launch in (DEFAULT_LAUNCH, None))
             nbytes = n * host.slot_bytes
             plain = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
             dev = torch.empty_like(plain, device=DEVICE)
@@ -117,16 +117,12 @@ def overlap(loaded, model: str, batch: int = 32, context: int = 4096, moving: in
                                list(zip(range(moving, 2 * moving), spare[moving:], strict=True)), None))
         engine.step()
 
-    if host.pieces is not None:
-        gather_rates(host, spare[:64], launches)
-    variants: list[tuple[str, torch.Tensor | None, CopyLaunch]] = [
-        (f"kernel {launch.programs or '4/SM'} x {launch.block} x {launch.num_warps}w", host.pieces, launch) for launch in launches
-    ] if host.pieces is not None else []
-    variants.append(("torch index ops", None, DEFAULT_LAUNCH))
+    variants = copy_choices(launches)
+    gather_rates(host, spare[:64], variants)
     rows: list[dict[str, object]] = []
     main = torch.cuda.current_stream()
-    for name, pieces, launch in variants:
-        host.pieces, host.copy_launch = pieces, launch
+    for name, launch in variants:
+        host.copy_launch = launch
         times = []
         for _ in range(12):
             torch.cuda.synchronize()
@@ -153,19 +149,24 @@ def overlap(loaded, model: str, batch: int = 32, context: int = 4096, moving: in
     return rows
 
 
-def gather_rates(host: HostKVCache, blocks: list[int], launches: tuple[CopyLaunch, ...]) -> None:
-    """Prints how fast each launch (and torch's index ops) gathers ``blocks`` into the staging
-    buffer on an idle GPU: bytes moved once, over the kernel time (CUDA events, median of 10)."""
+def copy_choices(launches: tuple[CopyLaunch, ...]) -> list[tuple[str, CopyLaunch | None]]:
+    """``(name, launch)`` of each block-copy launch, then torch's index ops (``None``)."""
+    named: list[tuple[str, CopyLaunch | None]] = [
+        (f"kernel {la.programs or '4/SM'} x {la.block} x {la.num_warps}w", la) for la in launches
+    ]
+    return [*named, ("torch index ops", None)]
+
+
+def gather_rates(host: HostKVCache, blocks: list[int], choices: list[tuple[str, CopyLaunch | None]]) -> None:
+    """Prints how fast each choice gathers ``blocks`` into the staging buffer on an idle GPU:
+    bytes moved once, over the kernel time (CUDA events, median of 10)."""
     from kernels import block_copy
 
-    assert host.pieces is not None and host.offload_staging is not None
+    assert host.offload_staging is not None
     ids = torch.tensor(blocks, dtype=torch.long, device=host.device)
-    staging = host.offload_staging.view(host.offload_staging.shape[0], *host.pieces.shape[::2])
+    staging = host.staged(host.offload_staging)
     nbytes = len(blocks) * host.slot_bytes
-    calls = [(f"kernel {la.programs or '4/SM'} x {la.block} x {la.num_warps}w",
-              lambda la=la: block_copy.gather_blocks_triton(host.pieces, ids, staging, la)) for la in launches]
-    calls.append(("torch index ops", lambda: host.offload_staging[: len(blocks)].permute(1, 2, 0, 3, 4, 5).copy_(
-        host.kv_cache.index_select(2, ids))))
+    calls = [(name, lambda la=la: block_copy.gather_blocks(host.pieces, ids, staging, la)) for name, la in choices]
     print(f"\ngathering {len(blocks)} blocks ({nbytes / 2**20:.0f} MiB) into the staging buffer, idle GPU:")
     for name, call in calls:
         call()

@@ -248,9 +248,9 @@ def _roundtrip(device: str) -> None:
 
 
 def test_the_staged_copy_path_moves_the_same_bytes():
-    # the CUDA path's staging (chunks of 2 blocks, runs of consecutive slots, one gather or
-    # scatter of every layer), driven on CPU tensors: the streams are CUDA's, the data
-    # movement is this code's
+    # the CUDA path's staging (chunks of 2 blocks, runs of consecutive slots sorted by slot,
+    # one gather or scatter of every layer by the block-copy kernels' torch twins), driven on
+    # CPU tensors: the streams are CUDA's, the data movement is this code's
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(3, 2, 12, 4, 2, 8, generator=gen)
     before = cache.clone()
@@ -269,6 +269,8 @@ def test_the_staged_copy_path_moves_the_same_bytes():
 def test_the_host_cache_wants_the_stacked_device_cache():
     with pytest.raises(ValueError, match="^kv_cache:"):
         HostKVCache(torch.zeros(12, 4, 2, 8), num_slots=4)
+    with pytest.raises(ValueError, match="^kv_cache: must be one contiguous tensor"):
+        HostKVCache(torch.zeros(2, 2, 8, 2, 4, 16).transpose(3, 4), num_slots=4)
 
 
 def test_host_memory_that_cannot_be_had_names_cpu_offload_gb(monkeypatch):

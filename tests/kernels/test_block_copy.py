@@ -25,6 +25,9 @@ def _check(mod: ModuleType, device: str, dtype: torch.dtype, piece: int, program
     mod.gather_blocks_torch(cache, ids, expected)
     mod.gather_blocks_triton(cache, ids, staging, launch)
     assert torch.equal(staging, expected)
+    dispatched = torch.full_like(staging, 7.0)
+    mod.gather_blocks(cache, ids, dispatched, None)  # ``None``: the twin
+    assert torch.equal(dispatched, expected)
     assert torch.equal(staging[n:], torch.full_like(staging[n:], 7.0))
 
     # scatter: fresh contents into the same blocks; every other block unchanged
@@ -33,6 +36,9 @@ def _check(mod: ModuleType, device: str, dtype: torch.dtype, piece: int, program
     mod.scatter_blocks_triton(source, ids, ours, launch)
     mod.scatter_blocks_torch(source, ids, theirs)
     assert torch.equal(ours, theirs)
+    via_dispatch = cache.clone()
+    mod.scatter_blocks(source, ids, via_dispatch, launch)
+    assert torch.equal(via_dispatch, theirs)
     untouched = torch.ones(cache.shape[1], dtype=torch.bool)
     untouched[ids.cpu()] = False
     assert torch.equal(ours[:, untouched.to(device)], cache[:, untouched.to(device)])
