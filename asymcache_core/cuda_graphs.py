@@ -14,6 +14,9 @@ dropped. Steps with prefill or hole tokens run eagerly.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -36,6 +39,26 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     sizes += list(range(_STEP * 2, max_batch, _STEP))
     return sorted({*sizes, max_batch})
 
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: object | None = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's cyclic garbage collector held off.
+
+    NOTE: an engine is freed only by the cyclic collector (its scheduler holds its hooks), and
+    freeing one destroys its CUDA graphs. A collection that runs inside another engine's
+    capture (on any allocation) destroys a graph while the stream captures, which invalidates
+    the capture (seen on the H200: "operation not permitted when stream is capturing").
+    ``torch.cuda.graph`` collects once before capturing; nothing collects during it.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 class DecodeBatch(NamedTuple):
     """Host inputs of a decode-only step, one row per sequence.
@@ -135,14 +158,19 @@ class DecodeGraphs:
                 model(*args)  # warm-up: compiles the Triton kernels outside the capture
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capturing(graph, pool):
                     logits = model(*args)
                 pool = graph.pool()
                 self.graphs[size] = _Captured(graph, logits)
         torch.cuda.synchronize(device)
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor | None:
+    def run(self, batch: DecodeBatch, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Replays the smallest graph that fits ``batch``.
+
+        Args:
+            batch: the decode step.
+            fill: ``(rows, tokens)`` on the device: input ids written after the batch's (the
+                tokens a step still in flight samples, async scheduling).
 
         Returns:
             ``[len(batch.input_ids), vocab]`` float32 logits (a view of the graph's output, valid
@@ -170,6 +198,8 @@ class DecodeGraphs:
             dtype=torch.long,
         )
         self.token_rows[:, :size].copy_(token_rows, non_blocking=True)
+        if fill is not None:
+            self.token_rows[0].index_copy_(0, *fill)
         self.tiles[:num].copy_(tiles, non_blocking=True)
         if pad:
             self.tiles[num:size].zero_()

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -47,6 +47,7 @@ from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 from asymcache_core.step_faults import StepResult, execute_isolating_faults
 
 if TYPE_CHECKING:
+    from asymcache_core.model_runner import LaunchedStep
     from asymcache_core.tensor_parallel import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,22 @@ class Runner(Protocol):
     """Runs a planned step and returns ``request_id -> sampled token`` for finished contexts."""
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]: ...
+
+
+class _InFlight(NamedTuple):
+    """A step launched on the device and not collected yet (async scheduling).
+
+    Attributes:
+        launched: the runner's handle.
+        plan: the step's plan.
+        start: when its planning began (engine clock).
+        schedule_s: host seconds from then to its launch.
+    """
+
+    launched: LaunchedStep
+    plan: SchedulerOutput
+    start: float
+    schedule_s: float
 
 
 @dataclass
@@ -230,9 +247,17 @@ class Engine:
             from dataclasses import replace
 
             config = replace(config, **overrides)
+        if config.async_scheduling and runner_factory is not None:
+            raise ValueError("async_scheduling: needs the model runner (a simulated engine plans each step after the last)")
         self.config = config
         self.clock = clock or time.monotonic
         device, dtype = config.torch_device, config.torch_dtype
+        #: steps are planned while the one before runs (``config.async_scheduling`` resolved)
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else runner_factory is None and device.type == "cuda" and config.tensor_parallel_size == 1
+        )
 
         self.loaded = None
         #: the worker ranks of a tensor-parallel engine (``None``: one rank)
@@ -355,6 +380,7 @@ class Engine:
             least_work_patience=config.least_work_patience,
             work_seconds=self.latency.prefill_latency,
             job_admission=self.job_admission,
+            async_output=self.async_scheduling,
         )
         if runner_factory is None:
             from asymcache_core.model_runner import ModelRunner
@@ -408,6 +434,10 @@ class Engine:
         self.step_log: deque[StepStats] = deque(maxlen=config.max_step_log)
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        #: the step on the device whose tokens are not back yet (async scheduling)
+        self._in_flight: _InFlight | None = None
+        #: when the last step's tokens came back (engine clock)
+        self._last_end = 0.0
         #: a job idle this long (nothing in flight, no pin) loses its per-job state
         self.job_idle_s = JOB_IDLE_S
         #: jobs whose state is kept at most (the longest idle dropped first)
@@ -593,7 +623,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def idle_until(self, when: float) -> None:
         """Nothing is left to run until engine time ``when`` (e.g. every job is in a tool pause).
@@ -691,6 +721,8 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs."""
+        if self.async_scheduling:
+            return self._step_async()
         start = self.clock()
         self.pins.expire(start)
         self._sweep_jobs(start)
@@ -708,9 +740,20 @@ class Engine:
                 self._stalled = False
             return outputs
         planned = self.clock()
-        ran, sampled, faults = self._execute(plan)
+        result = self._execute(plan)
         end = self.clock()
-        self._log_step(plan, start, planned, end)
+        self._log_step(plan, start, end, planned - start)
+        outputs += self._complete(result, end)
+        if isinstance(self.runner, SimulatedRunner):
+            # NOTE: after the outputs, as a live loop pays it: a step's duration does not hold it
+            self.runner.between_steps()
+        return outputs
+
+    def _complete(self, result: StepResult, end: float) -> list[RequestOutput]:
+        """Ends a step that ran: fails its faulted requests, appends its tokens, and returns
+        its outputs."""
+        ran, sampled, faults = result
+        outputs = []
         for request, error in faults:
             self._fail_request(request, error, end)
             outputs.append(self._output(request, []))
@@ -721,11 +764,100 @@ class Engine:
                 self._fail_request(request, error, end)
                 outputs.append(self._output(request, []))
         updates = self.scheduler.update_from_output(ran, sampled, end)
-        outputs += [self._process_output(update, end) for update in updates]
-        if isinstance(self.runner, SimulatedRunner):
-            # NOTE: after the outputs, as a live loop pays it: a step's duration does not hold it
-            self.runner.between_steps()
-        return outputs
+        self._last_end = end
+        return outputs + [self._process_output(update, end) for update in updates]
+
+    # -- async scheduling ----------------------------------------------------------------------
+    def _step_async(self) -> list[RequestOutput]:
+        """One step with async scheduling: plans and launches step N+1 while step N runs on
+        the device, then collects step N. Returns step N's outputs.
+
+        NOTE: N+1 is planned before N's tokens are back: each request N samples has one
+        pending token, which N+1 reads on the device; a request N ends has been planned into
+        N+1 too, and its token there is dropped (vLLM's async scheduling does the same).
+        """
+        start = self.clock()
+        self.pins.expire(start)
+        self._sweep_jobs(start)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if self._in_flight is not None and not self._in_flight.launched.device_sampled:
+            # NOTE: its rows sample on the host, so the next step's inputs exist only after it
+            outputs += self._finish_in_flight()[0]
+        if self.host_driver is not None:
+            self.host_driver.prefetch(start, self.step_log[-1].duration_s if self.step_log else 0.0)
+        plan = self.scheduler.schedule()
+        if plan.transfers is not None and self.host_driver is not None:
+            self.host_driver.transfer(plan.transfers)
+        if plan.is_empty:
+            if self._in_flight is not None:
+                self._stalled = False
+                return outputs + self._finish_in_flight()[0]
+            self._stalled = self.scheduler.has_unfinished()
+            if self._stalled and any(r.kv_ticket is not None for r in self.scheduler.running):
+                self.runner.wait_transfers(None)  # type: ignore[attr-defined]
+                self._stalled = False
+            return outputs
+        self._stalled = False
+        previous = self._in_flight
+        launched: LaunchedStep | None = None
+        try:
+            launched = self.runner.launch(plan, previous.launched if previous is not None else None)  # type: ignore[attr-defined]
+        except EngineDeadError as exc:
+            self.dead = exc
+            raise
+        except Exception as exc:  # noqa: BLE001 - run again below, isolating the culprit
+            logger.warning("launching a step failed (%s: %s); running it synchronously", type(exc).__name__, exc)
+        flight = _InFlight(launched, plan, start, self.clock() - start) if launched is not None else None
+        if previous is not None:
+            done, collected = self._finish_in_flight()
+            outputs += done
+            if not collected and flight is not None:
+                # NOTE: the step before it ran again synchronously: the tokens this one read
+                # on the device are not trustworthy, so it runs again too
+                flight = None
+        if flight is not None:
+            self._in_flight = flight
+            return outputs
+        # the launch failed (or read failed tokens): its inputs are all known now
+        plan = self._drop_ended(plan)
+        if not plan.scheduled:
+            return outputs
+        result = self._execute(plan)
+        end = self.clock()
+        self._log_step(plan, start, end, 0.0)
+        return outputs + self._complete(result, end)
+
+    def _finish_in_flight(self) -> tuple[list[RequestOutput], bool]:
+        """Collects the step in flight and returns its outputs, and whether its launch ran
+        (``False``: collecting it raised, and it ran again synchronously)."""
+        flight = self._in_flight
+        assert flight is not None
+        self._in_flight = None
+        collected = True
+        try:
+            result = StepResult(flight.plan, self.runner.collect(flight.launched), [])  # type: ignore[attr-defined]
+        except EngineDeadError as exc:
+            self.dead = exc
+            raise
+        except Exception as exc:  # noqa: BLE001 - run again, isolating the culprit
+            logger.warning("a launched step failed (%s: %s); running it synchronously", type(exc).__name__, exc)
+            collected = False
+            result = self._execute(self._drop_ended(flight.plan))
+        end = self.clock()
+        # NOTE: the device ran it from its launch or from the end of the step before, the later
+        self._log_step(flight.plan, max(flight.start + flight.schedule_s, self._last_end), end, flight.schedule_s)
+        return self._complete(result, end), collected
+
+    def _drop_ended(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """``plan`` without the requests that stopped running since it was made (their
+        pending token is dropped)."""
+        keep = []
+        for item in plan.scheduled:
+            if item.request.status is RequestStatus.RUNNING:
+                keep.append(item)
+            elif item.sample and item.request.num_pending:
+                item.request.num_pending -= 1
+        return SchedulerOutput(keep, plan.preempted, plan.budget, sum(item.num_tokens for item in keep))
 
     # -- step faults ---------------------------------------------------------------------------
     def _execute(self, plan: SchedulerOutput) -> StepResult:
@@ -816,7 +948,7 @@ class Engine:
             reason, request.metrics, request.num_prompt_tokens, request.error,
         )
 
-    def _log_step(self, plan: SchedulerOutput, start: float, planned: float, end: float) -> None:
+    def _log_step(self, plan: SchedulerOutput, start: float, end: float, schedule_s: float) -> None:
         pairs = plan.attn_pairs
         decode_only = plan.is_decode_only
         decode_kv = plan.decode_kv_tokens
@@ -837,7 +969,7 @@ class Engine:
                 num_seqs=len(plan.scheduled),
                 num_decodes=sum(1 for s in plan.scheduled if s.num_tokens == 1),
                 blocks_in_use=self.pool.num_in_use,
-                schedule_s=planned - start,
+                schedule_s=schedule_s,
                 attn_pairs=pairs,
                 num_hole_tokens=plan.num_hole_tokens,
                 decode_only=decode_only,

@@ -33,6 +33,9 @@ class StepInputs(NamedTuple):
         decode_only: one new token per sequence, every sequence sampled (the CUDA-graph case).
         block_table_array: ``block_tables`` padded to ``[sequences, width]`` int32 (width a
             multiple of 16), from the runner's persistent rows; ``None``: pad the lists.
+        pending_inputs: ``(packed index, request id)`` of each input whose token a step still
+            in flight samples (async scheduling): ``input_ids`` holds 0 there, and the runner
+            copies the token in on the device.
     """
 
     input_ids: list[int]
@@ -44,6 +47,37 @@ class StepInputs(NamedTuple):
     sample_index: list[int]
     decode_only: bool
     block_table_array: np.ndarray | None = None
+    pending_inputs: tuple[tuple[int, str], ...] = ()
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose forward pass (and, where it can, its sampling) is queued on the device.
+
+    Attributes:
+        plan: what it runs.
+        sample_index: index into ``plan.scheduled`` of each sampling row.
+        rows: request id -> its row in ``tokens`` / ``logits``.
+        tokens: ``[R]`` int64 on the device, the sampled tokens, when every row samples by
+            argmax there (the next step's pending inputs are copied from it); ``None``: the
+            rows sample on the host from ``logits`` when collected.
+        host_tokens: ``tokens`` copied to the host without blocking (pinned on CUDA).
+        ready: recorded after that copy (``None`` off CUDA).
+        logits: ``[R, vocab]`` float32 for host sampling (``None`` with ``tokens``). It may be
+            a view of a CUDA graph's output: collect before the next launch.
+    """
+
+    plan: SchedulerOutput
+    sample_index: list[int]
+    rows: dict[str, int]
+    tokens: torch.Tensor | None
+    host_tokens: torch.Tensor | None
+    ready: torch.cuda.Event | None
+    logits: torch.Tensor | None
+
+    @property
+    def device_sampled(self) -> bool:
+        """Its tokens exist on the device before it is collected."""
+        return self.tokens is not None or not self.sample_index
 
 
 def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | None = None) -> StepInputs:
@@ -66,6 +100,7 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
     tables: list[list[int]] = []
     logits_rows: list[int] = []
     sample_index: list[int] = []
+    pending: list[tuple[int, str]] = []
     for seq, item in enumerate(plan.scheduled):
         request = item.request
         table = request.block_ids
@@ -73,6 +108,12 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
         for start, end in item.segments:
             segments.append((seq, len(input_ids), end - start, start))
             input_ids.extend(tokens[start:end])
+            if end > len(tokens):
+                # NOTE: only a request's last position can be in flight: a step computes the
+                # token its previous step sampled, never two ahead.
+                assert end == len(tokens) + 1 and start <= len(tokens), "two tokens ahead of the context"
+                pending.append((len(input_ids), request.request_id))
+                input_ids.append(0)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         tables.append(table)
@@ -83,7 +124,8 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
     if rows is not None and tables:
         array = rows.build([item.request for item in plan.scheduled], table_width(tables))
     return StepInputs(
-        input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only, array
+        input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only, array,
+        tuple(pending),
     )
 
 
@@ -186,20 +228,72 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         """Runs the step; returns the sampled token of every request that reached its end."""
         inputs = pack_step(plan, self.block_size, self.block_table_rows)
+        if inputs.pending_inputs:
+            raise ValueError("execute: the plan has tokens still in flight; use launch()")
         return self._sample(plan, inputs.sample_index, self.forward(inputs))
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Queues the step on the device without waiting for it (async scheduling).
+
+        Args:
+            plan: the step; its inputs still in flight are sampled by ``previous``.
+            previous: the step launched before it, not collected yet (``None``: none).
+
+        Returns:
+            The launched step, for :meth:`collect`. Every row samples on the device when all
+            are greedy without logits rewrites; otherwise the logits are kept for the host.
+        """
+        inputs = pack_step(plan, self.block_size, self.block_table_rows)
+        fill = None
+        if inputs.pending_inputs:
+            if previous is None or previous.tokens is None:
+                raise ValueError("launch: inputs in flight need the previous step's tokens on the device")
+            dst = torch.tensor([i for i, _ in inputs.pending_inputs], dtype=torch.long).to(self.device, non_blocking=True)
+            src = torch.tensor([previous.rows[rid] for _, rid in inputs.pending_inputs], dtype=torch.long)
+            fill = (dst, previous.tokens[src.to(self.device, non_blocking=True)])
+        logits = self.forward(inputs, fill)
+        requests = [plan.scheduled[i].request for i in inputs.sample_index]
+        rows = {r.request_id: row for row, r in enumerate(requests)}
+        if not requests or not all(self.sampler.on_device(r.params) for r in requests):
+            return LaunchedStep(plan, inputs.sample_index, rows, None, None, None, logits if requests else None)
+        tokens = logits.argmax(dim=-1)
+        if self.device.type != "cuda":
+            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(plan, inputs.sample_index, rows, tokens, host, ready, None)
+
+    @torch.inference_mode()
+    def collect(self, step: LaunchedStep) -> dict[str, int]:
+        """Waits for a launched step; returns its sampled tokens (as :meth:`execute`)."""
+        if step.logits is not None:
+            return self._sample(step.plan, step.sample_index, step.logits)
+        if step.host_tokens is None:
+            return {}
+        if step.ready is not None:
+            step.ready.synchronize()
+        return dict(zip(step.rows, step.host_tokens.tolist(), strict=True))
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The step's forward pass: ``[len(inputs.logits_rows), vocab]`` float32 logits.
 
         Decode-only steps replay a CUDA graph where one is captured; other steps run the
         piecewise graphs, else eagerly.
+
+        Args:
+            inputs: the packed step.
+            fill: ``(packed indices, tokens)`` on the device, written into the input ids
+                before the forward pass (the inputs still in flight).
         """
         if self.decode_graphs is not None and inputs.decode_only:
             batch = DecodeBatch(
                 inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables, inputs.block_table_array
             )
-            logits = self.decode_graphs.run(batch)
+            logits = self.decode_graphs.run(batch, fill)
             if logits is not None:
                 return logits
         meta = build_msa_metadata(
@@ -212,10 +306,13 @@ class ModelRunner:
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long).to(dev, non_blocking=True)
         logits = None
         if self.mixed_graphs is not None:
-            logits = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, meta, rows)
+            logits = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, meta, rows, fill)
         if logits is None:
+            input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True)
+            if fill is not None:
+                input_ids.index_copy_(0, *fill)
             logits = self.model(
-                torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True),
+                input_ids,
                 torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
                 self.kv_caches,
                 meta,

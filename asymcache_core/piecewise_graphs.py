@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from asymcache_core.cuda_graphs import capturing
 from kernels.dispatch import AttentionBackend
 from kernels.metadata import MSAMetadata
 
@@ -66,7 +67,7 @@ class _Piece:
             state.clear()
             state.update(captured_inputs)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capturing(graph, pool):
                 fn()
             self.graph = graph
 
@@ -169,6 +170,7 @@ class PiecewiseGraphs:
         slots: list[int],
         meta: MSAMetadata,
         logits_rows: torch.Tensor,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Runs one step through the pieces of the smallest size that fits.
 
@@ -178,6 +180,8 @@ class PiecewiseGraphs:
             slots: their KV slots.
             meta: the step's MSA metadata (prepared by the backend).
             logits_rows: ``[R]`` device rows whose logits are needed.
+            fill: ``(rows, tokens)`` on the device: input ids written after ``input_ids`` (the
+                tokens a step still in flight samples, async scheduling).
 
         Returns:
             ``[R, vocab]`` float32 logits, or ``None`` when the step is larger than any size.
@@ -191,6 +195,8 @@ class PiecewiseGraphs:
             [input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.long
         )
         self.token_rows[:, :size].copy_(rows, non_blocking=True)
+        if fill is not None:
+            self.token_rows[0].index_copy_(0, *fill)
         pieces, state = self.pieces[size]
         kv = self.kv_caches
         pieces[0]()

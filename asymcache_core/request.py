@@ -121,6 +121,10 @@ class Request:
         self.hit_end = 0
         #: ticket of the host-tier copies its blocks wait for (``None``: nothing in flight)
         self.kv_ticket: int | None = None
+        #: tokens sampled by steps still in flight (async scheduling), not appended yet: the
+        #: scheduler plans past ``num_tokens`` by this many positions, whose input ids the
+        #: model runner takes on the device from the step that samples them
+        self.num_pending = 0
         self.stop_reason: int | str | None = None
         #: why the request failed alone (sampling or detokenizing raised); None otherwise
         self.error: str | None = None
@@ -130,6 +134,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Its context once the tokens of the steps in flight arrive (``num_tokens`` without
+        async scheduling)."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -69,6 +69,12 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self.failures: dict[str, str] = {}
 
+    @staticmethod
+    def on_device(params: SamplingParams) -> bool:
+        """Whether a row with ``params`` is sampled by a plain argmax (on the device, with no
+        host state: no generator, no penalties over the tokens so far)."""
+        return params.greedy and not params.rewrites_logits
+
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
@@ -111,7 +117,7 @@ class Sampler:
             One token id per row; :data:`FAILED` for a row that raised (see :attr:`failures`).
         """
         tokens: list[int] = []
-        plain = [p.greedy and not p.rewrites_logits for p in params]
+        plain = [self.on_device(p) for p in params]
         argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
         for i, p in enumerate(params):
             if plain[i]:

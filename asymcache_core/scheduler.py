@@ -183,6 +183,10 @@ class Scheduler:
             (:meth:`LatencyModel.prefill_latency`); needed with ``least_work_patience``.
         job_admission: job-level admission; a waiting request it holds back is passed over
             (later ones may go first), unlike one that lacks room, which stops admission.
+        async_output: plan each step before the previous one's tokens are back (async
+            scheduling): a request that samples in a step counts that token as pending
+            (:attr:`Request.num_pending`), the next step plans past it, and
+            :meth:`update_from_output` drops the token of a request that had already ended.
     """
 
     def __init__(
@@ -205,6 +209,7 @@ class Scheduler:
         least_work_patience: float | None = None,
         work_seconds: Callable[[int, int], float] | None = None,
         job_admission: JobAdmission | None = None,
+        async_output: bool = False,
     ) -> None:
         if least_work_patience is not None and (not least_work_first or work_seconds is None):
             raise ValueError("least_work_patience: needs least_work_first and a work_seconds estimate")
@@ -226,6 +231,7 @@ class Scheduler:
         self.priority_key = priority_key
         self.admission_key = admission_key or priority_key
         self.job_admission = job_admission
+        self.async_output = async_output
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._order = itertools.count()
@@ -276,7 +282,7 @@ class Scheduler:
             # NOTE: only whole blocks at or past the frontier count: the block the frontier is
             # in was allocated for the positions computed so far, not found in the cache.
             hits = sum(table[i] != HOLE for i in range(-(-start // bs), len(table))) * bs
-            return max(1, request.num_tokens - start - hits)
+            return max(1, request.num_planned_tokens - start - hits)
         return max(1, request.num_tokens - self.kv.lookup(request).hit_tokens)
 
     def _remove(self, request: Request) -> None:
@@ -304,7 +310,7 @@ class Scheduler:
         """Up to ``max_tokens`` positions from the frontier, skipping cached blocks."""
         bs = self.block_size
         table = request.block_ids
-        total = request.num_tokens
+        total = request.num_planned_tokens
         segments: list[tuple[int, int]] = []
         pos = self._skip_cached(request, request.num_computed_tokens)
         left = max_tokens
@@ -341,6 +347,9 @@ class Scheduler:
             if not self.kv.ready(request):
                 i += 1  # its blocks are still being copied in from the host tier
                 continue
+            if request.num_pending and self._ends_on_length(request):
+                i += 1  # the token in flight ends it: a step past it would be thrown away
+                continue
             segments = self.plan_segments(request, left)
             if not segments:
                 i += 1
@@ -374,6 +383,11 @@ class Scheduler:
         gate = self.job_admission
         while idx < len(self.waiting) and left > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[idx]
+            if request.num_pending:
+                # NOTE: preempted while its last step was in flight: it recomputes once that
+                # step's token is part of its context.
+                idx += 1
+                continue
             if gate is not None and request.job_id is not None:
                 # NOTE: the gate finds a new job's shared prefix by its block hashes
                 self.kv.ensure_hashes(request)
@@ -429,7 +443,10 @@ class Scheduler:
         end = segments[-1][1]
         request.num_computed_tokens = self._skip_cached(request, end)
         self.kv.commit(request)
-        sample = end == request.num_tokens
+        sample = end == request.num_planned_tokens
+        if sample and self.async_output:
+            # NOTE: its token comes back after the next step is planned (async scheduling)
+            request.num_pending += 1
         scheduled.append(ScheduledRequest(request, segments, sample))
         computed = sum(e - s for s, e in segments)
         metrics = request.metrics
@@ -478,8 +495,12 @@ class Scheduler:
             if not item.sample:
                 continue
             request = item.request
+            if request.num_pending:
+                request.num_pending -= 1
             if request.finished:
-                continue  # failed alone during the step (the engine finished it with its error)
+                # NOTE: failed alone during the step (the engine finished it with its error),
+                # or, with async scheduling, ended by the step before (its token is dropped)
+                continue
             token = sampled[request.request_id]
             request.append_output(token)
             metrics = request.metrics
@@ -492,6 +513,12 @@ class Scheduler:
                 self.finish_request(request, status, now, stop_reason)
             updates.append(RequestUpdate(request, [token], status, stop_reason))
         return updates
+
+    def _ends_on_length(self, request: Request) -> bool:
+        """Whether the tokens in flight end ``request`` on length, whatever they are."""
+        if len(request.output_token_ids) + request.num_pending >= request.params.max_tokens:
+            return True
+        return self.max_model_len is not None and request.num_planned_tokens >= self.max_model_len
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """The status that ``token``, just appended, ends ``request`` with, or ``None``.

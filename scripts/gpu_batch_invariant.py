@@ -38,6 +38,8 @@ def sync() -> None:
 def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
     """Every sampled row's logits (on the host), per request id, in step order."""
     log: dict[str, list[torch.Tensor]] = defaultdict(list)
+    # NOTE: the engines here plan synchronously (async_scheduling=False): with async scheduling
+    # greedy rows take their argmax on the device and never reach _sample.
     sample = engine.runner._sample
 
     def spy(plan, sample_index, logits):  # type: ignore[no-untyped-def]
@@ -68,7 +70,7 @@ def alone_vs_batch(loaded, model: str, invariant: bool) -> tuple[int, int, float
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     runs = []
     for batch in ([], others):
-        engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=8192, max_num_seqs=64,
+        engine = Engine(model=model, device=DEVICE, loaded=loaded, async_scheduling=False, num_kv_blocks=8192, max_num_seqs=64,
                         batch_invariant=invariant)
         log = record_logits(engine)
         ids = [engine.add_request(p, params) for p in batch[:31]]
@@ -112,7 +114,7 @@ def policy_grid(loaded, model: str, modes: dict[str, bool] = MODES) -> list[dict
     rows = []
     for name, invariant in modes.items():
         for budget in (8192, 512):
-            common = dict(model=model, device=DEVICE, loaded=loaded, enforce_eager=True, batch_invariant=invariant,
+            common = dict(model=model, device=DEVICE, loaded=loaded, async_scheduling=False, enforce_eager=True, batch_invariant=invariant,
                           max_num_batched_tokens=budget)
             reference = multi_turn(Engine(num_kv_blocks=8192, eviction_policy="vllm-apc", **common))
             for policy in ("lru", "vllm-apc", "pensieve", "asymcache"):
@@ -187,7 +189,7 @@ def chat_seconds(engine: Engine, requests: int = 32) -> float:
 def cost(loaded, model: str, modes: dict[str, bool] = MODES) -> dict[str, dict[str, float]]:  # type: ignore[no-untyped-def]
     figures: dict[str, dict[str, float]] = {}
     for name, invariant in modes.items():
-        engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=16384, max_num_batched_tokens=8192,
+        engine = Engine(model=model, device=DEVICE, loaded=loaded, async_scheduling=False, num_kv_blocks=16384, max_num_batched_tokens=8192,
                         max_model_len=32768, batch_invariant=invariant)
         chat_seconds(engine, 4)  # warm-up: compiles every kernel variant the runs use
         figures[name] = {
@@ -208,7 +210,7 @@ def kernel_profile(loaded, model: str, top: int = 12) -> None:  # type: ignore[n
     from torch.profiler import ProfilerActivity, profile
 
     for name, invariant in MODES.items():
-        engine = Engine(model=model, device=DEVICE, loaded=loaded, num_kv_blocks=16384, max_num_batched_tokens=8192,
+        engine = Engine(model=model, device=DEVICE, loaded=loaded, async_scheduling=False, num_kv_blocks=16384, max_num_batched_tokens=8192,
                         max_model_len=32768, batch_invariant=invariant, enforce_eager=True)
         chat_seconds(engine, 4)
         for what in ("decode_b1", "decode_b32", "prefill_8k"):

@@ -74,7 +74,7 @@ def main() -> None:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     loaded = load_model(args.model, dev, dtype, seed=0)
-    engine = Engine(model=args.model, device=args.device, loaded=loaded, num_kv_blocks=16384,
+    engine = Engine(model=args.model, device=args.device, loaded=loaded, async_scheduling=False, num_kv_blocks=16384,
                     max_num_batched_tokens=8192, max_model_len=32768, latency_profile=args.profile or None,
                     mixed_graph_max_tokens=args.mixed_graph_tokens)
     phases = instrument(engine.runner)

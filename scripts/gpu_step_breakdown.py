@@ -63,7 +63,7 @@ def main() -> None:
     dev = torch.device("cuda")
     loaded = load_model(args.model, dev, torch.bfloat16, seed=0)
     blocks = max(b * -(-(c + rounds * len(modes) * args.steps + 64) // 16) for b, c in cases) + 256
-    engine = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=max(8192, blocks),
+    engine = Engine(model=args.model, device="cuda", loaded=loaded, async_scheduling=False, num_kv_blocks=max(8192, blocks),
                     max_num_batched_tokens=8192, max_model_len=max(32768, max(c for _, c in cases) + 4096))
     runner = engine.runner
     table_rows = runner.block_table_rows
@@ -133,7 +133,7 @@ def main() -> None:
             engine.step()
     if args.profile:
         del engine
-        eager = Engine(model=args.model, device="cuda", loaded=loaded, num_kv_blocks=1024,
+        eager = Engine(model=args.model, device="cuda", loaded=loaded, async_scheduling=False, num_kv_blocks=1024,
                        max_num_batched_tokens=8192, max_model_len=32768, enforce_eager=True)
         eager.add_request(torch.randint(1000, vocab - 1000, (2048,), generator=gen).tolist(),
                           SamplingParams(max_tokens=40, ignore_eos=True))

@@ -144,10 +144,10 @@ def test_graph_decode_matches_eager_engine(dtype: str, max_model_len: int) -> No
             graphs = engine.runner.decode_graphs
             original = graphs.run
 
-            def counting(batch, original=original):  # type: ignore[no-untyped-def]
+            def counting(batch, fill=None, original=original):  # type: ignore[no-untyped-def]
                 nonlocal replays
                 replays += 1
-                return original(batch)
+                return original(batch, fill)
 
             graphs.run = counting
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,278 @@
+"""Async scheduling (``EngineConfig.async_scheduling``) with the real SmolLM2: step N+1 is planned
+and launched before step N's tokens are back, and every output is the one the synchronous loop
+gives.
+
+On the CPU the launch runs the forward pass at once, but the engine's bookkeeping is the GPU's:
+pending tokens, inputs copied from the previous step's sampled tensor, planned tokens of requests
+that have already ended dropped, steps that sample on the host waited for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from asymcache_core import Engine, EngineConfig, SamplingParams
+from asymcache_core.request import RequestOutput
+from tests.asymcache_core.test_step_faults import POISON, FaultyModel, assert_clean, run_all
+from tests.conftest import make_engine
+
+
+class LaunchCounter:
+    """Wraps ``runner.launch``: counts launches made while another step was still in flight."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.launch = engine.runner.launch
+        self.overlapped = 0
+        self.launches = 0
+        engine.runner.launch = self  # type: ignore[method-assign]
+
+    def __call__(self, plan: Any, previous: Any) -> Any:
+        self.launches += 1
+        self.overlapped += previous is not None
+        return self.launch(plan, previous)
+
+
+@pytest.mark.parametrize(
+    ("policy", "overrides"),
+    [
+        ("vllm-apc", {}),
+        ("asymcache", {"num_host_kv_blocks": 64}),
+        pytest.param("asymcache", {}, marks=pytest.mark.slow),
+    ],
+)
+def test_async_is_lossless_under_pressure(tight_run, unbounded, policy, overrides):
+    # the multi-session script on 12 blocks: evictions, holes, preemptions (vllm-apc) and host
+    # tier copies (asymcache with 64 host blocks) while a step is in flight; every token equals
+    # the unbounded pool's.
+    run = tight_run(policy, async_scheduling=True, **overrides)
+    assert run.outputs == unbounded
+    engine = run.engine
+    assert engine.stats().evictions_total > 0
+    if overrides:
+        assert engine.host_tier is not None and engine.host_tier.counters.reloaded > 0
+    engine.check_integrity()
+    assert all(b.ref_cnt == 0 for b in engine.pool.blocks)
+
+
+def _mixed_requests(engine: Engine, prompts: list[list[int]], stop_token: int, stop_text: str) -> list[str]:
+    """Requests that end every way while others run: on a stop token (so their next, already
+    planned token is dropped), on a stop string, on length; greedy rows beside ones that sample
+    on the host (seeded random, a repetition penalty)."""
+    params = [
+        SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(max_tokens=9, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=16),
+    ]
+    return [engine.add_request(prompts[i % len(prompts)], p) for i, p in enumerate(params)]
+
+
+def test_async_gives_the_synchronous_outputs_whatever_ends_a_request(smollm, chat_prompts):
+    probe = make_engine(smollm, num_kv_blocks=128)
+    greedy = probe.generate([chat_prompts[0]], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    stop_token = greedy.token_ids[10]  # the greedy run emits it: the request stops there
+    stop_text = probe.generate([chat_prompts[1]], SamplingParams(max_tokens=24, ignore_eos=True))[0].text[8:14]
+    assert stop_text.strip()
+
+    finals = {}
+    counters = {}
+    for mode in (False, True):
+        engine = make_engine(smollm, num_kv_blocks=128, async_scheduling=mode)
+        if mode:
+            counters["launch"] = LaunchCounter(engine)
+        ids = _mixed_requests(engine, chat_prompts, stop_token, stop_text)
+        outs = run_all(engine)
+        finals[mode] = [
+            (outs[i].token_ids, outs[i].text, outs[i].finish_reason, outs[i].metrics.computed_tokens >= 1) for i in ids
+        ]
+        assert_clean(engine)
+    assert finals[True] == finals[False]
+    reasons = [reason for _, _, reason, _ in finals[True]]
+    assert reasons[:3] == ["stop", "stop", "length"]
+    assert len(finals[True][0][0]) < 24 and finals[True][0][0][-1] == stop_token
+    # steps overlapped when every row was greedy; the ones with host sampling were waited for
+    assert counters["launch"].overlapped > 0
+    assert counters["launch"].overlapped < counters["launch"].launches
+
+
+def test_async_overlaps_every_step_of_greedy_decoding(smollm, chat_prompts):
+    engine = make_engine(smollm, num_kv_blocks=128, async_scheduling=True)
+    counter = LaunchCounter(engine)
+    sync = make_engine(smollm, num_kv_blocks=128)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in engine.generate(chat_prompts, params)] == [
+        o.token_ids for o in sync.generate(chat_prompts, params)
+    ]
+    # one prefill step, then one decode step a token: each launched while the one before ran
+    assert counter.launches == 8
+    assert counter.overlapped == counter.launches - 1
+    # the request that ends on length is never planned past its last token
+    assert all(len(r.token_times) == 8 for r in (o.metrics for o in engine.generate(chat_prompts, params)))
+    assert_clean(engine)
+
+
+def test_aborting_a_request_in_flight_frees_it_and_the_others_go_on(smollm, chat_prompts):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    reference = [make_engine(smollm).generate([p], params)[0].token_ids for p in chat_prompts]
+    engine = make_engine(smollm, num_kv_blocks=128, async_scheduling=True)
+    ids = [engine.add_request(p, params) for p in chat_prompts]
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None
+    in_flight = {item.request.request_id for item in engine._in_flight.plan.scheduled}
+    assert ids[1] in in_flight
+    assert engine.abort(ids[1])
+    finals = run_all(engine)
+    assert finals[ids[1]].finish_reason == "abort"
+    assert len(finals[ids[1]].token_ids) < 10
+    assert [finals[ids[0]].token_ids, finals[ids[2]].token_ids] == [reference[0], reference[2]]
+    assert_clean(engine)
+
+
+def test_a_fault_in_a_launched_step_fails_only_its_culprit(smollm, chat_prompts):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reference = [make_engine(smollm).generate([p], params)[0].token_ids for p in chat_prompts]
+    engine = make_engine(smollm, num_kv_blocks=24, async_scheduling=True)
+    model = FaultyModel(engine.runner.model)
+    engine.runner.model = model
+    good = [engine.add_request(p, params) for p in chat_prompts]
+    first = run_all(engine)
+    assert [first[i].token_ids for i in good] == reference
+    # a transient fault in a step launched while another was in flight, then a culprit
+    good = [engine.add_request(p, params) for p in chat_prompts]
+    engine.step()
+    engine.step()
+    assert engine._in_flight is not None
+    model.fail_next = 1
+    bad = engine.add_request([*chat_prompts[1][:5], POISON, 7, 8], params)
+    finals = run_all(engine)
+    assert model.faults >= 2
+    assert finals[bad].finish_reason == "abort" and "injected forward-pass fault" in finals[bad].error
+    assert [finals[i].token_ids for i in good] == reference
+    assert_clean(engine)
+
+
+def test_a_fault_when_collecting_reruns_both_steps(smollm, chat_prompts):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reference = [make_engine(smollm).generate([p], params)[0].token_ids for p in chat_prompts]
+    engine = make_engine(smollm, num_kv_blocks=64, async_scheduling=True)
+    collect = engine.runner.collect
+    failed = []
+
+    def flaky_collect(step):
+        if not failed and step.plan.is_decode_only:
+            failed.append(step)
+            raise RuntimeError("injected fault while collecting")
+        return collect(step)
+
+    engine.runner.collect = flaky_collect  # type: ignore[method-assign]
+    ids = [engine.add_request(p, params) for p in chat_prompts]
+    finals = run_all(engine)
+    assert failed
+    assert [finals[i].token_ids for i in ids] == reference
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"async_scheduling": "yes"}, "async_scheduling"),
+        ({"async_scheduling": 1}, "async_scheduling"),
+        ({"async_scheduling": True, "tensor_parallel_size": 2}, "async_scheduling"),
+    ],
+)
+def test_bad_async_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
+def test_the_default_is_off_on_the_cpu_and_in_the_simulator(smollm):
+    assert make_engine(smollm).async_scheduling is False
+    simulated = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16))
+    assert simulated.async_scheduling is False and simulated.scheduler.async_output is False
+
+
+def test_the_simulator_refuses_async_scheduling():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, async_scheduling=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_async_on_the_gpu_gives_the_synchronous_tokens(dtype: str) -> None:
+    """On the GPU, with CUDA graphs (decode) and piecewise graphs (mixed steps): async steps read
+    their pending inputs from the previous step's sampled tensor on the device, and give the
+    synchronous engine's greedy tokens; requests arrive while others decode and end on length
+    at different steps."""
+    prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate((5, 40, 77, 130, 260, 33))]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (12, 3, 20, 7, 16, 9)]
+    outputs = []
+    for mode in (False, True):
+        engine = Engine(
+            model="dummy:tiny", device="cuda", dtype=dtype, num_kv_blocks=256, max_num_seqs=8,
+            max_model_len=2048, **({} if mode else {"async_scheduling": False}),
+        )
+        assert engine.async_scheduling is mode  # the default on one CUDA device
+        assert engine.runner.decode_graphs is not None
+        counter = LaunchCounter(engine) if mode else None
+        ids = [engine.add_request(p, s) for p, s in zip(prompts[:3], params[:3], strict=True)]
+        finals: dict[str, RequestOutput] = {}
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            steps += 1
+            if steps == 4:  # later arrivals join running decodes
+                ids += [engine.add_request(p, s) for p, s in zip(prompts[3:], params[3:], strict=True)]
+        outputs.append([finals[i].token_ids for i in ids])
+        assert_clean(engine)
+        if counter is not None:
+            assert counter.overlapped >= counter.launches - 2
+    assert outputs[0] == outputs[1]
+    assert [len(o) for o in outputs[1]] == [12, 3, 20, 7, 16, 9]
+
+
+def _small_vocab_sessions(engine: Engine, sessions: int = 6, turns: int = 3, concurrent: int = 3) -> list[list[int]]:
+    """The multi-session script of ``test_holes_and_policies`` in token ids below 500 (the
+    tiny dummy model's vocabulary)."""
+    def user(s: int, t: int) -> list[int]:
+        return [(60 + 23 * s + 7 * t + i) % 500 for i in range(20)]
+
+    contexts = {s: list(range(10, 58)) + user(s, 0) for s in range(sessions)}
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outputs: list[list[int]] = []
+    for turn in range(turns):
+        for first in range(0, sessions, concurrent):
+            group = range(first, min(first + concurrent, sessions))
+            ids = {s: engine.add_request(contexts[s], params, job_id=f"s{s}", is_last_step=turn == turns - 1) for s in group}
+            done = run_all(engine)
+            for s in group:
+                outputs.append(done[ids[s]].token_ids)
+                contexts[s] = contexts[s] + done[ids[s]].token_ids + user(s, turn + 1)
+    return outputs
+
+
+@pytest.mark.gpu
+def test_async_with_evictions_and_a_host_tier_on_the_gpu_is_lossless(expensive_reload_profile: str) -> None:
+    """On the GPU in bf16 (batch-invariant), async scheduling by default: a 12-block pool that
+    evicts and preempts, with and without a host tier whose copies run on their own streams
+    beside the launched steps, gives the unbounded synchronous engine's tokens (a profile where
+    rebuilding is costly, so evicted blocks come back by copy)."""
+    common = dict(model="dummy:tiny", device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=8)
+    reference = _small_vocab_sessions(Engine(num_kv_blocks=2048, async_scheduling=False, **common))
+    for host_blocks in (0, 64):
+        engine = Engine(
+            num_kv_blocks=12, eviction_policy="asymcache", num_host_kv_blocks=host_blocks,
+            latency_profile=expensive_reload_profile, **common,
+        )
+        assert engine.async_scheduling
+        assert _small_vocab_sessions(engine) == reference
+        assert engine.stats().evictions_total > 0
+        if host_blocks:
+            assert engine.host_tier is not None and engine.host_tier.counters.reloaded > 0
+        assert_clean(engine)
