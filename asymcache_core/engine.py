@@ -720,25 +720,26 @@ class Engine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs."""
-        if self.async_scheduling:
-            return self._step_async()
+        """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs
+        (with async scheduling, those of the step launched in the previous call)."""
         start = self.clock()
-        self.pins.expire(start)
-        self._sweep_jobs(start)
-        if self.host_driver is not None:
-            self.host_driver.prefetch(start, self.step_log[-1].duration_s if self.step_log else 0.0)
-        plan = self.scheduler.schedule()
         outputs, self._pending_outputs = self._pending_outputs, []
-        if plan.transfers is not None and self.host_driver is not None:
-            self.host_driver.transfer(plan.transfers)
-        self._stalled = plan.is_empty and self.scheduler.has_unfinished()
+        if self._in_flight is not None and not self._in_flight.launched.device_sampled:
+            # NOTE: its rows sample on the host, so the next step's inputs exist only after it
+            outputs += self._finish_in_flight()[0]
+        plan = self._plan(start)
         if plan.is_empty:
+            if self._in_flight is not None:
+                return outputs + self._finish_in_flight()[0]
+            self._stalled = self.scheduler.has_unfinished()
             if self._stalled and any(r.kv_ticket is not None for r in self.scheduler.running):
                 # NOTE: nothing to compute but copies in flight: wait for them, not for an event.
                 self.runner.wait_transfers(None)  # type: ignore[attr-defined]
                 self._stalled = False
             return outputs
+        self._stalled = False
+        if self.async_scheduling:
+            return outputs + self._launch(plan, start)
         planned = self.clock()
         result = self._execute(plan)
         end = self.clock()
@@ -748,6 +749,17 @@ class Engine:
             # NOTE: after the outputs, as a live loop pays it: a step's duration does not hold it
             self.runner.between_steps()
         return outputs
+
+    def _plan(self, start: float) -> SchedulerOutput:
+        """Expires pins, prefetches from the host tier, plans the step and issues its copies."""
+        self.pins.expire(start)
+        self._sweep_jobs(start)
+        if self.host_driver is not None:
+            self.host_driver.prefetch(start, self.step_log[-1].duration_s if self.step_log else 0.0)
+        plan = self.scheduler.schedule()
+        if plan.transfers is not None and self.host_driver is not None:
+            self.host_driver.transfer(plan.transfers)
+        return plan
 
     def _complete(self, result: StepResult, end: float) -> list[RequestOutput]:
         """Ends a step that ran: fails its faulted requests, appends its tokens, and returns
@@ -768,36 +780,15 @@ class Engine:
         return outputs + [self._process_output(update, end) for update in updates]
 
     # -- async scheduling ----------------------------------------------------------------------
-    def _step_async(self) -> list[RequestOutput]:
-        """One step with async scheduling: plans and launches step N+1 while step N runs on
-        the device, then collects step N. Returns step N's outputs.
+    def _launch(self, plan: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """Async scheduling: launches ``plan`` (step N+1) while step N runs on the device, then
+        collects step N. Returns step N's outputs.
 
         NOTE: N+1 is planned before N's tokens are back: each request N samples has one
         pending token, which N+1 reads on the device; a request N ends has been planned into
         N+1 too, and its token there is dropped (vLLM's async scheduling does the same).
         """
-        start = self.clock()
-        self.pins.expire(start)
-        self._sweep_jobs(start)
-        outputs, self._pending_outputs = self._pending_outputs, []
-        if self._in_flight is not None and not self._in_flight.launched.device_sampled:
-            # NOTE: its rows sample on the host, so the next step's inputs exist only after it
-            outputs += self._finish_in_flight()[0]
-        if self.host_driver is not None:
-            self.host_driver.prefetch(start, self.step_log[-1].duration_s if self.step_log else 0.0)
-        plan = self.scheduler.schedule()
-        if plan.transfers is not None and self.host_driver is not None:
-            self.host_driver.transfer(plan.transfers)
-        if plan.is_empty:
-            if self._in_flight is not None:
-                self._stalled = False
-                return outputs + self._finish_in_flight()[0]
-            self._stalled = self.scheduler.has_unfinished()
-            if self._stalled and any(r.kv_ticket is not None for r in self.scheduler.running):
-                self.runner.wait_transfers(None)  # type: ignore[attr-defined]
-                self._stalled = False
-            return outputs
-        self._stalled = False
+        outputs: list[RequestOutput] = []
         previous = self._in_flight
         launched: LaunchedStep | None = None
         try:
@@ -822,7 +813,7 @@ class Engine:
         plan = self._drop_ended(plan)
         if not plan.scheduled:
             return outputs
-        result = self._execute(plan)
+        result = self._execute_again(plan)
         end = self.clock()
         self._log_step(plan, start, end, 0.0)
         return outputs + self._complete(result, end)
@@ -842,11 +833,22 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - run again, isolating the culprit
             logger.warning("a launched step failed (%s: %s); running it synchronously", type(exc).__name__, exc)
             collected = False
-            result = self._execute(self._drop_ended(flight.plan))
+            result = self._execute_again(self._drop_ended(flight.plan))
         end = self.clock()
         # NOTE: the device ran it from its launch or from the end of the step before, the later
         self._log_step(flight.plan, max(flight.start + flight.schedule_s, self._last_end), end, flight.schedule_s)
         return self._complete(result, end), collected
+
+    def _execute_again(self, plan: SchedulerOutput) -> StepResult:
+        """Runs a launched step's plan synchronously (its launch or collection failed); the
+        requests it does not run (failed, or preempted for reading a failed one's blocks) drop
+        their pending token, as :meth:`Scheduler.update_from_output` does for those it ran."""
+        result = self._execute(plan)
+        ran = {id(item.request) for item in result.ran.scheduled}
+        for item in plan.scheduled:
+            if item.sample and item.request.num_pending and id(item.request) not in ran:
+                item.request.num_pending -= 1
+        return result
 
     def _drop_ended(self, plan: SchedulerOutput) -> SchedulerOutput:
         """``plan`` without the requests that stopped running since it was made (their

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from asymcache_core import Engine, EngineConfig, SamplingParams
+from asymcache_core.eviction import registered_policies
 from asymcache_core.request import RequestOutput
 from tests.asymcache_core.test_step_faults import POISON, FaultyModel, assert_clean, run_all
-from tests.conftest import make_engine
+from tests.conftest import StepClock, make_engine
 
 
 class LaunchCounter:
@@ -34,26 +35,74 @@ class LaunchCounter:
         return self.launch(plan, previous)
 
 
-@pytest.mark.parametrize(
-    ("policy", "overrides"),
-    [
-        ("vllm-apc", {}),
-        ("asymcache", {"num_host_kv_blocks": 64}),
-        pytest.param("asymcache", {}, marks=pytest.mark.slow),
-    ],
-)
-def test_async_is_lossless_under_pressure(tight_run, unbounded, policy, overrides):
-    # the multi-session script on 12 blocks: evictions, holes, preemptions (vllm-apc) and host
-    # tier copies (asymcache with 64 host blocks) while a step is in flight; every token equals
-    # the unbounded pool's.
-    run = tight_run(policy, async_scheduling=True, **overrides)
-    assert run.outputs == unbounded
-    engine = run.engine
+def _preemptions_in_flight(engine: Engine) -> list[int]:
+    """Wraps the scheduler's ``preempt``: the pending tokens of each request it preempts."""
+    seen: list[int] = []
+    preempt = engine.scheduler.preempt
+
+    def spy(request: Any) -> None:
+        seen.append(request.num_pending)
+        preempt(request)
+
+    engine.scheduler.preempt = spy  # type: ignore[method-assign]
+    return seen
+
+
+def _small_vocab_sessions(engine: Engine, sessions: int = 6, turns: int = 3, concurrent: int = 3) -> list[list[int]]:
+    """The multi-session script of ``test_holes_and_policies`` in token ids below 500 (the
+    tiny dummy model's vocabulary)."""
+    def user(s: int, t: int) -> list[int]:
+        return [(60 + 23 * s + 7 * t + i) % 500 for i in range(20)]
+
+    contexts = {s: list(range(10, 58)) + user(s, 0) for s in range(sessions)}
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outputs: list[list[int]] = []
+    for turn in range(turns):
+        for first in range(0, sessions, concurrent):
+            group = range(first, min(first + concurrent, sessions))
+            ids = {s: engine.add_request(contexts[s], params, job_id=f"s{s}", is_last_step=turn == turns - 1) for s in group}
+            done = run_all(engine)
+            for s in group:
+                outputs.append(done[ids[s]].token_ids)
+                contexts[s] = contexts[s] + done[ids[s]].token_ids + user(s, turn + 1)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def tiny_unbounded() -> list[list[int]]:
+    """The small-vocabulary session script on a pool that never evicts, synchronously."""
+    return _small_vocab_sessions(Engine(model="dummy:tiny", num_kv_blocks=2048, max_model_len=2048, max_num_seqs=8))
+
+
+@pytest.mark.parametrize("host_blocks", [0, 64], ids=["device", "host-tier"])
+@pytest.mark.parametrize("policy", registered_policies())
+def test_async_is_lossless_under_pressure(tiny_unbounded, expensive_reload_profile, policy, host_blocks):
+    # multi-session turns on 12 blocks (a working set of ~33): evictions, holes, preemptions of
+    # requests whose token is in flight, and host-tier copies (a profile where rebuilding is
+    # costly, so blocks come back by copy) while a step is in flight; every token equals the
+    # unbounded synchronous pool's. The tiny dummy model in float32 keeps this cheap enough for
+    # every policy; the real model's run is the slow variant below.
+    engine = Engine(
+        model="dummy:tiny", num_kv_blocks=12, max_model_len=2048, max_num_seqs=8, eviction_policy=policy,
+        num_host_kv_blocks=host_blocks, latency_profile=expensive_reload_profile, clock=StepClock(),
+        async_scheduling=True,
+    )
+    preempted = _preemptions_in_flight(engine)
+    assert _small_vocab_sessions(engine) == tiny_unbounded
     assert engine.stats().evictions_total > 0
-    if overrides:
+    if host_blocks:
         assert engine.host_tier is not None and engine.host_tier.counters.reloaded > 0
-    engine.check_integrity()
-    assert all(b.ref_cnt == 0 for b in engine.pool.blocks)
+    if policy == "vllm-apc":
+        assert 1 in preempted  # a request preempted while its token was in flight
+    assert_clean(engine)
+
+
+@pytest.mark.slow
+def test_async_is_lossless_under_pressure_with_the_real_model(tight_run, unbounded):
+    run = tight_run("vllm-apc", async_scheduling=True)
+    assert run.outputs == unbounded
+    assert run.engine.stats().preemptions_total > 0
+    run.engine.check_integrity()
 
 
 def _mixed_requests(engine: Engine, prompts: list[list[int]], stop_token: int, stop_text: str) -> list[str]:
@@ -235,26 +284,6 @@ def test_async_on_the_gpu_gives_the_synchronous_tokens(dtype: str) -> None:
             assert counter.overlapped >= counter.launches - 2
     assert outputs[0] == outputs[1]
     assert [len(o) for o in outputs[1]] == [12, 3, 20, 7, 16, 9]
-
-
-def _small_vocab_sessions(engine: Engine, sessions: int = 6, turns: int = 3, concurrent: int = 3) -> list[list[int]]:
-    """The multi-session script of ``test_holes_and_policies`` in token ids below 500 (the
-    tiny dummy model's vocabulary)."""
-    def user(s: int, t: int) -> list[int]:
-        return [(60 + 23 * s + 7 * t + i) % 500 for i in range(20)]
-
-    contexts = {s: list(range(10, 58)) + user(s, 0) for s in range(sessions)}
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    outputs: list[list[int]] = []
-    for turn in range(turns):
-        for first in range(0, sessions, concurrent):
-            group = range(first, min(first + concurrent, sessions))
-            ids = {s: engine.add_request(contexts[s], params, job_id=f"s{s}", is_last_step=turn == turns - 1) for s in group}
-            done = run_all(engine)
-            for s in group:
-                outputs.append(done[ids[s]].token_ids)
-                contexts[s] = contexts[s] + done[ids[s]].token_ids + user(s, turn + 1)
-    return outputs
 
 
 @pytest.mark.gpu

@@ -3,7 +3,8 @@
 Requests are added (jobs with shared prefixes, some poisoned so the forward pass raises on
 them), stepped, aborted, pinned, unpinned, expired and evicted on a pool of a few blocks, with
 the simulated runner, with and without a host KV tier (whose copies fail while the device is
-down). After every rule the block pool, the host tier, the KV-cache manager, the pins and job
+down), and with the real model runner of a tiny dummy model under async scheduling (each step
+launched while the one before is in flight). After every rule the block pool, the host tier, the KV-cache manager, the pins and job
 admission are checked; at the end everything runs out and the pool must hold nothing.
 """
 
@@ -25,6 +26,7 @@ from asymcache_core import Engine, SamplingParams
 from asymcache_core.eviction import registered_policies
 from asymcache_core.request import HOLE, RequestOutput
 from asymcache_core.scheduler import SchedulerOutput
+from asymcache_core.sim_runner import VirtualClock
 
 POISON = 13
 JOBS = ["j0", "j1", "j2"]
@@ -37,10 +39,17 @@ class FaultyRunner:
         self.runner = runner
         self.down = False
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+    def _check(self, plan: SchedulerOutput) -> None:
         if self.down or any(POISON in item.request.prompt_token_ids for item in plan.scheduled):
             raise RuntimeError("injected fault")
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+        self._check(plan)
         return self.runner.execute(plan)
+
+    def launch(self, plan: SchedulerOutput, previous):  # type: ignore[no-untyped-def]
+        self._check(plan)
+        return self.runner.launch(plan, previous)
 
     def transfer_kv(self, transfers) -> None:
         if self.down:
@@ -51,7 +60,7 @@ class FaultyRunner:
         return getattr(self.runner, name)
 
 
-def make_machine(policy: str, host_tier: bool) -> type[RuleBasedStateMachine]:
+def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> type[RuleBasedStateMachine]:
     class EngineMachine(RuleBasedStateMachine):
         @initialize(
             blocks=st.integers(min_value=5, max_value=16),
@@ -59,9 +68,15 @@ def make_machine(policy: str, host_tier: bool) -> type[RuleBasedStateMachine]:
             copy_s=st.sampled_from([1e-6, 0.05, 2.0]),
         )
         def build(self, blocks: int, host: int, copy_s: float) -> None:
-            self.engine = Engine.simulated(
-                model="dummy:tiny", num_kv_blocks=blocks, eviction_policy=policy, num_host_kv_blocks=host
-            )
+            if async_model:
+                self.engine = Engine(
+                    model="dummy:tiny", num_kv_blocks=blocks, eviction_policy=policy, num_host_kv_blocks=host,
+                    async_scheduling=True, clock=VirtualClock(),
+                )
+            else:
+                self.engine = Engine.simulated(
+                    model="dummy:tiny", num_kv_blocks=blocks, eviction_policy=policy, num_host_kv_blocks=host
+                )
             if self.engine.host_tier is not None:
                 # NOTE: copies from instant to slower than several steps: reloading requests wait
                 # across steps, and blocks are reused while copies are in flight.
@@ -212,6 +227,18 @@ def make_machine(policy: str, host_tier: bool) -> type[RuleBasedStateMachine]:
 def test_engine_state_machine(policy: str, host_tier: bool) -> None:
     run_state_machine_as_test(
         make_machine(policy, host_tier),
+        settings=settings(
+            max_examples=60, stateful_step_count=50, deadline=None, derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+def test_engine_state_machine_with_async_scheduling() -> None:
+    # the real runner (tiny dummy model, CPU) launching each step before the last is collected,
+    # with a host tier: requests end, abort and fail while a step is in flight
+    run_state_machine_as_test(
+        make_machine("asymcache", host_tier=True, async_model=True),
         settings=settings(
             max_examples=60, stateful_step_count=50, deadline=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
