@@ -40,7 +40,6 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
-
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool: object | None = None) -> Iterator[None]:
     """``torch.cuda.graph(graph, pool=pool)`` with Python's cyclic garbage collector held off.
@@ -59,6 +58,7 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: object | None = None) -> Iterat
     finally:
         if enabled:
             gc.enable()
+
 
 class DecodeBatch(NamedTuple):
     """Host inputs of a decode-only step, one row per sequence.

@@ -810,10 +810,9 @@ class Engine:
             self._in_flight = flight
             return outputs
         # the launch failed (or read failed tokens): its inputs are all known now
-        plan = self._drop_ended(plan)
-        if not plan.scheduled:
-            return outputs
         result = self._execute_again(plan)
+        if not result.ran.scheduled and not result.faults:
+            return outputs
         end = self.clock()
         self._log_step(plan, start, end, 0.0)
         return outputs + self._complete(result, end)
@@ -833,33 +832,28 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - run again, isolating the culprit
             logger.warning("a launched step failed (%s: %s); running it synchronously", type(exc).__name__, exc)
             collected = False
-            result = self._execute_again(self._drop_ended(flight.plan))
+            result = self._execute_again(flight.plan)
         end = self.clock()
         # NOTE: the device ran it from its launch or from the end of the step before, the later
         self._log_step(flight.plan, max(flight.start + flight.schedule_s, self._last_end), end, flight.schedule_s)
         return self._complete(result, end), collected
 
     def _execute_again(self, plan: SchedulerOutput) -> StepResult:
-        """Runs a launched step's plan synchronously (its launch or collection failed); the
-        requests it does not run (failed, or preempted for reading a failed one's blocks) drop
-        their pending token, as :meth:`Scheduler.update_from_output` does for those it ran."""
-        result = self._execute(plan)
+        """Runs a launched step's plan synchronously (its launch or collection failed), without
+        the requests that stopped running since it was planned. Every request of ``plan`` that
+        does not run (stopped, failed, or preempted for reading a failed one's blocks) drops
+        its pending token, as :meth:`Scheduler.update_from_output` does for those that ran."""
+        keep = [item for item in plan.scheduled if item.request.status is RequestStatus.RUNNING]
+        result = (
+            self._execute(SchedulerOutput(keep, plan.preempted, plan.budget, sum(item.num_tokens for item in keep)))
+            if keep
+            else StepResult(SchedulerOutput([], plan.preempted, plan.budget, 0), {}, [])
+        )
         ran = {id(item.request) for item in result.ran.scheduled}
         for item in plan.scheduled:
             if item.sample and item.request.num_pending and id(item.request) not in ran:
                 item.request.num_pending -= 1
         return result
-
-    def _drop_ended(self, plan: SchedulerOutput) -> SchedulerOutput:
-        """``plan`` without the requests that stopped running since it was made (their
-        pending token is dropped)."""
-        keep = []
-        for item in plan.scheduled:
-            if item.request.status is RequestStatus.RUNNING:
-                keep.append(item)
-            elif item.sample and item.request.num_pending:
-                item.request.num_pending -= 1
-        return SchedulerOutput(keep, plan.preempted, plan.budget, sum(item.num_tokens for item in keep))
 
     # -- step faults ---------------------------------------------------------------------------
     def _execute(self, plan: SchedulerOutput) -> StepResult:
