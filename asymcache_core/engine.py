@@ -45,6 +45,7 @@ from asymcache_core.scheduler import (
 )
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 from asymcache_core.step_faults import StepResult, execute_isolating_faults
+from asymcache_core.step_timeline import DeviceTimeline
 
 if TYPE_CHECKING:
     from asymcache_core.model_runner import LaunchedStep
@@ -72,13 +73,17 @@ class _InFlight(NamedTuple):
         launched: the runner's handle.
         plan: the step's plan.
         start: when its planning began (engine clock).
-        schedule_s: host seconds from then to its launch.
+        schedule_s: host seconds from then to the end of its launch.
+        launch_time: when its launch began (engine clock).
+        chained: the step before it was still in flight when it was launched.
     """
 
     launched: LaunchedStep
     plan: SchedulerOutput
     start: float
     schedule_s: float
+    launch_time: float
+    chained: bool
 
 
 @dataclass
@@ -86,15 +91,18 @@ class StepStats:
     """Per-step metrics.
 
     Attributes:
-        start: engine time the step began.
-        duration_s: its wall (or virtual) duration.
+        start: engine time the step began (with async scheduling: began on the device,
+            :class:`~asymcache_core.step_timeline.DeviceTimeline`).
+        duration_s: its wall (or virtual) duration; with async scheduling on CUDA, its time
+            on the device.
         budget: token budget chosen.
         num_tokens: tokens computed.
         num_segments: MSA segments in the launch.
         num_seqs: sequences in the batch.
         num_decodes: sequences that computed exactly one token.
         blocks_in_use: pool blocks held or pinned after the step.
-        schedule_s: the part of ``duration_s`` spent planning (host only).
+        schedule_s: host seconds spent planning it, a part of ``duration_s``; with async
+            scheduling, planning and launching it while the step before ran.
         attn_pairs: query-key pairs of the step (the latency model's ``A``).
         num_hole_tokens: tokens refilling holes (positions below a request's last cache hit).
         decode_only: every sequence ran one token, its last (CUDA-graph eligible).
@@ -438,6 +446,8 @@ class Engine:
         self._in_flight: _InFlight | None = None
         #: when the last step's tokens came back (engine clock)
         self._last_end = 0.0
+        #: where launched steps ran on the device, for the step log (async scheduling)
+        self.device_timeline = DeviceTimeline()
         #: a job idle this long (nothing in flight, no pin) loses its per-job state
         self.job_idle_s = JOB_IDLE_S
         #: jobs whose state is kept at most (the longest idle dropped first)
@@ -791,6 +801,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         previous = self._in_flight
         launched: LaunchedStep | None = None
+        launch_time = self.clock()
         try:
             launched = self.runner.launch(plan, previous.launched if previous is not None else None)  # type: ignore[attr-defined]
         except EngineDeadError as exc:
@@ -798,7 +809,11 @@ class Engine:
             raise
         except Exception as exc:  # noqa: BLE001 - run again below, isolating the culprit
             logger.warning("launching a step failed (%s: %s); running it synchronously", type(exc).__name__, exc)
-        flight = _InFlight(launched, plan, start, self.clock() - start) if launched is not None else None
+        flight = (
+            _InFlight(launched, plan, start, self.clock() - start, launch_time, previous is not None)
+            if launched is not None
+            else None
+        )
         if previous is not None:
             done, collected = self._finish_in_flight()
             outputs += done
@@ -810,6 +825,7 @@ class Engine:
             self._in_flight = flight
             return outputs
         # the launch failed (or read failed tokens): its inputs are all known now
+        self.device_timeline.reset()
         result = self._execute_again(plan)
         if not result.ran.scheduled and not result.faults:
             return outputs
@@ -834,8 +850,21 @@ class Engine:
             collected = False
             result = self._execute_again(flight.plan)
         end = self.clock()
-        # NOTE: the device ran it from its launch or from the end of the step before, the later
-        self._log_step(flight.plan, max(flight.start + flight.schedule_s, self._last_end), end, flight.schedule_s)
+        span = None
+        if collected:
+            launched = flight.launched
+            try:
+                span = self.device_timeline.place(launched.started, launched.ready, flight.launch_time, flight.chained)
+            except RuntimeError as exc:  # an event not complete: log it on host times
+                logger.warning("step timeline: %s", exc)
+                self.device_timeline.reset()
+        else:
+            self.device_timeline.reset()
+        if span is None:
+            # NOTE: no device events (off CUDA): it ran from its launch or from the end of the
+            # step before, the later, to when its tokens came back
+            span = (max(flight.start + flight.schedule_s, self._last_end), end)
+        self._log_step(flight.plan, *span, flight.schedule_s)
         return self._complete(result, end), collected
 
     def _execute_again(self, plan: SchedulerOutput) -> StepResult:

@@ -61,9 +61,13 @@ class LaunchedStep(NamedTuple):
             argmax there (the next step's pending inputs are copied from it); ``None``: the
             rows sample on the host from ``logits`` when collected.
         host_tokens: ``tokens`` copied to the host without blocking (pinned on CUDA).
-        ready: recorded after that copy (``None`` off CUDA).
+        ready: recorded after that copy, or after the forward pass when the rows sample on the
+            host (``None`` off CUDA); with timing.
         logits: ``[R, vocab]`` float32 for host sampling (``None`` with ``tokens``). It may be
             a view of a CUDA graph's output: collect before the next launch.
+        started: recorded, with timing, when the launch began (``None`` off CUDA): with
+            ``ready`` it places the step on the device's timeline
+            (:class:`~asymcache_core.step_timeline.DeviceTimeline`).
     """
 
     plan: SchedulerOutput
@@ -73,11 +77,21 @@ class LaunchedStep(NamedTuple):
     host_tokens: torch.Tensor | None
     ready: torch.cuda.Event | None
     logits: torch.Tensor | None
+    started: torch.cuda.Event | None = None
 
     @property
     def device_sampled(self) -> bool:
         """Its tokens exist on the device before it is collected."""
         return self.tokens is not None or not self.sample_index
+
+
+def _recorded(started: torch.cuda.Event | None) -> torch.cuda.Event | None:
+    """A timing event recorded now on the current stream, when ``started`` is one (CUDA)."""
+    if started is None:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | None = None) -> StepInputs:
@@ -244,6 +258,10 @@ class ModelRunner:
             The launched step, for :meth:`collect`. Every row samples on the device when all
             are greedy without logits rewrites; otherwise the logits are kept for the host.
         """
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         inputs = pack_step(plan, self.block_size, self.block_table_rows)
         fill = None
         if inputs.pending_inputs:
@@ -256,25 +274,27 @@ class ModelRunner:
         requests = [plan.scheduled[i].request for i in inputs.sample_index]
         rows = {r.request_id: row for row, r in enumerate(requests)}
         if not requests or not all(self.sampler.on_device(r.params) for r in requests):
-            return LaunchedStep(plan, inputs.sample_index, rows, None, None, None, logits if requests else None)
+            return LaunchedStep(
+                plan, inputs.sample_index, rows, None, None, _recorded(started), logits if requests else None, started
+            )
         tokens = logits.argmax(dim=-1)
-        if self.device.type != "cuda":
+        if started is None:
             return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(plan, inputs.sample_index, rows, tokens, host, ready, None)
+        return LaunchedStep(plan, inputs.sample_index, rows, tokens, host, _recorded(started), None, started)
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep) -> dict[str, int]:
         """Waits for a launched step; returns its sampled tokens (as :meth:`execute`)."""
+        if step.ready is not None:
+            # NOTE: every step is waited for, one that samples nothing (a prompt's middle
+            # chunk) too: its end event places it on the device's timeline
+            step.ready.synchronize()
         if step.logits is not None:
             return self._sample(step.plan, step.sample_index, step.logits)
         if step.host_tokens is None:
             return {}
-        if step.ready is not None:
-            step.ready.synchronize()
         return dict(zip(step.rows, step.host_tokens.tolist(), strict=True))
 
     @torch.inference_mode()

@@ -47,7 +47,7 @@ SUITES: dict[str, dict[str, Any]] = {
         ),
         "backend": "sim",
         "model": "dummy:llama-3.1-8b",
-        "latency_profile": str(_TRACES / "profile_h200_llama8b_live_2026_12_03.json"),
+        "latency_profile": str(_TRACES / "profile_h200_llama8b_live_async_2026_12_03.json"),
         "gpu_memory_utilization": 0.9,
         "max_num_batched_tokens": 8192,
         "max_num_seqs": 256,

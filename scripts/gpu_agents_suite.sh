@@ -19,7 +19,7 @@ if [ "$CONFIRM" != none ]; then
   timeout $((BUDGET - 40)) python3 -m eval.cli bench --backend real --device cuda --model dummy:llama-3.1-8b \
     --workload swe --seed 21 --jobs 32 --concurrency 16 --time-scale 0.1 --token-scale 1.0 --max-model-len 131072 \
     --max-num-batched-tokens 8192 --max-num-seqs 256 --num-kv-blocks 3000 --no-lossless-check \
-    --latency-profile bench_traces/profile_h200_llama8b_live_2026_12_03.json --policies "$CONFIRM" \
+    --latency-profile bench_traces/profile_h200_llama8b_live_async_2026_12_03.json --policies "$CONFIRM" \
     --out "$OUT/confirm" >"$OUT/confirm.log" 2>&1
   echo "confirm rc $?"
   tail -8 "$OUT/confirm.log"

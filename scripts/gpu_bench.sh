@@ -12,8 +12,9 @@
 # results.json); the profile is bench_traces/profile_h200_llama8b.json (`asymcache profile`) unless
 # PROFILE=... names another (bench_traces/profile_h200_llama8b_live_decode_kv.json: fitted to live steps,
 # with the decode-key term, so adaptive chunking meets its TPOT target more closely; or
-# bench_traces/profile_h200_llama8b_live_2026_12_03.json, refitted to the step logs of twelve
-# H200 runs on four workloads, with the host gap between steps: the load sweep's default).
+# bench_traces/profile_h200_llama8b_live_async_2026_12_03.json, refitted to the step logs of
+# seven H200 runs on three workloads with async scheduling, the GPU default: the load sweep's
+# default; bench_traces/profile_h200_llama8b_live_2026_12_03.json is its synchronous twin).
 set -uo pipefail
 out=$1; shift
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

@@ -16,7 +16,7 @@
 set -uo pipefail
 STAGE=$1
 export PYTHONUNBUFFERED=1
-PROFILE=${PROFILE:-bench_traces/profile_h200_llama8b_live_2026_12_03.json}
+PROFILE=${PROFILE:-bench_traces/profile_h200_llama8b_live_async_2026_12_03.json}
 COMMON=(--backend real --device cuda --model dummy:llama-3.1-8b --time-scale 0.1 --token-scale 1.0
   --max-model-len 131072 --max-num-batched-tokens 8192 --max-num-seqs 256 --no-lossless-check
   --latency-profile "$PROFILE" --step-log)

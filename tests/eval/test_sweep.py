@@ -165,6 +165,6 @@ def test_suite_sets_its_settings_and_the_command_line_wins(tmp_path):
     run = load_results(out).run  # one point: a plain bench folder
     assert (run.backend, run.model, run.workload, run.concurrency, run.num_jobs, run.seed) == (
         "sim", "dummy:llama-3.1-8b", "toolloop", 2, 3, 1)
-    assert run.latency_profile.endswith("bench_traces/profile_h200_llama8b_live_2026_12_03.json")
+    assert run.latency_profile.endswith("bench_traces/profile_h200_llama8b_live_async_2026_12_03.json")
     # the suite's pool: 90% of the 139 GiB given, after bf16 weights: tens of thousands of blocks
     assert any("--gpu-memory-utilization 0.9" in n for n in run.notes) and run.kv_blocks > 40_000
