@@ -85,9 +85,9 @@ class LaunchedStep(NamedTuple):
         return self.tokens is not None or not self.sample_index
 
 
-def _recorded(started: torch.cuda.Event | None) -> torch.cuda.Event | None:
-    """A timing event recorded now on the current stream, when ``started`` is one (CUDA)."""
-    if started is None:
+def _timing_event(device: torch.device) -> torch.cuda.Event | None:
+    """A timing event recorded now on ``device``'s current stream (``None`` off CUDA)."""
+    if device.type != "cuda":
         return None
     event = torch.cuda.Event(enable_timing=True)
     event.record()
@@ -258,10 +258,7 @@ class ModelRunner:
             The launched step, for :meth:`collect`. Every row samples on the device when all
             are greedy without logits rewrites; otherwise the logits are kept for the host.
         """
-        started = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
+        started = _timing_event(self.device)
         inputs = pack_step(plan, self.block_size, self.block_table_rows)
         fill = None
         if inputs.pending_inputs:
@@ -275,14 +272,15 @@ class ModelRunner:
         rows = {r.request_id: row for row, r in enumerate(requests)}
         if not requests or not all(self.sampler.on_device(r.params) for r in requests):
             return LaunchedStep(
-                plan, inputs.sample_index, rows, None, None, _recorded(started), logits if requests else None, started
+                plan, inputs.sample_index, rows, None, None, _timing_event(self.device), logits if requests else None,
+                started,
             )
         tokens = logits.argmax(dim=-1)
-        if started is None:
+        if self.device.type != "cuda":
             return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        return LaunchedStep(plan, inputs.sample_index, rows, tokens, host, _recorded(started), None, started)
+        return LaunchedStep(plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started)
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep) -> dict[str, int]:

@@ -148,7 +148,7 @@ def test_launched_steps_on_the_gpu_are_laid_end_to_end_within_the_wall_time(capl
         engine.add_request(list(range(10 + i, 10 + i + 30 * (i + 1))), params)
         for _ in range(3):
             engine.step()
-    with caplog.at_level(logging.WARNING, logger="asymcache_core.engine"):
+    with caplog.at_level(logging.WARNING, logger="asymcache_core.async_steps"):
         run_all(engine)
     assert not [r for r in caplog.records if "step timeline" in r.getMessage()]
     wall = time.monotonic() - wall0
