@@ -142,9 +142,12 @@ def test_calibration_picks_the_fastest_tiling_with_the_reference_bits(tmp_path: 
         return (out.float() * 1.05).to(out.dtype) if config == fast_wrong else out
 
     def library(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append((x.shape[0], "library"))
         out = linear_padded(x, weight)
         return (out.float() * 1.05).to(out.dtype) if x.shape[0] <= 12 else out
 
+    # the library is faster than every tiling where its bits are the reference's: it keeps them
+    times["library"] = 2.0
     timed: list[object] = []
 
     def timer(fn: object) -> float:
@@ -156,9 +159,10 @@ def test_calibration_picks_the_fastest_tiling_with_the_reference_bits(tmp_path: 
     op = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
     store = tmp_path / "gemm.json"
     assert op.calibrate({(24, 16): 40}, torch.bfloat16, store) == {(24, 16): (13, 40)}
-    # buckets up to 16 reach the 12 rows Triton serves; the one of 64 does not
+    # buckets up to 16 reach the 12 rows Triton serves; the one of 64 does not; the race of
+    # the bucket of 16 (rows 13..16, the library's bits) against the library stopped there
     assert op.tilings[(24, 16, torch.bfloat16)] == ((4, fast), (8, mid), (16, fast))
-    assert fast_wrong not in timed and timed.count(slow) == 2
+    assert fast_wrong not in timed and timed.count(slow) == 2 and timed.count("library") == 1
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn((24, 16), generator=gen).bfloat16()
     x = torch.randn((50, 16), generator=gen).bfloat16()
@@ -168,11 +172,38 @@ def test_calibration_picks_the_fastest_tiling_with_the_reference_bits(tmp_path: 
         assert calls == [(m, config)]
     calls.clear()
     op(x[:20], weight)
-    assert calls == []  # the library's rows
+    assert calls == [(20, "library")]
     again = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
     timed.clear()
     again.calibrate({(24, 16): 40}, torch.bfloat16, store)
     assert again.tilings == op.tilings and timed == []
+    # a slower library loses the buckets whose fastest tiling beats it, from the lowest up:
+    # rows 13..40 have the library's bits, yet Triton serves them
+    times["library"] = 10.0
+    slow_library = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
+    assert slow_library.calibrate({(24, 16): 40}, torch.bfloat16) == {(24, 16): None}
+    assert slow_library.tilings[(24, 16, torch.bfloat16)] == ((4, fast), (8, mid), (16, fast), (64, slow))
+    for m, config in ((14, fast), (40, slow)):
+        calls.clear()
+        assert torch.equal(slow_library(x[:m], weight), linear_padded(x[:m], weight))
+        assert calls == [(m, config)]
+    # within the margin the library keeps its rows (timing noise must not flip them)
+    times["library"] = 3.1
+    close = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
+    assert close.calibrate({(24, 16): 40}, torch.bfloat16) == {(24, 16): (13, 40)}
+    # a store written before the race (the bits' threshold as "first", no race) is raced again
+    old_store = tmp_path / "old.json"
+    old_store.write_text(json.dumps({
+        json.dumps(library_key(torch.device("cpu"), torch.bfloat16), sort_keys=True):
+            {"24x16": {"first": 13, "max_rows": 40, "tilings": [[4, list(fast)]]}}
+    }))
+    times["library"] = 10.0
+    timed.clear()
+    reread = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
+    assert reread.calibrate({(24, 16): 40}, torch.bfloat16, old_store) == {(24, 16): None}
+    assert "library" in timed
+    times["library"] = 2.0
+    timed.clear()
     # float32 operands keep the default table: no search
     op32 = BatchInvariantLinear("cpu", library=library, reference=reference, timer=timer, candidates=candidates)
     op32.calibrate({(24, 16): 40}, torch.float32)

@@ -684,6 +684,56 @@ def test_msa_triton_interpreter_batch_invariant_split_with_one_chunk_contexts(in
         _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
 
 
+def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.dtype, max_context: int) -> None:
+    """A batch-invariant CUDA-graph decode launch (:func:`~kernels.msa_plan.decode_graph_plan`:
+    tile ``i`` is sequence ``i``, splits sized for ``max_context``) gives the bits of the step's
+    own plan (one program per tile merging its chunks), with padding tiles writing zeros, the
+    whole grid of splits or fewer programs than chunks (each walking several)."""
+    heads, kv_heads, dim = case.q.shape[1], case.k_cache.shape[2], case.q.shape[2]
+    device = case.q.device
+    segments = case.meta.host_segments
+    assert all((q_start, q_len) == (i, 1) for i, (_, q_start, q_len, _) in enumerate(segments))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(msa_plan, "_INVARIANT_PARTIAL_BYTES", 0)
+        own = msa_plan.plan_msa(case.meta, heads, kv_heads, dim, device, dtype=dtype, invariant=True)
+    merged = torch.full_like(case.q, float("nan"))
+    module.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=own), case.scale, out=merged)
+    num, pad = len(segments), 2
+    tiles = torch.tensor([(i, i, 1, pos) for i, (_, _, _, pos) in enumerate(segments)] + [(0, 0, 0, 0)] * pad,
+                         dtype=torch.int32, device=device)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        plan = msa_plan.decode_graph_plan(tiles, heads, kv_heads, max_context, head_dim=dim, dtype=dtype, invariant=True)
+    assert plan.invariant and plan.num_splits > 1
+    # the graph's table: row i is tile i's sequence, as wide as max_context, rows past the
+    # batch for the padding tiles
+    block_size = case.k_cache.shape[1]
+    # (the step's own table may be padded wider than that)
+    width = max(-(-max_context // block_size), case.meta.block_tables.shape[1])
+    tables = torch.zeros((num + pad, width), dtype=torch.int32, device=device)
+    seqs = torch.tensor([seq for seq, _, _, _ in segments], device=device)
+    tables[:num, : case.meta.block_tables.shape[1]] = case.meta.block_tables[seqs]
+    q = torch.cat((case.q, torch.randn((pad, *case.q.shape[1:]), device=device).to(dtype)))
+    for splits in (plan.num_splits, 2):
+        launch = dataclasses.replace(plan, num_splits=splits)
+        out = torch.full_like(q, float("nan"))
+        meta = dataclasses.replace(case.meta, block_tables=tables, plan=launch)
+        module.msa_triton(q, case.k_cache, case.v_cache, meta, case.scale, out=out)
+        assert torch.equal(out[:num], merged), f"{splits} programs per tile"
+        assert (out[num:] == 0).all()
+    check_close(merged, case, dtype)
+
+
+def test_msa_triton_interpreter_batch_invariant_decode_graph(interp: ModuleType) -> None:
+    chunk = msa_plan.INVARIANT_CHUNK
+    ctxs = [chunk // 2, 4 * chunk + 100, 37, chunk, 2 * chunk + 1, 3 * chunk - 5]  # 1, 5, 1, 1, 3, 3 chunks
+    case = make_case(
+        _seed("bi-graph", 6), kind="decode", num_seqs=len(ctxs), block_size=16, num_kv_heads=2, group=4,
+        head_dim=16, max_ctx=max(ctxs), dtype=torch.float32, ctxs=ctxs,
+    )
+    _check_decode_graph_invariant(interp, case, torch.float32, 8 * chunk)
+
+
 def test_invariant_config_is_the_same_for_every_step(interp: ModuleType) -> None:
     cpu = torch.device("cpu")
     decode = _invariant_case("cpu", torch.float32, group=4, head_dim=64, max_ctx=300, seed=1)
@@ -735,6 +785,25 @@ def test_msa_triton_gpu_batch_invariant(
         dtype=dtype, device="cuda", max_segs=4,
     )
     _check_invariant(compiled, case, dtype, _rows_to_check(case, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("block_size", "kv_heads", "group", "head_dim", "max_context"), [
+    (16, 8, 4, 128, 16384), (32, 2, 8, 64, 8192), (16, 4, 1, 128, 40_000),
+])
+def test_msa_triton_gpu_batch_invariant_decode_graph(
+    compiled: ModuleType, dtype: torch.dtype, block_size: int, kv_heads: int, group: int, head_dim: int,
+    max_context: int,
+) -> None:
+    chunk = msa_plan.INVARIANT_CHUNK
+    ctxs = [chunk // 2, chunk, chunk + 1, 7 * chunk + 13, max_context - 3, 2048, 333, 3 * chunk]
+    case = make_case(
+        _seed("bi-graph-gpu", block_size, kv_heads, group, head_dim), kind="decode", num_seqs=len(ctxs),
+        block_size=block_size, num_kv_heads=kv_heads, group=group, head_dim=head_dim, max_ctx=max(ctxs),
+        dtype=dtype, device="cuda", ctxs=ctxs,
+    )
+    _check_decode_graph_invariant(compiled, case, dtype, max_context)
 
 
 def _random_layout(seed: int) -> dict[str, object]:
