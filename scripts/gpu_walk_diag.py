@@ -237,45 +237,64 @@ def run_variant(index: int, contexts: list[int]) -> None:
             print(f"ROW {ctx} {label} {us:.2f} 0", flush=True)
 
 
-def check_cpu(ctx: int = 600) -> None:
-    """Runs every variant under Triton's interpreter (``TRITON_INTERPRET=1``, float32 on the CPU)
-    and checks what the GPU table relies on: the variants that keep the walk's math give the
-    same partial states bit for bit (pages in order included, when the table is the identity),
-    and those partials, merged, are attention over the context. Raises ``AssertionError``."""
+def check_cpu(ctx: int = 600, kv_heads: int = 2, dim: int = 32, rows: int = 16) -> None:
+    """Runs every variant under Triton's interpreter (``TRITON_INTERPRET=1``, float32 on the CPU,
+    small heads to keep it short) and checks what the GPU table relies on: the variants that
+    keep the walk's math give the same partial states bit for bit (pages in order included, when
+    the table is the identity), and those partials, merged, are attention over the context.
+    Raises ``AssertionError``."""
     gen = torch.Generator().manual_seed(0)
     pages, chunks = -(-ctx // PAGE), -(-ctx // CHUNK)
-    k = torch.randn((pages, PAGE, HKV, D), generator=gen)
-    v = torch.randn((pages, PAGE, HKV, D), generator=gen)
-    q = torch.randn((1, HQ, D), generator=gen)
-    scale = D**-0.5
-    for table in (torch.arange(pages, dtype=torch.int32), torch.randperm(pages, generator=gen).to(torch.int32)):
+    k = torch.randn((pages, PAGE, kv_heads, dim), generator=gen)
+    v = torch.randn((pages, PAGE, kv_heads, dim), generator=gen)
+    q = torch.randn((1, kv_heads * G, dim), generator=gen)
+    scale = dim**-0.5
+    tables = (("in order", torch.arange(pages, dtype=torch.int32)),
+              ("shuffled", torch.randperm(pages, generator=gen).to(torch.int32)))
+    for order, table in tables:
         states = {}
         for name, ids, prefetch, softmax, _, _, table_, nested, two in VARIANTS:
-            o_part = torch.zeros((chunks, HKV, ROWS, D))
-            ml_part = torch.zeros((chunks, HKV, ROWS, 2))
-            _walk_kernel[(HKV, chunks)](
+            if order == "in order" and ids != 1:
+                continue  # the identity table checks the pages-in-order variant only
+            o_part = torch.zeros((chunks, kv_heads, rows, dim))
+            ml_part = torch.zeros((chunks, kv_heads, rows, 2))
+            _walk_kernel[(kv_heads, chunks)](
                 q, k, v, table, o_part, ml_part, ctx, torch.tensor([ctx, 0], dtype=torch.int32),
                 scale * 1.4426950408889634, k.stride(0), k.stride(1), k.stride(2),
-                PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=ROWS, BLOCK_N=BLOCK_N, D=D, CHUNK=CHUNK, IDS=ids,
+                PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=rows, BLOCK_N=BLOCK_N, D=dim, CHUNK=CHUNK, IDS=ids,
                 PREFETCH=prefetch, SOFTMAX=softmax, TABLE=bool(table_), NESTED=bool(nested), TWO_LOOPS=bool(two),
             )
             states[name] = (o_part[:, :, :G], ml_part[:, :, :G], ids, softmax)
+        if order == "in order":
+            ordered = states[next(v[0] for v in VARIANTS if v[1] == 1)]
+            continue
         base_o, base_ml, _, _ = states[VARIANTS[0][0]]
-        identity = torch.equal(table, torch.arange(pages, dtype=torch.int32))
         for name, (o_part, ml_part, ids, softmax) in states.items():
-            if softmax and (ids == 0 or identity):
+            if softmax and ids == 0:
                 assert torch.equal(o_part, base_o) and torch.equal(ml_part, base_ml), name
         # merge the chunks (base 2) and compare with attention over the whole context
         m, lsum = base_ml[..., 0], base_ml[..., 1]
         top = m.max(dim=0).values
         w = torch.exp2(m - top)
         out = (base_o * w[..., None]).sum(0) / (lsum * w).sum(0)[..., None]  # [HKV, G, D]
-        keys = k[table.long()].reshape(-1, HKV, D)[:ctx].double()
-        values = v[table.long()].reshape(-1, HKV, D)[:ctx].double()
-        qh = q[0].double().reshape(HKV, G, D)
+        keys = k[table.long()].reshape(-1, kv_heads, dim)[:ctx].double()
+        values = v[table.long()].reshape(-1, kv_heads, dim)[:ctx].double()
+        qh = q[0].double().reshape(kv_heads, G, dim)
         probs = torch.softmax(torch.einsum("hgd,thd->hgt", qh, keys) * scale, dim=-1)
         ref = torch.einsum("hgt,thd->hgd", probs, values)
         assert float((out.double() - ref).abs().max()) < 1e-4
+    # pages in order through the identity table: the paged walk's bits
+    o_ord, ml_ord, _, _ = ordered
+    identity = torch.arange(pages, dtype=torch.int32)
+    o_part = torch.zeros((chunks, kv_heads, rows, dim))
+    ml_part = torch.zeros((chunks, kv_heads, rows, 2))
+    _walk_kernel[(kv_heads, chunks)](
+        q, k, v, identity, o_part, ml_part, ctx, torch.tensor([ctx, 0], dtype=torch.int32),
+        scale * 1.4426950408889634, k.stride(0), k.stride(1), k.stride(2),
+        PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=rows, BLOCK_N=BLOCK_N, D=dim, CHUNK=CHUNK, IDS=0,
+        PREFETCH=1, SOFTMAX=1, TABLE=False, NESTED=False, TWO_LOOPS=False,
+    )
+    assert torch.equal(o_part[:, :, :G], o_ord) and torch.equal(ml_part[:, :, :G], ml_ord)
 
 
 def main() -> None:
