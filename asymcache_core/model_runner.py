@@ -162,7 +162,7 @@ class ModelRunner:
         num_host_blocks: slots of the host KV tier (:class:`~asymcache_core.kv_transfer.HostKVCache`); 0: none.
         max_num_batched_tokens: most tokens in one step: the row counts up to which the
             batch-invariant linear op checks where the library's GEMM gives its bits
-            (:meth:`~kernels.batch_invariant.BatchInvariantLinear.calibrate`); 0: the
+            (:meth:`~kernels.gemm_calibration.BatchInvariantLinear.calibrate`); 0: the
             longest context.
     """
 

@@ -7,6 +7,8 @@ The bottom of the stack: nothing here imports from ``asymcache_core`` or above.
 - :mod:`kernels.msa_plan`: MSA launch plans (tiles, KV splits, the batch-invariant chunks).
 - :mod:`kernels.msa_triton`: the Triton MSA and KV-store kernels.
 - :mod:`kernels.batch_invariant`: matmul and RMSNorm whose rows never depend on the batch.
+- :mod:`kernels.gemm_calibration`: the engine's batch-invariant linear op (cuBLAS where it was
+  checked to give the Triton matmul's bits, the fastest Triton tiling elsewhere).
 - :mod:`kernels.dispatch`: chooses the attention backend and dense ops from an explicit device,
   preference and mode.
 """

@@ -154,7 +154,8 @@ def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) 
     if device.type == "cuda":
         if not triton_available(device):
             raise ValueError("batch_invariant: needs triton on CUDA")
-        from kernels.batch_invariant import BatchInvariantLinear, rms_norm_triton
+        from kernels.batch_invariant import rms_norm_triton
+        from kernels.gemm_calibration import BatchInvariantLinear
 
         return DenseOps("batch-invariant", BatchInvariantLinear(device), rms_norm_triton)
     if device.type != "cpu":

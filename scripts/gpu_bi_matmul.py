@@ -16,7 +16,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from kernels.batch_invariant import BatchInvariantLinear, graph_time_us, matmul_triton
+from kernels.batch_invariant import matmul_triton
+from kernels.gemm_calibration import BatchInvariantLinear, graph_time_us
 
 SHAPES = [(6144, 4096), (28672, 4096), (4096, 14336), (4096, 4096), (128256, 4096), (1728, 576), (14336, 5120)]
 BATCHES = [1, 8, 32, 64, 128, 200, 256, 384, 512, 777, 1024, 1500, 2048, 3000, 4096, 8192]

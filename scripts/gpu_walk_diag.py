@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,8 +50,7 @@ def _walk_kernel(
     TABLE: tl.constexpr, NESTED: tl.constexpr, TWO_LOOPS: tl.constexpr,
 ):
     """One (KV head, chunk): the chunk's tiles in order. ``IDS``: 0 paged (a load per tile,
-    ``PREFETCH`` a turn ahead), 1 contiguous (computed), 2 one load per chunk picked with
-    ``tl.gather`` (crashed on Triton 3.6). The library's structure, one feature at a time:
+    ``PREFETCH`` a turn ahead), 1 contiguous (computed). The library's structure, one feature at a time:
     ``TABLE`` reads the context from memory (``p_ctx``, as the library reads its tile's entry)
     before the first block ids; ``NESTED`` walks the chunk inside a loop over the program's
     chunks; ``TWO_LOOPS`` walks the tiles every row sees, then the masked ones, in two loops."""
@@ -71,9 +71,6 @@ def _walk_kernel(
     b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
     o_t = tl.arange(0, BLOCK_N)
-    NP: tl.constexpr = CHUNK // PAGE
-    o_pg = tl.arange(0, NP)
-    b_chunk_ids = tl.load(bt + i_lo // PAGE + o_pg, mask=(i_lo + o_pg * PAGE) < ctx, other=0).to(tl.int64)
     b_blk = tl.load(bt + (i_lo + o_t) // PAGE, mask=(i_lo + o_t) < ctx, other=0).to(tl.int64)
     # NESTED: the chunk walk inside a loop over the program's chunks (one turn here), as the
     # library's split path; TWO_LOOPS: the tiles every row sees, then the masked ones
@@ -84,17 +81,17 @@ def _walk_kernel(
         for i_cc in range(i_c, tl.cdiv(ctx, CHUNK), tl.num_programs(1)):
             b_acc, b_m, b_l, b_blk = _walk_tiles(
                 b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_cc * CHUNK, i_full, ctx, o_t, o_d, o_pos,
-                scale_log2, stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IDS, PREFETCH, SOFTMAX, b_chunk_ids,
+                scale_log2, stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IDS, PREFETCH, SOFTMAX,
             )
     else:
         b_acc, b_m, b_l, b_blk = _walk_tiles(
             b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_lo, i_full, ctx, o_t, o_d, o_pos, scale_log2,
-            stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IDS, PREFETCH, SOFTMAX, b_chunk_ids,
+            stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IDS, PREFETCH, SOFTMAX,
         )
     if TWO_LOOPS:
         b_acc, b_m, b_l, b_blk = _walk_tiles(
             b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_full, i_hi, ctx, o_t, o_d, o_pos, scale_log2,
-            stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IDS, PREFETCH, SOFTMAX, b_chunk_ids,
+            stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IDS, PREFETCH, SOFTMAX,
         )
     # partials [chunk, KV head, row, D] and [chunk, KV head, row, 2]
     i_part = i_c * tl.num_programs(0) + i_kvh
@@ -109,7 +106,7 @@ def _walk_kernel(
 def _walk_tiles(
     b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_lo, i_hi, ctx, o_t, o_d, o_pos, scale_log2,
     stride_kb, stride_ks, stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IDS: tl.constexpr,
-    PREFETCH: tl.constexpr, SOFTMAX: tl.constexpr, b_chunk_ids,
+    PREFETCH: tl.constexpr, SOFTMAX: tl.constexpr,
 ):
     for i_n in range(i_lo, i_hi, BLOCK_N):
         o_n = i_n + o_t
@@ -120,10 +117,8 @@ def _walk_tiles(
                 b_blk = tl.load(bt + (o_n + BLOCK_N) // PAGE, mask=(o_n + BLOCK_N) < ctx, other=0).to(tl.int64)
             else:
                 b_cur = tl.load(bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
-        elif IDS == 1:
-            b_cur = (o_n // PAGE).to(tl.int64)
         else:
-            b_cur = tl.gather(b_chunk_ids, (o_n - i_lo) // PAGE, 0)
+            b_cur = (o_n // PAGE).to(tl.int64)
         o_in = (o_n % PAGE).to(tl.int64)
         o_k = b_cur * stride_kb + o_in * stride_ks + i_kvh * stride_kh
         b_k = tl.load(k_cache + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
@@ -143,8 +138,21 @@ def _walk_tiles(
     return b_acc, b_m, b_l, b_blk
 
 
-# (name, ids, prefetch, softmax, warps, stages, table, nested, two loops): ids 0 paged, 1 contiguous
-VARIANTS = [
+class Variant(NamedTuple):
+    """One stand-alone walk: ``ids`` 0 paged, 1 contiguous; the rest as :func:`_walk_kernel`."""
+
+    name: str
+    ids: int
+    prefetch: int
+    softmax: int
+    warps: int
+    stages: int
+    table: int
+    nested: int
+    two_loops: int
+
+
+VARIANTS = [Variant(*v) for v in [
     ("paged, ids a turn ahead (library)", 0, 1, 1, 4, 3, 0, 0, 0),
     ("paged, ids in the turn", 0, 0, 1, 4, 3, 0, 0, 0),
     ("contiguous", 1, 0, 1, 4, 3, 0, 0, 0),
@@ -154,7 +162,19 @@ VARIANTS = [
     ("+ chunk loop around the walk", 0, 1, 1, 4, 3, 0, 1, 0),
     ("+ two loops (seen, masked)", 0, 1, 1, 4, 3, 0, 0, 1),
     ("+ all three (the library's structure)", 0, 1, 1, 4, 3, 1, 1, 1),
-]
+]]
+
+
+def walk(variant: Variant, q, k, v, table, o_part, ml_part, ctx: int, p_ctx, scale: float) -> None:  # type: ignore[no-untyped-def]
+    """Launches ``variant`` over ``q [1, HKV * G, D]`` and caches ``[pages, PAGE, HKV, D]``
+    into ``o_part [chunks, HKV, rows, D]`` and ``ml_part [chunks, HKV, rows, 2]``."""
+    _walk_kernel[(k.shape[2], o_part.shape[0])](
+        q, k, v, table, o_part, ml_part, ctx, p_ctx, scale * 1.4426950408889634, k.stride(0), k.stride(1),
+        k.stride(2), PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=o_part.shape[2], BLOCK_N=BLOCK_N, D=k.shape[3],
+        CHUNK=CHUNK, IDS=variant.ids, PREFETCH=variant.prefetch, SOFTMAX=variant.softmax,
+        TABLE=bool(variant.table), NESTED=bool(variant.nested), TWO_LOOPS=bool(variant.two_loops),
+        num_warps=variant.warps, num_stages=variant.stages,
+    )
 
 
 def graph_us(fns, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
@@ -187,26 +207,16 @@ def run_variant(index: int, contexts: list[int]) -> None:
     from kernels.metadata import build_msa_metadata
     from kernels.msa_plan import decode_graph_plan
 
-    scale_log2 = D**-0.5 * 1.4426950408889634
     for ctx in contexts:
         chunks = ctx // CHUNK
         layers = _layers(ctx)
         if index >= 0:
-            name, ids, prefetch, softmax, warps, stages, table, nested, two = VARIANTS[index]
             p_ctx = torch.tensor([ctx, 0], device="cuda", dtype=torch.int32)
             o_part = torch.zeros((chunks, HKV, ROWS, D), device="cuda", dtype=torch.float32)
             ml_part = torch.zeros((chunks, HKV, ROWS, 2), device="cuda", dtype=torch.float32)
 
-            def launch(layer, ids=ids, prefetch=prefetch, softmax=softmax, warps=warps, stages=stages,
-                       chunks=chunks, o_part=o_part, ml_part=ml_part, ctx=ctx, p_ctx=p_ctx, table_=table,
-                       nested=nested, two=two):
-                q, k, v, block_table = layer
-                _walk_kernel[(HKV, chunks)](
-                    q, k, v, block_table, o_part, ml_part, ctx, p_ctx, scale_log2, k.stride(0), k.stride(1),
-                    k.stride(2), PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=ROWS, BLOCK_N=BLOCK_N, D=D, CHUNK=CHUNK,
-                    IDS=ids, PREFETCH=prefetch, SOFTMAX=softmax, TABLE=bool(table_), NESTED=bool(nested),
-                    TWO_LOOPS=bool(two), num_warps=warps, num_stages=stages,
-                )
+            def launch(layer, variant=VARIANTS[index], o_part=o_part, ml_part=ml_part, ctx=ctx, p_ctx=p_ctx):  # type: ignore[no-untyped-def]
+                walk(variant, *layer, o_part, ml_part, ctx, p_ctx, D**-0.5)
 
             launch(layers[0])
             torch.cuda.synchronize()
@@ -238,10 +248,10 @@ def run_variant(index: int, contexts: list[int]) -> None:
 
 
 def check_cpu(ctx: int = 600, kv_heads: int = 2, dim: int = 32, rows: int = 16) -> None:
-    """Runs every variant under Triton's interpreter (``TRITON_INTERPRET=1``, float32 on the CPU,
+    """Runs the variants under Triton's interpreter (``TRITON_INTERPRET=1``, float32 on the CPU,
     small heads to keep it short) and checks what the GPU table relies on: the variants that
-    keep the walk's math give the same partial states bit for bit (pages in order included, when
-    the table is the identity), and those partials, merged, are attention over the context.
+    keep the walk's math give the same partial states bit for bit (pages in order too, through
+    the identity table), and those partials, merged, are attention over the context.
     Raises ``AssertionError``."""
     gen = torch.Generator().manual_seed(0)
     pages, chunks = -(-ctx // PAGE), -(-ctx // CHUNK)
@@ -249,52 +259,34 @@ def check_cpu(ctx: int = 600, kv_heads: int = 2, dim: int = 32, rows: int = 16) 
     v = torch.randn((pages, PAGE, kv_heads, dim), generator=gen)
     q = torch.randn((1, kv_heads * G, dim), generator=gen)
     scale = dim**-0.5
-    tables = (("in order", torch.arange(pages, dtype=torch.int32)),
-              ("shuffled", torch.randperm(pages, generator=gen).to(torch.int32)))
-    for order, table in tables:
-        states = {}
-        for name, ids, prefetch, softmax, _, _, table_, nested, two in VARIANTS:
-            if order == "in order" and ids != 1:
-                continue  # the identity table checks the pages-in-order variant only
-            o_part = torch.zeros((chunks, kv_heads, rows, dim))
-            ml_part = torch.zeros((chunks, kv_heads, rows, 2))
-            _walk_kernel[(kv_heads, chunks)](
-                q, k, v, table, o_part, ml_part, ctx, torch.tensor([ctx, 0], dtype=torch.int32),
-                scale * 1.4426950408889634, k.stride(0), k.stride(1), k.stride(2),
-                PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=rows, BLOCK_N=BLOCK_N, D=dim, CHUNK=CHUNK, IDS=ids,
-                PREFETCH=prefetch, SOFTMAX=softmax, TABLE=bool(table_), NESTED=bool(nested), TWO_LOOPS=bool(two),
-            )
-            states[name] = (o_part[:, :, :G], ml_part[:, :, :G], ids, softmax)
-        if order == "in order":
-            ordered = states[next(v[0] for v in VARIANTS if v[1] == 1)]
-            continue
-        base_o, base_ml, _, _ = states[VARIANTS[0][0]]
-        for name, (o_part, ml_part, ids, softmax) in states.items():
-            if softmax and ids == 0:
-                assert torch.equal(o_part, base_o) and torch.equal(ml_part, base_ml), name
-        # merge the chunks (base 2) and compare with attention over the whole context
-        m, lsum = base_ml[..., 0], base_ml[..., 1]
-        top = m.max(dim=0).values
-        w = torch.exp2(m - top)
-        out = (base_o * w[..., None]).sum(0) / (lsum * w).sum(0)[..., None]  # [HKV, G, D]
-        keys = k[table.long()].reshape(-1, kv_heads, dim)[:ctx].double()
-        values = v[table.long()].reshape(-1, kv_heads, dim)[:ctx].double()
-        qh = q[0].double().reshape(kv_heads, G, dim)
-        probs = torch.softmax(torch.einsum("hgd,thd->hgt", qh, keys) * scale, dim=-1)
-        ref = torch.einsum("hgt,thd->hgd", probs, values)
-        assert float((out.double() - ref).abs().max()) < 1e-4
-    # pages in order through the identity table: the paged walk's bits
-    o_ord, ml_ord, _, _ = ordered
-    identity = torch.arange(pages, dtype=torch.int32)
-    o_part = torch.zeros((chunks, kv_heads, rows, dim))
-    ml_part = torch.zeros((chunks, kv_heads, rows, 2))
-    _walk_kernel[(kv_heads, chunks)](
-        q, k, v, identity, o_part, ml_part, ctx, torch.tensor([ctx, 0], dtype=torch.int32),
-        scale * 1.4426950408889634, k.stride(0), k.stride(1), k.stride(2),
-        PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=rows, BLOCK_N=BLOCK_N, D=dim, CHUNK=CHUNK, IDS=0,
-        PREFETCH=1, SOFTMAX=1, TABLE=False, NESTED=False, TWO_LOOPS=False,
-    )
-    assert torch.equal(o_part[:, :, :G], o_ord) and torch.equal(ml_part[:, :, :G], ml_ord)
+    p_ctx = torch.tensor([ctx, 0], dtype=torch.int32)
+
+    def states(variant: Variant, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o_part = torch.zeros((chunks, kv_heads, rows, dim))
+        ml_part = torch.zeros((chunks, kv_heads, rows, 2))
+        walk(variant, q, k, v, table, o_part, ml_part, ctx, p_ctx, scale)
+        return o_part[:, :, :G], ml_part[:, :, :G]
+
+    library_like = VARIANTS[0]
+    in_order = torch.arange(pages, dtype=torch.int32)
+    contiguous = next(variant for variant in VARIANTS if variant.ids == 1)
+    for got, want in zip(states(contiguous, in_order), states(library_like, in_order), strict=True):
+        assert torch.equal(got, want), contiguous.name
+    table = torch.randperm(pages, generator=gen).to(torch.int32)
+    base_o, base_ml = states(library_like, table)
+    for variant in VARIANTS[1:]:
+        if variant.softmax and variant.ids == 0:
+            o_part, ml_part = states(variant, table)
+            assert torch.equal(o_part, base_o) and torch.equal(ml_part, base_ml), variant.name
+    # merge the chunks (base 2) and compare with attention over the whole context
+    m, lsum = base_ml[..., 0], base_ml[..., 1]
+    w = torch.exp2(m - m.max(dim=0).values)
+    out = (base_o * w[..., None]).sum(0) / (lsum * w).sum(0)[..., None]  # [HKV, G, D]
+    keys = k[table.long()].reshape(-1, kv_heads, dim)[:ctx].double()
+    values = v[table.long()].reshape(-1, kv_heads, dim)[:ctx].double()
+    probs = torch.softmax(torch.einsum("hgd,thd->hgt", q[0].double().reshape(kv_heads, G, dim), keys) * scale, dim=-1)
+    ref = torch.einsum("hgt,thd->hgd", probs, values)
+    assert float((out.double() - ref).abs().max()) < 1e-4
 
 
 def main() -> None:
@@ -316,7 +308,7 @@ def main() -> None:
         return
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; us a launch, {LAYERS} layers' KV")
     names = {-1: "library walk + merge (and its output's zero fill)", -2: "library walk only (and the fill)"}
-    names |= {i: v[0] for i, v in enumerate(VARIANTS)}
+    names |= {i: variant.name for i, variant in enumerate(VARIANTS)}
     rows: dict[tuple[int, int], tuple[float, str]] = {}
     for index in [-1, *range(len(VARIANTS))]:
         proc = subprocess.run(

@@ -1,4 +1,5 @@
-"""The batch-invariant linear and RMSNorm ops (:mod:`kernels.batch_invariant`).
+"""The batch-invariant linear and RMSNorm ops (:mod:`kernels.batch_invariant`, and the
+calibrated linear op of :mod:`kernels.gemm_calibration`).
 
 - CPU: the row-padded BLAS linear gives each row the same bits at every batch size and
   offset; the Triton matmul and RMSNorm under the interpreter against the float64 oracle;
@@ -17,14 +18,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels.batch_invariant import (
-    BatchInvariantLinear,
-    library_key,
-    linear_naive,
-    linear_padded,
-    rms_norm_naive,
-)
+from kernels.batch_invariant import linear_naive, linear_padded, rms_norm_naive
 from kernels.dispatch import DEFAULT_DENSE_OPS, select_dense_ops
+from kernels.gemm_calibration import BatchInvariantLinear, library_key
 
 # (N, K): a fused QKV, a wide gate-up, a down projection and a vocabulary head of SmolLM2.
 _SHAPES = [(1728, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -266,7 +262,7 @@ def test_calibrated_linear_gpu_keeps_the_triton_bits(compiled_dense: ModuleType,
     Triton kernel's bits, and the split-K shapes of Llama-3.1-8B (o and down projections at
     a few rows) are left to Triton."""
     shapes = {(6144, 4096): 300, (4096, 4096): 300, (4096, 14336): 300}
-    op = compiled_dense.BatchInvariantLinear("cuda")
+    op = BatchInvariantLinear("cuda")
     found = op.calibrate(shapes, torch.bfloat16, tmp_path / "gemm.json")
     assert set(found) == set(shapes)
     gen = torch.Generator().manual_seed(7)

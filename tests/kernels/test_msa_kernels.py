@@ -705,10 +705,9 @@ def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.d
         mp.setattr(msa_plan, "_num_sms", lambda device: 132)
         plan = msa_plan.decode_graph_plan(tiles, heads, kv_heads, max_context, head_dim=dim, dtype=dtype, invariant=True)
     assert plan.invariant and plan.num_splits > 1
-    # the graph's table: row i is tile i's sequence, as wide as max_context, rows past the
-    # batch for the padding tiles
+    # the graph's table: row i is tile i's sequence, as wide as max_context (or as the step's
+    # own table, padded wider), rows past the batch for the padding tiles
     block_size = case.k_cache.shape[1]
-    # (the step's own table may be padded wider than that)
     width = max(-(-max_context // block_size), case.meta.block_tables.shape[1])
     tables = torch.zeros((num + pad, width), dtype=torch.int32, device=device)
     seqs = torch.tensor([seq for seq, _, _, _ in segments], device=device)
