@@ -8,8 +8,8 @@ What a replay may change lives in static device buffers the runner refills befor
 token ids, positions, KV slots, block tables, the MSA tile table (one tile per sequence, see
 :func:`kernels.msa_plan.decode_graph_plan`) and the keys per KV split, sized for the batch's
 longest context rather than ``max_model_len``. Batches are padded up to the next captured size;
-padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``) and their logits are
-dropped. Steps with prefill or hole tokens run eagerly.
+padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``; their attention output
+is zeros, which their padding tiles write) and their logits are dropped. Steps with prefill or hole tokens run eagerly.
 """
 
 from __future__ import annotations
@@ -125,7 +125,10 @@ class DecodeGraphs:
         max_blocks = -(-max_model_len // block_size)
         # rows: input ids, positions, slots (int64); tiles and block tables (int32)
         self.token_rows = torch.zeros((3, max_batch), dtype=torch.long, device=device)
-        self.tiles = torch.zeros((max_batch, 4), dtype=torch.int32, device=device)
+        # padding tile of row i: (i, i, 0, 0) (kernels.msa_plan.decode_graph_plan)
+        rows = torch.arange(max_batch, dtype=torch.int32, device=device)
+        self.pad_tiles = torch.stack((rows, rows, rows * 0, rows * 0), dim=1)
+        self.tiles = self.pad_tiles.clone()
         self.block_tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(max_batch, dtype=torch.long, device=device)
         # keys per KV split, set before each replay for the batch's longest context
@@ -202,7 +205,7 @@ class DecodeGraphs:
             self.token_rows[0].index_copy_(0, *fill)
         self.tiles[:num].copy_(tiles, non_blocking=True)
         if pad:
-            self.tiles[num:size].zero_()
+            self.tiles[num:size].copy_(self.pad_tiles[num:size])
         self.block_tables[:num, :width].copy_(tables, non_blocking=True)
         plan = self.plans[size]
         if plan.chunk_buffer is not None:  # the batch-invariant plan's chunk is fixed

@@ -246,12 +246,13 @@ class MSAPlan:
     Attributes:
         config: tile sizes and launch parameters.
         tiles: ``[num_tiles, 4]`` int32 device table ``(seq, row0, n_q, pos0)``; a tile with
-            ``n_q = 0`` is padding and writes nothing.
+            ``n_q = 0`` is padding: it writes nothing, or with ``pad_rows`` zeros to row
+            ``row0``.
         num_tiles: grid size along the tile axis.
         chunk: keys per KV split (a multiple of ``config.block_n``).
         num_splits: KV splits (grid axis 2); 1 writes the output directly.
         covered_rows: packed rows that some tile writes; when fewer than ``T``, the output is
-            zeroed first (``0`` for graph plans, whose tiles change between replays).
+            zeroed first (a graph plan's batch: its padding tiles write their rows).
         chunk_buffer: a graph plan's ``[1]`` int32 device buffer of the keys per split, which
             the kernels read at run time (``chunk`` is then only its largest value); ``None``:
             ``chunk`` is passed as is.
@@ -261,6 +262,12 @@ class MSAPlan:
             ``num_splits``-th chunk) or inside each program otherwise.
         num_chunks: with ``invariant`` and a split, the most chunks a tile's context spans
             (the partial slots); 0 otherwise.
+        merge_counts: with ``invariant`` and a split, ``[num_tiles * num_kv_heads]`` int32
+            device counters, zero between launches: the last program of a (tile, KV head) to
+            finish folds its chunk states in the walk's launch (no merge kernel; the same
+            bits, the fold being the merge kernel's). ``None``: the merge kernel runs.
+        pad_rows: padding tiles (``n_q = 0``) write zeros to their row ``row0`` (graph plans:
+            every row of the batch has a tile, so the output needs no zero fill).
     """
 
     config: MSAConfig
@@ -272,6 +279,8 @@ class MSAPlan:
     chunk_buffer: torch.Tensor | None = None
     invariant: bool = False
     num_chunks: int = 0
+    merge_counts: torch.Tensor | None = None
+    pad_rows: bool = False
 
     @property
     def partial_slots(self) -> int:
@@ -435,7 +444,16 @@ def _plan_invariant_launch(
     splits, chunks = _invariant_splits(
         plan.num_tiles * num_kv_heads, max_ctx, num_tokens, num_q_heads, head_dim, device
     )
-    return dataclasses.replace(plan, chunk=INVARIANT_CHUNK, num_splits=splits, invariant=True, num_chunks=chunks)
+    return dataclasses.replace(
+        plan, chunk=INVARIANT_CHUNK, num_splits=splits, invariant=True, num_chunks=chunks,
+        merge_counts=_merge_counts(plan.num_tiles * num_kv_heads, splits, device),
+    )
+
+
+def _merge_counts(programs: int, splits: int, device: torch.device) -> torch.Tensor | None:
+    """Zeroed counters of a batch-invariant split's fused merge (:class:`MSAPlan`); ``None``
+    without a split. Shared by every layer's launch: each launch leaves them at zero."""
+    return torch.zeros(programs, dtype=torch.int32, device=device) if splits > 1 else None
 
 
 def decode_graph_plan(
@@ -452,7 +470,8 @@ def decode_graph_plan(
 
     The launch may not depend on the step (a graph replays it as captured), so the tile table
     is a static buffer the caller refills before each replay (one ``(i, i, 1, ctx - 1)`` row per
-    sequence, ``n_q = 0`` for padding), and the grid's KV splits are sized for ``max_context``:
+    sequence, ``(i, i, 0, 0)`` for padding row ``i``, which the launch fills with zeros: the
+    output needs no zero fill), and the grid's KV splits are sized for ``max_context``:
     splits past a sequence's context do no work, and the merge reads only the splits a tile's
     context reaches. With ``chunk_buffer`` the keys per split are read at run time: the caller
     sets them with :func:`decode_graph_chunk` for the batch it replays, so the splits cover the
@@ -474,7 +493,10 @@ def decode_graph_plan(
     if invariant:
         cfg = invariant_config(num_q_heads, num_kv_heads, head_dim, tiles.device, dtype)
         splits, chunks = _invariant_splits(programs, max_context, batch, num_q_heads, head_dim, tiles.device)
-        return MSAPlan(cfg, tiles, batch, INVARIANT_CHUNK, splits, 0, None, True, chunks)
+        return MSAPlan(
+            cfg, tiles, batch, INVARIANT_CHUNK, splits, batch, None, True, chunks,
+            _merge_counts(programs, splits, tiles.device), pad_rows=True,
+        )
     g_pad = _next_pow2(num_q_heads // num_kv_heads)
     block_m = max(1, 16 // g_pad)
     rows, block_n, num_warps, num_stages = _tile_shape(
@@ -486,7 +508,7 @@ def decode_graph_plan(
     cfg = MSAConfig(block_m, block_n, num_warps, num_stages, num_splits)
     if chunk_buffer is not None:
         chunk_buffer.fill_(chunk)
-    return MSAPlan(cfg, tiles, batch, chunk, num_splits, 0, chunk_buffer)
+    return MSAPlan(cfg, tiles, batch, chunk, num_splits, batch, chunk_buffer, pad_rows=True)
 
 
 def decode_graph_chunk(plan: MSAPlan, max_ctx: int) -> int:

@@ -294,6 +294,7 @@ def _msa_fwd_kernel(
     lse_part,
     block_tables,
     tiles,
+    merge_counts,
     scale_log2,
     chunk,
     p_chunk,
@@ -326,6 +327,8 @@ def _msa_fwd_kernel(
     PART_BY_ROW: tl.constexpr,
     IEEE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
 ):
     """MSA forward for one (q-tile, KV head, KV split).
 
@@ -342,7 +345,10 @@ def _msa_fwd_kernel(
     reduction order. With ``SPLIT`` and ``PART_BY_ROW`` (the batch-invariant split) a program
     may walk several chunks (every ``S``-th); partials are indexed by chunk, ``S`` being the
     grid's splits, and hold unnormalised states: acc in o_part, m in lse_part and l
-    ``stat_off`` elements after it.
+    ``stat_off`` elements after it; with ``FUSED_MERGE`` the last of a (tile, KV head)'s
+    programs to finish folds them itself (:func:`_fold_tile_chunks`, counted in
+    ``merge_counts``) and no merge kernel runs. With ``PAD_ROWS`` (a launch that writes its
+    own output, no ``SPLIT``) a padding tile (``n_q = 0``) writes zeros to its row ``row0``.
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
@@ -368,6 +374,7 @@ def _msa_fwd_kernel(
     ctx_end = i_pos0 + n_q
     p_bt = block_tables + i_seq.to(tl.int64) * stride_bt
     m_o = m_r[:, None]
+    o_zero_r = o_r * 0  # per-row copies of the tile's scalars, for the store masks
     p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
     if CHUNK_MERGE:
         b_out = _invariant_walk(
@@ -375,6 +382,9 @@ def _msa_fwd_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             PAGE, BLOCK_N, BLOCK_R, D, IEEE, PREFETCH,
         )
+        if PAD_ROWS:
+            # a padding tile's walk is empty: its merged output is zero
+            m_o = (m_r | ((o_tok == 0) & (o_g < G) & ((o_zero_r + n_q) == 0)))[:, None]
         tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o)
     elif SPLIT and PART_BY_ROW:
         # batch-invariant split: program i_split walks chunks i_split, i_split + S, ... of its
@@ -411,6 +421,27 @@ def _msa_fwd_kernel(
                 p_ml = lse_part + i_c * stride_ls + o_t * stride_lt + o_h
                 tl.store(p_ml, b_m, mask=m_r)
                 tl.store(p_ml + stat_off, b_l, mask=m_r)
+            if FUSED_MERGE:
+                # NOTE: the last of the tile's programs that walked a chunk merges, so a decode
+                # step needs no second launch per layer (a graph node of ~2 us at batch 1).
+                # Every thread's stores are done (barrier) before one thread counts this
+                # program with release semantics; the one that counts last acquires and reads
+                # the partials past L1; it resets the count for the next launch.
+                n_parts = tl.minimum(tl.num_programs(2), n_tile_chunks)
+                if i_split < n_parts:
+                    tl.debug_barrier()
+                    p_count = merge_counts + i_tile * tl.num_programs(1) + i_kvh
+                    if tl.atomic_add(p_count, 1, sem="acq_rel") == n_parts - 1:
+                        _fold_tile_chunks(
+                            o, o_part, lse_part, i_row0, n_q, i_kvh, n_tile_chunks,
+                            stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                            stat_off, G, G_PAD, D,
+                        )
+                        tl.atomic_xchg(p_count, 0, sem="relaxed")
+        if PAD_ROWS:
+            if (n_q == 0) & (i_split == 0):
+                m_pad = (o_tok == 0) & (o_g < G)
+                tl.store(p_o, tl.zeros([BLOCK_R, D], dtype=o.dtype.element_ty), mask=m_pad[:, None])
     else:
         i_lo = i_split * chunk
         i_hi = tl.minimum(i_lo + chunk, ctx_end)
@@ -425,18 +456,21 @@ def _msa_fwd_kernel(
             # long-context tiles pay for partials.
             n_tile_splits = tl.cdiv(ctx_end, chunk)
             b_o, b_lse = _chunk_partial(b_acc, b_m, b_l)
-            o_zero = o_r * 0  # per-row copies of the tile's scalars, for the store masks
-            m_part = ((o_zero + n_tile_splits) > 1) & ((o_zero + i_split) < n_tile_splits)
+            m_part = ((o_zero_r + n_tile_splits) > 1) & ((o_zero_r + i_split) < n_tile_splits)
             o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
             p_op = o_part + i_split * stride_ps + o_pt[:, None] * stride_pt
             p_op = p_op + o_h[:, None] * stride_ph + o_d[None, :]
             tl.store(p_op, b_o, mask=m_o & m_part[:, None])
             p_lse = lse_part + i_split * stride_ls + o_pt * stride_lt + o_h
             tl.store(p_lse, b_lse, mask=m_r & m_part)
-            m_direct = ((o_zero + n_tile_splits) == 1) & ((o_zero + i_split) == 0)
+            m_direct = ((o_zero_r + n_tile_splits) == 1) & ((o_zero_r + i_split) == 0)
             tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o & m_direct[:, None])
         else:
             b_o = b_acc / b_l[:, None]
+            if PAD_ROWS:
+                m_pad = (o_tok == 0) & (o_g < G) & ((o_zero_r + n_q) == 0)
+                b_o = tl.where(m_pad[:, None], 0.0, b_o)
+                m_o = (m_r | m_pad)[:, None]
             tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
 
 
@@ -446,9 +480,11 @@ def _chunk_state(p_op, p_ml, i_s, n_split, stride_ps, stride_ls, stat_off, m_o, 
     past ``n_split`` nothing is loaded (the fold skips it)."""
     # NOTE: compared as a vector: the interpreter makes a scalar comparison's ``&`` an int32 mask
     m_ts = m_t & ((tl.zeros(m_t.shape, dtype=tl.int32) + i_s) < n_split)
-    b_o = tl.load(p_op + i_s * stride_ps, mask=m_o & m_ts[:, None], other=0.0)
-    b_m = tl.load(p_ml + i_s * stride_ls, mask=m_ts, other=float("-inf"))
-    b_l = tl.load(p_ml + i_s * stride_ls + stat_off, mask=m_ts, other=0.0)
+    # NOTE: ".cg" (L2, the point of coherence): the fused merge reads states other programs
+    # of the same launch wrote (see _msa_fwd_kernel's FUSED_MERGE)
+    b_o = tl.load(p_op + i_s * stride_ps, mask=m_o & m_ts[:, None], other=0.0, cache_modifier=".cg")
+    b_m = tl.load(p_ml + i_s * stride_ls, mask=m_ts, other=float("-inf"), cache_modifier=".cg")
+    b_l = tl.load(p_ml + i_s * stride_ls + stat_off, mask=m_ts, other=0.0, cache_modifier=".cg")
     return b_o, b_m, b_l
 
 
@@ -459,6 +495,62 @@ def _fold_if(fold, b_macc, b_ml, b_mm, b_acc, b_m, b_l):
     if fold:
         b_macc, b_ml, b_mm = _fold_chunk(b_macc, b_ml, b_mm, b_acc, b_m, b_l)
     return b_macc, b_ml, b_mm
+
+
+@triton.jit
+def _fold_chunks(p_op, p_ml, n_split, stride_ps, stride_ls, stat_off, m_o, m_t, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The batch-invariant merge of ``n_split`` chunk states of rows ``[R, BLOCK_D]``
+    (pointers ``p_op`` to chunk 0's acc, ``p_ml`` to its m): ``(acc, w)``, folded one chunk at
+    a time in chunk order from ``(0, 0, -inf)``.
+
+    NOTE: the chunk states are folded one at a time in chunk order (the bits), but loaded
+    eight at a time, all before the first fold: one chunk a loop turn made the merge a chain of
+    dependent loads (H200: 120 us of a 330 us decode at 128k keys).
+    """
+    b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    b_w = tl.zeros([BLOCK_R], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for i_s0 in range(0, n_split, 8):
+        b_o0, b_m0, b_l0 = _chunk_state(p_op, p_ml, i_s0 + 0, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_o1, b_m1, b_l1 = _chunk_state(p_op, p_ml, i_s0 + 1, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_o2, b_m2, b_l2 = _chunk_state(p_op, p_ml, i_s0 + 2, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_o3, b_m3, b_l3 = _chunk_state(p_op, p_ml, i_s0 + 3, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_o4, b_m4, b_l4 = _chunk_state(p_op, p_ml, i_s0 + 4, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_o5, b_m5, b_l5 = _chunk_state(p_op, p_ml, i_s0 + 5, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_o6, b_m6, b_l6 = _chunk_state(p_op, p_ml, i_s0 + 6, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_o7, b_m7, b_l7 = _chunk_state(p_op, p_ml, i_s0 + 7, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
+        b_acc, b_w, b_m = _fold_chunk(b_acc, b_w, b_m, b_o0, b_m0, b_l0)
+        b_acc, b_w, b_m = _fold_if(i_s0 + 1 < n_split, b_acc, b_w, b_m, b_o1, b_m1, b_l1)
+        b_acc, b_w, b_m = _fold_if(i_s0 + 2 < n_split, b_acc, b_w, b_m, b_o2, b_m2, b_l2)
+        b_acc, b_w, b_m = _fold_if(i_s0 + 3 < n_split, b_acc, b_w, b_m, b_o3, b_m3, b_l3)
+        b_acc, b_w, b_m = _fold_if(i_s0 + 4 < n_split, b_acc, b_w, b_m, b_o4, b_m4, b_l4)
+        b_acc, b_w, b_m = _fold_if(i_s0 + 5 < n_split, b_acc, b_w, b_m, b_o5, b_m5, b_l5)
+        b_acc, b_w, b_m = _fold_if(i_s0 + 6 < n_split, b_acc, b_w, b_m, b_o6, b_m6, b_l6)
+        b_acc, b_w, b_m = _fold_if(i_s0 + 7 < n_split, b_acc, b_w, b_m, b_o7, b_m7, b_l7)
+    return b_acc, b_w
+
+
+@triton.jit
+def _fold_tile_chunks(
+    o, o_part, lse_part, i_row0, n_q, i_kvh, n_chunks,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stat_off,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+):
+    """The split merge of one tile and KV head inside the walk's launch: for each of the
+    tile's ``n_q`` tokens, the ``G`` query heads' ``n_chunks`` chunk states folded
+    (:func:`_fold_chunks`) and written to ``o``. Rows ``[G_PAD, D]`` a token: the walk's
+    64-row tile would hold 16 times the registers for a decode's 4 real rows."""
+    o_g = tl.arange(0, G_PAD)
+    o_d = tl.arange(0, D)
+    m_g = o_g < G
+    o_h = i_kvh * G + o_g
+    for i_tok in range(0, n_q):
+        i_t = (i_row0 + i_tok).to(tl.int64)
+        p_op = o_part + i_t * stride_pt + o_h[:, None] * stride_ph + o_d[None, :]
+        p_ml = lse_part + i_t * stride_lt + o_h
+        b_acc, b_w = _fold_chunks(p_op, p_ml, n_chunks, stride_ps, stride_ls, stat_off, m_g[:, None], m_g, G_PAD, D)
+        p_o = o + i_t * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+        tl.store(p_o, _merged_output(b_acc, b_w).to(o.dtype.element_ty), mask=m_g[:, None])
 
 
 # NOTE: ``num_splits`` is only a loop bound; left specialized, a launch with 16 or 32 splits (a
@@ -486,6 +578,7 @@ def _msa_reduce_kernel(
     BLOCK_S: tl.constexpr,
     DYN_CHUNK: tl.constexpr,
     PART_BY_ROW: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
 ):
     """Merges the split partials of one (q-tile, q head, ``BLOCK_D`` columns): o_part
     ``[S, R, HQ, D]`` -> o.
@@ -493,7 +586,8 @@ def _msa_reduce_kernel(
     Partials are normalised outputs with their log-sum-exp in ``lse_part [S, R, HQ]``, merged
     ``BLOCK_S`` splits a load, or, with ``PART_BY_ROW`` (the batch-invariant mode),
     unnormalised chunk states: ``m`` in ``lse_part`` and ``l`` ``stat_off`` elements after it,
-    loaded eight chunks at a time and folded one chunk at a time in chunk order.
+    loaded eight chunks at a time and folded one chunk at a time in chunk order. With
+    ``PAD_ROWS`` a padding tile (``n_q = 0``) writes zeros to its row ``row0``.
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
@@ -513,36 +607,17 @@ def _msa_reduce_kernel(
     else:
         o_pt = (i_tile * BLOCK_M + o_tok).to(tl.int64)
 
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_w = tl.zeros([BLOCK_M], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if PART_BY_ROW:
-        # NOTE: the chunk states are folded one at a time in chunk order (the bits), but
-        # loaded eight at a time, all before the first fold: one chunk a loop turn made the
-        # merge a chain of dependent loads (H200: 120 us of a 330 us decode at 128k keys).
         p_op = o_part + o_pt[:, None] * stride_pt + i_h * stride_ph + o_d[None, :]
         p_ml = lse_part + o_pt * stride_lt + i_h
-        for i_s0 in range(0, n_split, 8):
-            b_o0, b_m0, b_l0 = _chunk_state(p_op, p_ml, i_s0 + 0, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_o1, b_m1, b_l1 = _chunk_state(p_op, p_ml, i_s0 + 1, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_o2, b_m2, b_l2 = _chunk_state(p_op, p_ml, i_s0 + 2, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_o3, b_m3, b_l3 = _chunk_state(p_op, p_ml, i_s0 + 3, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_o4, b_m4, b_l4 = _chunk_state(p_op, p_ml, i_s0 + 4, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_o5, b_m5, b_l5 = _chunk_state(p_op, p_ml, i_s0 + 5, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_o6, b_m6, b_l6 = _chunk_state(p_op, p_ml, i_s0 + 6, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_o7, b_m7, b_l7 = _chunk_state(p_op, p_ml, i_s0 + 7, n_split, stride_ps, stride_ls, stat_off, m_o, m_t)
-            b_acc, b_w, b_m = _fold_chunk(b_acc, b_w, b_m, b_o0, b_m0, b_l0)
-            b_acc, b_w, b_m = _fold_if(i_s0 + 1 < n_split, b_acc, b_w, b_m, b_o1, b_m1, b_l1)
-            b_acc, b_w, b_m = _fold_if(i_s0 + 2 < n_split, b_acc, b_w, b_m, b_o2, b_m2, b_l2)
-            b_acc, b_w, b_m = _fold_if(i_s0 + 3 < n_split, b_acc, b_w, b_m, b_o3, b_m3, b_l3)
-            b_acc, b_w, b_m = _fold_if(i_s0 + 4 < n_split, b_acc, b_w, b_m, b_o4, b_m4, b_l4)
-            b_acc, b_w, b_m = _fold_if(i_s0 + 5 < n_split, b_acc, b_w, b_m, b_o5, b_m5, b_l5)
-            b_acc, b_w, b_m = _fold_if(i_s0 + 6 < n_split, b_acc, b_w, b_m, b_o6, b_m6, b_l6)
-            b_acc, b_w, b_m = _fold_if(i_s0 + 7 < n_split, b_acc, b_w, b_m, b_o7, b_m7, b_l7)
+        b_acc, b_w = _fold_chunks(p_op, p_ml, n_split, stride_ps, stride_ls, stat_off, m_o, m_t, BLOCK_M, BLOCK_D)
     else:
         # NOTE: BLOCK_S splits per load, folded as one online-softmax step: one split a loop
         # turn made the merge a chain of dependent loads (measured on the H200: +2-7% of the
         # copy rate for decodes split 13-50 ways, python -m kernels.bench --decode-sweep).
+        b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        b_w = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         o_s = tl.arange(0, BLOCK_S)
         for i_s0 in range(0, n_split, BLOCK_S):
             m_s = (i_s0 + o_s) < n_split
@@ -563,7 +638,11 @@ def _msa_reduce_kernel(
     b_out = _merged_output(b_acc, b_w)
     p_o = o + o_t[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
     # a tile within one chunk was written by the forward kernel itself
-    tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o & ((o_tok * 0 + n_split) > 1)[:, None])
+    m_o = m_o & ((o_tok * 0 + n_split) > 1)[:, None]
+    if PAD_ROWS:
+        # a padding tile (n_q = 0, no chunk) writes zeros to its row: b_out is zero there
+        m_o = m_o | (((o_tok == 0) & ((o_tok * 0 + n_q) == 0))[:, None] & (o_d < D)[None, :])
+    tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o)
 
 
 @triton.jit
@@ -700,8 +779,12 @@ def _launch(
     dyn_chunk = plan.chunk_buffer is not None
     # NOTE: without a chunk buffer the pointer argument is unused; ``tiles`` stands in for it.
     p_chunk = plan.chunk_buffer if dyn_chunk else tiles
+    fused_merge = split and part_by_row and plan.merge_counts is not None
+    if fused_merge:
+        assert plan.merge_counts.numel() >= num_tiles * num_kv_heads, "msa_triton: merge_counts too small"
     _msa_fwd_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, o_part, lse_part, bt, tiles,
+        plan.merge_counts if fused_merge else tiles,
         float(scale) * _LOG2E, chunk, p_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -713,9 +796,10 @@ def _launch(
         BLOCK_N=cfg.block_n, D=head_dim, SPLIT=split, DYN_CHUNK=dyn_chunk,
         CHUNK_MERGE=plan.invariant and not split, PART_BY_ROW=part_by_row, IEEE=q.dtype == torch.float32,
         PREFETCH=_prefetch_block_ids(cfg.block_m, group, chunk_merge=plan.invariant and not split),
+        FUSED_MERGE=fused_merge, PAD_ROWS=plan.pad_rows and (fused_merge or not split),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split:
+    if split and not fused_merge:
         # NOTE: the merge splits the head dimension over programs: its loads of many splits
         # (chunk states) at a time stay within the registers, and a decode's few (tile, head)
         # pairs get 4x the programs
@@ -729,7 +813,7 @@ def _launch(
             # the batch-invariant fold loads eight chunk states a turn whatever BLOCK_S says:
             # a fixed value keeps it to one compiled variant
             BLOCK_S=1 if part_by_row else _merge_splits_per_load(cfg.block_m, plan.partial_slots),
-            DYN_CHUNK=dyn_chunk, PART_BY_ROW=part_by_row, num_warps=4,
+            DYN_CHUNK=dyn_chunk, PART_BY_ROW=part_by_row, PAD_ROWS=plan.pad_rows, num_warps=4,
         )
 
 

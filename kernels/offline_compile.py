@@ -197,7 +197,7 @@ def analyse(compiled: Any) -> dict[str, int]:
 def _config(launch: Launch) -> str:
     kw = launch.kwargs
     tiles = " ".join(f"{k}={kw[k]}" for k in ("BLOCK_M", "BLOCK_N", "BLOCK_S", "BLOCK_D") if k in kw)
-    flags = " ".join(k for k in ("SPLIT", "CHUNK_MERGE", "PART_BY_ROW", "PREFETCH") if kw.get(k))
+    flags = " ".join(k for k in ("SPLIT", "CHUNK_MERGE", "PART_BY_ROW", "PREFETCH", "FUSED_MERGE") if kw.get(k))
     return f"w{kw.get('num_warps', 4)} s{kw.get('num_stages', '-')} {tiles} {flags}".strip()
 
 

@@ -22,9 +22,10 @@ def test_a_decode_step_records_its_split_walk_and_merge() -> None:
     # an H200's 132 SMs: 8 KV heads cannot fill them, so the context is split; the merge loads
     # all 16 splits of a tile at once
     assert merge.kwargs["BLOCK_S"] == 16 and not merge.kwargs["PART_BY_ROW"]
-    # the batch-invariant mode splits the same step into its fixed chunks
-    bi_fwd, bi_merge = offline.record_step([(8192, 1)], invariant=True)
-    assert bi_fwd.kwargs["PART_BY_ROW"] and bi_fwd.kwargs["SPLIT"] and bi_merge.kwargs["PART_BY_ROW"]
+    # the batch-invariant mode splits the same step into its fixed chunks, merged in the
+    # walk's own launch
+    (bi_fwd,) = offline.record_step([(8192, 1)], invariant=True)
+    assert bi_fwd.kwargs["PART_BY_ROW"] and bi_fwd.kwargs["SPLIT"] and bi_fwd.kwargs["FUSED_MERGE"]
 
 
 def test_a_large_decode_batch_walks_in_program_in_the_invariant_mode() -> None:
@@ -47,7 +48,7 @@ def test_the_invariant_split_decode_keeps_the_next_tiles_copies_in_flight() -> N
     # the batch-invariant split decode loads its block ids a turn ahead: its waits leave the
     # next tile's K and V copies in flight; the library's 4-token decode tiles do not (their
     # many programs per SM hide the latency, and the third buffer would halve them)
-    bi_fwd, _ = offline.record_step([(8192, 1)], invariant=True)
+    (bi_fwd,) = offline.record_step([(8192, 1)], invariant=True)
     assert bi_fwd.kwargs["PREFETCH"]
     bi = offline.analyse(offline.compile_launch(bi_fwd, arch=90))
     # NOTE: not spill-free on every compiler: none with Triton 3.6 (the device's), 16 bytes a
