@@ -347,8 +347,9 @@ def _msa_fwd_kernel(
     grid's splits, and hold unnormalised states: acc in o_part, m in lse_part and l
     ``stat_off`` elements after it; with ``FUSED_MERGE`` the last of a (tile, KV head)'s
     programs to finish folds them itself (:func:`_fold_tile_chunks`, counted in
-    ``merge_counts``) and no merge kernel runs. With ``PAD_ROWS`` (a launch that writes its
-    own output, no ``SPLIT``) a padding tile (``n_q = 0``) writes zeros to its row ``row0``.
+    ``merge_counts``) and no merge kernel runs. With ``PAD_ROWS`` (a launch whose output no
+    merge kernel writes: no ``SPLIT``, or ``FUSED_MERGE``) a padding tile (``n_q = 0``) writes
+    zeros to its row ``row0``.
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
