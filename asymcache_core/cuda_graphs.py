@@ -8,8 +8,9 @@ What a replay may change lives in static device buffers the runner refills befor
 token ids, positions, KV slots, block tables, the MSA tile table (one tile per sequence, see
 :func:`kernels.msa_plan.decode_graph_plan`) and the keys per KV split, sized for the batch's
 longest context rather than ``max_model_len``. Batches are padded up to the next captured size;
-padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``; their attention output
-is zeros, which their padding tiles write) and their logits are dropped. Steps with prefill or hole tokens run eagerly.
+padding rows store nothing (slot ``-1``), attend to nothing (``n_q = 0``; their padding tiles
+write their attention output's zeros) and their logits are dropped. Steps with prefill or hole
+tokens run eagerly.
 """
 
 from __future__ import annotations

@@ -376,6 +376,8 @@ def _msa_fwd_kernel(
     p_bt = block_tables + i_seq.to(tl.int64) * stride_bt
     m_o = m_r[:, None]
     o_zero_r = o_r * 0  # per-row copies of the tile's scalars, for the store masks
+    # a padding tile's (n_q = 0) row: zeros there with PAD_ROWS
+    m_pad = (o_tok == 0) & (o_g < G) & ((o_zero_r + n_q) == 0)
     p_o = o + o_t[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
     if CHUNK_MERGE:
         b_out = _invariant_walk(
@@ -384,8 +386,7 @@ def _msa_fwd_kernel(
             PAGE, BLOCK_N, BLOCK_R, D, IEEE, PREFETCH,
         )
         if PAD_ROWS:
-            # a padding tile's walk is empty: its merged output is zero
-            m_o = (m_r | ((o_tok == 0) & (o_g < G) & ((o_zero_r + n_q) == 0)))[:, None]
+            m_o = (m_r | m_pad)[:, None]  # a padding tile's walk is empty: its output is zero
         tl.store(p_o, b_out.to(o.dtype.element_ty), mask=m_o)
     elif SPLIT and PART_BY_ROW:
         # batch-invariant split: program i_split walks chunks i_split, i_split + S, ... of its
@@ -440,9 +441,8 @@ def _msa_fwd_kernel(
                         )
                         tl.atomic_xchg(p_count, 0, sem="relaxed")
         if PAD_ROWS:
-            if (n_q == 0) & (i_split == 0):
-                m_pad = (o_tok == 0) & (o_g < G)
-                tl.store(p_o, tl.zeros([BLOCK_R, D], dtype=o.dtype.element_ty), mask=m_pad[:, None])
+            m_pad = m_pad & ((o_zero_r + i_split) == 0)
+            tl.store(p_o, tl.zeros([BLOCK_R, D], dtype=o.dtype.element_ty), mask=m_pad[:, None])
     else:
         i_lo = i_split * chunk
         i_hi = tl.minimum(i_lo + chunk, ctx_end)
@@ -469,7 +469,6 @@ def _msa_fwd_kernel(
         else:
             b_o = b_acc / b_l[:, None]
             if PAD_ROWS:
-                m_pad = (o_tok == 0) & (o_g < G) & ((o_zero_r + n_q) == 0)
                 b_o = tl.where(m_pad[:, None], 0.0, b_o)
                 m_o = (m_r | m_pad)[:, None]
             tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)

@@ -160,9 +160,9 @@ def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.d
     tables[:num, : case.meta.block_tables.shape[1]] = case.meta.block_tables[seqs]
     q = torch.cat((case.q, torch.randn((pad, *case.q.shape[1:]), device=device).to(dtype)))
     assert plan.covered_rows == num + pad and plan.merge_counts is not None
-    # the merge in the walk's launch (the default), twice on one plan (the counts reset), and
-    # the merge kernel
-    for splits, counts in ((plan.num_splits, plan.merge_counts), (2, plan.merge_counts), (2, None)):
+    # the merge in the walk's launch (the default), twice on one plan (the counts reset), the
+    # merge kernel, and one program a tile (the in-program walk a large batch's graph takes)
+    for splits, counts in ((plan.num_splits, plan.merge_counts), (2, plan.merge_counts), (2, None), (1, None)):
         launch = dataclasses.replace(plan, num_splits=splits, merge_counts=counts)
         for _ in range(2 if counts is not None else 1):
             out = torch.full_like(q, float("nan"))
