@@ -25,7 +25,9 @@ far as they are not, with running requests in arrival order. Continuum's program
 old jobs, which pays when an old job is near its end (fixed-length tasks such as BFCL's) and
 costs when job lengths are memoryless (chat), where it also reordered the running requests
 so that new turns preempted mid-decode ones (BENCHMARKS.md, "The default on chat, tool loops
-and BFCL").
+and BFCL"). Program order makes the youngest jobs' turns wait, so its time-to-first-token tail
+is longer than arrival order's; a stated target (``EngineConfig.ttft_slo_ms``) bounds it
+(:class:`~asymcache_core.continuum.ttft_target.TTFTTarget`).
 """
 
 from __future__ import annotations

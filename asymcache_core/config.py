@@ -84,6 +84,14 @@ class EngineConfig:
             meets ``tpot_slo_ms``) or ``adaptive:slack`` (every request's TPOT meets it: a step
             may spend half of what fast steps saved; :class:`~asymcache_core.budget.AdaptiveBudget`).
         tpot_slo_ms: time-per-output-token target the adaptive budget keeps.
+        ttft_slo_ms: time-to-first-token target (``None``: none stated). Under ``priority=
+            "adaptive"`` a waiting request ranks no earlier than its arrival less a slack that
+            adapts to keep at most 1% of recent waits past the target
+            (:class:`~asymcache_core.continuum.ttft_target.TTFTTarget`): program order, which
+            finishes old jobs first, then delays a young job's turn only that far beyond arrival
+            order. Unset, program order is unbounded: it lowers job time and the job-time tail,
+            and its time-to-first-token tail is several times arrival order's (BENCHMARKS.md,
+            "A stated time-to-first-token target").
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
         priority: admission order of waiting work: ``fcfs`` (by request), ``program`` (by job:
             Continuum's program order, running requests too) or ``adaptive`` (waiting requests
@@ -196,6 +204,10 @@ class EngineConfig:
         "(every request's TPOT meets it)."))
     tpot_slo_ms: float = field(default=50.0, metadata=_flag(
         "--tpot-slo-ms", "Adaptive chunking's time-per-output-token target (ms)."))
+    ttft_slo_ms: float | None = field(default=None, metadata=_flag(
+        "--ttft-slo-ms", "Time-to-first-token target (ms): program order (old jobs' turns first) moves a "
+        "waiting request ahead of earlier arrivals only as far as the waits seen stay within it (default: "
+        "no bound)."))
     latency_profile: str | None = field(default=None, metadata=_flag(
         "--latency-profile", "Latency profile JSON (asymcache profile) for the eviction cost and adaptive "
         "chunking (default: the analytic model)."))
@@ -283,6 +295,11 @@ class EngineConfig:
         self.chunk_budget()  # validates `chunking`
         if self.tpot_slo_ms <= 0:
             raise ValueError(f"tpot_slo_ms: must be > 0, got {self.tpot_slo_ms}")
+        if self.ttft_slo_ms is not None and not (
+            isinstance(self.ttft_slo_ms, int | float) and not isinstance(self.ttft_slo_ms, bool)
+            and math.isfinite(self.ttft_slo_ms) and self.ttft_slo_ms > 0
+        ):
+            raise ValueError(f"ttft_slo_ms: must be a positive number of milliseconds or None, got {self.ttft_slo_ms!r}")
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority: one of {PRIORITIES}, got {self.priority!r}")
         from kernels.dispatch import BACKENDS

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
 from asymcache_core.continuum.backends import PinManager
 from asymcache_core.continuum.controller import ContinuumController
+from asymcache_core.continuum.ttft_target import TTFTTarget
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.eviction import PolicyContext, create_policy
@@ -172,8 +174,11 @@ class EngineStats:
     host_bytes_to_host_total: int = 0
     host_bytes_to_device_total: int = 0
     kv_block_size: int = 0
+    #: how far program order may move a request ahead of its arrival, under the stated
+    #: time-to-first-token target (``inf``: no target, no bound)
+    order_slack_seconds: float = math.inf
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | float]:
         """Field name -> value, in declaration order."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -324,6 +329,8 @@ class Engine(AsyncSteps):
         self.kv_events = create_kv_events(config.kv_events_config, self.pool, self.host_tier, self.kv, config.block_size)
         self.pins = PinManager(self.pool)
         self.continuum = ContinuumController(self.pins, self.latency, self.job_stats, self.clock)
+        if config.ttft_slo_ms is not None:
+            self.continuum.ttft_target = TTFTTarget(config.ttft_slo_ms / 1e3)
         job_admission = policy.job_admission if config.job_admission is None else config.job_admission
         # NOTE: jobs whose contexts the host tier holds come back by copy, not by
         # recomputation: the gate counts part of the tier (gate_capacity_blocks says why not all)
@@ -956,7 +963,7 @@ class Engine(AsyncSteps):
     # -- checks and stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Gauges and counters of the engine now (call it from the thread that steps it)."""
-        c, pool, pins = self.counters, self.pool, self.pins
+        c, pool, pins, target = self.counters, self.pool, self.pins, self.continuum.ttft_target
         return EngineStats(
             kv_blocks_total=self.num_blocks,
             kv_blocks_in_use=pool.num_in_use,
@@ -981,6 +988,7 @@ class Engine(AsyncSteps):
             jobs_held_back_total=self.job_admission.num_held_back if self.job_admission is not None else 0,
             engine_reload_tokens_total=c.reload_tokens,
             kv_block_size=self.block_size,
+            order_slack_seconds=target.slack_s if target is not None else math.inf,
             **(self.host_driver.stats() if self.host_driver is not None else {}),
         )
 
@@ -989,6 +997,8 @@ class Engine(AsyncSteps):
         self.pool.check_integrity()
         if self.host_tier is not None:
             self.host_tier.check_integrity()
+        if self.continuum.ttft_target is not None:
+            self.continuum.ttft_target.check_integrity()
         if self.job_admission is not None:
             self.job_admission.check_integrity()
         table_rows = getattr(self.runner, "block_table_rows", None)  # the model runner's, on a real backend

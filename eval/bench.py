@@ -161,7 +161,7 @@ def _suffix_number(suffix: str, name: str) -> float:
 #: and ``max_model_len`` are engine fields too, but the bench reads them itself (see there).
 ENGINE_FIELDS: tuple[str, ...] = (
     "model", "device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
-    "latency_profile", "tpot_slo_ms", "attention_backend", "batch_invariant", "enforce_eager",
+    "latency_profile", "tpot_slo_ms", "ttft_slo_ms", "attention_backend", "batch_invariant", "enforce_eager",
     "mixed_graph_max_tokens", "seed", "gpu_memory_utilization", "device_memory_gib", "cpu_offload_gb",
     "num_host_kv_blocks", "async_scheduling",
 )
@@ -203,6 +203,8 @@ class BenchConfig:
         check_lossless: also run an unbounded pool and compare every variant's tokens (real).
         latency_profile: JSON profile for the latency model (default: analytic).
         tpot_slo_ms: adaptive chunking's target.
+        ttft_slo_ms: the engines' time-to-first-token target (bounds the default's program
+            order; ``None``: unbounded). ``slo``'s ``ttft:MS`` only counts goodput.
         max_num_batched_tokens: per-step token cap.
         max_num_seqs: running requests at most.
         attention_backend: the engine's attention path (the ``no-msa`` suffix sets ``torch``).
@@ -246,6 +248,7 @@ class BenchConfig:
     check_lossless: bool = True
     latency_profile: str | None = None
     tpot_slo_ms: float = 100.0
+    ttft_slo_ms: float | None = None
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     attention_backend: str = "auto"

@@ -8,6 +8,8 @@ and the vLLM plugin use it:
   the pin benefit), memoryfulness and the queueing-delay tracker.
 * :mod:`~asymcache_core.continuum.controller`: :class:`~.controller.ContinuumController`, the
   decisions (reload cost, TTL, hints, program-level admission order).
+* :mod:`~asymcache_core.continuum.ttft_target`: :class:`~.ttft_target.TTFTTarget`, how far
+  program order may move a request ahead of its arrival under a time-to-first-token target.
 * :mod:`~asymcache_core.continuum.backends`: the :class:`~.backends.PinBackend` protocol and the
   embedded engine's :class:`~.backends.PinManager`; the vLLM plugin's
   :class:`~asymcache_core.integrations.vllm.pins.PinSet` is the other backend.

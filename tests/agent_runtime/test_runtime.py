@@ -266,6 +266,7 @@ def test_commands(smollm, tmp_path, capsys):
     # every engine setting is checked before the model loads, by the name the CLI shows
     for bad, field in (({"chunking": "bogus"}, "chunking"), ({"device": "tpu"}, "device"),
                        ({"tpot_slo_ms": 0.0}, "tpot_slo_ms"), ({"dtype": "int8"}, "dtype"),
+                       ({"ttft_slo_ms": -1.0}, "ttft_slo_ms"), ({"ttft_slo_ms": float("nan")}, "ttft_slo_ms"),
                        ({"latency_profile": str(tmp_path / "none.json")}, "latency_profile"),
                        ({"max_num_seqs": 0}, "max_num_seqs"), ({"kv_fraction": 0.5}, "kv_fraction")):
         with pytest.raises(ValueError, match=f"^{field}:"):

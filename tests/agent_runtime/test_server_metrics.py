@@ -117,3 +117,12 @@ def test_the_host_tier_series():
     assert s[("asymcache_host_recompute_chosen_blocks_total", ())] == 3
     assert s[("asymcache_host_bytes_to_device_total", ())] == 120 * 2**21
     assert s[("asymcache_engine_reload_tokens_total", ())] == 1808
+
+
+def test_the_order_slack_gauge():
+    # a stated time-to-first-token target: the slack program order has now
+    s = _samples(ServerMetrics("tiny").render(_stats(order_slack_seconds=2.5)).decode())
+    assert s[("asymcache_order_slack_seconds", ())] == 2.5
+    # none stated: no bound, exported as +Inf
+    s = _samples(ServerMetrics("tiny").render(_stats(order_slack_seconds=float("inf"))).decode())
+    assert s[("asymcache_order_slack_seconds", ())] == float("inf")

@@ -297,9 +297,9 @@ def test_no_pin_when_benefit_is_below_the_ttl(smollm):
 # -- program-level FCFS ------------------------------------------------------------------------
 
 
-def _admission_order(smollm, priority: str) -> list[str]:
+def _admission_order(smollm, priority: str, **overrides) -> list[str]:
     clock = FakeClock()
-    engine = make_engine(smollm, clock=clock, priority=priority, max_num_seqs=1)
+    engine = make_engine(smollm, clock=clock, priority=priority, max_num_seqs=1, **overrides)
     _run(engine, _prompt(20, 24), "old")  # t=0: job "old" starts
     clock.advance(1.0)
     _run(engine, _prompt(21, 24), "pinned")  # t=1: job "pinned" starts, then calls a tool
@@ -325,6 +325,57 @@ def test_adaptive_admission_order_follows_the_jobs_memoryfulness(smollm):
     # before any job finished eta is 0.5: the old job's request (job start 0, arrival 6) ranks at
     # 3, before the new job's (5): the same order as program order
     assert _admission_order(smollm, "adaptive") == ["pinned", "old", "new"]
+
+
+def test_a_stated_ttft_target_bounds_the_adaptive_order(smollm):
+    # a 2 s target starts at a 1 s slack: no request ranks earlier than 1 s before its arrival,
+    # so the old job's request (arrival 6, program rank 3) ranks at 5 and no longer passes the
+    # new job's (5), which arrived first, and the pinned job's (arrival 7) ranks at 6 instead
+    # of before everything
+    assert _admission_order(smollm, "adaptive", ttft_slo_ms=2000.0) == ["new", "old", "pinned"]
+    # an 8 s target (4 s slack) leaves room for the old job's lead (rank 3) and lets the pinned
+    # one pass the new job's request, which arrived 2 s before it
+    assert _admission_order(smollm, "adaptive", ttft_slo_ms=8000.0) == ["old", "pinned", "new"]
+    assert make_engine(smollm, ttft_slo_ms=8000.0).stats().order_slack_seconds == 4.0
+    assert make_engine(smollm).stats().order_slack_seconds == float("inf")  # no target, no bound
+
+
+def test_order_slack_bounds_how_far_a_request_moves_ahead_of_its_arrival():
+    from asymcache_core.continuum.ttft_target import TTFTTarget
+    from asymcache_core.request import Request
+
+    ctl = ContinuumController(PinSet(0), SLOW_RELOAD, JobStats(), FakeClock())
+    first = Request("old-1", [1, 2], ONE, 0.0, job_id="old")
+    old = Request("old-2", [1, 2], ONE, 10.0, job_id="old")
+    new = Request("new-1", [1, 2], ONE, 8.0, job_id="new")
+    for request in (first, new, old):
+        ctl.on_request_added(request)
+    ctl.memoryfulness.eta = lambda: 1.0  # pure program order: the old job ranks at its start
+    assert ctl.adaptive_program_key(old)[1] == 0.0 and ctl.adaptive_program_key(old) < ctl.adaptive_program_key(new)
+    ctl.ttft_target = TTFTTarget(6.0)  # starts at half the target: the old job's turn may pass
+    assert ctl.adaptive_program_key(old)[1] == pytest.approx(7.0)  # what arrived up to 3 s before it
+    assert ctl.adaptive_program_key(old) < ctl.adaptive_program_key(new)
+    ctl.ttft_target.slack_s = 1.5  # but not a request that waited longer than the slack
+    assert ctl.adaptive_program_key(old)[1] == pytest.approx(8.5)
+    assert ctl.adaptive_program_key(new) < ctl.adaptive_program_key(old)
+    assert ctl.adaptive_program_key(new)[1] == 8.0  # a job's first request ranks at its arrival
+    pinned = Request("p-2", [1, 2], ONE, 10.0, job_id="p")
+    pinned.had_pin = True  # a pinned job's turn goes ahead by the slack, not before everything
+    assert ctl.adaptive_program_key(pinned) == (0, 8.5, 10.0)
+    assert ctl.adaptive_program_key(new) < ctl.adaptive_program_key(pinned)  # new waited 2 s > 1.5
+    ctl.ttft_target.slack_s = 0.0  # arrival order
+    assert ctl.adaptive_program_key(old)[1] == 10.0
+    assert ctl.program_key(old)[1] == 0.0  # Continuum's own order is never bounded
+    # first admissions feed the slack and T_queue their waits; a re-admission (after a
+    # preemption) does not
+    clock = ctl.clock
+    clock.t = 12.0
+    ctl.on_admit(new)
+    assert list(ctl.ttft_target.waits) == [4.0]
+    assert ctl.queue.mean(12.0) == 4.0  # and T_queue, the pin benefit's queueing delay
+    new.admitted_once = True
+    ctl.on_admit(new)
+    assert list(ctl.ttft_target.waits) == [4.0] and len(ctl.queue._samples) == 1
 
 
 def test_adaptive_program_key_moves_from_program_to_arrival_order():
