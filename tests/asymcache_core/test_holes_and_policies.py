@@ -146,11 +146,18 @@ def test_prefix_only_recomputes_the_suffix_after_a_hole(smollm):
 
 
 @pytest.mark.parametrize(
-    ("policy", "overrides"), [("vllm-apc", {"job_admission": True}), ("asymcache", {})], ids=["vllm-apc", "asymcache"]
+    ("policy", "overrides"),
+    [
+        ("vllm-apc", {"job_admission": True}),
+        ("asymcache", {}),
+        ("asymcache", {"priority": "adaptive", "ttft_slo_ms": 50.0}),
+    ],
+    ids=["vllm-apc", "asymcache", "asymcache-adaptive-ttft-target"],
 )
 def test_lossless_with_job_admission_holding_jobs_back(tight_run, unbounded, policy, overrides):
     # the same script with job-level admission on: the pool cannot hold the older sessions'
-    # contexts and a new one's, so younger jobs wait between turns; the tokens do not change.
+    # contexts and a new one's, so younger jobs wait between turns; the tokens do not change,
+    # nor under the default's order bounded by a time-to-first-token target.
     # NOTE: asymcache admits by job by default, so its run is the one test_lossless_under_pressure checks.
     run = tight_run(policy, **overrides)
     engine = run.engine
@@ -158,6 +165,9 @@ def test_lossless_with_job_admission_holding_jobs_back(tight_run, unbounded, pol
     assert run.outputs == unbounded
     stats = engine.stats()
     assert stats.jobs_held_back_total > 0 and stats.jobs_admitted == 0
+    if "ttft_slo_ms" in overrides:
+        assert len(engine.continuum.ttft_target.waits) > 0  # the slack learned from the run's waits
+        assert 0.0 <= stats.order_slack_seconds <= 0.05
     engine.check_integrity()
 
 
