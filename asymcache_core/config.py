@@ -89,7 +89,8 @@ class EngineConfig:
             adapts to keep at most 1% of recent waits past the target
             (:class:`~asymcache_core.continuum.ttft_target.TTFTTarget`): program order, which
             finishes old jobs first, then delays a young job's turn only that far beyond arrival
-            order. Unset, program order is unbounded: it lowers job time and the job-time tail,
+            order. Other orders ignore it (``fcfs`` is arrival order; ``program`` is
+            Continuum's, kept as published). Unset, program order is unbounded: it lowers job time and the job-time tail,
             and its time-to-first-token tail is several times arrival order's (BENCHMARKS.md,
             "A stated time-to-first-token target").
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.

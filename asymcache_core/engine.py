@@ -174,8 +174,8 @@ class EngineStats:
     host_bytes_to_host_total: int = 0
     host_bytes_to_device_total: int = 0
     kv_block_size: int = 0
-    #: how far program order may move a request ahead of its arrival, under the stated
-    #: time-to-first-token target (``inf``: no target, no bound)
+    #: how far the adaptive program order may move a request ahead of its arrival, under the
+    #: stated time-to-first-token target (``inf``: no target, or another order)
     order_slack_seconds: float = math.inf
 
     def as_dict(self) -> dict[str, int | float]:
@@ -329,7 +329,10 @@ class Engine(AsyncSteps):
         self.kv_events = create_kv_events(config.kv_events_config, self.pool, self.host_tier, self.kv, config.block_size)
         self.pins = PinManager(self.pool)
         self.continuum = ContinuumController(self.pins, self.latency, self.job_stats, self.clock)
-        if config.ttft_slo_ms is not None:
+        if config.ttft_slo_ms is not None and config.priority == "adaptive":
+            # NOTE: only the adaptive order moves requests ahead of their arrival and takes the
+            # bound (Continuum's own ``program`` order is kept as the paper has it; ``fcfs``
+            # is arrival order already)
             self.continuum.ttft_target = TTFTTarget(config.ttft_slo_ms / 1e3)
         job_admission = policy.job_admission if config.job_admission is None else config.job_admission
         # NOTE: jobs whose contexts the host tier holds come back by copy, not by

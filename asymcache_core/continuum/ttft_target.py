@@ -52,6 +52,8 @@ class TTFTTarget:
     window: int = 256
     period: int = 32
     max_late: float = 0.01
+    # NOTE: its own window, not the controller's T_queue samples: those age out after 60 s
+    # when the pin rule reads their mean, so what a check saw would depend on tool calls.
     waits: deque[float] = field(default_factory=deque, repr=False)
     _since: int = field(default=0, repr=False)
     _late_since: int = field(default=0, repr=False)

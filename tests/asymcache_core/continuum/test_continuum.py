@@ -336,8 +336,12 @@ def test_a_stated_ttft_target_bounds_the_adaptive_order(smollm):
     # an 8 s target (4 s slack) leaves room for the old job's lead (rank 3) and lets the pinned
     # one pass the new job's request, which arrived 2 s before it
     assert _admission_order(smollm, "adaptive", ttft_slo_ms=8000.0) == ["old", "pinned", "new"]
-    assert make_engine(smollm, ttft_slo_ms=8000.0).stats().order_slack_seconds == 4.0
-    assert make_engine(smollm).stats().order_slack_seconds == float("inf")  # no target, no bound
+    assert make_engine(smollm, priority="adaptive", ttft_slo_ms=8000.0).stats().order_slack_seconds == 4.0
+    assert make_engine(smollm, priority="adaptive").stats().order_slack_seconds == float("inf")  # no target
+    # the other orders take no bound: fcfs is arrival order, program Continuum's own
+    for priority in ("fcfs", "program"):
+        engine = make_engine(smollm, priority=priority, ttft_slo_ms=8000.0)
+        assert engine.continuum.ttft_target is None and engine.stats().order_slack_seconds == float("inf")
 
 
 def test_order_slack_bounds_how_far_a_request_moves_ahead_of_its_arrival():
