@@ -143,14 +143,14 @@ if triton is not None:
 
 # (up to rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)) per operand width, the first
 # whose bound holds. The bits are the same for every entry; the times were measured on the H200
-# (scripts/gpu_bi_matmul.py): at a few rows, narrow column tiles and long K tiles give the
-# weight stream enough programs and loads in flight to match cuBLAS's split-K kernels without
-# splitting K. Float32 keeps K tiles short to fit shared memory with IEEE dots.
+# (scripts/gpu_bi_matmul.py, scripts/gpu_gemv_cold.py with the weights read from HBM): at a
+# few rows, narrow column tiles and long K tiles give the weight stream enough programs and
+# loads in flight to match cuBLAS's split-K kernels without splitting K. Float32 keeps K tiles short to fit shared memory with IEEE dots.
 _CONFIGS: dict[int, tuple[tuple[int, tuple[int, int, int, int, int]], ...]] = {
     2: (
-        (8, (16, 32, 128, 4, 6)),
-        (16, (16, 16, 128, 2, 6)),
-        (32, (32, 32, 256, 4, 4)),
+        (8, (16, 16, 512, 2, 4)),
+        (16, (16, 32, 512, 2, 4)),
+        (32, (32, 32, 256, 2, 5)),
         (64, (64, 32, 128, 4, 6)),
         (128, (64, 64, 128, 4, 4)),
         (256, (128, 64, 64, 4, 4)),

@@ -12,6 +12,7 @@ The checks are kept in a JSON store keyed by :func:`library_key`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -25,15 +26,30 @@ from kernels.batch_invariant import Tiling, _add_bias, _as_rows, matmul_triton
 # Tilings :meth:`BatchInvariantLinear.calibrate` times per row bucket (16-bit operands) on the
 # shapes the library leaves to Triton at a few rows: the best tiling differs by shape (on the
 # H200 the table's choice at 32 rows took 1.34x cuBLAS's time on Llama-3.1-8B's o and down
-# projections, the best per shape 0.99-1.15x), and the bits do not.
+# projections, the best per shape 0.99-1.15x), and the bits do not. Up to 16 rows, 512-long K
+# tiles with two warps stream a weight fastest from HBM (H200, scripts/gpu_gemv_cold.py,
+# 2026-12-04: the down projection at one row in 30.2 us where the 128-long tiles took 33.1,
+# cuBLAS's split-K 31.1); at 32 rows 32-wide column tiles with two warps (32.7 against 35.0).
+_FEW_ROWS: tuple[Tiling, ...] = (
+    (16, 16, 512, 2, 4), (16, 32, 512, 2, 4), (16, 16, 128, 2, 6), (16, 32, 128, 4, 6), (16, 32, 256, 2, 4),
+)
 _TUNE_CANDIDATES: dict[int, tuple[Tiling, ...]] = {
-    8: ((16, 16, 128, 2, 6), (16, 32, 128, 4, 6), (16, 16, 256, 2, 5), (16, 32, 256, 4, 4)),
-    16: ((16, 16, 128, 2, 6), (16, 32, 128, 4, 6), (16, 16, 256, 2, 5), (16, 32, 256, 4, 4)),
-    32: ((32, 32, 256, 4, 4), (32, 16, 256, 2, 5), (32, 32, 128, 4, 6), (16, 16, 128, 2, 6), (16, 32, 128, 4, 6)),
+    8: _FEW_ROWS,
+    16: _FEW_ROWS,
+    32: ((32, 32, 256, 2, 5), (32, 32, 256, 2, 4), (32, 32, 256, 4, 4), (32, 16, 256, 2, 5), (32, 32, 128, 4, 6)),
     64: ((64, 32, 128, 4, 6), (64, 16, 128, 4, 5), (32, 32, 256, 4, 4), (64, 64, 128, 4, 4)),
     128: ((64, 64, 128, 4, 4), (64, 32, 128, 4, 6), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)),
     256: ((128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (128, 64, 64, 8, 4)),
 }
+#: Version of the tiling search kept in the store: an entry tuned by another version is tuned
+#: again (2: weights timed from HBM, cycled through copies; the candidates above).
+_TUNING_VERSION = 2
+#: Copies of a weight the search cycles through sum to at least this many times the device's L2
+#: cache, so that every timed call reads its weight from HBM, as a step does (a step streams
+#: every layer's weights: none is in L2 when its projection runs).
+_COLD_L2_MULTIPLE = 2
+#: At most this many copies (a tiny weight is timed from L2 whatever the copies).
+_MAX_COPIES = 16
 
 
 def graph_time_us(fn: Callable[[], object], reps: int = 10) -> float:
@@ -114,6 +130,8 @@ class BatchInvariantLinear:
             (the default off CUDA): no search.
         candidates: ``row bound -> tilings`` to time (:data:`_TUNE_CANDIDATES`), 16-bit
             operands only (float32's K tiles are bounded by shared memory).
+        cache_bytes: the last-level cache the timed weights must not fit in
+            (:meth:`_weight_copies`); ``None``: the device's L2 on CUDA, none elsewhere.
     """
 
     def __init__(
@@ -123,8 +141,15 @@ class BatchInvariantLinear:
         reference: ReferenceFn | None = None,
         timer: TimerFn | None = None,
         candidates: dict[int, tuple[Tiling, ...]] | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         self.device = torch.device(device)
+        if cache_bytes is None:
+            cache_bytes = 0
+            if self.device.type == "cuda":
+                props = torch.cuda.get_device_properties(self.device)
+                cache_bytes = int(getattr(props, "L2_cache_size", 0))
+        self.cache_bytes = cache_bytes
         self.library = library or F.linear
         self.reference = reference or matmul_triton
         self.timer = timer if timer is not None else (graph_time_us if self.device.type == "cuda" else None)
@@ -184,12 +209,12 @@ class BatchInvariantLinear:
             entry = saved.get(f"{n}x{k}")
             if entry is None or entry["max_rows"] < max_rows:
                 entry = {"bits_first": self._first_library_rows(n, k, max_rows, dtype, gen), "max_rows": max_rows}
-            if not entry.get("raced"):
+            if not entry.get("raced") or entry.get("tuning") != _TUNING_VERSION:
                 # NOTE: a store written before the race kept the bits' threshold as "first"
                 bits_first = entry.get("bits_first", entry.get("first", max_rows + 1))
                 tilings = self._tune_tilings(n, k, min(bits_first - 1, max_rows), dtype, gen)
                 first, tilings = self._race_library(n, k, bits_first, max_rows, dtype, gen, tilings)
-                entry.update(bits_first=bits_first, first=first, tilings=tilings, raced=True)
+                entry.update(bits_first=bits_first, first=first, tilings=tilings, raced=True, tuning=_TUNING_VERSION)
             first = entry["first"]
             saved[f"{n}x{k}"] = entry
             span = (first, max_rows) if first <= max_rows else None
@@ -249,14 +274,16 @@ class BatchInvariantLinear:
             return first, tilings
         weight = (torch.randn((n, k), generator=gen) / k**0.5).to(self.device, dtype)
         x = torch.randn((max_rows, k), generator=gen).to(self.device, dtype)
+        copies = self._weight_copies(weight)
         chosen = [list(entry) for entry in tilings]
         for bound in sorted(self.candidates):
             top = min(bound, max_rows)
             if top < first:
                 continue
             rows = x[:top]
-            library_us = self.timer(lambda rows=rows: self.library(rows, weight))
-            fastest = self._fastest_tiling(rows, weight, bound)
+            cycle = itertools.cycle(copies)
+            library_us = self.timer(lambda rows=rows, cycle=cycle: self.library(rows, next(cycle)))
+            fastest = self._fastest_tiling(rows, copies, bound)
             if fastest is None or fastest[0] > _RACE_MARGIN * library_us:
                 break
             chosen = [entry for entry in chosen if entry[0] != bound] + [[bound, list(fastest[1])]]
@@ -275,28 +302,50 @@ class BatchInvariantLinear:
             return []
         weight = (torch.randn((n, k), generator=gen) / k**0.5).to(self.device, dtype)
         x = torch.randn((top_rows, k), generator=gen).to(self.device, dtype)
+        copies = self._weight_copies(weight)
         chosen: list[list[object]] = []
         low = 0
         for bound in sorted(self.candidates):
             if low >= top_rows:
                 break
-            fastest = self._fastest_tiling(x[: min(bound, top_rows)], weight, bound)
+            fastest = self._fastest_tiling(x[: min(bound, top_rows)], copies, bound)
             if fastest is not None:
                 chosen.append([bound, list(fastest[1])])
             low = bound
         return chosen
 
-    def _fastest_tiling(self, rows: torch.Tensor, weight: torch.Tensor, bound: int) -> tuple[float, Tiling] | None:
+    def _fastest_tiling(
+        self, rows: torch.Tensor, copies: list[torch.Tensor], bound: int
+    ) -> tuple[float, Tiling] | None:
         """``(microseconds, tiling)`` of the candidate of bucket ``bound`` that :attr:`timer`
-        finds fastest on ``rows`` among those giving the reference's bits (``None``: none)."""
+        finds fastest on ``rows`` among those giving the reference's bits (``None``: none).
+        Each timed call reads the next of ``copies`` (equal weights, :meth:`_weight_copies`)."""
         assert self.timer is not None
+        weight = copies[0]
         ref = self.reference(rows, weight)
         timed = []
         for tiling in self.candidates[bound]:
             if not torch.equal(self.reference(rows, weight, config=tiling), ref):
                 continue  # NOTE: never expected (tilings keep the order); never kept either
-            timed.append((self.timer(lambda tiling=tiling: self.reference(rows, weight, config=tiling)), tiling))
+            cycle = itertools.cycle(copies)
+            us = self.timer(lambda tiling=tiling, cycle=cycle: self.reference(rows, next(cycle), config=tiling))
+            timed.append((us, tiling))
         return min(timed) if timed else None
+
+    def _weight_copies(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        """``weight`` and enough copies of it that cycling through them reads each from memory,
+        not from the cache (together at least :data:`_COLD_L2_MULTIPLE` times
+        :attr:`cache_bytes`, at most :data:`_MAX_COPIES`); only ``weight`` without a cache or
+        when the copies do not fit in free memory."""
+        nbytes = weight.numel() * weight.element_size()
+        count = min(_MAX_COPIES, max(1, -(-_COLD_L2_MULTIPLE * self.cache_bytes // max(nbytes, 1))))
+        copies = [weight]
+        try:
+            copies += [weight.clone() for _ in range(count - 1)]
+        except torch.OutOfMemoryError:
+            # NOTE: timed from L2 then: the choice may favour another tiling, never other bits
+            return [weight]
+        return copies
 
 
 def _read_store(store: Path | None) -> dict[str, dict[str, dict[str, int]]]:

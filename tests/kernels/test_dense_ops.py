@@ -206,6 +206,56 @@ def test_calibration_picks_the_fastest_tiling_with_the_reference_bits(tmp_path: 
     assert op32.tilings[(24, 16, torch.float32)] == () and timed == []
 
 
+def test_calibration_times_tilings_on_weight_copies_past_the_cache(tmp_path: Path) -> None:
+    """A step reads each weight from memory, never from a cache it just filled: the timed calls
+    cycle through equal copies that together exceed twice the cache, and a store tuned by the
+    previous search (timed on one weight) is tuned again."""
+    tiling = (5, 5, 5, 5, 5)
+    seen: list[tuple[int, torch.Tensor]] = []
+
+    def reference(x: torch.Tensor, weight: torch.Tensor, config: object = None) -> torch.Tensor:
+        if config is not None:
+            seen.append((weight.data_ptr(), weight))
+        return linear_padded(x, weight)
+
+    def timer(fn: object) -> float:
+        for _ in range(12):
+            fn()  # type: ignore[operator]
+        return 1.0
+
+    weight_bytes = 24 * 16 * 2
+    op = BatchInvariantLinear(
+        "cpu", library=lambda x, w: linear_padded(x, w) + 1, reference=reference, timer=timer,
+        candidates={8: (tiling,)}, cache_bytes=weight_bytes + 1,
+    )
+    store = tmp_path / "gemm.json"
+    op.calibrate({(24, 16): 8}, torch.bfloat16, store)
+    timed = [w for _, w in seen[1:]]  # the first call checks the tiling's bits on the weight itself
+    # ceil(2 * (bytes + 1) / bytes) = 3 copies, read in turn, all equal
+    assert len({ptr for ptr, _ in seen[1:]}) == 3
+    assert [w.data_ptr() for w in timed[:6]] == [w.data_ptr() for w in timed[:3]] * 2
+    assert all(torch.equal(w, timed[0]) for w in timed)
+    # no cache: the weight alone
+    seen.clear()
+    plain = BatchInvariantLinear(
+        "cpu", library=lambda x, w: linear_padded(x, w) + 1, reference=reference, timer=timer,
+        candidates={8: (tiling,)},
+    )
+    plain.calibrate({(24, 16): 8}, torch.bfloat16)
+    assert len({ptr for ptr, _ in seen}) == 1
+    # an entry of the previous search (raced, no tuning version) is tuned again; this one is not
+    key = json.dumps(library_key(torch.device("cpu"), torch.bfloat16), sort_keys=True)
+    data = json.loads(store.read_text())
+    assert data[key]["24x16"]["tuning"] == 2
+    seen.clear()
+    op.calibrate({(24, 16): 8}, torch.bfloat16, store)
+    assert seen == []
+    del data[key]["24x16"]["tuning"]
+    store.write_text(json.dumps(data))
+    op.calibrate({(24, 16): 8}, torch.bfloat16, store)
+    assert seen
+
+
 def test_select_dense_ops_rejects_unknown_devices() -> None:
     with pytest.raises(ValueError, match="batch_invariant"):
         select_dense_ops("meta", batch_invariant=True)
