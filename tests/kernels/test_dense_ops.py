@@ -20,7 +20,7 @@ import torch
 
 from kernels.batch_invariant import linear_naive, linear_padded, rms_norm_naive
 from kernels.dispatch import DEFAULT_DENSE_OPS, select_dense_ops
-from kernels.gemm_calibration import BatchInvariantLinear, library_key
+from kernels.gemm_calibration import _TUNE_CANDIDATES, BatchInvariantLinear, library_key
 
 # (N, K): a fused QKV, a wide gate-up, a down projection and a vocabulary head of SmolLM2.
 _SHAPES = [(1728, 576), (3072, 576), (576, 1536), (49152, 576)]
@@ -271,6 +271,23 @@ def test_matmul_triton_interpreter(interp_dense: ModuleType, m: int, n: int, k: 
     out = interp_dense.matmul_triton(x, weight, b)
     ref = linear_naive(x.double(), weight.double(), None if b is None else b.double())
     assert out.shape == (m, n) and float((out.double() - ref).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "tiling", sorted({t for bucket in (8, 16, 32) for t in _TUNE_CANDIDATES[bucket]}), ids=str
+)
+def test_matmul_triton_interpreter_few_row_tilings(interp_dense: ModuleType, tiling: tuple[int, ...]) -> None:
+    """Every few-row candidate tiling of the start-up search, 16-bit operands, with a ``K`` that
+    is no multiple of its ``K`` tile (the long 512-element tiles end in a masked one) and a
+    column tail: the product, within float16's rounding of the float64 one. (float16: this
+    interpreter reads bfloat16 CPU tensors wrongly, whatever the kernel; the GPU tests run
+    bfloat16.)"""
+    gen = torch.Generator().manual_seed(sum(tiling))
+    x = torch.randn((3, 600), generator=gen).half()
+    weight = (torch.randn((40, 600), generator=gen) / 600**0.5).half()
+    out = interp_dense.matmul_triton(x, weight, config=tiling)
+    ref = linear_naive(x.double(), weight.double())
+    assert out.dtype == torch.float16 and float((out.double() - ref).abs().max()) < 5e-3
 
 
 def test_rms_norm_triton_interpreter(interp_dense: ModuleType) -> None:
