@@ -5,7 +5,8 @@
 --gpu-memory-utilization U] [--policy asymcache+continuum/reserve-prompt] [--slo jct:155.5]``
 
 For each closed-loop concurrency ``C`` it runs the workload twice: on one engine with ``C`` jobs
-in flight, and on ``N`` replicas with ``C`` in flight together. Every job stays on one replica
+in flight, and on ``N`` replicas with ``C`` in flight together, each replica running ``--jobs``
+jobs (``N`` times the jobs in all). Every job stays on one replica
 from its first turn to its last (the job affinity of ``asymcache serve --replicas``: its KV and
 Continuum pins are there), so the replicas' affinity hit rate is 100% by construction; jobs
 are dealt round robin, each replica running a closed loop of ``C / N`` (a new job starts on
@@ -59,8 +60,12 @@ def merge(outcomes: list[RunOutcome]) -> RunOutcome:
 
 
 def run(cfg: BenchConfig, variant: BenchVariant, replicas: int, concurrency: int) -> RunOutcome:
-    """The workload on ``replicas`` engines with ``concurrency`` jobs in flight together."""
-    trace = load_workload(cfg)
+    """The workload on ``replicas`` engines with ``concurrency`` jobs in flight together.
+
+    NOTE: each replica runs ``cfg.jobs`` jobs (the trace has ``replicas`` times as many): a
+    closed loop drains at its end, and over fewer jobs a larger share of them would run in the
+    drain's lighter load."""
+    trace = load_workload(replace(cfg, jobs=cfg.jobs * replicas))
     base = EngineConfig(**{name: getattr(cfg, name) for name in ENGINE_FIELDS})
     base = replace(base, dtype=engine_dtype(cfg), seed=cfg.seed, num_kv_blocks=cfg.num_kv_blocks, **variant.engine_overrides)
     parts = [trace.model_copy(update={"jobs": trace.jobs[i::replicas]}) for i in range(replicas)]
@@ -143,7 +148,7 @@ def main() -> None:
     cfg = replace(cfg, num_kv_blocks=pool_blocks(cfg, load_workload(cfg), plan))
     variant = BenchVariant.parse(args.policy)
     slo = SLO.parse(args.slo) if args.slo else None
-    print(f"# {args.workload}, {args.jobs} jobs, seed {args.seed}, {cfg.num_kv_blocks} blocks an engine, "
+    print(f"# {args.workload}, {args.jobs} jobs an engine, seed {args.seed}, {cfg.num_kv_blocks} blocks an engine, "
           f"{args.policy}, backend {args.backend}, time scale {args.time_scale}")
     print("| agents | engines | JCT mean s | JCT p90 s | JCT p99 s | TTFT p99 s | jobs/h | jobs/h within SLO |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
