@@ -116,9 +116,10 @@ class OutputProcessor:
         Returns:
             The event, with the parsed message, the pin decision and the turn metrics.
         """
+        # NOTE: no queueing delay to report: the engine's controller records it when the request
+        # is first admitted (ContinuumController.on_admit), once.
         m = out.metrics
         ctl = self.controller
-        ctl.on_request_scheduled(m.arrival_time, m.first_scheduled_time)
         parsed = parse_tool_calls(out.text, options.parse_format) if options.parse_format else None
         pin: PinDecision | None = None
         job = options.job_id

@@ -209,7 +209,6 @@ def drive(
                 st = states[job_id]
                 m = out.metrics
                 end = m.finish_time if m.finish_time is not None else clock()
-                controller.on_request_scheduled(m.arrival_time, m.first_scheduled_time)
                 records.append(
                     RequestRecord(
                         job_id, st.turn, m.arrival_time, m.first_scheduled_time, m.first_token_time, end,

@@ -145,7 +145,8 @@ if triton is not None:
 # whose bound holds. The bits are the same for every entry; the times were measured on the H200
 # (scripts/gpu_bi_matmul.py, scripts/gpu_gemv_cold.py with the weights read from HBM): at a
 # few rows, narrow column tiles and long K tiles give the weight stream enough programs and
-# loads in flight to match cuBLAS's split-K kernels without splitting K. Float32 keeps K tiles short to fit shared memory with IEEE dots.
+# loads in flight to match cuBLAS's split-K kernels without splitting K. Float32 keeps K tiles
+# short to fit shared memory with IEEE dots.
 _CONFIGS: dict[int, tuple[tuple[int, tuple[int, int, int, int, int]], ...]] = {
     2: (
         (8, (16, 16, 512, 2, 4)),

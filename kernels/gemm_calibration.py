@@ -209,12 +209,12 @@ class BatchInvariantLinear:
             entry = saved.get(f"{n}x{k}")
             if entry is None or entry["max_rows"] < max_rows:
                 entry = {"bits_first": self._first_library_rows(n, k, max_rows, dtype, gen), "max_rows": max_rows}
-            if not entry.get("raced") or entry.get("tuning") != _TUNING_VERSION:
+            if entry.get("tuning") != _TUNING_VERSION:
                 # NOTE: a store written before the race kept the bits' threshold as "first"
                 bits_first = entry.get("bits_first", entry.get("first", max_rows + 1))
                 tilings = self._tune_tilings(n, k, min(bits_first - 1, max_rows), dtype, gen)
                 first, tilings = self._race_library(n, k, bits_first, max_rows, dtype, gen, tilings)
-                entry.update(bits_first=bits_first, first=first, tilings=tilings, raced=True, tuning=_TUNING_VERSION)
+                entry.update(bits_first=bits_first, first=first, tilings=tilings, tuning=_TUNING_VERSION)
             first = entry["first"]
             saved[f"{n}x{k}"] = entry
             span = (first, max_rows) if first <= max_rows else None
@@ -281,8 +281,7 @@ class BatchInvariantLinear:
             if top < first:
                 continue
             rows = x[:top]
-            cycle = itertools.cycle(copies)
-            library_us = self.timer(lambda rows=rows, cycle=cycle: self.library(rows, next(cycle)))
+            library_us = self.timer(_cycled(lambda w, rows=rows: self.library(rows, w), copies))
             fastest = self._fastest_tiling(rows, copies, bound)
             if fastest is None or fastest[0] > _RACE_MARGIN * library_us:
                 break
@@ -327,9 +326,8 @@ class BatchInvariantLinear:
         for tiling in self.candidates[bound]:
             if not torch.equal(self.reference(rows, weight, config=tiling), ref):
                 continue  # NOTE: never expected (tilings keep the order); never kept either
-            cycle = itertools.cycle(copies)
-            us = self.timer(lambda tiling=tiling, cycle=cycle: self.reference(rows, next(cycle), config=tiling))
-            timed.append((us, tiling))
+            call = _cycled(lambda w, tiling=tiling: self.reference(rows, w, config=tiling), copies)
+            timed.append((self.timer(call), tiling))
         return min(timed) if timed else None
 
     def _weight_copies(self, weight: torch.Tensor) -> list[torch.Tensor]:
@@ -346,6 +344,12 @@ class BatchInvariantLinear:
             # NOTE: timed from L2 then: the choice may favour another tiling, never other bits
             return [weight]
         return copies
+
+
+def _cycled(call: Callable[[torch.Tensor], object], copies: list[torch.Tensor]) -> Callable[[], object]:
+    """``call`` of the next of ``copies`` at each call (equal weights, read in turn)."""
+    cycle = itertools.cycle(copies)
+    return lambda: call(next(cycle))
 
 
 def _read_store(store: Path | None) -> dict[str, dict[str, dict[str, int]]]:

@@ -7,8 +7,9 @@ timing that replays one weight finds the weights under ~60 MB there (Llama-3.1-8
 qkv projections). Per shape and row count: cuBLAS (``F.linear``) and each Triton tiling
 candidate, CUDA-graph replays of 20 calls, microseconds a call, ``hot`` (one weight) and
 ``cold`` (the call ``i`` reads copy ``i mod c``, ``c`` copies summing to >= 3x the L2), with
-the weight-read floor at the copy rate measured in the same run; whether each tiling gives the
-reference bits.
+the weight-read floor at the copy rate measured in the same run
+(:func:`kernels.bench.copy_bandwidth`; the runs of 2026-12-04 timed a uint8 copy, at 2.76 TB/s:
+their floor column is not the floor); whether each tiling gives the reference bits.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.batch_invariant import matmul_triton
+from kernels.bench import copy_bandwidth
 from kernels.gemm_calibration import _TUNE_CANDIDATES
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -61,17 +63,6 @@ def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def copy_rate_gbs() -> float:
-    """Device-to-device copy of 1 GiB of float32, read + write bytes, GB/s.
-
-    NOTE: the runs of 2026-12-04 copied uint8 elements, which ran at 2.76 TB/s: their floor
-    column is not the floor (the copy rate is ~4.27 TB/s, BENCHMARKS "Decode launches against
-    the read floor")."""
-    src = torch.empty(2**28, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / graph_us(lambda: dst.copy_(src), reps=5) / 1e3
-
-
 def case(weights: list[torch.Tensor], x: torch.Tensor, sweep: bool) -> list[tuple[str, float, float, str]]:
     """``(kernel, hot us, cold us, bits)`` for cuBLAS and each tiling candidate of ``x``'s rows
     (``sweep``: the calibration's candidates and :func:`sweep_tilings`, cold only)."""
@@ -108,7 +99,7 @@ def main() -> None:
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
-    bw = copy_rate_gbs()
+    bw = copy_bandwidth()  # GB/s, read + write
     print(f"{torch.cuda.get_device_name()}; L2 {l2 / 2**20:.0f} MiB; copy rate {bw:.0f} GB/s")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name in args.shapes.split(","):

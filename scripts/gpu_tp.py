@@ -11,7 +11,8 @@ For each: greedy tokens of 4 random 512-token prompts (32 tokens each) compared 
 median ms per output token of decode-only steps per case (sequences x context, the requests'
 last steps: :func:`scripts.gpu_async_step.run_case`); the median wall time of one prefill step
 of ``--prefill`` fresh tokens; rank 0's collective kernels per decode step (profiler, the last
-case). Floors: the weights each GPU holds read once at the copy rate measured on ``cuda:0``.
+case). Floors: the weights each GPU holds read once at the copy rate measured on ``cuda:0``
+(:func:`kernels.bench.copy_bandwidth`).
 ``--skip-tp1`` (a model that one GPU does not hold, ``dummy:llama-3.1-70b``) runs ``tpN`` only.
 ``--device cpu --model dummy:tiny`` checks the script on a CPU (gloo, float32, small cases).
 """
@@ -27,21 +28,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from asymcache_core import Engine, SamplingParams
 from scripts.gpu_async_step import run_case
-
-
-def copy_rate_gbs(device: torch.device) -> float:
-    """Read + write bytes of a 1 GiB float32 copy on ``device`` (GB/s); 0 off CUDA."""
-    if device.type != "cuda":
-        return 0.0
-    src = torch.empty(2**28, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    return 2 * src.numel() * 4 * 5 / (time.perf_counter() - start) / 1e9
 
 
 def prefill_ms(engine: Engine, tokens: int, vocab: int, rounds: int = 3) -> float:
@@ -102,7 +88,11 @@ def main() -> None:
     max_len = 1 << (longest - 1).bit_length()
     blocks = max(b * (c + args.tokens) // 16 + 64 for b, c in cases) + args.prefill // 16 + 512
     device = torch.device(args.device)
-    rate = copy_rate_gbs(device)
+    rate = 0.0
+    if device.type == "cuda":
+        from kernels.bench import copy_bandwidth
+
+        rate = copy_bandwidth()  # GB/s on cuda:0, read + write
     names = ([] if args.skip_tp1 else ["tp1", "tp1-eager"]) + [f"tp{args.tp}"]
     print(f"# {args.model} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
           f"copy rate {rate:.0f} GB/s; GPUs visible {torch.cuda.device_count()}")

@@ -367,9 +367,9 @@ class ContinuumController:
         if not request.admitted_once:
             # NOTE: a first admission ends the request's queueing (a re-admission after a
             # preemption does not): T_queue for the pin benefit, and the waits the target
-            # control keeps within the target. Before 2026-12-04 the embedded engine fed no
-            # T_queue, so its pins priced only the reload (simulated H200, SWE at 128 agents on
-            # 19,934 blocks, seed 1: mean JCT 0.4-0.5% lower for `continuum` and the default).
+            # control keeps within the target. Recorded here, once, for every caller of the
+            # embedded engine; before 2026-12-04 the agent runtime and the bench harness each
+            # recorded it when the request finished, a whole turn late.
             now = self.now()
             self.on_request_scheduled(request.metrics.arrival_time, now)
             if self.ttft_target is not None:

@@ -20,9 +20,6 @@ class RecordingController:
     def on_request_arrival(self, job_id: str, now: float) -> None:
         self.calls.append(("arrival", (job_id, now)))
 
-    def on_request_scheduled(self, arrival: float, first: float | None) -> None:
-        self.calls.append(("scheduled", (arrival, first)))
-
     def on_tool_call(self, job_id: str, tools: list[str], context_tokens: int, **kw: Any) -> PinDecision:
         self.calls.append(("tool_call", (job_id, tools, context_tokens, kw)))
         return PinDecision(job_id, tools[0], 1.5, 3, None, 0.0, 1.0, context_tokens, 0.0)
@@ -49,7 +46,8 @@ def test_tool_call_turn_pins_and_counts_recomputed_history():
     assert first.pin is not None and first.metrics.ttl_s == 1.5 and first.metrics.pinned_blocks == 3
     assert first.metrics.queue_s == 0.25 and first.metrics.recomputed_tokens == 0
     kinds = [k for k, _ in ctl.calls]
-    assert kinds == ["arrival", "scheduled", "tool_call"]
+    # the queueing delay is the engine's to record, at admission: not reported a second time here
+    assert kinds == ["arrival", "tool_call"]
     job, tools, context, kw = ctl.calls[-1][1]
     assert (job, tools, context) == ("job", ["read_file"], 16)
     assert kw == {"ended_at": 2.0, "pinning": True, "ttl_rule": "continuum"}
@@ -75,7 +73,7 @@ def test_pause_tool_aborts_and_requests_without_a_job():
     # an aborted turn decides nothing
     n = len(ctl.calls)
     ev = proc.finalize(OutputOptions(job_id="j", parse_format="hermes"), [1, 2, 3], _out(CALL, 3, 2, reason="abort"))
-    assert ev.pin is None and [k for k, _ in ctl.calls[n:]] == ["scheduled"]
+    assert ev.pin is None and ctl.calls[n:] == []
     # without a job: recomputed = holes + suffix + preemption, no decision
     ev = proc.finalize(OutputOptions(parse_format="hermes"), [1], _out(CALL, 1, 2, hole_tokens=4,
                                                                        suffix_recomputed_tokens=1, preempted_tokens=2))

@@ -394,3 +394,23 @@ def test_repeated_result_weighs_each_runs_job_time_by_its_jobs():
     assert result.job_time.prefill_s == pytest.approx(0.4)
     assert result.job_time.decode_s == pytest.approx(0.6)
     assert result.job_time.pause_s == pytest.approx(0.4)  # JCT 1 + TTFT against 1 s of requests
+
+
+def test_each_request_feeds_t_queue_once_when_first_admitted():
+    """The pin benefit's queueing delay (T_queue) is recorded by the engine when a request is
+    first admitted, once: the harness reports nothing a second time at the request's end."""
+    from asymcache_core import EngineConfig
+    from eval.bench import BenchVariant, load_workload
+    from eval.harness import drive, make_engine
+
+    cfg = BenchConfig(workload="toolloop", backend="sim", jobs=6, concurrency=3, max_model_len=131072,
+                      num_kv_blocks=4000)
+    trace = load_workload(cfg)
+    engine = make_engine(EngineConfig(num_kv_blocks=4000, max_model_len=131072), "sim")
+    engine.continuum.queue.window = 10_000
+    outcome = drive(engine, trace, BenchVariant.parse("asymcache+continuum"), time_scale=1.0, seed=0,
+                    concurrency=3, sleep=None)
+    samples = [delay for _, delay in engine.continuum.queue._samples]
+    assert len(samples) == len(outcome.records) > 6
+    expected = sorted(r.first_scheduled - r.arrival for r in outcome.records)
+    assert sorted(samples) == pytest.approx(expected)

@@ -243,7 +243,7 @@ def test_calibration_times_tilings_on_weight_copies_past_the_cache(tmp_path: Pat
     )
     plain.calibrate({(24, 16): 8}, torch.bfloat16)
     assert len({ptr for ptr, _ in seen}) == 1
-    # an entry of the previous search (raced, no tuning version) is tuned again; this one is not
+    # an entry of the previous search (no tuning version) is tuned again; this one is not
     key = json.dumps(library_key(torch.device("cpu"), torch.bfloat16), sort_keys=True)
     data = json.loads(store.read_text())
     assert data[key]["24x16"]["tuning"] == 2
