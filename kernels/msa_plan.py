@@ -143,9 +143,11 @@ def choose_config(
 
     Rows per program are ``block_m * next_pow2(G)``: 16 for decode-only steps (the smallest
     tensor-core tile), up to 256 once segments are long, fewer where the tile would not fit
-    the device's shared memory in ``dtype``. Split-K turns on when the programs (q-tiles times
-    KV heads) cannot fill the GPU and contexts are long: ~3 programs per SM for short tiles
-    (up to 64 rows), two waves for prefill tiles.
+    the device's shared memory in ``dtype``. KV tiles are 64 keys, or 128 for 256-row prefill
+    tiles whose queries see >= 8k keys on average (:data:`_WIDE_KV_MIN_KEYS`; such launches
+    always split). Split-K turns on when the programs (q-tiles times KV heads) cannot fill the
+    GPU and contexts are long: ~3 programs per SM for short tiles (up to 64 rows), two waves
+    for prefill tiles.
     """
     return _config_for(meta.host_segments, num_q_heads, num_kv_heads, head_dim, device, dtype)
 
@@ -179,7 +181,33 @@ def _config_for(
         # compute-bound tiles (one 8-warp program per SM): split only long contexts, into
         # chunks of >= 4k keys, to fill two waves (measured: the merge costs more below that)
         num_splits = max(1, min(-(-2 * num_sms // programs), max_ctx // 4096))
+    if rows == _WIDE_KV_ROWS and _mean_keys(segments) >= _WIDE_KV_MIN_KEYS:
+        wide = (rows, _WIDE_KV_BLOCK_N, 2)
+        if _fit_tile(*wide, head_dim, _elem_bytes(dtype), _smem_limit(device)) == wide:
+            block_n, num_stages = _WIDE_KV_BLOCK_N, 2
+            num_splits = max(num_splits, 2)
     return MSAConfig(block_m, block_n, num_warps, num_stages, max(num_splits, 1))
+
+
+# Prefill tiles of this many rows walk KV tiles of _WIDE_KV_BLOCK_N keys (two stages deep)
+# when the launch's queries see at least _WIDE_KV_MIN_KEYS keys on average.
+# NOTE: measured on the H200 (Triton 3.6, bf16, 32 q / 8 KV heads, head_dim 128,
+# scripts/gpu_msa_tiles.py): from ~8k keys a query the 128-key tile is 2-13% faster than the
+# 64-key one on every multi-segment layout tried (19, ten of them held out from the choice of
+# the rule); below it, it loses (a fresh 8k prompt -7%, four fresh 2k prompts -29%): its
+# masked diagonal tiles and its one fewer stage of copies in flight outweigh the turns saved.
+# It runs split (>= 2 KV splits): the same tile compiled without the split path ran 1.45x
+# slower, whatever the layout. Only the 256-row tile was measured.
+_WIDE_KV_ROWS = 256
+_WIDE_KV_BLOCK_N = 128
+_WIDE_KV_MIN_KEYS = 8192
+
+
+def _mean_keys(segments: tuple[tuple[int, int, int, int], ...] | list[tuple[int, int, int, int]]) -> float:
+    """Mean keys a query of ``segments`` attends to (its position + 1)."""
+    tokens = sum(seg[2] for seg in segments)
+    keys = sum(seg[2] * (seg[3] + (seg[2] + 1) / 2) for seg in segments)
+    return keys / max(tokens, 1)
 
 
 def _elem_bytes(dtype: torch.dtype) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -53,44 +53,56 @@ def plan_at(meta, chunk: int, stages: int):  # type: ignore[no-untyped-def]
     return dataclasses.replace(meta, plan=dataclasses.replace(p, launches=launches))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--cells", default="512:4,512:5,256:3,512:3", help="chunk:stages, the last the reference")
-    args = ap.parse_args()
-    cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",")]
+def knob_tables(names: list[str], plans: list[Callable], alone: list[Callable]) -> None:  # type: ignore[type-arg]
+    """Prints the decode and prefill tables of knob settings: ``plans[i](meta)`` is ``meta``
+    planned at setting ``i``, ``alone[i]()`` a context in which rows computed alone (one-token
+    plans) follow setting ``i``; the last setting is the reference of each row's ratios."""
     import kernels.msa_triton as module
 
     decodes = [decode_layout(1, 2048), decode_layout(1, 8192), decode_layout(1, 32768), decode_layout(8, 2048),
                decode_layout(32, 2048), decode_layout(4, 32768), decode_layout(64, 8192)]
     prefills = [Layout("causal 8k", [8192], [[(0, 8192)]]), segment_layout(16384, 4), segment_layout(32768, 8),
                 Layout("2k at 6k", [8192], [[(6144, 2048)]])]
-    head = " | ".join(f"chunk {c} s{s}" for c, s in cells)
-    print(f"| decode | KV MB | {head} |\n|---|---:|" + "---:|" * len(cells))
+    head = " | ".join(names)
+    print(f"| decode | KV MB | {head} |\n|---|---:|" + "---:|" * len(names))
     for layout in decodes:
         kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * 2
         copies = max(1, min(8, -(-(256 << 20) // int(kv_bytes))))
         inputs = [make_inputs(layout, torch.Generator().manual_seed(i + 11)) for i in range(copies)]
-        times = [timed(module, inputs, [plan_at(inp.meta, c, s) for inp in inputs], True) for c, s in cells]
+        times = [timed(module, inputs, [plan(inp.meta) for inp in inputs], True) for plan in plans]
         ref = times[-1]
         print(f"| {layout.name} | {kv_bytes / 1e6:.0f} | "
               + " | ".join(f"{t * 1e3:.1f} us ({t / ref:.2f}x)" for t in times) + " |", flush=True)
         del inputs
         torch.cuda.empty_cache()
-    print(f"\n| prefill | {head} |\n|---|" + "---:|" * len(cells))
+    print(f"\n| prefill | {head} |\n|---|" + "---:|" * len(names))
     for layout in prefills:
         inp = make_inputs(layout, torch.Generator().manual_seed(5))
         last = inp.meta.host_segments[-1]
         check = [last[1] + last[2] - 1, last[1] + last[2] // 2, last[1]]
         results = []
-        for c, s in cells:
-            meta = plan_at(inp.meta, c, s)
-            with invariant_chunk(c, partial_bytes=0):  # rows alone: in-program merge, same chunk
+        for plan, context in zip(plans, alone, strict=True):
+            meta = plan(inp.meta)
+            with context():
                 same = rows_alone_equal(module, inp, meta, check)
             results.append((timed(module, [inp], [meta], False), same))
         ref = results[-1][0]
         print(f"| {layout.name} | "
               + " | ".join(f"{t:.3f} ms ({t / ref:.2f}x{'' if same else ', BITS DIFFER ALONE'})" for t, same in results)
               + " |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cells", default="512:4,512:5,256:3,512:3", help="chunk:stages, the last the reference")
+    args = ap.parse_args()
+    cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",")]
+    knob_tables(
+        [f"chunk {c} s{s}" for c, s in cells],
+        [lambda meta, c=c, s=s: plan_at(meta, c, s) for c, s in cells],
+        # rows alone: in-program merge, same chunk
+        [lambda c=c: invariant_chunk(c, partial_bytes=0) for c, _ in cells],
+    )
 
 
 if __name__ == "__main__":

@@ -178,3 +178,34 @@ def test_choose_config_splits_long_decode(interp: ModuleType) -> None:
     assert cfg.num_splits > 1 and cfg.block_m * 4 == 16
     cfg = msa_plan.choose_config(case.meta, 4, 1, 64, torch.device("cpu"))
     assert cfg.num_splits == 1
+
+
+def test_choose_config_walks_deep_prefills_in_wide_kv_tiles(interp: ModuleType) -> None:
+    """Prefill tiles of 256 rows whose queries see >= 8k keys on average walk 128-key tiles,
+    two stages deep and split; fresh prompts, shallow holes and tiles that would not fit the
+    shared memory (float32) keep 64-key tiles. The wide tile gives the oracle's output."""
+    cpu = torch.device("cpu")
+
+    def config(segments: list[tuple[int, int, int, int]], dtype: torch.dtype = torch.bfloat16) -> msa_plan.MSAConfig:
+        blocks = -(-max(pos + n for _, _, n, pos in segments) // 16)
+        tokens = sum(n for _, _, n, _ in segments)
+        meta = build_msa_metadata([[0] * blocks], segments, [0] * tokens, 16)
+        return msa_plan.choose_config(meta, 32, 8, 128, cpu, dtype)
+
+    deep = [(0, 0, 512, 7_000), (0, 512, 512, 15_000), (0, 1024, 1024, 31_000)]  # a 32k history's holes
+    wide = config(deep)
+    assert (wide.block_m * 4, wide.block_n, wide.num_stages) == (256, 128, 2) and wide.num_splits >= 2
+    fresh = config([(0, 0, 8192, 0)])  # a fresh 8k prompt: 4k keys a query on average
+    assert fresh.block_n == 64
+    shallow = config([(0, 0, 512, 2_000), (0, 512, 1024, 7_000)])
+    assert shallow.block_n == 64
+    assert config(deep, torch.float32).block_n < 128  # 256 x 128 float32 tiles do not fit
+
+    case = make_case(
+        case_seed("wide-kv"), kind="prefill", num_seqs=1, block_size=16, num_kv_heads=1, group=4,
+        head_dim=64, max_ctx=420, dtype=torch.float32,
+    )
+    cfg = msa_plan.MSAConfig(64, 128, 8, 2, 2)
+    out = torch.full_like(case.q, float("nan"))
+    interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=out, config=cfg)
+    check_close(out, case, torch.float32)
