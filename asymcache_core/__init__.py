@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from asymcache_core.config import EngineConfig
-from asymcache_core.engine import Engine, EngineStats, GenerationOutput
+from asymcache_core.engine import Engine
+from asymcache_core.engine_stats import EngineStats, GenerationOutput
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import RequestOutput
 from asymcache_core.sampling_params import SamplingParams

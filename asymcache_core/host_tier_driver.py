@@ -108,7 +108,7 @@ class HostTierDriver:
                 break
 
     def stats(self) -> dict[str, int]:
-        """The tier's gauges and counters, as :class:`~asymcache_core.engine.EngineStats` fields."""
+        """The tier's gauges and counters, as :class:`~asymcache_core.engine_stats.EngineStats` fields."""
         tier = self.tier
         n = tier.counters
         return {

@@ -11,6 +11,9 @@
   (linear layers of every token, the LM head of the sampled rows, causal attention) per
   second, and their share of the matmul peak;
 * the busiest kernels of one 8,192-token step of the default engine.
+
+``--library-tiles`` times instead the library engine with and without its 128-key KV tiles for
+deep prefill launches (``kernels.msa_plan._WIDE_KV_MIN_KEYS``), in alternating rounds.
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ def main() -> None:
     ap.add_argument("--model", default="dummy:llama-3.1-8b")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the timed step (the step budget)")
+    ap.add_argument("--library-tiles", action="store_true",
+                    help="the library engine with and without its 128-key tiles, alternating rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --library-tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")
     tokens = args.tokens
@@ -116,6 +122,9 @@ def main() -> None:
     peak, peak_shape = matmul_peak(linear_shapes, tokens, dev)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.model}: "
           f"{linear_params / 1e9:.2f} B linear parameters; bf16 matmul peak {peak:.0f} TFLOP/s ({peak_shape})")
+    if args.library_tiles:
+        library_tiles(args, loaded, cfg, linear_params, head_params, peak)
+        return
     engines = {}
     for mode, invariant in (("library kernels", False), ("batch-invariant (default)", True)):
         start = time.perf_counter()
@@ -150,6 +159,39 @@ def main() -> None:
     gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3
     print(f"default engine, one 1 x {tokens} step: {gpu_ms:.1f} ms of GPU time")
     print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+def library_tiles(args: argparse.Namespace, loaded: object, cfg: object, linear_params: int, head_params: int,
+                  peak: float) -> None:
+    """The library engine's prefill steps with its 128-key KV tiles and with 64-key tiles only
+    (the planner's rule switched off), in ``args.rounds`` alternating rounds; medians."""
+    from kernels import msa_plan
+
+    tokens = args.tokens
+    engine = Engine(
+        model=args.model, device="cuda", loaded=loaded, num_kv_blocks=(5 * tokens) // 16 + 64,
+        max_num_batched_tokens=tokens, max_model_len=4 * tokens + 64, batch_invariant=False,
+    )
+    wide_keys = msa_plan._WIDE_KV_MIN_KEYS
+    cases = {"one prompt": [(0, tokens)], "last chunk": [(3 * tokens, tokens)]}
+    print("| step | 128-key tiles ms | 64-key tiles ms | speed-up | TFLOP/s (128-key) | of matmul peak |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for case, segments in cases.items():
+        times: dict[bool, list[float]] = {True: [], False: []}
+        # NOTE: one generator for every call: a prompt drawn twice would hit the prefix cache
+        gen = torch.Generator().manual_seed(11)
+        for _ in range(args.rounds):
+            for wide in (True, False):
+                msa_plan._WIDE_KV_MIN_KEYS = wide_keys if wide else 1 << 62
+                try:
+                    times[wide].append(prefill_step_ms(engine, case, tokens, gen, args.repeats))
+                finally:
+                    msa_plan._WIDE_KV_MIN_KEYS = wide_keys
+        wide_ms, narrow_ms = statistics.median(times[True]), statistics.median(times[False])
+        tflops = step_flops(cfg, segments, linear_params, head_params) / wide_ms / 1e9
+        name = f"1 x {tokens}" if case == "one prompt" else f"last {tokens} of {4 * tokens}"
+        print(f"| {name} | {wide_ms:.1f} | {narrow_ms:.1f} | {narrow_ms / wide_ms:.3f}x | {tflops:.0f} | {tflops / peak:.0%} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""What the engine reports: per-step records, run-wide counters, the stats snapshot that
+``/metrics``, the harness and the runtime read, and :meth:`Engine.generate`'s results.
+
+Plain records, no behaviour: :mod:`asymcache_core.engine` fills them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class StepStats:
+    """Per-step metrics.
+
+    Attributes:
+        start: engine time the step began (with async scheduling: began on the device,
+            :class:`~asymcache_core.step_timeline.DeviceTimeline`).
+        duration_s: its wall (or virtual) duration; with async scheduling on CUDA, its time
+            on the device.
+        budget: token budget chosen.
+        num_tokens: tokens computed.
+        num_segments: MSA segments in the launch.
+        num_seqs: sequences in the batch.
+        num_decodes: sequences that computed exactly one token.
+        blocks_in_use: pool blocks held or pinned after the step.
+        schedule_s: host seconds spent planning it, a part of ``duration_s``; with async
+            scheduling, planning and launching it while the step before ran.
+        attn_pairs: query-key pairs of the step (the latency model's ``A``).
+        num_hole_tokens: tokens refilling holes (positions below a request's last cache hit).
+        decode_only: every sequence ran one token, its last (CUDA-graph eligible).
+        predicted_s: what the engine's latency model predicted for the step; the gap to
+            ``duration_s`` is the model's error on live traffic.
+        decode_kv_tokens: keys read by the step's decodes (the latency model's ``K``).
+        reload_blocks: blocks copied host -> device for this step's plan (host tier).
+        offload_blocks: blocks copied device -> host.
+        host_recomputed_blocks: host hits the lookups of this step chose to recompute instead
+            of reloading (cheaper by the cost model).
+    """
+
+    start: float
+    duration_s: float
+    budget: int
+    num_tokens: int
+    num_segments: int
+    num_seqs: int
+    num_decodes: int
+    blocks_in_use: int
+    schedule_s: float = 0.0
+    attn_pairs: float = 0.0
+    num_hole_tokens: int = 0
+    decode_only: bool = False
+    predicted_s: float = 0.0
+    decode_kv_tokens: float = 0.0
+    reload_blocks: int = 0
+    offload_blocks: int = 0
+    host_recomputed_blocks: int = 0
+
+
+@dataclass
+class EngineCounters:
+    """Run-wide cache counters (never inflated by preemption recompute)."""
+
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    hole_tokens: int = 0
+    suffix_recomputed_tokens: int = 0
+    preempted_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_requests: int = 0
+    reload_tokens: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and run-wide counters (:meth:`Engine.stats`).
+
+    What the server's ``/metrics``, the harness and the runtime read, so that none of them
+    reaches into the pool, the scheduler or the pin manager. Names ending in ``_total`` are
+    monotonic counters; the rest are gauges.
+    """
+
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    kv_blocks_peak_in_use: int
+    requests_running: int
+    requests_waiting: int
+    pinned_blocks: int
+    pins_total: int
+    pins_expired_total: int
+    pins_released_pressure_total: int
+    evictions_total: int
+    engine_prompt_tokens_total: int
+    engine_cache_hit_tokens_total: int
+    engine_hole_tokens_total: int
+    engine_suffix_recomputed_tokens_total: int
+    engine_preempted_tokens_total: int
+    engine_computed_tokens_total: int
+    engine_generated_tokens_total: int
+    preemptions_total: int
+    requests_total: int
+    jobs_admitted: int = 0
+    jobs_held_back_total: int = 0
+    engine_reload_tokens_total: int = 0
+    host_kv_blocks_total: int = 0
+    host_kv_blocks_cached: int = 0
+    host_offloaded_blocks_total: int = 0
+    host_reloaded_blocks_total: int = 0
+    host_prefetched_blocks_total: int = 0
+    host_recompute_chosen_blocks_total: int = 0
+    host_evictions_total: int = 0
+    host_bytes_to_host_total: int = 0
+    host_bytes_to_device_total: int = 0
+    kv_block_size: int = 0
+    #: how far the adaptive program order may move a request ahead of its arrival, under the
+    #: stated time-to-first-token target (``inf``: no target, or another order)
+    order_slack_seconds: float = math.inf
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Field name -> value, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """Result of :meth:`Engine.generate` for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: Any
