@@ -192,12 +192,14 @@ def _config_for(
 # Prefill tiles of this many rows walk KV tiles of _WIDE_KV_BLOCK_N keys (two stages deep)
 # when the launch's queries see at least _WIDE_KV_MIN_KEYS keys on average.
 # NOTE: measured on the H200 (Triton 3.6, bf16, 32 q / 8 KV heads, head_dim 128,
-# scripts/gpu_msa_tiles.py): from ~8k keys a query the 128-key tile is 2-13% faster than the
-# 64-key one on every multi-segment layout tried (19, ten of them held out from the choice of
-# the rule); below it, it loses (a fresh 8k prompt -7%, four fresh 2k prompts -29%): its
-# masked diagonal tiles and its one fewer stage of copies in flight outweigh the turns saved.
+# scripts/gpu_msa_tiles.py): from 8k keys a query on average the planner's launches with the
+# 128-key tile were 4-12% faster than with 64-key tiles on each of 14 layouts (9 of them held
+# out from the choice of the rule); below it, the wide tile loses (a fresh 8k prompt -7%, four
+# fresh 2k prompts -29%): its masked diagonal tiles and its one fewer stage of copies in flight
+# outweigh the turns saved.
 # It runs split (>= 2 KV splits): the same tile compiled without the split path ran 1.45x
-# slower, whatever the layout. Only the 256-row tile was measured.
+# slower, whatever the layout (its KV loop spills: 117 local loads and stores a turn against
+# 36 split, compiled for sm_90). Only the 256-row tile was measured.
 _WIDE_KV_ROWS = 256
 _WIDE_KV_BLOCK_N = 128
 _WIDE_KV_MIN_KEYS = 8192
