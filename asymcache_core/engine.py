@@ -20,24 +20,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from asymcache_core.async_steps import AsyncSteps, InFlight
-from asymcache_core.block_pool import BlockPool
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
-from asymcache_core.continuum.backends import PinManager
-from asymcache_core.continuum.controller import ContinuumController
-from asymcache_core.continuum.ttft_target import TTFTTarget
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.engine_stats import EngineCounters, EngineStats, GenerationOutput, StepStats
 from asymcache_core.errors import EngineDeadError
-from asymcache_core.eviction import PolicyContext, create_policy
 from asymcache_core.host_tier import HostTier
 from asymcache_core.host_tier_driver import HostTierDriver
-from asymcache_core.job_admission import JobAdmission, gate_capacity_blocks
 from asymcache_core.job_stats import JobStats
-from asymcache_core.kv_cache_manager import KVCacheManager
-from asymcache_core.kv_events import create_kv_events
+from asymcache_core.kv_stack import build_kv_stack
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
-from asymcache_core.memory_budget import GIB, KVPoolPlan, check_host_tier_fits, plan_for_device
+from asymcache_core.memory_budget import GIB, KVPoolPlan, plan_for_device
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import (
@@ -170,52 +163,21 @@ class Engine(AsyncSteps):
         else:
             self.latency = LatencyModel.analytic(mc, device.type, dtype_bytes, config.model)
         self.job_stats = JobStats()
-        policy = create_policy(
-            config.eviction_policy, PolicyContext(config.block_size, self.latency, self.job_stats)
-        )
-        self.pool = BlockPool(self.num_blocks, policy, self.clock)
         self.block_bytes = mc.kv_bytes_per_token(dtype_bytes) * config.block_size
-        self.num_host_blocks = config.num_host_kv_blocks
-        if self.num_host_blocks is None:
-            self.num_host_blocks = int(config.cpu_offload_gb * GIB // self.block_bytes)
-        if runner_factory is None and self.num_host_blocks > 0:
-            # NOTE: checked before the tier's block table is built: a tier larger than the
-            # machine can never be allocated, and building its table alone would take minutes.
-            check_host_tier_fits(
-                self.num_host_blocks * self.block_bytes,
-                "cpu_offload_gb" if config.num_host_kv_blocks is None else "num_host_kv_blocks",
-            )
-        #: the host KV tier below the device pool (``None``: no ``cpu_offload_gb``)
-        self.host_tier: HostTier | None = None
-        if self.num_host_blocks > 0:
-            host_policy = create_policy(
-                config.host_eviction_policy or config.eviction_policy,
-                PolicyContext(config.block_size, self.latency, self.job_stats),
-            )
-            self.host_tier = HostTier(
-                self.num_host_blocks, host_policy, self.clock, block_bytes=self.block_bytes, latency=self.latency
-            )
-            self.pool.listeners.append(self.host_tier)
-        hole_reuse = policy.hole_reuse if config.hole_reuse is None else config.hole_reuse
-        self.kv = KVCacheManager(self.pool, config.block_size, hole_reuse, tier=self.host_tier)
-        #: publishes the pools' stored / removed blocks for KV-aware routers (``kv_events_config``)
-        self.kv_events = create_kv_events(config.kv_events_config, self.pool, self.host_tier, self.kv, config.block_size)
-        self.pins = PinManager(self.pool)
-        self.continuum = ContinuumController(self.pins, self.latency, self.job_stats, self.clock)
-        if config.ttft_slo_ms is not None and config.priority == "adaptive":
-            # NOTE: only the adaptive order moves requests ahead of their arrival and takes the
-            # bound (Continuum's own ``program`` order is kept as the paper has it; ``fcfs``
-            # is arrival order already)
-            self.continuum.ttft_target = TTFTTarget(config.ttft_slo_ms / 1e3)
-        job_admission = policy.job_admission if config.job_admission is None else config.job_admission
-        # NOTE: jobs whose contexts the host tier holds come back by copy, not by
-        # recomputation: the gate counts part of the tier (gate_capacity_blocks says why not all)
-        capacity = gate_capacity_blocks(self.num_blocks, self.num_host_blocks) * config.block_size
-        self.job_admission = (
-            JobAdmission(capacity, min_held_tokens=config.max_num_batched_tokens, block_size=config.block_size)
-            if job_admission
-            else None
+        stack = build_kv_stack(
+            config, num_blocks=self.num_blocks, block_bytes=self.block_bytes, latency=self.latency,
+            job_stats=self.job_stats, clock=self.clock, check_host_memory=runner_factory is None,
         )
+        self.pool = stack.pool
+        #: the host KV tier below the device pool (``None``: no ``cpu_offload_gb``)
+        self.host_tier: HostTier | None = stack.host_tier
+        self.num_host_blocks = stack.num_host_blocks
+        self.kv = stack.kv
+        #: publishes the pools' stored / removed blocks for KV-aware routers (``kv_events_config``)
+        self.kv_events = stack.kv_events
+        self.pins = stack.pins
+        self.continuum = stack.continuum
+        self.job_admission = stack.job_admission
         self._stalled = False
         fixed = config.chunk_budget()
         # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
