@@ -91,5 +91,6 @@ def main() -> None:
         [lambda c=c: invariant_tile(*c) for c in cells],
     )
 
+
 if __name__ == "__main__":
     main()
