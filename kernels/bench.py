@@ -35,7 +35,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -184,6 +185,33 @@ def sdpa_segments(inp: Inputs, layout: Layout, scale: float) -> Callable[[], tor
     except Exception as exc:  # noqa: BLE001
         print(f"[{layout.name}] sdpa with enable_gqa failed ({exc!r}); expanding heads", file=sys.stderr)
         return lambda: run(False)
+
+
+def compiled_flex() -> Callable[..., torch.Tensor]:
+    """``torch.compile``d FlexAttention, allowed one compiled kernel per layout shape."""
+    from torch._dynamo import config as dynamo_config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # NOTE: keeps dynamo from falling back to the unfused (score-materialising) path after its
+    # default 8 recompiles
+    for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(dynamo_config, knob):
+            setattr(dynamo_config, knob, 256)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@contextmanager
+def narrow_kv_tiles() -> Iterator[None]:
+    """Within the block, the library planner gives every launch 64-key KV tiles, as before its
+    128-key tiles for deep prefills (``kernels.msa_plan._WIDE_KV_MIN_KEYS``)."""
+    from kernels import msa_plan
+
+    saved, msa_plan._WIDE_KV_MIN_KEYS = msa_plan._WIDE_KV_MIN_KEYS, 1 << 62
+    try:
+        yield
+    finally:
+        msa_plan._WIDE_KV_MIN_KEYS = saved
 
 
 def flex_fn(inp: Inputs, layout: Layout, scale: float, flex: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -363,16 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
     flex = None
     try:
-        from torch._dynamo import config as dynamo_config
-        from torch.nn.attention.flex_attention import flex_attention
-
-        # one compiled kernel per layout shape: keep dynamo from falling back to the unfused
-        # (score-materialising) path after its default 8 recompiles
-        for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                     "accumulated_cache_size_limit"):
-            if hasattr(dynamo_config, knob):
-                setattr(dynamo_config, knob, 256)
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = compiled_flex()
     except Exception as exc:  # noqa: BLE001
         print(f"FlexAttention unavailable: {exc!r}", file=sys.stderr)
 

@@ -19,14 +19,15 @@ import time
 
 import torch
 
-from kernels import msa_plan
 from kernels.bench import (
     D,
     Layout,
     bench_ms,
     causal_flops,
+    compiled_flex,
     flex_fn,
     make_inputs,
+    narrow_kv_tiles,
     planned,
     segment_layout,
 )
@@ -44,11 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
     splits = [int(s) for s in args.splits.split(",")]
-    from torch._dynamo import config as dynamo_config
-    from torch.nn.attention.flex_attention import flex_attention
-
-    dynamo_config.recompile_limit = dynamo_config.cache_size_limit = 256
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = compiled_flex()
     grid = [(4096, 4), (8192, 2), (8192, 4), (8192, 8), (16384, 4), (16384, 8), (32768, 4), (32768, 8)]
     layouts = [segment_layout(c, n) for c, n in grid] + [Layout("causal 8k", [8192], [[(0, 8192)]])]
     if args.more:
@@ -83,11 +80,8 @@ def main() -> None:
         msa_tf = flops / bench_ms(lambda ref_meta=ref_meta: run(ref_meta)) / 1e9
         cells = [f"{msa_tf:.0f} "
                  f"({lp.config.block_m}x{lp.config.block_n} s{lp.num_splits})"]
-        wide_keys, msa_plan._WIDE_KV_MIN_KEYS = msa_plan._WIDE_KV_MIN_KEYS, 1 << 62
-        try:
-            narrow_meta = planned(inp.meta)  # the planner without its 128-key tiles
-        finally:
-            msa_plan._WIDE_KV_MIN_KEYS = wide_keys
+        with narrow_kv_tiles():
+            narrow_meta = planned(inp.meta)
         cells.append(f"{flops / bench_ms(lambda narrow_meta=narrow_meta: run(narrow_meta)) / 1e9:.0f}")
         flex_tf = float("nan")
         if len(layout.ctxs) == 1:  # flex_fn expresses one sequence's segments

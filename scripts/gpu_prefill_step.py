@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
-from kernels.bench import bench_ms
+from kernels.bench import bench_ms, narrow_kv_tiles
 
 
 def matmul_peak(shapes: list[tuple[int, int]], rows: int, dev: torch.device) -> tuple[float, str]:
@@ -128,10 +128,7 @@ def main() -> None:
     engines = {}
     for mode, invariant in (("library kernels", False), ("batch-invariant (default)", True)):
         start = time.perf_counter()
-        engines[mode] = Engine(
-            model=args.model, device="cuda", loaded=loaded, num_kv_blocks=(5 * tokens) // 16 + 64,
-            max_num_batched_tokens=tokens, max_model_len=4 * tokens + 64, batch_invariant=invariant,
-        )
+        engines[mode] = prefill_engine(args, loaded, invariant)
         print(f"engine ({mode}) ready in {time.perf_counter() - start:.1f} s")
     cases = {
         "one prompt": [(0, tokens)],
@@ -145,9 +142,7 @@ def main() -> None:
         for mode, engine in engines.items():
             ms = prefill_step_ms(engine, case, tokens, torch.Generator().manual_seed(11), args.repeats)
             tflops = flops / ms / 1e9
-            name = {"one prompt": f"1 x {tokens}", "four prompts": f"4 x {tokens // 4}",
-                    "last chunk": f"last {tokens} of {4 * tokens}"}[case]
-            print(f"| {name} | {mode} | {ms:.1f} | {tflops:.0f} | {tflops / peak:.0%} |")
+            print(f"| {step_name(case, tokens)} | {mode} | {ms:.1f} | {tflops:.0f} | {tflops / peak:.0%} |")
     engine = engines["batch-invariant (default)"]
     gen = torch.Generator().manual_seed(5)
     engine.add_request(torch.randint(cfg.vocab_size // 10, cfg.vocab_size - cfg.vocab_size // 10, (tokens,), generator=gen).tolist(),
@@ -161,18 +156,26 @@ def main() -> None:
     print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+def prefill_engine(args: argparse.Namespace, loaded: object, invariant: bool) -> Engine:
+    """An engine whose steps hold ``args.tokens`` tokens and whose pool holds a few prompts."""
+    tokens = args.tokens
+    return Engine(
+        model=args.model, device="cuda", loaded=loaded, num_kv_blocks=(5 * tokens) // 16 + 64,
+        max_num_batched_tokens=tokens, max_model_len=4 * tokens + 64, batch_invariant=invariant,
+    )
+
+
+def step_name(case: str, tokens: int) -> str:
+    return {"one prompt": f"1 x {tokens}", "four prompts": f"4 x {tokens // 4}",
+            "last chunk": f"last {tokens} of {4 * tokens}"}[case]
+
+
 def library_tiles(args: argparse.Namespace, loaded: object, cfg: object, linear_params: int, head_params: int,
                   peak: float) -> None:
     """The library engine's prefill steps with its 128-key KV tiles and with 64-key tiles only
     (the planner's rule switched off), in ``args.rounds`` alternating rounds; medians."""
-    from kernels import msa_plan
-
     tokens = args.tokens
-    engine = Engine(
-        model=args.model, device="cuda", loaded=loaded, num_kv_blocks=(5 * tokens) // 16 + 64,
-        max_num_batched_tokens=tokens, max_model_len=4 * tokens + 64, batch_invariant=False,
-    )
-    wide_keys = msa_plan._WIDE_KV_MIN_KEYS
+    engine = prefill_engine(args, loaded, invariant=False)
     cases = {"one prompt": [(0, tokens)], "last chunk": [(3 * tokens, tokens)]}
     print("| step | 128-key tiles ms | 64-key tiles ms | speed-up | TFLOP/s (128-key) | of matmul peak |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -181,16 +184,12 @@ def library_tiles(args: argparse.Namespace, loaded: object, cfg: object, linear_
         # NOTE: one generator for every call: a prompt drawn twice would hit the prefix cache
         gen = torch.Generator().manual_seed(11)
         for _ in range(args.rounds):
-            for wide in (True, False):
-                msa_plan._WIDE_KV_MIN_KEYS = wide_keys if wide else 1 << 62
-                try:
-                    times[wide].append(prefill_step_ms(engine, case, tokens, gen, args.repeats))
-                finally:
-                    msa_plan._WIDE_KV_MIN_KEYS = wide_keys
+            times[True].append(prefill_step_ms(engine, case, tokens, gen, args.repeats))
+            with narrow_kv_tiles():
+                times[False].append(prefill_step_ms(engine, case, tokens, gen, args.repeats))
         wide_ms, narrow_ms = statistics.median(times[True]), statistics.median(times[False])
         tflops = step_flops(cfg, segments, linear_params, head_params) / wide_ms / 1e9
-        name = f"1 x {tokens}" if case == "one prompt" else f"last {tokens} of {4 * tokens}"
-        print(f"| {name} | {wide_ms:.1f} | {narrow_ms:.1f} | {narrow_ms / wide_ms:.3f}x | {tflops:.0f} | {tflops / peak:.0%} |",
+        print(f"| {step_name(case, tokens)} | {wide_ms:.1f} | {narrow_ms:.1f} | {narrow_ms / wide_ms:.3f}x | {tflops:.0f} | {tflops / peak:.0%} |",
               flush=True)
 
 
