@@ -214,6 +214,32 @@ def narrow_kv_tiles() -> Iterator[None]:
         msa_plan._WIDE_KV_MIN_KEYS = saved
 
 
+@contextmanager
+def split_wide_kv_tiles() -> Iterator[None]:
+    """Within the block, the planner's 128-key KV tiles always run at least two KV splits, as
+    before they ran on the split path at one split (``kernels.msa_plan._WIDE_KV_MIN_SPLITS``)."""
+    from kernels import msa_plan
+
+    saved, msa_plan._WIDE_KV_MIN_SPLITS = msa_plan._WIDE_KV_MIN_SPLITS, 2
+    try:
+        yield
+    finally:
+        msa_plan._WIDE_KV_MIN_SPLITS = saved
+
+
+@contextmanager
+def tile_first_grid() -> Iterator[None]:
+    """Within the block, every launch's grid goes tile first, as before the planner ordered
+    uneven prefill launches by KV head first (``kernels.msa_plan._HEADS_FIRST_MIN_GAIN``)."""
+    from kernels import msa_plan
+
+    saved, msa_plan._HEADS_FIRST_MIN_GAIN = msa_plan._HEADS_FIRST_MIN_GAIN, math.inf
+    try:
+        yield
+    finally:
+        msa_plan._HEADS_FIRST_MIN_GAIN = saved
+
+
 def flex_fn(inp: Inputs, layout: Layout, scale: float, flex: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
     """Compiled FlexAttention on contiguous KV with a block mask of the same segments."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -286,14 +312,16 @@ def run_layout(
     scale = D**-0.5
     flops = causal_flops(inp)
     kv_bytes = 2.0 * sum(layout.ctxs) * HKV * D * inp.k_cache.element_size()
-    cfg = choose_config(inp.meta, HQ, HKV, D, inp.q.device)
 
     def record(method: str, ms: float, note: str = "") -> None:
         rows.append(Row(layout.name, method, ms, flops / ms / 1e9, kv_bytes / ms / 1e6, note))
 
     meta = planned(inp.meta)
+    launch = meta.plan.launches[0]
+    cfg = launch.config
     record("msa", bench_ms(lambda: msa_triton(inp.q, inp.k_cache, inp.v_cache, meta, scale)),
-           f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.num_splits}")
+           f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{launch.num_splits}"
+           + (" heads first" if launch.heads_first else ""))
     if layout.kind == "prefill" and inp.meta.num_segments > 1:
         per_seg = []
         for seq, q_start, q_len, pos in inp.meta.host_segments:

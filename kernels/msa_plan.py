@@ -5,7 +5,10 @@ All host side, no device sync, no Triton needed:
 - The segments of the step are cut into *q-tiles* of ``BLOCK_M`` tokens. A small int32 tile
   table ``[num_tiles, 4]`` (sequence row, first packed row, valid tokens, absolute position of
   the first token) is built from ``meta.host_segments`` and copied to the device; heavy tiles
-  (longest causal context) come first, so the tail of the launch is short.
+  (longest causal context) come first, so the tail of the launch is short. The GPU starts
+  programs along the grid's first axis: the tile, or for prefill launches whose tiles sit at
+  many depths the KV head, so that every head of the deepest tile starts first
+  (:func:`_heads_first_pays`).
 - One program handles one q-tile and one KV head, with the ``G = HQ // HKV`` query heads of that
   group stacked as rows (``BLOCK_M * G_PAD`` rows), so each K/V tile is loaded once per group.
   Keys are walked in ``BLOCK_N`` tiles up to the tile's causal end only: tiles wholly before the
@@ -44,6 +47,8 @@ class MSAConfig:
         num_warps: warps per program.
         num_stages: software-pipelining depth of the KV loop.
         num_splits: KV splits (1: no split-K, the kernel writes the output directly).
+        split_path: compile the kernel's split path even at one split (its tiles then write
+            their output directly and no merge runs): see :data:`_WIDE_KV_ROWS`.
     """
 
     block_m: int
@@ -51,6 +56,7 @@ class MSAConfig:
     num_warps: int
     num_stages: int
     num_splits: int
+    split_path: bool = False
 
 
 # NOTE: cached: the planner asks once a step, and the device's properties never change.
@@ -145,7 +151,7 @@ def choose_config(
     tensor-core tile), up to 256 once segments are long, fewer where the tile would not fit
     the device's shared memory in ``dtype``. KV tiles are 64 keys, or 128 for 256-row prefill
     tiles whose queries see >= 8k keys on average (:data:`_WIDE_KV_MIN_KEYS`; such launches
-    always split). Split-K turns on when the programs (q-tiles times KV heads) cannot fill the
+    run the kernel's split path). Split-K turns on when the programs (q-tiles times KV heads) cannot fill the
     GPU and contexts are long: ~3 programs per SM for short tiles (up to 64 rows), two waves
     for prefill tiles.
     """
@@ -184,8 +190,9 @@ def _config_for(
     if rows == _WIDE_KV_ROWS and _mean_keys(segments) >= _WIDE_KV_MIN_KEYS:
         wide = (rows, _WIDE_KV_BLOCK_N, 2)
         if _fit_tile(*wide, head_dim, _elem_bytes(dtype), _smem_limit(device)) == wide:
-            block_n, num_stages = _WIDE_KV_BLOCK_N, 2
-            num_splits = max(num_splits, 2)
+            return MSAConfig(
+                block_m, _WIDE_KV_BLOCK_N, num_warps, 2, max(num_splits, _WIDE_KV_MIN_SPLITS), split_path=True
+            )
     return MSAConfig(block_m, block_n, num_warps, num_stages, max(num_splits, 1))
 
 
@@ -197,12 +204,17 @@ def _config_for(
 # out from the choice of the rule); below it, the wide tile loses (a fresh 8k prompt -7%, four
 # fresh 2k prompts -29%): its masked diagonal tiles and its one fewer stage of copies in flight
 # outweigh the turns saved.
-# It runs split (>= 2 KV splits): the same tile compiled without the split path ran 1.45x
-# slower, whatever the layout (its KV loop spills: 117 local loads and stores a turn against
-# 36 split, compiled for sm_90). Only the 256-row tile was measured.
+# It runs on the kernel's split path (``MSAConfig.split_path``), at one split where the launch
+# balances without more: the same tile compiled without the split path ran 1.45x slower,
+# whatever the layout (its KV loop spills: 117 local loads and stores a turn against 36 split,
+# compiled for sm_90). At one split on that path it beat two splits by 0-2.5% on every layout
+# once uneven launches went KV head first (:data:`_HEADS_FIRST_MIN_GAIN`; before that, two
+# splits evened their tail). Only the 256-row tile was measured.
 _WIDE_KV_ROWS = 256
 _WIDE_KV_BLOCK_N = 128
 _WIDE_KV_MIN_KEYS = 8192
+# KV splits the wide tile runs at least (benchmarks set 2: the rule as session 33 left it).
+_WIDE_KV_MIN_SPLITS = 1
 
 
 def _mean_keys(segments: tuple[tuple[int, int, int, int], ...] | list[tuple[int, int, int, int]]) -> float:
@@ -298,6 +310,8 @@ class MSAPlan:
             bits, the fold being the merge kernel's). ``None``: the merge kernel runs.
         pad_rows: padding tiles (``n_q = 0``) write zeros to their row ``row0`` (graph plans:
             every row of the batch has a tile, so the output needs no zero fill).
+        heads_first: the grid's first axis is the KV head, not the tile: the GPU then starts
+            the programs in the table's order (heaviest tiles first) across heads.
     """
 
     config: MSAConfig
@@ -311,6 +325,7 @@ class MSAPlan:
     num_chunks: int = 0
     merge_counts: torch.Tensor | None = None
     pad_rows: bool = False
+    heads_first: bool = False
 
     @property
     def partial_slots(self) -> int:
@@ -362,6 +377,7 @@ def _plan_launch(
     device: torch.device,
     num_kv_heads: int = 0,
     min_chunk: int = 4096,
+    order_by_head: bool = False,
 ) -> MSAPlan:
     """One launch over ``segments`` with ``cfg``: its tile table, heaviest tiles first.
 
@@ -369,7 +385,9 @@ def _plan_launch(
     the launch: when one tile's causal context exceeds the keys per SM of the whole launch (a
     deep hole next to a prefill chunk at the start of its history), the KV split grows until
     that tile's chunks fit, in chunks of at least ``min_chunk`` keys. Tiles within one chunk
-    still write their output directly (see ``_msa_fwd_kernel``).
+    still write their output directly (see ``_msa_fwd_kernel``). With ``order_by_head`` too
+    (prefill tiles, one program per SM), the grid goes KV head first where
+    :func:`_heads_first_pays`.
     """
     rows: list[tuple[int, int, int, int]] = []
     for seq, q_start, q_len, pos_start in segments:
@@ -384,7 +402,52 @@ def _plan_launch(
         balanced = -(-max(min_chunk, int(keys_per_sm)) // cfg.block_n) * cfg.block_n
         if balanced < chunk:
             chunk, num_splits = balanced, -(-max_ctx // balanced)
-    return MSAPlan(cfg, table, len(rows), chunk, num_splits, sum(seg[2] for seg in segments))
+    heads_first = order_by_head and num_kv_heads > 1 and _heads_first_pays(
+        [r[3] + r[2] for r in rows], num_kv_heads, chunk, _num_sms(device)
+    )
+    return MSAPlan(cfg, table, len(rows), chunk, num_splits, sum(seg[2] for seg in segments), heads_first=heads_first)
+
+
+# A launch's grid goes KV head first when the modelled makespan by tile first is at least this
+# many times the one by head first (the tile's fixed work counted as this many keys).
+# NOTE: measured on the H200 (scripts/gpu_msa_grid_order.py, library prefill launches of 256-row
+# tiles, one program per SM): the GPU starts programs along the grid's first axis, so by tile
+# first the last KV head's deepest tiles start when most of the launch is done and run on
+# alone; by head first, every head of the deepest tile starts first. Head first was 4-14%
+# faster on the 9 layouts with holes at many depths, 1-4% slower where every tile is about
+# equally deep (a chunk deep in one prompt): there the tile-first order's programs in flight
+# share one KV head's keys in L2. The model (a list schedule of the costs in either order) put
+# the first at 1.11-1.24x, the second at 1.00-1.05x.
+_HEADS_FIRST_MIN_GAIN = 1.08
+# Rows of the tiles (one program per SM) whose launches the model orders; decode tiles, many
+# programs to an SM, keep the tile first (either order ran within 1.2% of the other).
+_HEADS_FIRST_ROWS = 128
+_TILE_FIXED_KEYS = 2000
+
+
+def _heads_first_pays(tile_keys: list[int], num_kv_heads: int, chunk: int, num_sms: int) -> bool:
+    """Whether a launch of tiles seeing ``tile_keys`` keys (heaviest first), each walked by
+    ``num_kv_heads`` programs per ``chunk`` of keys, one program per SM at a time, finishes
+    :data:`_HEADS_FIRST_MIN_GAIN` times sooner by KV head first than by tile first.
+
+    Each order's makespan is modelled as a list schedule: a program starts once the programs
+    before it in the grid's order have spread their work over the SMs, and the launch ends
+    when the last one to finish does (or when the work alone would end, if later).
+    """
+    if len(tile_keys) * num_kv_heads <= num_sms:
+        return False  # every program starts at once, in either order
+    done = by_tile = by_head = 0.0
+    for i_split in range(-(-max(tile_keys, default=0) // chunk)):
+        costs = [min(chunk, k - i_split * chunk) + _TILE_FIXED_KEYS for k in tile_keys if k > i_split * chunk]
+        before = 0.0
+        head_work = sum(costs)
+        for cost in costs:
+            by_tile = max(by_tile, (done + (num_kv_heads - 1) * head_work + before) / num_sms + cost)
+            by_head = max(by_head, (done + num_kv_heads * before + (num_kv_heads - 1) * cost) / num_sms + cost)
+            before += cost
+        done += num_kv_heads * head_work
+    work = done / num_sms
+    return max(by_tile, work) >= _HEADS_FIRST_MIN_GAIN * max(by_head, work)
 
 
 def plan_msa(
@@ -430,12 +493,11 @@ def plan_msa(
                 for c in classes
             )
         )
+    configs = [_config_for(c, num_q_heads, num_kv_heads, head_dim, device, dtype) for c in classes]
+    g_pad = _next_pow2(num_q_heads // num_kv_heads)
     launches = tuple(
-        _plan_launch(
-            c, _config_for(c, num_q_heads, num_kv_heads, head_dim, device, dtype), device, num_kv_heads,
-            min_split_keys,
-        )
-        for c in classes
+        _plan_launch(c, cfg, device, num_kv_heads, min_split_keys, order_by_head=cfg.block_m * g_pad >= _HEADS_FIRST_ROWS)
+        for c, cfg in zip(classes, configs, strict=True)
     )
     return MSAStepPlan(launches)
 

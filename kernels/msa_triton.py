@@ -328,6 +328,7 @@ def _msa_fwd_kernel(
     IEEE: tl.constexpr,
     PREFETCH: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     PAD_ROWS: tl.constexpr,
 ):
     """MSA forward for one (q-tile, KV head, KV split).
@@ -353,7 +354,11 @@ def _msa_fwd_kernel(
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
-    i_tile, i_kvh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if HEADS_FIRST:
+        i_kvh, i_tile, n_kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    else:
+        i_tile, i_kvh, n_kv_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    i_split = tl.program_id(2)
     i_seq = tl.load(tiles + i_tile * 4 + 0)
     i_row0 = tl.load(tiles + i_tile * 4 + 1)
     n_q = tl.load(tiles + i_tile * 4 + 2)
@@ -432,7 +437,7 @@ def _msa_fwd_kernel(
                 n_parts = tl.minimum(tl.num_programs(2), n_tile_chunks)
                 if i_split < n_parts:
                     tl.debug_barrier()
-                    p_count = merge_counts + i_tile * tl.num_programs(1) + i_kvh
+                    p_count = merge_counts + i_tile * n_kv_heads + i_kvh
                     if tl.atomic_add(p_count, 1, sem="acq_rel") == n_parts - 1:
                         _fold_tile_chunks(
                             o, o_part, lse_part, i_row0, n_q, i_kvh, n_tile_chunks,
@@ -758,9 +763,14 @@ def _launch(
     cfg, tiles, num_tiles = plan.config, plan.tiles, plan.num_tiles
     chunk, num_splits = plan.chunk, plan.num_splits
     block_d = triton.next_power_of_2(head_dim)
-    split = num_splits > 1
+    # NOTE: ``split_path`` at one split compiles the split path (whose KV loop does not spill
+    # where the unsplit one does: msa_plan._WIDE_KV_ROWS) but writes no partial: every tile's
+    # context fits its one chunk, so it stores its output directly and no merge runs.
+    partials = num_splits > 1
+    split = partials or cfg.split_path
+    assert not (split and not partials and (plan.invariant or plan.pad_rows)), "msa_triton: split_path is for library launches"
     part_by_row = plan.invariant
-    if split:
+    if partials:
         # partial rows are tile-local (tile i owns rows i * block_m ..) or, in the
         # batch-invariant mode, the packed rows: see _msa_fwd_kernel
         part_rows = q.shape[0] if part_by_row else num_tiles * cfg.block_m
@@ -779,10 +789,11 @@ def _launch(
     dyn_chunk = plan.chunk_buffer is not None
     # NOTE: without a chunk buffer the pointer argument is unused; ``tiles`` stands in for it.
     p_chunk = plan.chunk_buffer if dyn_chunk else tiles
-    fused_merge = split and part_by_row and plan.merge_counts is not None
+    fused_merge = partials and part_by_row and plan.merge_counts is not None
     if fused_merge:
         assert plan.merge_counts.numel() >= num_tiles * num_kv_heads, "msa_triton: merge_counts too small"
-    _msa_fwd_kernel[(num_tiles, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_tiles, num_splits) if plan.heads_first else (num_tiles, num_kv_heads, num_splits)
+    _msa_fwd_kernel[grid](
         q, k_cache, v_cache, out, o_part, lse_part, bt, tiles,
         plan.merge_counts if fused_merge else tiles,
         float(scale) * _LOG2E, chunk, p_chunk,
@@ -790,16 +801,16 @@ def _launch(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0),
-        o_part.stride(0), o_part.stride(1) if split else 0, o_part.stride(2) if split else 0,
-        lse_part.stride(0), lse_part.stride(1) if split else 0, stat_off,
+        o_part.stride(0), o_part.stride(1) if partials else 0, o_part.stride(2) if partials else 0,
+        lse_part.stride(0), lse_part.stride(1) if partials else 0, stat_off,
         PAGE=page, G=group, G_PAD=triton.next_power_of_2(group), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, D=head_dim, SPLIT=split, DYN_CHUNK=dyn_chunk,
         CHUNK_MERGE=plan.invariant and not split, PART_BY_ROW=part_by_row, IEEE=q.dtype == torch.float32,
         PREFETCH=_prefetch_block_ids(cfg.block_m, group, chunk_merge=plan.invariant and not split),
-        FUSED_MERGE=fused_merge, PAD_ROWS=plan.pad_rows and (fused_merge or not split),
+        FUSED_MERGE=fused_merge, HEADS_FIRST=plan.heads_first, PAD_ROWS=plan.pad_rows and (fused_merge or not split),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split and not fused_merge:
+    if partials and not fused_merge:
         # NOTE: the merge splits the head dimension over programs: its loads of many splits
         # (chunk states) at a time stay within the registers, and a decode's few (tile, head)
         # pairs get 4x the programs

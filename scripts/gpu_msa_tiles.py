@@ -6,15 +6,19 @@ timed at 1, 2 and 4 KV splits beside the planner's own launch (``msa``) and Flex
 contiguous KV, on the layouts of :mod:`kernels.bench` (bf16, 32 q / 8 KV heads, head_dim 128,
 16-token pages scattered). The library mode only: its tiles are free to follow the step (the
 batch-invariant mode's KV tile is fixed: ``scripts/gpu_bi_tile.py``). Each config's output is
-checked against the planner's launch (max abs difference). ``msa, 64-key tiles``: the planner
-without its wide KV tiles (``kernels.msa_plan._WIDE_KV_MIN_KEYS``), as it was before them.
+checked against the planner's launch (max abs difference), and so is each of the planner's
+earlier choices, switched back on in turn (``_VARIANTS``): the grid tile first
+(``kernels.msa_plan._HEADS_FIRST_MIN_GAIN``); that and the 128-key tiles always split
+(``_WIDE_KV_MIN_SPLITS``); 64-key tiles only (``_WIDE_KV_MIN_KEYS``). In the planner's column,
+``h`` marks a grid that goes KV head first.
 
-``--configs ''`` times the planner alone (both ways) against FlexAttention.
+``--configs ''`` times the planner alone (and its earlier choices) against FlexAttention.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -30,9 +34,19 @@ from kernels.bench import (
     narrow_kv_tiles,
     planned,
     segment_layout,
+    split_wide_kv_tiles,
+    tile_first_grid,
 )
 from kernels.msa_plan import MSAConfig
 from kernels.msa_triton import msa_triton
+
+# The planner's earlier choices, each switched back on in turn: the grid tile first; that and
+# the 128-key tiles always split; 64-key tiles only (the grid tile first).
+_VARIANTS = {
+    "tile first": (tile_first_grid,),
+    "tile first, wide >= 2 splits": (tile_first_grid, split_wide_kv_tiles),
+    "64-key tiles": (tile_first_grid, narrow_kv_tiles),
+}
 
 
 def main() -> None:
@@ -41,6 +55,8 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4")
     ap.add_argument("--more", action="store_true", help="also layouts kernels.bench does not time")
     ap.add_argument("--new", action="store_true", help="also the layouts held out from the wide-tile rule")
+    ap.add_argument("--order-held-out", action="store_true",
+                    help="also the layouts held out from the grid-order rule (msa_plan._HEADS_FIRST_MIN_GAIN)")
     ap.add_argument("--all-splits", action="store_true", help="print every split's TFLOP/s")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
@@ -61,9 +77,17 @@ def main() -> None:
             Layout("2 x 16k x4seg", [16384] * 2, segment_layout(16384, 4).segs * 2),
             Layout("4 x 2k fresh", [2048] * 4, [[(0, 2048)]] * 4),
         ]
+    if args.order_held_out:
+        layouts += [
+            segment_layout(24576, 12), segment_layout(40960, 5, hole=2048, suffix=2048),
+            segment_layout(8192, 16, hole=256, suffix=512), segment_layout(65536, 16, hole=1024),
+            segment_layout(20480, 3, hole=3072, suffix=1024), Layout("6k at 10k", [16384], [[(10240, 6144)]]),
+            Layout("3 x 8k x8seg", [8192] * 3, segment_layout(8192, 8).segs * 3),
+            Layout("2k at 30k + 4k fresh", [32768, 4096], [[(30720, 2048)], [(0, 4096)]]),
+        ]
     scale = D**-0.5
     t0 = time.time()
-    head = ["msa", "msa, 64-key tiles", "flex"] + [f"{bm}x{bn} w{w} s{s}" for bm, bn, w, s in configs]
+    head = ["msa", *(f"msa, {name}" for name in _VARIANTS), "flex"] + [f"{bm}x{bn} w{w} s{s}" for bm, bn, w, s in configs]
     print("TFLOP/s; for each config the best of its splits (and that split)")
     print("| layout | " + " | ".join(head) + " | msa / flex | best / flex |\n|---|" + "---:|" * (len(head) + 2))
     for i, layout in enumerate(layouts):
@@ -79,10 +103,16 @@ def main() -> None:
         lp = ref_meta.plan.launches[0]
         msa_tf = flops / bench_ms(lambda ref_meta=ref_meta: run(ref_meta)) / 1e9
         cells = [f"{msa_tf:.0f} "
-                 f"({lp.config.block_m}x{lp.config.block_n} s{lp.num_splits})"]
-        with narrow_kv_tiles():
-            narrow_meta = planned(inp.meta)
-        cells.append(f"{flops / bench_ms(lambda narrow_meta=narrow_meta: run(narrow_meta)) / 1e9:.0f}")
+                 f"({lp.config.block_m}x{lp.config.block_n} s{lp.num_splits}{' h' if lp.heads_first else ''})"]
+        for switches in _VARIANTS.values():
+            with contextlib.ExitStack() as stack:
+                for switch in switches:
+                    stack.enter_context(switch())
+                meta = planned(inp.meta)
+            err = (run(meta).float() - ref.float()).abs().max().item()
+            lp = meta.plan.launches[0]
+            cells.append(f"{flops / bench_ms(lambda meta=meta: run(meta)) / 1e9:.0f} (s{lp.num_splits})"
+                         + (f" ERR {err:.1e}" if err > 2e-2 else ""))
         flex_tf = float("nan")
         if len(layout.ctxs) == 1:  # flex_fn expresses one sequence's segments
             fn = flex_fn(inp, layout, scale, flex)

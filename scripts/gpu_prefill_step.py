@@ -13,12 +13,14 @@
 * the busiest kernels of one 8,192-token step of the default engine.
 
 ``--library-tiles`` times instead the library engine with and without its 128-key KV tiles for
-deep prefill launches (``kernels.msa_plan._WIDE_KV_MIN_KEYS``), in alternating rounds.
+deep prefill launches (``kernels.msa_plan._WIDE_KV_MIN_KEYS``), and with them always split
+(``_WIDE_KV_MIN_SPLITS``), in alternating rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -28,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
-from kernels.bench import bench_ms, narrow_kv_tiles
+from kernels.bench import bench_ms, narrow_kv_tiles, split_wide_kv_tiles
 
 
 def matmul_peak(shapes: list[tuple[int, int]], rows: int, dev: torch.device) -> tuple[float, str]:
@@ -172,25 +174,28 @@ def step_name(case: str, tokens: int) -> str:
 
 def library_tiles(args: argparse.Namespace, loaded: object, cfg: object, linear_params: int, head_params: int,
                   peak: float) -> None:
-    """The library engine's prefill steps with its 128-key KV tiles and with 64-key tiles only
-    (the planner's rule switched off), in ``args.rounds`` alternating rounds; medians."""
+    """The library engine's prefill steps as the planner plans them, with its 128-key KV tiles
+    always split in two or more (as before they ran on the split path at one split), and with
+    64-key tiles only (the rule switched off), in ``args.rounds`` alternating rounds; medians."""
     tokens = args.tokens
     engine = prefill_engine(args, loaded, invariant=False)
     cases = {"one prompt": [(0, tokens)], "last chunk": [(3 * tokens, tokens)]}
-    print("| step | 128-key tiles ms | 64-key tiles ms | speed-up | TFLOP/s (128-key) | of matmul peak |")
-    print("|---|---:|---:|---:|---:|---:|")
+    variants = {"planner": contextlib.nullcontext, "wide, >= 2 splits": split_wide_kv_tiles,
+                "64-key tiles": narrow_kv_tiles}
+    print("| step | " + " ms | ".join(variants) + " ms | planner vs 64-key | TFLOP/s (planner) | of matmul peak |")
+    print("|---|" + "---:|" * (len(variants) + 3))
     for case, segments in cases.items():
-        times: dict[bool, list[float]] = {True: [], False: []}
+        times: dict[str, list[float]] = {name: [] for name in variants}
         # NOTE: one generator for every call: a prompt drawn twice would hit the prefix cache
         gen = torch.Generator().manual_seed(11)
         for _ in range(args.rounds):
-            times[True].append(prefill_step_ms(engine, case, tokens, gen, args.repeats))
-            with narrow_kv_tiles():
-                times[False].append(prefill_step_ms(engine, case, tokens, gen, args.repeats))
-        wide_ms, narrow_ms = statistics.median(times[True]), statistics.median(times[False])
-        tflops = step_flops(cfg, segments, linear_params, head_params) / wide_ms / 1e9
-        print(f"| {step_name(case, tokens)} | {wide_ms:.1f} | {narrow_ms:.1f} | {narrow_ms / wide_ms:.3f}x | {tflops:.0f} | {tflops / peak:.0%} |",
-              flush=True)
+            for name, variant in variants.items():
+                with variant():
+                    times[name].append(prefill_step_ms(engine, case, tokens, gen, args.repeats))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        tflops = step_flops(cfg, segments, linear_params, head_params) / med["planner"] / 1e9
+        print(f"| {step_name(case, tokens)} | " + " | ".join(f"{ms:.1f}" for ms in med.values())
+              + f" | {med['64-key tiles'] / med['planner']:.3f}x | {tflops:.0f} | {tflops / peak:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,9 +86,11 @@ def make_case(
     max_segs: int = 6,
     pad_tokens: int = 0,
     ctxs: list[int] | None = None,
+    segs: list[list[tuple[int, int]]] | None = None,
 ) -> Case:
     """Builds a random step; ``kind`` is decode, prefill (holes + suffix), prefill-full or mixed.
-    ``ctxs`` sets the sequences' contexts (``num_seqs`` of them) instead of drawing them."""
+    ``ctxs`` sets the sequences' contexts (``num_seqs`` of them) instead of drawing them, and
+    ``segs`` each one's ``(pos_start, q_len)`` segments instead of drawing them for ``kind``."""
     gen = torch.Generator().manual_seed(seed + 7919 * SEED)
     drawn = torch.randint(2, max_ctx + 1, (num_seqs,), generator=gen).tolist()
     ctxs = drawn if ctxs is None else ctxs
@@ -115,7 +117,8 @@ def make_case(
 
     seg_list = []  # (seq, pos_start, q_len)
     for s, (ctx, k) in enumerate(zip(ctxs, kinds, strict=True)):
-        seg_list += [(s, p, n) for p, n in _segments_for(gen, ctx, k, block_size, max_segs)]
+        drawn_segs = _segments_for(gen, ctx, k, block_size, max_segs) if segs is None else segs[s]
+        seg_list += [(s, p, n) for p, n in drawn_segs]
     order = torch.randperm(len(seg_list), generator=gen).tolist()
     segments, slots, q_start = [], [], 0
     for j in order:

@@ -161,14 +161,17 @@ def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.d
     q = torch.cat((case.q, torch.randn((pad, *case.q.shape[1:]), device=device).to(dtype)))
     assert plan.covered_rows == num + pad and plan.merge_counts is not None
     # the merge in the walk's launch (the default), twice on one plan (the counts reset), the
-    # merge kernel, and one program a tile (the in-program walk a large batch's graph takes)
-    for splits, counts in ((plan.num_splits, plan.merge_counts), (2, plan.merge_counts), (2, None), (1, None)):
-        launch = dataclasses.replace(plan, num_splits=splits, merge_counts=counts)
+    # merge kernel, and one program a tile (the in-program walk a large batch's graph takes);
+    # the grid by tile or by KV head first
+    variants = [(plan.num_splits, plan.merge_counts, False), (2, plan.merge_counts, False), (2, None, False),
+                (1, None, False), (plan.num_splits, plan.merge_counts, True), (2, None, True)]
+    for splits, counts, heads_first in variants:
+        launch = dataclasses.replace(plan, num_splits=splits, merge_counts=counts, heads_first=heads_first)
         for _ in range(2 if counts is not None else 1):
             out = torch.full_like(q, float("nan"))
             meta = dataclasses.replace(case.meta, block_tables=tables, plan=launch)
             module.msa_triton(q, case.k_cache, case.v_cache, meta, case.scale, out=out)
-            assert torch.equal(out[:num], merged), f"{splits} programs per tile, merge counts {counts is not None}"
+            assert torch.equal(out[:num], merged), f"{splits} programs per tile, merge counts {counts is not None}, heads first {heads_first}"
             assert (out[num:] == 0).all()
             assert not plan.merge_counts.any()
     check_close(merged, case, dtype)

@@ -297,3 +297,28 @@ def test_msa_triton_gpu_random_layouts(compiled: ModuleType, dtype: torch.dtype,
     check_close(out, case, dtype)
     if dtype == torch.float32:
         assert float((out.double().cpu() - case.ref).abs().max()) <= 1e-5, layout
+
+
+
+@pytest.mark.gpu
+def test_msa_triton_gpu_wide_kv_tiles(compiled: ModuleType) -> None:
+    """The 128-key KV tile of deep prefills (four holes of 512-1,000 tokens in a 20k history,
+    Llama-3.1-8B heads, bf16): the planner walks it on the split path, and it gives the
+    oracle's output so with the grid tile first and KV head first, and forced at one and two
+    splits, and unsplit."""
+    case = make_case(
+        case_seed("wide-kv-gpu"), kind="prefill", num_seqs=1, block_size=16, num_kv_heads=8, group=4,
+        head_dim=128, max_ctx=20_000, dtype=torch.bfloat16, device="cuda", ctxs=[20_000],
+        segs=[[(3_000, 512), (9_000, 1_000), (15_001, 700), (19_000, 1_000)]],
+    )
+    planned = msa_plan.plan_msa(case.meta, 32, 8, 128, torch.device("cuda"), dtype=torch.bfloat16)
+    (launch,) = planned.launches
+    assert (launch.config.block_n, launch.config.split_path) == (128, True)
+    forced = [msa_plan.MSAConfig(64, 128, 8, 2, splits, split_path=path) for splits, path in ((1, True), (2, True), (1, False))]
+    plans = [msa_plan.MSAStepPlan((dataclasses.replace(launch, heads_first=first),)) for first in (False, True)]
+    plans += [msa_plan.plan_msa(case.meta, 32, 8, 128, torch.device("cuda"), config=cfg) for cfg in forced]
+    for plan in plans:
+        out = torch.full_like(case.q, float("nan"))
+        compiled.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale, out=out)
+        torch.cuda.synchronize()
+        check_close(out, case, torch.bfloat16)

@@ -182,8 +182,9 @@ def test_choose_config_splits_long_decode(interp: ModuleType) -> None:
 
 def test_choose_config_walks_deep_prefills_in_wide_kv_tiles(interp: ModuleType) -> None:
     """Prefill tiles of 256 rows whose queries see >= 8k keys on average walk 128-key tiles,
-    two stages deep and split; fresh prompts, shallow holes and tiles that would not fit the
-    shared memory (float32) keep 64-key tiles. The wide tile gives the oracle's output."""
+    two stages deep, on the kernel's split path; fresh prompts, shallow holes and tiles that would not fit the
+    shared memory (float32) keep 64-key tiles. The wide tile gives the oracle's output, split
+    and at one split on the split path (every tile writing its output directly)."""
     cpu = torch.device("cpu")
 
     def config(segments: list[tuple[int, int, int, int]], dtype: torch.dtype = torch.bfloat16) -> msa_plan.MSAConfig:
@@ -194,9 +195,9 @@ def test_choose_config_walks_deep_prefills_in_wide_kv_tiles(interp: ModuleType) 
 
     deep = [(0, 0, 512, 7_000), (0, 512, 512, 15_000), (0, 1024, 1024, 31_000)]  # a 32k history's holes
     wide = config(deep)
-    assert (wide.block_m * 4, wide.block_n, wide.num_stages) == (256, 128, 2) and wide.num_splits >= 2
+    assert (wide.block_m * 4, wide.block_n, wide.num_stages, wide.split_path) == (256, 128, 2, True)
     fresh = config([(0, 0, 8192, 0)])  # a fresh 8k prompt: 4k keys a query on average
-    assert fresh.block_n == 64
+    assert fresh.block_n == 64 and not fresh.split_path
     shallow = config([(0, 0, 512, 2_000), (0, 512, 1024, 7_000)])
     assert shallow.block_n == 64
     assert config(deep, torch.float32).block_n < 128  # 256 x 128 float32 tiles do not fit
@@ -205,7 +206,38 @@ def test_choose_config_walks_deep_prefills_in_wide_kv_tiles(interp: ModuleType) 
         case_seed("wide-kv"), kind="prefill", num_seqs=1, block_size=16, num_kv_heads=1, group=4,
         head_dim=64, max_ctx=420, dtype=torch.float32,
     )
-    cfg = msa_plan.MSAConfig(64, 128, 8, 2, 2)
-    out = torch.full_like(case.q, float("nan"))
-    interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=out, config=cfg)
-    check_close(out, case, torch.float32)
+    for cfg in (msa_plan.MSAConfig(64, 128, 8, 2, 2), msa_plan.MSAConfig(64, 128, 8, 2, 1, split_path=True)):
+        for heads_first in (False, True):
+            plan = msa_plan.plan_msa(case.meta, 4, 1, 64, cpu, config=cfg)
+            plan = msa_plan.MSAStepPlan(tuple(dataclasses.replace(lp, heads_first=heads_first) for lp in plan.launches))
+            out = torch.full_like(case.q, float("nan"))
+            interp.msa_triton(case.q, case.k_cache, case.v_cache, dataclasses.replace(case.meta, plan=plan), case.scale, out=out)
+            check_close(out, case, torch.float32)
+
+
+def test_plan_msa_orders_uneven_prefill_launches_by_kv_head_first() -> None:
+    """Library prefill launches whose tiles sit at many depths go KV head first (the deepest
+    tile of every head starts first); a chunk deep in one prompt, where every tile is about
+    as deep, decode launches, launches that fit the GPU at once and the batch-invariant mode
+    keep the tile first."""
+    cpu = torch.device("cpu")
+
+    def plan(segments: list[tuple[int, int, int, int]], invariant: bool = False) -> msa_plan.MSAStepPlan:
+        blocks = -(-max(pos + n for _, _, n, pos in segments) // 16)
+        tokens = sum(n for _, _, n, _ in segments)
+        meta = build_msa_metadata([[0] * blocks], segments, [0] * tokens, 16)
+        return msa_plan.plan_msa(meta, 32, 8, 128, cpu, invariant=invariant)
+
+    holes = [(0, 512 * i, 512, 4096 * (i + 1)) for i in range(7)] + [(0, 3584, 1024, 31_744)]  # 32k, 8 segments
+    deep_chunk = [(0, 0, 8192, 24_576)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        assert [lp.heads_first for lp in plan(holes).launches] == [True]
+        assert [lp.heads_first for lp in plan(deep_chunk).launches] == [False]
+        assert not any(lp.heads_first for lp in plan(holes, invariant=True).launches)
+        mixed = plan(holes + [(0, 4608, 1, 40_000)])  # a decode beside: its own launch
+        assert [lp.heads_first for lp in mixed.launches] == [True, False]
+        assert not plan([(0, 0, 512, 30_000)]).launches[0].heads_first  # 8 tiles x 8 heads < 132 SMs
+    # the model alone: one deep tile among shallow ones runs on alone by tile first
+    assert msa_plan._heads_first_pays([32_000] * 16 + [4_000] * 56, 8, 1 << 30, 132)
+    assert not msa_plan._heads_first_pays([30_000] * 128, 8, 1 << 30, 132)
