@@ -241,3 +241,38 @@ def test_plan_msa_orders_uneven_prefill_launches_by_kv_head_first() -> None:
     # the model alone: one deep tile among shallow ones runs on alone by tile first
     assert msa_plan._heads_first_pays([32_000] * 16 + [4_000] * 56, 8, 1 << 30, 132)
     assert not msa_plan._heads_first_pays([30_000] * 128, 8, 1 << 30, 132)
+
+
+def _heads_first_gain_loop(tile_keys: list[int], num_kv_heads: int, chunk: int, num_sms: int) -> float:
+    """The grid-order model, program by program: the modelled makespan by tile first over the
+    one by KV head first (the reference twin of ``msa_plan._heads_first_pays``)."""
+    fixed = msa_plan._TILE_FIXED_KEYS
+    done = by_tile = by_head = 0.0
+    for i_split in range(-(-max(tile_keys) // chunk)):
+        costs = [min(chunk, k - i_split * chunk) + fixed for k in tile_keys if k > i_split * chunk]
+        head_work = sum(costs)
+        before = 0.0
+        for cost in costs:
+            by_tile = max(by_tile, (done + (num_kv_heads - 1) * head_work + before) / num_sms + cost)
+            by_head = max(by_head, (done + num_kv_heads * before + (num_kv_heads - 1) * cost) / num_sms + cost)
+            before += cost
+        done += num_kv_heads * head_work
+    work = done / num_sms
+    return max(by_tile, work) / max(by_head, work)
+
+
+def test_heads_first_model_matches_its_program_by_program_twin() -> None:
+    gen = torch.Generator().manual_seed(case_seed("grid-order"))
+    decided = set()
+    for _ in range(200):
+        num_tiles = int(torch.randint(20, 300, (1,), generator=gen))
+        ctx = [2_000, 8_000, 32_000, 131_072][int(torch.randint(4, (1,), generator=gen))]
+        chunk = [1 << 30, 4096, 16_384][int(torch.randint(3, (1,), generator=gen))]
+        keys = sorted(torch.randint(1, ctx + 1, (num_tiles,), generator=gen).tolist(), reverse=True)
+        gain = _heads_first_gain_loop(keys, 8, chunk, 132)
+        if abs(gain - msa_plan._HEADS_FIRST_MIN_GAIN) < 1e-9:
+            continue
+        decision = msa_plan._heads_first_pays(keys, 8, chunk, 132)
+        assert decision == (gain >= msa_plan._HEADS_FIRST_MIN_GAIN), (num_tiles, ctx, chunk, gain)
+        decided.add(decision)
+    assert decided == {True, False}  # the draws reach both answers
