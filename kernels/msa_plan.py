@@ -402,7 +402,8 @@ def _plan_launch(
         balanced = -(-max(min_chunk, int(keys_per_sm)) // cfg.block_n) * cfg.block_n
         if balanced < chunk:
             chunk, num_splits = balanced, -(-max_ctx // balanced)
-    heads_first = order_by_head and num_kv_heads > 1 and _heads_first_pays(
+    # NOTE: head first puts the tiles on the grid's second axis, at most 65,535 programs long
+    heads_first = order_by_head and 1 < num_kv_heads and len(rows) <= 65_535 and _heads_first_pays(
         [r[3] + r[2] for r in rows], num_kv_heads, chunk, _num_sms(device)
     )
     return MSAPlan(cfg, table, len(rows), chunk, num_splits, sum(seg[2] for seg in segments), heads_first=heads_first)

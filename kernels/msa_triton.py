@@ -350,7 +350,9 @@ def _msa_fwd_kernel(
     programs to finish folds them itself (:func:`_fold_tile_chunks`, counted in
     ``merge_counts``) and no merge kernel runs. With ``PAD_ROWS`` (a launch whose output no
     merge kernel writes: no ``SPLIT``, or ``FUSED_MERGE``) a padding tile (``n_q = 0``) writes
-    zeros to its row ``row0``.
+    zeros to its row ``row0``. The grid is ``(tile, KV head, split)``, or with ``HEADS_FIRST``
+    ``(KV head, tile, split)``: the GPU starts programs along the first axis
+    (``MSAPlan.heads_first``).
     """
     if DYN_CHUNK:
         chunk = tl.load(p_chunk)
