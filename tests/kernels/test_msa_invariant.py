@@ -164,7 +164,7 @@ def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.d
     # merge kernel, and one program a tile (the in-program walk a large batch's graph takes);
     # the grid by tile or by KV head first
     variants = [(plan.num_splits, plan.merge_counts, False), (2, plan.merge_counts, False), (2, None, False),
-                (1, None, False), (plan.num_splits, plan.merge_counts, True), (2, None, True)]
+                (1, None, False), (plan.num_splits, plan.merge_counts, True)]
     for splits, counts, heads_first in variants:
         launch = dataclasses.replace(plan, num_splits=splits, merge_counts=counts, heads_first=heads_first)
         for _ in range(2 if counts is not None else 1):
