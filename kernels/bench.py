@@ -30,6 +30,7 @@ measured in the same run (bytes read + written).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -202,42 +203,36 @@ def compiled_flex() -> Callable[..., torch.Tensor]:
 
 
 @contextmanager
-def narrow_kv_tiles() -> Iterator[None]:
-    """Within the block, the library planner gives every launch 64-key KV tiles, as before its
-    128-key tiles for deep prefills (``kernels.msa_plan._WIDE_KV_MIN_KEYS``)."""
-    from kernels import msa_plan
+def _planner_set(module: str, name: str, value: object) -> Iterator[None]:
+    """Within the block, ``kernels.<module>.<name>`` is ``value`` (one of the planner's rules
+    switched back to an earlier choice)."""
+    import importlib
 
-    saved, msa_plan._WIDE_KV_MIN_KEYS = msa_plan._WIDE_KV_MIN_KEYS, 1 << 62
+    mod = importlib.import_module(f"kernels.{module}")
+    saved = getattr(mod, name)
+    setattr(mod, name, value)
     try:
         yield
     finally:
-        msa_plan._WIDE_KV_MIN_KEYS = saved
+        setattr(mod, name, saved)
 
 
-@contextmanager
-def split_wide_kv_tiles() -> Iterator[None]:
-    """Within the block, the planner's 128-key KV tiles always run at least two KV splits, as
-    before they ran on the split path at one split (``kernels.msa_plan._WIDE_KV_MIN_SPLITS``)."""
-    from kernels import msa_plan
-
-    saved, msa_plan._WIDE_KV_MIN_SPLITS = msa_plan._WIDE_KV_MIN_SPLITS, 2
-    try:
-        yield
-    finally:
-        msa_plan._WIDE_KV_MIN_SPLITS = saved
+def narrow_kv_tiles() -> contextlib.AbstractContextManager[None]:
+    """Every launch walks 64-key KV tiles, as before the planner's 128-key tiles for deep
+    prefills (``kernels.msa_plan._WIDE_KV_MIN_KEYS``)."""
+    return _planner_set("msa_plan", "_WIDE_KV_MIN_KEYS", 1 << 62)
 
 
-@contextmanager
-def tile_first_grid() -> Iterator[None]:
-    """Within the block, every launch's grid goes tile first, as before the planner ordered
-    uneven prefill launches by KV head first (``kernels.msa_plan._HEADS_FIRST_MIN_GAIN``)."""
-    from kernels import msa_plan
+def split_wide_kv_tiles() -> contextlib.AbstractContextManager[None]:
+    """The 128-key KV tiles always run at least two KV splits, as before they ran on the
+    split path at one split (``kernels.msa_plan._WIDE_KV_MIN_SPLITS``)."""
+    return _planner_set("msa_plan", "_WIDE_KV_MIN_SPLITS", 2)
 
-    saved, msa_plan._HEADS_FIRST_MIN_GAIN = msa_plan._HEADS_FIRST_MIN_GAIN, math.inf
-    try:
-        yield
-    finally:
-        msa_plan._HEADS_FIRST_MIN_GAIN = saved
+
+def tile_first_grid() -> contextlib.AbstractContextManager[None]:
+    """Every launch's grid goes tile first, as before the planner ordered uneven prefill
+    launches by KV head first (``kernels.msa_grid_order.HEADS_FIRST_MIN_GAIN``)."""
+    return _planner_set("msa_grid_order", "HEADS_FIRST_MIN_GAIN", math.inf)
 
 
 def flex_fn(inp: Inputs, layout: Layout, scale: float, flex: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:

@@ -8,7 +8,7 @@ All host side, no device sync, no Triton needed:
   (longest causal context) come first, so the tail of the launch is short. The GPU starts
   programs along the grid's first axis: the tile, or for prefill launches whose tiles sit at
   many depths the KV head, so that every head of the deepest tile starts first
-  (:func:`_heads_first_pays`).
+  (:func:`kernels.msa_grid_order.heads_first_pays`).
 - One program handles one q-tile and one KV head, with the ``G = HQ // HKV`` query heads of that
   group stacked as rows (``BLOCK_M * G_PAD`` rows), so each K/V tile is loaded once per group.
   Keys are walked in ``BLOCK_N`` tiles up to the tile's causal end only: tiles wholly before the
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.metadata import MSAMetadata
+from kernels.msa_grid_order import HEADS_FIRST_ROWS, heads_first_pays
 
 
 def _next_pow2(n: int) -> int:
@@ -208,7 +209,7 @@ def _config_for(
 # balances without more: the same tile compiled without the split path ran 1.45x slower,
 # whatever the layout (its KV loop spills: 117 local loads and stores a turn against 36 split,
 # compiled for sm_90). At one split on that path it beat two splits by 0-2.5% on every layout
-# once uneven launches went KV head first (:data:`_HEADS_FIRST_MIN_GAIN`; before that, two
+# once uneven launches went KV head first (:data:`kernels.msa_grid_order.HEADS_FIRST_MIN_GAIN`; before that, two
 # splits evened their tail). Only the 256-row tile was measured.
 _WIDE_KV_ROWS = 256
 _WIDE_KV_BLOCK_N = 128
@@ -387,7 +388,7 @@ def _plan_launch(
     that tile's chunks fit, in chunks of at least ``min_chunk`` keys. Tiles within one chunk
     still write their output directly (see ``_msa_fwd_kernel``). With ``order_by_head`` too
     (prefill tiles, one program per SM), the grid goes KV head first where
-    :func:`_heads_first_pays`.
+    :func:`kernels.msa_grid_order.heads_first_pays`.
     """
     rows: list[tuple[int, int, int, int]] = []
     for seq, q_start, q_len, pos_start in segments:
@@ -402,55 +403,8 @@ def _plan_launch(
         balanced = -(-max(min_chunk, int(keys_per_sm)) // cfg.block_n) * cfg.block_n
         if balanced < chunk:
             chunk, num_splits = balanced, -(-max_ctx // balanced)
-    # NOTE: head first puts the tiles on the grid's second axis, at most 65,535 programs long
-    heads_first = order_by_head and 1 < num_kv_heads and len(rows) <= 65_535 and _heads_first_pays(
-        [r[3] + r[2] for r in rows], num_kv_heads, chunk, _num_sms(device)
-    )
+    heads_first = order_by_head and heads_first_pays([r[3] + r[2] for r in rows], num_kv_heads, chunk, _num_sms(device))
     return MSAPlan(cfg, table, len(rows), chunk, num_splits, sum(seg[2] for seg in segments), heads_first=heads_first)
-
-
-# A launch's grid goes KV head first when the modelled makespan by tile first is at least this
-# many times the one by head first (the tile's fixed work counted as this many keys).
-# NOTE: measured on the H200 (scripts/gpu_msa_grid_order.py, library prefill launches of 256-row
-# tiles, one program per SM): the GPU starts programs along the grid's first axis, so by tile
-# first the last KV head's deepest tiles start when most of the launch is done and run on
-# alone; by head first, every head of the deepest tile starts first. Head first was 4-14%
-# faster on the 9 layouts with holes at many depths, 1-4% slower where every tile is about
-# equally deep (a chunk deep in one prompt): there the tile-first order's programs in flight
-# share one KV head's keys in L2. The model (a list schedule of the costs in either order) put
-# the first at 1.11-1.24x, the second at 1.00-1.05x.
-_HEADS_FIRST_MIN_GAIN = 1.08
-# Rows of the tiles (one program per SM) whose launches the model orders; decode tiles, many
-# programs to an SM, keep the tile first (either order ran within 1.2% of the other).
-_HEADS_FIRST_ROWS = 128
-_TILE_FIXED_KEYS = 2000
-
-
-def _heads_first_pays(tile_keys: list[int], num_kv_heads: int, chunk: int, num_sms: int) -> bool:
-    """Whether a launch of tiles seeing ``tile_keys`` keys (heaviest first), each walked by
-    ``num_kv_heads`` programs per ``chunk`` of keys, one program per SM at a time, finishes
-    :data:`_HEADS_FIRST_MIN_GAIN` times sooner by KV head first than by tile first.
-
-    Each order's makespan is modelled as a list schedule: a program starts once the programs
-    before it in the grid's order have spread their work over the SMs, and the launch ends
-    when the last one to finish does (or when the work alone would end, if later).
-    """
-    if len(tile_keys) * num_kv_heads <= num_sms:
-        return False  # every program starts at once, in either order
-    # NOTE: one tensor expression over [splits, tiles] (a deep launch has ~30 splits of ~250
-    # tiles: a Python loop over them took ~4 ms of the step's host time; this takes ~0.1 ms).
-    # A tile with no keys in a split costs nothing there, and its terms never exceed the
-    # work up to that split, which bounds both makespans anyway.
-    keys = torch.tensor(tile_keys, dtype=torch.float64)
-    starts = torch.arange(-(-int(keys.max()) // chunk), dtype=torch.float64)[:, None] * chunk
-    costs = torch.where(keys > starts, (keys - starts).clamp(max=chunk) + _TILE_FIXED_KEYS, 0.0)
-    head_work = costs.sum(1, keepdim=True)  # [splits, 1]: one KV head's work in each split
-    done = num_kv_heads * (head_work.cumsum(0) - head_work)  # all heads' work of earlier splits
-    before = costs.cumsum(1) - costs  # one head's work of heavier tiles in the same split
-    by_tile = ((done + (num_kv_heads - 1) * head_work + before) / num_sms + costs).max().item()
-    by_head = ((done + num_kv_heads * before + (num_kv_heads - 1) * costs) / num_sms + costs).max().item()
-    work = num_kv_heads * head_work.sum().item() / num_sms
-    return max(by_tile, work) >= _HEADS_FIRST_MIN_GAIN * max(by_head, work)
 
 
 def plan_msa(
@@ -499,7 +453,7 @@ def plan_msa(
     configs = [_config_for(c, num_q_heads, num_kv_heads, head_dim, device, dtype) for c in classes]
     g_pad = _next_pow2(num_q_heads // num_kv_heads)
     launches = tuple(
-        _plan_launch(c, cfg, device, num_kv_heads, min_split_keys, order_by_head=cfg.block_m * g_pad >= _HEADS_FIRST_ROWS)
+        _plan_launch(c, cfg, device, num_kv_heads, min_split_keys, order_by_head=cfg.block_m * g_pad >= HEADS_FIRST_ROWS)
         for c, cfg in zip(classes, configs, strict=True)
     )
     return MSAStepPlan(launches)

@@ -8,7 +8,7 @@ contiguous KV, on the layouts of :mod:`kernels.bench` (bf16, 32 q / 8 KV heads, 
 batch-invariant mode's KV tile is fixed: ``scripts/gpu_bi_tile.py``). Each config's output is
 checked against the planner's launch (max abs difference), and so is each of the planner's
 earlier choices, switched back on in turn (``_VARIANTS``): the grid tile first
-(``kernels.msa_plan._HEADS_FIRST_MIN_GAIN``); that and the 128-key tiles always split
+(``kernels.msa_grid_order.HEADS_FIRST_MIN_GAIN``); that and the 128-key tiles always split
 (``_WIDE_KV_MIN_SPLITS``); 64-key tiles only (``_WIDE_KV_MIN_KEYS``). In the planner's column,
 ``h`` marks a grid that goes KV head first.
 
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--more", action="store_true", help="also layouts kernels.bench does not time")
     ap.add_argument("--new", action="store_true", help="also the layouts held out from the wide-tile rule")
     ap.add_argument("--order-held-out", action="store_true",
-                    help="also the layouts held out from the grid-order rule (msa_plan._HEADS_FIRST_MIN_GAIN)")
+                    help="also the layouts held out from the grid-order rule (msa_grid_order.HEADS_FIRST_MIN_GAIN)")
     ap.add_argument("--all-splits", action="store_true", help="print every split's TFLOP/s")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]

@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import msa_plan
+from kernels import msa_grid_order, msa_plan
 from kernels.metadata import build_msa_metadata
 from kernels.reference import msa_naive
 from tests.kernels.msa_cases import Case, case_seed, check_close, make_case
@@ -239,14 +239,14 @@ def test_plan_msa_orders_uneven_prefill_launches_by_kv_head_first() -> None:
         assert [lp.heads_first for lp in mixed.launches] == [True, False]
         assert not plan([(0, 0, 512, 30_000)]).launches[0].heads_first  # 8 tiles x 8 heads < 132 SMs
     # the model alone: one deep tile among shallow ones runs on alone by tile first
-    assert msa_plan._heads_first_pays([32_000] * 16 + [4_000] * 56, 8, 1 << 30, 132)
-    assert not msa_plan._heads_first_pays([30_000] * 128, 8, 1 << 30, 132)
+    assert msa_grid_order.heads_first_pays([32_000] * 16 + [4_000] * 56, 8, 1 << 30, 132)
+    assert not msa_grid_order.heads_first_pays([30_000] * 128, 8, 1 << 30, 132)
 
 
 def _heads_first_gain_loop(tile_keys: list[int], num_kv_heads: int, chunk: int, num_sms: int) -> float:
     """The grid-order model, program by program: the modelled makespan by tile first over the
-    one by KV head first (the reference twin of ``msa_plan._heads_first_pays``)."""
-    fixed = msa_plan._TILE_FIXED_KEYS
+    one by KV head first (the reference twin of ``msa_grid_order.heads_first_pays``)."""
+    fixed = msa_grid_order.TILE_FIXED_KEYS
     done = by_tile = by_head = 0.0
     for i_split in range(-(-max(tile_keys) // chunk)):
         costs = [min(chunk, k - i_split * chunk) + fixed for k in tile_keys if k > i_split * chunk]
@@ -270,9 +270,9 @@ def test_heads_first_model_matches_its_program_by_program_twin() -> None:
         chunk = [1 << 30, 4096, 16_384][int(torch.randint(3, (1,), generator=gen))]
         keys = sorted(torch.randint(1, ctx + 1, (num_tiles,), generator=gen).tolist(), reverse=True)
         gain = _heads_first_gain_loop(keys, 8, chunk, 132)
-        if abs(gain - msa_plan._HEADS_FIRST_MIN_GAIN) < 1e-9:
+        if abs(gain - msa_grid_order.HEADS_FIRST_MIN_GAIN) < 1e-9:
             continue
-        decision = msa_plan._heads_first_pays(keys, 8, chunk, 132)
-        assert decision == (gain >= msa_plan._HEADS_FIRST_MIN_GAIN), (num_tiles, ctx, chunk, gain)
+        decision = msa_grid_order.heads_first_pays(keys, 8, chunk, 132)
+        assert decision == (gain >= msa_grid_order.HEADS_FIRST_MIN_GAIN), (num_tiles, ctx, chunk, gain)
         decided.add(decision)
     assert decided == {True, False}  # the draws reach both answers
