@@ -3,8 +3,10 @@
 ``python -m eval.bench_engine`` (or ``asymcache bench-engine``) prints prefill and decode tokens/s
 of this engine and of HF ``generate`` at batch 1 and 16, measured in one run on one machine.
 
-Prefill is timed as the first step of a batch (all prompts, one token sampled); decode is the
-rest of a ``max_tokens`` generation divided by its generated tokens. Both engines run greedy,
+Prefill is timed as the first step of a batch (all prompts, one token sampled), the median of
+``prefill_samples`` fresh ones per measurement (a single step of a few hundred milliseconds
+swings by 20% on a shared machine); decode is the rest of a ``max_tokens`` generation divided
+by its generated tokens. Both engines run greedy,
 float32, with EOS ignored so that every row generates exactly ``new_tokens`` tokens. Each
 measurement is repeated, the two engines alternating, and the table shows medians and the
 range of the paired ratios: on a shared 2-core machine one run's figures swing by 10% or more.
@@ -59,39 +61,55 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[in
     return [torch.randint(100, vocab - 100, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
 
-def bench_ours(loaded, batch: int, prompt_len: int, new_tokens: int, seed: int) -> SpeedRow:
+def bench_ours(loaded, batch: int, prompt_len: int, new_tokens: int, seed: int, prefill_samples: int = 3) -> SpeedRow:
     from asymcache_core import Engine, SamplingParams
 
     prompts = _prompts(batch, prompt_len, loaded.config.vocab_size, seed)
     blocks = batch * (-(-(prompt_len + new_tokens) // 16) + 1) + 16
     engine = Engine(model=loaded.name, loaded=loaded, num_kv_blocks=blocks, max_num_batched_tokens=max(2048, batch * prompt_len))
     engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    engine.reset_prefix_cache()  # the timed prefill must not hit the warm-up's blocks
+    prefills = []
+    for _ in range(prefill_samples):
+        engine.reset_prefix_cache()  # every timed prefill computes its prompts afresh
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        engine.step()  # the whole batch's prefill (the budget covers it) and its one token
+        prefills.append(time.perf_counter() - start)
+        while engine.has_unfinished():
+            engine.step()
+    engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
     start = time.perf_counter()
-    engine.step()  # the whole batch's prefill (budget covers it) and the first token
-    prefill = time.perf_counter() - start
+    engine.step()
+    first = time.perf_counter() - start
     while engine.has_unfinished():
         engine.step()
     total = time.perf_counter() - start
-    return SpeedRow("asymcache", batch, batch * prompt_len / prefill, batch * (new_tokens - 1) / (total - prefill))
+    prefill = statistics.median(prefills)
+    return SpeedRow("asymcache", batch, batch * prompt_len / prefill, batch * (new_tokens - 1) / (total - first))
 
 
-def bench_hf(hf_model, batch: int, prompt_len: int, new_tokens: int, seed: int, vocab: int) -> SpeedRow:
+def bench_hf(
+    hf_model, batch: int, prompt_len: int, new_tokens: int, seed: int, vocab: int, prefill_samples: int = 3
+) -> SpeedRow:
     prompts = torch.tensor(_prompts(batch, prompt_len, vocab, seed))
     mask = torch.ones_like(prompts)
     with torch.no_grad():
         hf_model.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=2, min_new_tokens=2, do_sample=False)
-        start = time.perf_counter()
-        hf_model.generate(prompts, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-        prefill = time.perf_counter() - start
+        prefills = []
+        for _ in range(prefill_samples):
+            start = time.perf_counter()
+            hf_model.generate(prompts, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            prefills.append(time.perf_counter() - start)
         start = time.perf_counter()
         hf_model.generate(
             prompts, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
         )
         total = time.perf_counter() - start
+    prefill = statistics.median(prefills)
     return SpeedRow("transformers", batch, batch * prompt_len / prefill, batch * (new_tokens - 1) / max(total - prefill, 1e-9))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_linear import linear_weight_left
 from kernels.metadata import MSAMetadata
 from kernels.reference import (
     msa_naive,
@@ -143,6 +144,9 @@ class DenseOps:
 
 
 DEFAULT_DENSE_OPS = DenseOps("default", F.linear, _rms_norm_torch)
+# NOTE: the CPU's few-row products run with the weight as the left operand: 1.1-2.5x faster
+# decode GEMMs on MKL, the same blocked kernel from 32 rows (kernels/cpu_linear.py).
+CPU_DENSE_OPS = DenseOps("default", linear_weight_left, _rms_norm_torch)
 
 
 def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) -> DenseOps:
@@ -150,7 +154,7 @@ def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) 
     (the Triton matmul and RMSNorm on CUDA, row-padded BLAS on the CPU)."""
     device = torch.device(device)
     if not batch_invariant:
-        return DEFAULT_DENSE_OPS
+        return CPU_DENSE_OPS if device.type == "cpu" else DEFAULT_DENSE_OPS
     if device.type == "cuda":
         if not triton_available(device):
             raise ValueError("batch_invariant: needs triton on CUDA")
@@ -244,10 +248,10 @@ def select_attention_backend(
             "triton", store_kv_triton, msa_triton, prepare, batch_invariant, dense, rope_store_triton
         )
     if preference == "naive":
-        return AttentionBackend("naive", store_kv_torch, msa_naive)
+        return AttentionBackend("naive", store_kv_torch, msa_naive, dense=dense)
     if batch_invariant:
         return AttentionBackend("torch", store_kv_torch, msa_tiled, no_plan, True, dense)
-    return AttentionBackend("torch", store_kv_torch, msa_torch, prepare_msa_torch)
+    return AttentionBackend("torch", store_kv_torch, msa_torch, prepare_msa_torch, dense=dense)
 
 
 def _interpreting() -> bool:

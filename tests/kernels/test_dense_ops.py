@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kernels.batch_invariant import linear_naive, linear_padded, rms_norm_naive
-from kernels.dispatch import DEFAULT_DENSE_OPS, select_dense_ops
+from kernels.dispatch import CPU_DENSE_OPS, select_dense_ops
 from kernels.gemm_calibration import _TUNE_CANDIDATES, BatchInvariantLinear, library_key
 
 # (N, K): a fused QKV, a wide gate-up, a down projection and a vocabulary head of SmolLM2.
@@ -60,7 +60,7 @@ def test_library_linear_is_not_row_invariant_on_this_cpu() -> None:
 
 def test_cpu_batch_invariant_ops_are_row_invariant() -> None:
     ops = select_dense_ops("cpu", batch_invariant=True)
-    assert ops.name == "batch-invariant" and select_dense_ops("cpu") is DEFAULT_DENSE_OPS
+    assert ops.name == "batch-invariant" and select_dense_ops("cpu") is CPU_DENSE_OPS
     gen = torch.Generator().manual_seed(1)
     x = torch.randn((300, 576), generator=gen)
     weight = torch.randn(576, generator=gen)

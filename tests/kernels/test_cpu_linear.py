@@ -1,0 +1,63 @@
+"""The CPU's few-row linear op (:mod:`kernels.cpu_linear`): the same products as ``F.linear``
+at every row count, shape and dtype, and the op the CPU engine's dispatch picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.batch_invariant import linear_naive
+from kernels.cpu_linear import FEW_ROWS, linear_weight_left
+from kernels.dispatch import (
+    CPU_DENSE_OPS,
+    DEFAULT_DENSE_OPS,
+    select_attention_backend,
+    select_dense_ops,
+)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 16, FEW_ROWS - 1, FEW_ROWS, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weight_left_matches_the_float64_product(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn((960, 576), generator=gen) / 24
+    bias = torch.randn(960, generator=gen) if with_bias else None
+    x = torch.randn((rows, 576), generator=gen)
+    out = linear_weight_left(x, weight, bias)
+    assert out.shape == (rows, 960) and out.is_contiguous() and out.dtype == torch.float32
+    ref = linear_naive(x.double(), weight.double(), None if bias is None else bias.double())
+    err = (out.double() - ref).abs()
+    assert err.numel() == 0 or float(err.max()) < 1e-4
+    # the same float32 product as the library's, up to summation order
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_left_keeps_leading_dims_and_strided_input() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn((192, 64), generator=gen)
+    x = torch.randn((2, 3, 128), generator=gen)[..., ::2]  # [2, 3, 64], last dim strided
+    out = linear_weight_left(x, weight)
+    assert out.shape == (2, 3, 192)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_left_leaves_other_dtypes_many_rows_and_long_single_rows_to_the_library() -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn((256, 128), generator=gen)
+    for x, w in (
+        (torch.randn((4, 128), generator=gen).bfloat16(), weight.bfloat16()),
+        (torch.randn((FEW_ROWS + 5, 128), generator=gen), weight),
+        # one row against a weight no wider than long: BLAS's matrix-vector kernel
+        (torch.randn((1, 256), generator=gen), weight.T.contiguous()),
+    ):
+        assert torch.equal(linear_weight_left(x, w), F.linear(x, w))
+
+
+def test_the_cpu_engine_runs_the_weight_left_op() -> None:
+    assert select_dense_ops("cpu") is CPU_DENSE_OPS and CPU_DENSE_OPS.linear is linear_weight_left
+    assert select_dense_ops("meta") is DEFAULT_DENSE_OPS
+    for preference in ("torch", "naive"):
+        assert select_attention_backend("cpu", preference, torch.float32).dense is CPU_DENSE_OPS
+    # the batch-invariant mode keeps its padded op (a row's bits must not follow the batch)
+    assert select_attention_backend("cpu", "torch", torch.float32, batch_invariant=True).dense.linear is not linear_weight_left
