@@ -1,14 +1,15 @@
 """The CPU's linear op for a few rows: the weight as the GEMM's left operand.
 
 ``F.linear(x, w)`` computes ``x [M, K] @ w[N, K]^T``. With a few rows (a decode step's batch)
-the CPU BLAS (MKL in torch's x86 wheels) runs that product 1.1-3x slower than the same dot
-products as ``w @ x^T``, whose large operand is the left one. One row goes to a
+the CPU BLAS (MKL in torch's x86 wheels) runs that product 1.1-3x slower on two threads than
+the same dot products as ``w @ x^T``, whose large operand is the left one and splits over the
+threads; on one thread neither form wins throughout, and ``F.linear`` runs. One row goes to a
 matrix-vector kernel, slower than a two-column product where the weight is wider than long.
 Timed on this project's CPU machine (2 cores, torch 2.13, weights cycled so that every call
 reads them from memory, as a decode step does; ``python scripts/bench_cpu_linear.py``):
-SmolLM2-135M's fused gate/up projection at 2 rows 1.68 against 0.71 ms, its LM head at 16
-rows 34.6 against 24.0 ms; the engine's decode steps 1.25x (batch 1) and 1.73x (batch 16)
-faster. From :data:`FEW_ROWS` rows on both forms run the same blocked kernel (same bits, same
+SmolLM2-135M's fused gate/up projection at 2 rows 1.21 against 0.59 ms, its LM head at 16
+rows 26.4 against 18.6 ms; the engine's decode steps 1.14-1.25x (batch 1) and 1.21-1.73x
+(batch 16) faster in two runs. From :data:`FEW_ROWS` rows on both forms run the same blocked kernel (same bits, same
 time).
 
 Shapes: activations ``[..., K]``, weights ``[N, K]`` (``nn.Linear`` layout), outputs
@@ -42,6 +43,11 @@ def linear_weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rows = x.reshape(-1, x.shape[-1])
     num = rows.shape[0]
     if num >= FEW_ROWS or num == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    if torch.get_num_threads() < 2:
+        # NOTE: the gain is in how the product splits over threads (the few rows of x
+        # cannot feed two): on one thread the two forms tie or F.linear wins (one row 0.86-0.89x,
+        # 8 rows of the down projection 0.61x, 2 rows of the LM head 1.92x: no rule to keep).
         return F.linear(x, weight, bias)
     if num == 1:
         if weight.shape[0] <= weight.shape[1]:

@@ -204,3 +204,24 @@ def test_job_admission_runs_older_jobs_first_and_stays_lossless(smollm):
     assert gated == roomy
     assert started[:2] == ["j0/0", "j1/0"] and engine.stats().jobs_held_back_total > 0
     assert make_engine(smollm, num_kv_blocks=14, eviction_policy="vllm-apc").job_admission is None
+
+
+def test_lossless_under_pressure_on_two_threads(smollm):
+    """The CPU's few-row linear op (:mod:`kernels.cpu_linear`) takes its own path only on two or
+    more threads, and the test workers run one: the script under eviction, on two threads,
+    gives the tokens of an unbounded pool on two threads."""
+    import torch
+
+    from kernels.cpu_linear import linear_weight_left
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
+        engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy="asymcache")
+        assert engine.runner.backend.dense.linear is linear_weight_left
+        assert run_script(engine) == expected
+        assert engine.stats().evictions_total > 0
+        engine.check_integrity()
+    finally:
+        torch.set_num_threads(saved)

@@ -17,6 +17,15 @@ from kernels.dispatch import (
 )
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The op takes its own path only with two or more threads (the test workers run one)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 16, FEW_ROWS - 1, FEW_ROWS, 100])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_weight_left_matches_the_float64_product(rows: int, with_bias: bool) -> None:
@@ -52,6 +61,15 @@ def test_weight_left_leaves_other_dtypes_many_rows_and_long_single_rows_to_the_l
         (torch.randn((1, 256), generator=gen), weight.T.contiguous()),
     ):
         assert torch.equal(linear_weight_left(x, w), F.linear(x, w))
+
+
+def test_weight_left_is_the_library_on_one_thread() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight, x = torch.randn((3072, 576), generator=gen), torch.randn((4, 576), generator=gen)
+    two = linear_weight_left(x, weight)
+    torch.set_num_threads(1)
+    assert torch.equal(linear_weight_left(x, weight), F.linear(x, weight))
+    assert torch.equal(two, (weight @ x.T).T)  # on two threads: the weight-left product
 
 
 def test_the_cpu_engine_runs_the_weight_left_op() -> None:
