@@ -20,17 +20,17 @@ def user_tokens(session: int, turn: int, length: int = 20) -> list[int]:
 SESSIONS, TURNS, CONCURRENT = 6, 3, 3
 
 
-def run_script(engine) -> list[list[int]]:
+def run_script(engine, sessions: int = SESSIONS, turns: int = TURNS) -> list[list[int]]:
     """Multi-session multi-turn dialogue: sessions take turns three at a time (round robin), each
     prompt extending the session's previous prompt and answer."""
-    contexts = {s: SYSTEM + user_tokens(s, 0) for s in range(SESSIONS)}
+    contexts = {s: SYSTEM + user_tokens(s, 0) for s in range(sessions)}
     outputs: list[list[int]] = []
-    for turn in range(TURNS):
-        for first in range(0, SESSIONS, CONCURRENT):
-            group = range(first, min(first + CONCURRENT, SESSIONS))
+    for turn in range(turns):
+        for first in range(0, sessions, CONCURRENT):
+            group = range(first, min(first + CONCURRENT, sessions))
             ids = {
                 s: engine.add_request(
-                    contexts[s], TURN, job_id=f"s{s}", is_last_step=turn == TURNS - 1
+                    contexts[s], TURN, job_id=f"s{s}", is_last_step=turn == turns - 1
                 )
                 for s in group
             }
@@ -209,7 +209,8 @@ def test_job_admission_runs_older_jobs_first_and_stays_lossless(smollm):
 def test_lossless_under_pressure_on_two_threads(smollm):
     """The CPU's few-row linear op (:mod:`kernels.cpu_linear`) takes its own path only on two or
     more threads, and the test workers run one: the script under eviction, on two threads,
-    gives the tokens of an unbounded pool on two threads."""
+    gives the tokens of an unbounded pool on two threads (three sessions, two turns: the
+    script's first half, on a pool of 8 blocks where three prompts need ~15)."""
     import torch
 
     from kernels.cpu_linear import linear_weight_left
@@ -217,10 +218,10 @@ def test_lossless_under_pressure_on_two_threads(smollm):
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        expected = run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
-        engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy="asymcache")
+        expected = run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048), 3, 2)
+        engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=8, eviction_policy="asymcache")
         assert engine.runner.backend.dense.linear is linear_weight_left
-        assert run_script(engine) == expected
+        assert run_script(engine, 3, 2) == expected
         assert engine.stats().evictions_total > 0
         engine.check_integrity()
     finally:
