@@ -9,8 +9,8 @@ Timed on this project's CPU machine (2 cores, torch 2.13, weights cycled so that
 reads them from memory, as a decode step does; ``python scripts/bench_cpu_linear.py``):
 SmolLM2-135M's fused gate/up projection at 2 rows 1.21 against 0.59 ms, its LM head at 16
 rows 26.4 against 18.6 ms; the engine's decode steps 1.14-1.25x (batch 1) and 1.21-1.73x
-(batch 16) faster in two runs. From :data:`FEW_ROWS` rows on both forms run the same blocked kernel (same bits, same
-time).
+(batch 16) faster in two runs. From :data:`FEW_ROWS` rows on both forms run the same blocked
+kernel (same bits, same time).
 
 Shapes: activations ``[..., K]``, weights ``[N, K]`` (``nn.Linear`` layout), outputs
 ``[..., N]``. The result is the same float32 math in another summation order: a row's bits may
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.batch_invariant import _as_rows
 
 # Row counts from which F.linear already runs the blocked kernel the transposed form runs:
 # measured equal in bits and time from 32 rows (bench_cpu_linear.py prints both).
@@ -40,7 +42,7 @@ def linear_weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     Returns:
         ``[..., N]``, contiguous.
     """
-    rows = x.reshape(-1, x.shape[-1])
+    lead, rows = _as_rows(x)
     num = rows.shape[0]
     if num >= FEW_ROWS or num == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return F.linear(x, weight, bias)
@@ -61,4 +63,4 @@ def linear_weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = (weight @ rows.T).T[:num].contiguous()
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*lead, weight.shape[0])

@@ -144,8 +144,8 @@ class DenseOps:
 
 
 DEFAULT_DENSE_OPS = DenseOps("default", F.linear, _rms_norm_torch)
-# NOTE: the CPU's few-row products run with the weight as the left operand: 1.1-2.5x faster
-# decode GEMMs on MKL, the same blocked kernel from 32 rows (kernels/cpu_linear.py).
+# NOTE: the CPU's few-row products run with the weight as the left operand on two or more
+# threads: 1.1-3x faster decode GEMMs on MKL, the same kernel from 32 rows (kernels/cpu_linear.py).
 CPU_DENSE_OPS = DenseOps("default", linear_weight_left, _rms_norm_torch)
 
 
