@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,23 +96,67 @@ def _packaged_smollm2() -> Path:
         pytest.skip(str(exc))
 
 
+def _hf_reference_dir(name: str) -> Path:
+    """A folder of the run's shared model cache for transformers' own conversion of the packaged
+    GGUF (``name``: ``model`` or ``tokenizer``)."""
+    from asymcache_core.loaders.cache import CACHE_ENV
+
+    return Path(os.environ[CACHE_ENV]) / "hf-reference" / name
+
+
+@contextmanager
+def _hf_reference_lock(name: str) -> Iterator[None]:
+    """One worker converts ``name`` with transformers while the others wait, then read its copy."""
+    import fcntl
+
+    folder = _hf_reference_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_smollm() -> Any:
     """transformers' own ``LlamaForCausalLM`` read from the packaged SmolLM2 GGUF (its own
     de-quantizing loader, float32, eval mode), loaded once for the whole session: the
-    independent reference of the parity and constrained-decoding tests (never modified)."""
+    independent reference of the parity and constrained-decoding tests (never modified).
+
+    NOTE: transformers' GGUF loading takes ~30 s on this project's machine (it parses the file
+    and builds the tokenizer again); the first worker of a run saves the state dict it produced
+    (safetensors) and its config, and the others build the model from those (~3 s): the same
+    tensors, still never touched by this project's loader.
+    """
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
+    from safetensors.torch import load_file, save_file
+
     path = _packaged_smollm2()
+    folder = _hf_reference_dir("model")
+    weights = folder / "model.safetensors"
     # NOTE: one thread for the conversion: its many small de-quantizing ops run slower with two
     # threads competing with other processes on the shared 2-core machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
+        with _hf_reference_lock("model"):
+            if weights.is_file():
+                config = transformers.AutoConfig.from_pretrained(str(folder))
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
+                # the LM head is the embedding (tied): it is not saved twice
+                assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+                model.tie_weights()
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32
+                )
+                tied = model.config.tie_word_embeddings
+                state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+                model.config.save_pretrained(str(folder))
+                save_file(state, str(folder / "model.tmp"))
+                (folder / "model.tmp").rename(weights)
     finally:
         torch.set_num_threads(threads)
     return model.eval()
@@ -120,10 +165,17 @@ def hf_smollm() -> Any:
 @pytest.fixture(scope="session")
 def hf_smollm_tokenizer() -> Any:
     """transformers' ``AutoTokenizer`` read from the packaged SmolLM2 GGUF (with its chat
-    template), loaded once for the whole session (never modified)."""
+    template), loaded once for the whole session (never modified); converted once a run, as
+    :func:`hf_smollm` is."""
     transformers = pytest.importorskip("transformers")
     path = _packaged_smollm2()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    folder = _hf_reference_dir("tokenizer")
+    with _hf_reference_lock("tokenizer"):
+        if (folder / "tokenizer_config.json").is_file():
+            return transformers.AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer.save_pretrained(str(folder))
+        return tokenizer
 
 
 class StepClock:

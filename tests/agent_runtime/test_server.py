@@ -361,7 +361,7 @@ def test_harness_http_backend_against_live_server(live, tmp_path):
     from eval.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(
-        workload="chat", jobs=3, concurrency=3, token_scale=0.3, time_scale=0.01, max_model_len=256,
+        workload="chat", jobs=3, concurrency=3, token_scale=0.1, time_scale=0.01, max_model_len=256,
         seed=5, backend="http", url=live.base, policies=("our-server",), out=tmp_path / "http",
     )
     results, run_dir = run_bench(cfg)

@@ -93,7 +93,7 @@ def _rows_to_check(case: Case, count: int) -> list[int]:
 
 def test_msa_triton_interpreter_batch_invariant(interp: ModuleType) -> None:
     """Contexts past several fixed chunks, holes and decodes in one step."""
-    case = _invariant_case("cpu", torch.float32, group=2, head_dim=16, max_ctx=5200, seed=case_seed("bi", 3))
+    case = _invariant_case("cpu", torch.float32, group=2, head_dim=16, max_ctx=3000, seed=case_seed("bi", 3))
     assert max(s[3] + s[2] for s in case.meta.host_segments) > 2 * msa_plan.INVARIANT_CHUNK
     _check_invariant(interp, case, torch.float32, _rows_to_check(case, 3))
 
@@ -102,7 +102,7 @@ def test_msa_triton_interpreter_batch_invariant_decodes(interp: ModuleType) -> N
     """Decode tiles over many chunks, spread over programs as on an H200: the split merge
     folds every chunk, in order, to the in-program walk's bits."""
     case = _invariant_case(
-        "cpu", torch.float32, group=4, head_dim=16, max_ctx=5200, seed=case_seed("bi-decode", 4), kind="decode"
+        "cpu", torch.float32, group=4, head_dim=16, max_ctx=3000, seed=case_seed("bi-decode", 4), kind="decode"
     )
     with pytest.MonkeyPatch.context() as mp:
         # an H200's SMs: 4 decodes x 2 KV heads are too few programs, so the chunks spread
