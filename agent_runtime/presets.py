@@ -20,8 +20,9 @@ name                       eviction       priority     TTL pins
 =========================  =============  ===========  =========
 
 The AsymCache presets with Continuum order their waiting requests by ``adaptive`` priority: by
-their job's start as far as the jobs seen so far are memoryful (Continuum's eta), by arrival as
-far as they are not, with running requests in arrival order. Continuum's program order favours
+their job's start as far as the jobs seen so far show memory (Continuum's eta, at the lower
+bound of its 95% confidence interval, with running jobs counted as censored lengths), by
+arrival as far as they do not, with running requests in arrival order. Continuum's program order favours
 old jobs, which pays when an old job is near its end (fixed-length tasks such as BFCL's) and
 costs when job lengths are memoryless (chat), where it also reordered the running requests
 so that new turns preempted mid-decode ones (BENCHMARKS.md, "The default on chat, tool loops

@@ -96,7 +96,8 @@ class EngineConfig:
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
         priority: admission order of waiting work: ``fcfs`` (by request), ``program`` (by job:
             Continuum's program order, running requests too) or ``adaptive`` (waiting requests
-            by their job's start as far as the jobs seen so far are memoryful, Continuum's eta:
+            by their job's start as far as the jobs seen so far show memory, Continuum's eta
+            at its 95% lower bound:
             :meth:`~asymcache_core.continuum.controller.ContinuumController.adaptive_program_key`;
             running requests by arrival).
         attention_backend: ``auto``, ``torch``, ``naive`` or ``triton``.

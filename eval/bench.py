@@ -44,6 +44,7 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "unbounded": {},
     "reserve-prompt": {"admit_full_prompt": True},
     "least-work": {"least_work_first": True},
+    "fcfs": {"priority": "fcfs"},
 }
 """The plain ``PRESET/SUFFIX`` ablations: without hole reuse; ``job-admission`` /
 ``no-job-admission``, job-level admission on or off whatever the eviction policy's default
@@ -52,7 +53,9 @@ instead of the MSA kernel (one launch per segment on GPU); ``unbounded``, a pool
 whole working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
 load; see :attr:`BenchVariant.unbounded_pool`); ``reserve-prompt``, admission only when a
 request's whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-work``,
-the requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``).
+the requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``);
+``fcfs``, waiting requests in arrival order whatever the preset's order (``EngineConfig.priority``:
+``asymcache+continuum/fcfs`` is the default without its eta-weighted program order).
 
 Suffixes with a value, parsed by :meth:`BenchVariant.parse`: ``least-work:P``, the same with a
 patience of P (``EngineConfig.least_work_patience``); ``adaptive`` turns on adaptive chunking

@@ -315,7 +315,8 @@ class ContinuumController:
     def adaptive_program_key(self, request: Request) -> tuple:
         """Program order as far as jobs are memoryful: pinned jobs first, then by
         ``first + (1 - eta) * (arrival - first)``, the job's first arrival moved towards the
-        request's own by the memoryfulness ``eta`` of the jobs finished so far.
+        request's own by the memoryfulness ``eta`` the jobs finished so far show (the lower
+        bound of its 95% confidence interval: 0, arrival order, until memory is shown).
 
         With eta = 1 (a job's turns done predict its turns left: an old job is near its end)
         this is :meth:`program_key`; with eta = 0 (memoryless lengths: an old job is no closer
@@ -343,7 +344,9 @@ class ContinuumController:
         pinned = 0 if request.had_pin else 1
         arrival = request.metrics.arrival_time
         first = self._first_arrival.get(request.job_id or "", arrival)
-        eta = self.memoryfulness.eta()
+        # NOTE: the eta the jobs show with confidence, running ones counted as censored lengths,
+        # not the point estimate (MemoryfulnessEstimator.eta_shown): arrival order until shown
+        eta = self.memoryfulness.eta_shown(self._turns.values())
         rank = first + (1.0 - eta) * (arrival - first)
         if self.ttft_target is not None:
             # NOTE: a pinned job's turn goes ahead as far as the slack allows, not before every

@@ -245,6 +245,17 @@ def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
     assert "admit_full_prompt" not in BenchVariant.parse("vllm-apc").engine_overrides
 
 
+def test_fcfs_ablation_replaces_only_the_presets_order():
+    from eval.bench import BenchVariant
+
+    default, plain = BenchVariant.parse("asymcache+continuum"), BenchVariant.parse("asymcache+continuum/fcfs")
+    assert default.engine_overrides["priority"] == "adaptive" and plain.engine_overrides["priority"] == "fcfs"
+    assert {k: v for k, v in plain.engine_overrides.items() if k != "priority"} == {
+        k: v for k, v in default.engine_overrides.items() if k != "priority"
+    }
+    assert plain.pinning and plain.ttl_rule == default.ttl_rule
+
+
 def gpu_longchat_sim(policies: tuple[str, ...], out: Path) -> BenchConfig:
     """The GPU long-chat grid (pool 35%, 2,048-token budget) on the simulator, H200 profile."""
     traces = Path(__file__).resolve().parents[2] / "bench_traces"

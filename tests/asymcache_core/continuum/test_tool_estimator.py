@@ -158,6 +158,68 @@ def test_memoryfulness() -> None:
     assert ones.num_jobs == 5
 
 
+def test_memoryfulness_shown_is_a_lower_bound_that_tightens_with_jobs() -> None:
+    rng = random.Random(3)
+    est = MemoryfulnessEstimator(min_jobs=8, default=0.5)
+    assert est.eta() == 0.5 and est.eta_shown() == 0.0  # nothing shown before any job
+    for _ in range(7):
+        est.record_job(10)
+    assert est.eta_shown() == 0.0  # fewer than min_jobs
+    est.record_job(10)
+    assert est.eta() == pytest.approx(1.0) and est.eta_shown() > 0.95  # identical lengths
+    # clustered lengths: the bound is below the estimate and rises towards it with more jobs
+    bounds = []
+    near = MemoryfulnessEstimator(window=5000)
+    for jobs in (10, 40, 400):
+        while near.num_jobs < jobs:
+            near.record_job(rng.choice((2, 3, 4, 5, 6)))
+        bounds.append(near.eta_shown())
+        assert 0.0 <= near.eta_shown() < near.eta()
+    assert bounds[0] < bounds[1] < bounds[2] and near.eta() - bounds[2] < 0.1
+    # geometric (memoryless) lengths: nothing shown, whatever the point estimate's noise
+    for jobs in (12, 100):
+        geo = MemoryfulnessEstimator(window=5000)
+        for _ in range(jobs):
+            n = 1
+            while rng.random() < 0.7:
+                n += 1
+            geo.record_job(n)
+        assert geo.eta_shown() < 0.05, (jobs, geo.eta(), geo.eta_shown())
+    # the bound is recomputed when a job finishes
+    before = near.eta_shown()
+    for _ in range(50):
+        near.record_job(1)
+    assert near.eta_shown() != before
+
+
+def test_memoryfulness_shown_counts_running_jobs_as_censored_lengths() -> None:
+    """Early in a closed-loop run only the short jobs have finished: their lengths alone look
+    memoryful; the running jobs, known to last at least the turns they started, say otherwise."""
+    rng = random.Random(4)
+    lengths = []
+    for _ in range(48):  # geometric (memoryless) lengths, mean 4
+        n = 1
+        while rng.random() < 0.75:
+            n += 1
+        lengths.append(n)
+    est = MemoryfulnessEstimator(window=5000)
+    turn = 3
+    for n in lengths:
+        if n <= turn:
+            est.record_job(n)
+    running = [turn + 1 for n in lengths if n > turn]  # each started its fourth turn
+    assert est.num_jobs >= 8 and running
+    assert est.eta() > 0.3  # lengths 1-3 only: a sample truncated from above
+    assert est.eta_shown() > 0.0  # without the running jobs the bound is fooled too
+    est.record_job(turn)  # (invalidates the cached bound; one more short job)
+    assert est.eta_shown(running) == 0.0
+    # fixed-length jobs stay memoryful however many are still running
+    fixed = MemoryfulnessEstimator()
+    for _ in range(20):
+        fixed.record_job(6)
+    assert fixed.eta_shown([3] * 40 + [6] * 8) > 0.95
+
+
 def test_memoryfulness_matches_brute_force() -> None:
     rng = random.Random(2)
     lengths = [rng.randint(1, 30) for _ in range(40)]
