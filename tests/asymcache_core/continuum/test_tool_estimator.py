@@ -126,6 +126,22 @@ def test_pin_benefit_clips() -> None:
     assert pin_benefit_s(-5, reload_cost, -1.0, -1.0) == 0.0
 
 
+def test_cdf_and_quantiles_match_the_window_through_evictions() -> None:
+    """The sorted copy the CDF bisects follows the window as samples come and go (repeats
+    included), tool by tool."""
+    rng = random.Random(5)
+    est = ToolDurationEstimator(window=7)
+    for _ in range(200):
+        tool = rng.choice(("a", "b"))
+        est.record(tool, rng.choice((0.5, 1.0, 1.0, 2.5, rng.random() * 4)))
+        for name in ("a", "b"):
+            xs = est.samples(name)
+            for tau in (0.0, 0.5, 1.0, 2.0, 2.5, 3.9):
+                assert est.cdf(name, tau) == (sum(x <= tau for x in xs) / len(xs) if xs else float(tau >= 2.0))
+            if xs:
+                assert est.quantile(name, 0.5) == sorted(xs)[max(0, -(-len(xs) // 2) - 1)]
+
+
 def test_memoryfulness() -> None:
     est = MemoryfulnessEstimator(min_jobs=5, default=0.3)
     assert est.eta() == 0.3
