@@ -145,16 +145,18 @@ class MemoryfulnessEstimator:
         min_jobs: below this many jobs (or with no variance), ``eta()`` returns ``default``.
         default: eta before enough data (0.5: halfway between memoryless and fully
             memoryful).
+        shown_z: the normal quantile of :meth:`eta_shown`'s one-sided bound (1.645: 95%).
     """
 
     window: int = 512
     min_jobs: int = 8
     default: float = 0.5
+    shown_z: float = 1.645
     _jobs: deque[int] = field(default_factory=deque, repr=False)
     # NOTE: eta is read for every waiting request of every step (adaptive admission order)
     # and changes only when a job finishes: cached until then.
     _eta: float | None = field(default=None, repr=False)
-    _eta_shown: tuple[float, float] | None = field(default=None, repr=False)
+    _eta_shown: float | None = field(default=None, repr=False)
 
     def record_job(self, num_turns: int) -> None:
         """Add a finished job.
@@ -186,11 +188,11 @@ class MemoryfulnessEstimator:
             self._eta = self.default if measured is None else measured
         return self._eta
 
-    def eta_shown(self, in_flight: Iterable[int] = (), z: float = 1.645) -> float:
+    def eta_shown(self, in_flight: Iterable[int] = ()) -> float:
         """The memoryfulness the jobs show with confidence, for the admission order: eta of the
         length distribution estimated with the jobs still running as censored lengths
         (Kaplan-Meier), then the lower bound of its one-sided confidence interval (Fisher's z,
-        one sample per finished job; ``z = 1.645``: 95%); 0 before :attr:`min_jobs` jobs
+        one sample per finished job, at :attr:`shown_z`); 0 before :attr:`min_jobs` jobs
         finished or with a degenerate sample.
 
         NOTE: the order reads this, not :meth:`eta`. Ranking a job's turns by its start costs
@@ -211,16 +213,15 @@ class MemoryfulnessEstimator:
 
         Args:
             in_flight: the turns started so far by each job still running.
-            z: the normal quantile of the bound's confidence.
 
         Returns:
             A lower bound of eta in [0, 1].
         """
-        if self._eta_shown is None or self._eta_shown[0] != z:
-            self._eta_shown = (z, self._lower_bound(sorted(in_flight), z))
-        return self._eta_shown[1]
+        if self._eta_shown is None:
+            self._eta_shown = self._lower_bound(sorted(in_flight))
+        return self._eta_shown
 
-    def _lower_bound(self, in_flight: list[int], z: float) -> float:
+    def _lower_bound(self, in_flight: list[int]) -> float:
         jobs = len(self._jobs)
         if jobs < max(self.min_jobs, 4):
             return 0.0
@@ -228,7 +229,7 @@ class MemoryfulnessEstimator:
         if measured is None:
             return 0.0
         r = min(measured, 0.9999)  # identical lengths: eta 1, whose z is infinite
-        return max(0.0, math.tanh(math.atanh(r) - z / math.sqrt(jobs - 3)))
+        return max(0.0, math.tanh(math.atanh(r) - self.shown_z / math.sqrt(jobs - 3)))
 
     def _measured(self) -> float | None:
         """eta from the window's jobs (``None``: fewer than :attr:`min_jobs`, or no variance)."""
