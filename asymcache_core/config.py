@@ -92,7 +92,10 @@ class EngineConfig:
             order. Other orders ignore it (``fcfs`` is arrival order; ``program`` is
             Continuum's, kept as published). Unset, program order is unbounded: it lowers job time and the job-time tail,
             and its time-to-first-token tail is several times arrival order's (BENCHMARKS.md,
-            "A stated time-to-first-token target").
+            "A stated time-to-first-token target"). With a host tier, stating it also lets job
+            admission count the tier's whole share at once rather than as far as jobs pause
+            (:class:`~asymcache_core.job_admission.JobAdmission`): fewer turns held, for more
+            job time.
         latency_profile: path of a JSON latency profile; ``None`` uses the analytic default.
         priority: admission order of waiting work: ``fcfs`` (by request), ``program`` (by job:
             Continuum's program order, running requests too) or ``adaptive`` (waiting requests
@@ -208,8 +211,8 @@ class EngineConfig:
         "--tpot-slo-ms", "Adaptive chunking's time-per-output-token target (ms)."))
     ttft_slo_ms: float | None = field(default=None, metadata=_flag(
         "--ttft-slo-ms", "Time-to-first-token target (ms): program order (old jobs' turns first) moves a "
-        "waiting request ahead of earlier arrivals only as far as the waits seen stay within it (default: "
-        "no bound)."))
+        "waiting request ahead of earlier arrivals only as far as the waits seen stay within it, and job "
+        "admission counts a host KV tier's whole share from the start (default: no bound)."))
     latency_profile: str | None = field(default=None, metadata=_flag(
         "--latency-profile", "Latency profile JSON (asymcache profile) for the eviction cost and adaptive "
         "chunking (default: the analytic model)."))

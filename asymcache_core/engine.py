@@ -824,6 +824,7 @@ class Engine(AsyncSteps):
             requests_total=c.num_requests,
             jobs_admitted=self.job_admission.num_jobs if self.job_admission is not None else 0,
             jobs_held_back_total=self.job_admission.num_held_back if self.job_admission is not None else 0,
+            job_gate_capacity_tokens=self.job_admission.capacity_tokens if self.job_admission is not None else 0,
             engine_reload_tokens_total=c.reload_tokens,
             kv_block_size=self.block_size,
             order_slack_seconds=target.slack_s if target is not None else math.inf,

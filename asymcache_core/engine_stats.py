@@ -106,6 +106,9 @@ class EngineStats:
     requests_total: int
     jobs_admitted: int = 0
     jobs_held_back_total: int = 0
+    #: the tokens job-level admission admits jobs against (the device pool, plus the part of
+    #: a host tier the jobs' pauses leave room for; 0: no job admission)
+    job_gate_capacity_tokens: int = 0
     engine_reload_tokens_total: int = 0
     host_kv_blocks_total: int = 0
     host_kv_blocks_cached: int = 0

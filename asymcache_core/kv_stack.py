@@ -105,10 +105,18 @@ def build_kv_stack(
         continuum.ttft_target = TTFTTarget(config.ttft_slo_ms / 1e3)
     gate = policy.job_admission if config.job_admission is None else config.job_admission
     # NOTE: jobs whose contexts the host tier holds come back by copy, not by
-    # recomputation: the gate counts part of the tier (gate_capacity_blocks says why not all)
-    capacity = gate_capacity_blocks(num_blocks, num_host_blocks) * config.block_size
+    # recomputation: the gate counts part of the tier, as far as jobs pause (at most half of
+    # what it holds beyond the device: gate_capacity_blocks says why not all)
+    tier_blocks = gate_capacity_blocks(num_blocks, num_host_blocks) - num_blocks
     job_admission = (
-        JobAdmission(capacity, min_held_tokens=config.max_num_batched_tokens, block_size=config.block_size)
+        JobAdmission(
+            num_blocks * config.block_size,
+            tier_tokens=tier_blocks * config.block_size,
+            min_held_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            # NOTE: a stated time-to-first-token target: the turns the gate holds are the tail
+            tier_for_ttft=config.ttft_slo_ms is not None,
+        )
         if gate
         else None
     )

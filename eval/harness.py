@@ -275,6 +275,7 @@ def drive(
             "host_bytes_to_host": final.host_bytes_to_host_total,
             "host_bytes_to_device": final.host_bytes_to_device_total,
             "host_reload_tokens": final.engine_reload_tokens_total,
+            "host_gate_blocks": final.job_gate_capacity_tokens // max(1, final.kv_block_size),
         }
     series = [(s.start - t0, s.blocks_in_use) for s in engine.step_log]
     stride = max(1, len(series) // 400)

@@ -95,6 +95,7 @@ _HOST_TIER_METRICS: tuple[_Metric, ...] = (
     _Metric("Tokens reloaded instead of computed", lambda p: p.host_tier and p.host_tier.reload_tokens, "int", None),
     _Metric("GiB to host", lambda p: p.host_tier and round(p.host_tier.bytes_to_host / 2**30), "int", None),
     _Metric("GiB to device", lambda p: p.host_tier and round(p.host_tier.bytes_to_device / 2**30), "int", None),
+    _Metric("Job gate at the end (blocks)", lambda p: p.host_tier and p.host_tier.gate_blocks, "int", None),
 )
 
 

@@ -187,6 +187,11 @@ class HostTierResult(_Model):
     bytes_to_host: int = Field(ge=0)
     bytes_to_device: int = Field(ge=0)
     reload_tokens: int = Field(ge=0, description="Request tokens served by reloads instead of computed.")
+    gate_blocks: int = Field(
+        default=0, ge=0,
+        description="Blocks job admission admitted jobs against at the run's end: the device pool plus the part "
+        "of the tier the jobs' tool pauses leave room for (0: no job admission).",
+    )
 
 
 class PolicyResult(_Model):

@@ -126,3 +126,10 @@ def test_the_order_slack_gauge():
     # none stated: no bound, exported as +Inf
     s = _samples(ServerMetrics("tiny").render(_stats(order_slack_seconds=float("inf"))).decode())
     assert s[("asymcache_order_slack_seconds", ())] == float("inf")
+
+
+def test_the_job_gate_capacity_gauge():
+    # what job-level admission admits jobs against now (it grows with a host tier as jobs pause)
+    text = ServerMetrics("tiny").render(_stats(job_gate_capacity_tokens=1250)).decode()
+    assert _samples(text)[("asymcache_job_gate_capacity_tokens", ())] == 1250
+    assert "# TYPE asymcache_job_gate_capacity_tokens gauge" in text

@@ -97,13 +97,27 @@ def evict_to_host(engine: Engine) -> None:
     engine.step()
 
 
-def test_the_job_gate_counts_half_of_the_tier_beyond_the_device_pool():
-    # 10 device blocks and 40 host slots of 4 tokens: the gate admits jobs against
-    # 10 + (40 - 10) // 2 = 25 blocks, not the whole tier (it would over-commit the host)
-    assert sim_engine().job_admission.capacity_tokens == 25 * 4
-    assert sim_engine(num_host_kv_blocks=6).job_admission.capacity_tokens == 10 * 4
+def test_the_job_gate_counts_the_tier_as_far_as_jobs_pause():
+    # 10 device blocks and 40 host slots of 4 tokens: the gate starts at the device pool, and
+    # counts at most 10 + (40 - 10) // 2 = 25 blocks, not the whole tier (it would over-commit
+    # the host)
+    engine = sim_engine()
+    gate = engine.job_admission
+    assert gate.capacity_tokens == 10 * 4 and gate.tier_tokens == 15 * 4
+    assert sim_engine(num_host_kv_blocks=6).job_admission.tier_tokens == 0
     no_tier = dict(model="dummy:tiny", num_kv_blocks=10, block_size=4, eviction_policy="asymcache")
-    assert Engine.simulated(EngineConfig(**no_tier)).job_admission.capacity_tokens == 10 * 4
+    assert Engine.simulated(EngineConfig(**no_tier)).job_admission.tier_tokens == 0
+    # jobs whose turns take a step or two and whose tool pauses take a second: once the gate
+    # has seen its pauses, they leave most of each context on the host, and it takes the tier
+    for turn in range(17):
+        for job in ("a", "b", "c", "d"):
+            prompt = [ord(job)] + list(range(1 + turn))
+            run_until_done(engine, engine.add_request(prompt, SamplingParams(max_tokens=1), job_id=job))
+        engine.idle_until(engine.clock() + 1.0)
+    share = gate.pause_share()
+    assert share is not None and share > 0.9
+    assert gate.capacity_tokens == engine.stats().job_gate_capacity_tokens == 25 * 4
+    engine.check_integrity()
 
 
 def test_a_reloading_request_waits_for_its_copies_while_others_run():

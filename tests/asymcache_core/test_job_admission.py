@@ -233,6 +233,74 @@ def test_where_the_unique_tokens_pass_half_the_pool_the_per_job_count_holds() ->
 def test_bad_block_size_names_the_field() -> None:
     with pytest.raises(ValueError, match="block_size"):
         JobAdmission(capacity_tokens=10, block_size=0)
+    with pytest.raises(ValueError, match="tier_tokens"):
+        JobAdmission(capacity_tokens=10, tier_tokens=-1)
+    with pytest.raises(ValueError, match="min_pauses"):
+        JobAdmission(capacity_tokens=10, min_pauses=0)
+    with pytest.raises(ValueError, match="pause_window"):
+        JobAdmission(capacity_tokens=10, min_pauses=8, pause_window=4)
+
+
+def _turns_with_pauses(gate: JobAdmission, job: str, tokens: int, turn_s: float, pause_s: float, n: int) -> float:
+    """``n`` turns of ``job`` at ``tokens`` tokens, each ``turn_s`` from its first step to its
+    release and followed by a ``pause_s`` tool pause; returns the time after the last pause."""
+    now = 0.0
+    for i in range(n):
+        request = Request(f"{job}-{i}", [1] * tokens, SamplingParams(max_tokens=1), now, job_id=job)
+        gate.on_admitted(request, now + 0.5)  # waits 0.5 s at the gate: not a pause
+        request.admitted_once = True
+        request.metrics.first_scheduled_time = now + 0.5
+        now += 0.5 + turn_s
+        gate.on_released(request, now)
+        now += pause_s
+    return now
+
+
+def test_a_tier_adds_to_the_gate_as_far_as_jobs_pause() -> None:
+    # 1,000 device tokens, a tier worth up to 3,000 more
+    gate = JobAdmission(capacity_tokens=1000, tier_tokens=3000, min_pauses=4)
+    assert gate.capacity_tokens == 1000 and gate.pause_share() is None  # nothing seen yet
+    # three turns of 3 s, a pause of 1 s between two: two pauses are too few to count
+    _turns_with_pauses(gate, "a", 100, turn_s=3.0, pause_s=1.0, n=3)
+    assert gate.pause_share() is None and gate.capacity_tokens == 1000
+    # five more turns, four more pauses: 6 s of pauses in 30 s (the wait at the gate before
+    # each turn is neither); the device holds what is in flight, so the gate admits
+    # 1,000 / (1 - 1/5)
+    _turns_with_pauses(gate, "b", 100, turn_s=3.0, pause_s=1.0, n=5)
+    assert gate.pause_share() == pytest.approx(6 / 30)
+    assert gate.capacity_tokens == 1250
+    gate.check_integrity()
+
+
+def test_pauses_are_weighted_by_the_context_held_and_the_tier_bounds_the_gate() -> None:
+    gate = JobAdmission(capacity_tokens=1000, tier_tokens=500, min_pauses=2, pause_window=4)
+    # long pauses of a small job, short ones of a large job: the large job's time dominates
+    _turns_with_pauses(gate, "small", 10, turn_s=1.0, pause_s=9.0, n=3)
+    _turns_with_pauses(gate, "large", 1000, turn_s=9.0, pause_s=1.0, n=3)
+    share = gate.pause_share()
+    assert share is not None and share < 0.2  # the window holds the large job's last turns
+    # jobs that mostly pause would take the whole tier, and no more
+    _turns_with_pauses(gate, "idle", 1000, turn_s=0.1, pause_s=50.0, n=6)
+    assert gate.capacity_tokens == 1500
+    gate.check_integrity()
+
+
+def test_a_stated_ttft_target_counts_the_whole_tier_share_from_the_start() -> None:
+    gate = JobAdmission(capacity_tokens=1000, tier_tokens=3000, min_pauses=4, tier_for_ttft=True)
+    assert gate.capacity_tokens == 4000
+    # pauses that would give the gate a third of the tier's share change nothing
+    _turns_with_pauses(gate, "a", 100, turn_s=3.0, pause_s=1.0, n=8)
+    assert gate.pause_share() == pytest.approx(7 / 31)
+    assert gate.capacity_tokens == 4000
+    assert JobAdmission(capacity_tokens=1000, tier_for_ttft=True).capacity_tokens == 1000  # no tier
+    gate.check_integrity()
+
+
+def test_without_a_tier_the_gate_is_the_device_pool_whatever_jobs_pause() -> None:
+    gate = JobAdmission(capacity_tokens=1000, min_pauses=1)
+    _turns_with_pauses(gate, "a", 100, turn_s=1.0, pause_s=10.0, n=5)
+    assert gate.capacity_tokens == 1000
+    gate.check_integrity()
 
 
 def test_gate_capacity_counts_half_of_what_a_host_tier_holds_beyond_the_device():

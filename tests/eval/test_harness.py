@@ -363,9 +363,13 @@ def test_a_host_tier_shows_in_the_results_and_the_report(tmp_path):
     tiered = results.policies["vllm-apc"].host_tier
     assert tiered is not None and tiered.blocks == 600
     assert tiered.offloaded_blocks > 0 and tiered.reloaded_blocks > 0 and tiered.reload_tokens > 0
-    assert results.policies["asymcache+continuum"].host_tier is not None
+    ours = results.policies["asymcache+continuum"].host_tier
+    assert ours is not None and tiered.gate_blocks == 0  # vllm-apc has no job admission
+    # the gate counts the device pool, and at most half of the tier beyond it
+    assert 120 <= ours.gate_blocks <= 120 + (600 - 120) // 2
     assert results.policies["vllm-apc/unbounded"].host_tier is None
-    assert "## Host KV tier" in (folder / "report.md").read_text()
+    report = (folder / "report.md").read_text()
+    assert "## Host KV tier" in report and "Job gate at the end (blocks)" in report
     without, _ = run_bench(replace(cfg, num_host_kv_blocks=None, policies=("vllm-apc",), out=tmp_path / "b"))
     assert without.policies["vllm-apc"].host_tier is None
     assert results.policies["vllm-apc"].computed_tokens < without.policies["vllm-apc"].computed_tokens
