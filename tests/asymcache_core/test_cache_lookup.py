@@ -63,7 +63,7 @@ def recompute_cheap_runs(manager: KVCacheManager, request: Request, table: list[
     rebuild prices below its copy."""
     tier = manager.tier
     present = sum(b != HOLE for b in table)
-    fixed, slope = tier.latency.block_rebuild_line(BS, max(0, request.num_tokens - present * BS))
+    fixed, slope = tier.latency.block_rebuild_line(BS, max(request.num_tokens - present * BS, tier.latency.knee_tokens))
     turned = 0
     i = 0
     while i < len(table):
@@ -87,7 +87,7 @@ def host_tier(host: dict[int, int], copy_s: float) -> SimpleNamespace:
     a block plus 1 s."""
     return SimpleNamespace(
         pool=SimpleNamespace(cached=host),
-        latency=SimpleNamespace(block_rebuild_line=lambda bs, base: (1.0, 0.25)),
+        latency=SimpleNamespace(block_rebuild_line=lambda bs, base: (1.0, 0.25), knee_tokens=0),
         reload_seconds=lambda n: 1.0 + copy_s * n,
     )
 
@@ -142,3 +142,32 @@ def test_runs_of_host_copies_are_priced() -> None:
         assert hit.host_recomputed_tokens == (2 - reloaded) * BS
         assert hit.hit_tokens == (4 + reloaded) * BS
         assert hit.leading_tokens == (6 if reloaded else 0) * BS, "rebuilt copies are holes before the hits"
+
+
+def test_a_recomputed_run_is_priced_in_a_step_past_its_knee() -> None:
+    """A request whose own new tokens are few still rebuilds its host hits in a step that
+    others fill: the run is priced at the model's knee or above, where every token costs the
+    per-token rate, not under it, where tokens are almost free."""
+    from asymcache_core.latency_model import LatencyModel
+
+    model = LatencyModel(floor_s=5e-3, per_token_s=1e-4, per_attn_s=1e-9, knee_tokens=512)
+    tokens = list(range(1, 6 * BS + 2))  # two blocks on the host, four on the device, 1 new token
+    request = Request("r", tokens, SamplingParams(), 0.0)
+
+    def rebuild_s(base: int) -> float:
+        fixed, slope = model.block_rebuild_line(BS, base)
+        return 2 * fixed + slope * (0 + 2 - 1) * 2 / 2  # the run of blocks 0 and 1
+
+    alone, full = rebuild_s(1), rebuild_s(model.knee_tokens)
+    assert full > 10 * alone  # under the knee a rebuild is almost free, past it it is not
+    # a copy dearer than the lone rebuild but cheaper than the rebuild in a full step is
+    # chosen; one dearer than both is not
+    for copy_s, reloaded in (((alone + full) / 2, 2), (2 * full, 0)):
+        device: dict[int, int] = {}
+        host: dict[int, int] = {}
+        tier = SimpleNamespace(pool=SimpleNamespace(cached=host), latency=model, reload_seconds=lambda n, c=copy_s: c)
+        manager = KVCacheManager(SimpleNamespace(cached=device), BS, True, tier)  # type: ignore[arg-type]
+        for i, h in enumerate(manager.ensure_hashes(request)):
+            (host if i < 2 else device)[h] = i
+        hit = manager.lookup(request)
+        assert len(hit.reloads) == reloaded and hit.host_recomputed_tokens == (2 - reloaded) * BS

@@ -285,6 +285,30 @@ def test_pauses_are_weighted_by_the_context_held_and_the_tier_bounds_the_gate() 
     gate.check_integrity()
 
 
+def test_with_a_tier_the_learned_capacity_is_scaled_by_the_shared_prefixes_overcount() -> None:
+    # the gate sums a shared prefix once a job, the device holds it once: with a tier the
+    # learned capacity grows by that overcount, up to the device plus the tier's share
+    gate = JobAdmission(capacity_tokens=10_000, tier_tokens=30_000, block_size=100, min_pauses=4)
+    _turns_with_pauses(gate, "x", 100, turn_s=3.0, pause_s=1.0, n=5)
+    share = gate.pause_share()
+    assert share is not None and gate.overcount() == 1.0
+    learned = 10_000 + int(10_000 * share / (1 - share))
+    assert gate.capacity_tokens == learned
+    shared = list(range(1, 9))  # an 800-token prompt
+    assert _admit_sharing(gate, "a", 1000, shared, cached=0)
+    assert _admit_sharing(gate, "b", 1000, shared, cached=800)
+    assert _admit_sharing(gate, "c", 1000, shared, cached=800)
+    # per job 100 + 3,000; the prompt once 100 + 2,200
+    assert gate.overcount() == pytest.approx(3100 / 2300)
+    assert gate.capacity_tokens == int(learned * 3100 / 2300)
+    gate.check_integrity()
+    # without a tier the overcount is the room jobs grow into: the device pool stays the gate
+    no_tier = JobAdmission(capacity_tokens=10_000, block_size=100, min_pauses=4)
+    for job in "abc":
+        _admit_sharing(no_tier, job, 1000, shared, cached=0 if job == "a" else 800)
+    assert no_tier.overcount() > 1.0 and no_tier.capacity_tokens == 10_000
+
+
 def test_a_stated_ttft_target_counts_the_whole_tier_share_from_the_start() -> None:
     gate = JobAdmission(capacity_tokens=1000, tier_tokens=3000, min_pauses=4, tier_for_ttft=True)
     assert gate.capacity_tokens == 4000
