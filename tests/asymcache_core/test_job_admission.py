@@ -285,27 +285,35 @@ def test_pauses_are_weighted_by_the_context_held_and_the_tier_bounds_the_gate() 
     gate.check_integrity()
 
 
-def test_with_a_tier_the_learned_capacity_is_scaled_by_the_shared_prefixes_overcount() -> None:
-    # the gate sums a shared prefix once a job, the device holds it once: with a tier the
-    # learned capacity grows by that overcount, up to the device plus the tier's share
-    gate = JobAdmission(capacity_tokens=10_000, tier_tokens=30_000, block_size=100, min_pauses=4)
+def _sharing_gate(final_tokens: int, **kwargs) -> tuple[JobAdmission, int]:
+    """A gate with a 30,000-token tier share that has learned a pause share, seen one job
+    finish at ``final_tokens``, and ranks three jobs of 1,000 tokens sharing an 800-token
+    prompt; returns it and its learned (unscaled) capacity."""
+    gate = JobAdmission(capacity_tokens=10_000, block_size=100, min_pauses=4, min_held_tokens=2000, **kwargs)
     _turns_with_pauses(gate, "x", 100, turn_s=3.0, pause_s=1.0, n=5)
+    _finish_job(gate, "f", final_tokens, 30.0)
     share = gate.pause_share()
-    assert share is not None and gate.overcount() == 1.0
-    learned = 10_000 + int(10_000 * share / (1 - share))
-    assert gate.capacity_tokens == learned
-    shared = list(range(1, 9))  # an 800-token prompt
-    assert _admit_sharing(gate, "a", 1000, shared, cached=0)
-    assert _admit_sharing(gate, "b", 1000, shared, cached=800)
-    assert _admit_sharing(gate, "c", 1000, shared, cached=800)
-    # per job 100 + 3,000; the prompt once 100 + 2,200
-    assert gate.overcount() == pytest.approx(3100 / 2300)
-    assert gate.capacity_tokens == int(learned * 3100 / 2300)
-    gate.check_integrity()
-    # without a tier the overcount is the room jobs grow into: the device pool stays the gate
-    no_tier = JobAdmission(capacity_tokens=10_000, block_size=100, min_pauses=4)
+    assert (share is not None) == bool(gate.tier_tokens)  # pauses are learned only with a tier
+    learned = 10_000 + min(gate.tier_tokens, int(10_000 * share / (1 - share))) if share is not None else 10_000
+    shared = list(range(1, 9))
     for job in "abc":
-        _admit_sharing(no_tier, job, 1000, shared, cached=0 if job == "a" else 800)
+        assert _admit_sharing(gate, job, 1000, shared, cached=0 if job == "a" else 800)
+    return gate, learned
+
+
+def test_where_jobs_stay_short_the_learned_capacity_is_scaled_by_the_overcount() -> None:
+    # the gate sums a shared prefix once a job, the device holds it once: where jobs stay
+    # short (and x's idle 100 tokens reserve nothing), per job 3,000, the prompt once 2,200
+    gate, learned = _sharing_gate(500, tier_tokens=30_000)
+    assert gate.jobs_stay_short() and gate.overcount() == pytest.approx(3000 / 2200)
+    assert gate.capacity_tokens == int(learned * 3000 / 2200)
+    gate.check_integrity()
+    # where jobs grow long the overcount is the room they grow into: not scaled
+    grown, learned = _sharing_gate(5000, tier_tokens=30_000)
+    assert not grown.jobs_stay_short() and grown.overcount() > 1.0
+    assert grown.capacity_tokens == learned
+    # without a tier the gate is the device pool
+    no_tier, _ = _sharing_gate(500)
     assert no_tier.overcount() > 1.0 and no_tier.capacity_tokens == 10_000
 
 
