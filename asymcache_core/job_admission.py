@@ -225,7 +225,7 @@ class JobAdmission:
         19,934 device blocks and a 256 GB tier (131,072 blocks), seeds 1-3, half the tier
         beyond the device (4.3x the device pool) served 88 agents within the JCT p90 target,
         fewer than the 101 without a tier, its turns queueing for the device. SWE jobs pause
-        for ~40% of their time weighted by context, and the learned gate reads ~1.7x the
+        for ~40% of their time weighted by context, and the learned gate reads 1.5-1.7x the
         device pool.
         """
         if self.tier_for_ttft or self._capacity == self.device_tokens:
