@@ -221,16 +221,11 @@ class JobAdmission:
         most ``device + tier_tokens``; the device pool alone until ``min_pauses`` pauses are
         seen; all of :attr:`tier_tokens` with :attr:`tier_for_ttft`.
 
-        NOTE: a fixed share of the tier is too much for a large one: simulated H200, SWE,
-        19,934 device blocks and a 256 GB tier (131,072 blocks), seeds 1-3, half the tier
-        beyond the device (4.3x the device pool) served 88 agents within the JCT p90 target,
-        fewer than the 101 without a tier, its turns queueing for the device. SWE jobs pause
-        for ~40% of their time weighted by context, and the learned gate reads 1.5-1.7x the
-        device pool.
+        NOTE: a fixed half of a large tier is too much: simulated H200, SWE, 19,934 device
+        blocks and a 256 GB tier, seeds 1-3, 4.3x the device pool served 88 agents within the
+        JCT p90 target (101 without a tier); learned, 1.5-1.7x it, 104.
         """
-        if self.tier_for_ttft or self._capacity == self.device_tokens:
-            return self._capacity
-        if not self.jobs_stay_short():
+        if self.tier_for_ttft or self._capacity == self.device_tokens or not self.jobs_stay_short():
             return self._capacity
         # NOTE: the gate counts a shared prefix once for every job that holds it, the device
         # holds it once. Where jobs grow long that overcount is the room they grow into (module
@@ -262,16 +257,11 @@ class JobAdmission:
         return paused / total if total > 0 else None
 
     def _update_capacity(self) -> None:
-        if self.tier_for_ttft:
-            return  # the whole bound, fixed
-        share = self.pause_share() if self.tier_tokens else None
-        if share is None:
-            self._capacity = self.device_tokens
-        elif share >= 1.0:
-            self._capacity = self.device_tokens + self.tier_tokens
-        else:
-            extra = int(self.device_tokens * share / (1.0 - share))
-            self._capacity = self.device_tokens + min(self.tier_tokens, extra)
+        share = self.pause_share()
+        if self.tier_for_ttft or share is None:
+            return  # the whole bound, or the device pool, fixed from the start
+        extra = self.tier_tokens if share >= 1.0 else int(self.device_tokens * share / (1.0 - share))
+        self._capacity = self.device_tokens + min(self.tier_tokens, extra)
 
     @property
     def num_jobs(self) -> int:
@@ -431,8 +421,7 @@ class JobAdmission:
         elif job.in_flight == 0 and job.last_release is not None:
             self._gaps.append(max(0.0, now - job.last_release))
             if not request.admitted_once and self.tier_tokens:
-                # NOTE: the pause is the client's (release to the next turn's arrival): the
-                # wait at the gate and in the queue that follows is not a pause
+                # NOTE: the client's pause (release to the next arrival), not the wait after it
                 pause = max(0.0, request.metrics.arrival_time - job.last_release)
                 self._pauses.append(pause * job.tokens)
                 self._update_capacity()
