@@ -8,36 +8,54 @@ frees the requests they end, and the engine turns those updates into :class:`Req
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asymcache_core.async_steps import AsyncSteps, InFlight
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
-from asymcache_core.detokenizer import detokenize_incrementally
-from asymcache_core.engine_stats import EngineCounters, EngineStats, GenerationOutput, StepStats
+from asymcache_core.engine_checks import check_engine_integrity, validate_request
+from asymcache_core.engine_jobs import JobControl
+from asymcache_core.engine_outputs import (
+    detokenize_step,
+    flush_text,
+    generate_blocking,
+    request_output,
+)
+from asymcache_core.engine_setup import (
+    Runner,
+    build_model_runner,
+    build_scheduler,
+    eos_token_ids,
+    load_engine_model,
+    log_ready,
+    pool_blocks,
+    resolve_config,
+)
+from asymcache_core.engine_stats import (
+    EngineCounters,
+    EngineStats,
+    GenerationOutput,
+    StepStats,
+    collect_stats,
+)
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.host_tier import HostTier
 from asymcache_core.host_tier_driver import HostTierDriver
 from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_stack import build_kv_stack
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
-from asymcache_core.memory_budget import GIB, KVPoolPlan, plan_for_device
+from asymcache_core.memory_budget import KVPoolPlan
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import (
     RequestUpdate,
-    Scheduler,
     SchedulerOutput,
-    fcfs_key,
 )
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 from asymcache_core.step_faults import StepResult, execute_isolating_faults
@@ -46,22 +64,8 @@ from asymcache_core.step_timeline import DeviceTimeline
 if TYPE_CHECKING:
     from asymcache_core.tensor_parallel import TensorParallelWorkers
 
-logger = logging.getLogger(__name__)
 
-#: Seconds a job may stay idle (nothing in flight, no pin) before its per-job state is dropped.
-JOB_IDLE_S = 1800.0
-#: Jobs whose per-job state is kept at most.
-MAX_TRACKED_JOBS = 10_000
-#: Engine seconds between idle-job sweeps.
-JOB_SWEEP_INTERVAL_S = 10.0
-
-class Runner(Protocol):
-    """Runs a planned step and returns ``request_id -> sampled token`` for finished contexts."""
-
-    def execute(self, plan: SchedulerOutput) -> dict[str, int]: ...
-
-
-class Engine(AsyncSteps):
+class Engine(AsyncSteps, JobControl):
     """Embedded inference engine.
 
     Args:
@@ -92,20 +96,7 @@ class Engine(AsyncSteps):
         latency: LatencyModel | None = None,
         **overrides: Any,
     ) -> None:
-        if isinstance(config, str):
-            if "model" in overrides:
-                raise ValueError("model: given both as the first argument and as model=")
-            config = EngineConfig(model=config, **overrides)
-        elif config is None:
-            config = EngineConfig(**overrides)
-        elif not isinstance(config, EngineConfig):
-            raise ValueError(
-                f"config: expected an EngineConfig or a model name, not {type(config).__name__}"
-            )
-        elif overrides:
-            from dataclasses import replace
-
-            config = replace(config, **overrides)
+        config = resolve_config(config, overrides)
         if config.async_scheduling and runner_factory is not None:
             raise ValueError("async_scheduling: needs the model runner (a simulated engine plans each step after the last)")
         self.config = config
@@ -124,22 +115,7 @@ class Engine(AsyncSteps):
         #: why the engine can run no more steps (``None``: it can)
         self.dead: EngineDeadError | None = None
         if runner_factory is None:
-            from asymcache_core.loaders import load_model
-
-            if loaded is not None:
-                if loaded.name != config.model:
-                    raise ValueError(f"model: the shared model is {loaded.name!r}, not {config.model!r}")
-                if config.tensor_parallel_size > 1:
-                    raise ValueError("tensor_parallel_size: a shared, already loaded model cannot be split")
-                self.loaded = loaded
-            elif config.tensor_parallel_size > 1:
-                from asymcache_core.tensor_parallel import start_workers
-
-                self.tp_workers = start_workers(config, device, dtype)
-                group = self.tp_workers.group
-                self.loaded = load_model(config.model, device, dtype, config.seed, config.max_model_len, group)
-            else:
-                self.loaded = load_model(config.model, device, dtype, config.seed, config.max_model_len)
+            self.loaded, self.tp_workers = load_engine_model(config, loaded)
             self.model_config = self.loaded.config
             self.tokenizer = self.loaded.tokenizer
         else:
@@ -153,7 +129,11 @@ class Engine(AsyncSteps):
         dtype_bytes = torch.finfo(dtype).bits // 8
         #: How ``gpu_memory_utilization`` split the device memory (``None``: not used).
         self.memory_plan: KVPoolPlan | None = None
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory(dtype_bytes)
+        if config.num_kv_blocks:
+            self.num_blocks = config.num_kv_blocks
+        else:
+            weights = self.loaded.model if self.loaded is not None else None
+            self.num_blocks, self.memory_plan = pool_blocks(config, mc, self.tp_workers, weights, dtype_bytes)
         self.block_size = config.block_size
 
         if latency is not None:
@@ -179,77 +159,20 @@ class Engine(AsyncSteps):
         self.continuum = stack.continuum
         self.job_admission = stack.job_admission
         self._stalled = False
-        fixed = config.chunk_budget()
         # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
         self.latency_feedback = LatencyFeedback()
-        self.budget = (
-            FixedBudget(fixed)
-            if fixed is not None
-            else AdaptiveBudget(
-                self.latency, config.tpot_slo_ms / 1e3, config.block_size, config.max_num_batched_tokens,
-                feedback=self.latency_feedback, clock=self.clock, slack=config.chunking == "adaptive:slack",
-            )
+        self.eos_token_ids = eos_token_ids(mc, self.tokenizer)
+        self.scheduler = build_scheduler(
+            config, stack, self.latency, self.latency_feedback, self.clock, on_finish=self._on_finish,
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, async_output=self.async_scheduling,
         )
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = frozenset(eos)
-        self.scheduler = Scheduler(
-            self.kv,
-            config.block_size,
-            config.max_num_seqs,
-            self.budget,
-            self.continuum.program_key if config.priority == "program" else fcfs_key,
-            admission_key=self.continuum.adaptive_program_key if config.priority == "adaptive" else None,
-            reclaim=self.pins.release_for_pressure,
-            on_admit=self.continuum.on_admit,
-            on_finish=self._on_finish,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            clock=self.clock,
-            align_chunks=fixed is None,
-            admit_full_prompt=config.admit_full_prompt,
-            least_work_first=config.least_work_first,
-            least_work_patience=config.least_work_patience,
-            work_seconds=self.latency.prefill_latency,
-            job_admission=self.job_admission,
-            async_output=self.async_scheduling,
-        )
+        #: the chunk budget the scheduler plans each step with
+        self.budget: FixedBudget | AdaptiveBudget = self.scheduler.budget_fn  # type: ignore[assignment]
         if runner_factory is None:
-            from asymcache_core.model_runner import ModelRunner
-            from kernels.dispatch import select_attention_backend
-
-            backend = select_attention_backend(
-                device, config.attention_backend, dtype, batch_invariant=config.batch_invariant,
-                fused=config.fused_kernels,
+            self.runner, self.attention_backend = build_model_runner(
+                config, self.loaded, self.tp_workers, num_blocks=self.num_blocks,
+                max_model_len=self.max_model_len, num_host_blocks=self.num_host_blocks,
             )
-            runner_kwargs: dict[str, Any] = dict(
-                num_blocks=self.num_blocks, block_size=config.block_size, seed=config.seed,
-                max_model_len=self.max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                # NOTE: tensor-parallel steps run eagerly: a captured graph would have to hold
-                # the collectives of every rank in lockstep.
-                cuda_graphs=not config.enforce_eager and device.type == "cuda" and backend.name == "triton"
-                and self.tp_workers is None,
-                mixed_graph_tokens=config.mixed_graph_max_tokens,
-                num_host_blocks=self.num_host_blocks,
-                # NOTE: a step's rows: its chunk budget plus a token per running decode.
-                max_num_batched_tokens=max(config.max_num_batched_tokens, config.chunk_budget() or 0)
-                + config.max_num_seqs,
-            )
-            if self.tp_workers is not None:
-                from asymcache_core.tensor_parallel import TensorParallelRunner
-
-                try:
-                    self.runner: Runner = TensorParallelRunner(
-                        self.tp_workers, self.loaded, device, dtype, backend, **runner_kwargs
-                    )
-                except BaseException:
-                    self.tp_workers.close()
-                    raise
-            else:
-                self.runner = ModelRunner(self.loaded, device=device, dtype=dtype, backend=backend, **runner_kwargs)
-            self.attention_backend = backend.name
         else:
             self.runner = runner_factory(self)
             self.attention_backend = "simulated"
@@ -273,19 +196,9 @@ class Engine(AsyncSteps):
         self._last_end = 0.0
         #: where launched steps ran on the device, for the step log (async scheduling)
         self.device_timeline = DeviceTimeline()
-        #: a job idle this long (nothing in flight, no pin) loses its per-job state
-        self.job_idle_s = JOB_IDLE_S
-        #: jobs whose state is kept at most (the longest idle dropped first)
-        self.max_tracked_jobs = MAX_TRACKED_JOBS
-        self._next_job_sweep = 0.0
         self._logged_recomputed = 0
         if runner_factory is None:
-            ready = {
-                "model": config.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-                "eviction_policy": config.eviction_policy, "kv_blocks": self.num_blocks,
-                "kv_gib": self.num_blocks * config.block_size * mc.kv_bytes_per_token(dtype_bytes) / GIB,
-            }
-            logger.info("engine ready: %s", ready, extra={"engine_ready": ready})
+            log_ready(config, self.num_blocks, self.block_bytes)
 
     @classmethod
     def simulated(
@@ -319,46 +232,6 @@ class Engine(AsyncSteps):
             )
 
         return cls(config, clock=clock, runner_factory=runner, latency=latency, **overrides)
-
-    # -- setup helpers -----------------------------------------------------------------------
-    def _rank_model_config(self) -> Any:
-        """The model as rank 0 holds it: its share of the KV heads sizes its share of a block.
-
-        NOTE: rank 0 holds the largest share, so a pool that fits rank 0 fits every rank.
-        """
-        mc = self.model_config
-        if self.tp_workers is None:
-            return mc
-        return dataclasses.replace(mc, num_key_value_heads=self.tp_workers.shards[0].num_kv_heads)
-
-    def _blocks_from_memory(self, dtype_bytes: int) -> int:
-        per_block = self._rank_model_config().kv_bytes_per_token(dtype_bytes) * self.config.block_size
-        device = self.config.torch_device
-        if self.config.gpu_memory_utilization is not None:
-            self.memory_plan = self._memory_plan(dtype_bytes)
-            return self.memory_plan.num_blocks
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = free * self.config.kv_memory_fraction
-        else:
-            import os
-
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(avail * self.config.kv_memory_fraction, 1 << 30)
-        return max(16, int(budget // per_block))
-
-    def _memory_plan(self, dtype_bytes: int) -> KVPoolPlan:
-        """The pool ``gpu_memory_utilization`` leaves on this engine's device
-        (:func:`~asymcache_core.memory_budget.plan_for_device`)."""
-        config = self.config
-        assert config.gpu_memory_utilization is not None
-        return plan_for_device(
-            self._rank_model_config(), gpu_memory_utilization=config.gpu_memory_utilization, device=config.torch_device,
-            block_size=config.block_size, dtype_bytes=dtype_bytes,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            weights=self.loaded.model if self.loaded is not None else None,
-            device_memory_bytes=None if config.device_memory_gib is None else int(config.device_memory_gib * GIB),
-        )
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -402,28 +275,7 @@ class Engine(AsyncSteps):
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("prompt: must contain at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in token_ids if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name}: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens do not fit max_model_len={self.max_model_len} "
-                "(at least one token must be generated)"
-            )
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        blocks = -(-longest // self.block_size)
-        if blocks > self.num_blocks:
-            raise ValueError(
-                f"num_kv_blocks: the request needs up to {blocks} KV blocks "
-                f"(prompt {len(ids)} + max_tokens {params.max_tokens}) but the pool has {self.num_blocks}"
-            )
+        validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self.requests:
@@ -450,67 +302,14 @@ class Engine(AsyncSteps):
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
-        if self.tokenizer is not None:  # flush text held back inside an unfinished character
-            detokenize_incrementally(self.tokenizer, request.output_token_ids, request.detok, final=True)
-            request.text = request.detok.text
+        if self.tokenizer is not None:
+            flush_text(self.tokenizer, request)
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED, self.clock())
-        self._pending_outputs.append(self._output(request, []))
+        self._pending_outputs.append(request_output(request, []))
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
-
-    def idle_until(self, when: float) -> None:
-        """Nothing is left to run until engine time ``when`` (e.g. every job is in a tool pause).
-
-        On the virtual clock of :meth:`simulated` time jumps to ``when`` (never back). A real
-        clock is not the engine's to move: the caller waits, and this call only does what an
-        idle engine owes. Either way, pins whose TTL has passed by now expire (inside
-        :meth:`step` they expire at the start of every step).
-        """
-        if isinstance(self.clock, VirtualClock):
-            self.clock.advance_to(when)
-        self.pins.expire(self.clock())
-        self._sweep_jobs(self.clock())
-
-    def _sweep_jobs(self, now: float) -> None:
-        """Drops the per-job state of idle jobs: job statistics, remembered blocks, the
-        controller's tables. A job is idle when nothing of it is in flight and it holds no pin;
-        those idle past :attr:`job_idle_s` go, and past :attr:`max_tracked_jobs` the longest
-        idle go first (down to 90% of it), so abandoned jobs cannot grow memory without bound.
-        """
-        jobs = self.job_stats.jobs
-        over = len(jobs) > self.max_tracked_jobs
-        if now < self._next_job_sweep and not over:
-            return
-        self._next_job_sweep = now + JOB_SWEEP_INTERVAL_S
-        idle = sorted(
-            (st.last_active, job) for job, st in jobs.items() if st.running == 0 and not self.pins.is_pinned(job)
-        )
-        drop = [job for last, job in idle if now - last > self.job_idle_s]
-        if over:
-            keep = int(0.9 * self.max_tracked_jobs)
-            extra = len(jobs) - len(drop) - keep
-            if extra > 0:
-                dropped = set(drop)
-                drop += [job for _, job in idle if job not in dropped][:extra]
-        for job in drop:
-            jobs.pop(job, None)
-            self.pins.forget(job)
-            self.continuum.forget_job(job)
-
-    def tracked_jobs(self) -> dict[str, int]:
-        """Sizes of every per-job table of the engine (they stay bounded; see :meth:`_sweep_jobs`).
-
-        Returns:
-            Table name -> entries.
-        """
-        return {
-            "job_stats": len(self.job_stats.jobs),
-            "pins_last_blocks": len(self.pins.last_blocks),
-            "pins": len(self.pins.pins),
-            **{f"controller_{k}": v for k, v in self.continuum.tracked_jobs().items()},
-        }
 
     @property
     def stalled(self) -> bool:
@@ -603,13 +402,13 @@ class Engine(AsyncSteps):
         outputs = []
         for request, error in faults:
             self._fail_request(request, error, end)
-            outputs.append(self._output(request, []))
+            outputs.append(request_output(request, []))
         take_failures = getattr(self.runner, "take_failures", None)
         for rid, error in (take_failures() if take_failures is not None else {}).items():
             request = self.requests.get(rid)
             if request is not None:
                 self._fail_request(request, error, end)
-                outputs.append(self._output(request, []))
+                outputs.append(request_output(request, []))
         updates = self.scheduler.update_from_output(ran, sampled, end)
         self._last_end = end
         return outputs + [self._process_output(update, end) for update in updates]
@@ -636,36 +435,10 @@ class Engine(AsyncSteps):
         self.counters.generated_tokens += len(update.new_token_ids)
         if self.tokenizer is not None:
             try:
-                self._detokenize(request, now)
+                detokenize_step(self.tokenizer, request, self.scheduler, now)
             except Exception as exc:  # noqa: BLE001 - the request fails, not the step
                 self._fail_request(request, f"detokenizing failed: {type(exc).__name__}: {exc}", now)
-        return self._output(request, update.new_token_ids)
-
-    def _detokenize(self, request: Request, now: float) -> None:
-        """Extends ``request.text`` by its new tokens; a stop string found in it ends the request.
-
-        NOTE: the scheduler has already applied the token-level stops; a stop string (text) is
-        found only here, so its request is freed after the step's other finished requests (as
-        vLLM's output processor aborts it), and it overrides an EOS or length finish of the
-        same token (the text is cut at the stop string either way).
-        """
-        params = request.params
-        detok = request.detok
-        before = len(detok.text)
-        new = detokenize_incrementally(self.tokenizer, request.output_token_ids, detok, final=request.finished)
-        request.text = detok.text
-        if not (new and params.stop):
-            return
-        # NOTE: only text that can hold a stop string for the first time is searched: the new
-        # piece and the longest stop string's length before it. The first stop string of the
-        # list that occurs wins (vLLM's rule).
-        start = max(0, before - max(len(stop) for stop in params.stop) + 1)
-        for stop in params.stop:
-            idx = detok.text.find(stop, start)
-            if idx >= 0:
-                request.text = detok.text[:idx]
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, now, stop)
-                return
+        return request_output(request, update.new_token_ids)
 
     def _on_finish(self, request: Request, now: float) -> None:
         """The scheduler's finish hook: runs before the request's blocks are freed."""
@@ -682,76 +455,23 @@ class Engine(AsyncSteps):
         runner_sampler = getattr(self.runner, "sampler", None)
         if runner_sampler is not None:
             runner_sampler.forget(request.request_id)
-        m = request.metrics
-        c = self.counters
-        c.hit_tokens += m.cached_tokens
-        c.hole_tokens += m.hole_tokens
-        c.suffix_recomputed_tokens += m.suffix_recomputed_tokens
-        c.preempted_tokens += m.preempted_tokens
-        c.computed_tokens += m.computed_tokens
-        c.num_preemptions += m.num_preemptions
-        c.reload_tokens += m.reload_tokens
+        self.counters.add_finished(request.metrics)
         self.continuum.on_request_finished(request)
         del self.requests[request.request_id]
 
-    def _output(self, request: Request, new: list[int]) -> RequestOutput:
-        # NOTE: _detokenize keeps request.text current (decoded incrementally, cut at a stop).
-        text = request.text
-        reason = request.status.value if request.finished else None
-        return RequestOutput(
-            request.request_id, new, list(request.output_token_ids), text, request.finished,
-            reason, request.metrics, request.num_prompt_tokens, request.error,
-        )
-
     def _log_step(self, plan: SchedulerOutput, start: float, end: float, schedule_s: float) -> None:
-        pairs = plan.attn_pairs
-        decode_only = plan.is_decode_only
-        decode_kv = plan.decode_kv_tokens
-        predicted = self.latency.step_latency(plan.num_tokens, pairs, decode_only, decode_kv)
-        self.latency_feedback.observe(predicted, end - start, decode_only)
-        transfers = plan.transfers
+        """Records the step that ran ``plan`` and feeds its duration to the latency feedback."""
+        predicted = self.latency.step_latency(
+            plan.num_tokens, plan.attn_pairs, plan.is_decode_only, plan.decode_kv_tokens
+        )
+        self.latency_feedback.observe(predicted, end - start, plan.is_decode_only)
         recomputed = 0
         if self.host_tier is not None:
             recomputed = self.host_tier.counters.recompute_chosen - self._logged_recomputed
             self._logged_recomputed = self.host_tier.counters.recompute_chosen
         self.step_log.append(
-            StepStats(
-                start=start,
-                duration_s=end - start,
-                budget=plan.budget,
-                num_tokens=plan.num_tokens,
-                num_segments=sum(len(s.segments) for s in plan.scheduled),
-                num_seqs=len(plan.scheduled),
-                num_decodes=sum(1 for s in plan.scheduled if s.num_tokens == 1),
-                blocks_in_use=self.pool.num_in_use,
-                schedule_s=schedule_s,
-                attn_pairs=pairs,
-                num_hole_tokens=plan.num_hole_tokens,
-                decode_only=decode_only,
-                predicted_s=predicted,
-                decode_kv_tokens=decode_kv,
-                reload_blocks=len(transfers.reloads) if transfers is not None else 0,
-                offload_blocks=len(transfers.offloads) if transfers is not None else 0,
-                host_recomputed_blocks=recomputed,
-            )
+            StepStats.of_plan(plan, start, end, schedule_s, predicted, self.pool.num_in_use, recomputed)
         )
-
-    # -- pins ----------------------------------------------------------------------------------
-    def pin_job(self, job_id: str, ttl_s: float) -> int:
-        """Pins the blocks of ``job_id``'s last finished request for ``ttl_s`` seconds.
-
-        Returns:
-            Blocks pinned (0 when the pin was refused or nothing was cached).
-        """
-        return self.pins.pin(job_id, ttl_s, self.clock())
-
-    def unpin_job(self, job_id: str) -> bool:
-        """Releases ``job_id``'s pin; whether it had one."""
-        return self.pins.unpin(job_id)
-
-    def hint_job(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
-        """Passes the runtime's reuse hints (tool-pause estimate, job done) to the policies."""
-        self.continuum.hint(job_id, expected_gap_s, finished)
 
     # -- blocking API ------------------------------------------------------------------------
     def generate(
@@ -762,100 +482,14 @@ class Engine(AsyncSteps):
     ) -> list[GenerationOutput]:
         """Runs prompts to completion; one output per prompt, in order (``job_ids``: each one's
         job, see :meth:`add_request`)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(params)
-            if len(params_list) != len(prompts):
-                raise ValueError("params: one SamplingParams per prompt, or a single one")
-        ids: list[str] = []
-        prompt_ids: dict[str, list[int]] = {}
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
-                job_id = job_ids[i] if job_ids else None
-                encoded = self.encode(prompt)  # type: ignore[arg-type]
-                rid = self.add_request(encoded, p, job_id=job_id)
-                ids.append(rid)
-                prompt_ids[rid] = encoded
-        except ValueError:
-            for rid in ids:
-                self.abort(rid)
-            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in ids]
-            raise
-        finals: dict[str, RequestOutput] = {}
-        while len(finals) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    finals[out.request_id] = out
-        results = []
-        for rid in ids:
-            out = finals[rid]
-            results.append(
-                GenerationOutput(rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics)
-            )
-        return results
+        return generate_blocking(self, prompts, params, job_ids)
 
     # -- checks and stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Gauges and counters of the engine now (call it from the thread that steps it)."""
-        c, pool, pins, target = self.counters, self.pool, self.pins, self.continuum.ttft_target
-        return EngineStats(
-            kv_blocks_total=self.num_blocks,
-            kv_blocks_in_use=pool.num_in_use,
-            kv_blocks_peak_in_use=pool.peak_in_use,
-            requests_running=len(self.scheduler.running),
-            requests_waiting=len(self.scheduler.waiting),
-            pinned_blocks=pins.num_pinned_blocks,
-            pins_total=pins.num_pins,
-            pins_expired_total=pins.num_expired,
-            pins_released_pressure_total=pins.num_released_pressure,
-            evictions_total=pool.num_evictions,
-            engine_prompt_tokens_total=c.prompt_tokens,
-            engine_cache_hit_tokens_total=c.hit_tokens,
-            engine_hole_tokens_total=c.hole_tokens,
-            engine_suffix_recomputed_tokens_total=c.suffix_recomputed_tokens,
-            engine_preempted_tokens_total=c.preempted_tokens,
-            engine_computed_tokens_total=c.computed_tokens,
-            engine_generated_tokens_total=c.generated_tokens,
-            preemptions_total=c.num_preemptions,
-            requests_total=c.num_requests,
-            jobs_admitted=self.job_admission.num_jobs if self.job_admission is not None else 0,
-            jobs_held_back_total=self.job_admission.num_held_back if self.job_admission is not None else 0,
-            job_gate_capacity_tokens=self.job_admission.capacity_tokens if self.job_admission is not None else 0,
-            engine_reload_tokens_total=c.reload_tokens,
-            kv_block_size=self.block_size,
-            order_slack_seconds=target.slack_s if target is not None else math.inf,
-            **(self.host_driver.stats() if self.host_driver is not None else {}),
-        )
+        return collect_stats(self)
 
     def check_integrity(self) -> None:
-        """Pool invariants plus: every block held by a request is counted by its ref count."""
-        self.pool.check_integrity()
-        if self.host_tier is not None:
-            self.host_tier.check_integrity()
-        if self.continuum.ttft_target is not None:
-            self.continuum.ttft_target.check_integrity()
-        if self.job_admission is not None:
-            self.job_admission.check_integrity()
-        table_rows = getattr(self.runner, "block_table_rows", None)  # the model runner's, on a real backend
-        if table_rows is not None:
-            table_rows.check_integrity(self.scheduler.running + self.scheduler.waiting)
-        refs: dict[int, int] = {}
-        for request in self.scheduler.running + self.scheduler.waiting:
-            for b in self.kv.held_blocks(request):
-                refs[b] = refs.get(b, 0) + 1
-        for b in self.kv.prefetch_held_blocks():
-            refs[b] = refs.get(b, 0) + 1
-        for block in self.pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {refs.get(block.block_id, 0)}"
-            )
-        pinned: dict[int, int] = {}
-        for pin in self.pins.pins.values():
-            for b in pin.block_ids:
-                pinned[b] = pinned.get(b, 0) + 1
-        for block in self.pool.blocks:
-            assert block.pin_cnt == pinned.get(block.block_id, 0), f"block {block.block_id}: pin count"
+        """Pool invariants plus: every block held by a request is counted by its ref count
+        (:func:`~asymcache_core.engine_checks.check_engine_integrity`)."""
+        check_engine_integrity(self)

@@ -1,14 +1,19 @@
 """What the engine reports: per-step records, run-wide counters, the stats snapshot that
 ``/metrics``, the harness and the runtime read, and :meth:`Engine.generate`'s results.
 
-Plain records, no behaviour: :mod:`asymcache_core.engine` fills them.
+Plain records, filled by :mod:`asymcache_core.engine`, and :func:`collect_stats`, which reads
+the snapshot off an engine.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asymcache_core.engine import Engine
+    from asymcache_core.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -59,6 +64,34 @@ class StepStats:
     host_recomputed_blocks: int = 0
 
 
+    @classmethod
+    def of_plan(
+        cls, plan: SchedulerOutput, start: float, end: float, schedule_s: float, predicted_s: float,
+        blocks_in_use: int, host_recomputed_blocks: int,
+    ) -> StepStats:
+        """The record of a step that ran ``plan`` from ``start`` to ``end``."""
+        transfers = plan.transfers
+        return cls(
+            start=start,
+            duration_s=end - start,
+            budget=plan.budget,
+            num_tokens=plan.num_tokens,
+            num_segments=sum(len(s.segments) for s in plan.scheduled),
+            num_seqs=len(plan.scheduled),
+            num_decodes=sum(1 for s in plan.scheduled if s.num_tokens == 1),
+            blocks_in_use=blocks_in_use,
+            schedule_s=schedule_s,
+            attn_pairs=plan.attn_pairs,
+            num_hole_tokens=plan.num_hole_tokens,
+            decode_only=plan.is_decode_only,
+            predicted_s=predicted_s,
+            decode_kv_tokens=plan.decode_kv_tokens,
+            reload_blocks=len(transfers.reloads) if transfers is not None else 0,
+            offload_blocks=len(transfers.offloads) if transfers is not None else 0,
+            host_recomputed_blocks=host_recomputed_blocks,
+        )
+
+
 @dataclass
 class EngineCounters:
     """Run-wide cache counters (never inflated by preemption recompute)."""
@@ -74,6 +107,16 @@ class EngineCounters:
     num_requests: int = 0
     reload_tokens: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+
+    def add_finished(self, metrics: Any) -> None:
+        """Counts a finished request's :class:`~asymcache_core.request.RequestMetrics`."""
+        self.hit_tokens += metrics.cached_tokens
+        self.hole_tokens += metrics.hole_tokens
+        self.suffix_recomputed_tokens += metrics.suffix_recomputed_tokens
+        self.preempted_tokens += metrics.preempted_tokens
+        self.computed_tokens += metrics.computed_tokens
+        self.num_preemptions += metrics.num_preemptions
+        self.reload_tokens += metrics.reload_tokens
 
 
 @dataclass(frozen=True)
@@ -139,3 +182,36 @@ class GenerationOutput:
     text: str
     finish_reason: str | None
     metrics: Any
+
+
+def collect_stats(engine: Engine) -> EngineStats:
+    """The engine's gauges and counters now (:meth:`Engine.stats <asymcache_core.engine.Engine.stats>`)."""
+    c, pool, pins, target = engine.counters, engine.pool, engine.pins, engine.continuum.ttft_target
+    return EngineStats(
+        kv_blocks_total=engine.num_blocks,
+        kv_blocks_in_use=pool.num_in_use,
+        kv_blocks_peak_in_use=pool.peak_in_use,
+        requests_running=len(engine.scheduler.running),
+        requests_waiting=len(engine.scheduler.waiting),
+        pinned_blocks=pins.num_pinned_blocks,
+        pins_total=pins.num_pins,
+        pins_expired_total=pins.num_expired,
+        pins_released_pressure_total=pins.num_released_pressure,
+        evictions_total=pool.num_evictions,
+        engine_prompt_tokens_total=c.prompt_tokens,
+        engine_cache_hit_tokens_total=c.hit_tokens,
+        engine_hole_tokens_total=c.hole_tokens,
+        engine_suffix_recomputed_tokens_total=c.suffix_recomputed_tokens,
+        engine_preempted_tokens_total=c.preempted_tokens,
+        engine_computed_tokens_total=c.computed_tokens,
+        engine_generated_tokens_total=c.generated_tokens,
+        preemptions_total=c.num_preemptions,
+        requests_total=c.num_requests,
+        jobs_admitted=engine.job_admission.num_jobs if engine.job_admission is not None else 0,
+        jobs_held_back_total=engine.job_admission.num_held_back if engine.job_admission is not None else 0,
+        job_gate_capacity_tokens=engine.job_admission.capacity_tokens if engine.job_admission is not None else 0,
+        engine_reload_tokens_total=c.reload_tokens,
+        kv_block_size=engine.block_size,
+        order_slack_seconds=target.slack_s if target is not None else math.inf,
+        **(engine.host_driver.stats() if engine.host_driver is not None else {}),
+    )

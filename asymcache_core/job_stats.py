@@ -6,6 +6,7 @@ A job is whatever shares a ``job_id``: an agent's turns or a chat's messages.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -60,6 +61,26 @@ class JobStats:
     def last_active(self, job_id: str, default: float) -> float:
         state = self.jobs.get(job_id)
         return default if state is None else state.last_active
+
+    def drop_idle(
+        self, now: float, idle_s: float, max_jobs: int, is_pinned: Callable[[str], bool]
+    ) -> list[str]:
+        """Forgets idle jobs (nothing in flight, not pinned): those idle past ``idle_s``, and
+        while more than ``max_jobs`` are tracked, the longest idle down to 90% of it.
+
+        Returns:
+            The jobs dropped (the caller forgets them in its own tables).
+        """
+        idle = sorted((st.last_active, job) for job, st in self.jobs.items() if st.running == 0 and not is_pinned(job))
+        drop = [job for last, job in idle if now - last > idle_s]
+        if len(self.jobs) > max_jobs:
+            extra = len(self.jobs) - len(drop) - int(0.9 * max_jobs)
+            if extra > 0:
+                dropped = set(drop)
+                drop += [job for _, job in idle if job not in dropped][:extra]
+        for job in drop:
+            self.jobs.pop(job, None)
+        return drop
 
     def on_arrival(self, job_id: str, now: float, new_tokens: int) -> None:
         state = self.state(job_id)

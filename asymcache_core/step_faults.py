@@ -18,7 +18,7 @@ from asymcache_core.scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 
 if TYPE_CHECKING:
     from asymcache_core.block_pool import BlockPool
-    from asymcache_core.engine import Runner
+    from asymcache_core.engine_setup import Runner
     from asymcache_core.kv_cache_manager import KVCacheManager
     from asymcache_core.request import Request
 

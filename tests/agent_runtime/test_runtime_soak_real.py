@@ -25,7 +25,7 @@ import pytest
 from agent_runtime.presets import resolve_preset
 from agent_runtime.runtime import AgentRuntime
 from asymcache_core import Engine, SamplingParams
-from asymcache_core.engine import JOB_SWEEP_INTERVAL_S
+from asymcache_core.engine_jobs import JOB_SWEEP_INTERVAL_S
 from tests.conftest import make_engine
 
 pytestmark = pytest.mark.slow

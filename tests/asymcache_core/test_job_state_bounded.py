@@ -6,7 +6,7 @@ import pytest
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.continuum.estimator import MAX_TOOLS, ToolDurationEstimator
-from asymcache_core.engine import JOB_SWEEP_INTERVAL_S
+from asymcache_core.engine_jobs import JOB_SWEEP_INTERVAL_S
 
 ONE = SamplingParams(max_tokens=2, ignore_eos=True)
 

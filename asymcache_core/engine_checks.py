@@ -1,0 +1,93 @@
+"""The engine's checks: a request's input before it is queued, and the invariants between the
+engine's parts (:meth:`Engine.check_integrity <asymcache_core.engine.Engine.check_integrity>`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from asymcache_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asymcache_core.engine import Engine
+
+
+def validate_request(
+    ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int
+) -> None:
+    """Rejects a request the engine could never run.
+
+    Args:
+        ids: the prompt's token ids.
+        params: its sampling parameters.
+        vocab_size: the model's vocabulary.
+        max_model_len: the engine's context limit.
+        block_size: tokens a KV block holds.
+        num_blocks: blocks of the device pool.
+
+    Raises:
+        ValueError: naming the field: an empty prompt, ids out of vocabulary (in the prompt,
+            ``logit_bias`` or ``stop_token_ids``), a prompt too long for ``max_model_len``, or
+            a request that could outgrow the whole pool.
+    """
+    if not ids:
+        raise ValueError("prompt: must contain at least one token")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(ids)} tokens do not fit max_model_len={max_model_len} "
+            "(at least one token must be generated)"
+        )
+    longest = min(len(ids) + params.max_tokens, max_model_len)
+    blocks = -(-longest // block_size)
+    if blocks > num_blocks:
+        raise ValueError(
+            f"num_kv_blocks: the request needs up to {blocks} KV blocks "
+            f"(prompt {len(ids)} + max_tokens {params.max_tokens}) but the pool has {num_blocks}"
+        )
+
+
+def check_engine_integrity(engine: Engine) -> None:
+    """Every part's own invariants, then: every block's ref count is the number of requests
+    (and prefetches) that hold it, its pin count the number of pins that hold it, and the model
+    runner's block-table rows match the requests' block lists.
+
+    Raises:
+        AssertionError: naming the first block or part that breaks an invariant.
+    """
+    engine.pool.check_integrity()
+    if engine.host_tier is not None:
+        engine.host_tier.check_integrity()
+    if engine.continuum.ttft_target is not None:
+        engine.continuum.ttft_target.check_integrity()
+    if engine.job_admission is not None:
+        engine.job_admission.check_integrity()
+    requests = engine.scheduler.running + engine.scheduler.waiting
+    table_rows = getattr(engine.runner, "block_table_rows", None)  # the model runner's, on a real backend
+    if table_rows is not None:
+        table_rows.check_integrity(requests)
+    refs: dict[int, int] = {}
+    for request in requests:
+        for b in engine.kv.held_blocks(request):
+            refs[b] = refs.get(b, 0) + 1
+    for b in engine.kv.prefetch_held_blocks():
+        refs[b] = refs.get(b, 0) + 1
+    for block in engine.pool.blocks:
+        assert block.ref_cnt == refs.get(block.block_id, 0), (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders {refs.get(block.block_id, 0)}"
+        )
+    pinned: dict[int, int] = {}
+    for pin in engine.pins.pins.values():
+        for b in pin.block_ids:
+            pinned[b] = pinned.get(b, 0) + 1
+    for block in engine.pool.blocks:
+        assert block.pin_cnt == pinned.get(block.block_id, 0), f"block {block.block_id}: pin count"
+
+
+__all__ = ["check_engine_integrity", "validate_request"]

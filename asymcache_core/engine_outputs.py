@@ -1,0 +1,108 @@
+"""The engine's output path: a request's text from its tokens, stop strings, the
+:class:`~asymcache_core.request.RequestOutput` a step returns for it, and the blocking
+:meth:`Engine.generate <asymcache_core.engine.Engine.generate>` that collects them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from asymcache_core.detokenizer import detokenize_incrementally
+from asymcache_core.engine_stats import GenerationOutput
+from asymcache_core.request import Request, RequestOutput, RequestStatus
+from asymcache_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asymcache_core.engine import Engine
+    from asymcache_core.scheduler import Scheduler
+
+
+def request_output(request: Request, new: list[int]) -> RequestOutput:
+    """The output of ``request`` after a step that appended ``new`` tokens to it."""
+    # NOTE: detokenize_step keeps request.text current (decoded incrementally, cut at a stop).
+    reason = request.status.value if request.finished else None
+    return RequestOutput(
+        request.request_id, new, list(request.output_token_ids), request.text, request.finished,
+        reason, request.metrics, request.num_prompt_tokens, request.error,
+    )
+
+
+def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now: float) -> None:
+    """Extends ``request.text`` by its new tokens; a stop string found in it ends the request.
+
+    NOTE: the scheduler has already applied the token-level stops; a stop string (text) is
+    found only here, so its request is freed after the step's other finished requests (as
+    vLLM's output processor aborts it), and it overrides an EOS or length finish of the
+    same token (the text is cut at the stop string either way).
+    """
+    params = request.params
+    detok = request.detok
+    before = len(detok.text)
+    new = detokenize_incrementally(tokenizer, request.output_token_ids, detok, final=request.finished)
+    request.text = detok.text
+    if not (new and params.stop):
+        return
+    # NOTE: only text that can hold a stop string for the first time is searched: the new
+    # piece and the longest stop string's length before it. The first stop string of the
+    # list that occurs wins (vLLM's rule).
+    start = max(0, before - max(len(stop) for stop in params.stop) + 1)
+    for stop in params.stop:
+        idx = detok.text.find(stop, start)
+        if idx >= 0:
+            request.text = detok.text[:idx]
+            scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, now, stop)
+            return
+
+
+def flush_text(tokenizer: Any, request: Request) -> None:
+    """Decodes what an unfinished character held back, for a request that ends early (abort)."""
+    detokenize_incrementally(tokenizer, request.output_token_ids, request.detok, final=True)
+    request.text = request.detok.text
+
+
+def generate_blocking(
+    engine: Engine,
+    prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    job_ids: Sequence[str | None] | None,
+) -> list[GenerationOutput]:
+    """:meth:`Engine.generate <asymcache_core.engine.Engine.generate>`: queues every prompt
+    (none if one is rejected), steps until all are finished, returns their outputs in order."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    prompts = list(prompts)  # type: ignore[arg-type]
+    if params is None or isinstance(params, SamplingParams):
+        params_list = [params or SamplingParams()] * len(prompts)
+    else:
+        params_list = list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError("params: one SamplingParams per prompt, or a single one")
+    ids: list[str] = []
+    prompt_ids: dict[str, list[int]] = {}
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            job_id = job_ids[i] if job_ids else None
+            encoded = engine.encode(prompt)  # type: ignore[arg-type]
+            rid = engine.add_request(encoded, p, job_id=job_id)
+            ids.append(rid)
+            prompt_ids[rid] = encoded
+    except ValueError:
+        for rid in ids:
+            engine.abort(rid)
+        engine._pending_outputs = [o for o in engine._pending_outputs if o.request_id not in ids]
+        raise
+    finals: dict[str, RequestOutput] = {}
+    while len(finals) < len(ids):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    results = []
+    for rid in ids:
+        out = finals[rid]
+        results.append(
+            GenerationOutput(rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics)
+        )
+    return results
+
+
+__all__ = ["detokenize_step", "flush_text", "generate_blocking", "request_output"]
