@@ -9,7 +9,9 @@
 # STAGE: swe (seed 21, 3,000 blocks: continuum and asymcache+continuum, ~6 min) or
 # others (seed 23: chat on 900 blocks, BFCL on 800, tool loop on 1,200, three policies each,
 # ~8 min) or ceiling (seed 21: the unbounded pool, and asymcache+continuum with a 64 GB host tier,
-# ~5 min). PROFILE=... sets the engines' profile (default: the load sweep's). Needs the pydantic
+# ~5 min) or tier (seed 23: BFCL on 800 blocks and the tool loop on 1,200, each with a host
+# tier four times the device pool, `vllm-apc` (an LRU tier) and `asymcache+continuum`, ~6 min).
+# PROFILE=... sets the engines' profile (default: the load sweep's). Needs the pydantic
 # wheels of .whl/ carried (the bench CLI imports pydantic).
 # Writes $OUT/results.tgz: every run's results.json, report.md, steps/ and requests/ (the
 # device returns a bounded number of files, so one archive), and the logs.
@@ -47,8 +49,15 @@ case "$STAGE" in
       --concurrency 48 --num-kv-blocks 800 --policies "$P"
     run tool1200 120 --workload toolloop --seed 23 --jobs 96 --concurrency 48 --num-kv-blocks 1200 --policies "$P"
     ;;
+  tier)
+    P=vllm-apc/reserve-prompt,asymcache+continuum/reserve-prompt
+    run bfcl800-host3200 300 --workload bfcl:bench_traces/bfcl_multi_turn_sample.jsonl --seed 23 --jobs 96 \
+      --concurrency 48 --num-kv-blocks 800 --num-host-kv-blocks 3200 --policies "$P"
+    run tool1200-host4800 200 --workload toolloop --seed 23 --jobs 96 --concurrency 48 --num-kv-blocks 1200 \
+      --num-host-kv-blocks 4800 --policies "$P"
+    ;;
   *)
-    echo "STAGE: swe, others or ceiling, got $STAGE" >&2
+    echo "STAGE: swe, others, ceiling or tier, got $STAGE" >&2
     exit 2
     ;;
 esac
