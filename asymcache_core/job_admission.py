@@ -225,6 +225,7 @@ class JobAdmission:
         blocks and a 256 GB tier, seeds 1-3, 4.3x the device pool served 88 agents within the
         JCT p90 target (101 without a tier); learned, 1.5-1.7x it, 104.
         """
+        # NOTE: _capacity is the device pool without a tier or before min_pauses: nothing to scale
         if self.tier_for_ttft or self._capacity == self.device_tokens or not self.jobs_stay_short():
             return self._capacity
         # NOTE: the gate counts a shared prefix once for every job that holds it, the device
