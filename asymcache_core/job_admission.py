@@ -217,9 +217,8 @@ class JobAdmission:
         :attr:`tier_tokens` as the jobs' pauses leave on the host:
         ``device x share / (1 - share)`` with the :meth:`pause_share` (the device then holds
         the contexts in flight), that scaled by the ranked jobs' :meth:`overcount` where jobs
-        stay short (:meth:`jobs_stay_short`), and at
-        most ``device + tier_tokens``; the device pool alone until ``min_pauses`` pauses are
-        seen; all of :attr:`tier_tokens` with :attr:`tier_for_ttft`.
+        stay short (:meth:`jobs_stay_short`), and at most ``device + tier_tokens``; the device
+        pool alone until ``min_pauses`` pauses are seen; all of it with :attr:`tier_for_ttft`.
 
         NOTE: a fixed half of a large tier is too much: simulated H200, SWE, 19,934 device
         blocks and a 256 GB tier, seeds 1-3, 4.3x the device pool served 88 agents within the
