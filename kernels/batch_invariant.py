@@ -28,7 +28,6 @@ Shapes: activations ``[M, K]``, weights ``[N, K]`` (``nn.Linear`` layout), outpu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 # Rows of every BLAS call the CPU matmul makes; a multiple of every BLAS micro-kernel height.
 # NOTE: padding to a multiple of 8 and making one call was not enough: on an AVX-512 host

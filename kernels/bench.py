@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.metadata import MSAMetadata, build_msa_metadata
-from kernels.msa_plan import MSAConfig, choose_config, plan_msa
+from kernels.msa_config import MSAConfig, choose_config
+from kernels.msa_plan import plan_msa
 from kernels.msa_triton import msa_triton
 from kernels.reference import msa_naive
 
@@ -219,14 +220,14 @@ def _planner_set(module: str, name: str, value: object) -> Iterator[None]:
 
 def narrow_kv_tiles() -> contextlib.AbstractContextManager[None]:
     """Every launch walks 64-key KV tiles, as before the planner's 128-key tiles for deep
-    prefills (``kernels.msa_plan._WIDE_KV_MIN_KEYS``)."""
-    return _planner_set("msa_plan", "_WIDE_KV_MIN_KEYS", 1 << 62)
+    prefills (``kernels.msa_config._WIDE_KV_MIN_KEYS``)."""
+    return _planner_set("msa_config", "_WIDE_KV_MIN_KEYS", 1 << 62)
 
 
 def split_wide_kv_tiles() -> contextlib.AbstractContextManager[None]:
     """The 128-key KV tiles always run at least two KV splits, as before they ran on the
-    split path at one split (``kernels.msa_plan._WIDE_KV_MIN_SPLITS``)."""
-    return _planner_set("msa_plan", "_WIDE_KV_MIN_SPLITS", 2)
+    split path at one split (``kernels.msa_config._WIDE_KV_MIN_SPLITS``)."""
+    return _planner_set("msa_config", "_WIDE_KV_MIN_SPLITS", 2)
 
 
 def tile_first_grid() -> contextlib.AbstractContextManager[None]:

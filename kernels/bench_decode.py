@@ -25,7 +25,7 @@ from kernels import msa_plan
 from kernels import msa_triton as msa_triton_module
 from kernels.bench import HKV, HQ, D, Inputs, Layout, Row, decode_layout, make_inputs, planned
 from kernels.metadata import MSAMetadata
-from kernels.msa_plan import MSAConfig, choose_config
+from kernels.msa_config import MSAConfig, choose_config
 from kernels.msa_triton import msa_triton
 
 

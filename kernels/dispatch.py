@@ -151,7 +151,7 @@ CPU_DENSE_OPS = DenseOps("default", linear_weight_left, _rms_norm_torch)
 
 def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) -> DenseOps:
     """The linear and norm ops for ``device``: the library's, or the batch-invariant ones
-    (the Triton matmul and RMSNorm on CUDA, row-padded BLAS on the CPU)."""
+    (the Triton matmul and RMSNorm on CUDA, same-shape BLAS calls on the CPU)."""
     device = torch.device(device)
     if not batch_invariant:
         return CPU_DENSE_OPS if device.type == "cpu" else DEFAULT_DENSE_OPS
@@ -229,8 +229,9 @@ def select_attention_backend(
     if preference == "triton":
         if not triton_available(device) and not _interpreting():
             raise ValueError("attention_backend: 'triton' needs a CUDA device and triton")
+        from kernels.kv_store_triton import store_kv_triton
         from kernels.msa_plan import plan_msa
-        from kernels.msa_triton import msa_triton, store_kv_triton
+        from kernels.msa_triton import msa_triton
 
         def prepare(meta: MSAMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int) -> MSAMetadata:
             device = meta.block_tables.device

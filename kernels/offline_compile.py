@@ -34,7 +34,7 @@ from unittest import mock
 
 import torch
 
-from kernels import msa_plan
+from kernels import msa_config, msa_plan
 from kernels import msa_triton as msa_triton_module
 from kernels.metadata import MSAMetadata, build_msa_metadata
 
@@ -140,7 +140,7 @@ def record_step(segments: list[tuple[int, int]], invariant: bool, num_sms: int =
     """The launches :func:`~kernels.msa_triton.msa_triton` makes for one step, planned as on a
     GPU of ``num_sms`` SMs (the library or the batch-invariant mode)."""
     q, k_cache, v_cache, meta = step_inputs(segments)
-    with mock.patch.object(msa_plan, "_num_sms", lambda device: num_sms):
+    with mock.patch.object(msa_config, "_num_sms", lambda device: num_sms):
         plan = msa_plan.plan_msa(meta, HQ, HKV, D, q.device, dtype=q.dtype, invariant=invariant)
     with recording() as launches:
         msa_triton_module.msa_triton(q, k_cache, v_cache, dataclasses.replace(meta, plan=plan), D**-0.5)

@@ -12,7 +12,7 @@ import torch
 
 import kernels.msa_triton as mt
 from kernels.bench import D, make_inputs, planned, segment_layout
-from kernels.msa_plan import MSAConfig
+from kernels.msa_config import MSAConfig
 
 
 def kernels():  # type: ignore[no-untyped-def]

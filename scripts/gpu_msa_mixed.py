@@ -83,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    from kernels import msa_plan
+    from kernels import msa_config, msa_plan
     from kernels import msa_triton as mt
 
     device = args.device
@@ -98,7 +98,7 @@ def main() -> None:
             meta, block_tables=meta.block_tables.cpu(), slot_mapping=meta.slot_mapping.cpu()), scale_d)
         dev = torch.device(device)
         plans = {
-            "one launch": msa_plan.plan_msa(meta, HQ, HKV, D, dev, config=msa_plan.choose_config(meta, HQ, HKV, D, dev)),
+            "one launch": msa_plan.plan_msa(meta, HQ, HKV, D, dev, config=msa_config.choose_config(meta, HQ, HKV, D, dev)),
             "classes": msa_plan.plan_msa(meta, HQ, HKV, D, dev, min_split_keys=1 << 30),
             "classes+deep": msa_plan.plan_msa(meta, HQ, HKV, D, dev),
         }

@@ -37,7 +37,7 @@ from kernels.bench import (
     split_wide_kv_tiles,
     tile_first_grid,
 )
-from kernels.msa_plan import MSAConfig
+from kernels.msa_config import MSAConfig
 from kernels.msa_triton import msa_triton
 
 # The planner's earlier choices, each switched back on in turn: the grid tile first; that and

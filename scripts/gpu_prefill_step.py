@@ -13,7 +13,7 @@
 * the busiest kernels of one 8,192-token step of the default engine.
 
 ``--library-tiles`` times instead the library engine with and without its 128-key KV tiles for
-deep prefill launches (``kernels.msa_plan._WIDE_KV_MIN_KEYS``), and with them always split
+deep prefill launches (``kernels.msa_config._WIDE_KV_MIN_KEYS``), and with them always split
 (``_WIDE_KV_MIN_SPLITS``), in alternating rounds.
 """
 

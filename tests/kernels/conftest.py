@@ -2,7 +2,8 @@
 
 The interpreter is chosen when a ``@triton.jit`` function is decorated, so the interpreted
 kernels are a fresh copy of the kernel module loaded under another module name while
-``TRITON_INTERPRET=1`` is set; whatever imported the module before is left untouched.
+``TRITON_INTERPRET=1`` is set, with fresh copies of the kernel modules it imports jitted helpers
+from (``kernels.msa_walk``...); whatever imported those modules before is left untouched.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 _KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+#: kernel modules that define jitted functions (one kernel module may import another's helpers)
+_JIT_MODULES = tuple(sorted(p.stem for p in _KERNELS.glob("*.py") if "@triton.jit" in p.read_text()))
 
 
 def _load_fresh(path: Path, name: str) -> ModuleType:
@@ -58,12 +61,26 @@ def _interpreted(file: str) -> Iterator[ModuleType]:
         for name in saved:
             del sys.modules[name]
     name = f"kernels._{Path(file).stem}_interpreted"
+    # NOTE: the module's own imports of other kernel modules must decorate them afresh too (a
+    # compiled helper cannot run inside an interpreted kernel): they are set aside, package
+    # attributes included, and put back after.
+    package = importlib.import_module("kernels")
+    missing = object()
+    jit_modules = {stem: (sys.modules.pop(f"kernels.{stem}", None), getattr(package, stem, missing)) for stem in _JIT_MODULES}
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TRITON_INTERPRET", "1")
             yield _load_fresh(_KERNELS / file, name)
     finally:
         sys.modules.pop(name, None)
+        for stem, (module, attribute) in jit_modules.items():
+            sys.modules.pop(f"kernels.{stem}", None)
+            if module is not None:
+                sys.modules[f"kernels.{stem}"] = module
+            if attribute is missing:
+                package.__dict__.pop(stem, None)
+            else:
+                setattr(package, stem, attribute)
         if saved:
             for fresh in _triton_python_modules():
                 del sys.modules[fresh]
@@ -90,6 +107,18 @@ def interp() -> Iterator[ModuleType]:
 def compiled() -> ModuleType:
     """``kernels.msa_triton`` compiled for the GPU."""
     return _compiled("msa_triton.py")
+
+
+@pytest.fixture(scope="module")
+def interp_store() -> Iterator[ModuleType]:
+    """``kernels/kv_store_triton.py`` under the interpreter."""
+    yield from _interpreted("kv_store_triton.py")
+
+
+@pytest.fixture(scope="module")
+def compiled_store() -> ModuleType:
+    """``kernels.kv_store_triton`` compiled for the GPU."""
+    return _compiled("kv_store_triton.py")
 
 
 @pytest.fixture(scope="module")

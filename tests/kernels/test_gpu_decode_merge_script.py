@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import msa_plan
+from kernels import msa_config, msa_plan
 from scripts.gpu_decode_merge import before_plans, variant_plan
 
 
@@ -21,7 +21,7 @@ def _graph_plan() -> msa_plan.MSAPlan:
 
 
 def test_the_three_variants_are_what_they_say(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(msa_plan, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(msa_config, "_num_sms", lambda device: 132)
     plan = _graph_plan()
     assert plan.num_splits > 1 and plan.merge_counts is not None and plan.merge_counts.numel() == 4 * 8
     assert plan.pad_rows and plan.covered_rows == 4  # no zero fill
@@ -33,7 +33,7 @@ def test_the_three_variants_are_what_they_say(monkeypatch) -> None:  # type: ign
 
 
 def test_before_plans_patch_graph_and_eager_plans_only_inside(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(msa_plan, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(msa_config, "_num_sms", lambda device: 132)
     with before_plans():
         graph = _graph_plan()
         assert graph.merge_counts is None and graph.covered_rows == 0

@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import msa_plan
+from kernels import msa_config, msa_plan
 from kernels.metadata import MSAMetadata, build_msa_metadata
 from tests.kernels.msa_cases import Case, case_seed, check_close, make_case
 
@@ -106,7 +106,7 @@ def test_msa_triton_interpreter_batch_invariant_decodes(interp: ModuleType) -> N
     )
     with pytest.MonkeyPatch.context() as mp:
         # an H200's SMs: 4 decodes x 2 KV heads are too few programs, so the chunks spread
-        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        mp.setattr(msa_config, "_num_sms", lambda device: 132)
         plan = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True)
         (launch,) = plan.launches
         chunks = -(-max(s[3] + s[2] for s in case.meta.host_segments) // msa_plan.INVARIANT_CHUNK)
@@ -124,7 +124,7 @@ def test_msa_triton_interpreter_batch_invariant_split_with_one_chunk_contexts(in
         kind="decode", ctxs=ctxs,
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        mp.setattr(msa_config, "_num_sms", lambda device: 132)
         (launch,) = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True).launches
         assert launch.num_splits > 1
         _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
@@ -148,7 +148,7 @@ def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.d
     tiles = torch.tensor([(i, i, 1, pos) for i, (_, _, _, pos) in enumerate(segments)]
                          + [(i, i, 0, 0) for i in range(num, num + pad)], dtype=torch.int32, device=device)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        mp.setattr(msa_config, "_num_sms", lambda device: 132)
         plan = msa_plan.decode_graph_plan(tiles, heads, kv_heads, max_context, head_dim=dim, dtype=dtype, invariant=True)
     assert plan.invariant and plan.num_splits > 1
     # the graph's table: row i is tile i's sequence, as wide as max_context (or as the step's

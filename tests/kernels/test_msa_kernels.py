@@ -22,7 +22,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import msa_plan
+from kernels import msa_config, msa_plan
 from kernels.metadata import build_msa_metadata
 from kernels.reference import msa_naive, msa_torch, store_kv_torch
 from tests.kernels.msa_cases import SEED, case_seed, check_close, make_case
@@ -72,7 +72,7 @@ def test_msa_triton_interpreter(
     )
     cfg = None
     if config is not None:
-        cfg = msa_plan.MSAConfig(config[0], config[1], 4, 1, config[2])
+        cfg = msa_config.MSAConfig(config[0], config[1], 4, 1, config[2])
     out = torch.full_like(case.q, float("nan"))
     res = interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=out, config=cfg)
     assert res.data_ptr() == out.data_ptr()
@@ -88,7 +88,7 @@ def test_msa_triton_interpreter_allocates_output(interp: ModuleType) -> None:
     check_close(out, case, torch.float32)
 
 
-def test_store_kv_triton_interpreter(interp: ModuleType) -> None:
+def test_store_kv_triton_interpreter(interp_store: ModuleType) -> None:
     gen = torch.Generator().manual_seed(5 + SEED)
     num_blocks, block_size, heads, dim, num_tokens = 6, 16, 3, 64, 20
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
@@ -97,11 +97,11 @@ def test_store_kv_triton_interpreter(interp: ModuleType) -> None:
     caches = [torch.randn((num_blocks, block_size, heads, dim), generator=gen) for _ in range(2)]
     expect = [c.clone() for c in caches]
     store_kv_torch(k, v, expect[0], expect[1], slots)
-    interp.store_kv_triton(k, v, caches[0], caches[1], slots)
+    interp_store.store_kv_triton(k, v, caches[0], caches[1], slots)
     assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
     # a negative slot (padding) writes nothing
     before = [c.clone() for c in caches]
-    interp.store_kv_triton(k[:1] + 1, v[:1] + 1, caches[0], caches[1], torch.tensor([-1]))
+    interp_store.store_kv_triton(k[:1] + 1, v[:1] + 1, caches[0], caches[1], torch.tensor([-1]))
     assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
 
 
@@ -216,7 +216,7 @@ def test_msa_triton_gpu(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_store_kv_triton_gpu(compiled: ModuleType, dtype: torch.dtype) -> None:
+def test_store_kv_triton_gpu(compiled_store: ModuleType, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(17 + SEED)
     num_blocks, block_size, heads, dim, num_tokens = 300, 16, 8, 128, 1000
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].cuda()
@@ -225,7 +225,7 @@ def test_store_kv_triton_gpu(compiled: ModuleType, dtype: torch.dtype) -> None:
     caches = [torch.randn((num_blocks, block_size, heads, dim), generator=gen).to("cuda", dtype) for _ in range(2)]
     expect = [c.clone() for c in caches]
     store_kv_torch(k, v, expect[0], expect[1], slots)
-    compiled.store_kv_triton(k, v, caches[0], caches[1], slots)
+    compiled_store.store_kv_triton(k, v, caches[0], caches[1], slots)
     torch.cuda.synchronize()
     assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
 
@@ -314,7 +314,7 @@ def test_msa_triton_gpu_wide_kv_tiles(compiled: ModuleType) -> None:
     planned = msa_plan.plan_msa(case.meta, 32, 8, 128, torch.device("cuda"), dtype=torch.bfloat16)
     (launch,) = planned.launches
     assert (launch.config.block_n, launch.config.split_path) == (128, True)
-    forced = [msa_plan.MSAConfig(64, 128, 8, 2, splits, split_path=path) for splits, path in ((1, True), (2, True), (1, False))]
+    forced = [msa_config.MSAConfig(64, 128, 8, 2, splits, split_path=path) for splits, path in ((1, True), (2, True), (1, False))]
     plans = [msa_plan.MSAStepPlan((dataclasses.replace(launch, heads_first=first),)) for first in (False, True)]
     plans += [msa_plan.plan_msa(case.meta, 32, 8, 128, torch.device("cuda"), config=cfg) for cfg in forced]
     for plan in plans:

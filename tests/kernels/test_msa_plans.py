@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import msa_grid_order, msa_plan
+from kernels import msa_config, msa_grid_order, msa_plan
 from kernels.metadata import build_msa_metadata
 from kernels.reference import msa_naive
 from tests.kernels.msa_cases import Case, case_seed, check_close, make_case
@@ -174,9 +174,9 @@ def test_choose_config_splits_long_decode(interp: ModuleType) -> None:
         max_ctx=40, dtype=torch.float32,
     )
     long = build_msa_metadata([[0] * 1024], [(0, 0, 1, 16_000)], [0], 16)
-    cfg = msa_plan.choose_config(long, 32, 8, 128, torch.device("cpu"))
+    cfg = msa_config.choose_config(long, 32, 8, 128, torch.device("cpu"))
     assert cfg.num_splits > 1 and cfg.block_m * 4 == 16
-    cfg = msa_plan.choose_config(case.meta, 4, 1, 64, torch.device("cpu"))
+    cfg = msa_config.choose_config(case.meta, 4, 1, 64, torch.device("cpu"))
     assert cfg.num_splits == 1
 
 
@@ -187,11 +187,11 @@ def test_choose_config_walks_deep_prefills_in_wide_kv_tiles(interp: ModuleType) 
     and at one split on the split path (every tile writing its output directly)."""
     cpu = torch.device("cpu")
 
-    def config(segments: list[tuple[int, int, int, int]], dtype: torch.dtype = torch.bfloat16) -> msa_plan.MSAConfig:
+    def config(segments: list[tuple[int, int, int, int]], dtype: torch.dtype = torch.bfloat16) -> msa_config.MSAConfig:
         blocks = -(-max(pos + n for _, _, n, pos in segments) // 16)
         tokens = sum(n for _, _, n, _ in segments)
         meta = build_msa_metadata([[0] * blocks], segments, [0] * tokens, 16)
-        return msa_plan.choose_config(meta, 32, 8, 128, cpu, dtype)
+        return msa_config.choose_config(meta, 32, 8, 128, cpu, dtype)
 
     deep = [(0, 0, 512, 7_000), (0, 512, 512, 15_000), (0, 1024, 1024, 31_000)]  # a 32k history's holes
     wide = config(deep)
@@ -206,7 +206,7 @@ def test_choose_config_walks_deep_prefills_in_wide_kv_tiles(interp: ModuleType) 
         case_seed("wide-kv"), kind="prefill", num_seqs=1, block_size=16, num_kv_heads=1, group=4,
         head_dim=64, max_ctx=420, dtype=torch.float32,
     )
-    for cfg in (msa_plan.MSAConfig(64, 128, 8, 2, 2), msa_plan.MSAConfig(64, 128, 8, 2, 1, split_path=True)):
+    for cfg in (msa_config.MSAConfig(64, 128, 8, 2, 2), msa_config.MSAConfig(64, 128, 8, 2, 1, split_path=True)):
         for heads_first in (False, True):
             plan = msa_plan.plan_msa(case.meta, 4, 1, 64, cpu, config=cfg)
             plan = msa_plan.MSAStepPlan(tuple(dataclasses.replace(lp, heads_first=heads_first) for lp in plan.launches))
@@ -231,7 +231,7 @@ def test_plan_msa_orders_uneven_prefill_launches_by_kv_head_first() -> None:
     holes = [(0, 512 * i, 512, 4096 * (i + 1)) for i in range(7)] + [(0, 3584, 1024, 31_744)]  # 32k, 8 segments
     deep_chunk = [(0, 0, 8192, 24_576)]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(msa_plan, "_num_sms", lambda device: 132)
+        mp.setattr(msa_config, "_num_sms", lambda device: 132)
         assert [lp.heads_first for lp in plan(holes).launches] == [True]
         assert [lp.heads_first for lp in plan(deep_chunk).launches] == [False]
         assert not any(lp.heads_first for lp in plan(holes, invariant=True).launches)
