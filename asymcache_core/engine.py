@@ -297,15 +297,17 @@ class Engine(AsyncSteps, JobControl):
         self.counters.prompt_tokens += len(ids)
         return request_id
 
-    def abort(self, request_id: str) -> bool:
-        """Stops a request and frees its blocks; returns False when it is unknown or done."""
+    def abort(self, request_id: str, *, emit: bool = True) -> bool:
+        """Stops a request and frees its blocks; returns False when it is unknown or done. With
+        ``emit`` the next step reports its final output (``finish_reason="abort"``)."""
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
         if self.tokenizer is not None:
             flush_text(self.tokenizer, request)
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED, self.clock())
-        self._pending_outputs.append(request_output(request, []))
+        if emit:
+            self._pending_outputs.append(request_output(request, []))
         return True
 
     def has_unfinished(self) -> bool:

@@ -88,8 +88,7 @@ def generate_blocking(
             prompt_ids[rid] = encoded
     except ValueError:
         for rid in ids:
-            engine.abort(rid)
-        engine._pending_outputs = [o for o in engine._pending_outputs if o.request_id not in ids]
+            engine.abort(rid, emit=False)
         raise
     finals: dict[str, RequestOutput] = {}
     while len(finals) < len(ids):

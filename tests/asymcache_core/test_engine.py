@@ -129,6 +129,20 @@ def test_bad_requests_raise_and_leave_engine_usable(smollm, chat_prompts, kwargs
     engine.check_integrity()
 
 
+def test_a_rejected_batch_leaves_no_request_and_no_output_behind():
+    # generate() queues nothing of a batch with a bad prompt: the prompts before it are
+    # aborted without an output of their own (the caller gets the ValueError instead)
+    from asymcache_core import Engine, EngineConfig
+
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, block_size=4))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate([[1, 2, 3], []], SamplingParams(max_tokens=2))
+    assert engine.step() == [] and not engine.has_unfinished()
+    engine.check_integrity()
+    (out,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert len(out.token_ids) == 2 and engine.step() == []
+
+
 def test_bad_sampling_params():
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
