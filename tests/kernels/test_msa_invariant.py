@@ -130,6 +130,23 @@ def test_msa_triton_interpreter_batch_invariant_split_with_one_chunk_contexts(in
         _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
 
 
+def test_msa_triton_interpreter_batch_invariant_merge_over_many_turns(interp: ModuleType) -> None:
+    """The split merge folds eight chunk states a loop turn, the next eight loaded before the
+    turn's folds: contexts of 18, 9, 8 and 1 chunks (a partial last turn, a last turn of one
+    chunk, one full turn, none to merge) give the in-program walk's bits."""
+    chunk = msa_plan.INVARIANT_CHUNK
+    ctxs = [17 * chunk + 5, 9 * chunk, 3, 8 * chunk]
+    case = _invariant_case(
+        "cpu", torch.float32, group=4, head_dim=16, max_ctx=max(ctxs), seed=case_seed("bi-many-turns", 6),
+        kind="decode", ctxs=ctxs,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(msa_config, "_num_sms", lambda device: 132)
+        (launch,) = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True).launches
+        assert launch.num_splits > 8
+        _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
+
+
 def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.dtype, max_context: int) -> None:
     """A batch-invariant CUDA-graph decode launch (:func:`~kernels.msa_plan.decode_graph_plan`:
     tile ``i`` is sequence ``i``, splits sized for ``max_context``) gives the bits of the step's
