@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import linear_weight_left
+from kernels.cpu_linear import linear_cpu, weight_left_pays
 from kernels.metadata import MSAMetadata
 from kernels.reference import (
     msa_naive,
@@ -144,9 +144,9 @@ class DenseOps:
 
 
 DEFAULT_DENSE_OPS = DenseOps("default", F.linear, _rms_norm_torch)
-# NOTE: the CPU's few-row products run with the weight as the left operand on two or more
-# threads: 1.1-3x faster decode GEMMs on MKL, the same kernel from 32 rows (kernels/cpu_linear.py).
-CPU_DENSE_OPS = DenseOps("default", linear_weight_left, _rms_norm_torch)
+# NOTE: the CPU's few-row products run with the weight as the left operand where a probe of the
+# BLAS finds that clearly faster (1.1-3x on one machine, 2-3x slower on another: kernels/cpu_linear.py).
+CPU_DENSE_OPS = DenseOps("default", linear_cpu, _rms_norm_torch)
 
 
 def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) -> DenseOps:
@@ -154,7 +154,10 @@ def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) 
     (the Triton matmul and RMSNorm on CUDA, same-shape BLAS calls on the CPU)."""
     device = torch.device(device)
     if not batch_invariant:
-        return CPU_DENSE_OPS if device.type == "cpu" else DEFAULT_DENSE_OPS
+        if device.type != "cpu":
+            return DEFAULT_DENSE_OPS
+        weight_left_pays(torch.get_num_threads())  # the BLAS probe now, not in the first step
+        return CPU_DENSE_OPS
     if device.type == "cuda":
         if not triton_available(device):
             raise ValueError("batch_invariant: needs triton on CUDA")

@@ -3,7 +3,8 @@
 ``python scripts/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64,128] [--rounds 5] [--engine 1,16]``
 times, per row count and projection of SmolLM2-135M (the embedded default: fused q/k/v, o, fused
 gate/up, down, the tied LM head), ``F.linear(x, w)`` (what transformers and the engine ran
-before) and :func:`kernels.cpu_linear.linear_weight_left` (the engine's CPU op since 2026-12-04).
+before) and :func:`kernels.cpu_linear.linear_weight_left` (the engine's CPU op where
+:func:`kernels.cpu_linear.weight_left_pays`; the script prints the probe's times and choice).
 The weights are cycled through copies that together exceed the last-level cache many times, so
 that each call reads its weight from memory as a decode step does. Medians of alternating
 rounds, the ratio, and whether the two give the same bits.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import linear_weight_left
+from kernels.cpu_linear import linear_weight_left, probe_weight_left, weight_left_wins
 
 # (name, N, K) of SmolLM2-135M: hidden 576, 9 q and 3 KV heads of 64, MLP 1536, vocab 49152.
 SHAPES = (
@@ -52,7 +53,7 @@ def time_engine(batches: list[int], rounds: int) -> None:
     from asymcache_core import Engine, SamplingParams
     from asymcache_core.loaders import load_model
     from eval.bench_engine import _prompts
-    from kernels.dispatch import DEFAULT_DENSE_OPS
+    from kernels.dispatch import CPU_DENSE_OPS, DEFAULT_DENSE_OPS
 
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32, 0)
     print(f"{'batch':>5} {'F.linear step ms':>17} {'weight-left step ms':>20} {'speed-up':>9} {'tokens equal':>13}")
@@ -60,7 +61,8 @@ def time_engine(batches: list[int], rounds: int) -> None:
         prompts = _prompts(batch, 128, loaded.config.vocab_size, 0)
         engine = Engine(model=loaded.name, loaded=loaded, num_kv_blocks=batch * 12 + 64, max_num_batched_tokens=4096)
         ours = engine.runner.backend
-        arms = {"F.linear": dataclasses.replace(ours, dense=DEFAULT_DENSE_OPS), "weight-left": ours}
+        weight_left = dataclasses.replace(CPU_DENSE_OPS, linear=linear_weight_left)
+        arms = {"F.linear": dataclasses.replace(ours, dense=DEFAULT_DENSE_OPS), "weight-left": dataclasses.replace(ours, dense=weight_left)}
         steps: dict[str, list[float]] = {name: [] for name in arms}
         tokens: dict[str, list[list[int]]] = {}
         for r in range(rounds):
@@ -91,6 +93,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, float32, weights read from memory")
+    library_ms, left_ms = probe_weight_left()
+    print(f"# the engine's probe: F.linear {library_ms:.3f} ms, weight-left {left_ms:.3f} ms at 2 rows of a 3072 x 576"
+          f" weight: {'weight-left' if weight_left_wins(library_ms, left_ms) else 'F.linear'}")
     print(f"{'rows':>5} {'projection':<9} {'F.linear ms':>12} {'weight-left ms':>15} {'speed-up':>9} {'same bits':>10}")
     for num in (int(r) for r in args.rows.split(",")):
         for name, n, k in SHAPES:

@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.batch_invariant import linear_naive
-from kernels.cpu_linear import FEW_ROWS, linear_weight_left
+from kernels.cpu_linear import (
+    FEW_ROWS,
+    linear_cpu,
+    linear_weight_left,
+    probe_weight_left,
+    weight_left_pays,
+    weight_left_wins,
+)
 from kernels.dispatch import (
     CPU_DENSE_OPS,
     DEFAULT_DENSE_OPS,
@@ -72,10 +79,28 @@ def test_weight_left_is_the_library_on_one_thread() -> None:
     assert torch.equal(two, (weight @ x.T).T)  # on two threads: the weight-left product
 
 
-def test_the_cpu_engine_runs_the_weight_left_op() -> None:
-    assert select_dense_ops("cpu") is CPU_DENSE_OPS and CPU_DENSE_OPS.linear is linear_weight_left
+def test_the_cpu_engine_runs_the_weight_left_op_where_the_probe_finds_it_faster(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from kernels import cpu_linear
+
+    assert select_dense_ops("cpu") is CPU_DENSE_OPS and CPU_DENSE_OPS.linear is linear_cpu
     assert select_dense_ops("meta") is DEFAULT_DENSE_OPS
     for preference in ("torch", "naive"):
         assert select_attention_backend("cpu", preference, torch.float32).dense is CPU_DENSE_OPS
     # the batch-invariant mode keeps its padded op (a row's bits must not follow the batch)
-    assert select_attention_backend("cpu", "torch", torch.float32, batch_invariant=True).dense.linear is not linear_weight_left
+    assert select_attention_backend("cpu", "torch", torch.float32, batch_invariant=True).dense.linear is not linear_cpu
+    # the op follows the probe's answer: rows where the two forms give other bits tell them apart
+    gen = torch.Generator().manual_seed(6)
+    weight, x = torch.randn((3072, 576), generator=gen), torch.randn((2, 576), generator=gen)
+    left, library = linear_weight_left(x, weight), F.linear(x, weight)
+    assert not torch.equal(left, library)
+    for pays, expected in ((True, left), (False, library)):
+        monkeypatch.setattr(cpu_linear, "weight_left_pays", lambda threads, pays=pays: pays)
+        assert torch.equal(linear_cpu(x, weight), expected)
+
+
+def test_the_probe_takes_the_weight_left_form_only_past_its_margin() -> None:
+    assert weight_left_wins(1.0, 0.5) and weight_left_wins(1.25, 1.0)
+    assert not weight_left_wins(1.2, 1.0) and not weight_left_wins(0.3, 0.8)
+    library_ms, left_ms = probe_weight_left(rounds=1)
+    assert library_ms > 0 and left_ms > 0
+    assert not weight_left_pays(1)  # one thread: never probed, never taken
