@@ -114,37 +114,33 @@ def test_msa_triton_interpreter_batch_invariant_decodes(interp: ModuleType) -> N
         _check_invariant(interp, case, torch.float32, _rows_to_check(case, 4))
 
 
+def _check_split_decodes(interp: ModuleType, ctxs: list[int], seed: int, min_splits: int) -> None:
+    """Decodes of contexts ``ctxs`` planned as on an H200 (chunks spread over more than
+    ``min_splits`` programs) give the in-program walk's bits (:func:`_check_invariant`)."""
+    case = _invariant_case(
+        "cpu", torch.float32, group=4, head_dim=16, max_ctx=max(ctxs), seed=seed, kind="decode", ctxs=ctxs
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(msa_config, "_num_sms", lambda device: 132)
+        (launch,) = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True).launches
+        assert launch.num_splits > min_splits
+        _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
+
+
 def test_msa_triton_interpreter_batch_invariant_split_with_one_chunk_contexts(interp: ModuleType) -> None:
     """A split launch whose short decodes fit one chunk: those tiles fold and write their rows
     themselves (the merge skips them), to the in-program walk's bits."""
     chunk = msa_plan.INVARIANT_CHUNK
-    ctxs = [chunk // 2, 4 * chunk + 100, 37, chunk]  # one chunk, five, one, exactly one
-    case = _invariant_case(
-        "cpu", torch.float32, group=4, head_dim=16, max_ctx=max(ctxs), seed=case_seed("bi-one-chunk", 5),
-        kind="decode", ctxs=ctxs,
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(msa_config, "_num_sms", lambda device: 132)
-        (launch,) = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True).launches
-        assert launch.num_splits > 1
-        _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
+    # one chunk, five, one, exactly one
+    _check_split_decodes(interp, [chunk // 2, 4 * chunk + 100, 37, chunk], case_seed("bi-one-chunk", 5), 1)
 
 
 def test_msa_triton_interpreter_batch_invariant_merge_over_many_turns(interp: ModuleType) -> None:
-    """The split merge folds eight chunk states a loop turn, the next eight loaded before the
-    turn's folds: contexts of 18, 9, 8 and 1 chunks (a partial last turn, a last turn of one
-    chunk, one full turn, none to merge) give the in-program walk's bits."""
+    """The split merge folds eight chunk states a loop turn: contexts of 18, 9, 8 and 1 chunks
+    (a partial last turn, a last turn of one chunk, one full turn, none to merge) give the
+    in-program walk's bits."""
     chunk = msa_plan.INVARIANT_CHUNK
-    ctxs = [17 * chunk + 5, 9 * chunk, 3, 8 * chunk]
-    case = _invariant_case(
-        "cpu", torch.float32, group=4, head_dim=16, max_ctx=max(ctxs), seed=case_seed("bi-many-turns", 6),
-        kind="decode", ctxs=ctxs,
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(msa_config, "_num_sms", lambda device: 132)
-        (launch,) = msa_plan.plan_msa(case.meta, 8, 2, 16, torch.device("cpu"), dtype=torch.float32, invariant=True).launches
-        assert launch.num_splits > 8
-        _check_invariant(interp, case, torch.float32, [s[1] for s in case.meta.host_segments])
+    _check_split_decodes(interp, [17 * chunk + 5, 9 * chunk, 3, 8 * chunk], case_seed("bi-many-turns", 6), 8)
 
 
 def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.dtype, max_context: int) -> None:
