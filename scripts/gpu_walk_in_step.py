@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+from unittest import mock
 
 import torch
 from gpu_walk_diag import (  # NOTE: a sibling script (scripts/ is on sys.path)
@@ -34,6 +36,7 @@ from gpu_walk_diag import (  # NOTE: a sibling script (scripts/ is on sys.path)
     _layers,
 )
 
+from kernels import msa_plan
 from kernels import msa_triton as msa_module
 from kernels.bench_decode import graph_ms
 from kernels.metadata import build_msa_metadata
@@ -76,23 +79,28 @@ def neighbours() -> dict[str, list]:  # type: ignore[type-arg]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="2048,16384")
-    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument("--limits", default="ctx,131072", help="what each plan is sized for: ctx or a number of keys")
+    ap.add_argument("--programs-per-sm", default="12", help="the invariant split's programs per SM, a comma list")
     args = ap.parse_args()
     print(f"# {torch.cuda.get_device_name()}; us a layer, {LAYERS} layers, median of 20 graph replays")
     others = neighbours()
     alone = {name: graph_ms(fns, 20) * 1e3 for name, fns in others.items()}
     for name, us in alone.items():
         print(f"# {name}: {us:.1f} us alone")
-    print("| decode | plan sized for | alone | " + " | ".join(f"after a {n}" for n in others) + " |")
-    print("|---|---:|---:|" + "---:|" * len(others))
+    print("| decode | plan sized for | programs per SM | alone | " + " | ".join(f"after a {n}" for n in others) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(others))
     for ctx in (int(c) for c in args.contexts.split(",")):
-        for limit in (ctx, args.max_model_len):
-            fns = launches(ctx, limit)
+        for limit, per_sm in itertools.product(
+            (ctx if c == "ctx" else int(c) for c in args.limits.split(",")),
+            (int(p) for p in args.programs_per_sm.split(",")),
+        ):
+            with mock.patch.object(msa_plan, "_INVARIANT_PROGRAMS_PER_SM", per_sm):
+                fns = launches(ctx, limit)
             cells = [f"{graph_ms(fns, 20) * 1e3:.1f}"]
             for name, before in others.items():
                 pairs = [lambda a=a, b=b: (a(), b()) for a, b in zip(before, fns, strict=True)]
                 cells.append(f"{graph_ms(pairs, 20) * 1e3 - alone[name]:.1f}")
-            print(f"| 1 x {ctx} | {limit} | " + " | ".join(cells) + " |", flush=True)
+            print(f"| 1 x {ctx} | {limit} | {per_sm} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
