@@ -203,7 +203,7 @@ def build_turn(stream: RequestStream, final: StreamEvent) -> AssistantTurn:
         )
     return AssistantTurn(
         message, parsed, metrics, reason, out.text, stream.request_id,
-        list(stream.prompt_token_ids), list(out.token_ids), final.pin,
+        list(stream.prompt_token_ids), list(out.token_ids), final.pin, out.logprobs,
     )
 
 

@@ -34,11 +34,13 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
 from agent_runtime.tools import Tool, ToolRegistry, validate_tool_schema
+from asymcache_core.logprobs import MAX_LOGPROBS
 from asymcache_core.sampling_params import SamplingParams
 
 ToolChoice = str | Mapping[str, Any] | None
@@ -234,6 +236,9 @@ class ChatSampling(TypedDict, total=False):
         response_format: OpenAI's ``response_format`` (default: free text;
             :func:`normalize_response_format`); not a sampling parameter, so
             :func:`chat_sampling_params` leaves it to the caller.
+        logprobs: report each token's log probability and this many alternatives
+            (:attr:`AssistantTurn.logprobs <agent_runtime.types.AssistantTurn.logprobs>`;
+            default: none).
     """
 
     max_tokens: int
@@ -241,6 +246,7 @@ class ChatSampling(TypedDict, total=False):
     seed: int | None
     stop: Sequence[str]
     response_format: Mapping[str, Any] | None
+    logprobs: int | None
 
 
 def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
@@ -264,6 +270,7 @@ def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
         temperature=sampling.get("temperature", 0.0),
         seed=sampling.get("seed"),
         stop=tuple(sampling.get("stop", ())),
+        logprobs=sampling.get("logprobs"),
     )
 
 
@@ -278,12 +285,12 @@ TopK = Annotated[StrictInt, Field(ge=-1)]
 JobId = Annotated[StrictStr, Field(min_length=1, max_length=MAX_JOB_ID_CHARS)]
 #: Ranges are checked by SamplingParams (one place for the engine's API and the server's).
 Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+#: ``n`` at most: each choice is a request of its own in the engine.
+MAX_CHOICES = 16
 #: Nesting of the JSON body at most (a deeper body is a 400, never a RecursionError).
 MAX_JSON_DEPTH = 64
 #: OpenAI fields this server does not implement, with the value that means "off".
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -347,10 +354,19 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError(f"n: only n=1 is supported, got {n!r}")
+    def _choices(cls, n: int | None) -> int | None:
+        if n is not None and not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n: must be in [1, {MAX_CHOICES}], got {n!r}")
         return n
+
+    @field_validator("job_id")
+    @classmethod
+    def _one_choice_per_job_turn(cls, job_id: str | None, info: ValidationInfo) -> str | None:
+        # NOTE: a job's turn is one request (its KV is pinned across the tool pause that
+        # follows, and the job's next turn extends that one context): n choices have n.
+        if job_id is not None and (info.data.get("n") or 1) > 1:
+            raise ValueError("job_id: a job's turn has one choice; send n=1 (or no job_id for several)")
+        return job_id
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -364,6 +380,11 @@ class _GenerationRequest(BaseModel):
         if isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in stop):
             return tuple(stop)
         raise ValueError(f"stop: must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings")
+
+    @property
+    def num_choices(self) -> int:
+        """``n`` with null read as 1."""
+        return self.n or 1
 
     @property
     def last_step(self) -> bool:
@@ -383,6 +404,10 @@ class _GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         """The generation limit the client asked for (None: the server's default)."""
         return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token to report log probabilities for (None: no log probabilities)."""
+        return None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters.
@@ -411,6 +436,7 @@ class _GenerationRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self.logit_bias,
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.requested_logprobs(),
         )
 
 
@@ -426,10 +452,24 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        # NOTE: OpenAI's rule; ``logprobs`` is declared first, so it is validated already.
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return top_logprobs
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """``logprobs: true`` with ``top_logprobs`` alternatives (0 when not given)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -443,6 +483,11 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int]
     tool_name: StrictStr | None = None
     return_token_ids: StrictBool | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def requested_logprobs(self) -> int | None:
+        """The legacy ``logprobs``: alternatives per token (0: the sampled token's alone)."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -658,13 +703,43 @@ class DeltaMessage(_Body):
     tool_calls: list[ToolCallDelta] | None = _OMIT
 
 
+class TopLogprob(_Body):
+    """One of the most likely tokens at a position of a chat completion."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token's log probability, and its most likely alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    """A chat choice's ``logprobs``: one entry per generated token (of this chunk, streamed)."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(_Body):
+    """A text completion's legacy ``logprobs``: parallel lists, one item per generated token;
+    ``top_logprobs`` maps the alternatives' texts to their log probabilities (null for 0)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatCompletionChoice(_Body):
     """The choice of a chat completion."""
 
     index: int = 0
     message: ChatMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionStreamChoice(_Body):
@@ -673,7 +748,7 @@ class ChatCompletionStreamChoice(_Body):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class CompletionChoice(_Body):
@@ -682,7 +757,7 @@ class CompletionChoice(_Body):
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _OMIT
     prompt_token_ids: list[int] | None = _OMIT
@@ -800,10 +875,13 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatCompletionResponse",
     "ChatCompletionStreamChoice",
+    "ChatLogprobs",
     "ChatMessage",
+    "ChatTokenLogprob",
     "ChatSampling",
     "CompletionChoice",
     "CompletionChunk",
+    "CompletionLogprobs",
     "CompletionRequest",
     "CompletionResponse",
     "DeltaMessage",
@@ -819,6 +897,7 @@ __all__ = [
     "ToolCallDelta",
     "ToolChoice",
     "ToolsArg",
+    "TopLogprob",
     "Usage",
     "chat_sampling_params",
     "check_json_tree",

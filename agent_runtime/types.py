@@ -12,6 +12,7 @@ from typing import Any, Literal
 from agent_runtime.tool_parsing import ParsedMessage, ParsedToolCall
 from agent_runtime.tools import ToolResult
 from asymcache_core.continuum.controller import PinDecision
+from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.request import RequestOutput
 
 
@@ -64,6 +65,8 @@ class AssistantTurn:
         prompt_token_ids: the rendered prompt's ids.
         token_ids: the generated ids.
         pin: the Continuum decision taken at the end of the turn (None without a tool call).
+        logprobs: one entry per generated id when the turn's ``SamplingParams.logprobs`` was
+            set, else None.
     """
 
     message: dict[str, Any]
@@ -75,6 +78,7 @@ class AssistantTurn:
     prompt_token_ids: list[int]
     token_ids: list[int]
     pin: PinDecision | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

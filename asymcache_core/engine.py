@@ -274,6 +274,8 @@ class Engine(AsyncSteps, JobControl):
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
+        if params.logprobs is not None and not hasattr(self.runner, "take_logprobs"):
+            raise ValueError("logprobs: this backend computes no logits (the simulated runner)")
         ids = self.encode(prompt)
         validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
         if request_id is None:
@@ -412,6 +414,16 @@ class Engine(AsyncSteps, JobControl):
                 self._fail_request(request, error, end)
                 outputs.append(request_output(request, []))
         updates = self.scheduler.update_from_output(ran, sampled, end)
+        take_logprobs = getattr(self.runner, "take_logprobs", None)
+        logprobs = take_logprobs() if take_logprobs is not None else {}
+        if logprobs:
+            # NOTE: only tokens that were appended get their entry (a token dropped because its
+            # request ended meanwhile drops its log probabilities too), so the list stays
+            # aligned with output_token_ids.
+            for update in updates:
+                entry = logprobs.get(update.request.request_id)
+                if entry is not None and update.request.logprobs is not None:
+                    update.request.logprobs.append(entry)
         self._last_end = end
         return outputs + [self._process_output(update, end) for update in updates]
 

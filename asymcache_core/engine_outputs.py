@@ -24,6 +24,7 @@ def request_output(request: Request, new: list[int]) -> RequestOutput:
     return RequestOutput(
         request.request_id, new, list(request.output_token_ids), request.text, request.finished,
         reason, request.metrics, request.num_prompt_tokens, request.error,
+        list(request.logprobs) if request.logprobs is not None else None,
     )
 
 
@@ -99,7 +100,9 @@ def generate_blocking(
     for rid in ids:
         out = finals[rid]
         results.append(
-            GenerationOutput(rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics)
+            GenerationOutput(
+                rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics, out.logprobs
+            )
         )
     return results
 

@@ -174,7 +174,8 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class GenerationOutput:
-    """Result of :meth:`Engine.generate` for one prompt."""
+    """Result of :meth:`Engine.generate` for one prompt (``logprobs``: one
+    :class:`~asymcache_core.logprobs.TokenLogprob` per token when its params asked for them)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -182,6 +183,7 @@ class GenerationOutput:
     text: str
     finish_reason: str | None
     metrics: Any
+    logprobs: list[Any] | None = None
 
 
 def collect_stats(engine: Engine) -> EngineStats:

@@ -12,6 +12,7 @@ from asymcache_core.cuda_graphs import DecodeBatch, DecodeGraphs
 from asymcache_core.host_tier import KVTransfers
 from asymcache_core.kv_transfer import HostKVCache
 from asymcache_core.loaders import LoadedModel
+from asymcache_core.logprobs import LogprobTensors, TokenLogprob, logprob_tensors, to_entries
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
@@ -50,6 +51,21 @@ class StepInputs(NamedTuple):
     pending_inputs: tuple[tuple[int, str], ...] = ()
 
 
+class PendingLogprobs(NamedTuple):
+    """Log probabilities of a launched step's device-sampled rows, on their way to the host.
+
+    Attributes:
+        rows: the rows (indices into the step's ``tokens``) that ask for them.
+        num_top: alternatives each of those rows reports.
+        tensors: their :class:`~asymcache_core.logprobs.LogprobTensors` (host copies in flight
+            on CUDA; read after the step's ``ready`` event).
+    """
+
+    rows: list[int]
+    num_top: list[int]
+    tensors: LogprobTensors
+
+
 class LaunchedStep(NamedTuple):
     """A step whose forward pass (and, where it can, its sampling) is queued on the device.
 
@@ -68,6 +84,8 @@ class LaunchedStep(NamedTuple):
         started: recorded, with timing, when the launch began (``None`` off CUDA): with
             ``ready`` it places the step on the device's timeline
             (:class:`~asymcache_core.step_timeline.DeviceTimeline`).
+        logprobs: the log probabilities of device-sampled rows that ask for them, copied to
+            the host with ``host_tokens`` (``None``: no row asks).
     """
 
     plan: SchedulerOutput
@@ -78,6 +96,7 @@ class LaunchedStep(NamedTuple):
     ready: torch.cuda.Event | None
     logits: torch.Tensor | None
     started: torch.cuda.Event | None = None
+    logprobs: PendingLogprobs | None = None
 
     @property
     def device_sampled(self) -> bool:
@@ -276,11 +295,21 @@ class ModelRunner:
                 started,
             )
         tokens = logits.argmax(dim=-1)
+        want = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+        pending = None
+        if want:
+            num_top = [requests[row].params.logprobs or 0 for row in want]
+            index = torch.tensor(want, dtype=torch.long).to(self.device, non_blocking=True)
+            tensors = logprob_tensors(logits[index], tokens[index], max(num_top))
+            # NOTE: queued behind the step like its tokens; collect() reads them after ``ready``
+            pending = PendingLogprobs(want, num_top, tensors.to(torch.device("cpu"), pin=self.device.type == "cuda"))
         if self.device.type != "cuda":
-            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None)
+            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None, None, pending)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        return LaunchedStep(plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started)
+        return LaunchedStep(
+            plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started, pending
+        )
 
     @torch.inference_mode()
     def collect(self, step: LaunchedStep) -> dict[str, int]:
@@ -293,7 +322,13 @@ class ModelRunner:
             return self._sample(step.plan, step.sample_index, step.logits)
         if step.host_tokens is None:
             return {}
-        return dict(zip(step.rows, step.host_tokens.tolist(), strict=True))
+        tokens = step.host_tokens.tolist()
+        if step.logprobs is not None:
+            ids = list(step.rows)
+            rows = step.logprobs.rows
+            entries = to_entries(step.logprobs.tensors, [tokens[row] for row in rows], step.logprobs.num_top)
+            self.sampler.logprobs.update((ids[row], entry) for row, entry in zip(rows, entries, strict=True))
+        return dict(zip(step.rows, tokens, strict=True))
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -357,3 +392,7 @@ class ModelRunner:
     def take_failures(self) -> dict[str, str]:
         """Requests whose sampling failed since the last call: id -> error text."""
         return self.sampler.take_failures()
+
+    def take_logprobs(self) -> dict[str, TokenLogprob]:
+        """The log probabilities sampled since the last call: request id -> its token's entry."""
+        return self.sampler.take_logprobs()

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from asymcache_core.detokenizer import DetokenizerState
+from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SamplingParams
 
 HOLE = -1
@@ -130,6 +131,8 @@ class Request:
         self.error: str | None = None
         self.text = ""
         self.detok = DetokenizerState()
+        #: one entry per output token when ``params.logprobs`` is set, else None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +177,9 @@ class RequestOutput:
         metrics: the request's metrics (shared, updated in place).
         num_prompt_tokens: prompt length.
         error: set when this request alone failed (finished as ``abort``; others go on).
+        logprobs: one :class:`~asymcache_core.logprobs.TokenLogprob` per token of
+            ``token_ids`` when the request asked for them (``SamplingParams.logprobs``); the
+            last ``len(new_token_ids)`` are this step's. None otherwise.
     """
 
     request_id: str
@@ -185,3 +191,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_prompt_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None

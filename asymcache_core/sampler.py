@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from asymcache_core.logprobs import TokenLogprob, token_logprobs
 from asymcache_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,17 +63,22 @@ class Sampler:
     Attributes:
         failures: request id -> error text of rows that failed in the last :meth:`sample`
             calls (taken with :meth:`take_failures`).
+        logprobs: request id -> the :class:`~asymcache_core.logprobs.TokenLogprob` of its
+            token, for rows whose request asks for log probabilities (taken with
+            :meth:`take_logprobs`).
     """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
         self.failures: dict[str, str] = {}
+        self.logprobs: dict[str, TokenLogprob] = {}
 
     @staticmethod
     def on_device(params: SamplingParams) -> bool:
         """Whether a row with ``params`` is sampled by a plain argmax (on the device, with no
-        host state: no generator, no penalties over the tokens so far)."""
+        host state: no generator, no penalties over the tokens so far). Its log probabilities,
+        when asked for, are computed on the device too."""
         return params.greedy and not params.rewrites_logits
 
     def forget(self, request_id: str) -> None:
@@ -85,6 +91,15 @@ class Sampler:
             Request id -> error text.
         """
         out, self.failures = self.failures, {}
+        return out
+
+    def take_logprobs(self) -> dict[str, TokenLogprob]:
+        """The log probabilities of the rows sampled since the last call (and forget them).
+
+        Returns:
+            Request id -> its token's entry (only requests that ask for them).
+        """
+        out, self.logprobs = self.logprobs, {}
         return out
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
@@ -129,6 +144,12 @@ class Sampler:
                 logger.warning("sampling %s failed: %r", request_ids[i], exc)
                 self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"
                 tokens.append(FAILED)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != FAILED]
+        if want:
+            entries = token_logprobs(
+                logits[want], [tokens[i] for i in want], [params[i].logprobs or 0 for i in want]
+            )
+            self.logprobs.update((request_ids[i], entry) for i, entry in zip(want, entries, strict=True))
         return tokens
 
     def _sample_row(

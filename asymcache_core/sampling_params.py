@@ -9,6 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from asymcache_core.logprobs import MAX_LOGPROBS
+
 #: Smallest non-zero temperature: below it ``logits / temperature`` leaves float32's range.
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 100.0
@@ -78,6 +80,9 @@ class SamplingParams:
             prompt or the output (vLLM's / HF's, in (0, 2]; 1 is off).
         logit_bias: token id -> bias added to its logit (OpenAI's, each in [-100, 100]).
         logits_processors: per-request logits rewriters (constrained decoding).
+        logprobs: report each sampled token's log probability and this many most likely
+            alternatives (0..20; ``None``: none). Taken from the model's raw logits (see
+            :mod:`asymcache_core.logprobs`).
     """
 
     max_tokens: int = 16
@@ -94,6 +99,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = field(default=None, compare=False)
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -129,6 +135,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

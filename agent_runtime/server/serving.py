@@ -12,6 +12,7 @@ response model of :mod:`agent_runtime.protocol`, and its ``model_dump()`` is wha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -31,9 +32,11 @@ from agent_runtime.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
+    ChatLogprobs,
     ChatMessage,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -46,17 +49,21 @@ from agent_runtime.protocol import (
     parse_request,
 )
 from agent_runtime.server.errors import from_value_error, stream_error_frame
+from agent_runtime.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from agent_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from agent_runtime.server.state import AppState, app_state
 from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import StreamEvent
 from asymcache_core import EngineStats
-from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.logprobs import TokenLogprob
+from asymcache_core.sampling_params import SEED_MAX, SamplingParams
 
 _TOOL_OPEN = "<tool_call>"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
+SEED_SPAN = SEED_MAX + 1
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 
@@ -96,20 +103,24 @@ async def chat_completions(request: Request) -> Response:
     state, req = await _parse(request, ChatCompletionRequest)
     rt = state.require_runtime()
     params = _sampling_params(req, state.default_max_tokens)
+    texts = state.token_texts() if params.logprobs is not None else None
+    chunks: list[_Chunks] = []
     try:
-        stream, choice = await rt.start_chat(
-            req.messages,  # validated in depth by the runtime (ValueError names the field)
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            response_format=req.response_format,
-            params=params,
-            job_id=req.job_id,
-            is_last_step=req.last_step,
-        )
+        for index, choice_params in enumerate(choice_sampling_params(params, req.num_choices)):
+            stream, choice = await rt.start_chat(
+                req.messages,  # validated in depth by the runtime (ValueError names the field)
+                tools=req.tools,
+                tool_choice=req.tool_choice,
+                response_format=req.response_format,
+                params=choice_params,
+                job_id=req.job_id,
+                is_last_step=req.last_step,
+            )
+            chunks.append(_ChatChunks(stream, index, texts, tools_possible=bool(req.tools) and choice != "none"))
     except ValueError as e:
+        _abort_all(chunks)
         raise from_value_error(e, "messages") from None
-    chunks = _ChatChunks(stream, tools_possible=bool(req.tools) and choice != "none")
-    return await _respond(request, state, req, stream, chunks, _CHAT)
+    return await _respond(request, state, req, chunks, _CHAT)
 
 
 async def completions(request: Request) -> Response:
@@ -117,18 +128,48 @@ async def completions(request: Request) -> Response:
     state, req = await _parse(request, CompletionRequest)
     rt = state.require_runtime()
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
+    texts = state.token_texts() if params.logprobs is not None else None
+    chunks: list[_Chunks] = []
     try:
-        # A job's non-last completion is followed by a tool pause (Continuum's API): pin as
-        # after a tool call, attributing the pause to ``tool_name`` when the client names it.
-        stream = await rt.submit(
-            req.prompt, params, job_id=req.job_id, is_last_step=req.last_step,
-            response_format=req.response_format,
-            pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
-        )
+        for index, choice_params in enumerate(choice_sampling_params(params, req.num_choices)):
+            # A job's non-last completion is followed by a tool pause (Continuum's API): pin as
+            # after a tool call, attributing the pause to ``tool_name`` when the client names it.
+            stream = await rt.submit(
+                req.prompt, choice_params, job_id=req.job_id, is_last_step=req.last_step,
+                response_format=req.response_format,
+                pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
+            )
+            chunks.append(
+                _CompletionChunks(stream, index, texts, params.logprobs or 0, return_ids=req.return_token_ids is True)
+            )
     except ValueError as e:
+        _abort_all(chunks)
         raise from_value_error(e, "prompt") from None
-    chunks = _CompletionChunks(stream, return_ids=req.return_token_ids is True)
-    return await _respond(request, state, req, stream, chunks, _COMPLETION)
+    return await _respond(request, state, req, chunks, _COMPLETION)
+
+
+def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of each of a request's ``n`` choices.
+
+    NOTE: with a seed, choice ``i`` samples with ``seed + i`` (vLLM's rule), so the choices
+    differ yet the response is reproducible; without one each choice draws its own stream.
+
+    Args:
+        params: the request's parameters.
+        n: its number of choices.
+
+    Returns:
+        One per choice.
+    """
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i + SEED_SPAN) % (2 * SEED_SPAN) - SEED_SPAN)
+            for i in range(n)]
+
+
+def _abort_all(chunks: list[_Chunks]) -> None:
+    for chunk in chunks:
+        chunk.stream.abort()
 
 
 async def _parse(request: Request, model: type[RequestT]) -> tuple[AppState, RequestT]:
@@ -179,12 +220,27 @@ _COMPLETION = _Endpoint("/v1/completions", "cmpl", CompletionResponse, Completio
 
 
 class _Chunks(ABC):
-    """An endpoint's choices for one request: the base keeps the stream and how much of its text
-    went out; subclasses say what a choice holds."""
+    """An endpoint's choices for one request: the base keeps the stream, how much of its text
+    went out and how many of its tokens' log probabilities; subclasses say what a choice holds.
 
-    def __init__(self, stream: RequestStream) -> None:
+    NOTE: a token's log probabilities go out with the first chunk sent after it was sampled
+    (its text may be held back a while: part of a character, or of a ``<tool_call>`` tag).
+    """
+
+    def __init__(self, stream: RequestStream, index: int, texts: TokenTexts | None) -> None:
         self.stream = stream
+        self.index = index
+        self.texts = texts
         self.sent = 0
+        self.logprobs_sent = 0
+
+    def take_logprobs(self, event: StreamEvent) -> list[TokenLogprob]:
+        """The entries of ``event`` not sent yet (none when the request asked for none)."""
+        entries = event.output.logprobs
+        if self.texts is None or entries is None:
+            return []
+        new, self.logprobs_sent = entries[self.logprobs_sent :], len(entries)
+        return new
 
     def opening(self) -> list[Any]:
         """Choices sent before the first token (none by default)."""
@@ -203,89 +259,135 @@ async def _respond(
     request: Request,
     state: AppState,
     req: ChatCompletionRequest | CompletionRequest,
-    stream: RequestStream,
-    chunks: _Chunks,
+    chunks: list[_Chunks],
     endpoint: _Endpoint,
 ) -> Response:
-    """The response of a submitted completion: one JSON body, or the SSE stream."""
+    """The response of a submitted completion (one stream per choice): one JSON body once every
+    choice finished, or the SSE stream."""
     rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}"
     model, metrics = state.model_name, state.metrics
     if not req.streaming:
-        final = await _await_final(request, stream)
-        metrics.observe(final)
+        finals = await _await_finals(request, [c.stream for c in chunks])
+        for final in finals:
+            metrics.observe(final)
         body = endpoint.response_model(
-            id=rid, created=int(time.time()), model=model, choices=[chunks.final_choice(final)], usage=_usage(final)
+            id=rid, created=int(time.time()), model=model,
+            choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)], usage=_usage(finals),
         )
         metrics.count(endpoint.path, 200)
         return JSONResponse(body.model_dump())
     metrics.count(endpoint.path, 200)
     return StreamingResponse(
-        _sse_events(stream, chunks, endpoint, rid, model, req.include_usage, metrics),
+        _sse_events(chunks, endpoint, rid, model, req.include_usage, metrics),
         media_type="text/event-stream",
         headers=_SSE_HEADERS,
     )
 
 
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The events of several streams as they come, each with its stream's index.
+
+    Raises:
+        Exception: the first error of any stream (the others are left to the caller to abort).
+    """
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((index, event))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _sse_events(
-    stream: RequestStream,
-    chunks: _Chunks,
+    chunks: list[_Chunks],
     endpoint: _Endpoint,
     rid: str,
     model: str,
     include_usage: bool,
     metrics: ServerMetrics,
 ) -> AsyncIterator[str]:
-    """The SSE frames of one streamed completion; aborts the request if the client goes away."""
+    """The SSE frames of one streamed completion, its choices interleaved as their tokens come;
+    aborts every choice's request if the client goes away."""
     created = int(time.time())
+    streams = [c.stream for c in chunks]
 
     def frame(choices: list[Any], usage: Usage | None = None) -> str:
         chunk = endpoint.chunk_model(id=rid, created=created, model=model, choices=choices, usage=usage)
         return f"data: {json.dumps(chunk.model_dump(), ensure_ascii=False)}\n\n"
 
     try:
-        for choice in chunks.opening():
-            yield frame([choice])
+        for chunk in chunks:
+            for choice in chunk.opening():
+                yield frame([choice])
         try:
-            async for event in stream:
+            async for index, event in _merged(streams):
                 if event.output.finished:
                     metrics.observe(event)
-                for choice in chunks.on_event(event):
+                for choice in chunks[index].on_event(event):
                     yield frame([choice])
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
             yield stream_error_frame(exc)
             yield "data: [DONE]\n\n"
             return
-        final = stream.final
-        assert final is not None
+        finals = [stream.final for stream in streams]
         if include_usage:
-            yield frame([], usage=_usage(final))
+            yield frame([], usage=_usage(finals))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"
     finally:
-        # Client gone (the generator is cancelled or closed mid-stream): free the KV.
-        if stream.final is None:
-            metrics.count_abort()
-            stream.abort()
+        # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:
+        # free the KV of every choice still running.
+        for stream in streams:
+            if stream.final is None:
+                metrics.count_abort()
+                stream.abort()
 
 
-async def _await_final(request: Request, stream: RequestStream) -> StreamEvent:
-    """The final event of a non-streamed request; aborts it if the client goes away."""
-    task = asyncio.ensure_future(stream.result())
+async def _await_finals(request: Request, streams: list[RequestStream]) -> list[StreamEvent]:
+    """The final events of a non-streamed request's choices; aborts them all if the client
+    goes away or one of them fails."""
+    tasks = [asyncio.ensure_future(stream.result()) for stream in streams]
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
+            done, pending = await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
+            if not pending or any(t.exception() is not None for t in done):
+                return [task.result() for task in tasks]
             if await request.is_disconnected():
-                stream.abort()
+                for stream in streams:
+                    stream.abort()
     finally:
-        if not task.done():
-            stream.abort()
-            task.cancel()
+        for stream, task in zip(streams, tasks, strict=True):
+            if not task.done():
+                stream.abort()
+                task.cancel()
 
 
-def _usage(final: StreamEvent) -> Usage:
-    out = final.output
-    return Usage.of(out.num_prompt_tokens, len(out.token_ids), out.metrics.cached_tokens)
+def _usage(finals: list[StreamEvent]) -> Usage:
+    """Usage of a response: the prompt once (every choice shares it), the choices' tokens summed."""
+    first = finals[0].output
+    return Usage.of(first.num_prompt_tokens, sum(len(f.output.token_ids) for f in finals), first.metrics.cached_tokens)
 
 
 def safe_text_len(text: str, hold_tool_tag: bool) -> int:
@@ -318,12 +420,15 @@ def safe_text_len(text: str, hold_tool_tag: bool) -> int:
 class _ChatChunks(_Chunks):
     """Chat payloads: a role delta, content deltas, then tool calls or the rest, then the reason."""
 
-    def __init__(self, stream: RequestStream, tools_possible: bool) -> None:
-        super().__init__(stream)
+    def __init__(self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool) -> None:
+        super().__init__(stream, index, texts)
         self.tools_possible = tools_possible
 
+    def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
+        return chat_logprobs(entries, self.texts) if self.texts is not None else None
+
     def opening(self) -> list[ChatCompletionStreamChoice]:
-        return [ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))]
+        return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
 
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
         text = event.output.text
@@ -332,7 +437,9 @@ class _ChatChunks(_Chunks):
             if upto <= self.sent:
                 return []
             piece, self.sent = text[self.sent : upto], upto
-            return [ChatCompletionStreamChoice(delta=DeltaMessage(content=piece))]
+            return [ChatCompletionStreamChoice(
+                index=self.index, delta=DeltaMessage(content=piece), logprobs=self._logprobs(self.take_logprobs(event))
+            )]
         turn = build_turn(self.stream, event)
         deltas: list[DeltaMessage] = []
         if turn.parsed.tool_calls:
@@ -344,21 +451,39 @@ class _ChatChunks(_Chunks):
             deltas.append(DeltaMessage(tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)]))
         elif len(text) > self.sent:
             deltas.append(DeltaMessage(content=text[self.sent :]))
-        out = [ChatCompletionStreamChoice(delta=d) for d in deltas]
-        out.append(ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason=turn.finish_reason))
+        out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
+        out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=turn.finish_reason))
+        pending = self.take_logprobs(event)
+        if pending:
+            out[0] = out[0].model_copy(update={"logprobs": self._logprobs(pending)})
         return out
 
     def final_choice(self, final: StreamEvent) -> ChatCompletionChoice:
         turn = build_turn(self.stream, final)
-        return ChatCompletionChoice(message=ChatMessage.model_validate(turn.message), finish_reason=turn.finish_reason)
+        return ChatCompletionChoice(
+            index=self.index, message=ChatMessage.model_validate(turn.message), finish_reason=turn.finish_reason,
+            logprobs=self._logprobs(final.output.logprobs or []),
+        )
 
 
 class _CompletionChunks(_Chunks):
     """Text-completion payloads: text pieces (with their token ids on request), the last with the reason."""
 
-    def __init__(self, stream: RequestStream, return_ids: bool) -> None:
-        super().__init__(stream)
+    def __init__(
+        self, stream: RequestStream, index: int, texts: TokenTexts | None, num_top: int, return_ids: bool
+    ) -> None:
+        super().__init__(stream, index, texts)
+        self.num_top = num_top
         self.return_ids = return_ids
+        #: ``text_offset`` of the next token whose log probabilities go out
+        self.offset = 0
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if self.texts is None:
+            return None
+        logprobs = completion_logprobs(entries, self.texts, self.offset, self.num_top)
+        self.offset += sum(len(token) for token in logprobs.tokens)
+        return logprobs
 
     def on_event(self, event: StreamEvent) -> list[CompletionChoice]:
         out = event.output
@@ -368,14 +493,17 @@ class _CompletionChunks(_Chunks):
         self.sent = max(self.sent, upto)
         new_ids = list(out.new_token_ids) if self.return_ids else None
         if out.finished or piece or new_ids:
-            return [CompletionChoice(text=piece, finish_reason=out.finish_reason if out.finished else None,
-                                     token_ids=new_ids)]
+            return [CompletionChoice(index=self.index, text=piece,
+                                     finish_reason=out.finish_reason if out.finished else None,
+                                     token_ids=new_ids, logprobs=self._logprobs(self.take_logprobs(event)))]
         return []
 
     def final_choice(self, final: StreamEvent) -> CompletionChoice:
         out = final.output
         return CompletionChoice(
+            index=self.index,
             text=out.text,
+            logprobs=self._logprobs(out.logprobs or []),
             finish_reason=out.finish_reason,
             token_ids=list(out.token_ids) if self.return_ids else None,
             prompt_token_ids=list(self.stream.prompt_token_ids) if self.return_ids else None,

@@ -14,6 +14,7 @@ from fastapi import Request
 from agent_runtime.presets import ServingPreset
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.errors import APIError
+from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
 from asymcache_core import Engine
 
@@ -76,6 +77,7 @@ class AppState:
     owned: bool = False
     factory: Callable[[], RuntimeOrEngine] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _token_texts: TokenTexts | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
@@ -121,6 +123,13 @@ class AppState:
             close = getattr(self.runtime.engine, "close", None)
             if close is not None:
                 close()
+
+    def token_texts(self) -> TokenTexts:
+        """The decoder of log probabilities' tokens (built on first use, from the runtime's
+        tokenizer)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(getattr(self.require_runtime().engine, "tokenizer", None))
+        return self._token_texts
 
     def require_runtime(self) -> AgentRuntime:
         """The running runtime.

@@ -98,7 +98,7 @@ def corpus(rng: random.Random, n_random: int) -> list[Case]:
     for name in ("bad name", "", "a" * 65, None, 5):
         cases.append((f"tool_name:{str(name)[:10]}", CHAT, {**chat, "tools": [_tool({"type": "object"}, name)]}, {}))
     cases.append(("tools:dup", CHAT, {**chat, "tools": [_tool({"type": "object"}), _tool({"type": "object"})]}, {}))
-    for f, v in (("logprobs", True), ("top_logprobs", 5), ("echo", True), ("best_of", 2), ("n", 3),
+    for f, v in (("logprobs", 3), ("top_logprobs", 5), ("top_logprobs", 21), ("echo", True), ("best_of", 2), ("n", 99),
                  ("guided_json", {"type": "object"}), ("functions", [{}]), ("suffix", "z"),
                  ("logit_bias", {"99999999": 1}), ("logit_bias", {"5": 101}), ("stop", ["a"] * 40),
                  ("stop", ["z" * 4096]), ("stop_token_ids", [-3])):

@@ -201,6 +201,7 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
             "messages[0].role": dict(messages=[{"role": "robot", "content": "x"}]),
             "prompt": dict(messages=[{"role": "user", "content": "word " * 400}]),
             "max_tokens": dict(messages=user, max_tokens=0),
+            "logprobs": dict(messages=user, logprobs=99),
         }
         try:
             for key, kw in cases.items():
@@ -215,7 +216,7 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
             with pytest.raises(ValueError, match="^policy:"):
                 runtime.job(policy="bogus")
             # still serving after all that
-            turn = await runtime.chat(user, max_tokens=2)
+            turn = await runtime.chat(user, max_tokens=2, logprobs=1)
             await _integrity(runtime)
             return errors, turn
         finally:
@@ -226,6 +227,8 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
         assert message.startswith(key.removesuffix("_required") + ":"), (key, message)
     assert "max_model_len" in errors["prompt"]
     assert turn.metrics.completion_tokens >= 1
+    assert turn.logprobs is not None and [e.token_id for e in turn.logprobs] == turn.token_ids
+    assert all(len(e.top) == 1 for e in turn.logprobs)
 
 
 def test_runtime_rejects_policy_engine_mismatch(smollm):

@@ -261,7 +261,9 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("string max_tokens", chat, {"model": MODEL, "messages": user, "max_tokens": "8"}, 400, "max_tokens", None),
         ("bad max_completion_tokens", chat, {"model": MODEL, "messages": user, "max_completion_tokens": 0},
          400, "max_completion_tokens", None),
-        ("n > 1", chat, {"model": MODEL, "messages": user, "n": 2}, 400, "n", None),
+        ("n over 16", chat, {"model": MODEL, "messages": user, "n": 17}, 400, "n", None),
+        ("n zero", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n", None),
+        ("n > 1 in a job", chat, {"model": MODEL, "messages": user, "n": 2, "job_id": "j"}, 400, "job_id", None),
         ("top_p zero", chat, {"model": MODEL, "messages": user, "top_p": 0}, 400, "top_p", None),
         ("bad stop", chat, {"model": MODEL, "messages": user, "stop": ["ok", ""]}, 400, "stop", None),
         ("bad ignore_eos", chat, {"model": MODEL, "messages": user, "ignore_eos": "yes"}, 400, "ignore_eos", None),
@@ -273,6 +275,15 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("tools not a list", chat, {"model": MODEL, "messages": user, "tools": TOOLS[0]}, 400, "tools", None),
         ("prompt batch", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
         ("bad tool_name", "/v1/completions", {"model": MODEL, "prompt": "a", "tool_name": 3}, 400, "tool_name", None),
+        ("top_logprobs without logprobs", chat, {"model": MODEL, "messages": user, "top_logprobs": 2},
+         400, "top_logprobs", None),
+        ("top_logprobs over 20", chat, {"model": MODEL, "messages": user, "logprobs": True, "top_logprobs": 21},
+         400, "top_logprobs", None),
+        ("chat logprobs not a boolean", chat, {"model": MODEL, "messages": user, "logprobs": 2}, 400, "logprobs", None),
+        ("completion logprobs over 20", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21},
+         400, "logprobs", None),
+        ("prompt_logprobs", "/v1/completions", {"model": MODEL, "prompt": "a", "prompt_logprobs": 1},
+         400, "prompt_logprobs", "unsupported_field"),
     ]
 
 
@@ -298,6 +309,15 @@ def test_bad_input_through_openai_client(live, oa):
     live.check()
 
 
+def _wait_all_freed(live: Live) -> None:
+    """Every request ends soon after its client left, and no block stays held."""
+    deadline = time.monotonic() + 30
+    while live.engine(lambda e: e.has_unfinished()):
+        assert time.monotonic() < deadline, "a request kept running after its client left"
+        time.sleep(0.1)
+    assert live.engine(lambda e: sum(b.ref_cnt for b in e.pool.blocks)) == 0
+
+
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(live):
     before = live.engine(lambda e: e.counters.generated_tokens)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -310,13 +330,9 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(live):
                 got += 1
                 if got == 3:
                     break  # leaving the block closes the connection mid-stream
-    deadline = time.monotonic() + 30
-    while live.engine(lambda e: e.has_unfinished()):
-        assert time.monotonic() < deadline, "the request kept running after the client left"
-        time.sleep(0.1)
+    _wait_all_freed(live)
     generated = live.engine(lambda e: e.counters.generated_tokens) - before
     assert generated < 400
-    assert live.engine(lambda e: sum(b.ref_cnt for b in e.pool.blocks)) == 0
     assert "asymcache_aborted_requests_total 1" in httpx.get(f"{live.base}/metrics", timeout=10).text
     live.check()
 
@@ -371,4 +387,120 @@ def test_harness_http_backend_against_live_server(live, tmp_path):
     # later turns of each job extend the earlier ones: the server reports cache hits
     assert r.hit_tokens > 0 and 0 < r.hit_rate < 1
     assert (run_dir / "report.html").is_file()
+    live.check()
+
+
+def _sse(live: Live, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{live.base}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_chat_logprobs_through_openai_client_streamed_and_not(live, oa):
+    messages = [{"role": "user", "content": "Name three colours in French, with accents: é, è."}]
+    reply = oa.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 24
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0.0
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == entry.top_logprobs[0].logprob  # greedy
+    # the tokens' exact bytes join into the reply's text, multi-byte characters included
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8").strip() == choice.message.content
+    # streamed: the same entries, spread over the chunks
+    chunks = _sse(live, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 24,
+                                                 "logprobs": True, "top_logprobs": 3, "ignore_eos": True})
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert len(streamed) == len(content)
+    for got, want in zip(streamed, content, strict=True):
+        # NOTE: the second request reads its prompt from the prefix cache: its logits may differ
+        # from the first's in float rounding (the tokens may not)
+        assert (got["token"], got["bytes"]) == (want.token, want.bytes)
+        assert got["logprob"] == pytest.approx(want.logprob, abs=1e-4)
+        assert [t["token"] for t in got["top_logprobs"]] == [t.token for t in want.top_logprobs]
+    # not asked for: null, as before
+    plain = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    live.check()
+
+
+def test_completion_logprobs_legacy_shape_streamed_and_not(live, oa):
+    prompt = "The capital of France is"
+    reply = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=10, logprobs=2, extra_body={"ignore_eos": True})
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2 and max(top.values()) == logprob and top[token] == logprob  # greedy
+    chunks = _sse(live, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 10, "logprobs": 2,
+                                            "ignore_eos": True})
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    for key in ("tokens", "text_offset"):
+        assert [x for part in parts for x in part[key]] == getattr(lp, key), key
+    assert [x for part in parts for x in part["token_logprobs"]] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert [list(top) for part in parts for top in part["top_logprobs"]] == [list(top) for top in lp.top_logprobs]
+    # logprobs=0: the sampled tokens' log probabilities alone
+    zero = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=0).choices[0].logprobs
+    assert len(zero.token_logprobs) == 3 and zero.top_logprobs == [None] * 3
+    live.check()
+
+
+def test_n_choices_seeded_and_reproducible(live, oa):
+    messages = [{"role": "user", "content": "Write a word."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=12, n=3, temperature=1.0, seed=5, logprobs=True)
+    reply = oa.chat.completions.create(**kwargs)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) >= 2  # each choice samples with its own seed (seed + index)
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+    assert [c.message.content for c in oa.chat.completions.create(**kwargs).choices] == texts
+    # the first choice is the request with n=1 and the same seed
+    assert oa.chat.completions.create(**{**kwargs, "n": 1}).choices[0].message.content == texts[0]
+    greedy = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    live.check()
+
+
+def test_n_choices_streamed_interleave_by_index(live, oa):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 9,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = _sse(live, "/v1/completions", body)
+    texts, reasons = ["", ""], [[], []]
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"] is not None:
+            reasons[choice["index"]].append(choice["finish_reason"])
+    assert reasons == [["length"], ["length"]]
+    assert events[-1]["usage"]["completion_tokens"] == 16 and events[-1]["usage"]["prompt_tokens"] > 0
+    plain = oa.completions.create(**{k: v for k, v in body.items() if k not in ("stream_options", "ignore_eos")},
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in plain.choices] == texts
+    live.check()
+
+
+def _aborted(live: Live) -> float:
+    text = httpx.get(f"{live.base}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "asymcache_aborted_requests_total")
+
+
+def test_client_disconnect_aborts_every_choice(live):
+    before = _aborted(live)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "n": 3,
+            "max_tokens": 400, "ignore_eos": True, "temperature": 0.7, "stream": True}
+    with httpx.stream("POST", f"{live.base}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for got, _line in enumerate(r.iter_lines()):
+            if got == 12:
+                break  # leaving the block closes the connection mid-stream
+    _wait_all_freed(live)
+    assert _aborted(live) == before + 3
     live.check()

@@ -121,13 +121,13 @@ def test_non_finite_numbers_are_a_400(srv, literal):
     assert _error(_post(srv, raw.encode()), 400)["param"] == "temperature"
 
 
-UNSUPPORTED = [("logprobs", True), ("top_logprobs", 2), ("echo", True), ("best_of", 3), ("n", 2),
+UNSUPPORTED = [("prompt_logprobs", 1), ("echo", True), ("best_of", 3), ("n", 0),
                ("guided_json", {"type": "object"}), ("functions", [{"name": "f"}]), ("suffix", "x")]
 
 
 @pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
 def test_unsupported_openai_fields_are_a_400_naming_them(srv, field, value):
-    path = "/v1/completions" if field in ("echo", "best_of", "suffix") else CHAT
+    path = "/v1/completions" if field in ("echo", "best_of", "suffix", "prompt_logprobs") else CHAT
     body = {"model": MODEL, "prompt": "hi"} if path != CHAT else {"model": MODEL, "messages": USER}
     assert _error(_post(srv, {**body, field: value}, path), 400)["param"] == field
 
@@ -275,6 +275,19 @@ def test_a_request_that_fails_in_a_step_fails_alone(srv):
     assert len(results) == 4
     r = _post(srv, {**bad, "stream": False})
     assert _error(r, 500)["type"] == "server_error"
+    srv.clean()
+
+
+def test_a_failing_choice_ends_its_response_and_frees_every_choice(srv):
+    """``n=3`` seeded so that choice 1 samples with the faulty seed: the stream ends with an
+    error event and ``[DONE]``, the JSON response is a 500, and no choice keeps its blocks."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 40,
+            "ignore_eos": True, "temperature": 1.0, "seed": FAIL_SEED - 1, "n": 3}
+    lines = _stream(srv, body)
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    assert json.loads(lines[-2][6:])["error"]["code"] == "request_failed"
+    srv.clean()
+    assert _error(_post(srv, body), 500)["type"] == "server_error"
     srv.clean()
 
 

@@ -1,0 +1,129 @@
+"""OpenAI's ``logprobs`` objects from the engine's :class:`~asymcache_core.logprobs.TokenLogprob`.
+
+Chat completions carry ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``; text
+completions the legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``. A token's
+text is its id decoded alone (as vLLM reports it: a piece of a multi-byte character reads as
+U+FFFD); ``bytes`` are its exact bytes where the tokenizer is byte-level BPE (GPT-2's byte
+alphabet, SmolLM2's and Llama 3's), so a client can join pieces of one character again.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from agent_runtime.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from asymcache_core.logprobs import TokenLogprob
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character that stands for a byte -> the byte.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to U+0100 on.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars: dict[str, int] = {chr(b): b for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in keep:
+            chars[chr(256 + shifted)] = b
+            shifted += 1
+    return chars
+
+
+class TokenTexts:
+    """Token id -> its text and bytes, decoded once per id.
+
+    Holds a private copy of the tokenizer: the engine thread decodes with the original.
+
+    Args:
+        tokenizer: the engine's HF tokenizer (``decode``; ``convert_ids_to_tokens`` and a
+            ``ByteLevel`` backend decoder for exact bytes), or None: a token reads as
+            ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids`` form) with null bytes.
+    """
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._alphabet = byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
+        """The token's text and its UTF-8 bytes.
+
+        Args:
+            token_id: a vocabulary id.
+
+        Returns:
+            ``(text, bytes)``.
+        """
+        hit = self._cache.get(token_id)
+        if hit is None and self.tokenizer is None:
+            return f"token_id:{token_id}", None
+        if hit is None:
+            text = self.tokenizer.decode([token_id])
+            raw = list(text.encode("utf-8"))
+            if self._alphabet is not None:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and piece and all(c in self._alphabet for c in piece):
+                    raw = [self._alphabet[c] for c in piece]
+            hit = self._cache[token_id] = (text, raw)
+        return hit
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> ChatLogprobs:
+    """A chat choice's (or chunk's) ``logprobs`` for ``entries``.
+
+    Args:
+        entries: one per generated token.
+        texts: the token decoder.
+
+    Returns:
+        ``{"content": [...]}``.
+    """
+    content = []
+    for entry in entries:
+        text, raw = texts(entry.token_id)
+        top = []
+        for token_id, logprob in entry.top:
+            alt_text, alt_raw = texts(token_id)
+            top.append(TopLogprob(token=alt_text, logprob=logprob, bytes=alt_raw))
+        content.append(ChatTokenLogprob(token=text, logprob=entry.logprob, bytes=raw, top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int, num_top: int) -> CompletionLogprobs:
+    """A text completion's (or chunk's) ``logprobs`` for ``entries``.
+
+    Args:
+        entries: one per generated token.
+        texts: the token decoder.
+        offset: ``text_offset`` of the first entry (the characters of the tokens before it).
+        num_top: the request's ``logprobs`` (0: ``top_logprobs`` entries are null).
+
+    Returns:
+        ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    for entry in entries:
+        text, _ = texts(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.logprob)
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            # NOTE: two ids may read as the same text (pieces of characters): the likelier stays
+            top.setdefault(texts(token_id)[0], logprob)
+        top_logprobs.append(top if num_top else None)
+        text_offset.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=text_offset
+    )
+
+
+__all__ = ["TokenTexts", "byte_level_alphabet", "chat_logprobs", "completion_logprobs"]
