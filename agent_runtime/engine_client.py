@@ -75,15 +75,19 @@ class PromptEncoder:
                 f"prompt: {len(text)} characters cannot fit max_model_len (at most {self.max_chars} characters)"
             )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` (checked first; runs on the caller's thread)."""
         self.check(text)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def encode_async(self, text: str) -> list[int]:
+    async def encode_async(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """:meth:`encode` on the encoder's worker thread."""
         self.check(text)
-        return await asyncio.wrap_future(self._pool.submit(self.encode, text))
+        return await asyncio.wrap_future(self._pool.submit(self.encode, text, add_special_tokens))
+
+    async def decode_async(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens included), on the encoder's worker thread."""
+        return await asyncio.wrap_future(self._pool.submit(self.tokenizer.decode, token_ids))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

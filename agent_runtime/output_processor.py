@@ -13,6 +13,7 @@ finished chat stream.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ class OutputOptions:
         pause_tool: for a job request that is not its last step and has no parsed tool call
             (token-level clients such as ``/v1/completions``): the tool the job pauses for
             after it, so it is pinned as after a tool call.
+        max_tool_calls: keep at most this many parsed calls, the first ones (OpenAI's
+            ``parallel_tool_calls: false`` is 1; None: all).
     """
 
     job_id: str | None = None
@@ -51,6 +54,7 @@ class OutputOptions:
     pinning: bool | None = None
     ttl_rule: str | None = None
     pause_tool: str | None = None
+    max_tool_calls: int | None = None
 
 
 class OutputProcessor:
@@ -121,6 +125,8 @@ class OutputProcessor:
         m = out.metrics
         ctl = self.controller
         parsed = parse_tool_calls(out.text, options.parse_format) if options.parse_format else None
+        if parsed is not None and options.max_tool_calls is not None and len(parsed.tool_calls) > options.max_tool_calls:
+            parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[: options.max_tool_calls])
         pin: PinDecision | None = None
         job = options.job_id
         all_ids = [*prompt_ids, *out.token_ids]

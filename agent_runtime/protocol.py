@@ -452,6 +452,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -493,6 +494,28 @@ class CompletionRequest(_GenerationRequest):
     @classmethod
     def _one_prompt(cls, prompt: Any) -> str | list[int]:
         return completion_prompt(prompt)
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` or chat ``messages`` (with ``tools``), the
+    latter rendered with the generation prompt as a chat completion renders them."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 def completion_prompt(prompt: Any) -> str | list[int]:
@@ -813,6 +836,20 @@ class CompletionChunk(_Chunk[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
 
 
+class TokenizeResponse(_Body):
+    """``POST /tokenize``: the ids, their number and the context limit."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Body):
+    """``POST /detokenize``: the text."""
+
+    prompt: str
+
+
 class ModelCard(_Body):
     """One entry of ``GET /v1/models``."""
 
@@ -885,6 +922,8 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "DeltaMessage",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
     "ErrorInfo",
     "ErrorResponse",
     "FunctionCall",
@@ -893,6 +932,8 @@ __all__ = [
     "PromptTokensDetails",
     "RequestError",
     "StreamOptions",
+    "TokenizeRequest",
+    "TokenizeResponse",
     "ToolCall",
     "ToolCallDelta",
     "ToolChoice",

@@ -225,6 +225,7 @@ class AgentRuntime:
         pinning: bool | None = None,
         ttl_rule: str | None = None,
         pause_tool: str | None = None,
+        max_tool_calls: int | None = None,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -244,6 +245,7 @@ class AgentRuntime:
             pause_tool: for a job request that is not its last step and whose text has no
                 parsed tool call (token-level clients such as ``/v1/completions``): the job
                 pauses for this tool after it, so it is pinned as after a tool call.
+            max_tool_calls: keep at most this many parsed tool calls, the first (None: all).
 
         Returns:
             The stream.
@@ -252,7 +254,7 @@ class AgentRuntime:
             ValueError: rejected by the engine or by the grammar builder (message names the field).
             RuntimeError: the runtime is closed.
         """
-        options = OutputOptions(job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool)
+        options = OutputOptions(job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool, max_tool_calls)
         return await self._client.submit(
             prompt, params, options=options, request_id=request_id,
             tools=tools, tool_choice=tool_choice, response_format=response_format,
@@ -288,6 +290,61 @@ class AgentRuntime:
         except ValueError as e:
             raise ValueError(f"messages: {e}") from None
 
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: ToolsArg = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The token ids the engine would run for a prompt or a chat (vLLM's ``/tokenize``).
+
+        Args:
+            prompt: a text prompt, encoded as :meth:`submit` encodes it.
+            messages: or a chat, rendered as :meth:`start_chat` renders it (with the generation
+                prompt and ``tools``).
+            tools: the chat's tool schemas, a registry, or tools.
+            add_special_tokens: let the tokenizer add its special tokens to ``prompt`` (the
+                engine never does).
+
+        Returns:
+            The ids.
+
+        Raises:
+            ValueError: neither or both of ``prompt`` and ``messages``, bad messages or tools,
+                a model without a tokenizer, or a text too long for ``max_model_len``.
+        """
+        if (prompt is None) == (messages is None):
+            raise ValueError("prompt: give a prompt or messages, not both")
+        encoder = self._client.encoder
+        if messages is not None:
+            rendered = self.render_chat(messages, normalize_tools(tools))
+            if not isinstance(rendered, str):
+                return list(rendered)
+            prompt, add_special_tokens = rendered, False
+        if not isinstance(prompt, str):
+            raise ValueError("prompt: must be a string")
+        if encoder is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        return await encoder.encode_async(prompt, add_special_tokens)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included (vLLM's ``/detokenize``).
+
+        Raises:
+            ValueError: an id outside the vocabulary, or a model without a tokenizer.
+        """
+        vocab = self.engine.model_config.vocab_size
+        ids = list(token_ids)
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"tokens: {bad!r} is not a token id of this model (vocabulary of {vocab})")
+        encoder = self._client.encoder
+        if encoder is None:
+            raise ValueError("tokens: this model has no tokenizer")
+        return await encoder.decode_async(ids)
+
     async def start_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -301,6 +358,7 @@ class AgentRuntime:
         request_id: str | None = None,
         pinning: bool | None = None,
         ttl_rule: str | None = None,
+        parallel_tool_calls: bool = True,
     ) -> tuple[RequestStream, str]:
         """Validate, render and submit one chat turn.
 
@@ -317,6 +375,7 @@ class AgentRuntime:
             request_id: caller-chosen id.
             pinning: per-request pinning override.
             ttl_rule: per-request TTL rule override.
+            parallel_tool_calls: OpenAI's flag; False keeps the reply's first tool call only.
 
         Returns:
             The stream and the normalised tool choice.
@@ -333,7 +392,7 @@ class AgentRuntime:
         stream = await self.submit(
             prompt, params, job_id=job_id, request_id=request_id, is_last_step=is_last_step,
             tools=schemas, tool_choice=choice, response_format=fmt, parse_format=parse, pinning=pinning,
-            ttl_rule=ttl_rule,
+            ttl_rule=ttl_rule, max_tool_calls=None if parallel_tool_calls else 1,
         )
         return stream, choice if isinstance(choice, str) else "named"
 

@@ -19,8 +19,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
-from agent_runtime.protocol import ChatCompletionRequest, CompletionRequest
+from agent_runtime.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import serving
 from agent_runtime.server.errors import APIError
@@ -231,6 +237,8 @@ def create_app(
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_middleware(
         RequestGuard, state=state, max_body_bytes=max_request_body_bytes, max_queue_len=max_queue_len
     )
@@ -267,11 +275,18 @@ def _openapi_with_bodies(app: FastAPI, model_name: str) -> Callable[[], dict[str
             return app.openapi_schema
         spec = default()
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+        routes: tuple[tuple[str, type[BaseModel], bool], ...] = (
+            ("/v1/chat/completions", ChatCompletionRequest, True),
+            ("/v1/completions", CompletionRequest, True),
+            ("/tokenize", TokenizeRequest, False),
+            ("/detokenize", DetokenizeRequest, False),
+        )
+        for path, model, model_required in routes:
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(body.pop("$defs", {}))
             body["properties"]["model"] = {"type": "string", "enum": [model_name]}
-            body["required"] = sorted({*body.get("required", []), "model"})
+            if model_required:
+                body["required"] = sorted({*body.get("required", []), "model"})
             if "messages" in body["properties"]:
                 body["properties"]["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE_SCHEMA}
             schemas[model.__name__] = body

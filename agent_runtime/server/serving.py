@@ -40,9 +40,13 @@ from agent_runtime.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
     ToolCallDelta,
     Usage,
     parse_json_body,
@@ -64,7 +68,7 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
 SEED_SPAN = SEED_MAX + 1
-RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,6 +97,30 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
 
+async def tokenize(request: Request) -> JSONResponse:
+    """``POST /tokenize``: the ids a prompt or a chat runs as (vLLM's endpoint)."""
+    state, req = await _parse(request, TokenizeRequest, model_required=False)
+    rt = state.require_runtime()
+    try:
+        ids = await rt.tokenize(req.prompt, messages=req.messages, tools=req.tools,
+                                add_special_tokens=req.add_special_tokens)
+    except ValueError as e:
+        raise from_value_error(e, "prompt" if req.messages is None else "messages") from None
+    state.metrics.count("/tokenize", 200)
+    return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=rt.max_model_len, tokens=ids).model_dump())
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    """``POST /detokenize``: the text of token ids (vLLM's endpoint)."""
+    state, req = await _parse(request, DetokenizeRequest, model_required=False)
+    try:
+        text = await state.require_runtime().detokenize(req.tokens)
+    except ValueError as e:
+        raise from_value_error(e, "tokens") from None
+    state.metrics.count("/detokenize", 200)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
 # ----------------------------------------------------------------------------------------------
 # Completions
 # ----------------------------------------------------------------------------------------------
@@ -115,6 +143,7 @@ async def chat_completions(request: Request) -> Response:
                 params=choice_params,
                 job_id=req.job_id,
                 is_last_step=req.last_step,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
             )
             chunks.append(_ChatChunks(stream, index, texts, tools_possible=bool(req.tools) and choice != "none"))
     except ValueError as e:
@@ -172,15 +201,17 @@ def _abort_all(chunks: list[_Chunks]) -> None:
         chunk.stream.abort()
 
 
-async def _parse(request: Request, model: type[RequestT]) -> tuple[AppState, RequestT]:
-    """Auth, JSON, the served model, then the body model; every failure an :class:`APIError`."""
+async def _parse(request: Request, model: type[RequestT], model_required: bool = True) -> tuple[AppState, RequestT]:
+    """Auth, JSON, the served model (optional on the tokenizer routes, as in vLLM), then the
+    body model; every failure an :class:`APIError`."""
     state = app_state(request)
     state.check_auth(request)
     try:
         body = parse_json_body(await request.body())
         # NOTE: the model is checked before the other fields: a wrong model is a 404 whatever
         # else the body holds.
-        state.check_model(body.get("model"))
+        if model_required or body.get("model") is not None:
+            state.check_model(body.get("model"))
         return state, parse_request(model, body)
     except RequestError as e:
         raise from_value_error(e, "prompt") from None
@@ -510,4 +541,7 @@ class _CompletionChunks(_Chunks):
         )
 
 
-__all__ = ["chat_completions", "completions", "health", "metrics", "models", "safe_text_len"]
+__all__ = [
+    "chat_completions", "choice_sampling_params", "completions", "detokenize", "health", "metrics", "models",
+    "safe_text_len", "tokenize",
+]

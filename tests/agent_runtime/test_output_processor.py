@@ -91,3 +91,15 @@ def test_tracked_jobs_are_bounded():
     ids = list(range(8)) + [5] * 8
     assert proc.finalize(OutputOptions(job_id="a"), ids, _out("", 16, 0)).metrics.recomputed_tokens == 0
     assert proc.finalize(OutputOptions(job_id="c"), ids, _out("", 16, 0)).metrics.recomputed_tokens == 8
+
+
+def test_parallel_tool_calls_off_keeps_the_first_call_only():
+    two = CALL + "\n" + CALL.replace("read_file", "list_files")
+    ctl = RecordingController()
+    proc = OutputProcessor(ctl, block_size=4)  # type: ignore[arg-type]
+    both = proc.finalize(OutputOptions(parse_format="hermes"), [1, 2], _out(two, 2, 6))
+    assert [c.name for c in both.parsed.tool_calls] == ["read_file", "list_files"]
+    proc.on_request_added("job", 1.0)
+    one = proc.finalize(OutputOptions(job_id="job", parse_format="hermes", max_tool_calls=1), [1, 2], _out(two, 2, 6))
+    assert [c.name for c in one.parsed.tool_calls] == ["read_file"]
+    assert ctl.calls[-1][0] == "tool_call" and ctl.calls[-1][1][1] == ["read_file"]  # the pause is the kept call's

@@ -182,6 +182,7 @@ def test_streaming_chat_with_required_tool_call(live, oa):
     stream = oa.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Show me the files."}], tools=TOOLS,
         tool_choice="required", max_tokens=40, stream=True, stream_options={"include_usage": True},
+        parallel_tool_calls=False,
     )
     chunks = list(stream)
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
@@ -275,6 +276,15 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("tools not a list", chat, {"model": MODEL, "messages": user, "tools": TOOLS[0]}, 400, "tools", None),
         ("prompt batch", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
         ("bad tool_name", "/v1/completions", {"model": MODEL, "prompt": "a", "tool_name": 3}, 400, "tool_name", None),
+        ("tokenize neither", "/tokenize", {"model": MODEL}, 400, "prompt", None),
+        ("tokenize both", "/tokenize", {"prompt": "a", "messages": user}, 400, "messages", None),
+        ("tokenize bad role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]},
+         400, "messages[0].role", None),
+        ("tokenize wrong model", "/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model", "model_not_found"),
+        ("detokenize out of vocab", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", None),
+        ("detokenize not ids", "/detokenize", {"tokens": "abc"}, 400, "tokens", None),
+        ("bad parallel_tool_calls", chat, {"model": MODEL, "messages": user, "parallel_tool_calls": "no"},
+         400, "parallel_tool_calls", None),
         ("top_logprobs without logprobs", chat, {"model": MODEL, "messages": user, "top_logprobs": 2},
          400, "top_logprobs", None),
         ("top_logprobs over 20", chat, {"model": MODEL, "messages": user, "logprobs": True, "top_logprobs": 21},
@@ -503,4 +513,25 @@ def test_client_disconnect_aborts_every_choice(live):
                 break  # leaving the block closes the connection mid-stream
     _wait_all_freed(live)
     assert _aborted(live) == before + 3
+    live.check()
+
+
+def test_tokenize_matches_the_completions_prompt_and_detokenize_inverts_it(live, oa):
+    def post(path: str, body: dict) -> dict:
+        r = httpx.post(f"{live.base}{path}", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    text = "Tokenize me, s'il vous plaît: 日本"
+    got = post("/tokenize", {"model": MODEL, "prompt": text})
+    assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 1024
+    usage = oa.completions.create(model=MODEL, prompt=text, max_tokens=1).usage
+    assert got["count"] == usage.prompt_tokens
+    assert post("/detokenize", {"tokens": got["tokens"]}) == {"prompt": text}
+    # a chat counts as a chat completion renders it (template, tools, generation prompt)
+    messages = [{"role": "user", "content": "Show me the files."}]
+    chat = post("/tokenize", {"messages": messages, "tools": TOOLS})
+    reply = oa.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    assert post("/tokenize", {"messages": messages})["count"] < chat["count"]  # the tools' schemas
     live.check()
