@@ -75,12 +75,18 @@ def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Logpr
     Returns:
         The tensors, on the logits' device.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    logprobs = torch.nan_to_num(logprobs, nan=FLOOR_LOGPROB, neginf=FLOOR_LOGPROB)
-    chosen = logprobs.gather(1, tokens[:, None])
-    rank = (logprobs > chosen).sum(dim=1) + 1
-    top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=1)
-    return LogprobTensors(chosen[:, 0], rank, top.values, top.indices)
+    # NOTE: log p = logit - logsumexp: one reduction over the vocabulary, the rank and the top
+    # k read from the logits themselves; no [N, vocab] table of log probabilities is written.
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    picked = x.gather(1, tokens[:, None])
+    rank = (x > picked).sum(dim=1) + 1
+    top = torch.topk(x, min(k, x.shape[1]), dim=1)
+
+    def finite(values: torch.Tensor) -> torch.Tensor:
+        return torch.nan_to_num(values - lse, nan=FLOOR_LOGPROB, neginf=FLOOR_LOGPROB, posinf=FLOOR_LOGPROB)
+
+    return LogprobTensors(finite(picked)[:, 0], rank, finite(top.values), top.indices)
 
 
 def to_entries(tensors: LogprobTensors, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
