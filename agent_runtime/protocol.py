@@ -300,6 +300,20 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "prompt_logprobs": (None,),
+    # NOTE: vLLM's extensions that change what is generated or returned: a 400, not ignored.
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "mm_processor_kwargs": (None, {}),
     # NOTE: vLLM's older spellings of structured output; ``response_format`` is the one served.
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -341,6 +355,8 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: Penalty | None = None
     logit_bias: dict[str, Penalty] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    include_stop_str_in_output: StrictBool | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
     stream: StrictBool | None = None
@@ -437,6 +453,8 @@ class _GenerationRequest(BaseModel):
             logit_bias=self.logit_bias,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.requested_logprobs(),
+            min_tokens=self.min_tokens or 0,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
 
 
@@ -453,6 +471,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -507,6 +526,7 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: StrictBool = False
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):

@@ -265,12 +265,14 @@ class AgentRuntime:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str | list[int]:
         """Render a chat to prompt text with the model's template (validated).
 
         Args:
             messages: OpenAI messages.
             tools: validated tool schemas.
+            add_generation_prompt: end with the opening of an assistant turn.
 
         Returns:
             The prompt text, or its token ids when caller text spells special tokens (encoded
@@ -286,7 +288,7 @@ class AgentRuntime:
             raise ValueError(f"messages: this model has no tokenizer/chat template{why}")
         validate_messages(messages)
         try:
-            return self.renderer.prompt(messages, tools or None, add_generation_prompt=True)
+            return self.renderer.prompt(messages, tools or None, add_generation_prompt=add_generation_prompt)
         except ValueError as e:
             raise ValueError(f"messages: {e}") from None
 
@@ -297,6 +299,7 @@ class AgentRuntime:
         messages: Sequence[Mapping[str, Any]] | None = None,
         tools: ToolsArg = None,
         add_special_tokens: bool = False,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """The token ids the engine would run for a prompt or a chat (vLLM's ``/tokenize``).
 
@@ -307,6 +310,7 @@ class AgentRuntime:
             tools: the chat's tool schemas, a registry, or tools.
             add_special_tokens: let the tokenizer add its special tokens to ``prompt`` (the
                 engine never does).
+            add_generation_prompt: end a chat with the opening of an assistant turn.
 
         Returns:
             The ids.
@@ -319,7 +323,7 @@ class AgentRuntime:
             raise ValueError("prompt: give a prompt or messages, not both")
         encoder = self._client.encoder
         if messages is not None:
-            rendered = self.render_chat(messages, normalize_tools(tools))
+            rendered = self.render_chat(messages, normalize_tools(tools), add_generation_prompt)
             if not isinstance(rendered, str):
                 return list(rendered)
             prompt, add_special_tokens = rendered, False
@@ -359,6 +363,7 @@ class AgentRuntime:
         pinning: bool | None = None,
         ttl_rule: str | None = None,
         parallel_tool_calls: bool = True,
+        add_generation_prompt: bool = True,
     ) -> tuple[RequestStream, str]:
         """Validate, render and submit one chat turn.
 
@@ -376,6 +381,8 @@ class AgentRuntime:
             pinning: per-request pinning override.
             ttl_rule: per-request TTL rule override.
             parallel_tool_calls: OpenAI's flag; False keeps the reply's first tool call only.
+            add_generation_prompt: end the prompt with the opening of an assistant turn (vLLM's;
+                False lets the model go on from the chat as rendered).
 
         Returns:
             The stream and the normalised tool choice.
@@ -387,7 +394,7 @@ class AgentRuntime:
         schemas = normalize_tools(tools)
         choice = normalize_tool_choice(tool_choice, schemas)
         fmt = normalize_response_format(response_format, choice)
-        prompt = self.render_chat(messages, schemas)
+        prompt = self.render_chat(messages, schemas, add_generation_prompt)
         parse = self.tool_call_format if schemas and choice != "none" else None
         stream = await self.submit(
             prompt, params, job_id=job_id, request_id=request_id, is_last_step=is_last_step,

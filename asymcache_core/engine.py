@@ -8,6 +8,7 @@ frees the requests they end, and the engine turns those updates into :class:`Req
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -52,6 +53,7 @@ from asymcache_core.kv_stack import build_kv_stack
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.memory_budget import KVPoolPlan
 from asymcache_core.request import Request, RequestOutput, RequestStatus
+from asymcache_core.sampler import MinTokensMask
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import (
     RequestUpdate,
@@ -276,6 +278,13 @@ class Engine(AsyncSteps, JobControl):
             raise ValueError("params: must be a SamplingParams")
         if params.logprobs is not None and not hasattr(self.runner, "take_logprobs"):
             raise ValueError("logprobs: this backend computes no logits (the simulated runner)")
+        if params.min_tokens:
+            # NOTE: the ids that would end it are banned until then (they never reach the
+            # scheduler's stop check); the processor runs on the host sampling path.
+            banned = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            params = dataclasses.replace(
+                params, logits_processors=(*params.logits_processors, MinTokensMask(params.min_tokens, banned))
+            )
         ids = self.encode(prompt)
         validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
         if request_id is None:

@@ -41,7 +41,7 @@ def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now:
     before = len(detok.text)
     new = detokenize_incrementally(tokenizer, request.output_token_ids, detok, final=request.finished)
     request.text = detok.text
-    if not (new and params.stop):
+    if not (new and params.stop) or len(request.output_token_ids) < params.min_tokens:
         return
     # NOTE: only text that can hold a stop string for the first time is searched: the new
     # piece and the longest stop string's length before it. The first stop string of the
@@ -50,7 +50,7 @@ def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now:
     for stop in params.stop:
         idx = detok.text.find(stop, start)
         if idx >= 0:
-            request.text = detok.text[:idx]
+            request.text = detok.text[: idx + len(stop) if params.include_stop_str_in_output else idx]
             scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, now, stop)
             return
 

@@ -53,6 +53,26 @@ def apply_penalties(
     return row
 
 
+class MinTokensMask:
+    """A logits processor that bans the tokens that would end a request (EOS, its stop token
+    ids) until it has generated ``min_tokens`` (vLLM's ``min_tokens``).
+
+    Args:
+        min_tokens: tokens to generate first.
+        banned: the ids that end the request.
+    """
+
+    def __init__(self, min_tokens: int, banned: frozenset[int]) -> None:
+        self.min_tokens = min_tokens
+        self.banned = torch.tensor(sorted(banned), dtype=torch.long)
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output_token_ids) < self.min_tokens and self.banned.numel():
+            banned = self.banned[self.banned < logits.numel()]
+            logits[banned] = float("-inf")
+        return logits
+
+
 class Sampler:
     """Samples one token per row of logits.
 

@@ -83,6 +83,10 @@ class SamplingParams:
         logprobs: report each sampled token's log probability and this many most likely
             alternatives (0..20; ``None``: none). Taken from the model's raw logits (see
             :mod:`asymcache_core.logprobs`).
+        min_tokens: tokens to generate before EOS, ``stop_token_ids`` or a stop string may
+            end the request (vLLM's; the engine masks those ids until then; 0: off).
+        include_stop_str_in_output: keep the stop string that ended the request at the end
+            of its text (vLLM's; default: cut).
     """
 
     max_tokens: int = 16
@@ -100,6 +104,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = field(default=None, compare=False)
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
     logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -135,6 +141,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output: must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
@@ -147,7 +157,7 @@ class SamplingParams:
         """Whether anything changes the logits before the token is picked."""
         return bool(
             self.logits_processors or self.logit_bias or self.presence_penalty or self.frequency_penalty
-            or self.repetition_penalty != 1.0
+            or self.repetition_penalty != 1.0 or self.min_tokens
         )
 
 

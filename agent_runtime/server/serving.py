@@ -103,7 +103,8 @@ async def tokenize(request: Request) -> JSONResponse:
     rt = state.require_runtime()
     try:
         ids = await rt.tokenize(req.prompt, messages=req.messages, tools=req.tools,
-                                add_special_tokens=req.add_special_tokens)
+                                add_special_tokens=req.add_special_tokens,
+                                add_generation_prompt=req.add_generation_prompt)
     except ValueError as e:
         raise from_value_error(e, "prompt" if req.messages is None else "messages") from None
     state.metrics.count("/tokenize", 200)
@@ -144,6 +145,7 @@ async def chat_completions(request: Request) -> Response:
                 job_id=req.job_id,
                 is_last_step=req.last_step,
                 parallel_tool_calls=req.parallel_tool_calls is not False,
+                add_generation_prompt=req.add_generation_prompt is not False,
             )
             chunks.append(_ChatChunks(stream, index, texts, tools_possible=bool(req.tools) and choice != "none"))
     except ValueError as e:

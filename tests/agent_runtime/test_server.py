@@ -283,6 +283,13 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("tokenize wrong model", "/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model", "model_not_found"),
         ("detokenize out of vocab", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", None),
         ("detokenize not ids", "/detokenize", {"tokens": "abc"}, 400, "tokens", None),
+        ("bad min_tokens", chat, {"model": MODEL, "messages": user, "min_tokens": -1}, 400, "min_tokens", None),
+        ("min_tokens over max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 4,
+                                                           "min_tokens": 5}, 400, "min_tokens", None),
+        ("vLLM's skip_special_tokens=false", chat, {"model": MODEL, "messages": user, "skip_special_tokens": False},
+         400, "skip_special_tokens", "unsupported_field"),
+        ("vLLM's beam search", "/v1/completions", {"model": MODEL, "prompt": "a", "use_beam_search": True},
+         400, "use_beam_search", "unsupported_field"),
         ("bad parallel_tool_calls", chat, {"model": MODEL, "messages": user, "parallel_tool_calls": "no"},
          400, "parallel_tool_calls", None),
         ("top_logprobs without logprobs", chat, {"model": MODEL, "messages": user, "top_logprobs": 2},
@@ -534,4 +541,27 @@ def test_tokenize_matches_the_completions_prompt_and_detokenize_inverts_it(live,
     reply = oa.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=1)
     assert chat["count"] == reply.usage.prompt_tokens
     assert post("/tokenize", {"messages": messages})["count"] < chat["count"]  # the tools' schemas
+    live.check()
+
+
+def test_vllm_generation_extensions(live, oa):
+    messages = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    short = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=30)
+    assert short.choices[0].finish_reason == "stop"
+    n = short.usage.completion_tokens
+    held = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                      extra_body={"min_tokens": n + 5, "skip_special_tokens": True})
+    assert held.usage.completion_tokens >= n + 5
+    kept = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=30, stop=["."],
+                                 extra_body={"include_stop_str_in_output": True})
+    cut = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=30, stop=["."])
+    assert kept.choices[0].text == cut.choices[0].text + "."
+    # add_generation_prompt=false: the prompt ends where the chat does, as /tokenize counts it
+    body = {"messages": messages, "add_generation_prompt": False}
+    bare = httpx.post(f"{live.base}/tokenize", json=body, timeout=30).json()["count"]
+    full = httpx.post(f"{live.base}/tokenize", json={"messages": messages}, timeout=30).json()["count"]
+    assert bare < full
+    reply = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"add_generation_prompt": False})
+    assert reply.usage.prompt_tokens == bare
     live.check()
