@@ -98,9 +98,11 @@ def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> typ
             last=st.sampled_from([False, False, False, True]),
             poisoned=st.sampled_from([False, False, False, False, True]),
             copies=st.integers(min_value=1, max_value=3),
+            logprobs=st.sampled_from([None, None, 0, 3]),
         )
         def add(
-            self, job: str | None, shared: int, own: int, max_tokens: int, last: bool, poisoned: bool, copies: int
+            self, job: str | None, shared: int, own: int, max_tokens: int, last: bool, poisoned: bool, copies: int,
+            logprobs: int | None,
         ) -> None:
             for copy in range(copies):
                 # NOTE: a job's prompts share a prefix, so turns (and copies) hit each other's blocks.
@@ -108,7 +110,8 @@ def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> typ
                 prompt = [base + i % 50 for i in range(shared)] + [300 + (len(self.done) + copy + i) % 150 for i in range(own)]
                 if poisoned and copy == 0:
                     prompt[-1] = POISON
-                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                # NOTE: the simulator computes no logits: log probabilities on the real model only
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs if async_model else None)
                 try:
                     rid = self.engine.add_request(prompt, params, job_id=job, is_last_step=last)
                 except ValueError as exc:
@@ -179,6 +182,9 @@ def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> typ
             elif out.request_id not in self.aborted:
                 assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
                 assert not poisoned, "a poisoned request ran"
+            if out.logprobs is not None:
+                # one entry per token, whatever preemption, faults and async steps did to it
+                assert [e.token_id for e in out.logprobs] == out.token_ids
 
         @invariant()
         def pool_and_cache_manager_hold(self) -> None:
