@@ -90,10 +90,10 @@ def main() -> None:
     print("| decode | plan sized for | programs per SM | alone | " + " | ".join(f"after a {n}" for n in others) + " |")
     print("|---|---:|---:|---:|" + "---:|" * len(others))
     for ctx in (int(c) for c in args.contexts.split(",")):
-        for limit, per_sm in itertools.product(
-            (ctx if c == "ctx" else int(c) for c in args.limits.split(",")),
-            (int(p) for p in args.programs_per_sm.split(",")),
-        ):
+        # NOTE: a plan sized for fewer keys than the context cannot walk it (and repeated limits
+        # repeat rows): each distinct limit of at least the context, once.
+        limits = sorted({lim for c in args.limits.split(",") if (lim := ctx if c == "ctx" else int(c)) >= ctx})
+        for limit, per_sm in itertools.product(limits, (int(p) for p in args.programs_per_sm.split(","))):
             with mock.patch.object(msa_plan, "_INVARIANT_PROGRAMS_PER_SM", per_sm):
                 fns = launches(ctx, limit)
             cells = [f"{graph_ms(fns, 20) * 1e3:.1f}"]
