@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+#: :meth:`AgentRuntime.start_chat`'s keywords that :meth:`AgentRuntime.start_chat_choices` takes.
+_CHAT_OPTIONS = frozenset({
+    "tools", "tool_choice", "response_format", "job_id", "is_last_step", "pinning", "ttl_rule",
+    "parallel_tool_calls", "add_generation_prompt",
+})
+
+
 class AgentRuntime:
     """The engine in its own thread, plus jobs, chat rendering and Continuum decisions.
 
@@ -391,17 +398,62 @@ class AgentRuntime:
             ValueError: bad messages, tools, tool_choice or response_format, or rejected by the
                 engine.
         """
-        schemas = normalize_tools(tools)
-        choice = normalize_tool_choice(tool_choice, schemas)
-        fmt = normalize_response_format(response_format, choice)
-        prompt = self.render_chat(messages, schemas, add_generation_prompt)
-        parse = self.tool_call_format if schemas and choice != "none" else None
-        stream = await self.submit(
-            prompt, params, job_id=job_id, request_id=request_id, is_last_step=is_last_step,
-            tools=schemas, tool_choice=choice, response_format=fmt, parse_format=parse, pinning=pinning,
-            ttl_rule=ttl_rule, max_tool_calls=None if parallel_tool_calls else 1,
+        streams, choice = await self.start_chat_choices(
+            messages, [params or SamplingParams()], tools=tools, tool_choice=tool_choice,
+            response_format=response_format, job_id=job_id, is_last_step=is_last_step, request_id=request_id,
+            pinning=pinning, ttl_rule=ttl_rule, parallel_tool_calls=parallel_tool_calls,
+            add_generation_prompt=add_generation_prompt,
         )
-        return stream, choice if isinstance(choice, str) else "named"
+        return streams[0], choice
+
+    async def start_chat_choices(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: Sequence[SamplingParams],
+        *,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> tuple[list[RequestStream], str]:
+        """:meth:`start_chat` for several choices of one chat (OpenAI's ``n``): the chat is
+        checked and rendered once, and one request per parameters is submitted.
+
+        Args:
+            messages: OpenAI messages.
+            params: each choice's sampling parameters.
+            request_id: caller-chosen id (one choice only).
+            **options: :meth:`start_chat`'s other keywords.
+
+        Returns:
+            The streams, in the order of ``params``, and the normalised tool choice.
+
+        Raises:
+            ValueError: as :meth:`start_chat`; the choices submitted before are aborted.
+        """
+        unknown = sorted(set(options) - _CHAT_OPTIONS)
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+        if request_id is not None and len(params) != 1:
+            raise ValueError("request_id: names one request; leave it out for several choices")
+        schemas = normalize_tools(options.get("tools"))
+        choice = normalize_tool_choice(options.get("tool_choice", "auto"), schemas)
+        fmt = normalize_response_format(options.get("response_format"), choice)
+        prompt = self.render_chat(messages, schemas, options.get("add_generation_prompt", True))
+        parse = self.tool_call_format if schemas and choice != "none" else None
+        streams: list[RequestStream] = []
+        try:
+            for choice_params in params:
+                streams.append(await self.submit(
+                    prompt, choice_params, job_id=options.get("job_id"), request_id=request_id,
+                    is_last_step=options.get("is_last_step", False), tools=schemas, tool_choice=choice,
+                    response_format=fmt, parse_format=parse, pinning=options.get("pinning"),
+                    ttl_rule=options.get("ttl_rule"),
+                    max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
+                ))
+        except ValueError:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams, choice if isinstance(choice, str) else "named"
 
     async def chat(
         self,

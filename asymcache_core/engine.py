@@ -8,7 +8,6 @@ frees the requests they end, and the engine turns those updates into :class:`Req
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from asymcache_core.config import EngineConfig
 from asymcache_core.engine_checks import check_engine_integrity, validate_request
 from asymcache_core.engine_jobs import JobControl
 from asymcache_core.engine_outputs import (
+    attach_logprobs,
     detokenize_step,
     flush_text,
     generate_blocking,
@@ -53,7 +53,7 @@ from asymcache_core.kv_stack import build_kv_stack
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.memory_budget import KVPoolPlan
 from asymcache_core.request import Request, RequestOutput, RequestStatus
-from asymcache_core.sampler import MinTokensMask
+from asymcache_core.sampler import with_min_tokens_mask
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import (
     RequestUpdate,
@@ -278,13 +278,7 @@ class Engine(AsyncSteps, JobControl):
             raise ValueError("params: must be a SamplingParams")
         if params.logprobs is not None and not hasattr(self.runner, "take_logprobs"):
             raise ValueError("logprobs: this backend computes no logits (the simulated runner)")
-        if params.min_tokens:
-            # NOTE: the ids that would end it are banned until then (they never reach the
-            # scheduler's stop check); the processor runs on the host sampling path.
-            banned = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-            params = dataclasses.replace(
-                params, logits_processors=(*params.logits_processors, MinTokensMask(params.min_tokens, banned))
-            )
+        params = with_min_tokens_mask(params, self.eos_token_ids)
         ids = self.encode(prompt)
         validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
         if request_id is None:
@@ -424,15 +418,7 @@ class Engine(AsyncSteps, JobControl):
                 outputs.append(request_output(request, []))
         updates = self.scheduler.update_from_output(ran, sampled, end)
         take_logprobs = getattr(self.runner, "take_logprobs", None)
-        logprobs = take_logprobs() if take_logprobs is not None else {}
-        if logprobs:
-            # NOTE: only tokens that were appended get their entry (a token dropped because its
-            # request ended meanwhile drops its log probabilities too), so the list stays
-            # aligned with output_token_ids.
-            for update in updates:
-                entry = logprobs.get(update.request.request_id)
-                if entry is not None and update.request.logprobs is not None:
-                    update.request.logprobs.append(entry)
+        attach_logprobs(updates, take_logprobs() if take_logprobs is not None else {})
         self._last_end = end
         return outputs + [self._process_output(update, end) for update in updates]
 

@@ -4,13 +4,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asymcache_core.detokenizer import detokenize_incrementally
 from asymcache_core.engine_stats import GenerationOutput
+from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.scheduler_output import RequestUpdate
 
 if TYPE_CHECKING:
     from asymcache_core.engine import Engine
@@ -26,6 +28,21 @@ def request_output(request: Request, new: list[int]) -> RequestOutput:
         reason, request.metrics, request.num_prompt_tokens, request.error,
         list(request.logprobs) if request.logprobs is not None else None,
     )
+
+
+def attach_logprobs(updates: Sequence[RequestUpdate], entries: Mapping[str, TokenLogprob]) -> None:
+    """Appends each update's token's log probabilities to its request (those that ask).
+
+    NOTE: only tokens that were appended get their entry (a token dropped because its request
+    ended meanwhile drops its log probabilities too), so ``request.logprobs`` stays aligned
+    with ``output_token_ids``.
+    """
+    if not entries:
+        return
+    for update in updates:
+        entry = entries.get(update.request.request_id)
+        if entry is not None and update.request.logprobs is not None:
+            update.request.logprobs.append(entry)
 
 
 def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now: float) -> None:
@@ -107,4 +124,4 @@ def generate_blocking(
     return results
 
 
-__all__ = ["detokenize_step", "flush_text", "generate_blocking", "request_output"]
+__all__ = ["attach_logprobs", "detokenize_step", "flush_text", "generate_blocking", "request_output"]

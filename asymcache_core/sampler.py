@@ -7,6 +7,7 @@ request with the error while the batch's other rows keep their tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -71,6 +72,27 @@ class MinTokensMask:
             banned = self.banned[self.banned < logits.numel()]
             logits[banned] = float("-inf")
         return logits
+
+
+def with_min_tokens_mask(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingParams:
+    """``params`` with a :class:`MinTokensMask` among its logits processors when it sets
+    ``min_tokens`` (unchanged otherwise).
+
+    NOTE: the ids that would end the request are banned until then, so they never reach the
+    scheduler's stop check; the processor runs on the host sampling path.
+
+    Args:
+        params: the request's parameters.
+        eos_token_ids: the model's end-of-sequence ids (banned unless ``ignore_eos``).
+
+    Returns:
+        The parameters to run.
+    """
+    if not params.min_tokens:
+        return params
+    banned = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+    mask = MinTokensMask(params.min_tokens, banned)
+    return dataclasses.replace(params, logits_processors=(*params.logits_processors, mask))
 
 
 class Sampler:

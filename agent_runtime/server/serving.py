@@ -5,7 +5,7 @@ the runtime, and then answer with :func:`_respond`: a JSON body once the request
 the one SSE path of :func:`_sse_events` (chunks from an endpoint-specific encoder, then the
 optional usage chunk and ``[DONE]``; a client that goes away has its request aborted, so its KV
 blocks are freed). Only the body models (:data:`_CHAT`, :data:`_COMPLETION`) and the choices
-(:class:`_ChatChunks`, :class:`_CompletionChunks`) differ between the endpoints; every body is a
+(:class:`ChatChunks`, :class:`CompletionChunks`) differ between the endpoints; every body is a
 response model of :mod:`agent_runtime.protocol`, and its ``model_dump()`` is what goes on the wire.
 """
 
@@ -16,7 +16,6 @@ import dataclasses
 import json
 import time
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -25,21 +24,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agent_runtime.engine_client import RequestStream
-from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import (
-    ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatCompletionStreamChoice,
-    ChatLogprobs,
-    ChatMessage,
-    CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -47,22 +38,18 @@ from agent_runtime.protocol import (
     RequestError,
     TokenizeRequest,
     TokenizeResponse,
-    ToolCallDelta,
     Usage,
     parse_json_body,
     parse_request,
 )
+from agent_runtime.server.choices import ChatChunks, Chunks, CompletionChunks, safe_text_len
 from agent_runtime.server.errors import from_value_error, stream_error_frame
-from agent_runtime.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from agent_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from agent_runtime.server.state import AppState, app_state
-from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import StreamEvent
 from asymcache_core import EngineStats
-from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
 
-_TOOL_OPEN = "<tool_call>"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -133,24 +120,22 @@ async def chat_completions(request: Request) -> Response:
     rt = state.require_runtime()
     params = _sampling_params(req, state.default_max_tokens)
     texts = state.token_texts() if params.logprobs is not None else None
-    chunks: list[_Chunks] = []
     try:
-        for index, choice_params in enumerate(choice_sampling_params(params, req.num_choices)):
-            stream, choice = await rt.start_chat(
-                req.messages,  # validated in depth by the runtime (ValueError names the field)
-                tools=req.tools,
-                tool_choice=req.tool_choice,
-                response_format=req.response_format,
-                params=choice_params,
-                job_id=req.job_id,
-                is_last_step=req.last_step,
-                parallel_tool_calls=req.parallel_tool_calls is not False,
-                add_generation_prompt=req.add_generation_prompt is not False,
-            )
-            chunks.append(_ChatChunks(stream, index, texts, tools_possible=bool(req.tools) and choice != "none"))
+        streams, choice = await rt.start_chat_choices(
+            req.messages,  # validated in depth by the runtime (ValueError names the field)
+            choice_sampling_params(params, req.num_choices),
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            response_format=req.response_format,
+            job_id=req.job_id,
+            is_last_step=req.last_step,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            add_generation_prompt=req.add_generation_prompt is not False,
+        )
     except ValueError as e:
-        _abort_all(chunks)
         raise from_value_error(e, "messages") from None
+    tools_possible = bool(req.tools) and choice != "none"
+    chunks: list[Chunks] = [ChatChunks(s, i, texts, tools_possible) for i, s in enumerate(streams)]
     return await _respond(request, state, req, chunks, _CHAT)
 
 
@@ -160,18 +145,20 @@ async def completions(request: Request) -> Response:
     rt = state.require_runtime()
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
     texts = state.token_texts() if params.logprobs is not None else None
-    chunks: list[_Chunks] = []
+    chunks: list[Chunks] = []
     try:
+        # NOTE: the choices share one prompt: a text is encoded once, not once a choice
+        prompt = await rt.tokenize(req.prompt) if req.num_choices > 1 and isinstance(req.prompt, str) else req.prompt
         for index, choice_params in enumerate(choice_sampling_params(params, req.num_choices)):
             # A job's non-last completion is followed by a tool pause (Continuum's API): pin as
             # after a tool call, attributing the pause to ``tool_name`` when the client names it.
             stream = await rt.submit(
-                req.prompt, choice_params, job_id=req.job_id, is_last_step=req.last_step,
+                prompt, choice_params, job_id=req.job_id, is_last_step=req.last_step,
                 response_format=req.response_format,
                 pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
             )
             chunks.append(
-                _CompletionChunks(stream, index, texts, params.logprobs or 0, return_ids=req.return_token_ids is True)
+                CompletionChunks(stream, index, texts, params.logprobs or 0, return_ids=req.return_token_ids is True)
             )
     except ValueError as e:
         _abort_all(chunks)
@@ -198,7 +185,7 @@ def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParam
             for i in range(n)]
 
 
-def _abort_all(chunks: list[_Chunks]) -> None:
+def _abort_all(chunks: list[Chunks]) -> None:
     for chunk in chunks:
         chunk.stream.abort()
 
@@ -252,47 +239,11 @@ _CHAT = _Endpoint("/v1/chat/completions", "chatcmpl", ChatCompletionResponse, Ch
 _COMPLETION = _Endpoint("/v1/completions", "cmpl", CompletionResponse, CompletionChunk)
 
 
-class _Chunks(ABC):
-    """An endpoint's choices for one request: the base keeps the stream, how much of its text
-    went out and how many of its tokens' log probabilities; subclasses say what a choice holds.
-
-    NOTE: a token's log probabilities go out with the first chunk sent after it was sampled
-    (its text may be held back a while: part of a character, or of a ``<tool_call>`` tag).
-    """
-
-    def __init__(self, stream: RequestStream, index: int, texts: TokenTexts | None) -> None:
-        self.stream = stream
-        self.index = index
-        self.texts = texts
-        self.sent = 0
-        self.logprobs_sent = 0
-
-    def take_logprobs(self, event: StreamEvent) -> list[TokenLogprob]:
-        """The entries of ``event`` not sent yet (none when the request asked for none)."""
-        entries = event.output.logprobs
-        if self.texts is None or entries is None:
-            return []
-        new, self.logprobs_sent = entries[self.logprobs_sent :], len(entries)
-        return new
-
-    def opening(self) -> list[Any]:
-        """Choices sent before the first token (none by default)."""
-        return []
-
-    @abstractmethod
-    def on_event(self, event: StreamEvent) -> list[Any]:
-        """Choices for one event of the stream (the final one included)."""
-
-    @abstractmethod
-    def final_choice(self, final: StreamEvent) -> Any:
-        """The choice of the non-streamed response."""
-
-
 async def _respond(
     request: Request,
     state: AppState,
     req: ChatCompletionRequest | CompletionRequest,
-    chunks: list[_Chunks],
+    chunks: list[Chunks],
     endpoint: _Endpoint,
 ) -> Response:
     """The response of a submitted completion (one stream per choice): one JSON body once every
@@ -355,7 +306,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Stre
 
 
 async def _sse_events(
-    chunks: list[_Chunks],
+    chunks: list[Chunks],
     endpoint: _Endpoint,
     rid: str,
     model: str,
@@ -421,126 +372,6 @@ def _usage(finals: list[StreamEvent]) -> Usage:
     """Usage of a response: the prompt once (every choice shares it), the choices' tokens summed."""
     first = finals[0].output
     return Usage.of(first.num_prompt_tokens, sum(len(f.output.token_ids) for f in finals), first.metrics.cached_tokens)
-
-
-def safe_text_len(text: str, hold_tool_tag: bool) -> int:
-    """How much of ``text`` may be streamed as content now.
-
-    Holds back a trailing replacement character (an incomplete UTF-8 sequence the next token
-    completes) and, when tool calls are possible, everything from a ``<tool_call>`` tag on (or
-    a trailing piece that may become one), which is sent as ``tool_calls`` at the end instead.
-
-    Args:
-        text: the text generated so far.
-        hold_tool_tag: tool calls are possible in this reply.
-
-    Returns:
-        The length of the prefix that is safe to send.
-    """
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    if hold_tool_tag:
-        at = text.find(_TOOL_OPEN)
-        if at >= 0:
-            return min(end, at)
-        for k in range(min(len(_TOOL_OPEN) - 1, end), 0, -1):
-            if _TOOL_OPEN.startswith(text[end - k : end]):
-                return end - k
-    return end
-
-
-class _ChatChunks(_Chunks):
-    """Chat payloads: a role delta, content deltas, then tool calls or the rest, then the reason."""
-
-    def __init__(self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool) -> None:
-        super().__init__(stream, index, texts)
-        self.tools_possible = tools_possible
-
-    def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
-        return chat_logprobs(entries, self.texts) if self.texts is not None else None
-
-    def opening(self) -> list[ChatCompletionStreamChoice]:
-        return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
-
-    def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
-        text = event.output.text
-        if not event.output.finished:
-            upto = safe_text_len(text, self.tools_possible)
-            if upto <= self.sent:
-                return []
-            piece, self.sent = text[self.sent : upto], upto
-            return [ChatCompletionStreamChoice(
-                index=self.index, delta=DeltaMessage(content=piece), logprobs=self._logprobs(self.take_logprobs(event))
-            )]
-        turn = build_turn(self.stream, event)
-        deltas: list[DeltaMessage] = []
-        if turn.parsed.tool_calls:
-            # Text before the tags was streamed already; only a reply that is all tags
-            # around some content (nothing sent yet) still owes its content.
-            if self.sent == 0 and turn.parsed.content:
-                deltas.append(DeltaMessage(content=turn.parsed.content))
-            calls = to_openai_tool_calls(turn.parsed.tool_calls)
-            deltas.append(DeltaMessage(tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)]))
-        elif len(text) > self.sent:
-            deltas.append(DeltaMessage(content=text[self.sent :]))
-        out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
-        out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=turn.finish_reason))
-        pending = self.take_logprobs(event)
-        if pending:
-            out[0] = out[0].model_copy(update={"logprobs": self._logprobs(pending)})
-        return out
-
-    def final_choice(self, final: StreamEvent) -> ChatCompletionChoice:
-        turn = build_turn(self.stream, final)
-        return ChatCompletionChoice(
-            index=self.index, message=ChatMessage.model_validate(turn.message), finish_reason=turn.finish_reason,
-            logprobs=self._logprobs(final.output.logprobs or []),
-        )
-
-
-class _CompletionChunks(_Chunks):
-    """Text-completion payloads: text pieces (with their token ids on request), the last with the reason."""
-
-    def __init__(
-        self, stream: RequestStream, index: int, texts: TokenTexts | None, num_top: int, return_ids: bool
-    ) -> None:
-        super().__init__(stream, index, texts)
-        self.num_top = num_top
-        self.return_ids = return_ids
-        #: ``text_offset`` of the next token whose log probabilities go out
-        self.offset = 0
-
-    def _logprobs(self, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
-        if self.texts is None:
-            return None
-        logprobs = completion_logprobs(entries, self.texts, self.offset, self.num_top)
-        self.offset += sum(len(token) for token in logprobs.tokens)
-        return logprobs
-
-    def on_event(self, event: StreamEvent) -> list[CompletionChoice]:
-        out = event.output
-        text = out.text
-        upto = len(text) if out.finished else safe_text_len(text, False)
-        piece = text[self.sent : upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        new_ids = list(out.new_token_ids) if self.return_ids else None
-        if out.finished or piece or new_ids:
-            return [CompletionChoice(index=self.index, text=piece,
-                                     finish_reason=out.finish_reason if out.finished else None,
-                                     token_ids=new_ids, logprobs=self._logprobs(self.take_logprobs(event)))]
-        return []
-
-    def final_choice(self, final: StreamEvent) -> CompletionChoice:
-        out = final.output
-        return CompletionChoice(
-            index=self.index,
-            text=out.text,
-            logprobs=self._logprobs(out.logprobs or []),
-            finish_reason=out.finish_reason,
-            token_ids=list(out.token_ids) if self.return_ids else None,
-            prompt_token_ids=list(self.stream.prompt_token_ids) if self.return_ids else None,
-        )
 
 
 __all__ = [

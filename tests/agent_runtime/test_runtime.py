@@ -215,6 +215,10 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
                 await runtime.job(tools=tools).run("  ", tools=[Tool.from_function(lambda: "x", name="noop")])
             with pytest.raises(ValueError, match="^policy:"):
                 runtime.job(policy="bogus")
+            with pytest.raises(TypeError, match="bogus"):
+                await runtime.start_chat_choices(user, [SamplingParams()], bogus=1)
+            with pytest.raises(ValueError, match="^request_id:"):
+                await runtime.start_chat_choices(user, [SamplingParams()] * 2, request_id="one")
             # still serving after all that
             turn = await runtime.chat(user, max_tokens=2, logprobs=1)
             await _integrity(runtime)

@@ -231,7 +231,7 @@ def test_an_exception_in_a_route_is_a_json_500_and_the_connection_survives(srv, 
     async def broken(*args, **kwargs):
         raise KeyError("handler bug")
 
-    monkeypatch.setattr(srv.runtime, "start_chat", broken)
+    monkeypatch.setattr(srv.runtime, "start_chat_choices", broken)
     with httpx.Client() as client:
         err = _error(_post(srv, {"model": MODEL, "messages": USER}, client=client), 500)
         assert err["type"] == "server_error" and "handler bug" in err["message"]
