@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Annotated, Any, Generic, Literal, TypedDict, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypedDict, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -291,7 +291,6 @@ MAX_CHOICES = 16
 MAX_JSON_DEPTH = 64
 #: OpenAI fields this server does not implement, with the value that means "off".
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "functions": (None,),
@@ -299,7 +298,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "prompt_logprobs": (None,),
     # NOTE: vLLM's extensions that change what is generated or returned: a 400, not ignored.
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
@@ -357,6 +355,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     include_stop_str_in_output: StrictBool | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
     stream: StrictBool | None = None
@@ -425,6 +424,10 @@ class _GenerationRequest(BaseModel):
         """Alternatives per token to report log probabilities for (None: no log probabilities)."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to report log probabilities for (None: none)."""
+        return self.prompt_logprobs
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters.
 
@@ -453,6 +456,7 @@ class _GenerationRequest(BaseModel):
             logit_bias=self.logit_bias,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
@@ -465,6 +469,10 @@ class ChatCompletionRequest(_GenerationRequest):
     depth by the runtime (:func:`validate_messages`, :func:`normalize_tools`,
     :func:`normalize_tool_choice`), which library callers go through too.
     """
+
+    #: fields of text completions a chat completion does not take (vLLM's chat ``echo`` repeats
+    #: the last message, not served)
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (None, False)}
 
     max_completion_tokens: PositiveInt | None = None
     messages: list[dict[str, Any]]
@@ -497,17 +505,42 @@ class CompletionRequest(_GenerationRequest):
 
     Besides OpenAI's fields: ``tool_name`` (the tool a job pauses for after this completion,
     for Continuum's duration estimates) and ``return_token_ids`` (vLLM's: the prompt's and the
-    output's token ids in each choice).
+    output's token ids in each choice). ``echo`` puts the prompt before each choice's text
+    (and, with ``logprobs``, its tokens before the generated ones, the first with a null log
+    probability); ``max_tokens: 0`` with it returns the prompt alone (as vLLM does, and as
+    lm-evaluation-harness's log-likelihood requests ask).
     """
 
     prompt: str | list[int]
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    echo: StrictBool | None = None
     tool_name: StrictStr | None = None
     return_token_ids: StrictBool | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt back, nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise ValueError("max_tokens: must be at least 1 (0 only with echo=true)")
+            # NOTE: the engine samples one token, which the response leaves out
+            return 1
+        return self.max_tokens
+
     def requested_logprobs(self) -> int | None:
         """The legacy ``logprobs``: alternatives per token (0: the sampled token's alone)."""
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or ``logprobs`` when the prompt is echoed (vLLM's rule: the
+        echoed tokens carry log probabilities too)."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -621,16 +654,17 @@ def check_json_tree(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
             stack.extend((value, f"{where}[{i}]", depth + 1) for i, value in enumerate(node))
 
 
-def reject_unsupported(body: Mapping[str, Any]) -> None:
+def reject_unsupported(body: Mapping[str, Any], more: Mapping[str, tuple[Any, ...]] | None = None) -> None:
     """A 400 for OpenAI fields that are set but not implemented (never silently ignored).
 
     Args:
         body: the decoded request body.
+        more: the endpoint's own such fields, with their "off" values.
 
     Raises:
         RequestError: naming the first such field.
     """
-    for name, off in UNSUPPORTED_FIELDS.items():
+    for name, off in {**UNSUPPORTED_FIELDS, **(more or {})}.items():
         if name in body and body[name] not in off:
             raise RequestError(f"{name}: not supported by this server", param=name, code="unsupported_field")
 
@@ -648,7 +682,7 @@ def parse_request(model: type[ModelT], body: Mapping[str, Any]) -> ModelT:
     Raises:
         RequestError: for the first invalid field, with ``param`` naming it.
     """
-    reject_unsupported(body)
+    reject_unsupported(body, getattr(model, "unsupported_fields", None))
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -766,6 +800,19 @@ class ChatLogprobs(_Body):
     content: list[ChatTokenLogprob] | None
 
 
+class PromptLogprob(_Body):
+    """vLLM's entry of ``prompt_logprobs`` for one token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: per prompt token, null for the first, else the prompt token's and
+#: its likeliest alternatives' entries keyed by token id (a JSON string).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(_Body):
     """A text completion's legacy ``logprobs``: parallel lists, one item per generated token;
     ``top_logprobs`` maps the alternatives' texts to their log probabilities (null for 0)."""
@@ -804,6 +851,7 @@ class CompletionChoice(_Body):
     finish_reason: str | None = None
     token_ids: list[int] | None = _OMIT
     prompt_token_ids: list[int] | None = _OMIT
+    prompt_logprobs: PromptLogprobs | None = _OMIT
 
 
 ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
@@ -836,6 +884,7 @@ class ChatCompletionResponse(_Completion[ChatCompletionChoice]):
     """``POST /v1/chat/completions``, not streamed."""
 
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = _OMIT
 
 
 class ChatCompletionChunk(_Chunk[ChatCompletionStreamChoice]):
@@ -939,6 +988,8 @@ __all__ = [
     "CompletionChoice",
     "CompletionChunk",
     "CompletionLogprobs",
+    "PromptLogprob",
+    "PromptLogprobs",
     "CompletionRequest",
     "CompletionResponse",
     "DeltaMessage",

@@ -23,6 +23,7 @@ from asymcache_core.engine_checks import check_engine_integrity, validate_reques
 from asymcache_core.engine_jobs import JobControl
 from asymcache_core.engine_outputs import (
     attach_logprobs,
+    attach_prompt_logprobs,
     detokenize_step,
     flush_text,
     generate_blocking,
@@ -276,8 +277,9 @@ class Engine(AsyncSteps, JobControl):
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
-        if params.logprobs is not None and not hasattr(self.runner, "take_logprobs"):
-            raise ValueError("logprobs: this backend computes no logits (the simulated runner)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) is not None and not hasattr(self.runner, "take_logprobs"):
+                raise ValueError(f"{name}: this backend computes no logits (the simulated runner)")
         params = with_min_tokens_mask(params, self.eos_token_ids)
         ids = self.encode(prompt)
         validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
@@ -416,6 +418,10 @@ class Engine(AsyncSteps, JobControl):
             if request is not None:
                 self._fail_request(request, error, end)
                 outputs.append(request_output(request, []))
+        take_prompt_logprobs = getattr(self.runner, "take_prompt_logprobs", None)
+        if take_prompt_logprobs is not None:
+            # NOTE: before the updates: a request they finish leaves ``self.requests``
+            attach_prompt_logprobs(self.requests, take_prompt_logprobs())
         updates = self.scheduler.update_from_output(ran, sampled, end)
         take_logprobs = getattr(self.runner, "take_logprobs", None)
         attach_logprobs(updates, take_logprobs() if take_logprobs is not None else {})

@@ -27,7 +27,19 @@ def request_output(request: Request, new: list[int]) -> RequestOutput:
         request.request_id, new, list(request.output_token_ids), request.text, request.finished,
         reason, request.metrics, request.num_prompt_tokens, request.error,
         list(request.logprobs) if request.logprobs is not None else None,
+        _complete_prompt_logprobs(request),
     )
+
+
+def _complete_prompt_logprobs(request: Request) -> tuple[TokenLogprob | None, ...] | None:
+    """The request's prompt log probabilities once every one is computed (else None)."""
+    entries = request.prompt_logprobs
+    if entries is None or request.prompt_logits_from is not None:
+        return None
+    if not isinstance(entries, tuple):
+        # NOTE: frozen once complete, so that every later output shares one tuple
+        entries = request.prompt_logprobs = tuple(entries)  # type: ignore[assignment]
+    return entries
 
 
 def attach_logprobs(updates: Sequence[RequestUpdate], entries: Mapping[str, TokenLogprob]) -> None:
@@ -43,6 +55,20 @@ def attach_logprobs(updates: Sequence[RequestUpdate], entries: Mapping[str, Toke
         entry = entries.get(update.request.request_id)
         if entry is not None and update.request.logprobs is not None:
             update.request.logprobs.append(entry)
+
+
+def attach_prompt_logprobs(
+    requests: Mapping[str, Request], parts: Mapping[str, list[tuple[int, list[TokenLogprob]]]]
+) -> None:
+    """Adds each request's computed prompt log probabilities (runs of ``(first position,
+    entries)``, :meth:`ModelRunner.take_prompt_logprobs`) to it; a request that ended meanwhile
+    is skipped."""
+    for rid, runs in parts.items():
+        request = requests.get(rid)
+        if request is None:
+            continue
+        for start, entries in runs:
+            request.add_prompt_logprobs(start, entries)
 
 
 def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now: float) -> None:
@@ -118,10 +144,11 @@ def generate_blocking(
         out = finals[rid]
         results.append(
             GenerationOutput(
-                rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics, out.logprobs
+                rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics, out.logprobs,
+                out.prompt_logprobs,
             )
         )
     return results
 
 
-__all__ = ["attach_logprobs", "detokenize_step", "flush_text", "generate_blocking", "request_output"]
+__all__ = ["attach_logprobs", "attach_prompt_logprobs", "detokenize_step", "flush_text", "generate_blocking", "request_output"]

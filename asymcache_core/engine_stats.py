@@ -175,7 +175,8 @@ class EngineStats:
 @dataclass(frozen=True)
 class GenerationOutput:
     """Result of :meth:`Engine.generate` for one prompt (``logprobs``: one
-    :class:`~asymcache_core.logprobs.TokenLogprob` per token when its params asked for them)."""
+    :class:`~asymcache_core.logprobs.TokenLogprob` per token when its params asked for them;
+    ``prompt_logprobs``: one per prompt token, the first None, when they asked for those)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -184,6 +185,7 @@ class GenerationOutput:
     finish_reason: str | None
     metrics: Any
     logprobs: list[Any] | None = None
+    prompt_logprobs: tuple[Any, ...] | None = None
 
 
 def collect_stats(engine: Engine) -> EngineStats:

@@ -134,6 +134,11 @@ class KVCacheManager:
         hashes = self.ensure_hashes(request)
         # NOTE: the last token must run to produce logits, so its block is never taken from cache.
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        logits_from = request.prompt_logits_from
+        if logits_from is not None:
+            # NOTE: the prompt's log probabilities need the logits of every position from there
+            # on (vLLM skips the prefix cache for such requests; here only what is uncomputed)
+            max_blocks = min(max_blocks, logits_from // self.block_size)
         # NOTE: a waiting request's walk covers its whole context on every step it waits (with
         # a host tier or hole reuse it does not stop at the first device miss), so it runs in C:
         # ``map`` of the hash maps' own ``get`` and ``compress`` over the misses; Python turns

@@ -37,6 +37,10 @@ class StepInputs(NamedTuple):
         pending_inputs: ``(packed index, request id)`` of each input whose token a step still
             in flight samples (async scheduling): ``input_ids`` holds 0 there, and the runner
             copies the token in on the device.
+        prompt_rows: packed rows whose logits the prompt log probabilities need (after
+            ``logits_rows`` in the forward pass's logits).
+        prompt_spans: ``(sequence, first position, count)`` of each run of ``prompt_rows``,
+            in their order.
     """
 
     input_ids: list[int]
@@ -49,6 +53,40 @@ class StepInputs(NamedTuple):
     decode_only: bool
     block_table_array: np.ndarray | None = None
     pending_inputs: tuple[tuple[int, str], ...] = ()
+    prompt_rows: tuple[int, ...] = ()
+    prompt_spans: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def all_logits_rows(self) -> list[int]:
+        """The rows the forward pass computes logits for: the sampled, then the prompt's."""
+        return self.logits_rows + list(self.prompt_rows) if self.prompt_rows else self.logits_rows
+
+
+class PendingPromptLogprobs(NamedTuple):
+    """Prompt log probabilities of a step's prompt rows, on their way to the host.
+
+    Attributes:
+        spans: ``(request id, first position, count)`` of each run of rows.
+        targets: each row's next prompt token (whose log probability it gives).
+        num_top: alternatives each row reports.
+        tensors: their :class:`~asymcache_core.logprobs.LogprobTensors` (host copies in flight
+            on CUDA; read after the step's ``ready`` event).
+    """
+
+    spans: list[tuple[str, int, int]]
+    targets: list[int]
+    num_top: list[int]
+    tensors: LogprobTensors
+
+    def entries(self) -> dict[str, list[tuple[int, list[TokenLogprob]]]]:
+        """Request id -> ``(first position, entries)`` of each of its runs (on the host)."""
+        rows = to_entries(self.tensors, self.targets, self.num_top)
+        out: dict[str, list[tuple[int, list[TokenLogprob]]]] = {}
+        at = 0
+        for rid, start, count in self.spans:
+            out.setdefault(rid, []).append((start, rows[at : at + count]))
+            at += count
+        return out
 
 
 class PendingLogprobs(NamedTuple):
@@ -86,6 +124,7 @@ class LaunchedStep(NamedTuple):
             (:class:`~asymcache_core.step_timeline.DeviceTimeline`).
         logprobs: the log probabilities of device-sampled rows that ask for them, copied to
             the host with ``host_tokens`` (``None``: no row asks).
+        prompt_logprobs: the step's prompt log probabilities (``None``: no prompt row).
     """
 
     plan: SchedulerOutput
@@ -97,6 +136,7 @@ class LaunchedStep(NamedTuple):
     logits: torch.Tensor | None
     started: torch.cuda.Event | None = None
     logprobs: PendingLogprobs | None = None
+    prompt_logprobs: PendingPromptLogprobs | None = None
 
     @property
     def device_sampled(self) -> bool:
@@ -134,11 +174,21 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
     logits_rows: list[int] = []
     sample_index: list[int] = []
     pending: list[tuple[int, str]] = []
+    prompt_rows: list[int] = []
+    prompt_spans: list[tuple[int, int, int]] = []
     for seq, item in enumerate(plan.scheduled):
         request = item.request
         table = request.block_ids
         tokens = request.all_token_ids
+        logits_from = request.prompt_logits_from
         for start, end in item.segments:
+            if logits_from is not None:
+                # NOTE: from the first position whose logits are not computed yet, up to the
+                # prompt's last but one (the last one's logits sample the first output token)
+                lo, hi = max(start, logits_from), min(end, request.num_prompt_tokens - 1)
+                if lo < hi:
+                    prompt_rows.extend(range(len(input_ids) + lo - start, len(input_ids) + hi - start))
+                    prompt_spans.append((seq, lo, hi - lo))
             segments.append((seq, len(input_ids), end - start, start))
             input_ids.extend(tokens[start:end])
             if end > len(tokens):
@@ -158,7 +208,7 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
         array = rows.build([item.request for item in plan.scheduled], table_width(tables))
     return StepInputs(
         input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only, array,
-        tuple(pending),
+        tuple(pending), tuple(prompt_rows), tuple(prompt_spans),
     )
 
 
@@ -233,6 +283,9 @@ class ModelRunner:
             )
         #: each scheduled request's block table between steps (:mod:`asymcache_core.block_tables`)
         self.block_table_rows = BlockTableRows()
+        #: request id -> ``(first position, entries)`` of the prompt log probabilities computed
+        #: since :meth:`take_prompt_logprobs` was last called
+        self.prompt_logprobs: dict[str, list[tuple[int, list[TokenLogprob]]]] = {}
         self.mixed_graphs: PiecewiseGraphs | None = None
         if cuda_graphs and mixed_graph_tokens > 0:
             self.mixed_graphs = PiecewiseGraphs(
@@ -263,7 +316,40 @@ class ModelRunner:
         inputs = pack_step(plan, self.block_size, self.block_table_rows)
         if inputs.pending_inputs:
             raise ValueError("execute: the plan has tokens still in flight; use launch()")
-        return self._sample(plan, inputs.sample_index, self.forward(inputs))
+        return self.finish_forward(plan, inputs, self.forward(inputs))
+
+    def finish_forward(self, plan: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor) -> dict[str, int]:
+        """Records the prompt log probabilities of a synchronous step's logits and samples its
+        rows (:meth:`execute`'s end, shared with the tensor-parallel runner)."""
+        prompt = self._prompt_logprob_tensors(plan, inputs, logits)
+        if prompt is not None:
+            self._record_prompt_logprobs(prompt)
+        return self._sample(plan, inputs.sample_index, logits[: len(inputs.logits_rows)])
+
+    def _prompt_logprob_tensors(
+        self, plan: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
+    ) -> PendingPromptLogprobs | None:
+        """The prompt rows' log probabilities, queued where the logits are and copied to the
+        host without blocking (``None``: the step has no prompt row)."""
+        if not inputs.prompt_spans:
+            return None
+        spans: list[tuple[str, int, int]] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        for seq, start, count in inputs.prompt_spans:
+            request = plan.scheduled[seq].request
+            spans.append((request.request_id, start, count))
+            targets.extend(request.prompt_token_ids[start + 1 : start + 1 + count])
+            num_top.extend([request.params.prompt_logprobs or 0] * count)
+        ids = torch.tensor(targets, dtype=torch.long).to(self.device, non_blocking=True)
+        tensors = logprob_tensors(logits[len(inputs.logits_rows) :], ids, max(num_top))
+        return PendingPromptLogprobs(
+            spans, targets, num_top, tensors.to(torch.device("cpu"), pin=self.device.type == "cuda")
+        )
+
+    def _record_prompt_logprobs(self, pending: PendingPromptLogprobs) -> None:
+        for rid, parts in pending.entries().items():
+            self.prompt_logprobs.setdefault(rid, []).extend(parts)
 
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
@@ -287,12 +373,14 @@ class ModelRunner:
             src = torch.tensor([previous.rows[rid] for _, rid in inputs.pending_inputs], dtype=torch.long)
             fill = (dst, previous.tokens[src.to(self.device, non_blocking=True)])
         logits = self.forward(inputs, fill)
+        prompt = self._prompt_logprob_tensors(plan, inputs, logits)
+        logits = logits[: len(inputs.logits_rows)]
         requests = [plan.scheduled[i].request for i in inputs.sample_index]
         rows = {r.request_id: row for row, r in enumerate(requests)}
         if not requests or not all(self.sampler.on_device(r.params) for r in requests):
             return LaunchedStep(
                 plan, inputs.sample_index, rows, None, None, _timing_event(self.device), logits if requests else None,
-                started,
+                started, prompt_logprobs=prompt,
             )
         tokens = logits.argmax(dim=-1)
         want = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
@@ -304,11 +392,11 @@ class ModelRunner:
             # NOTE: queued behind the step like its tokens; collect() reads them after ``ready``
             pending = PendingLogprobs(want, num_top, tensors.to(torch.device("cpu"), pin=self.device.type == "cuda"))
         if self.device.type != "cuda":
-            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None, None, pending)
+            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None, None, pending, prompt)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         return LaunchedStep(
-            plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started, pending
+            plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started, pending, prompt
         )
 
     @torch.inference_mode()
@@ -318,6 +406,8 @@ class ModelRunner:
             # NOTE: every step is waited for, one that samples nothing (a prompt's middle
             # chunk) too: its end event places it on the device's timeline
             step.ready.synchronize()
+        if step.prompt_logprobs is not None:
+            self._record_prompt_logprobs(step.prompt_logprobs)
         if step.logits is not None:
             return self._sample(step.plan, step.sample_index, step.logits)
         if step.host_tokens is None:
@@ -332,7 +422,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The step's forward pass: ``[len(inputs.logits_rows), vocab]`` float32 logits.
+        """The step's forward pass: ``[len(inputs.all_logits_rows), vocab]`` float32 logits.
 
         Decode-only steps replay a CUDA graph where one is captured; other steps run the
         piecewise graphs, else eagerly.
@@ -343,6 +433,7 @@ class ModelRunner:
                 before the forward pass (the inputs still in flight).
         """
         if self.decode_graphs is not None and inputs.decode_only:
+            assert not inputs.prompt_rows, "a decode-only step computes no prompt position"
             batch = DecodeBatch(
                 inputs.input_ids, inputs.positions, inputs.slots, inputs.block_tables, inputs.block_table_array
             )
@@ -356,7 +447,7 @@ class ModelRunner:
         # table and its copy to the device) is shared by all layers.
         meta = self.backend.prepare(meta, self.num_q_heads, self.num_kv_heads, self.loaded.config.head_dim)
         dev = self.device
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.long).to(dev, non_blocking=True)
+        rows = torch.tensor(inputs.all_logits_rows, dtype=torch.long).to(dev, non_blocking=True)
         logits = None
         if self.mixed_graphs is not None:
             logits = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, meta, rows, fill)
@@ -396,3 +487,10 @@ class ModelRunner:
     def take_logprobs(self) -> dict[str, TokenLogprob]:
         """The log probabilities sampled since the last call: request id -> its token's entry."""
         return self.sampler.take_logprobs()
+
+    def take_prompt_logprobs(self) -> dict[str, list[tuple[int, list[TokenLogprob]]]]:
+        """The prompt log probabilities computed since the last call: request id ->
+        ``(first position, entries)`` of each run (entry ``k`` is the log probability of prompt
+        token ``first position + k + 1``)."""
+        out, self.prompt_logprobs = self.prompt_logprobs, {}
+        return out

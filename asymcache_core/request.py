@@ -133,6 +133,35 @@ class Request:
         self.detok = DetokenizerState()
         #: one entry per output token when ``params.logprobs`` is set, else None
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        #: one entry per prompt token when ``params.prompt_logprobs`` is set, else None: the
+        #: first token's is None (nothing precedes it), token ``i``'s comes from the logits of
+        #: position ``i - 1`` and is appended once that position is computed
+        self.prompt_logprobs: list[TokenLogprob | None] | tuple[TokenLogprob | None, ...] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """The first position whose logits the prompt's log probabilities still need (``None``:
+        none asked for, or all computed). No cache hit may cover it or what follows."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_token_ids):
+            return None
+        return len(self.prompt_logprobs) - 1
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Records the prompt log probabilities computed from the logits of positions
+        ``start, start + 1, ...`` (entry ``k`` is prompt token ``start + k + 1``'s).
+
+        NOTE: a position is computed again after a preemption, and async scheduling plans a
+        step before the previous one's entries arrive: only the part that continues the list
+        is kept (the values are the same: the cache is lossless), and a part past its end is
+        dropped (it cannot happen: no cache hit covers an uncomputed position).
+        """
+        frontier = self.prompt_logits_from
+        if frontier is None or not start <= frontier < start + len(entries):
+            return
+        assert isinstance(self.prompt_logprobs, list)
+        self.prompt_logprobs.extend(entries[frontier - start :])
 
     @property
     def num_tokens(self) -> int:
@@ -180,6 +209,9 @@ class RequestOutput:
         logprobs: one :class:`~asymcache_core.logprobs.TokenLogprob` per token of
             ``token_ids`` when the request asked for them (``SamplingParams.logprobs``); the
             last ``len(new_token_ids)`` are this step's. None otherwise.
+        prompt_logprobs: one entry per prompt token (the first None) once all are computed,
+            when the request asked for them (``SamplingParams.prompt_logprobs``); None
+            otherwise.
     """
 
     request_id: str
@@ -192,3 +224,4 @@ class RequestOutput:
     num_prompt_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None

@@ -83,6 +83,10 @@ class SamplingParams:
         logprobs: report each sampled token's log probability and this many most likely
             alternatives (0..20; ``None``: none). Taken from the model's raw logits (see
             :mod:`asymcache_core.logprobs`).
+        prompt_logprobs: report each prompt token's log probability given the tokens before
+            it, and this many most likely alternatives (vLLM's; 0..20; ``None``: none). The
+            engine computes the logits of every prompt position for it, so such a request
+            takes no prefix-cache hit until they are all computed.
         min_tokens: tokens to generate before EOS, ``stop_token_ids`` or a stop string may
             end the request (vLLM's; the engine masks those ids until then; 0: off).
         include_stop_str_in_output: keep the stop string that ended the request at the end
@@ -104,6 +108,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = field(default=None, compare=False)
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
 
@@ -147,6 +152,12 @@ class SamplingParams:
             raise ValueError(f"include_stop_str_in_output: must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -406,7 +406,7 @@ class TensorParallelRunner(ModelRunner):
             # NOTE: no fault isolation across ranks: the others are inside this step's
             # collectives, so the group is out of step whatever failed here.
             raise self.workers.step_failed(exc) from exc
-        return self._sample(plan, inputs.sample_index, logits)
+        return self.finish_forward(plan, inputs, logits)
 
     def transfer_kv(self, transfers: KVTransfers) -> None:
         self.workers.send("transfer", transfers)

@@ -718,7 +718,7 @@ def serve(
     api_key: str = typer.Option(None, help="Require this bearer token."),
     policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
     max_request_body_bytes: int = typer.Option(8 << 20, help="Request bodies beyond this are a 413."),
-    max_queue_len: int = typer.Option(256, help="Completions waiting beyond the running batch before new ones get a 429."),
+    max_queue_len: int = typer.Option(256, help="Completions waiting beyond the running batch before new ones get a 429 (one of n choices counts n)."),
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds in-flight requests may finish before they are aborted."),
     replicas: int = typer.Option(1, help="Engine replicas behind the one endpoint; above 1 on a local Ray cluster "
                                  "(the ray extra), each job kept on the replica that holds its KV."),

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from agent_runtime.protocol import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -76,7 +77,8 @@ class RequestGuard:
         state: the app's state (its API key and metrics).
         max_body_bytes: the body size cap.
         max_queue_len: completions in flight beyond the engine's ``max_num_seqs`` at most
-            (None: unbounded).
+            (None: unbounded); a completion of ``n`` choices counts ``n`` (each is an engine
+            request).
     """
 
     def __init__(self, app: ASGIApp, state: AppState, max_body_bytes: int, max_queue_len: int | None) -> None:
@@ -86,12 +88,13 @@ class RequestGuard:
         self.max_queue_len = max_queue_len
         self.in_flight = 0
 
-    def _full(self) -> bool:
+    def _full(self, weight: int) -> bool:
         if self.max_queue_len is None:
             return False
         runtime = self.state.runtime
         running = runtime.engine.config.max_num_seqs if runtime is not None else 0
-        return self.in_flight >= running + self.max_queue_len
+        # NOTE: one request is always let in, however many choices it asks for
+        return self.in_flight > 0 and self.in_flight + weight > running + self.max_queue_len
 
     async def _reject(self, send: Send, path: str, error: APIError, close: bool = False,
                       headers: dict[str, str] | None = None) -> None:
@@ -136,14 +139,16 @@ class RequestGuard:
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
-        if path in COMPLETION_PATHS and self._full():
+        body = b"".join(chunks)
+        weight = _choices(body) if path in COMPLETION_PATHS else 0
+        if path in COMPLETION_PATHS and self._full(weight):
             await self._reject(send, path, APIError(
                 429, f"The server is at capacity ({self.in_flight} requests in flight); retry shortly",
                 type="rate_limit_error", code="queue_full"), headers={"Retry-After": "1"})
             return
-        await self._forward(scope, receive, send, b"".join(chunks), path)
+        await self._forward(scope, receive, send, body, path, weight)
 
-    async def _forward(self, scope: Scope, receive: Receive, send: Send, body: bytes, path: str) -> None:
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, body: bytes, path: str, weight: int) -> None:
         replayed = False
 
         async def replay() -> Message:
@@ -161,8 +166,7 @@ class RequestGuard:
                 started = True
             await send(message)
 
-        counted = path in COMPLETION_PATHS
-        self.in_flight += counted
+        self.in_flight += weight
         try:
             await self.app(scope, replay, tracked_send)
         except EngineDeadError as exc:
@@ -176,7 +180,19 @@ class RequestGuard:
                 await self._reject(send, path, APIError(
                     500, f"Internal error: {type(exc).__name__}: {exc}", type="server_error"))
         finally:
-            self.in_flight -= counted
+            self.in_flight -= weight
+
+
+def _choices(body: bytes) -> int:
+    """The engine requests a completion body asks for: its ``n`` where it is a valid one, else
+    1 (a body that does not parse is rejected by its route, after this count)."""
+    if b'"n"' not in body:
+        return 1
+    try:
+        n = json.loads(body).get("n")
+    except (ValueError, AttributeError, RecursionError):
+        return 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
 
 
 @contextlib.asynccontextmanager

@@ -23,7 +23,12 @@ from agent_runtime.protocol import (
     DeltaMessage,
     ToolCallDelta,
 )
-from agent_runtime.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from agent_runtime.server.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import StreamEvent
 from asymcache_core.logprobs import TokenLogprob
@@ -37,22 +42,46 @@ class Chunks(ABC):
 
     NOTE: a token's log probabilities go out with the first chunk sent after it was sampled
     (its text may be held back a while: part of a character, or of a ``<tool_call>`` tag).
+
+    Args:
+        stream: the choice's request.
+        index: the choice's index.
+        texts: the token decoder (``None`` when no log probabilities are asked for).
+        report_logprobs: the request asked for the generated tokens' log probabilities.
+        report_prompt_logprobs: it asked for vLLM's ``prompt_logprobs``.
     """
 
-    def __init__(self, stream: RequestStream, index: int, texts: TokenTexts | None) -> None:
+    def __init__(
+        self, stream: RequestStream, index: int, texts: TokenTexts | None,
+        report_logprobs: bool = True, report_prompt_logprobs: bool = False,
+    ) -> None:
         self.stream = stream
         self.index = index
         self.texts = texts
+        self.report_logprobs = report_logprobs and texts is not None
+        self.report_prompt_logprobs = report_prompt_logprobs and texts is not None
         self.sent = 0
         self.logprobs_sent = 0
 
     def take_logprobs(self, event: StreamEvent) -> list[TokenLogprob]:
         """The entries of ``event`` not sent yet (none when the request asked for none)."""
         entries = event.output.logprobs
-        if self.texts is None or entries is None:
+        if not self.report_logprobs or entries is None:
             return []
         new, self.logprobs_sent = entries[self.logprobs_sent :], len(entries)
         return new
+
+    def prompt_logprobs_of(self, event: StreamEvent) -> Any:
+        """vLLM's ``prompt_logprobs`` of the request, when it asked for them (else None)."""
+        entries = event.output.prompt_logprobs
+        if not self.report_prompt_logprobs or entries is None:
+            return None
+        assert self.texts is not None
+        return prompt_logprobs(entries, self.texts)
+
+    def response_fields(self, final: StreamEvent) -> dict[str, Any]:
+        """Fields of the non-streamed body besides its choices (none by default)."""
+        return {}
 
     def opening(self) -> list[Any]:
         """Choices sent before the first token (none by default)."""
@@ -97,12 +126,20 @@ def safe_text_len(text: str, hold_tool_tag: bool) -> int:
 class ChatChunks(Chunks):
     """Chat payloads: a role delta, content deltas, then tool calls or the rest, then the reason."""
 
-    def __init__(self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool) -> None:
-        super().__init__(stream, index, texts)
+    def __init__(
+        self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
+        report_logprobs: bool = True, report_prompt_logprobs: bool = False,
+    ) -> None:
+        super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         self.tools_possible = tools_possible
 
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
-        return chat_logprobs(entries, self.texts) if self.texts is not None else None
+        return chat_logprobs(entries, self.texts) if self.report_logprobs and self.texts is not None else None
+
+    def response_fields(self, final: StreamEvent) -> dict[str, Any]:
+        # NOTE: vLLM's chat body carries the prompt's log probabilities beside its choices
+        prompt = self.prompt_logprobs_of(final)
+        return {"prompt_logprobs": prompt} if prompt is not None else {}
 
     def opening(self) -> list[ChatCompletionStreamChoice]:
         return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
@@ -144,23 +181,44 @@ class ChatChunks(Chunks):
 
 
 class CompletionChunks(Chunks):
-    """Text-completion payloads: text pieces (with their token ids on request), the last with the reason."""
+    """Text-completion payloads: text pieces (with their token ids on request), the last with the
+    reason; with ``echo`` the prompt (and its tokens' log probabilities) comes first.
+
+    Args:
+        stream, index, texts, report_logprobs, report_prompt_logprobs: as :class:`Chunks`.
+        num_top: the request's ``logprobs``.
+        return_ids: vLLM's ``return_token_ids``.
+        echo: the prompt's text to put first (``None``: no echo).
+        echo_only: ``max_tokens: 0`` with echo: the token the engine sampled is left out.
+    """
 
     def __init__(
-        self, stream: RequestStream, index: int, texts: TokenTexts | None, num_top: int, return_ids: bool
+        self, stream: RequestStream, index: int, texts: TokenTexts | None, num_top: int, return_ids: bool,
+        report_logprobs: bool = True, report_prompt_logprobs: bool = False, echo: str | None = None,
+        echo_only: bool = False,
     ) -> None:
-        super().__init__(stream, index, texts)
+        super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         self.num_top = num_top
         self.return_ids = return_ids
+        self.echo = echo
+        self.echo_only = echo_only and echo is not None
         #: ``text_offset`` of the next token whose log probabilities go out
         self.offset = 0
+        self.started = False
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
-        if self.texts is None:
+    def _logprobs(self, entries: list[TokenLogprob | None]) -> CompletionLogprobs | None:
+        if not self.report_logprobs or self.texts is None:
             return None
-        logprobs = completion_logprobs(entries, self.texts, self.offset, self.num_top)
+        first = self.stream.prompt_token_ids[0] if self.stream.prompt_token_ids else None
+        logprobs = completion_logprobs(entries, self.texts, self.offset, self.num_top, first_token=first)
         self.offset += sum(len(token) for token in logprobs.tokens)
         return logprobs
+
+    def _echoed(self, event: StreamEvent) -> tuple[str, list[TokenLogprob | None]]:
+        """The prompt's text and log probability entries that go before the generated ones."""
+        if self.echo is None:
+            return "", []
+        return self.echo, list(event.output.prompt_logprobs or ()) if self.report_logprobs else []
 
     def on_event(self, event: StreamEvent) -> list[CompletionChoice]:
         out = event.output
@@ -169,21 +227,42 @@ class CompletionChunks(Chunks):
         piece = text[self.sent : upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
         new_ids = list(out.new_token_ids) if self.return_ids else None
-        if out.finished or piece or new_ids:
-            return [CompletionChoice(index=self.index, text=piece,
-                                     finish_reason=out.finish_reason if out.finished else None,
-                                     token_ids=new_ids, logprobs=self._logprobs(self.take_logprobs(event)))]
-        return []
+        entries: list[TokenLogprob | None] = list(self.take_logprobs(event))
+        if self.echo_only:
+            piece, new_ids, entries = "", [] if self.return_ids else None, []
+        # NOTE: the echoed prompt and the prompt's log probabilities go with the first chunk
+        first = not self.started and (self.echo is not None or self.report_prompt_logprobs)
+        if first:
+            echoed, prompt_entries = self._echoed(event)
+            piece, entries = echoed + piece, prompt_entries + entries
+        if not (out.finished or piece or new_ids or first):
+            return []
+        self.started = True
+        return [CompletionChoice(
+            index=self.index, text=piece, finish_reason=self._finish_reason(out) if out.finished else None,
+            token_ids=new_ids, logprobs=self._logprobs(entries),
+            prompt_logprobs=self.prompt_logprobs_of(event) if first else None,
+        )]
+
+    def _finish_reason(self, out: Any) -> str | None:
+        # NOTE: nothing generated was asked for: the limit ended it, whatever the token was
+        return "length" if self.echo_only and out.error is None else out.finish_reason
 
     def final_choice(self, final: StreamEvent) -> CompletionChoice:
         out = final.output
+        text, entries = out.text, list(out.logprobs or [])
+        token_ids = list(out.token_ids)
+        if self.echo_only:
+            text, entries, token_ids = "", [], []
+        echoed, prompt_entries = self._echoed(final)
         return CompletionChoice(
             index=self.index,
-            text=out.text,
-            logprobs=self._logprobs(out.logprobs or []),
-            finish_reason=out.finish_reason,
-            token_ids=list(out.token_ids) if self.return_ids else None,
+            text=echoed + text,
+            logprobs=self._logprobs(prompt_entries + entries),
+            finish_reason=self._finish_reason(out),
+            token_ids=token_ids if self.return_ids else None,
             prompt_token_ids=list(self.stream.prompt_token_ids) if self.return_ids else None,
+            prompt_logprobs=self.prompt_logprobs_of(final),
         )
 
 

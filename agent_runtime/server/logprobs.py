@@ -13,7 +13,14 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from agent_runtime.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from agent_runtime.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 from asymcache_core.logprobs import TokenLogprob
 
 
@@ -94,14 +101,18 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> ChatLog
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int, num_top: int) -> CompletionLogprobs:
+def completion_logprobs(
+    entries: Sequence[TokenLogprob | None], texts: TokenTexts, offset: int, num_top: int, first_token: int | None = None
+) -> CompletionLogprobs:
     """A text completion's (or chunk's) ``logprobs`` for ``entries``.
 
     Args:
-        entries: one per generated token.
+        entries: one per token: generated ones, or an echoed prompt's (None for its first
+            token, whose log probability and alternatives read as null).
         texts: the token decoder.
         offset: ``text_offset`` of the first entry (the characters of the tokens before it).
         num_top: the request's ``logprobs`` (0: ``top_logprobs`` entries are null).
+        first_token: the id of an echoed prompt's first token (its entry is None).
 
     Returns:
         ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
@@ -111,6 +122,14 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
     for entry in entries:
+        if entry is None:
+            text = texts(first_token)[0] if first_token is not None else ""
+            tokens.append(text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            text_offset.append(offset)
+            offset += len(text)
+            continue
         text, _ = texts(entry.token_id)
         tokens.append(text)
         token_logprobs.append(entry.logprob)
@@ -126,4 +145,28 @@ def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offs
     )
 
 
-__all__ = ["TokenTexts", "byte_level_alphabet", "chat_logprobs", "completion_logprobs"]
+def prompt_logprobs(entries: Sequence[TokenLogprob | None], texts: TokenTexts) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` of a request.
+
+    Args:
+        entries: one per prompt token, the first None.
+        texts: the token decoder.
+
+    Returns:
+        Per prompt token, null or ``{token id: {logprob, rank, decoded_token}}``: the prompt
+        token's entry and its alternatives' (ranked 1..k), the prompt token's first.
+    """
+    out: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        row = {str(entry.token_id): PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                                  decoded_token=texts(entry.token_id)[0])}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            row.setdefault(str(token_id), PromptLogprob(logprob=logprob, rank=rank, decoded_token=texts(token_id)[0]))
+        out.append(row)
+    return out
+
+
+__all__ = ["TokenTexts", "byte_level_alphabet", "chat_logprobs", "completion_logprobs", "prompt_logprobs"]

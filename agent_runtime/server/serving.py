@@ -43,7 +43,8 @@ from agent_runtime.protocol import (
     parse_request,
 )
 from agent_runtime.server.choices import ChatChunks, Chunks, CompletionChunks, safe_text_len
-from agent_runtime.server.errors import from_value_error, stream_error_frame
+from agent_runtime.server.errors import APIError, from_value_error, stream_error_frame
+from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from agent_runtime.server.state import AppState, app_state
 from agent_runtime.types import StreamEvent
@@ -119,7 +120,10 @@ async def chat_completions(request: Request) -> Response:
     state, req = await _parse(request, ChatCompletionRequest)
     rt = state.require_runtime()
     params = _sampling_params(req, state.default_max_tokens)
-    texts = state.token_texts() if params.logprobs is not None else None
+    if req.prompt_logprobs is not None and req.streaming:
+        raise APIError(400, "prompt_logprobs: not served on a streamed chat completion (vLLM's body field); "
+                       "use stream=false or /v1/completions", param="prompt_logprobs")
+    texts = _token_texts(state, params)
     try:
         streams, choice = await rt.start_chat_choices(
             req.messages,  # validated in depth by the runtime (ValueError names the field)
@@ -135,7 +139,10 @@ async def chat_completions(request: Request) -> Response:
     except ValueError as e:
         raise from_value_error(e, "messages") from None
     tools_possible = bool(req.tools) and choice != "none"
-    chunks: list[Chunks] = [ChatChunks(s, i, texts, tools_possible) for i, s in enumerate(streams)]
+    chunks: list[Chunks] = [
+        ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None)
+        for i, s in enumerate(streams)
+    ]
     return await _respond(request, state, req, chunks, _CHAT)
 
 
@@ -144,11 +151,14 @@ async def completions(request: Request) -> Response:
     state, req = await _parse(request, CompletionRequest)
     rt = state.require_runtime()
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
-    texts = state.token_texts() if params.logprobs is not None else None
+    texts = _token_texts(state, params)
     chunks: list[Chunks] = []
     try:
         # NOTE: the choices share one prompt: a text is encoded once, not once a choice
         prompt = await rt.tokenize(req.prompt) if req.num_choices > 1 and isinstance(req.prompt, str) else req.prompt
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else await rt.detokenize(req.prompt)
         for index, choice_params in enumerate(choice_sampling_params(params, req.num_choices)):
             # A job's non-last completion is followed by a tool pause (Continuum's API): pin as
             # after a tool call, attributing the pause to ``tool_name`` when the client names it.
@@ -157,9 +167,11 @@ async def completions(request: Request) -> Response:
                 response_format=req.response_format,
                 pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
             )
-            chunks.append(
-                CompletionChunks(stream, index, texts, params.logprobs or 0, return_ids=req.return_token_ids is True)
-            )
+            chunks.append(CompletionChunks(
+                stream, index, texts, params.logprobs or 0, return_ids=req.return_token_ids is True,
+                report_logprobs=params.logprobs is not None, report_prompt_logprobs=req.prompt_logprobs is not None,
+                echo=echo, echo_only=req.echo_only,
+            ))
     except ValueError as e:
         _abort_all(chunks)
         raise from_value_error(e, "prompt") from None
@@ -183,6 +195,11 @@ def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParam
         return [params] * n
     return [dataclasses.replace(params, seed=(params.seed + i + SEED_SPAN) % (2 * SEED_SPAN) - SEED_SPAN)
             for i in range(n)]
+
+
+def _token_texts(state: AppState, params: SamplingParams) -> TokenTexts | None:
+    """The token decoder when the response reports log probabilities (else None)."""
+    return state.token_texts() if params.logprobs is not None or params.prompt_logprobs is not None else None
 
 
 def _abort_all(chunks: list[Chunks]) -> None:
@@ -256,13 +273,15 @@ async def _respond(
             metrics.observe(final)
         body = endpoint.response_model(
             id=rid, created=int(time.time()), model=model,
-            choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)], usage=_usage(finals),
+            choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)],
+            usage=_usage(finals, generated=not getattr(req, "echo_only", False)),
+            **chunks[0].response_fields(finals[0]),
         )
         metrics.count(endpoint.path, 200)
         return JSONResponse(body.model_dump())
     metrics.count(endpoint.path, 200)
     return StreamingResponse(
-        _sse_events(chunks, endpoint, rid, model, req.include_usage, metrics),
+        _sse_events(chunks, endpoint, rid, model, req.include_usage, metrics, not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
         headers=_SSE_HEADERS,
     )
@@ -312,6 +331,7 @@ async def _sse_events(
     model: str,
     include_usage: bool,
     metrics: ServerMetrics,
+    generated: bool = True,
 ) -> AsyncIterator[str]:
     """The SSE frames of one streamed completion, its choices interleaved as their tokens come;
     aborts every choice's request if the client goes away."""
@@ -338,7 +358,7 @@ async def _sse_events(
             return
         finals = [stream.final for stream in streams]
         if include_usage:
-            yield frame([], usage=_usage(finals))  # type: ignore[arg-type]
+            yield frame([], usage=_usage(finals, generated=generated))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"
     finally:
         # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:
@@ -368,10 +388,12 @@ async def _await_finals(request: Request, streams: list[RequestStream]) -> list[
                 task.cancel()
 
 
-def _usage(finals: list[StreamEvent]) -> Usage:
-    """Usage of a response: the prompt once (every choice shares it), the choices' tokens summed."""
+def _usage(finals: list[StreamEvent], generated: bool = True) -> Usage:
+    """Usage of a response: the prompt once (every choice shares it), the choices' tokens summed
+    (none where nothing generated is returned: ``echo`` with ``max_tokens: 0``)."""
     first = finals[0].output
-    return Usage.of(first.num_prompt_tokens, sum(len(f.output.token_ids) for f in finals), first.metrics.cached_tokens)
+    completion = sum(len(f.output.token_ids) for f in finals) if generated else 0
+    return Usage.of(first.num_prompt_tokens, completion, first.metrics.cached_tokens)
 
 
 __all__ = [

@@ -44,7 +44,7 @@ def corpus(rng: random.Random, n_random: int) -> list[Case]:
     for f in fields:
         for v in bad_values:
             cases.append((f"type:{f}={str(v)[:12]}", CHAT, {**chat, f: v}, {}))
-    for f in ("prompt", "tool_name", "return_token_ids", "echo", "suffix", "best_of"):
+    for f in ("prompt", "tool_name", "return_token_ids", "echo", "prompt_logprobs", "suffix", "best_of"):
         for v in bad_values[:8]:
             cases.append((f"type:{f}={str(v)[:12]}", COMP, {**comp, f: v}, {}))
     for lit in ("NaN", "Infinity", "-Infinity", "1e999"):

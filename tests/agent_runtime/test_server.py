@@ -299,8 +299,14 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("chat logprobs not a boolean", chat, {"model": MODEL, "messages": user, "logprobs": 2}, 400, "logprobs", None),
         ("completion logprobs over 20", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 21},
          400, "logprobs", None),
-        ("prompt_logprobs", "/v1/completions", {"model": MODEL, "prompt": "a", "prompt_logprobs": 1},
-         400, "prompt_logprobs", "unsupported_field"),
+        ("prompt_logprobs over 20", "/v1/completions", {"model": MODEL, "prompt": "a", "prompt_logprobs": 21},
+         400, "prompt_logprobs", None),
+        ("streamed chat prompt_logprobs", chat, {"model": MODEL, "messages": user, "prompt_logprobs": 1,
+                                                 "stream": True}, 400, "prompt_logprobs", None),
+        ("chat echo", chat, {"model": MODEL, "messages": user, "echo": True}, 400, "echo", "unsupported_field"),
+        ("max_tokens 0 without echo", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0},
+         400, "max_tokens", None),
+        ("bad echo", "/v1/completions", {"model": MODEL, "prompt": "a", "echo": "yes"}, 400, "echo", None),
     ]
 
 

@@ -120,7 +120,8 @@ def _tiny(case) -> None:
         value = case.body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
             case.body[name] = MAX_TOKENS
-    if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
+    # NOTE: a null limit is the server's default (the rest of the context): capped as absent
+    if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
         case.body["max_tokens"] = MAX_TOKENS
 
 

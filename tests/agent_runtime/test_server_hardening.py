@@ -121,13 +121,13 @@ def test_non_finite_numbers_are_a_400(srv, literal):
     assert _error(_post(srv, raw.encode()), 400)["param"] == "temperature"
 
 
-UNSUPPORTED = [("prompt_logprobs", 1), ("echo", True), ("best_of", 3), ("n", 0),
+UNSUPPORTED = [("echo", True), ("best_of", 3), ("n", 0),
                ("guided_json", {"type": "object"}), ("functions", [{"name": "f"}]), ("suffix", "x")]
 
 
 @pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
 def test_unsupported_openai_fields_are_a_400_naming_them(srv, field, value):
-    path = "/v1/completions" if field in ("echo", "best_of", "suffix", "prompt_logprobs") else CHAT
+    path = "/v1/completions" if field in ("best_of", "suffix") else CHAT  # echo: chat's, not served
     body = {"model": MODEL, "prompt": "hi"} if path != CHAT else {"model": MODEL, "messages": USER}
     assert _error(_post(srv, {**body, field: value}, path), 400)["param"] == field
 
@@ -341,6 +341,42 @@ def test_full_queue_is_a_429_with_retry_after():
     assert third.json()["error"]["code"] == "queue_full" and third.json()["error"]["type"] == "rate_limit_error"
     assert health.status_code == 200 and [r.status_code for r in done] == [200, 200]
     assert after.status_code == 200 and guard.in_flight == 0
+
+
+def test_a_completion_of_n_choices_counts_n_in_the_queue():
+    release = asyncio.Event()
+
+    async def slow_app(scope, receive, send):
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = RequestGuard(slow_app, AppState("m"), max_body_bytes=4096, max_queue_len=4)
+
+    async def main():
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            # alone, a request of more choices than the bound still runs
+            big = asyncio.create_task(c.post(CHAT, json={"n": 16}))
+            await asyncio.sleep(0.05)
+            held = guard.in_flight
+            refused = await c.post(CHAT, json={"n": 1})
+            release.set()
+            await big
+            release.clear()
+            three = asyncio.create_task(c.post(CHAT, json={"n": 3}))
+            await asyncio.sleep(0.05)
+            two = await c.post(CHAT, json={"n": 2})  # 3 + 2 > 4
+            one = asyncio.create_task(c.post(CHAT, json={"model": "x", "n": True}))  # not a valid n: 1
+            await asyncio.sleep(0.05)
+            full = guard.in_flight
+            release.set()
+            await asyncio.gather(three, one)
+            return held, refused, two, full
+
+    held, refused, two, full = asyncio.run(main())
+    assert held == 16 and refused.status_code == 429
+    assert two.status_code == 429 and full == 4 and guard.in_flight == 0
 
 
 def test_shutdown_drains_up_to_the_timeout_then_aborts(smollm):
