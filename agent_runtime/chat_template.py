@@ -269,6 +269,7 @@ class ChatRenderer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str | list[int]:
         """The prompt of a chat: its text, or its token ids when caller text holds special tokens.
 
@@ -283,18 +284,21 @@ class ChatRenderer:
             messages: OpenAI chat messages.
             tools: OpenAI tool schemas, or None.
             add_generation_prompt: end with the opening of an assistant turn.
+            continue_final_message: end inside the final message, without its end of turn, so
+                that the model goes on writing it (vLLM's; not with ``add_generation_prompt``).
 
         Returns:
             The prompt text, or its token ids.
         """
+        ending = (add_generation_prompt, continue_final_message)
         if self._special_re is None:
-            return self.render(messages, tools, add_generation_prompt)
+            return self.render(messages, tools, *ending)
         found: set[str] = set()
         escaped_msgs = _escape_tree(messages, self._special_re, self.special_tokens, found)
         escaped_tools = _escape_tree(tools, self._special_re, self.special_tokens, found) if tools else tools
         if not found:
-            return self.render(messages, tools, add_generation_prompt)
-        text = self.render(escaped_msgs, escaped_tools, add_generation_prompt)
+            return self.render(messages, tools, *ending)
+        text = self.render(escaped_msgs, escaped_tools, *ending)
         return self.encode_rendered(text)
 
     def encode_rendered(self, text: str) -> list[int]:
@@ -332,6 +336,7 @@ class ChatRenderer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """Render a chat.
 
@@ -340,10 +345,17 @@ class ChatRenderer:
                 included).
             tools: OpenAI tool schemas, or None.
             add_generation_prompt: end with the opening of an assistant turn.
+            continue_final_message: end inside the final message (no end of turn after it).
 
         Returns:
             The prompt text.
+
+        Raises:
+            ValueError: both endings asked for, or a final message the template does not
+                render as written (it cannot be left open).
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: not with add_generation_prompt (send add_generation_prompt=false)")
         if self.native_tools:
             msgs: list[dict[str, Any]] = _native_messages(messages)
             schemas: list[dict[str, Any]] | None = [dict(t) for t in tools] if tools else None
@@ -356,6 +368,7 @@ class ChatRenderer:
             chat_template=self.template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
 
 

@@ -418,6 +418,8 @@ class AsyncEngine:
             rid = engine.add_request(
                 ids, params, job_id=opts.job_id, request_id=rid, is_last_step=opts.is_last_step
             )
+            # NOTE: the request's own ids: ``truncate_prompt_tokens`` may have cut the encoded ones
+            ids = engine.requests[rid].prompt_token_ids
         except Exception as exc:  # noqa: BLE001 - rejected input goes back to the caller
             cmd.accepted.set_exception(exc)
             return

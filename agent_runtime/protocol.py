@@ -301,13 +301,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # NOTE: vLLM's extensions that change what is generated or returned: a 400, not ignored.
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
-    "return_tokens_as_token_ids": (None, False),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
-    "continue_final_message": (None, False),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
@@ -356,6 +352,9 @@ class _GenerationRequest(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     include_stop_str_in_output: StrictBool | None = None
     prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
     stream: StrictBool | None = None
@@ -457,6 +456,8 @@ class _GenerationRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
+            allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
@@ -480,6 +481,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -559,7 +561,23 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: StrictBool = False
-    add_generation_prompt: StrictBool = True
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+
+    @property
+    def chat_ending(self) -> tuple[bool, bool]:
+        """``(add_generation_prompt, continue_final_message)`` as a chat completion reads them."""
+        return chat_ending(self.add_generation_prompt, self.continue_final_message)
+
+
+def chat_ending(add_generation_prompt: bool | None, continue_final_message: bool | None) -> tuple[bool, bool]:
+    """How a rendered chat ends: ``(add_generation_prompt, continue_final_message)``.
+
+    NOTE: ``add_generation_prompt`` defaults to true, or to false with ``continue_final_message``
+    (vLLM asks the client to turn it off; both set true stays an error, raised by the runtime).
+    """
+    cont = bool(continue_final_message)
+    return (not cont if add_generation_prompt is None else add_generation_prompt), cont
 
 
 class DetokenizeRequest(BaseModel):
@@ -1011,6 +1029,7 @@ __all__ = [
     "ToolsArg",
     "TopLogprob",
     "Usage",
+    "chat_ending",
     "chat_sampling_params",
     "check_json_tree",
     "completion_prompt",

@@ -51,7 +51,7 @@ T = TypeVar("T")
 #: :meth:`AgentRuntime.start_chat`'s keywords that :meth:`AgentRuntime.start_chat_choices` takes.
 _CHAT_OPTIONS = frozenset({
     "tools", "tool_choice", "response_format", "job_id", "is_last_step", "pinning", "ttl_rule",
-    "parallel_tool_calls", "add_generation_prompt",
+    "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
 })
 
 
@@ -273,6 +273,7 @@ class AgentRuntime:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str | list[int]:
         """Render a chat to prompt text with the model's template (validated).
 
@@ -280,6 +281,8 @@ class AgentRuntime:
             messages: OpenAI messages.
             tools: validated tool schemas.
             add_generation_prompt: end with the opening of an assistant turn.
+            continue_final_message: end inside the final message, for the model to go on
+                writing it (vLLM's; not with ``add_generation_prompt``).
 
         Returns:
             The prompt text, or its token ids when caller text spells special tokens (encoded
@@ -294,8 +297,13 @@ class AgentRuntime:
             why = f" ({loaded.tokenizer_source})" if loaded is not None else ""
             raise ValueError(f"messages: this model has no tokenizer/chat template{why}")
         validate_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: not with add_generation_prompt (send add_generation_prompt=false)")
         try:
-            return self.renderer.prompt(messages, tools or None, add_generation_prompt=add_generation_prompt)
+            return self.renderer.prompt(
+                messages, tools or None, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
         except ValueError as e:
             raise ValueError(f"messages: {e}") from None
 
@@ -307,6 +315,7 @@ class AgentRuntime:
         tools: ToolsArg = None,
         add_special_tokens: bool = False,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The token ids the engine would run for a prompt or a chat (vLLM's ``/tokenize``).
 
@@ -318,6 +327,7 @@ class AgentRuntime:
             add_special_tokens: let the tokenizer add its special tokens to ``prompt`` (the
                 engine never does).
             add_generation_prompt: end a chat with the opening of an assistant turn.
+            continue_final_message: end a chat inside its final message.
 
         Returns:
             The ids.
@@ -330,7 +340,7 @@ class AgentRuntime:
             raise ValueError("prompt: give a prompt or messages, not both")
         encoder = self._client.encoder
         if messages is not None:
-            rendered = self.render_chat(messages, normalize_tools(tools), add_generation_prompt)
+            rendered = self.render_chat(messages, normalize_tools(tools), add_generation_prompt, continue_final_message)
             if not isinstance(rendered, str):
                 return list(rendered)
             prompt, add_special_tokens = rendered, False
@@ -371,6 +381,7 @@ class AgentRuntime:
         ttl_rule: str | None = None,
         parallel_tool_calls: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> tuple[RequestStream, str]:
         """Validate, render and submit one chat turn.
 
@@ -390,6 +401,9 @@ class AgentRuntime:
             parallel_tool_calls: OpenAI's flag; False keeps the reply's first tool call only.
             add_generation_prompt: end the prompt with the opening of an assistant turn (vLLM's;
                 False lets the model go on from the chat as rendered).
+            continue_final_message: end the prompt inside the final message, without its end
+                of turn: the reply continues that message (vLLM's; an assistant prefix such as
+                ``{"answer":``; needs ``add_generation_prompt=False``).
 
         Returns:
             The stream and the normalised tool choice.
@@ -402,7 +416,7 @@ class AgentRuntime:
             messages, [params or SamplingParams()], tools=tools, tool_choice=tool_choice,
             response_format=response_format, job_id=job_id, is_last_step=is_last_step, request_id=request_id,
             pinning=pinning, ttl_rule=ttl_rule, parallel_tool_calls=parallel_tool_calls,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         )
         return streams[0], choice
 
@@ -437,7 +451,9 @@ class AgentRuntime:
         schemas = normalize_tools(options.get("tools"))
         choice = normalize_tool_choice(options.get("tool_choice", "auto"), schemas)
         fmt = normalize_response_format(options.get("response_format"), choice)
-        prompt = self.render_chat(messages, schemas, options.get("add_generation_prompt", True))
+        prompt = self.render_chat(
+            messages, schemas, options.get("add_generation_prompt", True), options.get("continue_final_message", False)
+        )
         parse = self.tool_call_format if schemas and choice != "none" else None
         streams: list[RequestStream] = []
         try:

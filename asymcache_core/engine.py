@@ -54,7 +54,7 @@ from asymcache_core.kv_stack import build_kv_stack
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.memory_budget import KVPoolPlan
 from asymcache_core.request import Request, RequestOutput, RequestStatus
-from asymcache_core.sampler import with_min_tokens_mask
+from asymcache_core.sampler import with_engine_processors
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import (
     RequestUpdate,
@@ -280,8 +280,13 @@ class Engine(AsyncSteps, JobControl):
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None and not hasattr(self.runner, "take_logprobs"):
                 raise ValueError(f"{name}: this backend computes no logits (the simulated runner)")
-        params = with_min_tokens_mask(params, self.eos_token_ids)
+        params = with_engine_processors(params, self.eos_token_ids)
         ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None:
+            # NOTE: vLLM's: the prompt's last tokens, before any length check; -1 keeps what leaves
+            # room for one generated token (vLLM's max_model_len would fail that check)
+            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
         validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"

@@ -35,7 +35,10 @@ def validate_request(
     bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
-    for name, token_ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+    for name, token_ids in (
+        ("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
         bad = next((t for t in token_ids if t >= vocab_size), None)
         if bad is not None:
             raise ValueError(f"{name}: token id {bad!r} is outside the vocabulary [0, {vocab_size})")

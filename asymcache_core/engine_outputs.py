@@ -129,7 +129,8 @@ def generate_blocking(
             encoded = engine.encode(prompt)  # type: ignore[arg-type]
             rid = engine.add_request(encoded, p, job_id=job_id)
             ids.append(rid)
-            prompt_ids[rid] = encoded
+            # NOTE: the request's own ids: ``truncate_prompt_tokens`` may have cut the encoded ones
+            prompt_ids[rid] = engine.requests[rid].prompt_token_ids
     except ValueError:
         for rid in ids:
             engine.abort(rid, emit=False)

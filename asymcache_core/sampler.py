@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 
@@ -74,12 +75,31 @@ class MinTokensMask:
         return logits
 
 
-def with_min_tokens_mask(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingParams:
-    """``params`` with a :class:`MinTokensMask` among its logits processors when it sets
-    ``min_tokens`` (unchanged otherwise).
+class AllowedTokensMask:
+    """A logits processor that leaves only ``allowed`` ids samplable (vLLM's
+    ``allowed_token_ids``).
 
-    NOTE: the ids that would end the request are banned until then, so they never reach the
-    scheduler's stop check; the processor runs on the host sampling path.
+    Args:
+        allowed: the ids that may be sampled (within the vocabulary).
+    """
+
+    def __init__(self, allowed: tuple[int, ...]) -> None:
+        self.allowed = torch.tensor(sorted(set(allowed)), dtype=torch.long)
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        keep = self.allowed[self.allowed < logits.numel()]
+        masked = torch.full_like(logits, float("-inf"))
+        masked[keep] = logits[keep]
+        return masked
+
+
+def with_engine_processors(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingParams:
+    """``params`` with the logits processors its own fields imply: a :class:`MinTokensMask`
+    when it sets ``min_tokens``, an :class:`AllowedTokensMask` with ``allowed_token_ids``
+    (unchanged otherwise).
+
+    NOTE: the ids that would end the request are banned until ``min_tokens``, so they never
+    reach the scheduler's stop check; the processors run on the host sampling path.
 
     Args:
         params: the request's parameters.
@@ -88,11 +108,15 @@ def with_min_tokens_mask(params: SamplingParams, eos_token_ids: frozenset[int]) 
     Returns:
         The parameters to run.
     """
-    if not params.min_tokens:
+    added: list[Any] = []
+    if params.allowed_token_ids is not None:
+        added.append(AllowedTokensMask(params.allowed_token_ids))
+    if params.min_tokens:
+        banned = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        added.append(MinTokensMask(params.min_tokens, banned))
+    if not added:
         return params
-    banned = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
-    mask = MinTokensMask(params.min_tokens, banned)
-    return dataclasses.replace(params, logits_processors=(*params.logits_processors, mask))
+    return dataclasses.replace(params, logits_processors=(*params.logits_processors, *added))
 
 
 class Sampler:

@@ -20,6 +20,8 @@ SEED_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+#: ``allowed_token_ids`` entries at most (a vocabulary's worth).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_LOGIT_BIAS_ENTRIES = 1024
 #: ``max_tokens`` beyond any context a model could hold (the engine checks the real limit).
 MAX_TOKENS_LIMIT = 1 << 24
@@ -91,6 +93,10 @@ class SamplingParams:
             end the request (vLLM's; the engine masks those ids until then; 0: off).
         include_stop_str_in_output: keep the stop string that ended the request at the end
             of its text (vLLM's; default: cut).
+        allowed_token_ids: sample only among these ids (vLLM's; the others' logits are
+            masked; ``None``: all).
+        truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's; -1: the
+            last ``max_model_len - 1``, room for one generated token; ``None``: the whole prompt).
     """
 
     max_tokens: int = 16
@@ -111,6 +117,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    allowed_token_ids: tuple[int, ...] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -152,6 +160,19 @@ class SamplingParams:
             raise ValueError(f"include_stop_str_in_output: must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.allowed_token_ids is not None:
+            allowed = tuple(self.allowed_token_ids) if not isinstance(self.allowed_token_ids, str | bytes) else ()
+            if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in allowed):
+                raise ValueError(
+                    f"allowed_token_ids: must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative token ids, or None"
+                )
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens: must be a positive integer, -1 or None, got {self.truncate_prompt_tokens!r}"
+            )
         if self.prompt_logprobs is not None and (
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
@@ -168,7 +189,7 @@ class SamplingParams:
         """Whether anything changes the logits before the token is picked."""
         return bool(
             self.logits_processors or self.logit_bias or self.presence_penalty or self.frequency_penalty
-            or self.repetition_penalty != 1.0 or self.min_tokens
+            or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids is not None
         )
 
 

@@ -128,10 +128,13 @@ class ChatChunks(Chunks):
 
     def __init__(
         self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
-        report_logprobs: bool = True, report_prompt_logprobs: bool = False,
+        report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         self.tools_possible = tools_possible
+        #: the body's content is the text as generated, not stripped: it continues a message
+        #: (``continue_final_message``), whose next character may be a space
+        self.raw_content = raw_content
 
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         return chat_logprobs(entries, self.texts) if self.report_logprobs and self.texts is not None else None
@@ -174,8 +177,11 @@ class ChatChunks(Chunks):
 
     def final_choice(self, final: StreamEvent) -> ChatCompletionChoice:
         turn = build_turn(self.stream, final)
+        message = dict(turn.message)
+        if self.raw_content and not turn.parsed.tool_calls:
+            message["content"] = final.output.text
         return ChatCompletionChoice(
-            index=self.index, message=ChatMessage.model_validate(turn.message), finish_reason=turn.finish_reason,
+            index=self.index, message=ChatMessage.model_validate(message), finish_reason=turn.finish_reason,
             logprobs=self._logprobs(final.output.logprobs or []),
         )
 
@@ -190,6 +196,8 @@ class CompletionChunks(Chunks):
         return_ids: vLLM's ``return_token_ids``.
         echo: the prompt's text to put first (``None``: no echo).
         echo_only: ``max_tokens: 0`` with echo: the token the engine sampled is left out.
+
+    ``echo`` may be set after construction, before the first event is handled.
     """
 
     def __init__(
@@ -201,7 +209,7 @@ class CompletionChunks(Chunks):
         self.num_top = num_top
         self.return_ids = return_ids
         self.echo = echo
-        self.echo_only = echo_only and echo is not None
+        self.echo_only = echo_only
         #: ``text_offset`` of the next token whose log probabilities go out
         self.offset = 0
         self.started = False

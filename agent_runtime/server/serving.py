@@ -39,6 +39,7 @@ from agent_runtime.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     Usage,
+    chat_ending,
     parse_json_body,
     parse_request,
 )
@@ -92,7 +93,7 @@ async def tokenize(request: Request) -> JSONResponse:
     try:
         ids = await rt.tokenize(req.prompt, messages=req.messages, tools=req.tools,
                                 add_special_tokens=req.add_special_tokens,
-                                add_generation_prompt=req.add_generation_prompt)
+                                add_generation_prompt=req.chat_ending[0], continue_final_message=req.chat_ending[1])
     except ValueError as e:
         raise from_value_error(e, "prompt" if req.messages is None else "messages") from None
     state.metrics.count("/tokenize", 200)
@@ -123,7 +124,7 @@ async def chat_completions(request: Request) -> Response:
     if req.prompt_logprobs is not None and req.streaming:
         raise APIError(400, "prompt_logprobs: not served on a streamed chat completion (vLLM's body field); "
                        "use stream=false or /v1/completions", param="prompt_logprobs")
-    texts = _token_texts(state, params)
+    texts = _token_texts(state, params, req.return_tokens_as_token_ids)
     try:
         streams, choice = await rt.start_chat_choices(
             req.messages,  # validated in depth by the runtime (ValueError names the field)
@@ -134,13 +135,15 @@ async def chat_completions(request: Request) -> Response:
             job_id=req.job_id,
             is_last_step=req.last_step,
             parallel_tool_calls=req.parallel_tool_calls is not False,
-            add_generation_prompt=req.add_generation_prompt is not False,
+            add_generation_prompt=chat_ending(req.add_generation_prompt, req.continue_final_message)[0],
+            continue_final_message=bool(req.continue_final_message),
         )
     except ValueError as e:
         raise from_value_error(e, "messages") from None
     tools_possible = bool(req.tools) and choice != "none"
     chunks: list[Chunks] = [
-        ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None)
+        ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None,
+                   raw_content=bool(req.continue_final_message))
         for i, s in enumerate(streams)
     ]
     return await _respond(request, state, req, chunks, _CHAT)
@@ -151,14 +154,11 @@ async def completions(request: Request) -> Response:
     state, req = await _parse(request, CompletionRequest)
     rt = state.require_runtime()
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
-    texts = _token_texts(state, params)
+    texts = _token_texts(state, params, req.return_tokens_as_token_ids)
     chunks: list[Chunks] = []
     try:
         # NOTE: the choices share one prompt: a text is encoded once, not once a choice
         prompt = await rt.tokenize(req.prompt) if req.num_choices > 1 and isinstance(req.prompt, str) else req.prompt
-        echo = None
-        if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) else await rt.detokenize(req.prompt)
         for index, choice_params in enumerate(choice_sampling_params(params, req.num_choices)):
             # A job's non-last completion is followed by a tool pause (Continuum's API): pin as
             # after a tool call, attributing the pause to ``tool_name`` when the client names it.
@@ -170,8 +170,17 @@ async def completions(request: Request) -> Response:
             chunks.append(CompletionChunks(
                 stream, index, texts, params.logprobs or 0, return_ids=req.return_token_ids is True,
                 report_logprobs=params.logprobs is not None, report_prompt_logprobs=req.prompt_logprobs is not None,
-                echo=echo, echo_only=req.echo_only,
+                echo_only=req.echo_only,
             ))
+        if req.echo:
+            # NOTE: the prompt as given, or as the engine runs it (token ids, or cut by
+            # ``truncate_prompt_tokens``)
+            ids = chunks[0].stream.prompt_token_ids
+            echo = req.prompt if isinstance(req.prompt, str) and req.truncate_prompt_tokens is None else None
+            echo = echo if echo is not None else await rt.detokenize(ids)
+            for chunk in chunks:
+                assert isinstance(chunk, CompletionChunks)
+                chunk.echo = echo
     except ValueError as e:
         _abort_all(chunks)
         raise from_value_error(e, "prompt") from None
@@ -197,9 +206,12 @@ def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParam
             for i in range(n)]
 
 
-def _token_texts(state: AppState, params: SamplingParams) -> TokenTexts | None:
-    """The token decoder when the response reports log probabilities (else None)."""
-    return state.token_texts() if params.logprobs is not None or params.prompt_logprobs is not None else None
+def _token_texts(state: AppState, params: SamplingParams, as_ids: bool | None) -> TokenTexts | None:
+    """The token decoder when the response reports log probabilities (else None); with vLLM's
+    ``return_tokens_as_token_ids``, tokens read ``token_id:<id>``."""
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return None
+    return TokenTexts(None) if as_ids else state.token_texts()
 
 
 def _abort_all(chunks: list[Chunks]) -> None:

@@ -1,0 +1,126 @@
+"""vLLM's request options over HTTP: ``continue_final_message`` (the chat rendered open inside
+its final message, the reply its continuation; also in Python), ``allowed_token_ids``,
+``truncate_prompt_tokens`` and ``return_tokens_as_token_ids``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from agent_runtime.runtime import AgentRuntime
+from asymcache_core import SamplingParams
+from tests.agent_runtime.test_server import MODEL, live  # noqa: F401 - the fixture
+from tests.conftest import make_engine
+
+PREFIX = 'The capital of France is'
+MESSAGES = [{"role": "user", "content": "What is the capital of France? One sentence."},
+            {"role": "assistant", "content": PREFIX}]
+
+
+def _post(live, path: str, body: dict) -> httpx.Response:  # noqa: F811 - the fixture's value
+    return httpx.post(f"{live.base}{path}", json=body, timeout=120)
+
+
+def test_continue_final_message_continues_the_assistant_prefix(live):  # noqa: F811
+    ids = _post(live, "/tokenize", {"messages": MESSAGES, "continue_final_message": True}).json()["tokens"]
+    closed = _post(live, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()["tokens"]
+    text = _post(live, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text.endswith(PREFIX) and len(closed) > len(ids) and closed[: len(ids) - 1] == ids[:-1]
+    chat = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 8,
+                                                "continue_final_message": True, "add_generation_prompt": False})
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    plain = _post(live, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 8}).json()
+    assert body["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    # add_generation_prompt left out reads as false with continue_final_message (vLLM needs it sent)
+    again = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 8,
+                                                 "continue_final_message": True}).json()
+    assert again["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]
+    live.check()
+
+
+def test_continue_final_message_with_the_generation_prompt_is_a_400(live):  # noqa: F811
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}), ("/tokenize", {"messages": MESSAGES})):
+        r = _post(live, path, {**body, "continue_final_message": True, "add_generation_prompt": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    assert live.engine(lambda e: e.has_unfinished()) is False
+    live.check()
+
+
+def test_continue_final_message_in_python(smollm, live):  # noqa: F811
+    async def main():
+        runtime = AgentRuntime(make_engine(smollm))
+        try:
+            stream, _ = await runtime.start_chat(
+                MESSAGES, params=SamplingParams(max_tokens=8), add_generation_prompt=False, continue_final_message=True
+            )
+            final = await stream.result()
+            ids = await runtime.tokenize(messages=MESSAGES, add_generation_prompt=False, continue_final_message=True)
+            try:
+                await runtime.start_chat(MESSAGES, continue_final_message=True)
+            except ValueError as e:
+                refused = str(e)
+            return final, ids, refused
+        finally:
+            await runtime.close()
+
+    final, ids, refused = asyncio.run(main())
+    assert final.output.num_prompt_tokens == len(ids) and final.output.text
+    assert refused.startswith("continue_final_message:")
+    served = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 8,
+                                                  "continue_final_message": True}).json()
+    assert served["choices"][0]["message"]["content"] == final.output.text
+
+
+def test_allowed_token_ids_restrict_the_sampled_tokens(live):  # noqa: F811
+    base = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 6, "ignore_eos": True,
+            "return_token_ids": True}
+    greedy = _post(live, "/v1/completions", base).json()["choices"][0]["token_ids"]
+    allowed = [11, 4096, greedy[0]]
+    for extra in ({}, {"temperature": 1.0, "seed": 3}):
+        r = _post(live, "/v1/completions", {**base, **extra, "allowed_token_ids": allowed, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        tokens = r.json()["choices"][0]["token_ids"]
+        assert len(tokens) == 6 and set(tokens) <= set(allowed)
+    # the greedy first token is allowed, so it is still the first pick
+    assert tokens and _post(live, "/v1/completions", {**base, "allowed_token_ids": allowed}).json()[
+        "choices"][0]["token_ids"][0] == greedy[0]
+    for bad in ([], [-1], [10**9], "12"):
+        r = _post(live, "/v1/completions", {**base, "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    live.check()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(live):  # noqa: F811
+    ids = list(range(300, 350))
+    base = {"model": MODEL, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    cut = _post(live, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": 10}).json()
+    tail = _post(live, "/v1/completions", {**base, "prompt": ids[-10:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 10 and cut["choices"][0]["prompt_token_ids"] == ids[-10:]
+    assert cut["choices"][0]["token_ids"] == tail["choices"][0]["token_ids"]
+    whole = _post(live, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == 50
+    echoed = _post(live, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": 10, "echo": True})
+    text = _post(live, "/detokenize", {"tokens": ids[-10:]}).json()["prompt"]
+    assert echoed.json()["choices"][0]["text"].startswith(text)
+    chat = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES[:1], "max_tokens": 2,
+                                                "truncate_prompt_tokens": 5}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+    for bad in (0, -2, "5"):
+        r = _post(live, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    live.check()
+
+
+def test_return_tokens_as_token_ids_in_log_probabilities(live):  # noqa: F811
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "logprobs": 2,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = _post(live, "/v1/completions", body).json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    chat = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES[:1], "max_tokens": 3,
+                                                "logprobs": True, "return_tokens_as_token_ids": True}).json()
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+    live.check()

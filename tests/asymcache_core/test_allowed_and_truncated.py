@@ -1,0 +1,61 @@
+"""vLLM's ``allowed_token_ids`` and ``truncate_prompt_tokens`` on the engine with the real
+SmolLM2: the mask, the greedy pick among the allowed ids, the prompt's kept end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asymcache_core import SamplingParams
+from asymcache_core.sampler import AllowedTokensMask
+from tests.conftest import make_engine
+
+PROMPT = list(range(300, 348))
+
+
+@pytest.mark.parametrize("bad", [(), [-1], [1.5], "abc", [True]])
+def test_bad_allowed_token_ids_are_a_value_error_naming_the_field(bad):
+    with pytest.raises(ValueError, match="^allowed_token_ids:"):
+        SamplingParams(allowed_token_ids=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.0, True])
+def test_bad_truncate_prompt_tokens_are_a_value_error_naming_the_field(bad):
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens:"):
+        SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_allowed_tokens_mask_keeps_only_the_allowed_logits():
+    logits = torch.arange(10, dtype=torch.float32)
+    out = AllowedTokensMask((2, 5, 5, 99))(  # a duplicate and an id past the vocabulary
+        [], logits.clone()
+    )
+    assert out[2] == 2.0 and out[5] == 5.0 and torch.isinf(out[[0, 1, 3, 4, 6, 7, 8, 9]]).all()
+
+
+def test_greedy_picks_the_likeliest_allowed_token(smollm):
+    engine = make_engine(smollm)
+    (plain,) = engine.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=20))
+    top = [t for t, _ in plain.logprobs[0].top]
+    allowed = (top[7], top[3], 4000)  # the 4th likeliest is the best of these
+    (out,) = engine.generate([PROMPT], SamplingParams(max_tokens=1, allowed_token_ids=allowed, logprobs=0))
+    assert out.token_ids == [top[3]] and out.logprobs[0].rank == 4  # log probabilities stay raw
+    (hot,) = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=2.0, seed=1, ignore_eos=True,
+                                                      allowed_token_ids=allowed))
+    assert set(hot.token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="^allowed_token_ids:"):
+        engine.add_request(PROMPT, SamplingParams(allowed_token_ids=(10**7,)))
+    engine.check_integrity()
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_end(smollm):
+    engine = make_engine(smollm, max_model_len=64)
+    (cut,) = engine.generate([PROMPT], SamplingParams(max_tokens=4, truncate_prompt_tokens=12))
+    (tail,) = engine.generate([PROMPT[-12:]], SamplingParams(max_tokens=4))
+    assert cut.prompt_token_ids == PROMPT[-12:] and cut.token_ids == tail.token_ids
+    # -1: the last max_model_len - 1 tokens, so a prompt too long for the model still runs
+    long = list(range(300, 400))
+    with pytest.raises(ValueError, match="^prompt:"):
+        engine.add_request(long, SamplingParams(max_tokens=1))
+    (fit,) = engine.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
+    assert fit.prompt_token_ids == long[-63:] and len(fit.token_ids) == 1
