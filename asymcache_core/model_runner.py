@@ -41,6 +41,8 @@ class StepInputs(NamedTuple):
             ``logits_rows`` in the forward pass's logits).
         prompt_spans: ``(sequence, first position, count)`` of each run of ``prompt_rows``,
             in their order.
+        prompt_targets: each prompt row's next prompt token (whose log probability it gives).
+        prompt_num_top: alternatives each prompt row reports.
     """
 
     input_ids: list[int]
@@ -55,11 +57,32 @@ class StepInputs(NamedTuple):
     pending_inputs: tuple[tuple[int, str], ...] = ()
     prompt_rows: tuple[int, ...] = ()
     prompt_spans: tuple[tuple[int, int, int], ...] = ()
+    prompt_targets: tuple[int, ...] = ()
+    prompt_num_top: tuple[int, ...] = ()
 
     @property
     def all_logits_rows(self) -> list[int]:
         """The rows the forward pass computes logits for: the sampled, then the prompt's."""
         return self.logits_rows + list(self.prompt_rows) if self.prompt_rows else self.logits_rows
+
+
+class ForwardOutput(NamedTuple):
+    """What a step's forward pass gives.
+
+    Attributes:
+        logits: ``[len(logits_rows), vocab]`` float32, the sampled rows' logits.
+        prompt: the prompt rows' log probabilities (on the logits' device), ``None`` without
+            prompt rows.
+    """
+
+    logits: torch.Tensor
+    prompt: LogprobTensors | None = None
+
+
+#: Prompt rows whose logits are computed at once: a step's prompt log probabilities go through
+#: the vocabulary head in slices of this many rows, so that an 8,192-token chunk of a 128k
+#: vocabulary needs 0.5 GB of float32 logits at a time, not 4 GB.
+PROMPT_LOGITS_SLICE = 1024
 
 
 class PendingPromptLogprobs(NamedTuple):
@@ -176,6 +199,8 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
     pending: list[tuple[int, str]] = []
     prompt_rows: list[int] = []
     prompt_spans: list[tuple[int, int, int]] = []
+    prompt_targets: list[int] = []
+    prompt_num_top: list[int] = []
     for seq, item in enumerate(plan.scheduled):
         request = item.request
         table = request.block_ids
@@ -189,6 +214,8 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
                 if lo < hi:
                     prompt_rows.extend(range(len(input_ids) + lo - start, len(input_ids) + hi - start))
                     prompt_spans.append((seq, lo, hi - lo))
+                    prompt_targets.extend(request.prompt_token_ids[lo + 1 : hi + 1])
+                    prompt_num_top.extend([request.params.prompt_logprobs or 0] * (hi - lo))
             segments.append((seq, len(input_ids), end - start, start))
             input_ids.extend(tokens[start:end])
             if end > len(tokens):
@@ -208,7 +235,7 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
         array = rows.build([item.request for item in plan.scheduled], table_width(tables))
     return StepInputs(
         input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only, array,
-        tuple(pending), tuple(prompt_rows), tuple(prompt_spans),
+        tuple(pending), tuple(prompt_rows), tuple(prompt_spans), tuple(prompt_targets), tuple(prompt_num_top),
     )
 
 
@@ -318,34 +345,39 @@ class ModelRunner:
             raise ValueError("execute: the plan has tokens still in flight; use launch()")
         return self.finish_forward(plan, inputs, self.forward(inputs))
 
-    def finish_forward(self, plan: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor) -> dict[str, int]:
-        """Records the prompt log probabilities of a synchronous step's logits and samples its
-        rows (:meth:`execute`'s end, shared with the tensor-parallel runner)."""
-        prompt = self._prompt_logprob_tensors(plan, inputs, logits)
+    def finish_forward(self, plan: SchedulerOutput, inputs: StepInputs, out: ForwardOutput) -> dict[str, int]:
+        """Records the prompt log probabilities of a synchronous step and samples its rows
+        (:meth:`execute`'s end, shared with the tensor-parallel runner)."""
+        prompt = self._pending_prompt_logprobs(plan, inputs, out)
         if prompt is not None:
             self._record_prompt_logprobs(prompt)
-        return self._sample(plan, inputs.sample_index, logits[: len(inputs.logits_rows)])
+        return self._sample(plan, inputs.sample_index, out.logits)
 
-    def _prompt_logprob_tensors(
-        self, plan: SchedulerOutput, inputs: StepInputs, logits: torch.Tensor
+    def _pending_prompt_logprobs(
+        self, plan: SchedulerOutput, inputs: StepInputs, out: ForwardOutput
     ) -> PendingPromptLogprobs | None:
-        """The prompt rows' log probabilities, queued where the logits are and copied to the
-        host without blocking (``None``: the step has no prompt row)."""
-        if not inputs.prompt_spans:
+        """The prompt rows' log probabilities, copied to the host without blocking (``None``:
+        the step has no prompt row)."""
+        if out.prompt is None:
             return None
-        spans: list[tuple[str, int, int]] = []
-        targets: list[int] = []
-        num_top: list[int] = []
-        for seq, start, count in inputs.prompt_spans:
-            request = plan.scheduled[seq].request
-            spans.append((request.request_id, start, count))
-            targets.extend(request.prompt_token_ids[start + 1 : start + 1 + count])
-            num_top.extend([request.params.prompt_logprobs or 0] * count)
-        ids = torch.tensor(targets, dtype=torch.long).to(self.device, non_blocking=True)
-        tensors = logprob_tensors(logits[len(inputs.logits_rows) :], ids, max(num_top))
+        spans = [(plan.scheduled[seq].request.request_id, start, count) for seq, start, count in inputs.prompt_spans]
         return PendingPromptLogprobs(
-            spans, targets, num_top, tensors.to(torch.device("cpu"), pin=self.device.type == "cuda")
+            spans, list(inputs.prompt_targets), list(inputs.prompt_num_top),
+            out.prompt.to(torch.device("cpu"), pin=self.device.type == "cuda"),
         )
+
+    def _prompt_tensors(self, h: torch.Tensor, residual: torch.Tensor, inputs: StepInputs) -> LogprobTensors:
+        """The prompt rows' log probabilities from their final hidden state, through the
+        vocabulary head :data:`PROMPT_LOGITS_SLICE` rows at a time (never every row's logits
+        at once)."""
+        targets = torch.tensor(inputs.prompt_targets, dtype=torch.long).to(self.device, non_blocking=True)
+        k = max(inputs.prompt_num_top)
+        parts: list[LogprobTensors] = []
+        for lo in range(0, h.shape[0], PROMPT_LOGITS_SLICE):
+            hi = lo + PROMPT_LOGITS_SLICE
+            logits = self.model.compute_logits(h[lo:hi], residual[lo:hi], None, self.backend.dense)
+            parts.append(logprob_tensors(logits, targets[lo:hi], k))
+        return LogprobTensors(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
     def _record_prompt_logprobs(self, pending: PendingPromptLogprobs) -> None:
         for rid, parts in pending.entries().items():
@@ -372,9 +404,9 @@ class ModelRunner:
             dst = torch.tensor([i for i, _ in inputs.pending_inputs], dtype=torch.long).to(self.device, non_blocking=True)
             src = torch.tensor([previous.rows[rid] for _, rid in inputs.pending_inputs], dtype=torch.long)
             fill = (dst, previous.tokens[src.to(self.device, non_blocking=True)])
-        logits = self.forward(inputs, fill)
-        prompt = self._prompt_logprob_tensors(plan, inputs, logits)
-        logits = logits[: len(inputs.logits_rows)]
+        out = self.forward(inputs, fill)
+        prompt = self._pending_prompt_logprobs(plan, inputs, out)
+        logits = out.logits
         requests = [plan.scheduled[i].request for i in inputs.sample_index]
         rows = {r.request_id: row for row, r in enumerate(requests)}
         if not requests or not all(self.sampler.on_device(r.params) for r in requests):
@@ -421,11 +453,13 @@ class ModelRunner:
         return dict(zip(step.rows, tokens, strict=True))
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The step's forward pass: ``[len(inputs.all_logits_rows), vocab]`` float32 logits.
+    def forward(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOutput:
+        """The step's forward pass: the sampled rows' logits and the prompt rows' log
+        probabilities.
 
         Decode-only steps replay a CUDA graph where one is captured; other steps run the
-        piecewise graphs, else eagerly.
+        piecewise graphs, else eagerly. With prompt rows, the pass stops before the vocabulary
+        head and the rows go through it in slices (:meth:`_prompt_tensors`).
 
         Args:
             inputs: the packed step.
@@ -439,7 +473,7 @@ class ModelRunner:
             )
             logits = self.decode_graphs.run(batch, fill)
             if logits is not None:
-                return logits
+                return ForwardOutput(logits)
         meta = build_msa_metadata(
             inputs.block_tables, inputs.segments, inputs.slots, self.block_size, self.device, inputs.block_table_array
         )
@@ -447,23 +481,26 @@ class ModelRunner:
         # table and its copy to the device) is shared by all layers.
         meta = self.backend.prepare(meta, self.num_q_heads, self.num_kv_heads, self.loaded.config.head_dim)
         dev = self.device
+        hidden = bool(inputs.prompt_rows)
         rows = torch.tensor(inputs.all_logits_rows, dtype=torch.long).to(dev, non_blocking=True)
-        logits = None
+        out = None
         if self.mixed_graphs is not None:
-            logits = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, meta, rows, fill)
-        if logits is None:
+            out = self.mixed_graphs.run(inputs.input_ids, inputs.positions, inputs.slots, meta, rows, fill, hidden)
+        if out is None:
             input_ids = torch.tensor(inputs.input_ids, dtype=torch.long).to(dev, non_blocking=True)
             if fill is not None:
                 input_ids.index_copy_(0, *fill)
-            logits = self.model(
-                input_ids,
-                torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
-                self.kv_caches,
-                meta,
-                self.backend,
-                rows,
+            args = (
+                input_ids, torch.tensor(inputs.positions, dtype=torch.long).to(dev, non_blocking=True),
+                self.kv_caches, meta, self.backend, rows,
             )
-        return logits
+            out = self.model.final_hidden(*args) if hidden else self.model(*args)
+        if not hidden:
+            return ForwardOutput(out)
+        h, residual = out
+        n = len(inputs.logits_rows)
+        logits = self.model.compute_logits(h[:n], residual[:n], None, self.backend.dense)
+        return ForwardOutput(logits, self._prompt_tensors(h[n:], residual[n:], inputs))
 
     def _sample(self, plan: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> dict[str, int]:
         """Samples one token per row of ``logits`` for ``plan.scheduled[sample_index[row]]``."""

@@ -171,7 +171,8 @@ class PiecewiseGraphs:
         meta: MSAMetadata,
         logits_rows: torch.Tensor,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
+        hidden: bool = False,
+    ) -> Any:
         """Runs one step through the pieces of the smallest size that fits.
 
         Args:
@@ -182,9 +183,12 @@ class PiecewiseGraphs:
             logits_rows: ``[R]`` device rows whose logits are needed.
             fill: ``(rows, tokens)`` on the device: input ids written after ``input_ids`` (the
                 tokens a step still in flight samples, async scheduling).
+            hidden: return the rows' final ``(h, residual)`` instead of their logits
+                (:meth:`~asymcache_core.models.llama.LlamaForCausalLM.final_hidden`).
 
         Returns:
-            ``[R, vocab]`` float32 logits, or ``None`` when the step is larger than any size.
+            ``[R, vocab]`` float32 logits (or the hidden pair), or ``None`` when the step is
+            larger than any size.
         """
         num = len(input_ids)
         size = self.size_for(num)
@@ -204,4 +208,6 @@ class PiecewiseGraphs:
             o = self.backend.attend(self.query[:num], kv[index][0], kv[index][1], meta, self.scale)
             self.attn_out[:num].copy_(o.reshape(num, -1))
             pieces[index + 1]()
+        if hidden:
+            return state["h"][logits_rows], state["residual"][logits_rows]
         return self.model.compute_logits(state["h"], state["residual"], logits_rows, self.backend.dense)

@@ -401,12 +401,12 @@ class TensorParallelRunner(ModelRunner):
         landed, self._landed = sorted(self._landed), set()
         self.workers.send("step", (inputs, landed))
         try:
-            logits = self.forward(inputs)
+            out = self.forward(inputs)
         except RuntimeError as exc:
             # NOTE: no fault isolation across ranks: the others are inside this step's
             # collectives, so the group is out of step whatever failed here.
             raise self.workers.step_failed(exc) from exc
-        return self.finish_forward(plan, inputs, logits)
+        return self.finish_forward(plan, inputs, out)
 
     def transfer_kv(self, transfers: KVTransfers) -> None:
         self.workers.send("transfer", transfers)

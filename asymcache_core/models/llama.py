@@ -210,6 +210,24 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             ``[len(logits_indices), vocab]`` float32 logits.
         """
+        h, residual = self.final_hidden(input_ids, positions, kv_caches, meta, backend, logits_indices)
+        return self.compute_logits(h, residual, None, backend.dense)
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: MSAMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs one step up to the final norm: :meth:`forward` without the vocabulary head.
+
+        Returns:
+            ``(h, residual)`` of the rows ``logits_indices``, each ``[len(logits_indices),
+            hidden]``: what :meth:`compute_logits` takes (with ``None`` indices).
+        """
         h = self.embed(input_ids)
         rope = self.rotary.tables(positions, h.dtype)
         residual: torch.Tensor | None = None
@@ -226,7 +244,9 @@ class LlamaForCausalLM(nn.Module):
                 o, residual, rows = o[logits_indices], residual[logits_indices], None
             h, residual = self.post_attention(index, o, residual, backend.dense)
         assert residual is not None
-        return self.compute_logits(h, residual, rows, backend.dense)
+        if rows is not None:
+            h, residual = h[rows], residual[rows]
+        return h, residual
 
     # NOTE: the step is split at attention so that piecewise CUDA graphs
     # (asymcache_core.piecewise_graphs) can capture everything between two attention calls;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asymcache_core import Engine, EngineConfig, SamplingParams
+from asymcache_core import Engine, EngineConfig, SamplingParams, model_runner
 from asymcache_core.logprobs import MAX_LOGPROBS, TokenLogprob
 from asymcache_core.request import Request
 from tests.conftest import StepClock, make_engine
@@ -183,3 +183,13 @@ def test_prompt_logprobs_on_the_gpu_async_chunked_and_not_agree() -> None:
         for a, b in zip(results[0], outs, strict=True):
             assert a.token_ids == b.token_ids
             _same(a.prompt_logprobs, b.prompt_logprobs)
+
+
+def test_prompt_rows_through_the_head_in_slices_give_the_same_entries(smollm, monkeypatch):
+    # NOTE: the prompt rows' logits are computed a slice at a time; slices of 7 rows (a prompt
+    # of 106 rows in 16 slices, the last one short) give the entries of a single slice
+    (whole,) = make_engine(smollm).generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=4))
+    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_SLICE", 7)
+    (sliced,) = make_engine(smollm).generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=4))
+    assert sliced.token_ids == whole.token_ids
+    _same(sliced.prompt_logprobs, whole.prompt_logprobs)

@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asymcache_core import Engine, EngineDeadError
+from asymcache_core import Engine, EngineDeadError, SamplingParams
 from asymcache_core.models import ModelConfig
 from asymcache_core.parallel import TensorParallelGroup, plan_tensor_shards, shard_parameter
 from tests.asymcache_core.test_holes_and_policies import TURN, run_script
-from tests.conftest import StepClock
+from tests.conftest import StepClock, make_engine
 
 MODEL = "smollm2-135m"
 
@@ -194,6 +194,20 @@ def test_tp2_gives_the_greedy_tokens_of_one_rank_under_a_tight_pool_with_holes_a
     assert stats.host_reloaded_blocks_total > 0
     tp_engine.check_integrity()
     assert tp_engine.runner.kv_cache.shape[-2] == 2  # rank 0 holds 2 of the 3 KV heads
+
+
+def test_tp2_prompt_logprobs_match_one_rank(tp_engine, smollm) -> None:
+    # NOTE: the prompt rows go through the vocabulary-parallel head on both ranks (the same
+    # slices, so the ranks' gathers pair up)
+    prompt = list(range(300, 340))
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    (ours,) = tp_engine.generate([prompt], params)
+    (one,) = make_engine(smollm).generate([prompt], params)
+    assert ours.token_ids == one.token_ids and len(ours.prompt_logprobs) == len(prompt)
+    for a, b in zip(ours.prompt_logprobs[1:], one.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    tp_engine.check_integrity()
 
 
 def test_a_dead_rank_fails_the_engine_loudly_and_the_server_answers_503(tp_engine) -> None:
