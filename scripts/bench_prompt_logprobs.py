@@ -64,11 +64,12 @@ def main() -> None:
             tokens.setdefault(variant, []).extend(out)
     off = statistics.median(samples[None])
     print(f"{args.model} on {args.device}: batch {args.batch} x {args.prompt}-token prompts, {args.rounds} rounds")
-    print("| prompt_logprobs | prefill ms | vs off |")
-    print("|---|---:|---:|")
+    print("| prompt_logprobs | prefill ms (median) | vs off | min ms | max ms |")
+    print("|---|---:|---:|---:|---:|")
     for variant in VARIANTS:
         ms = statistics.median(samples[variant]) * 1e3
-        print(f"| {'off' if variant is None else variant} | {ms:.1f} | {ms / (off * 1e3):.3f}x |")
+        lo, hi = min(samples[variant]) * 1e3, max(samples[variant]) * 1e3
+        print(f"| {'off' if variant is None else variant} | {ms:.1f} | {ms / (off * 1e3):.3f}x | {lo:.1f} | {hi:.1f} |")
     print("tokens equal:", all(tokens[v] == tokens[None] for v in VARIANTS))
 
 
