@@ -465,7 +465,8 @@ class AgentRuntime:
                     ttl_rule=options.get("ttl_rule"),
                     max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
                 ))
-        except ValueError:
+        except BaseException:
+            # NOTE: rejected, or the caller cancelled between two submits: none runs on alone
             for stream in streams:
                 stream.abort()
             raise

@@ -184,6 +184,10 @@ async def completions(request: Request) -> Response:
     except ValueError as e:
         _abort_all(chunks)
         raise from_value_error(e, "prompt") from None
+    except BaseException:
+        # NOTE: the client left (cancelled) between two submits: no choice may run on alone
+        _abort_all(chunks)
+        raise
     return await _respond(request, state, req, chunks, _COMPLETION)
 
 

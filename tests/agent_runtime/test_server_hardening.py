@@ -460,3 +460,21 @@ def test_an_exception_in_the_model_step_fails_only_its_culprit_and_serving_goes_
             assert last["choices"][0]["finish_reason"] == "length"
     srv.clean()
     assert _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2}).status_code == 200
+
+
+def test_a_completion_cancelled_between_its_choices_leaves_none_running(srv, monkeypatch):
+    # NOTE: the echoed prompt is decoded after the choices are submitted; a client gone there
+    # (the handler cancelled) must abort the choices already running
+    async def gone(token_ids):
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(srv.runtime, "detokenize", gone)
+    body = {"model": MODEL, "prompt": list(range(300, 340)), "n": 3, "echo": True, "max_tokens": 900,
+            "ignore_eos": True}
+    with contextlib.suppress(httpx.HTTPError):
+        _post(srv, body, "/v1/completions")
+    deadline = time.monotonic() + 5  # 3 x 900 tokens would run for minutes on a CPU
+    while srv.runtime.call_threadsafe(lambda e: e.has_unfinished()).result(timeout=30):
+        assert time.monotonic() < deadline, "choices left running"
+        time.sleep(0.1)
+    srv.runtime.call_threadsafe(lambda e: e.check_integrity()).result(timeout=30)
