@@ -82,7 +82,9 @@ def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now:
     params = request.params
     detok = request.detok
     before = len(detok.text)
-    new = detokenize_incrementally(tokenizer, request.output_token_ids, detok, final=request.finished)
+    new = detokenize_incrementally(
+        tokenizer, _text_token_ids(request), detok, final=request.finished, skip_special_tokens=params.skip_special_tokens
+    )
     request.text = detok.text
     if not (new and params.stop) or len(request.output_token_ids) < params.min_tokens:
         return
@@ -100,8 +102,28 @@ def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now:
 
 def flush_text(tokenizer: Any, request: Request) -> None:
     """Decodes what an unfinished character held back, for a request that ends early (abort)."""
-    detokenize_incrementally(tokenizer, request.output_token_ids, request.detok, final=True)
+    detokenize_incrementally(
+        tokenizer, _text_token_ids(request), request.detok, final=True,
+        skip_special_tokens=request.params.skip_special_tokens,
+    )
     request.text = request.detok.text
+
+
+def _text_token_ids(request: Request) -> list[int]:
+    """The output tokens its text is decoded from.
+
+    NOTE: the EOS or stop token id that ended the request is left out of the text, as vLLM's
+    detokenizer leaves it (kept with ``include_stop_str_in_output``): with special tokens
+    skipped an EOS has no text anyway, but a stop id may be a plain token, and with
+    ``skip_special_tokens=False`` the EOS would read ``<|im_end|>``.
+    """
+    ids = request.output_token_ids
+    if (
+        request.status is RequestStatus.FINISHED_STOPPED and isinstance(request.stop_reason, int)
+        and not request.params.include_stop_str_in_output
+    ):
+        return ids[:-1]
+    return ids
 
 
 def generate_blocking(

@@ -95,6 +95,9 @@ class SamplingParams:
             of its text (vLLM's; default: cut).
         allowed_token_ids: sample only among these ids (vLLM's; the others' logits are
             masked; ``None``: all).
+        skip_special_tokens: leave special tokens out of the text (vLLM's default); False
+            keeps them (the token that ended the request stays out unless
+            ``include_stop_str_in_output``).
         truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's; -1: the
             last ``max_model_len - 1``, room for one generated token; ``None``: the whole prompt).
     """
@@ -119,6 +122,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -160,6 +164,8 @@ class SamplingParams:
             raise ValueError(f"include_stop_str_in_output: must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens: must be a boolean, got {self.skip_special_tokens!r}")
         if self.allowed_token_ids is not None:
             allowed = tuple(self.allowed_token_ids) if not isinstance(self.allowed_token_ids, str | bytes) else ()
             if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in allowed):

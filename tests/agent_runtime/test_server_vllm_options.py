@@ -124,3 +124,15 @@ def test_return_tokens_as_token_ids_in_log_probabilities(live):  # noqa: F811
                                                 "logprobs": True, "return_tokens_as_token_ids": True}).json()
     assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
     live.check()
+
+
+def test_skip_special_tokens_false_shows_them_in_the_text(live):  # noqa: F811
+    chat = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    ids = _post(live, "/tokenize", {"messages": chat}).json()["tokens"]
+    base = {"model": MODEL, "prompt": ids, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
+    hidden = _post(live, "/v1/completions", base).json()["choices"][0]
+    shown = _post(live, "/v1/completions", {**base, "skip_special_tokens": False}).json()["choices"][0]
+    assert shown["token_ids"] == hidden["token_ids"]
+    assert "<|im_end|>" in shown["text"] and "<|im_end|>" not in hidden["text"]
+    assert shown["text"] == _post(live, "/detokenize", {"tokens": shown["token_ids"]}).json()["prompt"]
+    live.check()

@@ -69,3 +69,37 @@ def test_bad_values_name_the_field(kwargs):
     field = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**kwargs)
+
+
+def test_skip_special_tokens_false_keeps_them_but_not_the_eos_that_ended_it(smollm):
+    engine = make_engine(smollm)
+    prompt = _chat(engine)
+    (plain,) = engine.generate([prompt], SamplingParams(max_tokens=40))
+    assert plain.finish_reason == "stop" and plain.token_ids[-1] in engine.eos_token_ids
+    (kept,) = engine.generate([prompt], SamplingParams(max_tokens=40, skip_special_tokens=False))
+    assert kept.token_ids == plain.token_ids and kept.text == plain.text  # the ending EOS stays out
+    (ended,) = engine.generate([prompt], SamplingParams(max_tokens=40, skip_special_tokens=False,
+                                                        include_stop_str_in_output=True))
+    eos_text = engine.tokenizer.decode(plain.token_ids[-1:], skip_special_tokens=False)
+    assert eos_text and ended.text == plain.text + eos_text
+    # past the EOS (ignored), the special tokens the model writes are in the text
+    (long,) = engine.generate([prompt], SamplingParams(max_tokens=len(plain.token_ids) + 8, ignore_eos=True,
+                                                       skip_special_tokens=False))
+    assert long.text == engine.tokenizer.decode(long.token_ids, skip_special_tokens=False)
+    assert eos_text in long.text
+    with pytest.raises(ValueError, match="^skip_special_tokens:"):
+        SamplingParams(skip_special_tokens="no")
+
+
+def test_a_stop_token_id_is_left_out_of_the_text_as_vllm_does(smollm):
+    engine = make_engine(smollm)
+    prompt = "The capital of France is"
+    (free,) = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    stop_id = free.token_ids[3]
+    (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(stop_id,)))
+    cut = free.token_ids.index(stop_id)
+    assert stopped.token_ids == free.token_ids[: cut + 1] and stopped.finish_reason == "stop"
+    assert stopped.text == engine.tokenizer.decode(free.token_ids[:cut], skip_special_tokens=True)
+    (kept,) = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(stop_id,),
+                                                       include_stop_str_in_output=True))
+    assert kept.text == engine.tokenizer.decode(free.token_ids[: cut + 1], skip_special_tokens=True)
