@@ -301,7 +301,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # NOTE: vLLM's extensions that change what is generated or returned: a 400, not ignored.
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
-    "bad_words": (None, []),
     "spaces_between_special_tokens": (None, True),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
@@ -355,6 +354,7 @@ class _GenerationRequest(BaseModel):
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    bad_words: list[StrictStr] | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
     stream: StrictBool | None = None
@@ -459,6 +459,7 @@ class _GenerationRequest(BaseModel):
             allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             skip_special_tokens=self.skip_special_tokens is not False,
+            bad_words=tuple(self.bad_words or ()),
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )

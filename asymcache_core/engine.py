@@ -280,7 +280,7 @@ class Engine(AsyncSteps, JobControl):
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None and not hasattr(self.runner, "take_logprobs"):
                 raise ValueError(f"{name}: this backend computes no logits (the simulated runner)")
-        params = with_engine_processors(params, self.eos_token_ids)
+        params = with_engine_processors(params, self.eos_token_ids, self.tokenizer)
         ids = self.encode(prompt)
         if params.truncate_prompt_tokens is not None:
             # NOTE: vLLM's: the prompt's last tokens, before any length check; -1 keeps what leaves

@@ -93,10 +93,56 @@ class AllowedTokensMask:
         return masked
 
 
-def with_engine_processors(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingParams:
+class BadWordsMask:
+    """A logits processor that never lets a bad word's token sequence complete (vLLM's
+    ``bad_words``): each sequence's last token is banned where the output ends with the rest
+    of it (a one-token word: always).
+
+    Args:
+        sequences: the words' token sequences (:func:`bad_word_sequences`).
+    """
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        for seq in self.sequences:
+            head = len(seq) - 1
+            if head <= len(output_token_ids) and (head == 0 or output_token_ids[-head:] == seq[:-1]):
+                if seq[-1] < logits.numel():
+                    logits[seq[-1]] = float("-inf")
+        return logits
+
+
+def bad_word_sequences(tokenizer: Any, words: tuple[str, ...]) -> list[list[int]]:
+    """The token sequences of ``words`` as vLLM bans them: each word as written (its leading
+    spaces removed) and with one leading space, the latter only where the space makes a token
+    sequence of the same length that starts with another token (a word token of its own).
+
+    Args:
+        tokenizer: the model's tokenizer (``encode``).
+        words: the bad words.
+
+    Returns:
+        The sequences, none empty.
+    """
+    out: list[list[int]] = []
+    for word in words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if bare:
+            out.append(bare)
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return out
+
+
+def with_engine_processors(
+    params: SamplingParams, eos_token_ids: frozenset[int], tokenizer: Any | None = None
+) -> SamplingParams:
     """``params`` with the logits processors its own fields imply: a :class:`MinTokensMask`
-    when it sets ``min_tokens``, an :class:`AllowedTokensMask` with ``allowed_token_ids``
-    (unchanged otherwise).
+    when it sets ``min_tokens``, an :class:`AllowedTokensMask` with ``allowed_token_ids``, a
+    :class:`BadWordsMask` with ``bad_words`` (unchanged otherwise).
 
     NOTE: the ids that would end the request are banned until ``min_tokens``, so they never
     reach the scheduler's stop check; the processors run on the host sampling path.
@@ -104,11 +150,19 @@ def with_engine_processors(params: SamplingParams, eos_token_ids: frozenset[int]
     Args:
         params: the request's parameters.
         eos_token_ids: the model's end-of-sequence ids (banned unless ``ignore_eos``).
+        tokenizer: the model's tokenizer (``bad_words`` needs one).
 
     Returns:
         The parameters to run.
+
+    Raises:
+        ValueError: ``bad_words`` without a tokenizer.
     """
     added: list[Any] = []
+    if params.bad_words:
+        if tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer to encode them")
+        added.append(BadWordsMask(bad_word_sequences(tokenizer, params.bad_words)))
     if params.allowed_token_ids is not None:
         added.append(AllowedTokensMask(params.allowed_token_ids))
     if params.min_tokens:

@@ -95,6 +95,9 @@ class SamplingParams:
             of its text (vLLM's; default: cut).
         allowed_token_ids: sample only among these ids (vLLM's; the others' logits are
             masked; ``None``: all).
+        bad_words: words never to generate (vLLM's; each word's token sequence, with and
+            without a leading space, has its last token banned where the output ends with the
+            rest; at most 16 words of at most 1,024 characters).
         skip_special_tokens: leave special tokens out of the text (vLLM's default); False
             keeps them (the token that ended the request stays out unless
             ``include_stop_str_in_output``).
@@ -123,6 +126,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -164,6 +168,14 @@ class SamplingParams:
             raise ValueError(f"include_stop_str_in_output: must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        if len(words) > MAX_STOP_STRINGS or any(
+            not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_CHARS for w in words
+        ):
+            raise ValueError(
+                f"bad_words: at most {MAX_STOP_STRINGS} non-blank strings of at most {MAX_STOP_CHARS} characters"
+            )
+        object.__setattr__(self, "bad_words", words)
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens: must be a boolean, got {self.skip_special_tokens!r}")
         if self.allowed_token_ids is not None:
@@ -196,6 +208,7 @@ class SamplingParams:
         return bool(
             self.logits_processors or self.logit_bias or self.presence_penalty or self.frequency_penalty
             or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids is not None
+            or bool(self.bad_words)
         )
 
 

@@ -136,3 +136,13 @@ def test_skip_special_tokens_false_shows_them_in_the_text(live):  # noqa: F811
     assert "<|im_end|>" in shown["text"] and "<|im_end|>" not in hidden["text"]
     assert shown["text"] == _post(live, "/detokenize", {"tokens": shown["token_ids"]}).json()["prompt"]
     live.check()
+
+
+def test_bad_words_over_http(live):  # noqa: F811
+    base = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "ignore_eos": True}
+    free = _post(live, "/v1/completions", base).json()["choices"][0]["text"]
+    clean = _post(live, "/v1/completions", {**base, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
+    assert "Paris" in free and "Paris" not in clean
+    r = _post(live, "/v1/completions", {**base, "bad_words": "Paris"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+    live.check()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asymcache_core import SamplingParams
-from asymcache_core.sampler import AllowedTokensMask
+from asymcache_core.sampler import AllowedTokensMask, BadWordsMask, bad_word_sequences
 from tests.conftest import make_engine
 
 PROMPT = list(range(300, 348))
@@ -59,3 +59,30 @@ def test_truncate_prompt_tokens_runs_the_prompts_end(smollm):
         engine.add_request(long, SamplingParams(max_tokens=1))
     (fit,) = engine.generate([long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
     assert fit.prompt_token_ids == long[-63:] and len(fit.token_ids) == 1
+
+
+def test_bad_words_mask_bans_the_last_token_where_the_rest_matches():
+    mask = BadWordsMask([[7], [3, 4, 5]])
+    logits = torch.zeros(10)
+    out = mask([1, 3, 4], logits.clone())
+    assert torch.isinf(out[7]) and torch.isinf(out[5]) and torch.isfinite(out[[0, 1, 2, 3, 4, 6, 8, 9]]).all()
+    out = mask([3, 4, 1], logits.clone())
+    assert torch.isinf(out[7]) and torch.isfinite(out[5])
+
+
+def test_bad_words_are_never_generated(smollm):
+    engine = make_engine(smollm)
+    prompt = "The capital of France is"
+    (free,) = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert "Paris" in free.text
+    (clean,) = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, bad_words=("Paris",)))
+    assert "Paris" not in clean.text
+    seqs = bad_word_sequences(engine.tokenizer, ("Paris",))
+    for seq in seqs:
+        assert all(clean.token_ids[i : i + len(seq)] != seq for i in range(len(clean.token_ids)))
+    # up to the word, the same greedy path
+    first = min(i for seq in seqs for i in range(len(free.token_ids)) if free.token_ids[i : i + len(seq)] == seq)
+    assert clean.token_ids[:first] == free.token_ids[:first]
+    with pytest.raises(ValueError, match="^bad_words:"):
+        SamplingParams(bad_words=("ok", "  "))
+    engine.check_integrity()
