@@ -19,7 +19,7 @@ import torch
 from asymcache_core.async_steps import AsyncSteps, InFlight
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
-from asymcache_core.engine_checks import check_engine_integrity, validate_request
+from asymcache_core.engine_checks import check_engine_integrity, truncated_prompt, validate_request
 from asymcache_core.engine_jobs import JobControl
 from asymcache_core.engine_outputs import (
     attach_logprobs,
@@ -281,12 +281,7 @@ class Engine(AsyncSteps, JobControl):
             if getattr(params, name) is not None and not hasattr(self.runner, "take_logprobs"):
                 raise ValueError(f"{name}: this backend computes no logits (the simulated runner)")
         params = with_engine_processors(params, self.eos_token_ids, self.tokenizer)
-        ids = self.encode(prompt)
-        if params.truncate_prompt_tokens is not None:
-            # NOTE: vLLM's: the prompt's last tokens, before any length check; -1 keeps what leaves
-            # room for one generated token (vLLM's max_model_len would fail that check)
-            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            ids = ids[-keep:]
+        ids = truncated_prompt(self.encode(prompt), params, self.max_model_len)
         validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"

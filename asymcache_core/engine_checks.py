@@ -12,6 +12,16 @@ if TYPE_CHECKING:
     from asymcache_core.engine import Engine
 
 
+def truncated_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt ids a request runs: the last ``params.truncate_prompt_tokens`` of ``ids``
+    (vLLM's, before any length check; -1 keeps what leaves room for one generated token, where
+    vLLM's ``max_model_len`` would fail that check), or all of them."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    return ids[-(max_model_len - 1 if keep == -1 else keep) :]
+
+
 def validate_request(
     ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int, block_size: int, num_blocks: int
 ) -> None:

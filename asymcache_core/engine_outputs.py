@@ -27,19 +27,9 @@ def request_output(request: Request, new: list[int]) -> RequestOutput:
         request.request_id, new, list(request.output_token_ids), request.text, request.finished,
         reason, request.metrics, request.num_prompt_tokens, request.error,
         list(request.logprobs) if request.logprobs is not None else None,
-        _complete_prompt_logprobs(request),
+        # NOTE: a tuple once every prompt entry is computed (a list before: not reported yet)
+        request.prompt_logprobs if isinstance(request.prompt_logprobs, tuple) else None,
     )
-
-
-def _complete_prompt_logprobs(request: Request) -> tuple[TokenLogprob | None, ...] | None:
-    """The request's prompt log probabilities once every one is computed (else None)."""
-    entries = request.prompt_logprobs
-    if entries is None or request.prompt_logits_from is not None:
-        return None
-    if not isinstance(entries, tuple):
-        # NOTE: frozen once complete, so that every later output shares one tuple
-        entries = request.prompt_logprobs = tuple(entries)  # type: ignore[assignment]
-    return entries
 
 
 def attach_logprobs(updates: Sequence[RequestUpdate], entries: Mapping[str, TokenLogprob]) -> None:

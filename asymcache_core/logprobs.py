@@ -8,6 +8,7 @@ penalties, logits processors, temperature, top-k/top-p or min-p (vLLM's default
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -108,6 +109,59 @@ def to_entries(tensors: LogprobTensors, tokens: list[int], num_top: list[int]) -
     ]
 
 
+#: Prompt rows whose logits are computed at once: a step's prompt log probabilities go through
+#: the vocabulary head in slices of this many rows, so that an 8,192-token chunk of a 128k
+#: vocabulary needs 0.5 GB of float32 logits at a time, not 4 GB.
+PROMPT_LOGITS_SLICE = 1024
+
+
+def sliced_logprob_tensors(
+    head: Callable[[slice], torch.Tensor], num_rows: int, tokens: torch.Tensor, k: int
+) -> LogprobTensors:
+    """:func:`logprob_tensors` of many rows, :data:`PROMPT_LOGITS_SLICE` at a time.
+
+    Args:
+        head: the ``[rows, vocab]`` logits of a slice of the rows (the vocabulary head).
+        num_rows: the rows.
+        tokens: ``[num_rows]`` int64, each row's token, on the logits' device.
+        k: alternatives per row.
+
+    Returns:
+        The rows' tensors, in order.
+    """
+    width = PROMPT_LOGITS_SLICE
+    parts = [logprob_tensors(head(slice(lo, lo + width)), tokens[lo : lo + width], k) for lo in range(0, num_rows, width)]
+    return LogprobTensors(*(torch.cat(column) for column in zip(*parts, strict=True)))
+
+
+class PendingPromptLogprobs(NamedTuple):
+    """Prompt log probabilities of a step's prompt rows, on their way to the host.
+
+    Attributes:
+        spans: ``(request id, first position, count)`` of each run of rows.
+        targets: each row's next prompt token (whose log probability it gives).
+        num_top: alternatives each row reports.
+        tensors: their :class:`~asymcache_core.logprobs.LogprobTensors` (host copies in flight
+            on CUDA; read after the step's ``ready`` event).
+    """
+
+    spans: list[tuple[str, int, int]]
+    targets: list[int]
+    num_top: list[int]
+    tensors: LogprobTensors
+
+    def entries(self) -> dict[str, list[tuple[int, list[TokenLogprob]]]]:
+        """Request id -> ``(first position, entries)`` of each of its runs (on the host)."""
+        rows = to_entries(self.tensors, self.targets, self.num_top)
+        out: dict[str, list[tuple[int, list[TokenLogprob]]]] = {}
+        at = 0
+        for rid, start, count in self.spans:
+            out.setdefault(rid, []).append((start, rows[at : at + count]))
+            at += count
+        return out
+
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
     """The :class:`TokenLogprob` of each row's sampled token.
 
@@ -129,6 +183,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) 
 
 
 __all__ = [
-    "FLOOR_LOGPROB", "MAX_LOGPROBS", "LogprobTensors", "TokenLogprob", "logprob_tensors", "to_entries",
-    "token_logprobs",
+    "FLOOR_LOGPROB", "MAX_LOGPROBS", "PROMPT_LOGITS_SLICE", "LogprobTensors", "PendingPromptLogprobs", "TokenLogprob",
+    "logprob_tensors", "sliced_logprob_tensors", "to_entries", "token_logprobs",
 ]

@@ -12,7 +12,14 @@ from asymcache_core.cuda_graphs import DecodeBatch, DecodeGraphs
 from asymcache_core.host_tier import KVTransfers
 from asymcache_core.kv_transfer import HostKVCache
 from asymcache_core.loaders import LoadedModel
-from asymcache_core.logprobs import LogprobTensors, TokenLogprob, logprob_tensors, to_entries
+from asymcache_core.logprobs import (
+    LogprobTensors,
+    PendingPromptLogprobs,
+    TokenLogprob,
+    logprob_tensors,
+    sliced_logprob_tensors,
+    to_entries,
+)
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
@@ -77,39 +84,6 @@ class ForwardOutput(NamedTuple):
 
     logits: torch.Tensor
     prompt: LogprobTensors | None = None
-
-
-#: Prompt rows whose logits are computed at once: a step's prompt log probabilities go through
-#: the vocabulary head in slices of this many rows, so that an 8,192-token chunk of a 128k
-#: vocabulary needs 0.5 GB of float32 logits at a time, not 4 GB.
-PROMPT_LOGITS_SLICE = 1024
-
-
-class PendingPromptLogprobs(NamedTuple):
-    """Prompt log probabilities of a step's prompt rows, on their way to the host.
-
-    Attributes:
-        spans: ``(request id, first position, count)`` of each run of rows.
-        targets: each row's next prompt token (whose log probability it gives).
-        num_top: alternatives each row reports.
-        tensors: their :class:`~asymcache_core.logprobs.LogprobTensors` (host copies in flight
-            on CUDA; read after the step's ``ready`` event).
-    """
-
-    spans: list[tuple[str, int, int]]
-    targets: list[int]
-    num_top: list[int]
-    tensors: LogprobTensors
-
-    def entries(self) -> dict[str, list[tuple[int, list[TokenLogprob]]]]:
-        """Request id -> ``(first position, entries)`` of each of its runs (on the host)."""
-        rows = to_entries(self.tensors, self.targets, self.num_top)
-        out: dict[str, list[tuple[int, list[TokenLogprob]]]] = {}
-        at = 0
-        for rid, start, count in self.spans:
-            out.setdefault(rid, []).append((start, rows[at : at + count]))
-            at += count
-        return out
 
 
 class PendingLogprobs(NamedTuple):
@@ -367,17 +341,14 @@ class ModelRunner:
         )
 
     def _prompt_tensors(self, h: torch.Tensor, residual: torch.Tensor, inputs: StepInputs) -> LogprobTensors:
-        """The prompt rows' log probabilities from their final hidden state, through the
-        vocabulary head :data:`PROMPT_LOGITS_SLICE` rows at a time (never every row's logits
-        at once)."""
+        """The prompt rows' log probabilities from their final hidden state, the vocabulary head
+        a slice of rows at a time (:func:`~asymcache_core.logprobs.sliced_logprob_tensors`)."""
         targets = torch.tensor(inputs.prompt_targets, dtype=torch.long).to(self.device, non_blocking=True)
-        k = max(inputs.prompt_num_top)
-        parts: list[LogprobTensors] = []
-        for lo in range(0, h.shape[0], PROMPT_LOGITS_SLICE):
-            hi = lo + PROMPT_LOGITS_SLICE
-            logits = self.model.compute_logits(h[lo:hi], residual[lo:hi], None, self.backend.dense)
-            parts.append(logprob_tensors(logits, targets[lo:hi], k))
-        return LogprobTensors(*(torch.cat(column) for column in zip(*parts, strict=True)))
+
+        def head(rows: slice) -> torch.Tensor:
+            return self.model.compute_logits(h[rows], residual[rows], None, self.backend.dense)
+
+        return sliced_logprob_tensors(head, h.shape[0], targets, max(inputs.prompt_num_top))
 
     def _record_prompt_logprobs(self, pending: PendingPromptLogprobs) -> None:
         for rid, parts in pending.entries().items():

@@ -135,16 +135,17 @@ class Request:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         #: one entry per prompt token when ``params.prompt_logprobs`` is set, else None: the
         #: first token's is None (nothing precedes it), token ``i``'s comes from the logits of
-        #: position ``i - 1`` and is appended once that position is computed
-        self.prompt_logprobs: list[TokenLogprob | None] | tuple[TokenLogprob | None, ...] | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
+        #: position ``i - 1`` and is appended once that position is computed. A list while
+        #: some are missing, a tuple once complete (every later output shares it).
+        self.prompt_logprobs: list[TokenLogprob | None] | tuple[TokenLogprob | None, ...] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = (None,) if len(self.prompt_token_ids) == 1 else [None]
 
     @property
     def prompt_logits_from(self) -> int | None:
         """The first position whose logits the prompt's log probabilities still need (``None``:
         none asked for, or all computed). No cache hit may cover it or what follows."""
-        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_token_ids):
+        if not isinstance(self.prompt_logprobs, list):
             return None
         return len(self.prompt_logprobs) - 1
 
@@ -162,6 +163,8 @@ class Request:
             return
         assert isinstance(self.prompt_logprobs, list)
         self.prompt_logprobs.extend(entries[frontier - start :])
+        if len(self.prompt_logprobs) >= len(self.prompt_token_ids):
+            self.prompt_logprobs = tuple(self.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:

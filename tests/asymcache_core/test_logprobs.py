@@ -4,12 +4,14 @@ preemption, eviction and async scheduling, and their values against transformers
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from asymcache_core import Engine, EngineConfig, SamplingParams
 from asymcache_core.logprobs import FLOOR_LOGPROB, MAX_LOGPROBS, TokenLogprob, token_logprobs
+from asymcache_core.request import RequestOutput
 from asymcache_core.sampler import Sampler
 from tests.conftest import StepClock, make_engine
 
@@ -106,24 +108,33 @@ TURN = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
 SYSTEM = list(range(300, 348))
 
 
-def _sessions(engine: Engine, sessions: int = 6, turns: int = 3) -> list[tuple[list[int], list[TokenLogprob]]]:
-    """Multi-turn sessions three at a time on one engine, each turn extending its context."""
+def run_sessions(
+    engine: Engine, params_of: Callable[[int], SamplingParams] = lambda _: TURN, sessions: int = 6, turns: int = 3
+) -> list[RequestOutput]:
+    """Multi-turn sessions three at a time on one engine, each turn extending its context;
+    the final output of every turn, in order (``params_of(session)``: its turns' parameters)."""
     contexts = {s: SYSTEM + [1000 + 97 * s + i for i in range(20)] for s in range(sessions)}
     outputs = []
     for turn in range(turns):
         for first in range(0, sessions, 3):
-            ids = {s: engine.add_request(contexts[s], TURN, job_id=f"s{s}") for s in range(first, first + 3)}
+            ids = {s: engine.add_request(contexts[s], params_of(s), job_id=f"s{s}") for s in range(first, first + 3)}
             done = {}
             while len(done) < len(ids):
                 for out in engine.step():
                     if out.finished:
-                        _check_aligned(out)
                         done[out.request_id] = out
                 engine.check_integrity()
             for s, rid in ids.items():
-                outputs.append((done[rid].token_ids, done[rid].logprobs))
+                outputs.append(done[rid])
                 contexts[s] = contexts[s] + done[rid].token_ids + [2000 + 31 * s + 7 * turn + i for i in range(20)]
     return outputs
+
+
+def _sessions(engine: Engine) -> list[tuple[list[int], list[TokenLogprob]]]:
+    outputs = run_sessions(engine)
+    for out in outputs:
+        _check_aligned(out)
+    return [(out.token_ids, out.logprobs) for out in outputs]
 
 
 @pytest.mark.parametrize("overrides", [

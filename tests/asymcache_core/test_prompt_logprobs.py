@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asymcache_core import Engine, EngineConfig, SamplingParams, model_runner
+from asymcache_core import Engine, EngineConfig, SamplingParams, logprobs
 from asymcache_core.logprobs import MAX_LOGPROBS, TokenLogprob
 from asymcache_core.request import Request
+from tests.asymcache_core.test_logprobs import run_sessions
 from tests.conftest import StepClock, make_engine
 
 PROMPT = list(range(500, 540)) + [28, 253, 1233, 314, 1300, 30, 4020, 28, 253, 1233, 314] * 6
@@ -111,30 +112,13 @@ def test_streamed_outputs_carry_the_prompt_logprobs_once_complete(smollm):
     assert all(e.top == () for e in outs[0].prompt_logprobs[1:])
 
 
-SYSTEM = list(range(300, 348))
+def _sessions(engine: Engine) -> list[tuple[list[int], tuple | None]]:
+    """Multi-turn sessions, every turn asking its prompt's log probabilities (but the first
+    session's, which takes the cache as usual)."""
+    def params_of(session: int) -> SamplingParams:
+        return SamplingParams(max_tokens=5, ignore_eos=True, prompt_logprobs=None if session == 0 else 2)
 
-
-def _sessions(engine: Engine, sessions: int = 6, turns: int = 3) -> list[tuple[list[int], tuple | None]]:
-    """Multi-turn sessions three at a time, every turn asking its prompt's log probabilities
-    (but the first session's, which takes the cache as usual)."""
-    contexts = {s: SYSTEM + [1000 + 97 * s + i for i in range(20)] for s in range(sessions)}
-    outputs = []
-    for turn in range(turns):
-        for first in range(0, sessions, 3):
-            ids = {}
-            for s in range(first, first + 3):
-                params = SamplingParams(max_tokens=5, ignore_eos=True, prompt_logprobs=None if s == 0 else 2)
-                ids[s] = engine.add_request(contexts[s], params, job_id=f"s{s}")
-            done = {}
-            while len(done) < len(ids):
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                engine.check_integrity()
-            for s, rid in ids.items():
-                outputs.append((done[rid].token_ids, done[rid].prompt_logprobs))
-                contexts[s] = contexts[s] + done[rid].token_ids + [2000 + 31 * s + 7 * turn + i for i in range(20)]
-    return outputs
+    return [(out.token_ids, out.prompt_logprobs) for out in run_sessions(engine, params_of)]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -189,7 +173,7 @@ def test_prompt_rows_through_the_head_in_slices_give_the_same_entries(smollm, mo
     # NOTE: the prompt rows' logits are computed a slice at a time; slices of 7 rows (a prompt
     # of 106 rows in 16 slices, the last one short) give the entries of a single slice
     (whole,) = make_engine(smollm).generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=4))
-    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_SLICE", 7)
+    monkeypatch.setattr(logprobs, "PROMPT_LOGITS_SLICE", 7)
     (sliced,) = make_engine(smollm).generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=4))
     assert sliced.token_ids == whole.token_ids
     _same(sliced.prompt_logprobs, whole.prompt_logprobs)
