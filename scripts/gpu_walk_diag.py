@@ -47,7 +47,7 @@ def _walk_kernel(
     PAGE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
     IDS: tl.constexpr, PREFETCH: tl.constexpr, SOFTMAX: tl.constexpr,
-    TABLE: tl.constexpr, NESTED: tl.constexpr, TWO_LOOPS: tl.constexpr,
+    TABLE: tl.constexpr, NESTED: tl.constexpr, TWO_LOOPS: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """One (KV head, chunk): the chunk's tiles in order. ``IDS``: 0 paged (a load per tile,
     ``PREFETCH`` a turn ahead), 1 contiguous (computed). The library's structure, one feature at a time:
@@ -83,6 +83,11 @@ def _walk_kernel(
                 b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_cc * CHUNK, i_full, ctx, o_t, o_d, o_pos,
                 scale_log2, stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IDS, PREFETCH, SOFTMAX,
             )
+    elif AHEAD:
+        b_acc, b_m, b_l = _walk_tiles_ahead(
+            b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_lo, i_full, ctx, o_t, o_d, o_pos, scale_log2,
+            stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N,
+        )
     else:
         b_acc, b_m, b_l, b_blk = _walk_tiles(
             b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_lo, i_full, ctx, o_t, o_d, o_pos, scale_log2,
@@ -138,6 +143,45 @@ def _walk_tiles(
     return b_acc, b_m, b_l, b_blk
 
 
+@triton.jit
+def _walk_tiles_ahead(
+    b_q, b_acc, b_m, b_l, b_blk, bt, k_cache, v_cache, i_kvh, i_lo, i_hi, ctx, o_t, o_d, o_pos, scale_log2,
+    stride_kb, stride_ks, stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The paged walk with each tile's scores computed a turn ahead: the next tile's first dot
+    is issued before this tile's softmax, so the tensor cores can run it while the softmax's chain
+    runs (the same operations on the same values in the same order: the same bits)."""
+    # first tile's scores (b_blk holds its block ids); the next tile's ids a turn ahead
+    o_n = i_lo + o_t
+    o_k = b_blk * stride_kb + (o_n % PAGE).to(tl.int64) * stride_ks + i_kvh * stride_kh
+    b_k = tl.load(k_cache + o_k[:, None] + o_d[None, :], mask=(o_n < ctx)[:, None], other=0.0)
+    b_s_next = tl.dot(b_q, tl.trans(b_k))
+    b_nxt = tl.load(bt + (o_n + BLOCK_N) // PAGE, mask=(o_n + BLOCK_N) < ctx, other=0).to(tl.int64)
+    for i_n in range(i_lo, i_hi, BLOCK_N):
+        o_n = i_n + o_t
+        m_n = o_n < ctx
+        b_s = b_s_next
+        o_v = b_blk * stride_kb + (o_n % PAGE).to(tl.int64) * stride_ks + i_kvh * stride_kh
+        b_v = tl.load(v_cache + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        # the next tile: its keys, its scores, the ids of the one after
+        o_n2 = o_n + BLOCK_N
+        m_n2 = (o_n2 < ctx) & (o_n2 < i_hi)
+        o_k2 = b_nxt * stride_kb + (o_n2 % PAGE).to(tl.int64) * stride_ks + i_kvh * stride_kh
+        b_k2 = tl.load(k_cache + o_k2[:, None] + o_d[None, :], mask=m_n2[:, None], other=0.0)
+        b_s_next = tl.dot(b_q, tl.trans(b_k2))
+        b_blk = b_nxt
+        b_nxt = tl.load(bt + (o_n2 + BLOCK_N) // PAGE, mask=(o_n2 + BLOCK_N) < ctx, other=0).to(tl.int64)
+        b_s = tl.where((o_n[None, :] <= o_pos[:, None]) & m_n[None, :], b_s, -1.0e30)
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * scale_log2)
+        b_p = tl.exp2(b_s * scale_log2 - b_m_new[:, None])
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None]
+        b_m = b_m_new
+        b_acc += tl.dot(b_p.to(b_q.dtype), b_v)
+    return b_acc, b_m, b_l
+
+
 class Variant(NamedTuple):
     """One stand-alone walk: ``ids`` 0 paged, 1 contiguous; the rest as :func:`_walk_kernel`."""
 
@@ -150,6 +194,7 @@ class Variant(NamedTuple):
     table: int
     nested: int
     two_loops: int
+    ahead: int = 0
 
 
 VARIANTS = [Variant(*v) for v in [
@@ -162,6 +207,10 @@ VARIANTS = [Variant(*v) for v in [
     ("+ chunk loop around the walk", 0, 1, 1, 4, 3, 0, 1, 0),
     ("+ two loops (seen, masked)", 0, 1, 1, 4, 3, 0, 0, 1),
     ("+ all three (the library's structure)", 0, 1, 1, 4, 3, 1, 1, 1),
+    ("paged ahead, 8 warps", 0, 1, 1, 8, 3, 0, 0, 0),
+    ("scores a turn ahead", 0, 1, 1, 4, 3, 0, 0, 0, 1),
+    ("scores a turn ahead, 2 stages", 0, 1, 1, 4, 2, 0, 0, 0, 1),
+    ("scores a turn ahead, 8 warps", 0, 1, 1, 8, 3, 0, 0, 0, 1),
 ]]
 
 
@@ -173,7 +222,7 @@ def walk(variant: Variant, q, k, v, table, o_part, ml_part, ctx: int, p_ctx, sca
         k.stride(2), PAGE=PAGE, G=G, G_PAD=G_PAD, BLOCK_R=o_part.shape[2], BLOCK_N=BLOCK_N, D=k.shape[3],
         CHUNK=CHUNK, IDS=variant.ids, PREFETCH=variant.prefetch, SOFTMAX=variant.softmax,
         TABLE=bool(variant.table), NESTED=bool(variant.nested), TWO_LOOPS=bool(variant.two_loops),
-        num_warps=variant.warps, num_stages=variant.stages,
+        AHEAD=bool(variant.ahead), num_warps=variant.warps, num_stages=variant.stages,
     )
 
 
