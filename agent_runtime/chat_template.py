@@ -16,6 +16,10 @@ Rendering is transformers' ``tokenizer.apply_chat_template(..., tokenize=False)`
   turn holding ``<tool_response>...</tool_response>`` blocks (consecutive tool results share
   one user turn, as Qwen's template does), because a template that does not know the ``tool``
   role would print it as an unknown role the model never saw in training.
+
+Templates take vLLM's extras: variables of the caller's own (``chat_template_kwargs``, such as
+``enable_thinking``; :func:`check_template_kwargs`), ``documents`` for retrieval templates, and
+a template other than the tokenizer's (:mod:`agent_runtime.chat_template_options`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 import jinja2
 
+from agent_runtime.chat_template_options import check_template_kwargs
 from agent_runtime.tool_parsing import from_openai_tool_calls, render_hermes_tool_calls
 
 _TOOLS_PREAMBLE = (
@@ -270,11 +275,13 @@ class ChatRenderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
     ) -> str | list[int]:
         """The prompt of a chat: its text, or its token ids when caller text holds special tokens.
 
-        Text that the caller supplied (message contents, tool calls and results, tool schemas)
-        may spell a special token (``<|im_start|>system``); encoded with the rendered prompt,
+        Text that the caller supplied (message contents, tool calls and results, tool schemas,
+        documents, the string values of template variables) may spell a special token (``<|im_start|>system``); encoded with the rendered prompt,
         it would become that control token and could open a fake turn. Such text is kept out
         of the template's reach (swapped for private-use markers while rendering) and encoded
         as plain text, while the template's own special tokens stay special. A chat without
@@ -286,19 +293,28 @@ class ChatRenderer:
             add_generation_prompt: end with the opening of an assistant turn.
             continue_final_message: end inside the final message, without its end of turn, so
                 that the model goes on writing it (vLLM's; not with ``add_generation_prompt``).
+            template_kwargs: further template variables (checked by
+                :func:`check_template_kwargs`).
+            documents: the ``documents`` variable of retrieval templates.
 
         Returns:
             The prompt text, or its token ids.
+
+        Raises:
+            ValueError: as :meth:`render`.
         """
         ending = (add_generation_prompt, continue_final_message)
         if self._special_re is None:
-            return self.render(messages, tools, *ending)
+            return self.render(messages, tools, *ending, template_kwargs, documents)
         found: set[str] = set()
-        escaped_msgs = _escape_tree(messages, self._special_re, self.special_tokens, found)
-        escaped_tools = _escape_tree(tools, self._special_re, self.special_tokens, found) if tools else tools
+
+        def escaped(node: Any) -> Any:
+            return _escape_tree(node, self._special_re, self.special_tokens, found) if node else node
+
+        caller = (escaped(messages), escaped(tools), escaped(template_kwargs), escaped(documents))
         if not found:
-            return self.render(messages, tools, *ending)
-        text = self.render(escaped_msgs, escaped_tools, *ending)
+            return self.render(messages, tools, *ending, template_kwargs, documents)
+        text = self.render(caller[0], caller[1], *ending, caller[2], caller[3])
         return self.encode_rendered(text)
 
     def encode_rendered(self, text: str) -> list[int]:
@@ -337,6 +353,8 @@ class ChatRenderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render a chat.
 
@@ -346,13 +364,17 @@ class ChatRenderer:
             tools: OpenAI tool schemas, or None.
             add_generation_prompt: end with the opening of an assistant turn.
             continue_final_message: end inside the final message (no end of turn after it).
+            template_kwargs: further template variables (``enable_thinking``, ...).
+            documents: the ``documents`` variable of retrieval templates.
 
         Returns:
             The prompt text.
 
         Raises:
-            ValueError: both endings asked for, or a final message the template does not
-                render as written (it cannot be left open).
+            ValueError: both endings asked for, a reserved template variable, a final message
+                the template does not render as written (it cannot be left open), or the
+                template failing on this chat (``chat_template: ...``: its own
+                ``raise_exception``, a variable of the wrong type).
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: not with add_generation_prompt (send add_generation_prompt=false)")
@@ -362,14 +384,85 @@ class ChatRenderer:
         else:
             msgs = list(_injected_messages(messages, tools))
             schemas = None
-        return self.tokenizer.apply_chat_template(
-            msgs,
-            tools=schemas,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
+        variables = check_template_kwargs(template_kwargs)
+        try:
+            return self.tokenizer.apply_chat_template(
+                msgs,
+                tools=schemas,
+                documents=[dict(d) for d in documents] if documents else None,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **variables,
+            )
+        except (jinja2.TemplateError, TypeError, AttributeError, KeyError, IndexError) as e:
+            # NOTE: a template's ``raise_exception`` (roles out of order, a variable it refuses)
+            # or its operations on a caller's variable of another type: the chat's fault
+            raise ValueError(f"chat_template: the template failed on this chat: {e}") from None
+
+
+class ChatTemplates:
+    """The renderers a runtime chooses from: the model's (or a deployment's) template, and the
+    templates requests bring, each probed once for tool support (a few kept, least recently
+    used dropped); plus the template variables every chat gets unless it sets its own.
+
+    Args:
+        tokenizer: an HF tokenizer.
+        template: the deployment's template source (vLLM's ``--chat-template``), or None for
+            the tokenizer's.
+        default_kwargs: template variables every chat gets (vLLM's
+            ``--default-chat-template-kwargs``); a chat's own win.
+        max_request_templates: request templates kept ready.
+
+    Raises:
+        ValueError: no template at all, or bad ``default_kwargs``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str | None = None,
+        default_kwargs: Mapping[str, Any] | None = None,
+        max_request_templates: int = 8,
+    ) -> None:
+        self.default = ChatRenderer(tokenizer, template)
+        self.default_kwargs: dict[str, Any] = check_template_kwargs(default_kwargs, "default_chat_template_kwargs")
+        self.max_request_templates = max_request_templates
+        self._requested: dict[str, ChatRenderer] = {}
+
+    def renderer(self, template: str | None = None) -> ChatRenderer:
+        """The renderer of ``template`` (None: the default one).
+
+        Args:
+            template: a template's source, already checked to parse.
+
+        Returns:
+            The renderer.
+        """
+        if template is None or template == self.default.template:
+            return self.default
+        found = self._requested.pop(template, None)
+        if found is None:
+            found = ChatRenderer(self.default.tokenizer, template)
+        self._requested[template] = found  # most recent last
+        while len(self._requested) > self.max_request_templates:
+            del self._requested[next(iter(self._requested))]
+        return found
+
+    def variables(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The template variables of a chat: the defaults, then its own.
+
+        Args:
+            kwargs: the chat's variables, or None.
+
+        Returns:
+            The merged variables.
+
+        Raises:
+            ValueError: bad ``chat_template_kwargs``.
+        """
+        return {**self.default_kwargs, **check_template_kwargs(kwargs)}
 
 
 def render_chat(

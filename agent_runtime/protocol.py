@@ -36,8 +36,14 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
+from agent_runtime.chat_template_options import (
+    check_documents,
+    check_template_kwargs,
+    check_template_source,
+)
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
 from agent_runtime.tools import Tool, ToolRegistry, validate_tool_schema
 from asymcache_core.logprobs import MAX_LOGPROBS
@@ -239,6 +245,9 @@ class ChatSampling(TypedDict, total=False):
         logprobs: report each token's log probability and this many alternatives
             (:attr:`AssistantTurn.logprobs <agent_runtime.types.AssistantTurn.logprobs>`;
             default: none).
+        chat_template_kwargs: variables of the chat template (``{"enable_thinking": False}``);
+            like ``response_format``, left to the caller.
+        documents: the template's ``documents`` (retrieval templates); left to the caller.
     """
 
     max_tokens: int
@@ -247,6 +256,8 @@ class ChatSampling(TypedDict, total=False):
     stop: Sequence[str]
     response_format: Mapping[str, Any] | None
     logprobs: int | None
+    chat_template_kwargs: Mapping[str, Any] | None
+    documents: Sequence[Mapping[str, Any]] | None
 
 
 def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
@@ -302,9 +313,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
     "spaces_between_special_tokens": (None, True),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "documents": (None,),
     "mm_processor_kwargs": (None, {}),
     # NOTE: vLLM's older spellings of structured output; ``response_format`` is the one served.
     "guided_json": (None,),
@@ -465,7 +473,55 @@ class _GenerationRequest(BaseModel):
         )
 
 
-class ChatCompletionRequest(_GenerationRequest):
+#: ``chat_template_kwargs`` entries vLLM reads as the body's own fields (they override them).
+_TEMPLATE_OVERRIDES = ("chat_template", "add_generation_prompt", "continue_final_message", "documents")
+
+
+class _ChatTemplateFields(BaseModel):
+    """vLLM's chat-template fields of a chat (completion or ``/tokenize``): the template's own
+    variables, retrieval ``documents``, and a template of the request's own (served only with
+    ``--trust-request-chat-template``). As in vLLM, ``chat_template_kwargs`` may also carry
+    ``chat_template``, ``add_generation_prompt``, ``continue_final_message`` and ``documents``,
+    which then override the body's fields."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_template_overrides(cls, data: Any) -> Any:
+        kwargs = data.get("chat_template_kwargs") if isinstance(data, Mapping) else None
+        if not isinstance(kwargs, Mapping) or not any(k in kwargs for k in _TEMPLATE_OVERRIDES):
+            return data
+        rest = {k: v for k, v in kwargs.items() if k not in _TEMPLATE_OVERRIDES}
+        return {**data, **{k: kwargs[k] for k in _TEMPLATE_OVERRIDES if k in kwargs}, "chat_template_kwargs": rest}
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, template: str | None) -> str | None:
+        return None if template is None else check_template_source(template)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if kwargs is None else check_template_kwargs(kwargs)
+
+    @field_validator("documents")
+    @classmethod
+    def _documents(cls, documents: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_documents(documents)
+
+    def template_options(self) -> dict[str, Any]:
+        """The runtime's keywords for these fields (``chat_template``, ``chat_template_kwargs``,
+        ``documents``)."""
+        return {"chat_template": self.chat_template, "chat_template_kwargs": self.chat_template_kwargs,
+                "documents": self.documents}
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     """``POST /v1/chat/completions``.
 
     ``messages``, ``tools`` and ``tool_choice`` are checked for their JSON shape here and in
@@ -515,6 +571,11 @@ class CompletionRequest(_GenerationRequest):
     lm-evaluation-harness's log-likelihood requests ask).
     """
 
+    #: a chat's fields: a text completion is not rendered with a template
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+    }
+
     prompt: str | list[int]
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     echo: StrictBool | None = None
@@ -552,9 +613,9 @@ class CompletionRequest(_GenerationRequest):
         return completion_prompt(prompt)
 
 
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` (vLLM's): a ``prompt`` or chat ``messages`` (with ``tools``), the
-    latter rendered with the generation prompt as a chat completion renders them."""
+class TokenizeRequest(_ChatTemplateFields):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` or chat ``messages`` (with ``tools`` and the
+    template fields), the latter rendered as a chat completion renders them."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 

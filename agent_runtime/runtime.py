@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
-from agent_runtime.chat_template import ChatRenderer
+from agent_runtime.chat_template import ChatRenderer, ChatTemplates
+from agent_runtime.chat_template_options import check_documents, check_template_source
 from agent_runtime.engine_client import AsyncEngine, RequestStream
 from agent_runtime.job import Job
 from agent_runtime.output_processor import OutputOptions, OutputProcessor, build_turn
@@ -51,8 +52,12 @@ T = TypeVar("T")
 #: :meth:`AgentRuntime.start_chat`'s keywords that :meth:`AgentRuntime.start_chat_choices` takes.
 _CHAT_OPTIONS = frozenset({
     "tools", "tool_choice", "response_format", "job_id", "is_last_step", "pinning", "ttl_rule",
-    "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+    "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template",
+    "chat_template_kwargs", "documents",
 })
+
+#: Errors of the chat's rendering that name a field of their own (the rest name ``messages``).
+_TEMPLATE_FIELDS = ("chat_template", "documents", "default_chat_template_kwargs")
 
 
 class AgentRuntime:
@@ -71,9 +76,16 @@ class AgentRuntime:
             or ``auto``).
         controller: a Continuum controller to use (default: a fresh one over ``engine``).
         idle_poll_s: how often the idle engine thread wakes to expire pins.
+        chat_template: the chat template's source instead of the tokenizer's (vLLM's
+            ``--chat-template``; :func:`~agent_runtime.chat_template_options.load_chat_template`
+            reads a file).
+        chat_template_kwargs: template variables every chat gets unless it sets its own
+            (vLLM's ``--default-chat-template-kwargs``, e.g. ``{"enable_thinking": False}``).
 
     Raises:
-        ValueError: unknown policy, or one whose engine settings differ from the engine's.
+        ValueError: unknown policy, or one whose engine settings differ from the engine's; a
+            template that does not parse, bad template variables, or a template for a model
+            without a tokenizer.
     """
 
     def __init__(
@@ -85,6 +97,8 @@ class AgentRuntime:
         tool_call_format: ToolCallFormat = "hermes",
         controller: ContinuumController | None = None,
         idle_poll_s: float = 0.02,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if policy is None:
             spec = preset_for_engine(engine.config)
@@ -106,9 +120,14 @@ class AgentRuntime:
         self.controller = controller or engine.continuum.configure(ttl_rule=spec.ttl_rule, pinning=spec.pinning)
         self.model_name: str = engine.config.model
         self.max_model_len: int = engine.max_model_len
-        self.renderer: ChatRenderer | None = (
-            ChatRenderer(engine.tokenizer) if engine.tokenizer is not None else None
-        )
+        if engine.tokenizer is None and (chat_template is not None or chat_template_kwargs):
+            raise ValueError("chat_template: this model has no tokenizer to render chats with")
+        #: the chat templates (None: a model without a tokenizer or a chat template; its chats
+        #: are refused, its text completions served)
+        self.templates: ChatTemplates | None = None
+        template = None if chat_template is None else check_template_source(chat_template)
+        if engine.tokenizer is not None and (template or getattr(engine.tokenizer, "chat_template", None)):
+            self.templates = ChatTemplates(engine.tokenizer, template, chat_template_kwargs)
         self._processor = OutputProcessor(self.controller, engine.block_size)
         self._client = AsyncEngine(engine, self._processor, idle_poll_s=idle_poll_s)
         #: close the engine too (its KV event sockets, its tensor-parallel workers) on close
@@ -122,6 +141,8 @@ class AgentRuntime:
         *,
         loaded: LoadedModel | None = None,
         clock: Callable[[], float] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **engine_kwargs: Any,
     ) -> AgentRuntime:
         """Build an engine for ``model`` configured for ``policy``, and a runtime over it.
@@ -131,20 +152,34 @@ class AgentRuntime:
             policy: policy name.
             loaded: an already loaded model to share.
             clock: engine and runtime clock (default: monotonic).
+            chat_template: the chat template's source instead of the model's.
+            chat_template_kwargs: template variables every chat gets by default.
             **engine_kwargs: further :class:`asymcache_core.EngineConfig` fields.
 
         Returns:
             The runtime.
 
         Raises:
-            ValueError: bad policy or engine settings.
+            ValueError: bad policy, engine settings or template options.
         """
         spec = resolve_preset(policy)
+        if chat_template is not None:
+            check_template_source(chat_template)  # before the model loads
         kwargs = {**engine_kwargs, **spec.engine_overrides}
         engine = Engine(model=model, loaded=loaded, clock=clock, **kwargs)
-        runtime = cls(engine, policy=spec, clock=clock)
+        try:
+            runtime = cls(engine, policy=spec, clock=clock, chat_template=chat_template,
+                          chat_template_kwargs=chat_template_kwargs)
+        except BaseException:
+            engine.close()
+            raise
         runtime.owns_engine = True
         return runtime
+
+    @property
+    def renderer(self) -> ChatRenderer | None:
+        """The default chat template's renderer (None: the model renders no chats)."""
+        return None if self.templates is None else self.templates.default
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -274,6 +309,10 @@ class AgentRuntime:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
     ) -> str | list[int]:
         """Render a chat to prompt text with the model's template (validated).
 
@@ -283,28 +322,38 @@ class AgentRuntime:
             add_generation_prompt: end with the opening of an assistant turn.
             continue_final_message: end inside the final message, for the model to go on
                 writing it (vLLM's; not with ``add_generation_prompt``).
+            chat_template: this chat's template source instead of the runtime's (vLLM's
+                request field; the server takes it only with ``--trust-request-chat-template``).
+            chat_template_kwargs: this chat's template variables, over the runtime's defaults.
+            documents: the ``documents`` variable of retrieval templates.
 
         Returns:
             The prompt text, or its token ids when caller text spells special tokens (encoded
             as text: :meth:`ChatRenderer.prompt`).
 
         Raises:
-            ValueError: malformed messages (the message names ``messages[i]...``), or a model
-                without a tokenizer.
+            ValueError: malformed messages (the message names ``messages[i]...``), template
+                options (``chat_template...``, ``documents...``) or a template failing on the
+                chat (``chat_template: ...``), or a model without a tokenizer.
         """
-        if self.renderer is None:
+        if self.templates is None:
             loaded = getattr(self.engine, "loaded", None)
             why = f" ({loaded.tokenizer_source})" if loaded is not None else ""
             raise ValueError(f"messages: this model has no tokenizer/chat template{why}")
         validate_messages(messages)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: not with add_generation_prompt (send add_generation_prompt=false)")
+        renderer = self.templates.renderer(None if chat_template is None else check_template_source(chat_template))
+        variables = self.templates.variables(chat_template_kwargs)
         try:
-            return self.renderer.prompt(
+            return renderer.prompt(
                 messages, tools or None, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
+                continue_final_message=continue_final_message, template_kwargs=variables,
+                documents=check_documents(documents),
             )
         except ValueError as e:
+            if str(e).startswith(_TEMPLATE_FIELDS):
+                raise
             raise ValueError(f"messages: {e}") from None
 
     async def tokenize(
@@ -316,6 +365,9 @@ class AgentRuntime:
         add_special_tokens: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids the engine would run for a prompt or a chat (vLLM's ``/tokenize``).
 
@@ -328,6 +380,9 @@ class AgentRuntime:
                 engine never does).
             add_generation_prompt: end a chat with the opening of an assistant turn.
             continue_final_message: end a chat inside its final message.
+            chat_template: a chat's template instead of the runtime's.
+            chat_template_kwargs: a chat's template variables.
+            documents: a chat's ``documents`` variable.
 
         Returns:
             The ids.
@@ -340,7 +395,10 @@ class AgentRuntime:
             raise ValueError("prompt: give a prompt or messages, not both")
         encoder = self._client.encoder
         if messages is not None:
-            rendered = self.render_chat(messages, normalize_tools(tools), add_generation_prompt, continue_final_message)
+            rendered = self.render_chat(
+                messages, normalize_tools(tools), add_generation_prompt, continue_final_message,
+                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, documents=documents,
+            )
             if not isinstance(rendered, str):
                 return list(rendered)
             prompt, add_special_tokens = rendered, False
@@ -382,6 +440,9 @@ class AgentRuntime:
         parallel_tool_calls: bool = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[RequestStream, str]:
         """Validate, render and submit one chat turn.
 
@@ -404,6 +465,10 @@ class AgentRuntime:
             continue_final_message: end the prompt inside the final message, without its end
                 of turn: the reply continues that message (vLLM's; an assistant prefix such as
                 ``{"answer":``; needs ``add_generation_prompt=False``).
+            chat_template: this chat's template source instead of the runtime's.
+            chat_template_kwargs: this chat's template variables (``{"enable_thinking":
+                False}``), over the runtime's defaults.
+            documents: the ``documents`` variable of retrieval templates.
 
         Returns:
             The stream and the normalised tool choice.
@@ -417,6 +482,7 @@ class AgentRuntime:
             response_format=response_format, job_id=job_id, is_last_step=is_last_step, request_id=request_id,
             pinning=pinning, ttl_rule=ttl_rule, parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, documents=documents,
         )
         return streams[0], choice
 
@@ -452,7 +518,9 @@ class AgentRuntime:
         choice = normalize_tool_choice(options.get("tool_choice", "auto"), schemas)
         fmt = normalize_response_format(options.get("response_format"), choice)
         prompt = self.render_chat(
-            messages, schemas, options.get("add_generation_prompt", True), options.get("continue_final_message", False)
+            messages, schemas, options.get("add_generation_prompt", True), options.get("continue_final_message", False),
+            chat_template=options.get("chat_template"), chat_template_kwargs=options.get("chat_template_kwargs"),
+            documents=options.get("documents"),
         )
         parse = self.tool_call_format if schemas and choice != "none" else None
         streams: list[RequestStream] = []
@@ -494,7 +562,8 @@ class AgentRuntime:
             is_last_step: the job's last step.
             pinning: per-request pinning override.
             ttl_rule: per-request TTL rule override.
-            **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``, ``response_format``
+            **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``, ``logprobs``,
+                ``response_format``, ``chat_template_kwargs``, ``documents``
                 (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
@@ -507,8 +576,8 @@ class AgentRuntime:
         params = chat_sampling_params(sampling)
         stream, _ = await self.start_chat(
             messages, tools=tools, tool_choice=tool_choice, response_format=sampling.get("response_format"),
-            params=params, job_id=job_id,
-            is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,
+            params=params, job_id=job_id, is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,
+            chat_template_kwargs=sampling.get("chat_template_kwargs"), documents=sampling.get("documents"),
         )
         try:
             final = await stream.result()

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import os
 import shutil
@@ -722,6 +723,15 @@ def serve(
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds in-flight requests may finish before they are aborted."),
     replicas: int = typer.Option(1, help="Engine replicas behind the one endpoint; above 1 on a local Ray cluster "
                                  "(the ray extra), each job kept on the replica that holds its KV."),
+    served_model_name: str = typer.Option(None, help="The model name clients send and /v1/models lists "
+                                          "(default: --model)."),
+    chat_template: str = typer.Option(None, help="A chat template, as a Jinja file or its text, instead of the "
+                                      "model's."),
+    default_chat_template_kwargs: str = typer.Option(
+        None, help='Template variables every chat gets unless it sets its own, as a JSON object '
+        '(e.g. \'{"enable_thinking": false}\').'),
+    trust_request_chat_template: bool = typer.Option(
+        False, "--trust-request-chat-template", help="Serve chats that send a chat_template of their own."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -729,11 +739,32 @@ def serve(
     from agent_runtime.commands import run_serve
 
     _memory_sized_pool(ctx, engine_args)
+    template_kwargs = _json_object("default_chat_template_kwargs", default_chat_template_kwargs)
     from eval.cli_progress import showing_model_loads
 
     with StartupLine.listening(policy), showing_model_loads():
         run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
-                  max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, replicas=replicas, **engine_args)
+                  max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, replicas=replicas,
+                  served_model_name=served_model_name, chat_template=chat_template,
+                  default_chat_template_kwargs=template_kwargs,
+                  trust_request_chat_template=trust_request_chat_template, **engine_args)
+
+
+def _json_object(name: str, text: str | None) -> dict[str, Any] | None:
+    """A JSON object given on the command line (None when not given).
+
+    Raises:
+        ValueError: not a JSON object (naming ``name``).
+    """
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}: not JSON: {e.msg} at character {e.pos}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 @app.command()

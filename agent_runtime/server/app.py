@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from agent_runtime.chat_template_options import check_template_kwargs, load_chat_template
 from agent_runtime.protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -219,6 +220,7 @@ def create_app(
     default_max_tokens: int = 512,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """Build the OpenAI-compatible app.
 
@@ -232,6 +234,9 @@ def create_app(
         max_request_body_bytes: bodies beyond this are a 413.
         max_queue_len: completions in flight beyond the engine's ``max_num_seqs`` before new
             ones are a 429 with ``Retry-After`` (None: unbounded).
+        trust_request_chat_template: serve chats that bring their own ``chat_template`` (a
+            template runs in Jinja's sandbox, but loops in it take the server's time; vLLM
+            refuses them unless told to trust its clients).
 
     Returns:
         The FastAPI app; its :class:`AppState` is ``app.state.server``.
@@ -245,6 +250,7 @@ def create_app(
     if max_queue_len is not None and max_queue_len < 0:
         raise ValueError(f"max_queue_len: must be >= 0, got {max_queue_len!r}")
     state = AppState.build(runtime_or_engine_factory, model_name, api_key, default_max_tokens)
+    state.trust_request_chat_template = bool(trust_request_chat_template)
     app = FastAPI(title="AsymCache OpenAI-compatible server", lifespan=_lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
@@ -336,6 +342,11 @@ class ServeOptions:
         num_kv_blocks: KV pool size in blocks (None: from memory).
         max_model_len: context limit (None: the model's).
         served_model_name: the name clients send (None: ``model``).
+        chat_template: a chat template (a Jinja file or its text) instead of the model's
+            (vLLM's ``--chat-template``; read and checked here).
+        default_chat_template_kwargs: template variables every chat gets unless it sets its
+            own (vLLM's ``--default-chat-template-kwargs``).
+        trust_request_chat_template: serve chats that bring their own template.
         log_level: uvicorn's log level.
         max_request_body_bytes: request bodies beyond this are a 413.
         max_queue_len: completions waiting beyond the running batch before new ones are a 429
@@ -358,6 +369,9 @@ class ServeOptions:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     served_model_name: str | None = None
+    chat_template: str | None = None
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    trust_request_chat_template: bool = False
     log_level: str = "info"
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN
@@ -383,6 +397,9 @@ class ServeOptions:
             raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
         if not isinstance(self.shutdown_timeout, int | float) or not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout!r}")
+        # NOTE: a file is read once, here, so that a bad path fails before the model loads
+        object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
+        check_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ServeOptions:
@@ -400,6 +417,36 @@ class ServeOptions:
             engine_settings={k: v for k, v in kwargs.items() if k not in own},
         )
 
+    def build_runtime(self) -> AgentRuntime:
+        """Load the model and build the runtime these options describe (blocking).
+
+        Returns:
+            The runtime (it owns its engine).
+
+        Raises:
+            ValueError: bad policy or engine settings.
+        """
+        return AgentRuntime.from_model(
+            self.model, self.policy, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
+            chat_template=self.chat_template, chat_template_kwargs=self.default_chat_template_kwargs,
+            **self.engine_settings,
+        )
+
+    def build_app(self, source: RuntimeSource) -> FastAPI:
+        """The app these options describe, over ``source`` (see :func:`create_app`).
+
+        Args:
+            source: a runtime, an engine, or a factory of either.
+
+        Returns:
+            The app.
+        """
+        return create_app(
+            source, self.served_model_name or self.model, self.api_key,
+            max_request_body_bytes=self.max_request_body_bytes, max_queue_len=self.max_queue_len,
+            trust_request_chat_template=self.trust_request_chat_template,
+        )
+
 
 def serve(options: ServeOptions) -> None:
     """Load the model, build the runtime for the options' preset and serve it with uvicorn
@@ -413,14 +460,8 @@ def serve(options: ServeOptions) -> None:
     """
     import uvicorn
 
-    runtime = AgentRuntime.from_model(
-        options.model, options.policy, num_kv_blocks=options.num_kv_blocks,
-        max_model_len=options.max_model_len, **options.engine_settings,
-    )
-    app = create_app(
-        lambda: runtime, options.served_model_name or options.model, options.api_key,
-        max_request_body_bytes=options.max_request_body_bytes, max_queue_len=options.max_queue_len,
-    )
+    runtime = options.build_runtime()
+    app = options.build_app(lambda: runtime)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
                     timeout_graceful_shutdown=float(options.shutdown_timeout))

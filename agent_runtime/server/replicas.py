@@ -51,8 +51,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server.app import ServeOptions, create_app
+from agent_runtime.server.app import ServeOptions
 from agent_runtime.server.errors import APIError, stream_error_frame
 from agent_runtime.server.job_router import RoutingPolicy, routing_key
 from agent_runtime.server.metrics import CONTENT_TYPE, merge_expositions
@@ -173,15 +172,9 @@ class EngineReplica:
     """
 
     def __init__(self, options: ServeOptions) -> None:
-        self.runtime = AgentRuntime.from_model(
-            options.model, options.policy, num_kv_blocks=options.num_kv_blocks,
-            max_model_len=options.max_model_len, **options.engine_settings,
-        )
+        self.runtime = options.build_runtime()
         # NOTE: the app is given the runtime, so it never closes it; :meth:`__del__` does.
-        self.app = create_app(
-            self.runtime, options.served_model_name or options.model, options.api_key,
-            max_request_body_bytes=options.max_request_body_bytes, max_queue_len=options.max_queue_len,
-        )
+        self.app = options.build_app(self.runtime)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def forward(self, request: ForwardedRequest, routing_key: str | None = None,

@@ -86,14 +86,23 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
 
 
+def _check_template_trusted(state: AppState, req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """A 400 for a chat that brings its own template to a server not told to trust them."""
+    if req.chat_template is not None and not state.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server renders chats with its own template only; start it with "
+                       "--trust-request-chat-template to serve templates sent in requests", param="chat_template")
+
+
 async def tokenize(request: Request) -> JSONResponse:
     """``POST /tokenize``: the ids a prompt or a chat runs as (vLLM's endpoint)."""
     state, req = await _parse(request, TokenizeRequest, model_required=False)
+    _check_template_trusted(state, req)
     rt = state.require_runtime()
     try:
         ids = await rt.tokenize(req.prompt, messages=req.messages, tools=req.tools,
                                 add_special_tokens=req.add_special_tokens,
-                                add_generation_prompt=req.chat_ending[0], continue_final_message=req.chat_ending[1])
+                                add_generation_prompt=req.chat_ending[0], continue_final_message=req.chat_ending[1],
+                                **req.template_options())
     except ValueError as e:
         raise from_value_error(e, "prompt" if req.messages is None else "messages") from None
     state.metrics.count("/tokenize", 200)
@@ -119,6 +128,7 @@ async def detokenize(request: Request) -> JSONResponse:
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     state, req = await _parse(request, ChatCompletionRequest)
+    _check_template_trusted(state, req)
     rt = state.require_runtime()
     params = _sampling_params(req, state.default_max_tokens)
     if req.prompt_logprobs is not None and req.streaming:
@@ -137,6 +147,7 @@ async def chat_completions(request: Request) -> Response:
             parallel_tool_calls=req.parallel_tool_calls is not False,
             add_generation_prompt=chat_ending(req.add_generation_prompt, req.continue_final_message)[0],
             continue_final_message=bool(req.continue_final_message),
+            **req.template_options(),
         )
     except ValueError as e:
         raise from_value_error(e, "messages") from None

@@ -67,6 +67,8 @@ class AppState:
         owned: the app built ``runtime`` and closes it at shutdown.
         factory: builds the runtime (or an engine) at startup, when none was given.
         created: the ``created`` time ``/v1/models`` reports.
+        trust_request_chat_template: serve requests that bring a chat template of their own
+            (vLLM's ``--trust-request-chat-template``; refused otherwise).
     """
 
     model_name: str
@@ -77,6 +79,7 @@ class AppState:
     owned: bool = False
     factory: Callable[[], RuntimeOrEngine] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    trust_request_chat_template: bool = False
     _token_texts: TokenTexts | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -4,6 +4,7 @@ the official openai client, raw httpx (SSE), our client, errors, auth, and disco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -69,11 +70,9 @@ class Live:
         assert httpx.get(f"{self.base}/health", timeout=10).json() == {"status": "ok"}
 
 
-@pytest.fixture(scope="module")
-def live(smollm) -> Iterator[Live]:
-    engine = make_engine(smollm, max_model_len=1024, **resolve_preset("continuum").engine_overrides)
-    runtime = AgentRuntime(engine, policy="continuum")
-    app = create_app(runtime, MODEL)
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Serves ``app`` with uvicorn on a free local port, in a thread; yields its base URL."""
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -83,10 +82,20 @@ def live(smollm) -> Iterator[Live]:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
     try:
-        yield Live(f"http://127.0.0.1:{port}", runtime)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def live(smollm) -> Iterator[Live]:
+    engine = make_engine(smollm, max_model_len=1024, **resolve_preset("continuum").engine_overrides)
+    runtime = AgentRuntime(engine, policy="continuum")
+    try:
+        with serving(create_app(runtime, MODEL)) as base:
+            yield Live(base, runtime)
+    finally:
         runtime.close_sync()
 
 

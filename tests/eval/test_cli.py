@@ -112,7 +112,8 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     assert kw["policy"] == "continuum" and kw["model"] == "smollm2-135m"
     # everything handed on is an EngineConfig field, or the command's own argument
     own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout",
-                     "replicas"},
+                     "replicas", "served_model_name", "chat_template", "default_chat_template_kwargs",
+                     "trust_request_chat_template"},
            "chat": {"policy"},
            "agent": {"task", "workdir", "max_turns", "policy", "tool_choice"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}
@@ -158,3 +159,30 @@ def test_bench_and_profile_show_vllm_names():
         assert flag in bench.output
     profile = runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "200"})
     assert "--block-size" in profile.output and "--max-model-len" not in profile.output
+
+
+def test_serve_takes_vllms_template_and_name_options(monkeypatch, tmp_path):
+    import agent_runtime.server as server
+
+    calls: list[server.ServeOptions] = []
+    monkeypatch.setattr(server, "serve", calls.append)
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
+    result = runner.invoke(app, ["serve", "--served-model-name", "my-model", "--chat-template", str(template),
+                                 "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                                 "--trust-request-chat-template"])
+    assert result.exit_code == 0, result.output
+    options = calls[-1]
+    assert options.served_model_name == "my-model" and options.trust_request_chat_template is True
+    assert options.chat_template == template.read_text() and options.default_chat_template_kwargs == {
+        "enable_thinking": False}
+    assert not {"chat_template", "served_model_name"} & set(options.engine_settings)
+    for bad, field in ((["--default-chat-template-kwargs", "{nope"], "default_chat_template_kwargs"),
+                       (["--default-chat-template-kwargs", "[1]"], "default_chat_template_kwargs"),
+                       (["--default-chat-template-kwargs", '{"tools": []}'], "default_chat_template_kwargs.tools"),
+                       (["--chat-template", str(tmp_path / "missing.jinja")], "chat_template"),
+                       (["--served-model-name", " "], "served_model_name")):
+        result = runner.invoke(app, ["serve", *bad])
+        assert result.exit_code == 2 and result.output.startswith(f"error: {field}:"), result.output
+        assert result.output.strip().count("\n") == 0
+    assert len(calls) == 1
