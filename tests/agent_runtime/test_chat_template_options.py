@@ -206,3 +206,34 @@ def test_a_jobs_turns_take_template_variables(smollm):
 
     turn, want, plain = asyncio.run(main())
     assert turn.metrics.prompt_tokens == len(want) > len(plain)
+
+
+def test_a_model_without_a_chat_template_serves_text_and_refuses_chats(smollm):
+    import copy
+
+    engine = make_engine(smollm)
+    engine.tokenizer = copy.deepcopy(engine.tokenizer)
+    engine.tokenizer.chat_template = None
+
+    async def main():
+        runtime = AgentRuntime(engine)
+        try:
+            final = await (await runtime.submit("Red, green and", SamplingParams(max_tokens=2))).result()
+            try:
+                await runtime.start_chat(CHAT)
+            except ValueError as e:
+                refused = str(e)
+            return runtime.templates, final, refused
+        finally:
+            await runtime.close()
+
+    templates, final, refused = asyncio.run(main())
+    assert templates is None and len(final.output.token_ids) == 2
+    assert refused.startswith("messages: this model has no tokenizer/chat template")
+    # a deployment's template gives it one
+    runtime = AgentRuntime(make_engine(smollm), chat_template=THINKING_TEMPLATE)
+    try:
+        assert runtime.renderer is not None and runtime.renderer.template == THINKING_TEMPLATE
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
