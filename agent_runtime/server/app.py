@@ -22,16 +22,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from agent_runtime.chat_template_options import check_template_kwargs, load_chat_template
-from agent_runtime.protocol import (
+from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server import serving
+from agent_runtime.server.errors import APIError
+from agent_runtime.server.requests import (
     MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server import serving
-from agent_runtime.server.errors import APIError
 from agent_runtime.server.state import AppState, RuntimeSource, app_state
 from asymcache_core.errors import EngineDeadError
 

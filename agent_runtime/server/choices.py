@@ -13,7 +13,13 @@ from typing import Any
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
-from agent_runtime.protocol import (
+from agent_runtime.server.logprobs import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
+from agent_runtime.server.responses import (
     ChatCompletionChoice,
     ChatCompletionStreamChoice,
     ChatLogprobs,
@@ -22,12 +28,6 @@ from agent_runtime.protocol import (
     CompletionLogprobs,
     DeltaMessage,
     ToolCallDelta,
-)
-from agent_runtime.server.logprobs import (
-    TokenTexts,
-    chat_logprobs,
-    completion_logprobs,
-    prompt_logprobs,
 )
 from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import StreamEvent

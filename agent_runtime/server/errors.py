@@ -6,7 +6,8 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from agent_runtime.protocol import ErrorInfo, ErrorResponse, RequestError
+from agent_runtime.protocol import RequestError
+from agent_runtime.server.responses import ErrorInfo, ErrorResponse
 
 
 class APIError(Exception):

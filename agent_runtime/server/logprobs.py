@@ -13,7 +13,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from agent_runtime.protocol import (
+from agent_runtime.server.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

@@ -24,29 +24,31 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agent_runtime.engine_client import RequestStream
-from agent_runtime.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChunk,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    RequestError,
-    TokenizeRequest,
-    TokenizeResponse,
-    Usage,
-    chat_ending,
-    parse_json_body,
-    parse_request,
-)
+from agent_runtime.protocol import RequestError
 from agent_runtime.server.choices import ChatChunks, Chunks, CompletionChunks, safe_text_len
 from agent_runtime.server.errors import APIError, from_value_error, stream_error_frame
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from agent_runtime.server.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_ending,
+    parse_json_body,
+    parse_request,
+)
+from agent_runtime.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    Usage,
+)
 from agent_runtime.server.state import AppState, app_state
 from agent_runtime.types import StreamEvent
 from asymcache_core import EngineStats

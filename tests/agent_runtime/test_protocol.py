@@ -8,28 +8,32 @@ import json
 import pytest
 
 from agent_runtime.protocol import (
+    RequestError,
+    chat_sampling_params,
+    normalize_tool_choice,
+    normalize_tools,
+    validate_messages,
+)
+from agent_runtime.server.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_prompt,
+    parse_json_body,
+    parse_request,
+)
+from agent_runtime.server.responses import (
     ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatMessage,
     CompletionChoice,
     CompletionChunk,
-    CompletionRequest,
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
-    RequestError,
     ToolCallDelta,
     Usage,
-    chat_sampling_params,
-    completion_prompt,
-    normalize_tool_choice,
-    normalize_tools,
-    parse_json_body,
-    parse_request,
-    validate_messages,
 )
 
 USER = [{"role": "user", "content": "hi"}]

@@ -1,0 +1,573 @@
+"""The HTTP request bodies of the OpenAI-compatible server, as pydantic models, and their parsing.
+
+:class:`ChatCompletionRequest`, :class:`CompletionRequest`, :class:`TokenizeRequest` and
+:class:`DetokenizeRequest`: sampling parameters (vLLM's extensions too), Continuum's ``job_id`` /
+``is_last_step``, streaming flags, the completion prompt and the chat-template fields.
+:func:`parse_json_body` and :func:`check_json_tree` bound what a body may be;
+:func:`parse_request` turns a pydantic error into a
+:class:`~agent_runtime.protocol.RequestError` naming the offending field the way OpenAI's
+``param`` does (``messages[0].role``); a field this server does not implement is a 400
+(:func:`reject_unsupported`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from agent_runtime.chat_template_options import (
+    check_documents,
+    check_template_kwargs,
+    check_template_source,
+)
+from agent_runtime.protocol import (
+    MAX_JOB_ID_CHARS,
+    MAX_STOP_STRINGS,
+    RequestError,
+    normalize_response_format,
+)
+from asymcache_core.logprobs import MAX_LOGPROBS
+from asymcache_core.sampling_params import SamplingParams
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+# ----------------------------------------------------------------------------------------------
+# HTTP request bodies
+# ----------------------------------------------------------------------------------------------
+
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[StrictInt, Field(ge=-1)]
+JobId = Annotated[StrictStr, Field(min_length=1, max_length=MAX_JOB_ID_CHARS)]
+#: Ranges are checked by SamplingParams (one place for the engine's API and the server's).
+Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+#: ``n`` at most: each choice is a request of its own in the engine.
+MAX_CHOICES = 16
+#: Nesting of the JSON body at most (a deeper body is a 400, never a RecursionError).
+MAX_JSON_DEPTH = 64
+#: OpenAI fields this server does not implement, with the value that means "off".
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "functions": (None,),
+    "function_call": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    # NOTE: vLLM's extensions that change what is generated or returned: a 400, not ignored.
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "spaces_between_special_tokens": (None, True),
+    "mm_processor_kwargs": (None, {}),
+    # NOTE: vLLM's older spellings of structured output; ``response_format`` is the one served.
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool | None = None
+
+
+class _GenerationRequest(BaseModel):
+    """Fields common to chat and text completions.
+
+    ``temperature`` defaults to 0 (greedy) so agent runs are reproducible; ``top_k`` and
+    ``ignore_eos`` are vLLM's extensions; ``job_id`` / ``is_last_step`` are Continuum's (the
+    openai client's ``extra_body``). Unknown fields are ignored, as OpenAI-compatible servers do.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: StrictStr | None = None
+    max_tokens: PositiveInt | None = None
+    n: StrictInt | None = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: StrictInt | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: StrictBool = False
+    min_p: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Penalty | None = None
+    logit_bias: dict[str, Penalty] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    bad_words: list[StrictStr] | None = None
+    job_id: JobId | None = None
+    is_last_step: StrictBool | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, response_format: Any) -> dict[str, Any] | None:
+        return normalize_response_format(response_format)
+
+    @field_validator("n")
+    @classmethod
+    def _choices(cls, n: int | None) -> int | None:
+        if n is not None and not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n: must be in [1, {MAX_CHOICES}], got {n!r}")
+        return n
+
+    @field_validator("job_id")
+    @classmethod
+    def _one_choice_per_job_turn(cls, job_id: str | None, info: ValidationInfo) -> str | None:
+        # NOTE: a job's turn is one request (its KV is pinned across the tool pause that
+        # follows, and the job's next turn extends that one context): n choices have n.
+        if job_id is not None and (info.data.get("n") or 1) > 1:
+            raise ValueError("job_id: a job's turn has one choice; send n=1 (or no job_id for several)")
+        return job_id
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            if not stop:
+                raise ValueError("stop: stop strings must be non-empty")
+            return (stop,)
+        if isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in stop):
+            return tuple(stop)
+        raise ValueError(f"stop: must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings")
+
+    @property
+    def num_choices(self) -> int:
+        """``n`` with null read as 1."""
+        return self.n or 1
+
+    @property
+    def last_step(self) -> bool:
+        """``is_last_step`` with null read as false."""
+        return bool(self.is_last_step)
+
+    @property
+    def streaming(self) -> bool:
+        """``stream`` with null read as false."""
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        """The generation limit the client asked for (None: the server's default)."""
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token to report log probabilities for (None: no log probabilities)."""
+        return None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to report log probabilities for (None: none)."""
+        return self.prompt_logprobs
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters.
+
+        Args:
+            default_max_tokens: ``max_tokens`` when the request gives none.
+
+        Returns:
+            The parameters.
+
+        Raises:
+            ValueError: rejected by :class:`SamplingParams` (the text names the field).
+        """
+        max_tokens = self.requested_max_tokens()
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=0.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
+            allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            bad_words=tuple(self.bad_words or ()),
+            min_tokens=self.min_tokens or 0,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+        )
+
+
+#: ``chat_template_kwargs`` entries vLLM reads as the body's own fields (they override them).
+_TEMPLATE_OVERRIDES = ("chat_template", "add_generation_prompt", "continue_final_message", "documents")
+
+
+class _ChatTemplateFields(BaseModel):
+    """vLLM's chat-template fields of a chat (completion or ``/tokenize``): the template's own
+    variables, retrieval ``documents``, and a template of the request's own (served only with
+    ``--trust-request-chat-template``). As in vLLM, ``chat_template_kwargs`` may also carry
+    ``chat_template``, ``add_generation_prompt``, ``continue_final_message`` and ``documents``,
+    which then override the body's fields."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_template_overrides(cls, data: Any) -> Any:
+        kwargs = data.get("chat_template_kwargs") if isinstance(data, Mapping) else None
+        if not isinstance(kwargs, Mapping) or not any(k in kwargs for k in _TEMPLATE_OVERRIDES):
+            return data
+        rest = {k: v for k, v in kwargs.items() if k not in _TEMPLATE_OVERRIDES}
+        return {**data, **{k: kwargs[k] for k in _TEMPLATE_OVERRIDES if k in kwargs}, "chat_template_kwargs": rest}
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, template: str | None) -> str | None:
+        return None if template is None else check_template_source(template)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if kwargs is None else check_template_kwargs(kwargs)
+
+    @field_validator("documents")
+    @classmethod
+    def _documents(cls, documents: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_documents(documents)
+
+    def template_options(self) -> dict[str, Any]:
+        """The runtime's keywords for these fields (``chat_template``, ``chat_template_kwargs``,
+        ``documents``)."""
+        return {"chat_template": self.chat_template, "chat_template_kwargs": self.chat_template_kwargs,
+                "documents": self.documents}
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
+    """``POST /v1/chat/completions``.
+
+    ``messages``, ``tools`` and ``tool_choice`` are checked for their JSON shape here and in
+    depth by the runtime (:func:`validate_messages`, :func:`normalize_tools`,
+    :func:`normalize_tool_choice`), which library callers go through too.
+    """
+
+    #: fields of text completions a chat completion does not take (vLLM's chat ``echo`` repeats
+    #: the last message, not served)
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (None, False)}
+
+    max_completion_tokens: PositiveInt | None = None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        # NOTE: OpenAI's rule; ``logprobs`` is declared first, so it is validated already.
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return top_logprobs
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """``logprobs: true`` with ``top_logprobs`` alternatives (0 when not given)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``.
+
+    Besides OpenAI's fields: ``tool_name`` (the tool a job pauses for after this completion,
+    for Continuum's duration estimates) and ``return_token_ids`` (vLLM's: the prompt's and the
+    output's token ids in each choice). ``echo`` puts the prompt before each choice's text
+    (and, with ``logprobs``, its tokens before the generated ones, the first with a null log
+    probability); ``max_tokens: 0`` with it returns the prompt alone (as vLLM does, and as
+    lm-evaluation-harness's log-likelihood requests ask).
+    """
+
+    #: a chat's fields: a text completion is not rendered with a template
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+    }
+
+    prompt: str | list[int]
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    echo: StrictBool | None = None
+    tool_name: StrictStr | None = None
+    return_token_ids: StrictBool | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt back, nothing generated."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise ValueError("max_tokens: must be at least 1 (0 only with echo=true)")
+            # NOTE: the engine samples one token, which the response leaves out
+            return 1
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """The legacy ``logprobs``: alternatives per token (0: the sampled token's alone)."""
+        return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or ``logprobs`` when the prompt is echoed (vLLM's rule: the
+        echoed tokens carry log probabilities too)."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        return completion_prompt(prompt)
+
+
+class TokenizeRequest(_ChatTemplateFields):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` or chat ``messages`` (with ``tools`` and the
+    template fields), the latter rendered as a chat completion renders them."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: StrictBool = False
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+
+    @property
+    def chat_ending(self) -> tuple[bool, bool]:
+        """``(add_generation_prompt, continue_final_message)`` as a chat completion reads them."""
+        return chat_ending(self.add_generation_prompt, self.continue_final_message)
+
+
+def chat_ending(add_generation_prompt: bool | None, continue_final_message: bool | None) -> tuple[bool, bool]:
+    """How a rendered chat ends: ``(add_generation_prompt, continue_final_message)``.
+
+    NOTE: ``add_generation_prompt`` defaults to true, or to false with ``continue_final_message``
+    (vLLM asks the client to turn it off; both set true stays an error, raised by the runtime).
+    """
+    cont = bool(continue_final_message)
+    return (not cont if add_generation_prompt is None else add_generation_prompt), cont
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+def completion_prompt(prompt: Any) -> str | list[int]:
+    """A ``/v1/completions`` prompt: a string, token ids, or a one-element batch of either.
+
+    Args:
+        prompt: the body's ``prompt``.
+
+    Returns:
+        The text or the token ids.
+
+    Raises:
+        ValueError: naming ``prompt``.
+    """
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ValueError("prompt: batches are not supported; send one prompt per request")
+    raise ValueError("prompt: must be a non-empty string or a list of token ids")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object.
+
+    Args:
+        raw: the body bytes.
+
+    Returns:
+        The object.
+
+    Raises:
+        RequestError: with code ``invalid_json``.
+    """
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"Invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object", code="invalid_json")
+    check_json_tree(body)
+    return body
+
+
+def check_json_tree(body: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Reject bodies nested deeper than ``max_depth`` or holding text that is not Unicode.
+
+    Iterative, so that no depth reaches Python's recursion limit; run before anything that
+    recurses over the body (pydantic, the chat template, xgrammar). A lone surrogate
+    (``"\\ud800"``, valid JSON but not encodable) would fail the tokenizer later.
+
+    Args:
+        body: the decoded JSON.
+        max_depth: the deepest nesting allowed.
+
+    Raises:
+        RequestError: naming the offending field.
+    """
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if depth > max_depth:
+            raise RequestError(f"{where or 'body'}: nested deeper than {max_depth}", param=where or None,
+                               code="invalid_json")
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(f"{where or 'body'}: not valid Unicode (a lone surrogate)",
+                                   param=where or None, code="invalid_json") from None
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                stack.append((key, where, depth + 1))
+                stack.append((value, f"{where}.{key}" if where else str(key), depth + 1))
+        elif isinstance(node, list):
+            stack.extend((value, f"{where}[{i}]", depth + 1) for i, value in enumerate(node))
+
+
+def reject_unsupported(body: Mapping[str, Any], more: Mapping[str, tuple[Any, ...]] | None = None) -> None:
+    """A 400 for OpenAI fields that are set but not implemented (never silently ignored).
+
+    Args:
+        body: the decoded request body.
+        more: the endpoint's own such fields, with their "off" values.
+
+    Raises:
+        RequestError: naming the first such field.
+    """
+    for name, off in {**UNSUPPORTED_FIELDS, **(more or {})}.items():
+        if name in body and body[name] not in off:
+            raise RequestError(f"{name}: not supported by this server", param=name, code="unsupported_field")
+
+
+def parse_request(model: type[ModelT], body: Mapping[str, Any]) -> ModelT:
+    """Validate a decoded body against a request model.
+
+    Args:
+        model: :class:`ChatCompletionRequest` or :class:`CompletionRequest`.
+        body: the decoded JSON object.
+
+    Returns:
+        The request.
+
+    Raises:
+        RequestError: for the first invalid field, with ``param`` naming it.
+    """
+    reject_unsupported(body, getattr(model, "unsupported_fields", None))
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _request_error(exc) from None
+
+
+def _param(loc: Sequence[int | str]) -> str | None:
+    """OpenAI's notation for a pydantic location: ``("messages", 0, "role")`` -> ``messages[0].role``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def _request_error(exc: ValidationError) -> RequestError:
+    err = exc.errors(include_url=False)[0]
+    param = _param(err["loc"])
+    msg = str(err["msg"])
+    if err["type"] == "value_error":
+        # NOTE: our validators already write "field: message"; pydantic prefixes "Value error, ".
+        msg = msg.removeprefix("Value error, ")
+        head = msg.split(":", 1)[0]
+        if param is not None and (head == param or head.startswith((f"{param}.", f"{param}["))):
+            # NOTE: a validator may name a key below its field (``response_format.json_schema.name``).
+            return RequestError(msg, head)
+    elif err["type"] != "missing" and "input" in err:
+        shown = repr(err["input"])
+        msg = f"{msg}, got {shown if len(shown) <= 80 else shown[:77] + '...'}"
+    return RequestError(f"{param}: {msg}" if param else msg, param)
+
+
+__all__ = [
+    "chat_ending",
+    "ChatCompletionRequest",
+    "check_json_tree",
+    "completion_prompt",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "MAX_CHOICES",
+    "MAX_JSON_DEPTH",
+    "parse_json_body",
+    "parse_request",
+    "reject_unsupported",
+    "StreamOptions",
+    "TokenizeRequest",
+    "UNSUPPORTED_FIELDS",
+]

@@ -1,0 +1,309 @@
+"""The HTTP response bodies of the OpenAI-compatible server, as pydantic models.
+
+OpenAI's field names and shapes (:class:`ChatCompletionResponse`, :class:`ChatCompletionChunk`,
+:class:`CompletionResponse`, :class:`CompletionChunk`, :class:`ModelList`,
+:class:`ErrorResponse`, :class:`Usage`, vLLM's :class:`TokenizeResponse`). ``model_dump()`` is
+the wire JSON: fields OpenAI always sends are there even when null (``finish_reason``,
+``logprobs``, an error's ``param``); the optional ones (a chunk's ``usage``, a delta's fields,
+vLLM's ``token_ids``) are left out when unset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+)
+
+# ----------------------------------------------------------------------------------------------
+# HTTP response bodies
+# ----------------------------------------------------------------------------------------------
+
+
+def _omitted_when_none(value: Any) -> bool:
+    return value is None
+
+
+#: An optional field that is left out of the wire JSON while it is None (OpenAI omits it).
+_OMIT = Field(default=None, exclude_if=_omitted_when_none)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Body):
+    """``usage.prompt_tokens_details``: prompt tokens served from the KV cache."""
+
+    cached_tokens: int
+
+
+class Usage(_Body):
+    """Token counts of one completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        """The usage of a completion (``total_tokens`` is the sum).
+
+        Args:
+            prompt_tokens: its prompt's length.
+            completion_tokens: tokens it generated.
+            cached_tokens: prompt tokens that were cache hits.
+
+        Returns:
+            The usage.
+        """
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class FunctionCall(_Body):
+    """A called function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(_Body):
+    """A tool call in a streamed delta: a :class:`ToolCall` with its ``index`` first."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    """The assistant message of a chat completion (``content`` null when it is only calls)."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = _OMIT
+
+
+class DeltaMessage(_Body):
+    """What a streamed chat chunk adds to the message; unset fields are left out."""
+
+    role: Literal["assistant"] | None = _OMIT
+    content: str | None = _OMIT
+    tool_calls: list[ToolCallDelta] | None = _OMIT
+
+
+class TopLogprob(_Body):
+    """One of the most likely tokens at a position of a chat completion."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token's log probability, and its most likely alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    """A chat choice's ``logprobs``: one entry per generated token (of this chunk, streamed)."""
+
+    content: list[ChatTokenLogprob] | None
+
+
+class PromptLogprob(_Body):
+    """vLLM's entry of ``prompt_logprobs`` for one token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: per prompt token, null for the first, else the prompt token's and
+#: its likeliest alternatives' entries keyed by token id (a JSON string).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogprobs(_Body):
+    """A text completion's legacy ``logprobs``: parallel lists, one item per generated token;
+    ``top_logprobs`` maps the alternatives' texts to their log probabilities (null for 0)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class ChatCompletionChoice(_Body):
+    """The choice of a chat completion."""
+
+    index: int = 0
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionStreamChoice(_Body):
+    """The choice of a streamed chat chunk."""
+
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class CompletionChoice(_Body):
+    """The choice of a text completion or of one of its chunks; ``token_ids`` and
+    ``prompt_token_ids`` (vLLM's ``return_token_ids``) only when asked for."""
+
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = _OMIT
+    prompt_token_ids: list[int] | None = _OMIT
+    prompt_logprobs: PromptLogprobs | None = _OMIT
+
+
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class _Envelope(_Body):
+    """The fields every completion body and chunk starts with (``object`` names its kind)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class _Completion(_Envelope, Generic[ChoiceT]):
+    """A non-streamed completion body: its one choice and the usage."""
+
+    choices: list[ChoiceT]
+    usage: Usage
+
+
+class _Chunk(_Envelope, Generic[ChoiceT]):
+    """One SSE chunk: its choices, and ``usage`` only in the last one, when asked for."""
+
+    choices: list[ChoiceT]
+    usage: Usage | None = _OMIT
+
+
+class ChatCompletionResponse(_Completion[ChatCompletionChoice]):
+    """``POST /v1/chat/completions``, not streamed."""
+
+    object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = _OMIT
+
+
+class ChatCompletionChunk(_Chunk[ChatCompletionStreamChoice]):
+    """One SSE chunk of a streamed chat completion."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionResponse(_Completion[CompletionChoice]):
+    """``POST /v1/completions``, not streamed."""
+
+    object: Literal["text_completion"] = "text_completion"
+
+
+class CompletionChunk(_Chunk[CompletionChoice]):
+    """One SSE chunk of a streamed text completion."""
+
+    object: Literal["text_completion"] = "text_completion"
+
+
+class TokenizeResponse(_Body):
+    """``POST /tokenize``: the ids, their number and the context limit."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Body):
+    """``POST /detokenize``: the text."""
+
+    prompt: str
+
+
+class ModelCard(_Body):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "asymcache"
+
+
+class ModelList(_Body):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Body):
+    """OpenAI's error object (``param`` and ``code`` are null when there is none)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Body):
+    """Every error's body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+__all__ = [
+    "ChatCompletionChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionResponse",
+    "ChatCompletionStreamChoice",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatTokenLogprob",
+    "CompletionChoice",
+    "CompletionChunk",
+    "CompletionLogprobs",
+    "CompletionResponse",
+    "DeltaMessage",
+    "DetokenizeResponse",
+    "ErrorInfo",
+    "ErrorResponse",
+    "FunctionCall",
+    "ModelCard",
+    "ModelList",
+    "PromptLogprob",
+    "PromptLogprobs",
+    "PromptTokensDetails",
+    "TokenizeResponse",
+    "ToolCall",
+    "ToolCallDelta",
+    "TopLogprob",
+    "Usage",
+]
