@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from agent_runtime.chat_template_options import check_template_kwargs, load_chat_template
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server import serving
+from agent_runtime.server import openai_responses, serving
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.requests import (
     MAX_CHOICES,
@@ -51,7 +51,7 @@ DEFAULT_MAX_QUEUE_LEN = 256
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 #: The only route that answers without the API key (load balancers probe it).
 OPEN_PATHS = frozenset({"/health"})
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 def key_matches(header: bytes | None, api_key: str) -> bool:
@@ -259,6 +259,7 @@ def create_app(
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    app.add_api_route(openai_responses.PATH, openai_responses.create_response, methods=["POST"])
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_middleware(
@@ -300,6 +301,7 @@ def _openapi_with_bodies(app: FastAPI, model_name: str) -> Callable[[], dict[str
         routes: tuple[tuple[str, type[BaseModel], bool], ...] = (
             ("/v1/chat/completions", ChatCompletionRequest, True),
             ("/v1/completions", CompletionRequest, True),
+            (openai_responses.PATH, openai_responses.ResponsesRequest, True),
             ("/tokenize", TokenizeRequest, False),
             ("/detokenize", DetokenizeRequest, False),
         )

@@ -53,8 +53,9 @@ def routing_key(body: bytes | Mapping[str, Any]) -> str | None:
 
     Returns:
         ``job:<job_id>`` when the body names a job; else ``prefix:<sha256>`` of the
-        conversation's first messages (chat) or the prompt's head (text completions); None
-        when the body is not a JSON object or has neither.
+        conversation's first messages (chat; the instructions and first input items of a
+        Responses request) or the prompt's head (text completions); None when the body is not
+        a JSON object or has none of them.
     """
     if isinstance(body, bytes | bytearray):
         try:
@@ -68,9 +69,15 @@ def routing_key(body: bytes | Mapping[str, Any]) -> str | None:
         return f"job:{job}"
     messages = body.get("messages")
     prompt = body.get("prompt")
+    items = body.get("input")  # the Responses API's
     head: Any
     if isinstance(messages, list) and messages:
         head = [_message_head(m) for m in messages[:PREFIX_MESSAGES]]
+    elif isinstance(items, list | str) and items:
+        # NOTE: the instructions are the conversation's first message, as a chat's system one
+        instructions = body.get("instructions")
+        first = PREFIX_MESSAGES - (1 if instructions else 0)
+        head = [instructions, items if isinstance(items, str) else [_message_head(m) for m in items[:first]]]
     elif isinstance(prompt, str) and prompt:
         head = prompt[:PREFIX_CHARS]
     elif isinstance(prompt, list) and prompt:

@@ -97,7 +97,7 @@ def _check_template_trusted(state: AppState, req: ChatCompletionRequest | Tokeni
 
 async def tokenize(request: Request) -> JSONResponse:
     """``POST /tokenize``: the ids a prompt or a chat runs as (vLLM's endpoint)."""
-    state, req = await _parse(request, TokenizeRequest, model_required=False)
+    state, req = await parse_body(request, TokenizeRequest, model_required=False)
     _check_template_trusted(state, req)
     rt = state.require_runtime()
     try:
@@ -113,7 +113,7 @@ async def tokenize(request: Request) -> JSONResponse:
 
 async def detokenize(request: Request) -> JSONResponse:
     """``POST /detokenize``: the text of token ids (vLLM's endpoint)."""
-    state, req = await _parse(request, DetokenizeRequest, model_required=False)
+    state, req = await parse_body(request, DetokenizeRequest, model_required=False)
     try:
         text = await state.require_runtime().detokenize(req.tokens)
     except ValueError as e:
@@ -129,7 +129,7 @@ async def detokenize(request: Request) -> JSONResponse:
 
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
-    state, req = await _parse(request, ChatCompletionRequest)
+    state, req = await parse_body(request, ChatCompletionRequest)
     _check_template_trusted(state, req)
     rt = state.require_runtime()
     params = _sampling_params(req, state.default_max_tokens)
@@ -164,7 +164,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
-    state, req = await _parse(request, CompletionRequest)
+    state, req = await parse_body(request, CompletionRequest)
     rt = state.require_runtime()
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
@@ -236,7 +236,7 @@ def _abort_all(chunks: list[Chunks]) -> None:
         chunk.stream.abort()
 
 
-async def _parse(request: Request, model: type[RequestT], model_required: bool = True) -> tuple[AppState, RequestT]:
+async def parse_body(request: Request, model: type[RequestT], model_required: bool = True) -> tuple[AppState, RequestT]:
     """Auth, JSON, the served model (optional on the tokenizer routes, as in vLLM), then the
     body model; every failure an :class:`APIError`."""
     state = app_state(request)
@@ -297,7 +297,7 @@ async def _respond(
     rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}"
     model, metrics = state.model_name, state.metrics
     if not req.streaming:
-        finals = await _await_finals(request, [c.stream for c in chunks])
+        finals = await await_finals(request, [c.stream for c in chunks])
         for final in finals:
             metrics.observe(final)
         body = endpoint.response_model(
@@ -398,7 +398,7 @@ async def _sse_events(
                 stream.abort()
 
 
-async def _await_finals(request: Request, streams: list[RequestStream]) -> list[StreamEvent]:
+async def await_finals(request: Request, streams: list[RequestStream]) -> list[StreamEvent]:
     """The final events of a non-streamed request's choices; aborts them all if the client
     goes away or one of them fails."""
     tasks = [asyncio.ensure_future(stream.result()) for stream in streams]
@@ -426,6 +426,6 @@ def _usage(finals: list[StreamEvent], generated: bool = True) -> Usage:
 
 
 __all__ = [
-    "chat_completions", "choice_sampling_params", "completions", "detokenize", "health", "metrics", "models",
-    "safe_text_len", "tokenize",
+    "await_finals", "chat_completions", "choice_sampling_params", "completions", "detokenize", "health", "metrics",
+    "models", "parse_body", "safe_text_len", "tokenize",
 ]

@@ -40,8 +40,15 @@ def test_key_is_the_job_id_else_the_conversation_prefix():
     assert routing_key({"prompt": head + "turn 1"}) == routing_key({"prompt": head + "turn 2"})
     assert routing_key({"prompt": "short a"}) != routing_key({"prompt": "short b"})
     assert routing_key({"prompt": [1, 2, 3]}) == routing_key({"prompt": [1, 2, 3]}) != routing_key({"prompt": [1, 2]})
+    # the Responses API: the instructions and the first input items, as a chat's first messages
+    items = _conversation("fix the bug", 3)[1:]
+    turn1 = routing_key({"instructions": "You are an agent.", "input": items[:1]})
+    turn3 = routing_key({"instructions": "You are an agent.", "input": [*items, {"type": "function_call_output",
+                                                                                "call_id": "c", "output": "x"}]})
+    assert turn1 == turn3 != routing_key({"instructions": "Another agent.", "input": items})
+    assert routing_key({"input": "fix the bug"}) != routing_key({"input": "write the docs"})
     # nothing to key on
-    for body in (b"not json", b"[1, 2]", {"model": "m"}, {"job_id": "", "messages": []}, {"prompt": ""}):
+    for body in (b"not json", b"[1, 2]", {"model": "m"}, {"job_id": "", "messages": []}, {"prompt": ""}, {"input": []}):
         assert routing_key(body) is None, body
 
 

@@ -102,7 +102,8 @@ POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.Generati
 #: Every route; a body can break the schema (negative mode), a route without inputs cannot.
 ROUTES = [("GET", "/health", POSITIVE), ("GET", "/v1/models", POSITIVE), ("GET", "/metrics", POSITIVE),
           ("POST", CHAT, POSITIVE), ("POST", CHAT, NEGATIVE),
-          ("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE)]
+          ("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
+          ("POST", "/v1/responses", POSITIVE), ("POST", "/v1/responses", NEGATIVE)]
 #: Statuses schemathesis saw, per route (read by the summary test below).
 SEEN: Counter[tuple[str, int]] = Counter()
 
@@ -116,12 +117,14 @@ def _tiny(case) -> None:
     """Caps the generation a fuzzed body asks for: the point is the input, not long runs on a CPU."""
     if not isinstance(case.body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = case.body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
             case.body[name] = MAX_TOKENS
     # NOTE: a null limit is the server's default (the rest of the context): capped as absent
-    if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
+    if "input" in case.body and case.body.get("max_output_tokens") is None:
+        case.body["max_output_tokens"] = MAX_TOKENS
+    elif case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
         case.body["max_tokens"] = MAX_TOKENS
 
 
@@ -148,7 +151,8 @@ def test_schemathesis_every_route_answers_below_500(api_schema, method: str, pat
 
 def test_schemathesis_left_nothing_behind(runtime, reference) -> None:
     # NOTE: runs after the parametrized test above (file order).
-    assert {path for path, _ in SEEN} >= {"/health", "/v1/models", "/metrics", CHAT, "/v1/completions"}
+    assert {path for path, _ in SEEN} >= {"/health", "/v1/models", "/metrics", CHAT, "/v1/completions",
+                                          "/v1/responses"}
     assert any(status == 200 for path, status in SEEN if path == CHAT)
     assert any(400 <= status < 500 for path, status in SEEN if path == CHAT)
     _assert_clean(runtime)

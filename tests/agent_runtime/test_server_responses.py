@@ -1,0 +1,160 @@
+"""OpenAI's Responses API (``POST /v1/responses``) through the ``openai`` client, against the
+chat completions of the same conversation on the same server (greedy: the same tokens)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.agent_runtime.test_server import MODEL, TOOLS, live, oa  # noqa: F401 - the fixtures
+
+#: The chat tools in the Responses API's flat form.
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+QUESTION = "Name a colour of the sky."
+
+
+def _chat(oa, messages, **kw):  # noqa: F811 - the fixture's value
+    return oa.chat.completions.create(model=MODEL, messages=messages, **kw)
+
+
+def test_text_reply_equals_the_chat_completion(live, oa):  # noqa: F811
+    resp = oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.", max_output_tokens=12)
+    chat = _chat(oa, [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}],
+                 max_tokens=12)
+    assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL
+    assert resp.output_text == chat.choices[0].message.content and resp.output_text
+    assert [item.type for item in resp.output] == ["message"]
+    assert resp.output[0].content[0].type == "output_text" and resp.output[0].role == "assistant"
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+    if chat.choices[0].finish_reason == "length":
+        assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert resp.status == "completed" and resp.incomplete_details is None
+    short = oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.", max_output_tokens=1)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.usage.input_tokens_details.cached_tokens > 0  # the same prompt's blocks, cached
+    live.check()
+
+
+def test_a_tool_loop_in_items(live, oa):  # noqa: F811
+    first = oa.responses.create(model=MODEL, input=[{"role": "user", "content": "What is in notes.txt?"}],
+                                tools=FLAT_TOOLS, tool_choice={"type": "function", "name": "read_file"},
+                                max_output_tokens=48)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "read_file" and calls[0].call_id
+    assert json.loads(calls[0].arguments)["path"] in ("notes.txt", "todo.md")
+    assert calls[0].id.startswith("fc_") and calls[0].status == "completed"
+    # the next turn: the items as the client keeps them, the call's output appended
+    items = [{"role": "user", "content": "What is in notes.txt?"},
+             *[item.model_dump(exclude_none=True) for item in first.output],
+             {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Buy milk."}]
+    second = oa.responses.create(model=MODEL, input=items, tools=FLAT_TOOLS, tool_choice="none",
+                                 max_output_tokens=16)
+    chat = _chat(oa, [{"role": "user", "content": "What is in notes.txt?"},
+                      {"role": "assistant", "content": first.output_text or None,
+                       "tool_calls": [{"id": calls[0].call_id, "type": "function",
+                                       "function": {"name": "read_file", "arguments": calls[0].arguments}}]},
+                      {"role": "tool", "tool_call_id": calls[0].call_id, "content": "Buy milk."}],
+                 tools=TOOLS, tool_choice="none", max_tokens=16)
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    # the turn's prompt starts with the first turn's prompt and the tokens it generated
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    live.check()
+
+
+def test_streamed_events_add_up_to_the_response(live, oa):  # noqa: F811
+    want = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12)
+    events = list(oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if want.status == "completed" else "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert done.text == text and text.strip() == want.output_text
+    final = events[-1].response
+    assert final.usage.output_tokens == want.usage.output_tokens and final.output[0].content[0].text == text
+    # a forced call streams as a function_call item
+    events = list(oa.responses.create(model=MODEL, input="Read todo.md.", tools=FLAT_TOOLS, stream=True,
+                                      tool_choice={"type": "function", "name": "read_file"}, max_output_tokens=48))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].name == "read_file" and json.loads(done[0].arguments)["path"]
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.output[-1].type == "function_call"
+    assert final.output[-1].arguments == done[0].arguments
+    live.check()
+
+
+def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
+    body = {"model": MODEL, "input": "Count from one to one hundred.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{live.base}/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if "response.output_text.delta" in line:
+                break
+    deadline = time.monotonic() + 10
+    while live.engine(lambda e: e.has_unfinished()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live.engine(lambda e: e.has_unfinished()) is False
+    live.check()
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+    ({"input": []}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": 3}, "temperature"),
+])
+def test_bad_bodies_are_400s_naming_the_field(live, fields, param):  # noqa: F811
+    r = httpx.post(f"{live.base}/v1/responses", json={"model": MODEL, "input": "hi", **fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert live.engine(lambda e: e.has_unfinished()) is False
+
+
+def test_a_jobs_turns_travel_in_the_body(live, oa):  # noqa: F811
+    first = oa.responses.create(model=MODEL, input="List the files.", tools=FLAT_TOOLS, max_output_tokens=32,
+                                tool_choice={"type": "function", "name": "list_files"},
+                                extra_body={"job_id": "resp-job-1"})
+    call = first.output[-1]
+    assert call.type == "function_call"
+    # the turn ended in a call of the job's: Continuum decided on its pause
+    decision = live.engine(lambda e: live.runtime.controller.decisions[-1])
+    assert decision.job_id == "resp-job-1" and decision.tool == "list_files"
+    assert decision.context_tokens == first.usage.input_tokens + first.usage.output_tokens
+    items = [{"role": "user", "content": "List the files."}, *[i.model_dump(exclude_none=True) for i in first.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": "notes.txt todo.md"}]
+    last = oa.responses.create(model=MODEL, input=items, tools=FLAT_TOOLS, tool_choice="none", max_output_tokens=8,
+                               extra_body={"job_id": "resp-job-1", "is_last_step": True})
+    prev = first.usage.input_tokens + first.usage.output_tokens
+    assert last.usage.input_tokens_details.cached_tokens >= (prev - 16) // 16 * 16 > 0
+    assert live.engine(lambda e: e.pins.num_pinned_blocks) == 0  # the last step released the job
+    live.check()
+
+
+def test_a_json_schema_format_constrains_the_reply(live, oa):  # noqa: F811
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["blue", "red"]}},
+              "required": ["colour"], "additionalProperties": False}
+    resp = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24,
+                               text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert json.loads(resp.output_text)["colour"] in ("blue", "red")
+    live.check()
