@@ -29,7 +29,19 @@ def request_output(request: Request, new: list[int]) -> RequestOutput:
         list(request.logprobs) if request.logprobs is not None else None,
         # NOTE: a tuple once every prompt entry is computed (a list before: not reported yet)
         request.prompt_logprobs if isinstance(request.prompt_logprobs, tuple) else None,
+        _stop_reason(request),
     )
+
+
+def _stop_reason(request: Request) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended ``request`` (None
+    for an EOS: the scheduler records the token either way)."""
+    if request.status is not RequestStatus.FINISHED_STOPPED:
+        return None
+    reason = request.stop_reason
+    if isinstance(reason, int) and reason not in request.params.stop_token_ids:
+        return None
+    return reason
 
 
 def attach_logprobs(updates: Sequence[RequestUpdate], entries: Mapping[str, TokenLogprob]) -> None:
@@ -158,7 +170,7 @@ def generate_blocking(
         results.append(
             GenerationOutput(
                 rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics, out.logprobs,
-                out.prompt_logprobs,
+                out.prompt_logprobs, out.stop_reason,
             )
         )
     return results

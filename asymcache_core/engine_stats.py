@@ -176,7 +176,9 @@ class EngineStats:
 class GenerationOutput:
     """Result of :meth:`Engine.generate` for one prompt (``logprobs``: one
     :class:`~asymcache_core.logprobs.TokenLogprob` per token when its params asked for them;
-    ``prompt_logprobs``: one per prompt token, the first None, when they asked for those)."""
+    ``prompt_logprobs``: one per prompt token, the first None, when they asked for those;
+    ``stop_reason``: the stop string or stop token id that ended it, None for an EOS or a
+    length limit, as vLLM's)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -186,6 +188,7 @@ class GenerationOutput:
     metrics: Any
     logprobs: list[Any] | None = None
     prompt_logprobs: tuple[Any, ...] | None = None
+    stop_reason: int | str | None = None
 
 
 def collect_stats(engine: Engine) -> EngineStats:

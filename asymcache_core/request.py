@@ -215,6 +215,9 @@ class RequestOutput:
         prompt_logprobs: one entry per prompt token (the first None) once all are computed,
             when the request asked for them (``SamplingParams.prompt_logprobs``); None
             otherwise.
+        stop_reason: what stopped it, as vLLM reports it: the stop string or the
+            ``stop_token_ids`` id that ended it; None for an EOS, a length limit, or while
+            running.
     """
 
     request_id: str
@@ -228,3 +231,4 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_reason: int | str | None = None

@@ -169,7 +169,8 @@ class ChatChunks(Chunks):
         elif len(text) > self.sent:
             deltas.append(DeltaMessage(content=text[self.sent :]))
         out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
-        out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=turn.finish_reason))
+        out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=turn.finish_reason,
+                                              stop_reason=event.output.stop_reason))
         pending = self.take_logprobs(event)
         if pending:
             out[0] = out[0].model_copy(update={"logprobs": self._logprobs(pending)})
@@ -182,7 +183,7 @@ class ChatChunks(Chunks):
             message["content"] = final.output.text
         return ChatCompletionChoice(
             index=self.index, message=ChatMessage.model_validate(message), finish_reason=turn.finish_reason,
-            logprobs=self._logprobs(final.output.logprobs or []),
+            logprobs=self._logprobs(final.output.logprobs or []), stop_reason=final.output.stop_reason,
         )
 
 
@@ -248,7 +249,7 @@ class CompletionChunks(Chunks):
         self.started = True
         return [CompletionChoice(
             index=self.index, text=piece, finish_reason=self._finish_reason(out) if out.finished else None,
-            token_ids=new_ids, logprobs=self._logprobs(entries),
+            stop_reason=out.stop_reason, token_ids=new_ids, logprobs=self._logprobs(entries),
             prompt_logprobs=self.prompt_logprobs_of(event) if first else None,
         )]
 
@@ -268,6 +269,7 @@ class CompletionChunks(Chunks):
             text=echoed + text,
             logprobs=self._logprobs(prompt_entries + entries),
             finish_reason=self._finish_reason(out),
+            stop_reason=out.stop_reason,
             token_ids=token_ids if self.return_ids else None,
             prompt_token_ids=list(self.stream.prompt_token_ids) if self.return_ids else None,
             prompt_logprobs=self.prompt_logprobs_of(final),

@@ -153,12 +153,14 @@ class CompletionLogprobs(_Body):
 
 
 class ChatCompletionChoice(_Body):
-    """The choice of a chat completion."""
+    """The choice of a chat completion; vLLM's ``stop_reason``: the stop string or stop token id
+    that ended it (null for an EOS or a length limit)."""
 
     index: int = 0
     message: ChatMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamChoice(_Body):
@@ -168,6 +170,7 @@ class ChatCompletionStreamChoice(_Body):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionChoice(_Body):
@@ -178,6 +181,7 @@ class CompletionChoice(_Body):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = _OMIT
     prompt_token_ids: list[int] | None = _OMIT
     prompt_logprobs: PromptLogprobs | None = _OMIT

@@ -187,7 +187,7 @@ def test_response_models_keep_nulls_openai_sends_and_omit_unset_extras():
     assert json.dumps(body.model_dump(), separators=(",", ":")) == (
         '{"id":"chatcmpl-x","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,'
         '"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function",'
-        '"function":{"name":"f","arguments":"{}"}}]},"finish_reason":"tool_calls","logprobs":null}],'
+        '"function":{"name":"f","arguments":"{}"}}]},"finish_reason":"tool_calls","logprobs":null,"stop_reason":null}],'
         '"usage":{"prompt_tokens":10,"completion_tokens":3,"total_tokens":13,'
         '"prompt_tokens_details":{"cached_tokens":8}}}'
     )
@@ -201,16 +201,18 @@ def test_response_models_keep_nulls_openai_sends_and_omit_unset_extras():
         ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason="stop"),
     ])
     assert chunk.model_dump() == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None},
-        {"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]}, "finish_reason": None, "logprobs": None},
-        {"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None},
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None,
+         "stop_reason": None},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]}, "finish_reason": None, "logprobs": None,
+         "stop_reason": None},
+        {"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None, "stop_reason": None},
     ]}
     last = CompletionChunk(id="c", created=1, model="m", choices=[], usage=usage).model_dump()
     assert last["object"] == "text_completion" and last["choices"] == [] and last["usage"]["total_tokens"] == 13
     # vLLM's token ids: only when asked for, and an empty list is still sent
     assert "token_ids" not in CompletionChoice(text="a").model_dump()
     assert CompletionChoice(text="", finish_reason="length", token_ids=[]).model_dump() == {
-        "index": 0, "text": "", "logprobs": None, "finish_reason": "length", "token_ids": [],
+        "index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": [],
     }
     assert ErrorResponse(error=ErrorInfo(message="bad", type="invalid_request_error")).model_dump() == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None},

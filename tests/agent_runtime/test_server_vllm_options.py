@@ -10,7 +10,7 @@ import httpx
 
 from agent_runtime.runtime import AgentRuntime
 from asymcache_core import SamplingParams
-from tests.agent_runtime.test_server import MODEL, live  # noqa: F401 - the fixture
+from tests.agent_runtime.test_server import MODEL, _sse, live  # noqa: F401 - the fixture
 from tests.conftest import make_engine
 
 PREFIX = 'The capital of France is'
@@ -145,4 +145,28 @@ def test_bad_words_over_http(live):  # noqa: F811
     assert "Paris" in free and "Paris" not in clean
     r = _post(live, "/v1/completions", {**base, "bad_words": "Paris"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"
+    live.check()
+
+
+def test_stop_reason_in_every_finished_choice(live):  # noqa: F811
+    prompt = "The capital of France is"
+    comp = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "stop": ["!", "."]}
+    body = _post(live, "/v1/completions", comp).json()
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == "."
+    chunks = _sse(live, "/v1/completions", comp)
+    assert [c["choices"][0]["stop_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["."]
+    length = _post(live, "/v1/completions", {**comp, "max_tokens": 1, "stop": None}).json()["choices"][0]
+    assert length["finish_reason"] == "length" and "stop_reason" in length and length["stop_reason"] is None
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+            "ignore_eos": True}
+    assert _post(live, "/v1/chat/completions", chat).json()["choices"][0]["stop_reason"] is None
+    # a stop id the reply is sure to sample: its own third token
+    first = _post(live, "/tokenize", {"messages": chat["messages"]}).json()["tokens"]
+    gen = _post(live, "/v1/completions", {"model": MODEL, "prompt": first, "max_tokens": 8, "ignore_eos": True,
+                                          "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    stopped = _post(live, "/v1/chat/completions", {**chat, "stop_token_ids": [gen[2]]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == gen[2], stopped
+    streamed = _sse(live, "/v1/chat/completions", {**chat, "stop_token_ids": [gen[2]]})
+    assert [c["choices"][0]["stop_reason"] for c in streamed if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == [gen[2]]
     live.check()

@@ -103,3 +103,21 @@ def test_a_stop_token_id_is_left_out_of_the_text_as_vllm_does(smollm):
     (kept,) = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(stop_id,),
                                                        include_stop_str_in_output=True))
     assert kept.text == engine.tokenizer.decode(free.token_ids[: cut + 1], skip_special_tokens=True)
+
+
+def test_stop_reason_names_the_stop_string_or_id_as_vllm_does(smollm):
+    engine = make_engine(smollm)
+    prompt = "The capital of France is"
+    (free,) = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    stop_id = free.token_ids[3]
+    by_string, by_id, by_length, by_eos = engine.generate(
+        [prompt, prompt, prompt, _chat(engine)],
+        [SamplingParams(max_tokens=30, stop=["!", "."]), SamplingParams(max_tokens=8, ignore_eos=True,
+                                                                         stop_token_ids=(stop_id,)),
+         SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=40)],
+    )
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", ".")
+    assert (by_id.finish_reason, by_id.stop_reason) == ("stop", stop_id)
+    assert (by_length.finish_reason, by_length.stop_reason) == ("length", None)
+    assert by_eos.finish_reason == "stop" and by_eos.token_ids[-1] in engine.eos_token_ids
+    assert by_eos.stop_reason is None  # an EOS is no stop reason (vLLM's None)
