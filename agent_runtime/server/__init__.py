@@ -3,7 +3,9 @@
 Endpoints: ``POST /v1/chat/completions`` (tools, ``tool_choice`` auto/none/required/named,
 SSE streaming, usage with ``prompt_tokens_details.cached_tokens``), ``POST /v1/completions``
 (prompt text or token ids, streaming), ``POST /v1/responses`` (OpenAI's Responses API over the
-chat machinery: :mod:`~agent_runtime.server.openai_responses`), vLLM's ``POST /tokenize`` and
+chat machinery: :mod:`~agent_runtime.server.openai_responses`), Anthropic's ``POST /v1/messages``
+and ``/v1/messages/count_tokens`` (:mod:`~agent_runtime.server.anthropic_messages`), vLLM's
+``POST /tokenize`` and
 ``POST /detokenize``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
 (Prometheus text, ours and vLLM's metric names). Continuum's ``job_id`` and ``is_last_step``
 travel in the request body (the openai client's ``extra_body``). Non-standard body fields also

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from agent_runtime.chat_template_options import check_template_kwargs, load_chat_template
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server import openai_responses, serving
+from agent_runtime.server import anthropic_messages, openai_responses, serving
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.requests import (
     MAX_CHOICES,
@@ -51,7 +51,7 @@ DEFAULT_MAX_QUEUE_LEN = 256
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 #: The only route that answers without the API key (load balancers probe it).
 OPEN_PATHS = frozenset({"/health"})
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 
 def key_matches(header: bytes | None, api_key: str) -> bool:
@@ -97,6 +97,15 @@ class RequestGuard:
         # NOTE: one request is always let in, however many choices it asks for
         return self.in_flight > 0 and self.in_flight + weight > running + self.max_queue_len
 
+    @staticmethod
+    def _authorized(path: str, headers: Mapping[bytes, bytes], key: str) -> bool:
+        """``Authorization: Bearer <key>``, or on Anthropic's routes its ``x-api-key: <key>``."""
+        if key_matches(headers.get(b"authorization"), key):
+            return True
+        sent = headers.get(b"x-api-key")
+        return (anthropic_messages.is_messages_path(path) and sent is not None
+                and hmac.compare_digest(sent, key.encode("utf-8")))
+
     async def _reject(self, send: Send, path: str, error: APIError, close: bool = False,
                       headers: dict[str, str] | None = None) -> None:
         self.state.metrics.count(path, error.status)
@@ -105,7 +114,9 @@ class RequestGuard:
         if close:
             # NOTE: the body was not read to its end: the connection cannot carry another request.
             raw.append((b"connection", b"close"))
-        body = json.dumps(error.body().model_dump()).encode()
+        payload = (anthropic_messages.anthropic_error_body(error.status, error.message)
+                   if anthropic_messages.is_messages_path(path) else error.body().model_dump())
+        body = json.dumps(payload).encode()
         raw.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": error.status, "headers": raw})
         await send({"type": "http.response.body", "body": body})
@@ -117,7 +128,7 @@ class RequestGuard:
         path: str = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
         key = self.state.api_key
-        if key is not None and path not in OPEN_PATHS and not key_matches(headers.get(b"authorization"), key):
+        if key is not None and path not in OPEN_PATHS and not self._authorized(path, headers, key):
             await self._reject(send, path, APIError(
                 401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key"))
             return
@@ -209,6 +220,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     app_state(request).metrics.count(request.url.path, exc.status)
+    if anthropic_messages.is_messages_path(request.url.path):
+        return anthropic_messages.error_response(exc)
     return exc.response()
 
 
@@ -260,6 +273,8 @@ def create_app(
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route(openai_responses.PATH, openai_responses.create_response, methods=["POST"])
+    app.add_api_route(anthropic_messages.PATH, anthropic_messages.create_message, methods=["POST"])
+    app.add_api_route(anthropic_messages.COUNT_PATH, anthropic_messages.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
     app.add_middleware(
@@ -302,6 +317,8 @@ def _openapi_with_bodies(app: FastAPI, model_name: str) -> Callable[[], dict[str
             ("/v1/chat/completions", ChatCompletionRequest, True),
             ("/v1/completions", CompletionRequest, True),
             (openai_responses.PATH, openai_responses.ResponsesRequest, True),
+            (anthropic_messages.PATH, anthropic_messages.MessagesRequest, True),
+            (anthropic_messages.COUNT_PATH, anthropic_messages.CountTokensRequest, True),
             ("/tokenize", TokenizeRequest, False),
             ("/detokenize", DetokenizeRequest, False),
         )

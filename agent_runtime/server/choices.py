@@ -30,7 +30,7 @@ from agent_runtime.server.responses import (
     ToolCallDelta,
 )
 from agent_runtime.tool_parsing import to_openai_tool_calls
-from agent_runtime.types import StreamEvent
+from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
 
 _TOOL_OPEN = "<tool_call>"
@@ -276,4 +276,34 @@ class CompletionChunks(Chunks):
         )
 
 
-__all__ = ["ChatChunks", "Chunks", "CompletionChunks", "safe_text_len"]
+class StreamedText:
+    """The text of a one-choice reply streamed in pieces, for the routes that stream text and
+    tool calls as items of their own (Responses, Messages): pieces held back as
+    :func:`safe_text_len` holds them, and at the end the text those pieces add up to.
+
+    Args:
+        tools_possible: tool calls are possible in this reply (a ``<tool_call>`` tag is held).
+    """
+
+    def __init__(self, tools_possible: bool) -> None:
+        self.tools_possible = tools_possible
+        self.sent = ""
+
+    def piece(self, event: StreamEvent) -> str:
+        """The text of ``event`` safe to send now and not sent yet (marked sent)."""
+        text = event.output.text
+        upto = safe_text_len(text, self.tools_possible)
+        if upto <= len(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):upto], text[:upto]
+        return piece
+
+    def full(self, turn: AssistantTurn, final: StreamEvent) -> str:
+        """The whole text of the finished reply: the text as generated, or with tool calls the
+        text before them (a reply that is all tags around some content owes that content)."""
+        if turn.parsed.tool_calls:
+            return self.sent if self.sent else (turn.parsed.content or "")
+        return final.output.text
+
+
+__all__ = ["ChatChunks", "Chunks", "CompletionChunks", "StreamedText", "safe_text_len"]

@@ -32,11 +32,11 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
-from agent_runtime.server.choices import safe_text_len
+from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
-from agent_runtime.server.serving import await_finals, parse_body
+from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
@@ -323,10 +323,7 @@ async def create_response(request: Request) -> Response:
     envelope = _Envelope(req, state.model_name, params)
     stream = streams[0]
     if not req.stream:
-        final = (await await_finals(request, [stream]))[0]
-        state.metrics.observe(final)
-        turn = build_turn(stream, final)
-        state.metrics.count(PATH, 200)
+        final, turn = await finish_one(request, state, stream, PATH)
         return JSONResponse(envelope.body("completed", final_output(turn), final, turn.finish_reason))
     state.metrics.count(PATH, 200)
     events = _events(stream, envelope, bool(tools) and choice != "none", state.metrics)
@@ -346,7 +343,7 @@ async def _events(
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     msg_id = _new_id("msg")
-    sent = ""
+    text = StreamedText(tools_possible)
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
     def open_message() -> list[str]:
@@ -360,16 +357,15 @@ async def _events(
         yield event("response.in_progress", response=envelope.body("in_progress", []))
         try:
             async for ev in stream:
-                text = ev.output.text
                 if ev.output.finished:
                     metrics.observe(ev)
                     break
-                upto = safe_text_len(text, tools_possible)
-                if upto > len(sent):
-                    if not sent:
+                opened = bool(text.sent)
+                piece = text.piece(ev)
+                if piece:
+                    if not opened:
                         for frame in open_message():
                             yield frame
-                    piece, sent = text[len(sent):upto], text[:upto]
                     yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
             yield event("error", code="server_error", message=str(exc) or type(exc).__name__, param=None)
@@ -378,16 +374,14 @@ async def _events(
         assert final is not None
         turn = build_turn(stream, final)
         calls = call_items(turn)
-        # NOTE: the text is what the deltas add up to: the text as generated, or with calls the
-        # text before them (a reply that is all tags around some content owes that content)
-        full = sent if calls and sent else (turn.parsed.content or "") if calls else final.output.text
+        full = text.full(turn, final)
         output: list[dict[str, Any]] = []
         if full or not calls:
-            if not sent:
+            if not text.sent:
                 for frame in open_message():
                     yield frame
-            if len(full) > len(sent):
-                yield event("response.output_text.delta", **where, delta=full[len(sent):], logprobs=[])
+            if len(full) > len(text.sent):
+                yield event("response.output_text.delta", **where, delta=full[len(text.sent):], logprobs=[])
             message = message_item(msg_id, full)
             yield event("response.output_text.done", **where, text=full, logprobs=[])
             yield event("response.content_part.done", **where, part=message["content"][0])

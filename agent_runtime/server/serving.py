@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agent_runtime.engine_client import RequestStream
+from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import RequestError
 from agent_runtime.server.choices import ChatChunks, Chunks, CompletionChunks, safe_text_len
 from agent_runtime.server.errors import APIError, from_value_error, stream_error_frame
@@ -50,7 +51,7 @@ from agent_runtime.server.responses import (
     Usage,
 )
 from agent_runtime.server.state import AppState, app_state
-from agent_runtime.types import StreamEvent
+from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core import EngineStats
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
 
@@ -417,6 +418,16 @@ async def await_finals(request: Request, streams: list[RequestStream]) -> list[S
                 task.cancel()
 
 
+async def finish_one(request: Request, state: AppState, stream: RequestStream, path: str
+                     ) -> tuple[StreamEvent, AssistantTurn]:
+    """The final event and the turn of a non-streamed one-choice request, observed and counted
+    as a 200 of ``path`` (the Responses and Messages routes); aborts it if the client leaves."""
+    final = (await await_finals(request, [stream]))[0]
+    state.metrics.observe(final)
+    state.metrics.count(path, 200)
+    return final, build_turn(stream, final)
+
+
 def _usage(finals: list[StreamEvent], generated: bool = True) -> Usage:
     """Usage of a response: the prompt once (every choice shares it), the choices' tokens summed
     (none where nothing generated is returned: ``echo`` with ``max_tokens: 0``)."""
@@ -426,6 +437,6 @@ def _usage(finals: list[StreamEvent], generated: bool = True) -> Usage:
 
 
 __all__ = [
-    "await_finals", "chat_completions", "choice_sampling_params", "completions", "detokenize", "health", "metrics",
-    "models", "parse_body", "safe_text_len", "tokenize",
+    "await_finals", "chat_completions", "choice_sampling_params", "completions", "detokenize", "finish_one",
+    "health", "metrics", "models", "parse_body", "safe_text_len", "tokenize",
 ]

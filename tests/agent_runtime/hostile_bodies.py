@@ -17,6 +17,7 @@ KEY = "fuzz-key"
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 RESP = "/v1/responses"
+MSGS = "/v1/messages"
 USER = [{"role": "user", "content": "hi"}]
 Case = tuple[str, str, Any, dict[str, str]]  # name, path, body (bytes or JSON), extra headers
 
@@ -132,6 +133,17 @@ def corpus(rng: random.Random, n_random: int) -> list[Case]:
                  ("metadata", {"a": 5}), ("max_output_tokens", -1), ("top_p", 0), ("stream", "yes"),
                  ("store", 5), ("job_id", ""), ("previous_response_id", 5), ("include", ["x"])):
         cases.append((f"responses:{f}={str(v)[:16]}", RESP, {**resp, f: v}, {}))
+    msgs = {"model": MODEL, "max_tokens": 2, "messages": USER}
+    for i, value in enumerate([*items, [{"role": "assistant", "content": [{"type": "tool_use", "id": 5, "input": []}]}],
+                               [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                                              "content": [{"type": "image"}]}]}]]):
+        cases.append((f"messages-api:messages:{i}", MSGS, {**msgs, "messages": value}, {}))
+    for f, v in (("system", 5), ("system", [{"type": "image"}]), ("tools", [{"name": "f", "input_schema": "x"}]),
+                 ("tools", [{"type": "bash_20250124", "name": "bash"}]), ("tool_choice", "auto"),
+                 ("tool_choice", {"type": "tool"}), ("stop_sequences", ["x"] * 40), ("thinking", {"type": "enabled"}),
+                 ("max_tokens", None), ("temperature", -1), ("top_k", -5), ("stream", 1)):
+        cases.append((f"messages-api:{f}={str(v)[:16]}", MSGS, {**msgs, f: v}, {}))
+    cases.append(("messages-api:x-api-key", MSGS, msgs, {"x-api-key": "nope", "Authorization": ""}))
     # random mutations: a valid body with 1-4 fields set to random junk
     junk: list[Any] = [*bad_values, math.pi, "🙂" * 100, "\ud83d", {"nested": [{"x": [1]}]}, "0" * 1000, 10**6]
     for i in range(n_random):

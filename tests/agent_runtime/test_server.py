@@ -425,6 +425,21 @@ def test_harness_http_backend_against_live_server(live, tmp_path):
     live.check()
 
 
+def leave_stream_early(live: Live, path: str, body: dict, marker: str) -> None:
+    """Opens a streamed request, leaves after the first line holding ``marker``, then checks
+    that the server freed the request (its blocks back, nothing left running)."""
+    with httpx.stream("POST", f"{live.base}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if marker in line:
+                break
+    deadline = time.monotonic() + 10
+    while live.engine(lambda e: e.has_unfinished()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live.engine(lambda e: e.has_unfinished()) is False
+    live.check()
+
+
 def _sse(live: Live, path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", f"{live.base}{path}", json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200, r.read()

@@ -91,8 +91,13 @@ def _assert_clean(runtime: AgentRuntime) -> None:
     assert runtime.call_threadsafe(lambda e: sum(b.ref_cnt for b in e.pool.blocks)).result(timeout=30) == 0
 
 
-def _error_body(response: httpx.Response) -> dict[str, Any]:
-    err = response.json()["error"]
+def _error_body(response: httpx.Response, path: str = "") -> dict[str, Any]:
+    """The error of a 4xx: OpenAI's body, or Anthropic's on its Messages routes (``path``)."""
+    body = response.json()
+    err = body["error"]
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and set(err) == {"type", "message"} and err["message"], body
+        return err
     assert set(err) == ERROR_FIELDS and isinstance(err["message"], str) and err["message"], err
     return err
 
@@ -103,7 +108,8 @@ POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.Generati
 ROUTES = [("GET", "/health", POSITIVE), ("GET", "/v1/models", POSITIVE), ("GET", "/metrics", POSITIVE),
           ("POST", CHAT, POSITIVE), ("POST", CHAT, NEGATIVE),
           ("POST", "/v1/completions", POSITIVE), ("POST", "/v1/completions", NEGATIVE),
-          ("POST", "/v1/responses", POSITIVE), ("POST", "/v1/responses", NEGATIVE)]
+          ("POST", "/v1/responses", POSITIVE), ("POST", "/v1/responses", NEGATIVE),
+          ("POST", "/v1/messages", POSITIVE), ("POST", "/v1/messages", NEGATIVE)]
 #: Statuses schemathesis saw, per route (read by the summary test below).
 SEEN: Counter[tuple[str, int]] = Counter()
 
@@ -144,7 +150,7 @@ def test_schemathesis_every_route_answers_below_500(api_schema, method: str, pat
         SEEN[(path, response.status_code)] += 1
         assert response.status_code < 500, response.text[:500]
         if response.status_code >= 400:
-            assert set(response.json()["error"]) == ERROR_FIELDS, response.text[:500]
+            _error_body(response, path)
 
     check()
 
@@ -152,7 +158,7 @@ def test_schemathesis_every_route_answers_below_500(api_schema, method: str, pat
 def test_schemathesis_left_nothing_behind(runtime, reference) -> None:
     # NOTE: runs after the parametrized test above (file order).
     assert {path for path, _ in SEEN} >= {"/health", "/v1/models", "/metrics", CHAT, "/v1/completions",
-                                          "/v1/responses"}
+                                          "/v1/responses", "/v1/messages"}
     assert any(status == 200 for path, status in SEEN if path == CHAT)
     assert any(400 <= status < 500 for path, status in SEEN if path == CHAT)
     _assert_clean(runtime)
@@ -173,13 +179,13 @@ def test_hostile_corpus_gets_only_4xx_with_an_openai_body(runtime, reference) ->
     statuses: Counter[int] = Counter()
     kinds = Counter(name.split(":")[0] for name, *_ in cases)
     wrong: list[str] = []
-    for (name, *_), r in zip(cases, _call_many(app, calls), strict=True):
+    for (name, path, *_), r in zip(cases, _call_many(app, calls), strict=True):
         statuses[r.status_code] += 1
         if r.status_code >= 500:
             wrong.append(f"{name}: {r.status_code} {r.text[:200]}")
         elif r.status_code != 200:
             try:
-                _error_body(r)
+                _error_body(r, path)
             except (AssertionError, ValueError, KeyError) as exc:
                 wrong.append(f"{name}: {r.status_code} without an OpenAI error body ({exc})")
     assert not wrong, wrong[:10]

@@ -4,12 +4,11 @@ chat completions of the same conversation on the same server (greedy: the same t
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
-from tests.agent_runtime.test_server import MODEL, TOOLS, live, oa  # noqa: F401 - the fixtures
+from tests.agent_runtime.test_server import MODEL, TOOLS, leave_stream_early, live, oa  # noqa: F401 - the fixtures
 
 #: The chat tools in the Responses API's flat form.
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -95,16 +94,7 @@ def test_streamed_events_add_up_to_the_response(live, oa):  # noqa: F811
 
 def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
     body = {"model": MODEL, "input": "Count from one to one hundred.", "max_output_tokens": 400, "stream": True}
-    with httpx.stream("POST", f"{live.base}/v1/responses", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if "response.output_text.delta" in line:
-                break
-    deadline = time.monotonic() + 10
-    while live.engine(lambda e: e.has_unfinished()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live.engine(lambda e: e.has_unfinished()) is False
-    live.check()
+    leave_stream_early(live, "/v1/responses", body, "response.output_text.delta")
 
 
 @pytest.mark.parametrize(("fields", "param"), [

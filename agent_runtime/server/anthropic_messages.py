@@ -1,0 +1,408 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``), which
+Claude Code and the Anthropic SDKs speak, served by the chat machinery as vLLM serves it.
+
+A request's ``system`` and ``messages`` become chat messages (:func:`chat_messages`): text
+blocks the message's content, an assistant's ``tool_use`` blocks the tool calls of its message
+(after its text, so the next turn's prompt repeats the tokens the model generated and its KV
+stays reusable), a user's ``tool_result`` blocks tool messages before its text. ``tools``
+(``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``) become the
+chat's, constrained decoding included; ``stop_sequences`` are stop strings; Continuum's
+``job_id`` / ``is_last_step`` travel in the body as on chat completions. The reply comes back
+as content blocks (``text``, then one ``tool_use`` per call) with Anthropic's ``stop_reason``
+(``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``) and ``usage`` (cached prompt
+tokens as ``cache_read_input_tokens``, the rest as ``input_tokens``); streamed, as its events
+(``message_start`` ... ``content_block_delta`` ... ``message_stop``). Errors on these routes
+are Anthropic's body, ``{"type": "error", "error": {"type", "message"}}``
+(:func:`anthropic_error_body`), and its ``x-api-key`` header is accepted as the key.
+
+Not served (a 400 naming the field, never ignored): extended ``thinking``, image and document
+blocks, server tools (``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+
+from agent_runtime.engine_client import RequestStream
+from agent_runtime.output_processor import build_turn
+from agent_runtime.protocol import MAX_STOP_STRINGS
+from agent_runtime.server.choices import StreamedText
+from agent_runtime.server.errors import APIError, from_value_error
+from agent_runtime.server.metrics import ServerMetrics
+from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
+from agent_runtime.server.serving import finish_one, parse_body
+from agent_runtime.types import AssistantTurn, StreamEvent
+from asymcache_core.sampling_params import SamplingParams
+
+PATH = "/v1/messages"
+COUNT_PATH = "/v1/messages/count_tokens"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Anthropic's error type for each status (its ``error.type``).
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for an HTTP status (``api_error`` past the ones it names)."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether ``path`` is one of this module's routes (their errors are Anthropic's)."""
+    return path in (PATH, COUNT_PATH)
+
+
+class _MessagesFields(BaseModel):
+    """What a Messages body and a token count share: the conversation and its tools."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    #: fields this server does not serve, with the values that mean "off"
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "mcp_servers": (None, []), "container": (None,),
+    }
+
+    model: StrictStr | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+    def chat(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any, bool]:
+        """The chat form: ``(messages, tools, tool_choice, parallel_tool_calls)``.
+
+        Raises:
+            ValueError: a block, tool or choice the server does not serve (naming it).
+        """
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            raise ValueError("thinking: extended thinking is not served (send {'type': 'disabled'} or leave it out)")
+        choice, parallel = chat_tool_choice(self.tool_choice)
+        return chat_messages(self.messages, self.system), chat_tools(self.tools), choice, parallel
+
+
+class MessagesRequest(_MessagesFields):
+    """``POST /v1/messages``: what the server reads of Anthropic's body, plus Continuum's
+    ``job_id`` / ``is_last_step``."""
+
+    max_tokens: PositiveInt
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    stream: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    job_id: JobId | None = None
+    is_last_step: StrictBool | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's sampling parameters (greedy unless ``temperature`` says otherwise).
+
+        Raises:
+            ValueError: too many or empty stop sequences.
+        """
+        stops = tuple(self.stop_sequences or ())
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise ValueError(f"stop_sequences: up to {MAX_STOP_STRINGS} non-empty strings")
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=0.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None else self.top_k,
+            stop=stops,
+        )
+
+
+class CountTokensRequest(_MessagesFields):
+    """``POST /v1/messages/count_tokens``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The request as a chat
+# ----------------------------------------------------------------------------------------------
+
+
+def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
+    """A message's content as blocks (a string is one text block)."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not all(isinstance(b, Mapping) for b in content):
+        raise ValueError(f"{where}: must be a string or a list of content blocks")
+    return content
+
+
+def _text(block: Mapping[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"{where}.text: must be a string")
+    return text
+
+
+def _tool_result_text(content: Any, where: str) -> str:
+    """A ``tool_result``'s content: a string or text blocks."""
+    if content is None:
+        return ""
+    return "".join(_text(b, f"{where}[{j}]") if b.get("type") == "text" else _unserved(b, f"{where}[{j}]")
+                   for j, b in enumerate(_blocks(content, where)))
+
+
+def _unserved(block: Mapping[str, Any], where: str) -> str:
+    raise ValueError(f"{where}.type: not served by this server: {block.get('type')!r}")
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict[str, Any]] | None = None
+                  ) -> list[dict[str, Any]]:
+    """The chat messages of a Messages conversation.
+
+    Args:
+        messages: Anthropic's ``messages`` (``user`` / ``assistant``, string or block content).
+        system: the system prompt: a string or text blocks.
+
+    Returns:
+        OpenAI chat messages.
+
+    Raises:
+        ValueError: a role, block or field the server does not serve, or a malformed one
+            (naming ``messages[i].content[j]...`` or ``system``).
+    """
+    out: list[dict[str, Any]] = []
+    if system:
+        text = system if isinstance(system, str) else "".join(
+            _text(b, f"system[{j}]") if b.get("type") == "text" else _unserved(b, f"system[{j}]")
+            for j, b in enumerate(_blocks(system, "system")))
+        out.append({"role": "system", "content": text})
+    for i, message in enumerate(messages):
+        role, where = message.get("role"), f"messages[{i}]"
+        if role not in ("user", "assistant"):
+            raise ValueError(f"{where}.role: must be user or assistant, got {role!r}")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(_blocks(message.get("content"), f"{where}.content")):
+            at, kind = f"{where}.content[{j}]", block.get("type")
+            if kind == "text":
+                texts.append(_text(block, at))
+            elif kind == "tool_use" and role == "assistant":
+                name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
+                if not (isinstance(name, str) and name and isinstance(call_id, str) and isinstance(args, Mapping)):
+                    raise ValueError(f"{at}: a tool_use needs a string id and name and an object input")
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}})
+            elif kind == "tool_result" and role == "user":
+                call_id = block.get("tool_use_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise ValueError(f"{at}.tool_use_id: must be the tool_use's id")
+                result = _tool_result_text(block.get("content"), f"{at}.content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": call_id, "content": result})
+            else:
+                raise ValueError(f"{at}.type: not served by this server in a {role} message: {kind!r}")
+        if role == "assistant":
+            out.append({"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
+        elif texts or not any(m["role"] == "tool" for m in out[-1:]):
+            out.append({"role": "user", "content": "".join(texts)})
+    if not any(m["role"] != "system" for m in out):
+        raise ValueError("messages: must hold at least one message")
+    return out
+
+
+def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The chat form of Anthropic's client tools (``name``, ``description``, ``input_schema``).
+
+    Raises:
+        ValueError: a server tool (``web_search``, ``bash``, ...: a ``type`` other than
+            ``custom``) or a tool without a name.
+    """
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type", "custom") != "custom":
+            raise ValueError(f"tools[{i}].type: only client tools are served, got {tool.get('type')!r}")
+        # NOTE: OpenAI's key order (name, description, parameters): the schemas are rendered
+        # into the prompt as JSON, and the same tools must give the same prompt on every route
+        function: dict[str, Any] = {"name": tool.get("name")}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema")
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: Mapping[str, Any] | None) -> tuple[Any, bool]:
+    """The chat form of Anthropic's ``tool_choice``: ``(tool_choice, parallel_tool_calls)``.
+
+    Raises:
+        ValueError: a type other than ``auto``, ``any``, ``tool`` and ``none``.
+    """
+    if choice is None:
+        return "auto", True
+    kind = choice.get("type")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise ValueError(f"tool_choice: type auto, any, tool (with a name) or none, got {dict(choice)!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The reply as content blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def stop_reason(turn: AssistantTurn, final: StreamEvent) -> tuple[str, str | None]:
+    """Anthropic's ``(stop_reason, stop_sequence)`` of a finished turn."""
+    if turn.parsed.tool_calls:
+        return "tool_use", None
+    if turn.finish_reason == "length":
+        return "max_tokens", None
+    sequence = final.output.stop_reason
+    if isinstance(sequence, str):
+        return "stop_sequence", sequence
+    return "end_turn", None
+
+
+def content_blocks(turn: AssistantTurn, text: str) -> list[dict[str, Any]]:
+    """A finished turn's content: its text (when there is any, or nothing else), then one
+    ``tool_use`` block per call."""
+    calls = [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in turn.parsed.tool_calls]
+    return ([{"type": "text", "text": text}] if text or not calls else []) + calls
+
+
+def usage(final: StreamEvent) -> dict[str, int]:
+    """Anthropic's ``usage``: the prompt's cached tokens apart from the rest."""
+    out = final.output
+    cached = out.metrics.cached_tokens
+    return {"input_tokens": out.num_prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": len(out.token_ids)}
+
+
+def _message(mid: str, model: str, content: list[dict[str, Any]], reason: tuple[str | None, str | None],
+             use: dict[str, int]) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason[0], "stop_sequence": reason[1], "usage": use}
+
+
+# ----------------------------------------------------------------------------------------------
+# The routes
+# ----------------------------------------------------------------------------------------------
+
+
+async def create_message(request: Request) -> Response:
+    """``POST /v1/messages``."""
+    state, req = await parse_body(request, MessagesRequest)
+    rt = state.require_runtime()
+    try:
+        params = req.sampling_params()
+        messages, tools, choice, parallel = req.chat()
+        streams, choice = await rt.start_chat_choices(
+            messages, [params], tools=tools, tool_choice=choice, job_id=req.job_id,
+            is_last_step=bool(req.is_last_step), parallel_tool_calls=parallel,
+        )
+    except ValueError as e:
+        raise from_value_error(e, "messages") from None
+    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    stream = streams[0]
+    if not req.stream:
+        final, turn = await finish_one(request, state, stream, PATH)
+        body = _message(mid, state.model_name, content_blocks(turn, turn.message.get("content") or ""),
+                        stop_reason(turn, final), usage(final))
+        return JSONResponse(body)
+    state.metrics.count(PATH, 200)
+    events = _events(stream, mid, state.model_name, bool(tools) and choice != "none", state.metrics)
+    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def count_tokens(request: Request) -> JSONResponse:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens, as the messages route renders it."""
+    state, req = await parse_body(request, CountTokensRequest)
+    rt = state.require_runtime()
+    try:
+        messages, tools, _, _ = req.chat()
+        ids = await rt.tokenize(messages=messages, tools=tools)
+    except ValueError as e:
+        raise from_value_error(e, "messages") from None
+    state.metrics.count(COUNT_PATH, 200)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def _events(
+    stream: RequestStream, mid: str, model: str, tools_possible: bool, metrics: ServerMetrics
+) -> AsyncIterator[str]:
+    """The SSE events of one streamed message; aborts the request if the client goes away."""
+
+    def event(kind: str, **fields: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+
+    text = StreamedText(tools_possible)
+    index = 0
+    text_open = False
+    try:
+        prompt = len(stream.prompt_token_ids)
+        start_usage = {"input_tokens": prompt, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+                       "output_tokens": 0}
+        yield event("message_start", message=_message(mid, model, [], (None, None), start_usage))
+        yield event("ping")
+        try:
+            async for ev in stream:
+                if ev.output.finished:
+                    metrics.observe(ev)
+                    break
+                piece = text.piece(ev)
+                if piece:
+                    if not text_open:
+                        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+                        text_open = True
+                    yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+        except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
+            yield event("error", error={"type": "api_error", "message": str(exc) or type(exc).__name__})
+            return
+        final = stream.final
+        assert final is not None
+        turn = build_turn(stream, final)
+        calls = turn.parsed.tool_calls
+        full = text.full(turn, final)
+        if full or not calls:
+            if not text_open:
+                yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            if len(full) > len(text.sent):
+                yield event("content_block_delta", index=0,
+                            delta={"type": "text_delta", "text": full[len(text.sent):]})
+            yield event("content_block_stop", index=0)
+            index = 1
+        for call in calls:
+            yield event("content_block_start", index=index,
+                        content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            yield event("content_block_delta", index=index,
+                        delta={"type": "input_json_delta", "partial_json": call.arguments_json()})
+            yield event("content_block_stop", index=index)
+            index += 1
+        reason, sequence = stop_reason(turn, final)
+        yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage(final))
+        yield event("message_stop")
+    finally:
+        if stream.final is None:
+            metrics.count_abort()
+            stream.abort()
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """An :class:`APIError` as Anthropic's error body."""
+    return JSONResponse(anthropic_error_body(error.status, error.message), status_code=error.status)
+
+
+__all__ = [
+    "COUNT_PATH", "PATH", "CountTokensRequest", "MessagesRequest", "anthropic_error_body", "chat_messages",
+    "chat_tool_choice", "chat_tools", "content_blocks", "count_tokens", "create_message", "error_response",
+    "is_messages_path", "stop_reason",
+]

@@ -1,0 +1,158 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) through the
+``anthropic`` client, against the chat completions of the same conversation on the same server
+(greedy: the same tokens); errors in Anthropic's shape, its ``x-api-key``."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server import create_app
+from tests.agent_runtime.test_server import (  # noqa: F401 - the fixtures
+    MODEL,
+    TOOLS,
+    leave_stream_early,
+    live,
+    oa,
+    serving,
+)
+from tests.conftest import make_engine
+
+anthropic = pytest.importorskip("anthropic")
+
+#: The chat tools in Anthropic's form.
+CLIENT_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                 "input_schema": t["function"]["parameters"]} for t in TOOLS]
+QUESTION = "Name a colour of the sky."
+
+
+@pytest.fixture(scope="module")
+def ac(live):  # noqa: F811
+    return anthropic.Anthropic(base_url=live.base, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_text_reply_equals_the_chat_completion(live, oa, ac):  # noqa: F811
+    msg = ac.messages.create(model=MODEL, max_tokens=12, system="Answer in one word.",
+                             messages=[{"role": "user", "content": QUESTION}])
+    chat = oa.chat.completions.create(model=MODEL, max_tokens=12, messages=[
+        {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}])
+    assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL and msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
+    want = {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    assert msg.stop_reason == want and msg.stop_sequence is None
+    # Anthropic counts the prompt's cached tokens apart
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert msg.usage.output_tokens == chat.usage.completion_tokens
+    again = ac.messages.create(model=MODEL, max_tokens=1, system="Answer in one word.",
+                               messages=[{"role": "user", "content": QUESTION}])
+    assert again.stop_reason == "max_tokens" and again.usage.cache_read_input_tokens > 0
+    counted = ac.messages.count_tokens(model=MODEL, system="Answer in one word.",
+                                       messages=[{"role": "user", "content": QUESTION}])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    # a stop sequence is named
+    stopped = ac.messages.create(model=MODEL, max_tokens=30, messages=[{"role": "user", "content": QUESTION}],
+                                 stop_sequences=[" ", "."])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence in (" ", ".")
+    live.check()
+
+
+def test_a_tool_loop_in_blocks(live, oa, ac):  # noqa: F811
+    ask = {"role": "user", "content": "What is in notes.txt?"}
+    first = ac.messages.create(model=MODEL, max_tokens=48, messages=[ask], tools=CLIENT_TOOLS,
+                               tool_choice={"type": "tool", "name": "read_file"})
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "read_file"
+    assert uses[0].input["path"] in ("notes.txt", "todo.md")
+    history = [ask, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                             "content": "Buy milk."}]}]
+    second = ac.messages.create(model=MODEL, max_tokens=16, messages=history, tools=CLIENT_TOOLS,
+                                tool_choice={"type": "none"})
+    text = "".join(b.text for b in first.content if b.type == "text")
+    chat = oa.chat.completions.create(model=MODEL, max_tokens=16, tools=TOOLS, tool_choice="none", messages=[
+        ask, {"role": "assistant", "content": text or None, "tool_calls": [
+            {"id": uses[0].id, "type": "function",
+             "function": {"name": "read_file", "arguments": json.dumps(uses[0].input)}}]},
+        {"role": "tool", "tool_call_id": uses[0].id, "content": "Buy milk."}])
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert second.content[0].text == chat.choices[0].message.content
+    # the turn's prompt starts with the first turn's prompt and the tokens it generated
+    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.cache_read_input_tokens >= (first_prompt + first.usage.output_tokens - 16) // 16 * 16 > 0
+    live.check()
+
+
+def test_streamed_events_add_up_to_the_message(live, ac):  # noqa: F811
+    want = ac.messages.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
+    with ac.messages.stream(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}]) as s:
+        events = list(s)
+        final = s.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert text.strip() == want.content[0].text and final.content[0].text == text
+    assert final.stop_reason == want.stop_reason and final.usage.output_tokens == want.usage.output_tokens
+    # a forced call streams as a tool_use block
+    with ac.messages.stream(model=MODEL, max_tokens=48, messages=[{"role": "user", "content": "Read todo.md."}],
+                            tools=CLIENT_TOOLS, tool_choice={"type": "tool", "name": "read_file"}) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
+    assert final.content[-1].name == "read_file" and final.content[-1].input["path"]
+    live.check()
+
+
+def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
+    body = {"model": MODEL, "max_tokens": 400, "stream": True,
+            "messages": [{"role": "user", "content": "Count from one to one hundred."}]}
+    leave_stream_early(live, "/v1/messages", body, "text_delta")
+
+
+@pytest.mark.parametrize(("fields", "where"), [
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages[0].content[0].tool_use_id"),
+    ({"messages": []}, "messages"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"stop_sequences": [""]}, "stop_sequences"),
+    ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+])
+def test_bad_bodies_are_anthropic_400s_naming_the_field(live, fields, where):  # noqa: F811
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **fields}
+    r = httpx.post(f"{live.base}/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"].startswith(f"{where}:"), err
+    assert live.engine(lambda e: e.has_unfinished()) is False
+
+
+def test_anthropic_errors_keys_and_models(smollm):
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=1024))
+    try:
+        with serving(create_app(runtime, MODEL, "sekret")) as base:
+            client = anthropic.Anthropic(base_url=base, api_key="sekret", max_retries=0, timeout=60)
+            ok = client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            assert ok.usage.output_tokens == 2  # x-api-key accepted
+            with pytest.raises(anthropic.AuthenticationError) as bad_key:
+                anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+                    model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            assert bad_key.value.body["error"]["type"] == "authentication_error"
+            with pytest.raises(anthropic.NotFoundError) as bad_model:
+                client.messages.create(model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            assert bad_model.value.body["type"] == "error"
+            # the OpenAI routes keep OpenAI's errors, and their Bearer key only
+            r = httpx.post(f"{base}/v1/chat/completions", headers={"x-api-key": "sekret"},
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
