@@ -7,7 +7,8 @@ blocks the message's content, an assistant's ``tool_use`` blocks the tool calls 
 stays reusable), a user's ``tool_result`` blocks tool messages before its text. ``tools``
 (``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``) become the
 chat's, constrained decoding included; ``stop_sequences`` are stop strings; Continuum's
-``job_id`` / ``is_last_step`` travel in the body as on chat completions. The reply comes back
+``job_id`` / ``is_last_step`` travel in the body as on chat completions; a conversation that
+ends in an assistant message is Anthropic's prefill, which the reply continues. The reply comes back
 as content blocks (``text``, then one ``tool_use`` per call) with Anthropic's ``stop_reason``
 (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``) and ``usage`` (cached prompt
 tokens as ``cache_read_input_tokens``, the rest as ``input_tokens``); streamed, as its events
@@ -86,6 +87,16 @@ class _MessagesFields(BaseModel):
             raise ValueError("thinking: extended thinking is not served (send {'type': 'disabled'} or leave it out)")
         choice, parallel = chat_tool_choice(self.tool_choice)
         return chat_messages(self.messages, self.system), chat_tools(self.tools), choice, parallel
+
+    @property
+    def prefilled(self) -> bool:
+        """The conversation ends in an assistant message without tool calls: Anthropic's
+        prefill, which the reply continues (rendered open, without its end of turn)."""
+        last = self.messages[-1] if self.messages else None
+        content = last.get("content") if isinstance(last, Mapping) else None
+        return (isinstance(last, Mapping) and last.get("role") == "assistant"
+                and not (isinstance(content, list) and any(
+                    isinstance(b, Mapping) and b.get("type") == "tool_use" for b in content)))
 
 
 class MessagesRequest(_MessagesFields):
@@ -308,6 +319,7 @@ async def create_message(request: Request) -> Response:
         streams, choice = await rt.start_chat_choices(
             messages, [params], tools=tools, tool_choice=choice, job_id=req.job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=parallel,
+            add_generation_prompt=not req.prefilled, continue_final_message=req.prefilled,
         )
     except ValueError as e:
         raise from_value_error(e, "messages") from None
@@ -315,8 +327,11 @@ async def create_message(request: Request) -> Response:
     stream = streams[0]
     if not req.stream:
         final, turn = await finish_one(request, state, stream, PATH)
-        body = _message(mid, state.model_name, content_blocks(turn, turn.message.get("content") or ""),
-                        stop_reason(turn, final), usage(final))
+        # NOTE: a prefill's continuation is returned as generated: its first character may be
+        # the space after the prefill's last word
+        text = final.output.text if req.prefilled and not turn.parsed.tool_calls else turn.message.get("content")
+        body = _message(mid, state.model_name, content_blocks(turn, text or ""), stop_reason(turn, final),
+                        usage(final))
         return JSONResponse(body)
     state.metrics.count(PATH, 200)
     events = _events(stream, mid, state.model_name, bool(tools) and choice != "none", state.metrics)
@@ -329,7 +344,8 @@ async def count_tokens(request: Request) -> JSONResponse:
     rt = state.require_runtime()
     try:
         messages, tools, _, _ = req.chat()
-        ids = await rt.tokenize(messages=messages, tools=tools)
+        ids = await rt.tokenize(messages=messages, tools=tools, add_generation_prompt=not req.prefilled,
+                                continue_final_message=req.prefilled)
     except ValueError as e:
         raise from_value_error(e, "messages") from None
     state.metrics.count(COUNT_PATH, 200)

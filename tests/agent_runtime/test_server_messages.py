@@ -156,3 +156,17 @@ def test_anthropic_errors_keys_and_models(smollm):
     finally:
         runtime.close_sync()
         runtime.engine.close()
+
+
+def test_a_prefilled_assistant_message_is_continued(live, ac):  # noqa: F811
+    convo = [{"role": "user", "content": "What is the capital of France? One sentence."},
+             {"role": "assistant", "content": "The capital of France is"}]
+    msg = ac.messages.create(model=MODEL, max_tokens=8, messages=convo)
+    r = httpx.post(f"{live.base}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": convo, "max_tokens": 8, "continue_final_message": True})
+    assert msg.content[0].text == r.json()["choices"][0]["message"]["content"] and msg.content[0].text
+    counted = ac.messages.count_tokens(model=MODEL, messages=convo)
+    assert counted.input_tokens == r.json()["usage"]["prompt_tokens"]
+    with ac.messages.stream(model=MODEL, max_tokens=8, messages=convo) as s:
+        assert s.get_final_message().content[0].text == msg.content[0].text
+    live.check()
