@@ -32,7 +32,7 @@ from typing import Any
 
 import jinja2
 
-from agent_runtime.chat_template_options import check_template_kwargs
+from agent_runtime.chat_template_options import check_template_kwargs, check_template_source
 from agent_runtime.tool_parsing import from_openai_tool_calls, render_hermes_tool_calls
 
 _TOOLS_PREAMBLE = (
@@ -435,16 +435,19 @@ class ChatTemplates:
         """The renderer of ``template`` (None: the default one).
 
         Args:
-            template: a template's source, already checked to parse.
+            template: a template's source.
 
         Returns:
             The renderer.
+
+        Raises:
+            ValueError: a template Jinja cannot parse (``chat_template: ...``).
         """
         if template is None or template == self.default.template:
             return self.default
         found = self._requested.pop(template, None)
         if found is None:
-            found = ChatRenderer(self.default.tokenizer, template)
+            found = ChatRenderer(self.default.tokenizer, check_template_source(template))
         self._requested[template] = found  # most recent last
         while len(self._requested) > self.max_request_templates:
             del self._requested[next(iter(self._requested))]

@@ -343,7 +343,7 @@ class AgentRuntime:
         validate_messages(messages)
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: not with add_generation_prompt (send add_generation_prompt=false)")
-        renderer = self.templates.renderer(None if chat_template is None else check_template_source(chat_template))
+        renderer = self.templates.renderer(chat_template)
         variables = self.templates.variables(chat_template_kwargs)
         try:
             return renderer.prompt(
