@@ -190,9 +190,10 @@ def _rewrite_refs(node: Any, prefix: str) -> Any:
 
 
 def tool_call_json_schema(
-    tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice = "required"
+    tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice = "required", args_key: str = "arguments"
 ) -> dict[str, Any]:
-    """JSON schema of one ``{"name", "arguments"}`` call object.
+    """JSON schema of one ``{"name", "arguments"}`` call object (``{"name", "parameters"}``,
+    Llama's, with ``args_key="parameters"``).
 
     The tools' ``$defs`` are hoisted to the root (prefixed by the tool name) because a
     parameters schema nested under ``arguments`` can no longer reach its own ``#/$defs``.
@@ -200,6 +201,7 @@ def tool_call_json_schema(
     Args:
         tools: OpenAI tool schemas.
         tool_choice: ``"required"`` (any of the tools) or a named function.
+        args_key: the key of the arguments object.
 
     Returns:
         The schema.
@@ -237,8 +239,8 @@ def tool_call_json_schema(
         cases.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": name}, args_key: params},
+                "required": ["name", args_key],
             }
         )
     schema: dict[str, Any] = cases[0] if len(cases) == 1 else {"anyOf": cases}
@@ -247,11 +249,13 @@ def tool_call_json_schema(
     return schema
 
 
-def tool_call_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
-    """Grammar of ``<tool_call>\\n{json matching schema}\\n</tool_call>``.
+def tool_call_grammar(schema: Mapping[str, Any], call_format: str = "hermes") -> xgr.Grammar:
+    """Grammar of ``<tool_call>\\n{json matching schema}\\n</tool_call>`` (``hermes``), or of
+    the bare call object (``llama3_json``: Llama writes its calls untagged).
 
     Args:
         schema: the call-object schema (see :func:`tool_call_json_schema`).
+        call_format: the runtime's tool-call format.
 
     Returns:
         The (uncompiled) grammar.
@@ -261,6 +265,8 @@ def tool_call_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
     """
     xgr = load_xgrammar("tool_choice")
     body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    if call_format == "llama3_json":
+        return body
     return xgr.Grammar.concat(
         xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN)}"),
         body,
@@ -273,12 +279,15 @@ def _json_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
     return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
-def json_or_tool_call_grammar(schema: Mapping[str, Any], call_schema: Mapping[str, Any]) -> xgr.Grammar:
+def json_or_tool_call_grammar(
+    schema: Mapping[str, Any], call_schema: Mapping[str, Any], call_format: str = "hermes"
+) -> xgr.Grammar:
     """Grammar of a JSON reply matching ``schema``, or of one tagged tool call.
 
     Args:
         schema: the reply's JSON schema.
         call_schema: the call-object schema (see :func:`tool_call_json_schema`).
+        call_format: the runtime's tool-call format.
 
     Returns:
         The (uncompiled) grammar.
@@ -287,7 +296,12 @@ def json_or_tool_call_grammar(schema: Mapping[str, Any], call_schema: Mapping[st
         ValueError: xgrammar is not installed.
     """
     xgr = load_xgrammar("response_format")
-    return xgr.Grammar.union(_json_grammar(schema), tool_call_grammar(call_schema))
+    return xgr.Grammar.union(_json_grammar(schema), tool_call_grammar(call_schema, call_format))
+
+
+def _args_key(call_format: str) -> str:
+    """The arguments' key of a call object in ``call_format`` (Llama's is ``parameters``)."""
+    return "parameters" if call_format == "llama3_json" else "arguments"
 
 
 @dataclass
@@ -339,19 +353,19 @@ class GrammarCache:
         return self._entry(tokenizer, vocab_size, "tool_choice").info
 
     def _compiled(
-        self, tokenizer: Any, vocab_size: int | None, kind: str, schema: Mapping[str, Any]
+        self, tokenizer: Any, vocab_size: int | None, kind: str, schema: Mapping[str, Any], call_format: str = "hermes"
     ) -> xgr.CompiledGrammar:
         field = "tool_choice" if kind == "tool_call" else "response_format"
         entry = self._entry(tokenizer, vocab_size, field)
         schema_key = json.dumps(schema, sort_keys=True)
-        key = (id(tokenizer), vocab_size, kind, schema_key)
+        key = (id(tokenizer), vocab_size, f"{kind}:{call_format}", schema_key)
         compiled = self._grammars.get(key)
         if compiled is None:
             if kind == "tool_call":
-                compiled = entry.compiler.compile_grammar(tool_call_grammar(schema))
+                compiled = entry.compiler.compile_grammar(tool_call_grammar(schema, call_format))
             elif kind == "json_or_tool_call":
                 compiled = entry.compiler.compile_grammar(
-                    json_or_tool_call_grammar(schema["json"], schema["tool_call"])
+                    json_or_tool_call_grammar(schema["json"], schema["tool_call"], call_format)
                 )
             else:
                 compiled = entry.compiler.compile_json_schema(schema_key, any_whitespace=False)
@@ -366,14 +380,17 @@ class GrammarCache:
         tools: Sequence[Mapping[str, Any]],
         tool_choice: ToolChoice = "required",
         vocab_size: int | None = None,
+        call_format: str = "hermes",
     ) -> xgr.CompiledGrammar:
-        """Compiled grammar forcing one tagged call of the given tools.
+        """Compiled grammar forcing one call of the given tools, in the runtime's format.
 
         Args:
             tokenizer: HF tokenizer.
             tools: OpenAI tool schemas.
             tool_choice: ``"required"`` or a named function.
             vocab_size: the model's vocabulary size.
+            call_format: ``hermes`` (a tagged call) or ``llama3_json`` (a bare
+                ``{"name", "parameters"}`` object).
 
         Returns:
             The compiled grammar (cached).
@@ -381,8 +398,8 @@ class GrammarCache:
         Raises:
             ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
         """
-        schema = tool_call_json_schema(tools, tool_choice)
-        return self._compiled(tokenizer, vocab_size, "tool_call", schema)
+        schema = tool_call_json_schema(tools, tool_choice, _args_key(call_format))
+        return self._compiled(tokenizer, vocab_size, "tool_call", schema, call_format)
 
     def json_schema_grammar(
         self, tokenizer: Any, schema: Mapping[str, Any], vocab_size: int | None = None
@@ -408,6 +425,7 @@ class GrammarCache:
         schema: Mapping[str, Any],
         tools: Sequence[Mapping[str, Any]],
         vocab_size: int | None = None,
+        call_format: str = "hermes",
     ) -> xgr.CompiledGrammar:
         """Compiled grammar of a JSON reply matching ``schema`` or one call of ``tools``.
 
@@ -416,6 +434,7 @@ class GrammarCache:
             schema: the reply's JSON schema.
             tools: OpenAI tool schemas (any of them may be called).
             vocab_size: the model's vocabulary size.
+            call_format: the runtime's tool-call format.
 
         Returns:
             The compiled grammar (cached).
@@ -423,8 +442,8 @@ class GrammarCache:
         Raises:
             ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
         """
-        both = {"json": dict(schema), "tool_call": tool_call_json_schema(tools, "required")}
-        return self._compiled(tokenizer, vocab_size, "json_or_tool_call", both)
+        both = {"json": dict(schema), "tool_call": tool_call_json_schema(tools, "required", _args_key(call_format))}
+        return self._compiled(tokenizer, vocab_size, "json_or_tool_call", both, call_format)
 
     def __len__(self) -> int:
         return len(self._grammars)
@@ -538,6 +557,7 @@ def make_tool_call_processor(
     tools: Sequence[Mapping[str, Any]],
     tool_choice: ToolChoice,
     vocab_size: int | None = None,
+    call_format: str = "hermes",
 ) -> GrammarLogitsProcessor | None:
     """A fresh processor forcing a tool call, or None when ``tool_choice`` does not force one.
 
@@ -547,6 +567,7 @@ def make_tool_call_processor(
         tools: OpenAI tool schemas.
         tool_choice: OpenAI ``tool_choice`` (``"auto"``/``"none"``/None -> None).
         vocab_size: the model's vocabulary size (logit row length).
+        call_format: the runtime's tool-call format (``hermes`` or ``llama3_json``).
 
     Returns:
         The processor, or None.
@@ -558,7 +579,7 @@ def make_tool_call_processor(
     if not needs_constraint(tool_choice):
         return None
     try:
-        compiled = cache.tool_call_grammar(tokenizer, tools, tool_choice, vocab_size)
+        compiled = cache.tool_call_grammar(tokenizer, tools, tool_choice, vocab_size, call_format)
     except RuntimeError as exc:
         # NOTE: xgrammar raises RuntimeError for schemas it cannot compile: a client error.
         raise ValueError(f"tools: constrained decoding cannot use these schemas: {str(exc)[:300]}") from None
@@ -572,6 +593,7 @@ def make_request_processor(
     tool_choice: ToolChoice,
     response_format: Mapping[str, Any] | None,
     vocab_size: int | None = None,
+    call_format: str = "hermes",
 ) -> GrammarLogitsProcessor | None:
     """A fresh processor for what a request constrains: a forced tool call, a JSON reply, or
     (tools offered under ``"auto"`` and a JSON ``response_format``) either of the two.
@@ -583,6 +605,7 @@ def make_request_processor(
         tool_choice: OpenAI ``tool_choice`` (normalised).
         response_format: a normalised ``response_format`` (None: free text).
         vocab_size: the model's vocabulary size (logit row length).
+        call_format: the runtime's tool-call format (``hermes`` or ``llama3_json``).
 
     Returns:
         The processor, or None when nothing is constrained.
@@ -593,13 +616,13 @@ def make_request_processor(
             installed.
     """
     if response_format is None:
-        return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size)
+        return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size, call_format)
     if needs_constraint(tool_choice):
         raise ValueError("response_format: a JSON reply cannot be combined with a tool_choice that forces a tool call")
     schema = response_json_schema(response_format)
     try:
         if tools and tool_choice != "none":
-            compiled = cache.json_or_tool_call_grammar(tokenizer, schema, tools, vocab_size)
+            compiled = cache.json_or_tool_call_grammar(tokenizer, schema, tools, vocab_size, call_format)
         else:
             compiled = cache.json_schema_grammar(tokenizer, schema, vocab_size)
     except RuntimeError as exc:

@@ -37,7 +37,7 @@ from agent_runtime.protocol import (
     normalize_tools,
     validate_messages,
 )
-from agent_runtime.tool_parsing import ToolCallFormat
+from agent_runtime.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 from agent_runtime.types import AssistantTurn
 from asymcache_core import Engine
 from asymcache_core.continuum.controller import ContinuumController
@@ -72,8 +72,10 @@ class AgentRuntime:
             (:func:`~agent_runtime.presets.preset_for_engine`).
         clock: the runtime's time source for tool timing; defaults to the engine's clock (pass
             the same virtual clock as the engine's in simulations).
-        tool_call_format: how assistant text is parsed for tool calls (``hermes``, ``bash_block``
-            or ``auto``).
+        tool_call_format: how assistant text is parsed for tool calls, and the form constrained
+            decoding forces a call into (``hermes``: tagged calls, Qwen's and this project's
+            instruction for templates without tools; ``llama3_json``: Llama 3.1+'s bare JSON,
+            with a template that renders tools itself; ``bash_block``; ``auto``).
         controller: a Continuum controller to use (default: a fresh one over ``engine``).
         idle_poll_s: how often the idle engine thread wakes to expire pins.
         chat_template: the chat template's source instead of the tokenizer's (vLLM's
@@ -111,8 +113,8 @@ class AgentRuntime:
                     f"policy: {spec.name!r} needs {key}={want!r} but the engine has {key}={have!r}; "
                     "build the engine with resolve_preset(name).engine_overrides"
                 )
-        if tool_call_format not in ("hermes", "bash_block", "auto"):
-            raise ValueError(f"tool_call_format: one of hermes, bash_block, auto; got {tool_call_format!r}")
+        if tool_call_format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool_call_format: one of {', '.join(TOOL_CALL_FORMATS)}; got {tool_call_format!r}")
         self.engine = engine
         self.policy = spec
         self.clock: Callable[[], float] = clock or engine.clock
@@ -128,6 +130,11 @@ class AgentRuntime:
         template = None if chat_template is None else check_template_source(chat_template)
         if engine.tokenizer is not None and (template or getattr(engine.tokenizer, "chat_template", None)):
             self.templates = ChatTemplates(engine.tokenizer, template, chat_template_kwargs)
+        if tool_call_format == "llama3_json" and (self.templates is None or not self.templates.default.native_tools):
+            # NOTE: a template without a tools section gets this project's Hermes instruction,
+            # which asks for tagged calls: the model would not write Llama's JSON
+            raise ValueError("tool_call_format: llama3_json needs a chat template that renders tools itself "
+                             "(Llama 3.1 and later); this one does not: use hermes")
         self._processor = OutputProcessor(self.controller, engine.block_size)
         self._client = AsyncEngine(engine, self._processor, idle_poll_s=idle_poll_s)
         #: close the engine too (its KV event sockets, its tensor-parallel workers) on close
@@ -143,6 +150,7 @@ class AgentRuntime:
         clock: Callable[[], float] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tool_call_format: ToolCallFormat = "hermes",
         **engine_kwargs: Any,
     ) -> AgentRuntime:
         """Build an engine for ``model`` configured for ``policy``, and a runtime over it.
@@ -154,6 +162,7 @@ class AgentRuntime:
             clock: engine and runtime clock (default: monotonic).
             chat_template: the chat template's source instead of the model's.
             chat_template_kwargs: template variables every chat gets by default.
+            tool_call_format: how replies' tool calls are written and parsed (see the class).
             **engine_kwargs: further :class:`asymcache_core.EngineConfig` fields.
 
         Returns:
@@ -169,7 +178,7 @@ class AgentRuntime:
         engine = Engine(model=model, loaded=loaded, clock=clock, **kwargs)
         try:
             runtime = cls(engine, policy=spec, clock=clock, chat_template=chat_template,
-                          chat_template_kwargs=chat_template_kwargs)
+                          chat_template_kwargs=chat_template_kwargs, tool_call_format=tool_call_format)
         except BaseException:
             engine.close()
             raise

@@ -732,6 +732,12 @@ def serve(
         '(e.g. \'{"enable_thinking": false}\').'),
     trust_request_chat_template: bool = typer.Option(
         False, "--trust-request-chat-template", help="Serve chats that send a chat_template of their own."),
+    tool_call_parser: str = typer.Option(
+        "hermes", help="How tool calls are written and parsed: hermes (tagged; Qwen, and models without a tools "
+        "template) or llama3_json (Llama 3.1+, with its own template)."),
+    enable_auto_tool_choice: bool = typer.Option(
+        True, "--enable-auto-tool-choice", help="vLLM's flag, accepted: tool calls are parsed under "
+        "tool_choice auto whether it is given or not."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -747,7 +753,8 @@ def serve(
                   max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, replicas=replicas,
                   served_model_name=served_model_name, chat_template=chat_template,
                   default_chat_template_kwargs=template_kwargs,
-                  trust_request_chat_template=trust_request_chat_template, **engine_args)
+                  trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
+                  **engine_args)
 
 
 def _json_object(name: str, text: str | None) -> dict[str, Any] | None:

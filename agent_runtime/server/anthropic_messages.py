@@ -334,7 +334,8 @@ async def create_message(request: Request) -> Response:
                         usage(final))
         return JSONResponse(body)
     state.metrics.count(PATH, 200)
-    events = _events(stream, mid, state.model_name, bool(tools) and choice != "none", state.metrics)
+    events = _events(stream, mid, state.model_name, StreamedText(bool(tools) and choice != "none", rt.tool_call_format),
+                     state.metrics)
     return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
@@ -353,14 +354,13 @@ async def count_tokens(request: Request) -> JSONResponse:
 
 
 async def _events(
-    stream: RequestStream, mid: str, model: str, tools_possible: bool, metrics: ServerMetrics
+    stream: RequestStream, mid: str, model: str, text: StreamedText, metrics: ServerMetrics
 ) -> AsyncIterator[str]:
     """The SSE events of one streamed message; aborts the request if the client goes away."""
 
     def event(kind: str, **fields: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
-    text = StreamedText(tools_possible)
     index = 0
     text_open = False
     try:

@@ -340,6 +340,9 @@ def _openapi_with_bodies(app: FastAPI, model_name: str) -> Callable[[], dict[str
     return openapi
 
 
+#: vLLM's ``--tool-call-parser`` names this server serves.
+SERVED_TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
 #: uvicorn's log levels.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -366,6 +369,9 @@ class ServeOptions:
         default_chat_template_kwargs: template variables every chat gets unless it sets its
             own (vLLM's ``--default-chat-template-kwargs``).
         trust_request_chat_template: serve chats that bring their own template.
+        tool_call_parser: how replies' tool calls are written and parsed (vLLM's
+            ``--tool-call-parser``): ``hermes`` (tagged calls; Qwen and models without a tools
+            template) or ``llama3_json`` (Llama 3.1+'s JSON, with its own template).
         log_level: uvicorn's log level.
         max_request_body_bytes: request bodies beyond this are a 413.
         max_queue_len: completions waiting beyond the running batch before new ones are a 429
@@ -391,6 +397,7 @@ class ServeOptions:
     chat_template: str | None = None
     default_chat_template_kwargs: Mapping[str, Any] | None = None
     trust_request_chat_template: bool = False
+    tool_call_parser: str = "hermes"
     log_level: str = "info"
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN
@@ -419,6 +426,9 @@ class ServeOptions:
         # NOTE: a file is read once, here, so that a bad path fails before the model loads
         object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
         check_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
+        if self.tool_call_parser not in SERVED_TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: one of {', '.join(SERVED_TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ServeOptions:
@@ -448,7 +458,7 @@ class ServeOptions:
         return AgentRuntime.from_model(
             self.model, self.policy, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             chat_template=self.chat_template, chat_template_kwargs=self.default_chat_template_kwargs,
-            **self.engine_settings,
+            tool_call_format=self.tool_call_parser, **self.engine_settings,
         )
 
     def build_app(self, source: RuntimeSource) -> FastAPI:

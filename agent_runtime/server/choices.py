@@ -34,6 +34,7 @@ from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
 
 _TOOL_OPEN = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
 
 
 class Chunks(ABC):
@@ -96,16 +97,19 @@ class Chunks(ABC):
         """The choice of the non-streamed response."""
 
 
-def safe_text_len(text: str, hold_tool_tag: bool) -> int:
+def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -> int:
     """How much of ``text`` may be streamed as content now.
 
     Holds back a trailing replacement character (an incomplete UTF-8 sequence the next token
     completes) and, when tool calls are possible, everything from a ``<tool_call>`` tag on (or
     a trailing piece that may become one), which is sent as ``tool_calls`` at the end instead.
+    In Llama's ``llama3_json`` format a call is the whole reply, so a reply that starts (past
+    blanks) with ``{``, ``[`` or ``<|python_tag|>``, or has not started yet, is held whole.
 
     Args:
         text: the text generated so far.
         hold_tool_tag: tool calls are possible in this reply.
+        call_format: the runtime's tool-call format.
 
     Returns:
         The length of the prefix that is safe to send.
@@ -113,6 +117,9 @@ def safe_text_len(text: str, hold_tool_tag: bool) -> int:
     end = len(text)
     while end and text[end - 1] == "\ufffd":
         end -= 1
+    if hold_tool_tag and call_format == "llama3_json":
+        head = text.lstrip()
+        return 0 if not head or head[0] in "{[" or _PYTHON_TAG.startswith(head[: len(_PYTHON_TAG)]) else end
     if hold_tool_tag:
         at = text.find(_TOOL_OPEN)
         if at >= 0:
@@ -129,9 +136,12 @@ class ChatChunks(Chunks):
     def __init__(
         self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
+        call_format: str = "hermes",
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         self.tools_possible = tools_possible
+        #: the runtime's tool-call format: which text may become a call (held back)
+        self.call_format = call_format
         #: the body's content is the text as generated, not stripped: it continues a message
         #: (``continue_final_message``), whose next character may be a space
         self.raw_content = raw_content
@@ -150,7 +160,7 @@ class ChatChunks(Chunks):
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
         text = event.output.text
         if not event.output.finished:
-            upto = safe_text_len(text, self.tools_possible)
+            upto = safe_text_len(text, self.tools_possible, self.call_format)
             if upto <= self.sent:
                 return []
             piece, self.sent = text[self.sent : upto], upto
@@ -282,17 +292,19 @@ class StreamedText:
     :func:`safe_text_len` holds them, and at the end the text those pieces add up to.
 
     Args:
-        tools_possible: tool calls are possible in this reply (a ``<tool_call>`` tag is held).
+        tools_possible: tool calls are possible in this reply (what may become one is held).
+        call_format: the runtime's tool-call format.
     """
 
-    def __init__(self, tools_possible: bool) -> None:
+    def __init__(self, tools_possible: bool, call_format: str = "hermes") -> None:
         self.tools_possible = tools_possible
+        self.call_format = call_format
         self.sent = ""
 
     def piece(self, event: StreamEvent) -> str:
         """The text of ``event`` safe to send now and not sent yet (marked sent)."""
         text = event.output.text
-        upto = safe_text_len(text, self.tools_possible)
+        upto = safe_text_len(text, self.tools_possible, self.call_format)
         if upto <= len(self.sent):
             return ""
         piece, self.sent = text[len(self.sent):upto], text[:upto]

@@ -326,12 +326,12 @@ async def create_response(request: Request) -> Response:
         final, turn = await finish_one(request, state, stream, PATH)
         return JSONResponse(envelope.body("completed", final_output(turn), final, turn.finish_reason))
     state.metrics.count(PATH, 200)
-    events = _events(stream, envelope, bool(tools) and choice != "none", state.metrics)
+    events = _events(stream, envelope, StreamedText(bool(tools) and choice != "none", rt.tool_call_format), state.metrics)
     return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 async def _events(
-    stream: RequestStream, envelope: _Envelope, tools_possible: bool, metrics: ServerMetrics
+    stream: RequestStream, envelope: _Envelope, text: StreamedText, metrics: ServerMetrics
 ) -> AsyncIterator[str]:
     """The SSE events of one streamed response; aborts the request if the client goes away."""
     seq = 0
@@ -343,7 +343,6 @@ async def _events(
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     msg_id = _new_id("msg")
-    text = StreamedText(tools_possible)
     where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
 
     def open_message() -> list[str]:

@@ -15,8 +15,10 @@ from agent_runtime.tool_parsing import (
     from_openai_tool_calls,
     parse_bash_block,
     parse_hermes,
+    parse_llama3_json,
     parse_tool_calls,
     render_hermes_tool_calls,
+    render_llama3_json_tool_calls,
     to_openai_tool_calls,
 )
 
@@ -189,8 +191,34 @@ def test_render_then_parse_round_trip(calls: list[tuple[str, dict]], prefix: str
 @settings(max_examples=100, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list('<>/{}[]":,tool_cal bash`\n\\')), max_size=80))
 def test_parser_never_raises(text: str) -> None:
-    for fmt in ("hermes", "bash_block", "auto"):
+    for fmt in ("hermes", "llama3_json", "bash_block", "auto"):
         msg = parse_tool_calls(text, fmt)  # type: ignore[arg-type]
         assert isinstance(msg, ParsedMessage)
         for c in msg.tool_calls:
             json.dumps(c.arguments)
+
+
+def test_llama3_json_calls_are_the_whole_reply() -> None:
+    one = parse_llama3_json('{"name": "read_file", "parameters": {"path": "a.txt"}}', ids())
+    assert one.content == "" and [(c.id, c.name, c.arguments) for c in one.tool_calls] == [
+        ("call_0", "read_file", {"path": "a.txt"})]
+    several = parse_llama3_json(' <|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": 1}}\n',
+                                ids())
+    assert [(c.name, c.arguments) for c in several.tool_calls] == [("f", {}), ("g", {"x": 1})]
+    assert [c.name for c in parse_llama3_json('[{"name": "f", "parameters": {}}]').tool_calls] == ["f"]
+    for text in ('I will call {"name": "f", "parameters": {}}', '{"name": "f", "parameters": {}} then more',
+                 '{"answer": 4}', '{"name": "f", "parameters": [1]}', '{"name": "f"', "plain words", ""):
+        msg = parse_llama3_json(text)
+        assert msg.tool_calls == [] and msg.content == text.strip(), text
+    assert parse_tool_calls('{"name": "f", "parameters": {}}', "llama3_json").tool_calls[0].name == "f"
+    # hermes does not read Llama's JSON, and llama3_json does not read tags
+    assert parse_tool_calls('{"name": "f", "parameters": {}}', "hermes").tool_calls == []
+    assert parse_llama3_json('<tool_call>{"name": "f", "arguments": {}}</tool_call>').tool_calls == []
+
+
+@given(calls=st.lists(st.tuples(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True),
+                                st.dictionaries(st.text(max_size=6), json_values, max_size=3)), min_size=1, max_size=3))
+def test_llama3_json_render_then_parse_round_trip(calls: list[tuple[str, dict]]) -> None:
+    parsed = [ParsedToolCall(f"id{i}", n, a) for i, (n, a) in enumerate(calls)]
+    msg = parse_llama3_json(render_llama3_json_tool_calls(parsed), ids())
+    assert [(c.name, c.arguments) for c in msg.tool_calls] == [(n, a) for n, a in calls] and msg.content == ""
