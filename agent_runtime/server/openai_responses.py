@@ -28,14 +28,21 @@ from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.metrics import ServerMetrics
-from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
+from agent_runtime.server.requests import (
+    JobId,
+    PositiveInt,
+    Temperature,
+    TopK,
+    TopP,
+    lift_vllm_xargs,
+)
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent
@@ -78,6 +85,11 @@ class ResponsesRequest(BaseModel):
     user: StrictStr | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hints_in_xargs(cls, data: Any) -> Any:
+        return lift_vllm_xargs(data, ("job_id", "is_last_step"))
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (greedy unless ``temperature`` says otherwise)."""

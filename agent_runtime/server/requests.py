@@ -90,15 +90,67 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
+#: Continuum's hints a body may carry in vLLM's ``vllm_xargs`` (the AsymCache plugin's form).
+_XARGS_HINTS = ("job_id", "is_last_step", "tool_name")
+_XARGS_TRUE, _XARGS_FALSE = {1, "1", "true", "yes", "on"}, {0, "0", "false", "no", "off"}
+
+
+def lift_vllm_xargs(data: Any, hints: Sequence[str] = _XARGS_HINTS) -> Any:
+    """A body with the Continuum hints of its ``vllm_xargs`` (what a client of a stock vLLM
+    running the AsymCache plugin sends: values are strings or numbers there, so
+    ``is_last_step`` is ``1``/``0`` or ``"true"``/``"false"``) as its own fields; the body's own
+    fields win, and vLLM's ``session_id`` names the job when nothing else does.
+
+    Args:
+        data: the decoded body.
+        hints: the hints the route reads.
+
+    Returns:
+        The body, lifted (unchanged when it carries none of them).
+
+    Raises:
+        ValueError: ``vllm_xargs.pin_ttl_s`` (an explicit TTL, not served here), or an
+            ``is_last_step`` that is no truth value.
+    """
+    if not isinstance(data, Mapping):
+        return data
+    xargs = data.get("vllm_xargs")
+    lifted: dict[str, Any] = {}
+    if isinstance(xargs, Mapping):
+        if xargs.get("pin_ttl_s") is not None:
+            raise ValueError("vllm_xargs.pin_ttl_s: an explicit pin TTL is not served here (the controller sets it)")
+        for key in hints:
+            if key in xargs and data.get(key) is None:
+                lifted[key] = xargs[key]
+        if "is_last_step" in lifted:
+            flag = lifted["is_last_step"]
+            flag = flag.strip().lower() if isinstance(flag, str) else flag
+            if flag not in _XARGS_TRUE and flag not in _XARGS_FALSE:
+                raise ValueError(f"vllm_xargs.is_last_step: 1/0 or true/false, got {lifted['is_last_step']!r}")
+            lifted["is_last_step"] = flag in _XARGS_TRUE
+        if "job_id" in lifted and not isinstance(lifted["job_id"], str):
+            lifted["job_id"] = str(lifted["job_id"])
+    if "job_id" in hints and data.get("job_id") is None and "job_id" not in lifted \
+            and isinstance(data.get("session_id"), str) and data["session_id"]:
+        lifted["job_id"] = data["session_id"]
+    return {**data, **lifted} if lifted else data
+
+
 class _GenerationRequest(BaseModel):
     """Fields common to chat and text completions.
 
     ``temperature`` defaults to 0 (greedy) so agent runs are reproducible; ``top_k`` and
     ``ignore_eos`` are vLLM's extensions; ``job_id`` / ``is_last_step`` are Continuum's (the
-    openai client's ``extra_body``). Unknown fields are ignored, as OpenAI-compatible servers do.
+    openai client's ``extra_body``, or vLLM's ``vllm_xargs``: :func:`lift_vllm_xargs`). Unknown
+    fields are ignored, as OpenAI-compatible servers do.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hints_in_xargs(cls, data: Any) -> Any:
+        return lift_vllm_xargs(data)
 
     model: StrictStr | None = None
     max_tokens: PositiveInt | None = None
@@ -549,6 +601,9 @@ def _request_error(exc: ValidationError) -> RequestError:
         if param is not None and (head == param or head.startswith((f"{param}.", f"{param}["))):
             # NOTE: a validator may name a key below its field (``response_format.json_schema.name``).
             return RequestError(msg, head)
+        if param is None and ":" in msg and head and " " not in head:
+            # NOTE: a model validator (no location) names the field it refused itself
+            return RequestError(msg, head)
     elif err["type"] != "missing" and "input" in err:
         shown = repr(err["input"])
         msg = f"{msg}, got {shown if len(shown) <= 80 else shown[:77] + '...'}"
@@ -559,6 +614,7 @@ __all__ = [
     "chat_ending",
     "ChatCompletionRequest",
     "check_json_tree",
+    "lift_vllm_xargs",
     "completion_prompt",
     "CompletionRequest",
     "DetokenizeRequest",

@@ -170,3 +170,35 @@ def test_stop_reason_in_every_finished_choice(live):  # noqa: F811
     assert [c["choices"][0]["stop_reason"] for c in streamed if c["choices"] and c["choices"][0]["finish_reason"]] \
         == [gen[2]]
     live.check()
+
+
+def test_job_hints_in_vllm_xargs_as_the_plugin_reads_them(live):  # noqa: F811
+    """A client written for a stock vLLM with the AsymCache plugin sends its hints in
+    ``vllm_xargs`` (strings and numbers only): the embedded server reads them the same way."""
+    decisions = lambda: live.engine(lambda e: list(live.runtime.controller.decisions))  # noqa: E731
+    before = len(decisions())
+    ids = list(range(300, 340))
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "ignore_eos": True}
+    ok = _post(live, "/v1/completions", {**body, "vllm_xargs": {"job_id": "xjob", "is_last_step": 0,
+                                                                "tool_name": "grep"}})
+    assert ok.status_code == 200, ok.text
+    decision = decisions()[-1]
+    assert len(decisions()) == before + 1 and (decision.job_id, decision.tool) == ("xjob", "grep")
+    # the last step: no pause follows, so no decision; a number job id reads as text
+    last = _post(live, "/v1/completions", {**body, "vllm_xargs": {"job_id": "xjob", "is_last_step": "true"}})
+    assert last.status_code == 200 and len(decisions()) == before + 1
+    # vLLM's session_id names the job when nothing else does; the body's own fields win
+    _post(live, "/v1/completions", {**body, "session_id": "sess-1", "tool_name": "ls"})
+    assert (decisions()[-1].job_id, decisions()[-1].tool) == ("sess-1", "ls")
+    _post(live, "/v1/completions", {**body, "job_id": "own", "vllm_xargs": {"job_id": 42}, "tool_name": "ls"})
+    assert decisions()[-1].job_id == "own"
+    _post(live, "/v1/completions", {**body, "vllm_xargs": {"job_id": 42}, "tool_name": "ls"})
+    assert decisions()[-1].job_id == "42"
+    for xargs, param in (({"job_id": "j", "is_last_step": "maybe"}, "vllm_xargs.is_last_step"),
+                         ({"job_id": "j", "pin_ttl_s": 30}, "vllm_xargs.pin_ttl_s")):
+        r = _post(live, "/v1/completions", {**body, "vllm_xargs": xargs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    chat = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 2, "vllm_xargs": {"job_id": "cj", "is_last_step": 1}})
+    assert chat.status_code == 200, chat.text
+    live.check()
