@@ -381,7 +381,7 @@ async def _events(
                         text_open = True
                     yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
-            yield event("error", error={"type": "api_error", "message": str(exc) or type(exc).__name__})
+            yield error_event(exc)
             return
         final = stream.final
         assert final is not None
@@ -412,6 +412,12 @@ async def _events(
             stream.abort()
 
 
+def error_event(exc: BaseException) -> str:
+    """The ``error`` event that ends a stream whose request failed."""
+    data = {"type": "error", "error": {"type": "api_error", "message": str(exc) or type(exc).__name__}}
+    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 def error_response(error: APIError) -> JSONResponse:
     """An :class:`APIError` as Anthropic's error body."""
     return JSONResponse(anthropic_error_body(error.status, error.message), status_code=error.status)
@@ -419,6 +425,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 __all__ = [
     "COUNT_PATH", "PATH", "CountTokensRequest", "MessagesRequest", "anthropic_error_body", "chat_messages",
-    "chat_tool_choice", "chat_tools", "content_blocks", "count_tokens", "create_message", "error_response",
+    "chat_tool_choice", "chat_tools", "content_blocks", "count_tokens", "create_message", "error_event",
+    "error_response",
     "is_messages_path", "stop_reason",
 ]

@@ -342,6 +342,22 @@ async def create_response(request: Request) -> Response:
     return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
+def error_event(exc: BaseException, sequence_number: int = 0) -> str:
+    """The ``error`` event that ends a stream whose request failed.
+
+    Args:
+        exc: what failed.
+        sequence_number: the event's place in the stream (a gateway relaying a stream that
+            lost its replica does not know it: 0).
+
+    Returns:
+        The SSE event.
+    """
+    data = {"type": "error", "sequence_number": sequence_number, "code": "server_error",
+            "message": str(exc) or type(exc).__name__, "param": None}
+    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 async def _events(
     stream: RequestStream, envelope: _Envelope, text: StreamedText, metrics: ServerMetrics
 ) -> AsyncIterator[str]:
@@ -379,7 +395,7 @@ async def _events(
                             yield frame
                     yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
-            yield event("error", code="server_error", message=str(exc) or type(exc).__name__, param=None)
+            yield error_event(exc, seq)
             return
         final = stream.final
         assert final is not None
@@ -418,5 +434,5 @@ async def _events(
 
 __all__ = [
     "PATH", "ResponsesRequest", "chat_response_format", "chat_tool_choice", "chat_tools", "create_response",
-    "input_messages",
+    "error_event", "input_messages",
 ]

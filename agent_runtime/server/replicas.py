@@ -51,6 +51,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from agent_runtime.server import anthropic_messages, openai_responses
 from agent_runtime.server.app import ServeOptions
 from agent_runtime.server.errors import APIError, stream_error_frame
 from agent_runtime.server.job_router import RoutingPolicy, routing_key
@@ -267,13 +268,32 @@ def _no_replica() -> APIError:
     return APIError(503, "No engine replica is alive; retry shortly", type="server_error", code="no_replica")
 
 
+def failed_stream_tail(path: str, exc: BaseException) -> str:
+    """What ends a relayed stream whose replica died, in the route's own form: an OpenAI error
+    frame and ``[DONE]``, the Responses API's ``error`` event, or Anthropic's.
+
+    Args:
+        path: the request's route.
+        exc: what ended it.
+
+    Returns:
+        The SSE text.
+    """
+    if path == openai_responses.PATH:
+        return openai_responses.error_event(exc)
+    if anthropic_messages.is_messages_path(path):
+        return anthropic_messages.error_event(exc)
+    return stream_error_frame(exc) + "data: [DONE]\n\n"
+
+
 class _Relay(Response):
     """Sends a replica's response as it comes: the start message already received, then the
     body messages of the stream (a stream that loses its replica ends with an error frame)."""
 
-    def __init__(self, start: Message, rest: DeploymentResponseGenerator) -> None:
+    def __init__(self, start: Message, rest: DeploymentResponseGenerator, path: str = "") -> None:
         self.start = start
         self.rest = rest
+        self.path = path
         self.status_code = int(start.get("status", 200))
         self.raw_headers = list(start.get("headers", []))
         self.background = None
@@ -290,7 +310,7 @@ class _Relay(Response):
         except RayActorError as exc:
             logger.warning("replica died mid-response: %s", exc)
             if not ended:
-                tail = (stream_error_frame(exc) + "data: [DONE]\n\n").encode() if sse else b""
+                tail = failed_stream_tail(self.path, exc).encode() if sse else b""
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
             return
         finally:
@@ -360,7 +380,7 @@ class Gateway:
             if start is None:
                 gen.cancel()
                 break
-            return _Relay(start, gen)
+            return _Relay(start, gen, forwarded.path)
         return _no_replica().response()
 
     async def _first(self, gen: DeploymentResponseGenerator) -> Message | None:

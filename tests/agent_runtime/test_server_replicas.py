@@ -5,6 +5,7 @@ retried elsewhere, its jobs' next turns served)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ from agent_runtime.server.replicas import (  # noqa: E402
     Gateway,
     ReplicaSettings,
     build_app,
+    failed_stream_tail,
 )
 
 MODEL = "smollm2-135m"
@@ -202,3 +204,13 @@ def test_expositions_merge_with_a_replica_label():
     samples = {tuple(sorted(s.labels.items())): s.value
                for f in text_string_to_metric_families(text) for s in f.samples if s.name == "x_total"}
     assert samples == {(("model", "m"), ("replica", "a")): 2.0, (("model", "m"), ("replica", "b")): 5.0}
+
+
+def test_a_stream_that_loses_its_replica_ends_in_its_routes_form():
+    exc = RuntimeError("replica died")
+    chat = failed_stream_tail("/v1/chat/completions", exc)
+    assert chat.endswith("data: [DONE]\n\n") and '"error"' in chat
+    for path, kind in (("/v1/responses", '"sequence_number": 0'), ("/v1/messages", '"api_error"')):
+        tail = failed_stream_tail(path, exc)
+        assert tail.startswith("event: error\ndata: {") and kind in tail and "[DONE]" not in tail
+        assert json.loads(tail.split("data: ", 1)[1])["type"] == "error"
