@@ -63,7 +63,10 @@ class ResponsesRequest(BaseModel):
     #: fields this server does not serve, with the values that mean "off"
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
         "previous_response_id": (None,), "conversation": (None,), "reasoning": (None,),
-        "background": (None, False), "prompt": (None,), "include": (None, []), "top_logprobs": (None, 0),
+        # NOTE: no reasoning item is ever produced, so asking for their encrypted content
+        # (Codex does) changes nothing; the other includes would
+        "background": (None, False), "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
+        "top_logprobs": (None, 0),
         "truncation": (None, "disabled"), "max_tool_calls": (None,),
     }
 

@@ -120,6 +120,13 @@ def test_bad_bodies_are_400s_naming_the_field(live, fields, param):  # noqa: F81
     assert live.engine(lambda e: e.has_unfinished()) is False
 
 
+def test_off_values_of_unserved_fields_are_accepted(live, oa):  # noqa: F811
+    resp = oa.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False, truncation="disabled",
+                               include=["reasoning.encrypted_content"], extra_body={"reasoning": None})
+    assert resp.status == "incomplete" and resp.store is False
+    live.check()
+
+
 def test_a_jobs_turns_travel_in_the_body(live, oa):  # noqa: F811
     first = oa.responses.create(model=MODEL, input="List the files.", tools=FLAT_TOOLS, max_output_tokens=32,
                                 tool_choice={"type": "function", "name": "list_files"},
