@@ -361,16 +361,23 @@ async def _events(
     def event(kind: str, **fields: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
+    def start(ev: StreamEvent | None) -> list[str]:
+        # NOTE: sent with the first event, once the prompt's cached share is known
+        use = {**usage(ev), "output_tokens": 0} if ev is not None else {
+            "input_tokens": len(stream.prompt_token_ids), "cache_read_input_tokens": 0,
+            "cache_creation_input_tokens": 0, "output_tokens": 0}
+        return [event("message_start", message=_message(mid, model, [], (None, None), use)), event("ping")]
+
     index = 0
     text_open = False
+    started = False
     try:
-        prompt = len(stream.prompt_token_ids)
-        start_usage = {"input_tokens": prompt, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
-                       "output_tokens": 0}
-        yield event("message_start", message=_message(mid, model, [], (None, None), start_usage))
-        yield event("ping")
         try:
             async for ev in stream:
+                if not started:
+                    started = True
+                    for frame in start(ev):
+                        yield frame
                 if ev.output.finished:
                     metrics.observe(ev)
                     break
@@ -381,6 +388,9 @@ async def _events(
                         text_open = True
                     yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
+            if not started:
+                for frame in start(None):
+                    yield frame
             yield error_event(exc)
             return
         final = stream.final

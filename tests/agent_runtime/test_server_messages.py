@@ -92,6 +92,10 @@ def test_streamed_events_add_up_to_the_message(live, ac):  # noqa: F811
         final = s.get_final_message()
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
+    # the start's usage already splits the cached part of the prompt out (the same prompt ran above)
+    start = events[0].message.usage
+    assert start.cache_read_input_tokens > 0 and start.input_tokens + start.cache_read_input_tokens == (
+        want.usage.input_tokens + want.usage.cache_read_input_tokens)
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
     assert text.strip() == want.content[0].text and final.content[0].text == text
     assert final.stop_reason == want.stop_reason and final.usage.output_tokens == want.usage.output_tokens
