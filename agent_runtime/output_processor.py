@@ -19,6 +19,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agent_runtime.reasoning import split_reasoning
 from agent_runtime.tool_parsing import ParsedMessage, ToolCallFormat, parse_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent, TurnMetrics
 from asymcache_core.continuum.controller import ContinuumController, PinDecision
@@ -46,6 +47,8 @@ class OutputOptions:
             after it, so it is pinned as after a tool call.
         max_tool_calls: keep at most this many parsed calls, the first ones (OpenAI's
             ``parallel_tool_calls: false`` is 1; None: all).
+        reasoning_parser: split a reasoning model's thinking off the text first
+            (:mod:`agent_runtime.reasoning`; calls are parsed from the rest).
     """
 
     job_id: str | None = None
@@ -55,6 +58,7 @@ class OutputOptions:
     ttl_rule: str | None = None
     pause_tool: str | None = None
     max_tool_calls: int | None = None
+    reasoning_parser: str | None = None
 
 
 class OutputProcessor:
@@ -124,7 +128,7 @@ class OutputProcessor:
         # is first admitted (ContinuumController.on_admit), once.
         m = out.metrics
         ctl = self.controller
-        parsed = parse_tool_calls(out.text, options.parse_format) if options.parse_format else None
+        parsed = _parse(out.text, options)
         if parsed is not None and options.max_tool_calls is not None and len(parsed.tool_calls) > options.max_tool_calls:
             parsed = dataclasses.replace(parsed, tool_calls=parsed.tool_calls[: options.max_tool_calls])
         pin: PinDecision | None = None
@@ -184,6 +188,17 @@ class OutputProcessor:
         # Only full blocks are cacheable, and the prompt's last token is always computed.
         reusable = min(common // bs * bs, (len(prompt_ids) - 1) // bs * bs)
         return max(0, reusable - cached)
+
+
+def _parse(text: str, options: OutputOptions) -> ParsedMessage | None:
+    """A finished reply's thinking (with a reasoning parser) and tool calls (with a format);
+    None when neither is asked for."""
+    if options.reasoning_parser is None:
+        return parse_tool_calls(text, options.parse_format) if options.parse_format else None
+    reasoning, content = split_reasoning(text, options.reasoning_parser)
+    parsed = parse_tool_calls(content, options.parse_format) if options.parse_format else ParsedMessage(
+        content.strip(), [])
+    return dataclasses.replace(parsed, reasoning=reasoning)
 
 
 def build_turn(stream: RequestStream, final: StreamEvent) -> AssistantTurn:

@@ -37,6 +37,7 @@ from agent_runtime.protocol import (
     normalize_tools,
     validate_messages,
 )
+from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 from agent_runtime.types import AssistantTurn
 from asymcache_core import Engine
@@ -83,6 +84,9 @@ class AgentRuntime:
             reads a file).
         chat_template_kwargs: template variables every chat gets unless it sets its own
             (vLLM's ``--default-chat-template-kwargs``, e.g. ``{"enable_thinking": False}``).
+        reasoning_parser: split a reasoning model's thinking off its chat replies
+            (``deepseek_r1`` or ``qwen3``, vLLM's ``--reasoning-parser``): it goes in the
+            message's ``reasoning_content``, and tool calls are parsed from the rest.
 
     Raises:
         ValueError: unknown policy, or one whose engine settings differ from the engine's; a
@@ -101,6 +105,7 @@ class AgentRuntime:
         idle_poll_s: float = 0.02,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         if policy is None:
             spec = preset_for_engine(engine.config)
@@ -113,6 +118,10 @@ class AgentRuntime:
                     f"policy: {spec.name!r} needs {key}={want!r} but the engine has {key}={have!r}; "
                     "build the engine with resolve_preset(name).engine_overrides"
                 )
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: one of {', '.join(REASONING_PARSERS)}; got {reasoning_parser!r}")
+        #: vLLM's reasoning parser for chat replies (None: none)
+        self.reasoning_parser: str | None = reasoning_parser
         if tool_call_format not in TOOL_CALL_FORMATS:
             raise ValueError(f"tool_call_format: one of {', '.join(TOOL_CALL_FORMATS)}; got {tool_call_format!r}")
         self.engine = engine
@@ -151,6 +160,7 @@ class AgentRuntime:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tool_call_format: ToolCallFormat = "hermes",
+        reasoning_parser: str | None = None,
         **engine_kwargs: Any,
     ) -> AgentRuntime:
         """Build an engine for ``model`` configured for ``policy``, and a runtime over it.
@@ -163,6 +173,7 @@ class AgentRuntime:
             chat_template: the chat template's source instead of the model's.
             chat_template_kwargs: template variables every chat gets by default.
             tool_call_format: how replies' tool calls are written and parsed (see the class).
+            reasoning_parser: split a reasoning model's thinking off its replies (see the class).
             **engine_kwargs: further :class:`asymcache_core.EngineConfig` fields.
 
         Returns:
@@ -178,7 +189,8 @@ class AgentRuntime:
         engine = Engine(model=model, loaded=loaded, clock=clock, **kwargs)
         try:
             runtime = cls(engine, policy=spec, clock=clock, chat_template=chat_template,
-                          chat_template_kwargs=chat_template_kwargs, tool_call_format=tool_call_format)
+                          chat_template_kwargs=chat_template_kwargs, tool_call_format=tool_call_format,
+                          reasoning_parser=reasoning_parser)
         except BaseException:
             engine.close()
             raise
@@ -277,6 +289,7 @@ class AgentRuntime:
         ttl_rule: str | None = None,
         pause_tool: str | None = None,
         max_tool_calls: int | None = None,
+        reasoning_parser: str | None = None,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -297,6 +310,7 @@ class AgentRuntime:
                 parsed tool call (token-level clients such as ``/v1/completions``): the job
                 pauses for this tool after it, so it is pinned as after a tool call.
             max_tool_calls: keep at most this many parsed tool calls, the first (None: all).
+            reasoning_parser: split a reasoning model's thinking off the final text first.
 
         Returns:
             The stream.
@@ -305,7 +319,9 @@ class AgentRuntime:
             ValueError: rejected by the engine or by the grammar builder (message names the field).
             RuntimeError: the runtime is closed.
         """
-        options = OutputOptions(job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool, max_tool_calls)
+        options = OutputOptions(
+            job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool, max_tool_calls, reasoning_parser
+        )
         return await self._client.submit(
             prompt, params, options=options, request_id=request_id,
             tools=tools, tool_choice=tool_choice, response_format=response_format,
@@ -541,6 +557,7 @@ class AgentRuntime:
                     response_format=fmt, parse_format=parse, pinning=options.get("pinning"),
                     ttl_rule=options.get("ttl_rule"),
                     max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
+                    reasoning_parser=self.reasoning_parser,
                 ))
         except BaseException:
             # NOTE: rejected, or the caller cancelled between two submits: none runs on alone

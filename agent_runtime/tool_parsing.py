@@ -82,11 +82,14 @@ class ParsedMessage:
         tool_calls: the calls, in order of appearance.
         format_error: why the text did not follow the expected format (e.g. mini-swe-agent's
             "exactly one bash block"), or None; the runtime may feed it back to the model.
+        reasoning: a reasoning model's thinking, split off before the rest was parsed
+            (:mod:`agent_runtime.reasoning`; None without a reasoning parser or thinking).
     """
 
     content: str
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
     format_error: str | None = None
+    reasoning: str | None = None
 
     def to_openai_message(self) -> dict[str, Any]:
         """The OpenAI assistant message for this output.
@@ -96,6 +99,9 @@ class ParsedMessage:
             empty and there are calls (as OpenAI returns it); ``tool_calls`` omitted if none.
         """
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning  # vLLM's field
+            msg["content"] = self.content or None  # all thinking: no content (vLLM's null)
         if self.tool_calls:
             msg["content"] = self.content or None
             msg["tool_calls"] = to_openai_tool_calls(self.tool_calls)

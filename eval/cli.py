@@ -735,6 +735,9 @@ def serve(
     tool_call_parser: str = typer.Option(
         "hermes", help="How tool calls are written and parsed: hermes (tagged; Qwen, and models without a tools "
         "template) or llama3_json (Llama 3.1+, with its own template)."),
+    reasoning_parser: str = typer.Option(
+        None, help="Split reasoning models' thinking off chat replies into reasoning_content: deepseek_r1 or "
+        "qwen3 (vLLM's names)."),
     enable_auto_tool_choice: bool = typer.Option(
         True, "--enable-auto-tool-choice", help="vLLM's flag, accepted: tool calls are parsed under "
         "tool_choice auto whether it is given or not."),
@@ -754,7 +757,7 @@ def serve(
                   served_model_name=served_model_name, chat_template=chat_template,
                   default_chat_template_kwargs=template_kwargs,
                   trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
-                  **engine_args)
+                  reasoning_parser=reasoning_parser, **engine_args)
 
 
 def _json_object(name: str, text: str | None) -> dict[str, Any] | None:

@@ -334,7 +334,7 @@ async def create_message(request: Request) -> Response:
                         usage(final))
         return JSONResponse(body)
     state.metrics.count(PATH, 200)
-    events = _events(stream, mid, state.model_name, StreamedText(bool(tools) and choice != "none", rt.tool_call_format),
+    events = _events(stream, mid, state.model_name, StreamedText(bool(tools) and choice != "none", rt.tool_call_format, rt.reasoning_parser),
                      state.metrics)
     return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from agent_runtime.chat_template_options import check_template_kwargs, load_chat_template
+from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import anthropic_messages, openai_responses, serving
 from agent_runtime.server.errors import APIError
@@ -372,6 +373,8 @@ class ServeOptions:
         tool_call_parser: how replies' tool calls are written and parsed (vLLM's
             ``--tool-call-parser``): ``hermes`` (tagged calls; Qwen and models without a tools
             template) or ``llama3_json`` (Llama 3.1+'s JSON, with its own template).
+        reasoning_parser: split reasoning models' thinking off chat replies into
+            ``reasoning_content`` (vLLM's ``--reasoning-parser``: ``deepseek_r1``, ``qwen3``).
         log_level: uvicorn's log level.
         max_request_body_bytes: request bodies beyond this are a 413.
         max_queue_len: completions waiting beyond the running batch before new ones are a 429
@@ -398,6 +401,7 @@ class ServeOptions:
     default_chat_template_kwargs: Mapping[str, Any] | None = None
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     log_level: str = "info"
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN
@@ -426,6 +430,8 @@ class ServeOptions:
         # NOTE: a file is read once, here, so that a bad path fails before the model loads
         object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
         check_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.tool_call_parser not in SERVED_TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser: one of {', '.join(SERVED_TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
@@ -458,7 +464,7 @@ class ServeOptions:
         return AgentRuntime.from_model(
             self.model, self.policy, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             chat_template=self.chat_template, chat_template_kwargs=self.default_chat_template_kwargs,
-            tool_call_format=self.tool_call_parser, **self.engine_settings,
+            tool_call_format=self.tool_call_parser, reasoning_parser=self.reasoning_parser, **self.engine_settings,
         )
 
     def build_app(self, source: RuntimeSource) -> FastAPI:

@@ -13,6 +13,7 @@ from typing import Any
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
+from agent_runtime.reasoning import stream_split
 from agent_runtime.server.logprobs import (
     TokenTexts,
     chat_logprobs,
@@ -131,17 +132,21 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
 
 
 class ChatChunks(Chunks):
-    """Chat payloads: a role delta, content deltas, then tool calls or the rest, then the reason."""
+    """Chat payloads: a role delta, reasoning deltas (with a reasoning parser), content deltas,
+    then tool calls or the rest, then the reason."""
 
     def __init__(
         self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
-        call_format: str = "hermes",
+        call_format: str = "hermes", reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         self.tools_possible = tools_possible
         #: the runtime's tool-call format: which text may become a call (held back)
         self.call_format = call_format
+        #: the runtime's reasoning parser: the thinking goes out as ``reasoning_content``
+        self.reasoning_parser = reasoning_parser
+        self.reasoning_sent = 0
         #: the body's content is the text as generated, not stripped: it continues a message
         #: (``continue_final_message``), whose next character may be a space
         self.raw_content = raw_content
@@ -157,18 +162,35 @@ class ChatChunks(Chunks):
     def opening(self) -> list[ChatCompletionStreamChoice]:
         return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
 
+    def _split(self, text: str, final: bool) -> tuple[str, str]:
+        """``(reasoning that may go out, content text)`` of the reply so far (the content is
+        empty while the thinking block is open; everything is content without a parser)."""
+        if self.reasoning_parser is None:
+            return "", text
+        reasoning, start = stream_split(text, self.reasoning_parser, final)
+        return reasoning or "", "" if start is None else text[start:]
+
+    def _new_reasoning(self, reasoning: str) -> list[DeltaMessage]:
+        if len(reasoning) <= self.reasoning_sent:
+            return []
+        piece, self.reasoning_sent = reasoning[self.reasoning_sent :], len(reasoning)
+        return [DeltaMessage(reasoning_content=piece)]
+
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
-        text = event.output.text
+        reasoning, text = self._split(event.output.text, event.output.finished)
         if not event.output.finished:
+            deltas = self._new_reasoning(reasoning)
             upto = safe_text_len(text, self.tools_possible, self.call_format)
-            if upto <= self.sent:
+            if upto > self.sent:
+                piece, self.sent = text[self.sent : upto], upto
+                deltas.append(DeltaMessage(content=piece))
+            if not deltas:
                 return []
-            piece, self.sent = text[self.sent : upto], upto
-            return [ChatCompletionStreamChoice(
-                index=self.index, delta=DeltaMessage(content=piece), logprobs=self._logprobs(self.take_logprobs(event))
-            )]
+            out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
+            out[0] = out[0].model_copy(update={"logprobs": self._logprobs(self.take_logprobs(event))})
+            return out
         turn = build_turn(self.stream, event)
-        deltas: list[DeltaMessage] = []
+        deltas = self._new_reasoning(reasoning)
         if turn.parsed.tool_calls:
             # Text before the tags was streamed already; only a reply that is all tags
             # around some content (nothing sent yet) still owes its content.
@@ -190,7 +212,7 @@ class ChatChunks(Chunks):
         turn = build_turn(self.stream, final)
         message = dict(turn.message)
         if self.raw_content and not turn.parsed.tool_calls:
-            message["content"] = final.output.text
+            message["content"] = self._split(final.output.text, True)[1]
         return ChatCompletionChoice(
             index=self.index, message=ChatMessage.model_validate(message), finish_reason=turn.finish_reason,
             logprobs=self._logprobs(final.output.logprobs or []), stop_reason=final.output.stop_reason,
@@ -294,16 +316,25 @@ class StreamedText:
     Args:
         tools_possible: tool calls are possible in this reply (what may become one is held).
         call_format: the runtime's tool-call format.
+        reasoning_parser: the runtime's reasoning parser: only the text after the thinking is
+            the reply's text here (these routes do not return the thinking).
     """
 
-    def __init__(self, tools_possible: bool, call_format: str = "hermes") -> None:
+    def __init__(self, tools_possible: bool, call_format: str = "hermes", reasoning_parser: str | None = None) -> None:
         self.tools_possible = tools_possible
         self.call_format = call_format
+        self.reasoning_parser = reasoning_parser
         self.sent = ""
+
+    def _content(self, text: str, final: bool) -> str:
+        if self.reasoning_parser is None:
+            return text
+        _, start = stream_split(text, self.reasoning_parser, final)
+        return "" if start is None else text[start:]
 
     def piece(self, event: StreamEvent) -> str:
         """The text of ``event`` safe to send now and not sent yet (marked sent)."""
-        text = event.output.text
+        text = self._content(event.output.text, False)
         upto = safe_text_len(text, self.tools_possible, self.call_format)
         if upto <= len(self.sent):
             return ""
@@ -315,7 +346,7 @@ class StreamedText:
         text before them (a reply that is all tags around some content owes that content)."""
         if turn.parsed.tool_calls:
             return self.sent if self.sent else (turn.parsed.content or "")
-        return final.output.text
+        return self._content(final.output.text, True)
 
 
 __all__ = ["ChatChunks", "Chunks", "CompletionChunks", "StreamedText", "safe_text_len"]

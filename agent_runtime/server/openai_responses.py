@@ -341,7 +341,7 @@ async def create_response(request: Request) -> Response:
         final, turn = await finish_one(request, state, stream, PATH)
         return JSONResponse(envelope.body("completed", final_output(turn), final, turn.finish_reason))
     state.metrics.count(PATH, 200)
-    events = _events(stream, envelope, StreamedText(bool(tools) and choice != "none", rt.tool_call_format), state.metrics)
+    events = _events(stream, envelope, StreamedText(bool(tools) and choice != "none", rt.tool_call_format, rt.reasoning_parser), state.metrics)
     return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 

@@ -98,6 +98,7 @@ class ChatMessage(_Body):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = _OMIT
     tool_calls: list[ToolCall] | None = _OMIT
 
 
@@ -106,6 +107,7 @@ class DeltaMessage(_Body):
 
     role: Literal["assistant"] | None = _OMIT
     content: str | None = _OMIT
+    reasoning_content: str | None = _OMIT
     tool_calls: list[ToolCallDelta] | None = _OMIT
 
 

@@ -157,7 +157,8 @@ async def chat_completions(request: Request) -> Response:
     tools_possible = bool(req.tools) and choice != "none"
     chunks: list[Chunks] = [
         ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None,
-                   raw_content=bool(req.continue_final_message), call_format=rt.tool_call_format)
+                   raw_content=bool(req.continue_final_message), call_format=rt.tool_call_format,
+                   reasoning_parser=rt.reasoning_parser)
         for i, s in enumerate(streams)
     ]
     return await _respond(request, state, req, chunks, _CHAT)

@@ -113,7 +113,7 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     # everything handed on is an EngineConfig field, or the command's own argument
     own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout",
                      "replicas", "served_model_name", "chat_template", "default_chat_template_kwargs",
-                     "trust_request_chat_template", "tool_call_parser"},
+                     "trust_request_chat_template", "tool_call_parser", "reasoning_parser"},
            "chat": {"policy"},
            "agent": {"task", "workdir", "max_turns", "policy", "tool_choice"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}

@@ -1,0 +1,79 @@
+"""Reasoning models' thinking, split from the reply (vLLM's ``--reasoning-parser``).
+
+Two parsers, as vLLM names them:
+
+* ``deepseek_r1``: everything before ``</think>`` is reasoning (a leading ``<think>`` is
+  dropped; DeepSeek-R1's template opens the block in the prompt, so the model may write only
+  the end). A reply that never closes the block (cut by the length limit) is all reasoning.
+* ``qwen3``: reasoning only when the reply opens with ``<think>`` (Qwen3 writes the block
+  itself, or the template writes an empty one when thinking is off); the rest as above.
+
+The content after the block is what tool calls are parsed from and what the chat returns as
+``content``; the reasoning goes in ``reasoning_content``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+ReasoningParser = Literal["deepseek_r1", "qwen3"]
+#: The parsers a runtime takes.
+REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
+    """A finished reply's ``(reasoning, content)``.
+
+    Args:
+        text: the reply as generated.
+        parser: ``deepseek_r1`` or ``qwen3``.
+
+    Returns:
+        The reasoning (None when the reply has none) and the content after it.
+    """
+    reasoning, start = stream_split(text, parser, final=True)
+    if start is None:
+        return reasoning, ""
+    if start == 0:
+        return None, text
+    return reasoning, text[start:]
+
+
+def stream_split(text: str, parser: str, final: bool = False) -> tuple[str | None, int | None]:
+    """What of a reply generated so far is reasoning, and where its content starts.
+
+    Args:
+        text: the reply so far.
+        parser: ``deepseek_r1`` or ``qwen3``.
+        final: the reply is finished (nothing is held back for the tokens to come).
+
+    Returns:
+        ``(reasoning, content_start)``: the reasoning that may be sent now (None: the reply has
+        no reasoning; a trailing piece that may become ``</think>`` and a start that may become
+        ``<think>`` are held back while not final), and the index where the content starts
+        (None while the block is still open; 0 when there is no block).
+    """
+    lead = text.lstrip()
+    offset = len(text) - len(lead)
+    opened = lead.startswith(THINK_OPEN)
+    if not opened and not final and len(lead) < len(THINK_OPEN) and THINK_OPEN.startswith(lead):
+        return "", None  # may still become "<think>"
+    if parser == "qwen3" and not opened:
+        return None, 0
+    begin = offset + len(THINK_OPEN) if opened else 0
+    end = text.find(THINK_CLOSE, begin)
+    if end >= 0:
+        return text[begin:end], end + len(THINK_CLOSE)
+    upto = len(text)
+    if not final:
+        while upto > begin and text[upto - 1] == "\ufffd":
+            upto -= 1
+        for k in range(min(len(THINK_CLOSE) - 1, upto - begin), 0, -1):
+            if THINK_CLOSE.startswith(text[upto - k : upto]):
+                upto -= k
+                break
+    return text[begin:upto], None
+
+
+__all__ = ["REASONING_PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningParser", "split_reasoning", "stream_split"]

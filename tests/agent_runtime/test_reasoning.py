@@ -1,0 +1,124 @@
+"""Reasoning models' thinking split off the reply (vLLM's ``--reasoning-parser``): the parsers,
+the streamed chat deltas, and the server with the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+
+from agent_runtime.output_processor import OutputOptions, _parse
+from agent_runtime.reasoning import split_reasoning, stream_split
+from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server import create_app
+from agent_runtime.server.choices import ChatChunks
+from agent_runtime.types import StreamEvent
+from asymcache_core.request import RequestMetrics, RequestOutput
+from tests.agent_runtime.test_server import MODEL, serving
+from tests.conftest import make_engine
+
+THOUGHT = "<think>\nThe sky scatters blue light.\n</think>\n\nBlue."
+
+
+def test_parsers_split_the_thinking_as_vllms_do():
+    assert split_reasoning(THOUGHT, "deepseek_r1") == ("\nThe sky scatters blue light.\n", "\n\nBlue.")
+    assert split_reasoning(THOUGHT, "qwen3") == ("\nThe sky scatters blue light.\n", "\n\nBlue.")
+    # R1's template opens the block in the prompt: the reply may hold only its end
+    assert split_reasoning("thinking...</think>Blue.", "deepseek_r1") == ("thinking...", "Blue.")
+    assert split_reasoning("thinking...</think>Blue.", "qwen3") == (None, "thinking...</think>Blue.")
+    # never closed (cut by the length limit): all thinking; no block at all (qwen3): all content
+    assert split_reasoning("<think>still going", "qwen3") == ("still going", "")
+    assert split_reasoning("still going", "deepseek_r1") == ("still going", "")
+    assert split_reasoning("Blue.", "qwen3") == (None, "Blue.")
+    # streaming holds back what may still become a tag
+    assert stream_split("<thi", "qwen3") == ("", None)
+    assert stream_split("<think>abc</thi", "qwen3") == ("abc", None)
+    assert stream_split("Blu", "qwen3") == (None, 0)
+
+
+def _event(text: str, parser: str | None, fmt: str | None = None, finished: bool = False) -> StreamEvent:
+    metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.0, first_token_time=1.5, finish_time=2.0)
+    out = RequestOutput("r", [], [1] * len(text), text, finished, "stop" if finished else None, metrics, 4)
+    parsed = _parse(text, OutputOptions(parse_format=fmt, reasoning_parser=parser)) if finished else None  # type: ignore[arg-type]
+    return StreamEvent(out, None, parsed, None)
+
+
+def _deltas(texts: list[str], parser: str | None, fmt: str | None = None) -> list[dict[str, Any]]:
+    chunks = ChatChunks(SimpleNamespace(request_id="r", prompt_token_ids=[1, 2, 3, 4]), 0, None, fmt is not None,  # type: ignore[arg-type]
+                        reasoning_parser=parser)
+    out = []
+    for i, text in enumerate(texts):
+        for choice in chunks.on_event(_event(text, parser, fmt, finished=i == len(texts) - 1)):
+            out.append(choice.delta.model_dump())
+    return out
+
+
+def test_streamed_chat_sends_the_thinking_as_reasoning_content():
+    steps = [THOUGHT[:k] for k in (3, 9, 20, 40, 44, 48, 52)] + [THOUGHT]
+    deltas = _deltas(steps, "deepseek_r1")
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert reasoning == "\nThe sky scatters blue light.\n" and content == "\n\nBlue."
+    # no content goes out before the block closes, and no piece of the closing tag ever does
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all(not d.get("reasoning_content") for d in deltas[first_content:])
+    assert "</" not in reasoning + content and "think>" not in reasoning + content
+    # without a parser the tags are content, as before
+    plain = _deltas(steps, None)
+    assert "".join(d.get("content") or "" for d in plain) == THOUGHT
+    # tool calls are parsed from what follows the thinking
+    call = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'
+    with_call = _deltas(["<think>look</think>\n" + call[:12], "<think>look</think>\n" + call], "qwen3", "hermes")
+    assert "".join(d.get("reasoning_content") or "" for d in with_call) == "look"
+    calls = [tc for d in with_call for tc in d.get("tool_calls") or []]
+    assert [c["function"]["name"] for c in calls] == ["read_file"]
+    assert not "".join(d.get("content") or "" for d in with_call).strip()
+
+
+#: SmolLM2's turns, the assistant's opened with a thinking block (as DeepSeek-R1's template does).
+THINKING_PROMPT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_the_server_returns_reasoning_content(smollm, parser):
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=1024), chat_template=THINKING_PROMPT_TEMPLATE,
+                           reasoning_parser=parser)
+    try:
+        with serving(create_app(runtime, MODEL)) as base:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+                    "max_tokens": 12, "ignore_eos": True}
+            message = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+            raw = httpx.post(f"{base}/v1/completions", timeout=60, json={
+                "model": MODEL, "max_tokens": 12, "ignore_eos": True,
+                "prompt": runtime.engine.tokenizer.decode(httpx.post(f"{base}/tokenize", json={
+                    "messages": body["messages"]}, timeout=60).json()["tokens"])}).json()["choices"][0]["text"]
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+                deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                          if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
+    streamed_reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    streamed_content = "".join(d.get("content") or "" for d in deltas)
+    assert "</think>" not in raw  # SmolLM2 never closes the block: 12 tokens of thinking
+    if parser == "deepseek_r1":  # the block opened in the prompt: all of it is thinking
+        assert message["reasoning_content"] == raw and message["content"] is None
+        assert streamed_reasoning == raw and streamed_content == ""
+    else:  # qwen3 wants the reply itself to open the block: all of it is content
+        assert "reasoning_content" not in message and message["content"] == raw.strip()
+        assert streamed_reasoning == "" and streamed_content == raw
+
+
+def test_reasoning_parser_is_checked(smollm):
+    engine = make_engine(smollm)
+    try:
+        with pytest.raises(ValueError, match="^reasoning_parser: one of deepseek_r1, qwen3"):
+            AgentRuntime(engine, reasoning_parser="granite")
+    finally:
+        engine.close()
