@@ -181,7 +181,9 @@ def test_serve_takes_vllms_template_and_name_options(monkeypatch, tmp_path):
                        (["--default-chat-template-kwargs", "[1]"], "default_chat_template_kwargs"),
                        (["--default-chat-template-kwargs", '{"tools": []}'], "default_chat_template_kwargs.tools"),
                        (["--chat-template", str(tmp_path / "missing.jinja")], "chat_template"),
-                       (["--served-model-name", " "], "served_model_name")):
+                       (["--served-model-name", " "], "served_model_name"),
+                       (["--reasoning-parser", "granite"], "reasoning_parser"),
+                       (["--tool-call-parser", "mistral"], "tool_call_parser")):
         result = runner.invoke(app, ["serve", *bad])
         assert result.exit_code == 2 and result.output.startswith(f"error: {field}:"), result.output
         assert result.output.strip().count("\n") == 0
