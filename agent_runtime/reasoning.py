@@ -14,12 +14,14 @@ The content after the block is what tool calls are parsed from and what the chat
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 ReasoningParser = Literal["deepseek_r1", "qwen3"]
 #: The parsers a runtime takes.
 REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_BLANKS = re.compile(r"\s*")
 
 
 def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
@@ -54,10 +56,12 @@ def stream_split(text: str, parser: str, final: bool = False) -> tuple[str | Non
         ``<think>`` are held back while not final), and the index where the content starts
         (None while the block is still open; 0 when there is no block).
     """
-    lead = text.lstrip()
-    offset = len(text) - len(lead)
-    opened = lead.startswith(THINK_OPEN)
-    if not opened and not final and len(lead) < len(THINK_OPEN) and THINK_OPEN.startswith(lead):
+    # NOTE: called on every streamed event of the reply: no copy of the text (a long thinking
+    # block would be copied once a token)
+    offset = _BLANKS.match(text).end()  # type: ignore[union-attr]
+    opened = text.startswith(THINK_OPEN, offset)
+    lead = text[offset : offset + len(THINK_OPEN)]
+    if not opened and not final and len(text) - offset < len(THINK_OPEN) and THINK_OPEN.startswith(lead):
         return "", None  # may still become "<think>"
     if parser == "qwen3" and not opened:
         return None, 0

@@ -8,6 +8,7 @@ choice of the non-streamed body; one instance per choice (OpenAI's ``n``), carry
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -36,6 +37,7 @@ from asymcache_core.logprobs import TokenLogprob
 
 _TOOL_OPEN = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_BLANKS = re.compile(r"\s*")
 
 
 class Chunks(ABC):
@@ -119,8 +121,9 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
     while end and text[end - 1] == "\ufffd":
         end -= 1
     if hold_tool_tag and call_format == "llama3_json":
-        head = text.lstrip()
-        return 0 if not head or head[0] in "{[" or _PYTHON_TAG.startswith(head[: len(_PYTHON_TAG)]) else end
+        start = _BLANKS.match(text).end()  # type: ignore[union-attr]
+        head = text[start : start + len(_PYTHON_TAG)]  # NOTE: every event: no copy of the reply
+        return 0 if not head or head[0] in "{[" or _PYTHON_TAG.startswith(head) else end
     if hold_tool_tag:
         at = text.find(_TOOL_OPEN)
         if at >= 0:
@@ -141,12 +144,8 @@ class ChatChunks(Chunks):
         call_format: str = "hermes", reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
-        self.tools_possible = tools_possible
-        #: the runtime's tool-call format: which text may become a call (held back)
-        self.call_format = call_format
-        #: the runtime's reasoning parser: the thinking goes out as ``reasoning_content``
-        self.reasoning_parser = reasoning_parser
-        self.reasoning_sent = 0
+        #: what of the reply went out: its thinking (``reasoning_content``) and its content
+        self.text = StreamedText(tools_possible, call_format, reasoning_parser)
         #: the body's content is the text as generated, not stripped: it continues a message
         #: (``continue_final_message``), whose next character may be a space
         self.raw_content = raw_content
@@ -162,44 +161,24 @@ class ChatChunks(Chunks):
     def opening(self) -> list[ChatCompletionStreamChoice]:
         return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
 
-    def _split(self, text: str, final: bool) -> tuple[str, str]:
-        """``(reasoning that may go out, content text)`` of the reply so far (the content is
-        empty while the thinking block is open; everything is content without a parser)."""
-        if self.reasoning_parser is None:
-            return "", text
-        reasoning, start = stream_split(text, self.reasoning_parser, final)
-        return reasoning or "", "" if start is None else text[start:]
-
-    def _new_reasoning(self, reasoning: str) -> list[DeltaMessage]:
-        if len(reasoning) <= self.reasoning_sent:
-            return []
-        piece, self.reasoning_sent = reasoning[self.reasoning_sent :], len(reasoning)
-        return [DeltaMessage(reasoning_content=piece)]
+    @staticmethod
+    def _deltas(reasoning: str, content: str) -> list[DeltaMessage]:
+        return ([DeltaMessage(reasoning_content=reasoning)] if reasoning else []) + (
+            [DeltaMessage(content=content)] if content else [])
 
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
-        reasoning, text = self._split(event.output.text, event.output.finished)
         if not event.output.finished:
-            deltas = self._new_reasoning(reasoning)
-            upto = safe_text_len(text, self.tools_possible, self.call_format)
-            if upto > self.sent:
-                piece, self.sent = text[self.sent : upto], upto
-                deltas.append(DeltaMessage(content=piece))
+            deltas = self._deltas(*self.text.pieces(event))
             if not deltas:
                 return []
             out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
             out[0] = out[0].model_copy(update={"logprobs": self._logprobs(self.take_logprobs(event))})
             return out
         turn = build_turn(self.stream, event)
-        deltas = self._new_reasoning(reasoning)
+        deltas = self._deltas(*self.text.rest(turn, event))
         if turn.parsed.tool_calls:
-            # Text before the tags was streamed already; only a reply that is all tags
-            # around some content (nothing sent yet) still owes its content.
-            if self.sent == 0 and turn.parsed.content:
-                deltas.append(DeltaMessage(content=turn.parsed.content))
             calls = to_openai_tool_calls(turn.parsed.tool_calls)
             deltas.append(DeltaMessage(tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)]))
-        elif len(text) > self.sent:
-            deltas.append(DeltaMessage(content=text[self.sent :]))
         out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
         out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=turn.finish_reason,
                                               stop_reason=event.output.stop_reason))
@@ -212,7 +191,7 @@ class ChatChunks(Chunks):
         turn = build_turn(self.stream, final)
         message = dict(turn.message)
         if self.raw_content and not turn.parsed.tool_calls:
-            message["content"] = self._split(final.output.text, True)[1]
+            message["content"] = self.text.split(final.output.text, True)[1]
         return ChatCompletionChoice(
             index=self.index, message=ChatMessage.model_validate(message), finish_reason=turn.finish_reason,
             logprobs=self._logprobs(final.output.logprobs or []), stop_reason=final.output.stop_reason,
@@ -309,44 +288,65 @@ class CompletionChunks(Chunks):
 
 
 class StreamedText:
-    """The text of a one-choice reply streamed in pieces, for the routes that stream text and
-    tool calls as items of their own (Responses, Messages): pieces held back as
-    :func:`safe_text_len` holds them, and at the end the text those pieces add up to.
+    """What of a one-choice reply went out, streamed in pieces: its thinking (with a reasoning
+    parser) and its content, each piece held back while it may be part of a character, a
+    ``</think>`` or a tool call (:func:`safe_text_len`); at the end, what is still owed. Chat
+    chunks (:class:`ChatChunks`) send both; the Responses and Messages routes, which stream
+    calls as items of their own and do not return the thinking, send the content.
 
     Args:
         tools_possible: tool calls are possible in this reply (what may become one is held).
         call_format: the runtime's tool-call format.
-        reasoning_parser: the runtime's reasoning parser: only the text after the thinking is
-            the reply's text here (these routes do not return the thinking).
+        reasoning_parser: the runtime's reasoning parser (None: everything is content).
     """
 
     def __init__(self, tools_possible: bool, call_format: str = "hermes", reasoning_parser: str | None = None) -> None:
         self.tools_possible = tools_possible
         self.call_format = call_format
         self.reasoning_parser = reasoning_parser
+        #: the content sent so far
         self.sent = ""
+        self.reasoning_sent = 0
 
-    def _content(self, text: str, final: bool) -> str:
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """``(thinking that may go out, content)`` of the reply so far: the content is empty
+        while the thinking block is open, and everything without a parser."""
         if self.reasoning_parser is None:
-            return text
-        _, start = stream_split(text, self.reasoning_parser, final)
-        return "" if start is None else text[start:]
+            return "", text
+        reasoning, start = stream_split(text, self.reasoning_parser, final)
+        return reasoning or "", "" if start is None else text[start:]
 
-    def piece(self, event: StreamEvent) -> str:
-        """The text of ``event`` safe to send now and not sent yet (marked sent)."""
-        text = self._content(event.output.text, False)
+    def pieces(self, event: StreamEvent) -> tuple[str, str]:
+        """``(thinking, content)`` of a running reply's ``event`` safe to send now and not sent
+        yet (marked sent)."""
+        reasoning, text = self.split(event.output.text, False)
+        thought = reasoning[self.reasoning_sent :]
+        self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         upto = safe_text_len(text, self.tools_possible, self.call_format)
         if upto <= len(self.sent):
-            return ""
-        piece, self.sent = text[len(self.sent):upto], text[:upto]
-        return piece
+            return thought, ""
+        piece, self.sent = text[len(self.sent) : upto], text[:upto]
+        return thought, piece
+
+    def piece(self, event: StreamEvent) -> str:
+        """The content of ``event`` safe to send now and not sent yet (marked sent)."""
+        return self.pieces(event)[1]
 
     def full(self, turn: AssistantTurn, final: StreamEvent) -> str:
-        """The whole text of the finished reply: the text as generated, or with tool calls the
-        text before them (a reply that is all tags around some content owes that content)."""
+        """The whole content of the finished reply: the text after any thinking as generated,
+        or with tool calls the text before them (a reply that is all tags around some content
+        owes that content)."""
         if turn.parsed.tool_calls:
             return self.sent if self.sent else (turn.parsed.content or "")
-        return self._content(final.output.text, True)
+        return self.split(final.output.text, True)[1]
+
+    def rest(self, turn: AssistantTurn, final: StreamEvent) -> tuple[str, str]:
+        """``(thinking, content)`` the finished reply still owes (marked sent)."""
+        reasoning = self.split(final.output.text, True)[0]
+        thought, self.reasoning_sent = reasoning[self.reasoning_sent :], max(self.reasoning_sent, len(reasoning))
+        full = self.full(turn, final)
+        content, self.sent = full[len(self.sent) :] if full.startswith(self.sent) else "", full
+        return thought, content
 
 
 __all__ = ["ChatChunks", "Chunks", "CompletionChunks", "StreamedText", "safe_text_len"]

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import RequestError
+from agent_runtime.server.body_parsing import parse_json_body, parse_request
 from agent_runtime.server.choices import ChatChunks, Chunks, CompletionChunks, safe_text_len
 from agent_runtime.server.errors import APIError, from_value_error, stream_error_frame
 from agent_runtime.server.logprobs import TokenTexts
@@ -36,8 +37,6 @@ from agent_runtime.server.requests import (
     DetokenizeRequest,
     TokenizeRequest,
     chat_ending,
-    parse_json_body,
-    parse_request,
 )
 from agent_runtime.server.responses import (
     ChatCompletionChunk,

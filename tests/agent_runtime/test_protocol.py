@@ -14,12 +14,11 @@ from agent_runtime.protocol import (
     normalize_tools,
     validate_messages,
 )
+from agent_runtime.server.body_parsing import parse_json_body, parse_request
 from agent_runtime.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     completion_prompt,
-    parse_json_body,
-    parse_request,
 )
 from agent_runtime.server.responses import (
     ChatCompletionChoice,
