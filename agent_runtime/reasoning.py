@@ -15,6 +15,7 @@ The content after the block is what tool calls are parsed from and what the chat
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 ReasoningParser = Literal["deepseek_r1", "qwen3"]
@@ -80,4 +81,39 @@ def stream_split(text: str, parser: str, final: bool = False) -> tuple[str | Non
     return text[begin:upto], None
 
 
-__all__ = ["REASONING_PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningParser", "split_reasoning", "stream_split"]
+def reasoning_tokens(text: str, token_ids: Sequence[int], parser: str | None,
+                     decode: Callable[[Sequence[int]], str] | None) -> int:
+    """How many of a finished reply's tokens are its thinking (up to and with ``</think>``).
+
+    Args:
+        text: the reply as generated.
+        token_ids: its tokens.
+        parser: the reasoning parser (None: no thinking).
+        decode: the tokenizer's decode (None: unknown, 0).
+
+    Returns:
+        The fewest leading tokens whose text reaches the content's start (all of them while the
+        block is open; 0 without thinking).
+    """
+    if parser is None or decode is None or not token_ids:
+        return 0
+    reasoning, start = stream_split(text, parser, final=True)
+    if reasoning is None:
+        return 0
+    if start is None:
+        return len(token_ids)
+    # NOTE: a binary search over prefixes: the decoded prefix grows with the tokens it holds
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(token_ids[:mid])) >= start:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+__all__ = [
+    "REASONING_PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningParser", "reasoning_tokens", "split_reasoning",
+    "stream_split",
+]

@@ -738,6 +738,9 @@ def serve(
     reasoning_parser: str = typer.Option(
         None, help="Split reasoning models' thinking off chat replies into reasoning_content: deepseek_r1 or "
         "qwen3 (vLLM's names)."),
+    responses_store_size: int = typer.Option(
+        4096, help="Responses API responses kept for previous_response_id and GET /v1/responses/{id} (least "
+        "recently used dropped first; 0: none)."),
     enable_auto_tool_choice: bool = typer.Option(
         True, "--enable-auto-tool-choice", help="vLLM's flag, accepted: tool calls are parsed under "
         "tool_choice auto whether it is given or not."),
@@ -757,7 +760,7 @@ def serve(
                   served_model_name=served_model_name, chat_template=chat_template,
                   default_chat_template_kwargs=template_kwargs,
                   trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
-                  reasoning_parser=reasoning_parser, **engine_args)
+                  reasoning_parser=reasoning_parser, responses_store_size=responses_store_size, **engine_args)
 
 
 def _json_object(name: str, text: str | None) -> dict[str, Any] | None:

@@ -16,8 +16,14 @@ tokens as ``cache_read_input_tokens``, the rest as ``input_tokens``); streamed, 
 are Anthropic's body, ``{"type": "error", "error": {"type", "message"}}``
 (:func:`anthropic_error_body`), and its ``x-api-key`` header is accepted as the key.
 
-Not served (a 400 naming the field, never ignored): extended ``thinking``, image and document
-blocks, server tools (``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
+With a reasoning parser (``serve --reasoning-parser``) a reasoning model's thinking comes first as
+a ``thinking`` block (streamed as ``thinking_delta``s; its ``signature`` is empty: nothing is
+signed here), and the ``thinking`` blocks of an assistant message go back into its
+``reasoning_content``, as the chat route takes them.
+
+Not served (a 400 naming the field, never ignored): the request's extended ``thinking`` settings
+(a budget is not enforced here), ``redacted_thinking``, image and document blocks, server tools
+(``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
 """
 
 from __future__ import annotations
@@ -194,11 +200,16 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict
         if role not in ("user", "assistant"):
             raise ValueError(f"{where}.role: must be user or assistant, got {role!r}")
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, block in enumerate(_blocks(message.get("content"), f"{where}.content")):
             at, kind = f"{where}.content[{j}]", block.get("type")
             if kind == "text":
                 texts.append(_text(block, at))
+            elif kind == "thinking" and role == "assistant":
+                if not isinstance(block.get("thinking"), str):
+                    raise ValueError(f"{at}.thinking: must be a string")
+                thoughts.append(block["thinking"])
             elif kind == "tool_use" and role == "assistant":
                 name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
                 if not (isinstance(name, str) and name and isinstance(call_id, str) and isinstance(args, Mapping)):
@@ -216,7 +227,10 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict
             else:
                 raise ValueError(f"{at}.type: not served by this server in a {role} message: {kind!r}")
         if role == "assistant":
-            out.append({"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
+            reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if thoughts:
+                reply["reasoning_content"] = "".join(thoughts)
+            out.append({**reply, **({"tool_calls": calls} if calls else {})})
         elif texts or not any(m["role"] == "tool" for m in out[-1:]):
             out.append({"role": "user", "content": "".join(texts)})
     if not any(m["role"] != "system" for m in out):
@@ -283,11 +297,17 @@ def stop_reason(turn: AssistantTurn, final: StreamEvent) -> tuple[str, str | Non
     return "end_turn", None
 
 
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """A ``thinking`` content block (unsigned: its signature is empty)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def content_blocks(turn: AssistantTurn, text: str) -> list[dict[str, Any]]:
-    """A finished turn's content: its text (when there is any, or nothing else), then one
-    ``tool_use`` block per call."""
+    """A finished turn's content: its thinking (with a reasoning parser), its text (when there is
+    any, or nothing else), then one ``tool_use`` block per call."""
     calls = [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in turn.parsed.tool_calls]
-    return ([{"type": "text", "text": text}] if text or not calls else []) + calls
+    thinking = [thinking_block(turn.parsed.reasoning)] if turn.parsed.reasoning is not None else []
+    return thinking + ([{"type": "text", "text": text}] if text or not calls else []) + calls
 
 
 def usage(final: StreamEvent) -> dict[str, int]:
@@ -368,8 +388,32 @@ async def _events(
             "cache_creation_input_tokens": 0, "output_tokens": 0}
         return [event("message_start", message=_message(mid, model, [], (None, None), use)), event("ping")]
 
-    index = 0
-    text_open = False
+    index = 0  # the block being streamed, or the next one
+    open_kind: str | None = None  # "thinking" or "text" while a block is open
+
+    def close() -> list[str]:
+        nonlocal index, open_kind
+        if open_kind is None:
+            return []
+        frames = [event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
+                  ] if open_kind == "thinking" else []
+        frames.append(event("content_block_stop", index=index))
+        index, open_kind = index + 1, None
+        return frames
+
+    def stream_piece(kind: str, piece: str) -> list[str]:
+        nonlocal open_kind
+        frames = close() if open_kind not in (None, kind) else []
+        if open_kind is None:
+            block = thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+            frames.append(event("content_block_start", index=index, content_block=block))
+            open_kind = kind
+        if piece:
+            delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else {
+                "type": "text_delta", "text": piece}
+            frames.append(event("content_block_delta", index=index, delta=delta))
+        return frames
+
     started = False
     try:
         try:
@@ -381,12 +425,11 @@ async def _events(
                 if ev.output.finished:
                     metrics.observe(ev)
                     break
-                piece = text.piece(ev)
-                if piece:
-                    if not text_open:
-                        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                        text_open = True
-                    yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": piece})
+                thought, piece = text.pieces(ev)
+                for kind, part in (("thinking", thought), ("text", piece)):
+                    if part:
+                        for frame in stream_piece(kind, part):
+                            yield frame
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
             if not started:
                 for frame in start(None):
@@ -397,15 +440,15 @@ async def _events(
         assert final is not None
         turn = build_turn(stream, final)
         calls = turn.parsed.tool_calls
-        full = text.full(turn, final)
-        if full or not calls:
-            if not text_open:
-                yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            if len(full) > len(text.sent):
-                yield event("content_block_delta", index=0,
-                            delta={"type": "text_delta", "text": full[len(text.sent):]})
-            yield event("content_block_stop", index=0)
-            index = 1
+        thought, rest = text.rest(turn, final)
+        frames = stream_piece("thinking", thought) if thought else []
+        if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
+            frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block
+        if text.sent or not calls:
+            frames += stream_piece("text", rest)
+        frames += close()
+        for frame in frames:
+            yield frame
         for call in calls:
             yield event("content_block_start", index=index,
                         content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
@@ -436,6 +479,5 @@ def error_response(error: APIError) -> JSONResponse:
 __all__ = [
     "COUNT_PATH", "PATH", "CountTokensRequest", "MessagesRequest", "anthropic_error_body", "chat_messages",
     "chat_tool_choice", "chat_tools", "content_blocks", "count_tokens", "create_message", "error_event",
-    "error_response",
-    "is_messages_path", "stop_reason",
+    "error_response", "is_messages_path", "stop_reason", "thinking_block",
 ]

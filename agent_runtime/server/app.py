@@ -33,6 +33,7 @@ from agent_runtime.server.requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from agent_runtime.server.response_store import DEFAULT_STORE_SIZE, ResponseStore
 from agent_runtime.server.state import AppState, RuntimeSource, app_state
 from asymcache_core.errors import EngineDeadError
 
@@ -235,6 +236,7 @@ def create_app(
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
     trust_request_chat_template: bool = False,
+    responses_store_size: int = DEFAULT_STORE_SIZE,
 ) -> FastAPI:
     """Build the OpenAI-compatible app.
 
@@ -251,6 +253,8 @@ def create_app(
         trust_request_chat_template: serve chats that bring their own ``chat_template`` (a
             template runs in Jinja's sandbox, but loops in it take the server's time; vLLM
             refuses them unless told to trust its clients).
+        responses_store_size: Responses API responses kept for ``previous_response_id`` and
+            ``GET /v1/responses/{id}`` (least recently used dropped first; 0: none stored).
 
     Returns:
         The FastAPI app; its :class:`AppState` is ``app.state.server``.
@@ -265,6 +269,7 @@ def create_app(
         raise ValueError(f"max_queue_len: must be >= 0, got {max_queue_len!r}")
     state = AppState.build(runtime_or_engine_factory, model_name, api_key, default_max_tokens)
     state.trust_request_chat_template = bool(trust_request_chat_template)
+    state.responses = ResponseStore(responses_store_size)
     app = FastAPI(title="AsymCache OpenAI-compatible server", lifespan=_lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
@@ -274,6 +279,8 @@ def create_app(
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route(openai_responses.PATH, openai_responses.create_response, methods=["POST"])
+    app.add_api_route(openai_responses.PATH + "/{response_id}", openai_responses.get_response, methods=["GET"])
+    app.add_api_route(openai_responses.PATH + "/{response_id}", openai_responses.delete_response, methods=["DELETE"])
     app.add_api_route(anthropic_messages.PATH, anthropic_messages.create_message, methods=["POST"])
     app.add_api_route(anthropic_messages.COUNT_PATH, anthropic_messages.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
@@ -375,6 +382,8 @@ class ServeOptions:
             template) or ``llama3_json`` (Llama 3.1+'s JSON, with its own template).
         reasoning_parser: split reasoning models' thinking off chat replies into
             ``reasoning_content`` (vLLM's ``--reasoning-parser``: ``deepseek_r1``, ``qwen3``).
+        responses_store_size: Responses API responses kept for ``previous_response_id``
+            (0: none).
         log_level: uvicorn's log level.
         max_request_body_bytes: request bodies beyond this are a 413.
         max_queue_len: completions waiting beyond the running batch before new ones are a 429
@@ -402,6 +411,7 @@ class ServeOptions:
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
+    responses_store_size: int = DEFAULT_STORE_SIZE
     log_level: str = "info"
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN
@@ -425,6 +435,9 @@ class ServeOptions:
         queue = self.max_queue_len
         if queue is not None and (not isinstance(queue, int) or isinstance(queue, bool) or queue < 0):
             raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
+        size = self.responses_store_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"responses_store_size: must be an integer >= 0, got {size!r}")
         if not isinstance(self.shutdown_timeout, int | float) or not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout!r}")
         # NOTE: a file is read once, here, so that a bad path fails before the model loads
@@ -480,6 +493,7 @@ class ServeOptions:
             source, self.served_model_name or self.model, self.api_key,
             max_request_body_bytes=self.max_request_body_bytes, max_queue_len=self.max_queue_len,
             trust_request_chat_template=self.trust_request_chat_template,
+            responses_store_size=self.responses_store_size,
         )
 
 

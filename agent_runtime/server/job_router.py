@@ -17,6 +17,12 @@ job's next turn is cheapest where its last turn ran. The policy:
 - **New keys** (and moved jobs) go to the replica with the shortest queue; ties go to the most
   free KV blocks, then to the fewest jobs already homed there, then to the replica id (so the
   order is deterministic).
+- **Stored responses.** A Responses request that continues a stored response
+  (``previous_response_id``) and names no job is keyed by the digest its response id carries
+  (:func:`affinity_digest` of the key its chain started with), and it **needs its home**: the
+  response is stored there, so it stays on that replica however loaded (:func:`needs_home`).
+  The table is keyed by digest (the Ray router applies :func:`affinity_digest`), so a chain
+  that began under a job key or a prefix key finds the same entry.
 
 :func:`route` returns the replicas in the order to try them; the Ray Serve router
 (:class:`~agent_runtime.server.replica_router.JobRequestRouter`) hands that order to Ray, which falls
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +48,11 @@ PREFIX_CHARS = 2048
 PREFIX_TOKENS = 512
 #: Keys the affinity table keeps by default (least recently used ones go first).
 DEFAULT_MAX_JOBS = 65_536
+#: Hex characters of an affinity digest (a prefix key's hash, and what response ids carry).
+DIGEST_CHARS = 32
+#: What a key derived from a stored response's id starts with.
+RESPONSE_KEY = "response:"
+_RESPONSE_ID = re.compile(rf"^resp_([0-9a-f]{{{DIGEST_CHARS}}})[0-9a-f]+$")
 
 Reason = Literal["affinity", "new", "replica_gone", "overloaded", "no_replica"]
 
@@ -52,7 +64,8 @@ def routing_key(body: bytes | Mapping[str, Any]) -> str | None:
         body: the raw JSON body, or it parsed.
 
     Returns:
-        ``job:<job_id>`` when the body names a job; else ``prefix:<sha256>`` of the
+        ``job:<job_id>`` when the body names a job; else ``response:<digest>`` when it continues
+        a stored response (the digest its id carries); else ``prefix:<sha256>`` of the
         conversation's first messages (chat; the instructions and first input items of a
         Responses request) or the prompt's head (text completions); None when the body is not
         a JSON object or has none of them.
@@ -67,6 +80,9 @@ def routing_key(body: bytes | Mapping[str, Any]) -> str | None:
     job = body.get("job_id")
     if isinstance(job, str) and job:
         return f"job:{job}"
+    previous = response_digest(body.get("previous_response_id"))
+    if previous is not None:
+        return RESPONSE_KEY + previous
     messages = body.get("messages")
     prompt = body.get("prompt")
     items = body.get("input")  # the Responses API's
@@ -85,7 +101,56 @@ def routing_key(body: bytes | Mapping[str, Any]) -> str | None:
     else:
         return None
     text = json.dumps(head, sort_keys=True, ensure_ascii=False, default=str)
-    return "prefix:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+    return "prefix:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+
+
+def affinity_digest(key: str) -> str:
+    """The affinity table's form of a routing key: a prefix or response key's own digest, the
+    hash of any other (a job key).
+
+    Args:
+        key: a routing key.
+
+    Returns:
+        :data:`DIGEST_CHARS` hex characters.
+    """
+    for kind in ("prefix:", RESPONSE_KEY):
+        if key.startswith(kind) and len(key) == len(kind) + DIGEST_CHARS:
+            return key[len(kind):]
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+
+
+def response_digest(response_id: Any) -> str | None:
+    """The affinity digest a stored response's id carries (None: not such an id)."""
+    found = _RESPONSE_ID.match(response_id) if isinstance(response_id, str) else None
+    return found.group(1) if found else None
+
+
+def needs_home(method: str, path: str, body: bytes | Mapping[str, Any] | None) -> str | None:
+    """The routing key of a request that must go to its key's replica, if it is one: a
+    Responses request continuing a stored response, or a stored response read or deleted.
+
+    Args:
+        method: the HTTP method.
+        path: the request's path.
+        body: its body (raw or parsed), if any.
+
+    Returns:
+        ``response:<digest>`` of the response's id, or None when the request may go anywhere
+        its key's policy sends it.
+    """
+    if path.startswith("/v1/responses/") and method in ("GET", "DELETE"):
+        digest = response_digest(path[len("/v1/responses/"):].split("/", 1)[0])
+        return RESPONSE_KEY + digest if digest else None
+    if method != "POST" or path != "/v1/responses" or body is None:
+        return None
+    if isinstance(body, bytes | bytearray):
+        try:
+            body = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return None
+    digest = response_digest(body.get("previous_response_id")) if isinstance(body, Mapping) else None
+    return RESPONSE_KEY + digest if digest else None
 
 
 def _message_head(message: Any) -> Any:
@@ -253,7 +318,9 @@ def rank_for_new(loads: Sequence[ReplicaLoad], table: AffinityTable | None = Non
     return [load.replica for load in sorted(loads, key=key)]
 
 
-def route(key: str | None, loads: Sequence[ReplicaLoad], table: AffinityTable, policy: RoutingPolicy) -> RouteDecision:
+def route(
+    key: str | None, loads: Sequence[ReplicaLoad], table: AffinityTable, policy: RoutingPolicy, home_only: bool = False
+) -> RouteDecision:
     """The order in which to try the replicas for one request.
 
     Reads the table but does not change it: the caller records the replica the request went
@@ -264,6 +331,8 @@ def route(key: str | None, loads: Sequence[ReplicaLoad], table: AffinityTable, p
         loads: every live replica's load.
         table: the affinity table.
         policy: the overload rule.
+        home_only: the request needs its key's replica (it reads what is stored there): it
+            stays there however loaded.
 
     Returns:
         The decision.
@@ -280,12 +349,13 @@ def route(key: str | None, loads: Sequence[ReplicaLoad], table: AffinityTable, p
     if home not in by_id:
         return RouteDecision(tuple(ranked), "replica_gone")
     least = by_id[ranked[0]]
-    if home != least.replica and policy.overloaded(by_id[home], least):
+    if not home_only and home != least.replica and policy.overloaded(by_id[home], least):
         return RouteDecision(tuple(ranked), "overloaded")
     return RouteDecision((home, *(r for r in ranked if r != home)), "affinity")
 
 
 __all__ = [
-    "DEFAULT_MAX_JOBS", "PREFIX_CHARS", "PREFIX_MESSAGES", "PREFIX_TOKENS", "AffinityTable", "ReplicaLoad",
-    "RouteDecision", "RoutingPolicy", "rank_for_new", "route", "routing_key",
+    "DEFAULT_MAX_JOBS", "DIGEST_CHARS", "PREFIX_CHARS", "PREFIX_MESSAGES", "PREFIX_TOKENS", "RESPONSE_KEY",
+    "AffinityTable", "ReplicaLoad", "RouteDecision", "RoutingPolicy", "affinity_digest", "needs_home",
+    "rank_for_new", "response_digest", "route", "routing_key",
 ]

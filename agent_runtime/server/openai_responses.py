@@ -12,9 +12,19 @@ items: a ``message`` with one ``output_text`` part, then one ``function_call`` i
 streamed, as the API's typed events (``response.created`` ... ``response.output_text.delta`` ...
 ``response.completed``).
 
-Not served (a 400 naming the field, never ignored): ``previous_response_id`` and
-``conversation`` (nothing is stored: send the whole input, as with ``store: false``),
-``reasoning``, ``background``, built-in tools, non-text inputs, ``include``.
+Stored responses (:mod:`agent_runtime.server.response_store`): a response is kept unless the
+request says ``store: false`` (OpenAI's default), a request may continue one
+(``previous_response_id``: its chain's items come first; its ``instructions`` are not carried
+over), and ``GET`` / ``DELETE /v1/responses/{id}`` read and forget one. A chain is one agent job
+(the first response's id, unless the request names a ``job_id``), so its KV is pinned across the
+tool calls between its turns.
+
+With a reasoning parser (``serve --reasoning-parser``), the thinking comes first as a
+``reasoning`` item (``reasoning_text`` content, streamed as ``response.reasoning_text.delta``);
+``reasoning`` input items go back into the next assistant message's ``reasoning_content``.
+
+Not served (a 400 naming the field, never ignored): ``conversation``, ``reasoning`` (the
+request's effort settings), ``background``, built-in tools, non-text inputs, ``include``.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from fastapi import Request
@@ -32,8 +42,11 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, mo
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
+from agent_runtime.reasoning import reasoning_tokens
+from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.errors import APIError, from_value_error
+from agent_runtime.server.job_router import response_digest, routing_key
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import (
     JobId,
@@ -43,7 +56,15 @@ from agent_runtime.server.requests import (
     TopP,
     lift_vllm_xargs,
 )
+from agent_runtime.server.response_store import (
+    ResponseStore,
+    StoredResponse,
+    chain_digest,
+    chain_items,
+    new_response_id,
+)
 from agent_runtime.server.serving import finish_one, parse_body
+from agent_runtime.server.state import app_state
 from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
@@ -62,8 +83,8 @@ class ResponsesRequest(BaseModel):
 
     #: fields this server does not serve, with the values that mean "off"
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "previous_response_id": (None,), "conversation": (None,), "reasoning": (None,),
-        # NOTE: no reasoning item is ever produced, so asking for their encrypted content
+        "conversation": (None,), "reasoning": (None,),
+        # NOTE: reasoning items are sent in the clear, so asking for their encrypted content
         # (Codex does) changes nothing; the other includes would
         "background": (None, False), "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
         "top_logprobs": (None, 0),
@@ -83,6 +104,7 @@ class ResponsesRequest(BaseModel):
     seed: StrictInt | None = None
     stream: StrictBool | None = None
     store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     text: dict[str, Any] | None = None
     user: StrictStr | None = None
@@ -143,14 +165,30 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(items, str):
         return [*messages, {"role": "user", "content": items}]
+    thought: str | None = None  # a reasoning item's text, for the assistant message it precedes
+
+    def assistant(content: str | None) -> dict[str, Any]:
+        nonlocal thought
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thought is not None:
+            message["reasoning_content"], thought = thought, None
+        messages.append(message)
+        return message
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
-        if kind == "message":
+        if kind == "reasoning":
+            thought = (thought or "") + _reasoning_text(item, where)
+        elif kind == "message":
             role = item.get("role")
             if role not in _ROLES:
                 raise ValueError(f"{where}.role: must be one of {sorted(_ROLES)}, got {role!r}")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            content = _text_of(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                assistant(content)
+            else:
+                messages.append({"role": role, "content": content})
         elif kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not (isinstance(name, str) and name and isinstance(arguments, str) and isinstance(call_id, str)):
@@ -159,10 +197,10 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
             last = messages[-1] if messages else None
             # NOTE: the calls of one turn, after the text the model wrote before them: one
             # assistant message, rendered as the model generated it
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thought is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                assistant(None)["tool_calls"] = [call]
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -170,11 +208,25 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text_of(item.get("output"), f"{where}.output")})
         else:
-            raise ValueError(f"{where}.type: not served by this server: {kind!r} (message, function_call and "
-                             "function_call_output are)")
+            raise ValueError(f"{where}.type: not served by this server: {kind!r} (message, reasoning, "
+                             "function_call and function_call_output are)")
     if not messages:
         raise ValueError("input: must hold at least one item")
     return messages
+
+
+def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
+    """A ``reasoning`` input item's thinking: its ``reasoning_text`` content (its summary when it
+    has none, as a client that kept only the summary sends it)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise ValueError(f"{where}.content: must be a list of reasoning_text parts")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping) or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{j}]: a reasoning part needs its text")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -239,6 +291,12 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A ``reasoning`` output item: the thinking as one ``reasoning_text`` part, no summary."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_items(turn: AssistantTurn) -> list[dict[str, Any]]:
     """One ``function_call`` output item per tool call of ``turn``."""
     return [
@@ -248,7 +306,7 @@ def call_items(turn: AssistantTurn) -> list[dict[str, Any]]:
     ]
 
 
-def usage(final: StreamEvent) -> dict[str, Any]:
+def usage(final: StreamEvent, reasoning_tokens: int = 0) -> dict[str, Any]:
     """The Responses ``usage`` of a finished request."""
     out = final.output
     generated = len(out.token_ids)
@@ -256,16 +314,27 @@ def usage(final: StreamEvent) -> dict[str, Any]:
         "input_tokens": out.num_prompt_tokens,
         "input_tokens_details": {"cached_tokens": out.metrics.cached_tokens},
         "output_tokens": generated,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": out.num_prompt_tokens + generated,
     }
 
 
 class _Envelope:
-    """The ``response`` object of one request, in its states (in progress, done)."""
+    """The ``response`` object of one request, in its states (in progress, done).
 
-    def __init__(self, req: ResponsesRequest, model: str, params: SamplingParams) -> None:
-        self.id = _new_id("resp")
+    Args:
+        response_id: its id.
+        req: the request.
+        model: the served model name.
+        params: its sampling parameters.
+        stored: whether it will be stored.
+        count_reasoning: the reasoning tokens of a finished reply (its text, its tokens).
+    """
+
+    def __init__(self, response_id: str, req: ResponsesRequest, model: str, params: SamplingParams, stored: bool,
+                 count_reasoning: Callable[[str, Sequence[int]], int]) -> None:
+        self.id = response_id
+        self.count_reasoning = count_reasoning
         self.fields: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": req.instructions, "metadata": dict(req.metadata or {}),
@@ -273,27 +342,34 @@ class _Envelope:
             "temperature": params.temperature, "top_p": params.top_p, "max_output_tokens": req.max_output_tokens,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": list(req.tools or []), "text": dict(req.text or {"format": {"type": "text"}}),
-            "store": False, "truncation": "disabled", "user": req.user, "error": None,
+            "previous_response_id": req.previous_response_id,
+            "store": stored, "truncation": "disabled", "user": req.user, "error": None,
             "incomplete_details": None,
         }
 
     def body(self, status: str, output: list[dict[str, Any]], final: StreamEvent | None = None,
              reason: str | None = None) -> dict[str, Any]:
-        body = {**self.fields, "status": status, "output": output, "usage": usage(final) if final else None}
+        use = None
+        if final is not None:
+            use = usage(final, self.count_reasoning(final.output.text, final.output.token_ids))
+        body = {**self.fields, "status": status, "output": output, "usage": use}
         if reason == "length":
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         return body
 
 
 def final_output(turn: AssistantTurn) -> list[dict[str, Any]]:
-    """The output items of a finished turn: its text (if any), then its calls."""
+    """The output items of a finished turn: its thinking (with a reasoning parser), its text (if
+    any), then its calls."""
     text = turn.message.get("content") or ""
-    items = [message_item(_new_id("msg"), text)] if text or not turn.parsed.tool_calls else []
+    items = [reasoning_item(_new_id("rs"), turn.parsed.reasoning)] if turn.parsed.reasoning is not None else []
+    if text or not turn.parsed.tool_calls:
+        items.append(message_item(_new_id("msg"), text))
     return items + call_items(turn)
 
 
 # ----------------------------------------------------------------------------------------------
-# The route
+# The routes
 # ----------------------------------------------------------------------------------------------
 
 
@@ -319,30 +395,89 @@ def _as_responses_error(error: APIError) -> APIError:
     return error
 
 
+class _Chain:
+    """What storing a request's response needs: the chain's items through its input, its job,
+    and the store (None: not stored)."""
+
+    def __init__(self, store: ResponseStore | None, items: list[dict[str, Any]], job_id: str | None) -> None:
+        self.store = store
+        self.items = items
+        self.job_id = job_id
+
+    def keep(self, body: dict[str, Any]) -> None:
+        """Store the finished response ``body`` (if the request asked to)."""
+        if self.store is not None and self.job_id is not None:
+            items = (*self.items, *body["output"])
+            self.store.put(StoredResponse(body, items, self.job_id))
+
+
+def _decoder(rt: AgentRuntime) -> Callable[[Sequence[int]], str] | None:
+    tokenizer = getattr(rt.engine, "tokenizer", None)
+    decode = getattr(tokenizer, "decode", None)
+    return None if decode is None else lambda ids: decode(list(ids))
+
+
 async def create_response(request: Request) -> Response:
     """``POST /v1/responses``."""
     state, req = await parse_body(request, ResponsesRequest)
     rt = state.require_runtime()
+    responses = state.responses
+    previous = responses.previous(req.previous_response_id) if req.previous_response_id is not None else None
+    stored = req.store is not False and responses.enabled
+    if previous is not None:
+        digest = response_digest(previous.id)
+    else:
+        digest = chain_digest(routing_key({"job_id": req.job_id, "input": req.input, "instructions": req.instructions}))
+    response_id = new_response_id(digest or chain_digest(None))
+    # NOTE: a chain is a job: its KV is pinned across the tool calls between its turns
+    job_id = req.job_id or (previous.job_id if previous is not None else response_id if stored else None)
     try:
         params = req.sampling_params(state.default_max_tokens)
-        messages = input_messages(req.input, req.instructions)
+        input_messages(req.input)  # NOTE: its own items first, so that an error names input[i] as sent
+        items = chain_items(previous, req.input)
+        messages = input_messages(items, req.instructions)
         tools = chat_tools(req.tools)
         choice = chat_tool_choice(req.tool_choice)
         fmt = chat_response_format(req.text)
         streams, choice = await rt.start_chat_choices(
-            messages, [params], tools=tools, tool_choice=choice, response_format=fmt, job_id=req.job_id,
+            messages, [params], tools=tools, tool_choice=choice, response_format=fmt, job_id=job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=req.parallel_tool_calls is not False,
         )
     except ValueError as e:
         raise _as_responses_error(from_value_error(e, "input")) from None
-    envelope = _Envelope(req, state.model_name, params)
+    decode = _decoder(rt)
+    envelope = _Envelope(response_id, req, state.model_name, params, stored,
+                         lambda text, ids: reasoning_tokens(text, ids, rt.reasoning_parser, decode))
+    chain = _Chain(responses if stored else None, items, job_id)
     stream = streams[0]
     if not req.stream:
         final, turn = await finish_one(request, state, stream, PATH)
-        return JSONResponse(envelope.body("completed", final_output(turn), final, turn.finish_reason))
+        body = envelope.body("completed", final_output(turn), final, turn.finish_reason)
+        chain.keep(body)
+        return JSONResponse(body)
     state.metrics.count(PATH, 200)
-    events = _events(stream, envelope, StreamedText(bool(tools) and choice != "none", rt.tool_call_format, rt.reasoning_parser), state.metrics)
-    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    text = StreamedText(bool(tools) and choice != "none", rt.tool_call_format, rt.reasoning_parser)
+    return StreamingResponse(_events(stream, envelope, text, state.metrics, chain), media_type="text/event-stream",
+                             headers=_SSE_HEADERS)
+
+
+async def get_response(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}``: a stored response."""
+    state = app_state(request)
+    found = state.responses.require(request.path_params["response_id"])
+    state.metrics.count(PATH, 200)
+    return JSONResponse(dict(found.body))
+
+
+async def delete_response(request: Request) -> Response:
+    """``DELETE /v1/responses/{response_id}``: forget a stored response (its chain's earlier
+    responses stay)."""
+    state = app_state(request)
+    response_id = request.path_params["response_id"]
+    state.responses.require(response_id)
+    state.responses.delete(response_id)
+    state.metrics.count(PATH, 200)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 def error_event(exc: BaseException, sequence_number: int = 0) -> str:
@@ -361,74 +496,120 @@ def error_event(exc: BaseException, sequence_number: int = 0) -> str:
     return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _events(
-    stream: RequestStream, envelope: _Envelope, text: StreamedText, metrics: ServerMetrics
-) -> AsyncIterator[str]:
-    """The SSE events of one streamed response; aborts the request if the client goes away."""
-    seq = 0
+class _ItemStream:
+    """The typed events of one streamed response's output items, numbered in order."""
 
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal seq
-        data = {"type": kind, "sequence_number": seq, **fields}
-        seq += 1
+    def __init__(self) -> None:
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    msg_id = _new_id("msg")
-    where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
 
-    def open_message() -> list[str]:
-        return [event("response.output_item.added", output_index=0, item={**message_item(msg_id, ""),
-                                                                         "status": "in_progress", "content": []}),
-                event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
-                      part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+    def _start(self, item: dict[str, Any]) -> list[str]:
+        self.open = item
+        frames = [self.event("response.output_item.added", output_index=len(self.output),
+                             item={**item, "status": "in_progress", "content": []})]
+        if item["type"] == "message":
+            frames.append(self.event("response.content_part.added", **self._where(), part={**item["content"][0],
+                                                                                         "text": ""}))
+        return frames
 
+    def text(self, kind: str, piece: str) -> list[str]:
+        """Frames that stream ``piece`` of the ``reasoning`` or ``message`` item (opening it,
+        and closing the item before it)."""
+        frames = []
+        if self.open is not None and self.open["type"] != kind:
+            frames += self.close()
+        if self.open is None:
+            frames += self._start(reasoning_item(_new_id("rs"), "") if kind == "reasoning"
+                                  else message_item(_new_id("msg"), ""))
+        assert self.open is not None
+        self.open["content"][0]["text"] += piece
+        delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        if piece:
+            frames.append(self.event(delta, **self._where(), delta=piece, **extra))
+        return frames
+
+    def close(self) -> list[str]:
+        """Frames that end the open item (none when none is open)."""
+        item, frames = self.open, []
+        if item is None:
+            return frames
+        where, part = self._where(), item["content"][0]
+        if item["type"] == "reasoning":
+            frames.append(self.event("response.reasoning_text.done", **where, text=part["text"]))
+        else:
+            frames.append(self.event("response.output_text.done", **where, text=part["text"], logprobs=[]))
+            frames.append(self.event("response.content_part.done", **where, part=part))
+        frames.append(self.event("response.output_item.done", output_index=len(self.output), item=item))
+        self.output.append(item)
+        self.open = None
+        return frames
+
+    def call(self, call: dict[str, Any]) -> list[str]:
+        """Frames of one whole ``function_call`` item."""
+        index = len(self.output)
+        self.output.append(call)
+        return [
+            self.event("response.output_item.added", output_index=index, item={**call, "arguments": "",
+                                                                                "status": "in_progress"}),
+            self.event("response.function_call_arguments.delta", item_id=call["id"], output_index=index,
+                       delta=call["arguments"]),
+            self.event("response.function_call_arguments.done", item_id=call["id"], output_index=index,
+                       name=call["name"], arguments=call["arguments"]),
+            self.event("response.output_item.done", output_index=index, item=call),
+        ]
+
+
+async def _events(
+    stream: RequestStream, envelope: _Envelope, text: StreamedText, metrics: ServerMetrics, chain: _Chain
+) -> AsyncIterator[str]:
+    """The SSE events of one streamed response; aborts the request if the client goes away."""
+    items = _ItemStream()
     try:
-        yield event("response.created", response=envelope.body("in_progress", []))
-        yield event("response.in_progress", response=envelope.body("in_progress", []))
+        yield items.event("response.created", response=envelope.body("in_progress", []))
+        yield items.event("response.in_progress", response=envelope.body("in_progress", []))
         try:
             async for ev in stream:
                 if ev.output.finished:
                     metrics.observe(ev)
                     break
-                opened = bool(text.sent)
-                piece = text.piece(ev)
-                if piece:
-                    if not opened:
-                        for frame in open_message():
+                thought, piece = text.pieces(ev)
+                for kind, part in (("reasoning", thought), ("message", piece)):
+                    if part:
+                        for frame in items.text(kind, part):
                             yield frame
-                    yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
-            yield error_event(exc, seq)
+            yield error_event(exc, items.seq)
             return
         final = stream.final
         assert final is not None
         turn = build_turn(stream, final)
         calls = call_items(turn)
-        full = text.full(turn, final)
-        output: list[dict[str, Any]] = []
-        if full or not calls:
-            if not text.sent:
-                for frame in open_message():
-                    yield frame
-            if len(full) > len(text.sent):
-                yield event("response.output_text.delta", **where, delta=full[len(text.sent):], logprobs=[])
-            message = message_item(msg_id, full)
-            yield event("response.output_text.done", **where, text=full, logprobs=[])
-            yield event("response.content_part.done", **where, part=message["content"][0])
-            yield event("response.output_item.done", output_index=0, item=message)
-            output.append(message)
+        thought, content = text.rest(turn, final)
+        frames = items.text("reasoning", thought) if thought else []
+        if turn.parsed.reasoning is not None and items.open is None and not items.output:
+            frames += items.text("reasoning", "")  # NOTE: an empty thinking block is still an item
+        if text.sent or not calls:
+            frames += items.text("message", content)
+        frames += items.close()
         for call in calls:
-            index = len(output)
-            yield event("response.output_item.added", output_index=index,
-                        item={**call, "arguments": "", "status": "in_progress"})
-            yield event("response.function_call_arguments.delta", item_id=call["id"], output_index=index,
-                        delta=call["arguments"])
-            yield event("response.function_call_arguments.done", item_id=call["id"], output_index=index,
-                        name=call["name"], arguments=call["arguments"])
-            yield event("response.output_item.done", output_index=index, item=call)
-            output.append(call)
-        body = envelope.body("completed", output, final, turn.finish_reason)
-        yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)
+            frames += items.call(call)
+        for frame in frames:
+            yield frame
+        body = envelope.body("completed", items.output, final, turn.finish_reason)
+        chain.keep(body)
+        yield items.event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
+                          response=body)
     finally:
         if stream.final is None:
             metrics.count_abort()
@@ -437,5 +618,5 @@ async def _events(
 
 __all__ = [
     "PATH", "ResponsesRequest", "chat_response_format", "chat_tool_choice", "chat_tools", "create_response",
-    "error_event", "input_messages",
+    "delete_response", "error_event", "get_response", "input_messages",
 ]

@@ -13,7 +13,13 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from agent_runtime.server.job_router import AffinityTable, ReplicaLoad, RoutingPolicy, route
+from agent_runtime.server.job_router import (
+    AffinityTable,
+    ReplicaLoad,
+    RoutingPolicy,
+    affinity_digest,
+    route,
+)
 
 #: Routing choices a router remembers for requests not yet routed (see ``choose_replicas``).
 _MAX_CHOSEN = 8192
@@ -38,7 +44,9 @@ class JobRequestRouter(RequestRouter):
     """Ray Serve's router for the engine replicas: :func:`~agent_runtime.server.job_router.route`
     over the replicas' routing stats.
 
-    A request's ``routing_key`` keyword argument is its affinity key; a ``replica`` keyword
+    A request's ``routing_key`` keyword argument is its affinity key (the table holds its
+    :func:`~agent_runtime.server.job_router.affinity_digest`), ``home_only=True`` keeps it on
+    its key's replica (it reads a response stored there); a ``replica`` keyword
     argument sends it to that replica only (the gateway's per-replica ``/metrics``). A
     replica's load is the larger of the queue it reported (running plus waiting requests) and
     the requests this router has sent there and not seen finish, counting those it has just
@@ -126,9 +134,11 @@ class JobRequestRouter(RequestRouter):
         target = kwargs.get("replica")
         if target is not None:
             return [[by_id[target]]] if target in by_id else []
-        key = kwargs.get("routing_key")
+        key = _table_key(kwargs)
+        home_only = bool(kwargs.get("home_only"))
         in_flight = self._in_flight()
-        decision = route(key, [self.load_of(r, in_flight) for r in candidate_replicas], self.table, self.policy)
+        decision = route(key, [self.load_of(r, in_flight) for r in candidate_replicas], self.table, self.policy,
+                         home_only=home_only)
         if not decision.order:
             return []
         first = decision.order[0]
@@ -143,6 +153,8 @@ class JobRequestRouter(RequestRouter):
             # NOTE: claimed now, so that the job's concurrent requests follow it here.
             self.table.assign(key, first)
         if decision.reason == "affinity":
+            if home_only:
+                return [[by_id[first]]]  # NOTE: only there is what it reads; it waits for room
             return [[by_id[first]], [by_id[r] for r in decision.order[1:]]]
         return [[by_id[r]] for r in decision.order]
 
@@ -156,7 +168,7 @@ class JobRequestRouter(RequestRouter):
         self._routed[rid] = uid
         if uid != first:
             reason = "overflow"  # the replica chosen first refused it (full): the job follows
-        key = pending_request.kwargs.get("routing_key")
+        key = _table_key(pending_request.kwargs)
         if key is not None:
             self.table.assign(key, uid)
             self.decisions[reason or "new"] += 1
@@ -165,6 +177,12 @@ class JobRequestRouter(RequestRouter):
         """One fewer in flight on the replica."""
         self._routed.pop(internal_request_id, None)
         self._chosen.pop(internal_request_id, None)
+
+
+def _table_key(kwargs: dict[str, Any]) -> str | None:
+    """The affinity table's key of a request's ``routing_key`` (None: none)."""
+    key = kwargs.get("routing_key")
+    return affinity_digest(key) if isinstance(key, str) else None
 
 
 def routers_of(app_name: str, deployment: str) -> list[JobRequestRouter]:

@@ -54,7 +54,7 @@ from starlette.responses import Response
 from agent_runtime.server import anthropic_messages, openai_responses
 from agent_runtime.server.app import ServeOptions
 from agent_runtime.server.errors import APIError, stream_error_frame
-from agent_runtime.server.job_router import RoutingPolicy, routing_key
+from agent_runtime.server.job_router import RoutingPolicy, needs_home, routing_key
 from agent_runtime.server.metrics import CONTENT_TYPE, merge_expositions
 from agent_runtime.server.replica_router import JobRequestRouter, routers_of
 
@@ -179,13 +179,14 @@ class EngineReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def forward(self, request: ForwardedRequest, routing_key: str | None = None,
-                      replica: str | None = None) -> AsyncIterator[Message]:
+                      replica: str | None = None, home_only: bool = False) -> AsyncIterator[Message]:
         """Run one request through the app; yields its ASGI response messages.
 
         Args:
             request: the request.
             routing_key: its affinity key (read by the router, not here).
             replica: the replica it was sent to, if targeted (read by the router).
+            home_only: it reads a response stored on its key's replica (read by the router).
 
         Yields:
             ``http.response.start`` (with the :data:`REPLICA_HEADER`), then the body messages.
@@ -361,6 +362,9 @@ class Gateway:
         )
         if forwarded.path == _METRICS_PATH:
             return await self._metrics(forwarded)
+        home = needs_home(request.method, forwarded.path, body)
+        if home is not None:
+            return await self._send(forwarded, routing_key=home, home_only=True)
         key = routing_key(body) if request.method == "POST" else None
         return await self._send(forwarded, routing_key=key)
 

@@ -16,6 +16,7 @@ from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
+from agent_runtime.server.response_store import ResponseStore
 from asymcache_core import Engine
 
 RuntimeOrEngine = AgentRuntime | Engine
@@ -69,6 +70,7 @@ class AppState:
         created: the ``created`` time ``/v1/models`` reports.
         trust_request_chat_template: serve requests that bring a chat template of their own
             (vLLM's ``--trust-request-chat-template``; refused otherwise).
+        responses: the Responses API's stored responses.
     """
 
     model_name: str
@@ -80,6 +82,7 @@ class AppState:
     factory: Callable[[], RuntimeOrEngine] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     trust_request_chat_template: bool = False
+    responses: ResponseStore = field(default_factory=ResponseStore)
     _token_texts: TokenTexts | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

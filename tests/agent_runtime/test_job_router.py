@@ -11,10 +11,14 @@ from agent_runtime.server.job_router import (
     AffinityTable,
     ReplicaLoad,
     RoutingPolicy,
+    affinity_digest,
+    needs_home,
     rank_for_new,
+    response_digest,
     route,
     routing_key,
 )
+from agent_runtime.server.response_store import chain_digest, new_response_id
 
 POLICY = RoutingPolicy()
 
@@ -116,3 +120,40 @@ def test_the_affinity_table_is_bounded_lru():
 def test_bad_policies_name_their_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         RoutingPolicy(**kwargs)
+
+
+def test_a_stored_responses_chain_keeps_its_first_requests_home():
+    """Response ids carry the affinity digest of the key their chain began with, so the turns
+    that continue them (and reads of them) find the same entry of the table, whichever key
+    began the chain."""
+    for first_key in (routing_key({"instructions": "You are an agent.", "input": "fix the bug"}),
+                      routing_key({"job_id": "j-7", "input": "fix the bug"})):
+        assert first_key is not None
+        resp = new_response_id(chain_digest(first_key))
+        assert resp.startswith("resp_") and response_digest(resp) == affinity_digest(first_key)
+        later = routing_key({"previous_response_id": resp, "input": [{"type": "function_call_output"}]})
+        assert later is not None and affinity_digest(later) == affinity_digest(first_key)
+        # continuations and reads need that home; a job key in the body keys the continuation
+        # as before, but its home is still the stored response's
+        assert needs_home("POST", "/v1/responses", json.dumps({"previous_response_id": resp}).encode()) == later
+        assert needs_home("GET", f"/v1/responses/{resp}", None) == later
+        assert needs_home("DELETE", f"/v1/responses/{resp}", None) == later
+        assert routing_key({"job_id": "j-7", "previous_response_id": resp}) == "job:j-7"
+    # nothing else needs a home: fresh requests, other paths, ids not of this server
+    assert needs_home("POST", "/v1/responses", {"input": "hi"}) is None
+    assert needs_home("POST", "/v1/chat/completions", {"previous_response_id": resp}) is None
+    assert needs_home("GET", "/v1/responses/resp_1", None) is None
+    assert needs_home("POST", "/v1/responses", b"not json") is None
+    assert response_digest("resp_" + "g" * 48) is None and response_digest(7) is None
+    assert chain_digest(None) != chain_digest(None)  # no key: a chain of its own
+
+
+def test_a_request_that_needs_its_home_stays_there_however_loaded():
+    table = AffinityTable()
+    table.assign("d", "a")
+    loads = [ReplicaLoad("a", 40, 0), ReplicaLoad("b", 0, 100)]
+    assert route("d", loads, table, POLICY).reason == "overloaded"
+    decision = route("d", loads, table, POLICY, home_only=True)
+    assert decision.reason == "affinity" and decision.order[0] == "a"
+    # a home that is gone is gone: the request goes where a new job would (and finds nothing)
+    assert route("d", loads[1:], table, POLICY, home_only=True).reason == "replica_gone"

@@ -4,6 +4,7 @@ the streamed chat deltas, and the server with the real SmolLM2."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -122,3 +123,75 @@ def test_reasoning_parser_is_checked(smollm):
             AgentRuntime(engine, reasoning_parser="granite")
     finally:
         engine.close()
+
+
+def _sse(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{base}{path}", json={**body, "stream": True}, timeout=60) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_responses_and_messages_return_the_thinking_as_their_own_items(smollm, parser):
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=1024), chat_template=THINKING_PROMPT_TEMPLATE,
+                           reasoning_parser=parser)
+    ask = [{"role": "user", "content": "Why is the sky blue?"}]
+    try:
+        with serving(create_app(runtime, MODEL)) as base:
+            chat = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": ask, "max_tokens": 12}).json()
+            resp_body = {"model": MODEL, "input": ask, "max_output_tokens": 12}
+            resp = httpx.post(f"{base}/v1/responses", json=resp_body, timeout=60).json()
+            resp_events = _sse(base, "/v1/responses", resp_body)
+            msg_body = {"model": MODEL, "messages": ask, "max_tokens": 12}
+            msg = httpx.post(f"{base}/v1/messages", json=msg_body, timeout=60).json()
+            msg_events = _sse(base, "/v1/messages", msg_body)
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
+    message = chat["choices"][0]["message"]
+    thought, generated = message.get("reasoning_content"), chat["usage"]["completion_tokens"]
+    streamed = "".join(e["delta"] for e in resp_events if e["type"] == "response.reasoning_text.delta")
+    thinking_deltas = [e["delta"]["thinking"] for e in msg_events
+                       if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta"]
+    if parser == "deepseek_r1":  # all of the reply is thinking
+        assert thought
+        assert [i["type"] for i in resp["output"]] == ["reasoning", "message"]
+        assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": thought}]
+        assert resp["output"][1]["content"][0]["text"] == ""
+        assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == generated == resp["usage"]["output_tokens"]
+        assert streamed == thought
+        final = resp_events[-1]["response"]
+        assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+        assert final["output"][0]["content"][0]["text"] == thought
+        assert [e["output_index"] for e in resp_events if e["type"] == "response.output_item.done"] == [0, 1]
+        assert msg["content"][0] == {"type": "thinking", "thinking": thought, "signature": ""}
+        assert "".join(thinking_deltas) == thought
+        starts = [e["content_block"]["type"] for e in msg_events if e["type"] == "content_block_start"]
+        assert starts == ["thinking", "text"]
+        # the thinking block ends with its (empty) signature, then stops
+        kinds = [(e["type"], e.get("delta", {}).get("type")) for e in msg_events]
+        assert kinds.index(("content_block_delta", "signature_delta")) + 1 == kinds.index(("content_block_stop", None))
+    else:  # qwen3: the reply did not open a block: no thinking anywhere
+        assert thought is None and not streamed and not thinking_deltas
+        assert [i["type"] for i in resp["output"]] == ["message"]
+        assert resp["output"][0]["content"][0]["text"] == message["content"]
+        assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+        assert [b["type"] for b in msg["content"]] == ["text"]
+
+
+def test_thinking_blocks_go_back_into_the_assistant_messages():
+    from agent_runtime.server.anthropic_messages import chat_messages
+
+    messages = chat_messages([
+        {"role": "user", "content": "Read notes."},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Use a tool.", "signature": "s"},
+                                          {"type": "tool_use", "id": "t1", "name": "read_file", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]},
+    ])
+    assert messages[1]["reasoning_content"] == "Use a tool." and messages[1]["tool_calls"][0]["id"] == "t1"
+    for bad, where in (({"type": "thinking", "thinking": 3}, "messages[1].content[0].thinking"),
+                       ({"type": "redacted_thinking", "data": "x"}, "messages[1].content[0].type")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(where)}"):
+            chat_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": [bad]}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[0\]\.type"):
+        chat_messages([{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}])

@@ -136,6 +136,35 @@ def test_jobs_keep_their_replica_and_hit_its_cache(client: httpx.Client):
     assert samples[("asymcache_router_decisions_total", (("reason", "affinity"),))] >= 10
 
 
+def _run_chain(client: httpx.Client, task: str, turns: int = 3) -> list[tuple[str, int]]:
+    """One Responses API chain: each turn continues the last stored response by its id only;
+    (replica, cached) per turn, and each response read back by id."""
+    seen, previous = [], None
+    for turn in range(turns):
+        body: dict[str, Any] = {"model": MODEL, "instructions": SYSTEM, "max_output_tokens": 6,
+                                "input": task if previous is None else f"Tool output {turn}: ok."}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        response = client.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
+        previous = response.json()["id"]
+        seen.append((response.headers[REPLICA_HEADER], response.json()["usage"]["input_tokens_details"]["cached_tokens"]))
+        read = client.get(f"/v1/responses/{previous}")
+        assert read.status_code == 200 and read.json()["id"] == previous, read.text
+        assert read.headers[REPLICA_HEADER] == seen[-1][0]
+    return seen
+
+
+def test_stored_response_chains_stay_where_they_are_stored(client: httpx.Client):
+    tasks = [f"Task {i}: name a {word}." for i, word in enumerate(("bird", "metal", "river", "city"))]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        runs = list(pool.map(lambda task: _run_chain(client, task), tasks))
+    for turns in runs:
+        assert len({replica for replica, _ in turns}) == 1, runs
+        assert all(cached > 0 for _, cached in turns[1:]), runs
+    assert len({turns[0][0] for turns in runs}) == 2, runs  # new chains spread over both replicas
+
+
 def _kill(replica: str) -> None:
     from ray.serve._private.common import DeploymentID
 

@@ -98,10 +98,11 @@ def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # thinking alone is no conversation
+    ({"input": [{"type": "reasoning", "content": "x"}, {"role": "user", "content": "hi"}]}, "input[0].content"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
@@ -154,4 +155,57 @@ def test_a_json_schema_format_constrains_the_reply(live, oa):  # noqa: F811
     resp = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24,
                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     assert json.loads(resp.output_text)["colour"] in ("blue", "red")
+    live.check()
+
+
+def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):  # noqa: F811
+    ask = [{"role": "user", "content": "What is in notes.txt?"}]
+    first = oa.responses.create(model=MODEL, input=ask, instructions="Use the tools.", tools=FLAT_TOOLS,
+                                tool_choice={"type": "function", "name": "read_file"}, max_output_tokens=48)
+    assert first.store is True and first.previous_response_id is None
+    call = first.output[-1]
+    assert call.type == "function_call"
+    # a stored response's chain is a job: its call's pause was Continuum's to decide, under its id
+    decision = live.engine(lambda e: live.runtime.controller.decisions[-1])
+    assert decision.job_id == first.id and decision.tool == "read_file"
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "Buy milk."}]
+    second = oa.responses.create(model=MODEL, previous_response_id=first.id, input=result,
+                                 instructions="Use the tools.", tools=FLAT_TOOLS, tool_choice="none",
+                                 max_output_tokens=16)
+    whole = oa.responses.create(model=MODEL, input=[*ask, *[i.model_dump(exclude_none=True) for i in first.output],
+                                                    *result],
+                                instructions="Use the tools.", tools=FLAT_TOOLS, tool_choice="none",
+                                max_output_tokens=16, store=False)
+    assert second.previous_response_id == first.id and whole.store is False
+    assert second.output_text == whole.output_text and second.usage.input_tokens == whole.usage.input_tokens
+    # the chain's KV was kept: the second turn's prompt hit the first turn's blocks
+    assert second.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens // 16) * 16 > 0
+    # instructions are not carried over: without them the prompt is shorter by the system turn
+    bare = oa.responses.create(model=MODEL, previous_response_id=first.id, input=result, tools=FLAT_TOOLS,
+                               tool_choice="none", max_output_tokens=1)
+    assert bare.usage.input_tokens < second.usage.input_tokens
+    # a chain goes on from any stored response, streamed too
+    events = list(oa.responses.create(model=MODEL, previous_response_id=second.id, stream=True,
+                                      input="And in todo.md?", max_output_tokens=4))
+    third = events[-1].response
+    assert third.previous_response_id == second.id and third.store is True
+    assert oa.responses.retrieve(third.id).output[0].content[0].text == third.output_text
+    live.check()
+
+
+def test_stored_responses_are_read_and_deleted(live, oa):  # noqa: F811
+    resp = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, metadata={"run": "7"})
+    got = oa.responses.retrieve(resp.id)
+    assert got.model_dump() == resp.model_dump()
+    gone = httpx.delete(f"{live.base}/v1/responses/{resp.id}", timeout=60)
+    assert gone.status_code == 200 and gone.json() == {"id": resp.id, "object": "response.deleted", "deleted": True}
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, f"{live.base}/v1/responses/{resp.id}", timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
+    r = httpx.post(f"{live.base}/v1/responses", timeout=60,
+                   json={"model": MODEL, "input": "hi", "previous_response_id": resp.id})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+    unstored = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, store=False)
+    assert httpx.get(f"{live.base}/v1/responses/{unstored.id}", timeout=60).status_code == 404
+    assert live.engine(lambda e: e.has_unfinished()) is False
     live.check()

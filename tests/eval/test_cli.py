@@ -113,7 +113,7 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     # everything handed on is an EngineConfig field, or the command's own argument
     own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout",
                      "replicas", "served_model_name", "chat_template", "default_chat_template_kwargs",
-                     "trust_request_chat_template", "tool_call_parser", "reasoning_parser"},
+                     "trust_request_chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size"},
            "chat": {"policy"},
            "agent": {"task", "workdir", "max_turns", "policy", "tool_choice"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}
@@ -170,10 +170,11 @@ def test_serve_takes_vllms_template_and_name_options(monkeypatch, tmp_path):
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
     result = runner.invoke(app, ["serve", "--served-model-name", "my-model", "--chat-template", str(template),
                                  "--default-chat-template-kwargs", '{"enable_thinking": false}',
-                                 "--trust-request-chat-template"])
+                                 "--trust-request-chat-template", "--responses-store-size", "16"])
     assert result.exit_code == 0, result.output
     options = calls[-1]
     assert options.served_model_name == "my-model" and options.trust_request_chat_template is True
+    assert options.responses_store_size == 16 and "responses_store_size" not in options.engine_settings
     assert options.chat_template == template.read_text() and options.default_chat_template_kwargs == {
         "enable_thinking": False}
     assert not {"chat_template", "served_model_name"} & set(options.engine_settings)
@@ -183,7 +184,8 @@ def test_serve_takes_vllms_template_and_name_options(monkeypatch, tmp_path):
                        (["--chat-template", str(tmp_path / "missing.jinja")], "chat_template"),
                        (["--served-model-name", " "], "served_model_name"),
                        (["--reasoning-parser", "granite"], "reasoning_parser"),
-                       (["--tool-call-parser", "mistral"], "tool_call_parser")):
+                       (["--tool-call-parser", "mistral"], "tool_call_parser"),
+                       (["--responses-store-size", "-1"], "responses_store_size")):
         result = runner.invoke(app, ["serve", *bad])
         assert result.exit_code == 2 and result.output.startswith(f"error: {field}:"), result.output
         assert result.output.strip().count("\n") == 0
