@@ -399,7 +399,7 @@ class _Chain:
     """What storing a request's response needs: the chain's items through its input, its job,
     and the store (None: not stored)."""
 
-    def __init__(self, store: ResponseStore | None, items: list[dict[str, Any]], job_id: str | None) -> None:
+    def __init__(self, store: ResponseStore | None, items: list[Mapping[str, Any]], job_id: str | None) -> None:
         self.store = store
         self.items = items
         self.job_id = job_id

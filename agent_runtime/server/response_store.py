@@ -150,7 +150,8 @@ class ResponseStore:
         return found
 
 
-def chain_items(previous: StoredResponse | None, input_items: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def chain_items(previous: StoredResponse | None, input_items: str | Sequence[Mapping[str, Any]]
+                ) -> list[Mapping[str, Any]]:
     """The items a request stands for: its chain's, then its own input.
 
     Args:
@@ -158,11 +159,12 @@ def chain_items(previous: StoredResponse | None, input_items: str | Sequence[Map
         input_items: its ``input`` (a string is one user message).
 
     Returns:
-        The items, as a client keeping the conversation would send them.
+        The items, as a client keeping the conversation would send them (the chain's are the
+        stored objects themselves, shared by every response of the chain: nothing mutates them).
     """
-    own = [{"type": "message", "role": "user", "content": input_items}] if isinstance(input_items, str) else [
-        dict(item) for item in input_items]
-    return [*(dict(item) for item in (previous.items if previous else ())), *own]
+    own = [{"type": "message", "role": "user", "content": input_items}] if isinstance(input_items, str) else list(
+        input_items)
+    return [*(previous.items if previous else ()), *own]
 
 
 __all__ = [

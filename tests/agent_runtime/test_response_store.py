@@ -52,7 +52,7 @@ def test_a_store_of_no_size_keeps_nothing_and_sizes_are_checked():
 def test_a_chain_is_its_items_then_the_new_input():
     prev = _stored("Blue.")
     items = chain_items(prev, "And at night?")
-    assert items[:-1] == list(prev.items) and items[-1] == {"type": "message", "role": "user",
+    assert items[:-1] == list(prev.items) and items[0] is prev.items[0] and items[-1] == {"type": "message", "role": "user",
                                                              "content": "And at night?"}
     assert chain_items(None, [{"role": "user", "content": "x"}]) == [{"role": "user", "content": "x"}]
     messages = input_messages(items, "Be brief.")
