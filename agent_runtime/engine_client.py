@@ -421,6 +421,11 @@ class AsyncEngine:
             )
             # NOTE: the request's own ids: ``truncate_prompt_tokens`` may have cut the encoded ones
             ids = engine.requests[rid].prompt_token_ids
+            job = engine.requests[rid].job_id
+            if job != opts.job_id:
+                # NOTE: the engine gave a request that named no job its conversation's: the
+                # Continuum hand-off (tool pauses, pins) follows it
+                opts = cmd.options = replace(opts, job_id=job, implicit_job=True)
         except Exception as exc:  # noqa: BLE001 - rejected input goes back to the caller
             cmd.accepted.set_exception(exc)
             return

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,8 @@ class OutputOptions:
             ``parallel_tool_calls: false`` is 1; None: all).
         reasoning_parser: split a reasoning model's thinking off the text first
             (:mod:`agent_runtime.reasoning`; calls are parsed from the rest).
+        implicit_job: the engine gave the request its job (the client named none): a reply
+            without a tool call ends the job, as an agent loop's answer does.
     """
 
     job_id: str | None = None
@@ -59,6 +61,7 @@ class OutputOptions:
     pause_tool: str | None = None
     max_tool_calls: int | None = None
     reasoning_parser: str | None = None
+    implicit_job: bool = False
 
 
 class OutputProcessor:
@@ -68,14 +71,18 @@ class OutputProcessor:
         controller: the Continuum controller that decides pins.
         block_size: the engine's KV block size (only full blocks are cacheable).
         max_tracked_jobs: jobs whose last token list is remembered.
+        end_job: the engine's :meth:`~asymcache_core.engine.Engine.end_job` (job admission lets
+            a finished job go), if any.
     """
 
     def __init__(
-        self, controller: ContinuumController, block_size: int, max_tracked_jobs: int = MAX_TRACKED_JOBS
+        self, controller: ContinuumController, block_size: int, max_tracked_jobs: int = MAX_TRACKED_JOBS,
+        end_job: Callable[[str], None] | None = None,
     ) -> None:
         self.controller = controller
         self.block_size = block_size
         self.max_tracked_jobs = max_tracked_jobs
+        self.end_job = end_job
         self._job_tokens: OrderedDict[str, list[int]] = OrderedDict()
 
     def on_request_added(self, job_id: str | None, arrival_time: float) -> None:
@@ -96,6 +103,8 @@ class OutputProcessor:
             num_turns: its LLM calls (default: what the controller counted).
         """
         self.controller.on_job_finished(job_id, num_turns)
+        if self.end_job is not None:
+            self.end_job(job_id)
         self._job_tokens.pop(job_id, None)
 
     def drop_forgotten(self, tracked: Collection[str]) -> None:
@@ -152,6 +161,12 @@ class OutputProcessor:
                     pinning=options.pinning,
                     ttl_rule=options.ttl_rule,  # type: ignore[arg-type]
                 )
+            elif options.implicit_job:
+                # NOTE: the client named no job and will not say its last step: in an agent
+                # loop a reply without a tool call is the answer, and the job gate must not keep
+                # reserving a context that may never come back (a chat's next turn rejoins the
+                # job as a new one)
+                self.finish_job(job)
         metrics = TurnMetrics(
             ttft=m.ttft,
             tpot=m.tpot,

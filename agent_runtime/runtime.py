@@ -144,7 +144,9 @@ class AgentRuntime:
             # which asks for tagged calls: the model would not write Llama's JSON
             raise ValueError("tool_call_format: llama3_json needs a chat template that renders tools itself "
                              "(Llama 3.1 and later); this one does not: use hermes")
-        self._processor = OutputProcessor(self.controller, engine.block_size)
+        # NOTE: jobs for clients that name none: this runtime ends one whose reply calls no tool
+        engine.use_implicit_jobs()
+        self._processor = OutputProcessor(self.controller, engine.block_size, end_job=engine.end_job)
         self._client = AsyncEngine(engine, self._processor, idle_poll_s=idle_poll_s)
         #: close the engine too (its KV event sockets, its tensor-parallel workers) on close
         self.owns_engine = False

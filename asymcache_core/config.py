@@ -80,6 +80,12 @@ class EngineConfig:
             those of every older job fit the pool, so whole jobs wait between turns instead of
             every job thrashing the pool; nothing is held back where the pool is not the
             bottleneck. ``None``: the eviction policy's default (on under ``asymcache``).
+        implicit_jobs: a request that names no ``job_id`` joins the job of the conversation
+            its prompt continues (the previous turn's prompt and reply), or starts one
+            (:class:`~asymcache_core.implicit_jobs.ImplicitJobs`), so clients that never send
+            job ids get job admission, pins and per-job reuse estimates too. ``None``: on in
+            the agent runtime wherever job admission is (it ends a job whose reply calls no
+            tool), off in a bare engine (:meth:`~asymcache_core.engine.Engine.use_implicit_jobs`).
         chunking: ``fixed`` (``max_num_batched_tokens``), ``fixed:N``, ``adaptive`` (every step
             meets ``tpot_slo_ms``) or ``adaptive:slack`` (every request's TPOT meets it: a step
             may spend half of what fast steps saved; :class:`~asymcache_core.budget.AdaptiveBudget`).
@@ -204,6 +210,9 @@ class EngineConfig:
     eviction_policy: str = "asymcache"
     hole_reuse: bool | None = None
     job_admission: bool | None = None
+    implicit_jobs: bool | None = field(default=None, metadata=_flag(
+        "--implicit-jobs", "Requests that name no job_id join the job of the conversation they continue "
+        "(default: on wherever job admission is)."))
     chunking: str = field(default="fixed", metadata=_flag(
         "--chunking", "fixed, fixed:N, adaptive (every step meets --tpot-slo-ms) or adaptive:slack "
         "(every request's TPOT meets it)."))
@@ -340,6 +349,8 @@ class EngineConfig:
             raise ValueError(f"mixed_graph_max_tokens: must be an integer >= 0, got {self.mixed_graph_max_tokens!r}")
         if self.job_admission is not None and not isinstance(self.job_admission, bool):
             raise ValueError(f"job_admission: must be a bool or None, got {self.job_admission!r}")
+        if self.implicit_jobs is not None and not isinstance(self.implicit_jobs, bool):
+            raise ValueError(f"implicit_jobs: must be a bool or None, got {self.implicit_jobs!r}")
         for flag in ("admit_full_prompt", "least_work_first"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")

@@ -49,6 +49,7 @@ from asymcache_core.engine_stats import (
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.host_tier import HostTier
 from asymcache_core.host_tier_driver import HostTierDriver
+from asymcache_core.implicit_jobs import ImplicitJobs
 from asymcache_core.job_stats import JobStats
 from asymcache_core.kv_stack import build_kv_stack
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
@@ -161,6 +162,9 @@ class Engine(AsyncSteps, JobControl):
         self.pins = stack.pins
         self.continuum = stack.continuum
         self.job_admission = stack.job_admission
+        #: jobs for requests that name none (``None``: off; :attr:`EngineConfig.implicit_jobs`,
+        #: :meth:`use_implicit_jobs`)
+        self.implicit_jobs = ImplicitJobs(config.block_size) if config.implicit_jobs else None
         self._stalled = False
         # NOTE: measured steps correct the model the adaptive budget plans with (LatencyFeedback)
         self.latency_feedback = LatencyFeedback()
@@ -292,6 +296,11 @@ class Engine(AsyncSteps, JobControl):
             request_id, ids, params, now, job_id=job_id,
             priority=priority, is_last_step=is_last_step,
         )
+        if job_id is None and self.implicit_jobs is not None and not is_last_step:
+            # NOTE: the conversation this turn continues: its job's admission rank, pins and
+            # reuse estimates, for clients that name no job (most agent frameworks)
+            job_id = request.job_id = self.implicit_jobs.assign(ids, self.kv.ensure_hashes(request))
+            request.implicit_job = True
         self.continuum.on_request_added(request)
         if job_id is not None:
             # NOTE: the turn's new tokens, not the whole prompt: they size the step that will
@@ -457,6 +466,10 @@ class Engine(AsyncSteps, JobControl):
 
     def _on_finish(self, request: Request, now: float) -> None:
         """The scheduler's finish hook: runs before the request's blocks are freed."""
+        if request.implicit_job and self.implicit_jobs is not None and request.status is not RequestStatus.FINISHED_ABORTED:
+            assert request.job_id is not None
+            self.implicit_jobs.on_finished(request.job_id, request.all_token_ids, len(request.prompt_token_ids),
+                                           self.kv.ensure_hashes(request))
         if request.job_id is not None:
             held = [
                 (b, self.pool.blocks[b].block_hash)

@@ -81,6 +81,8 @@ def check_engine_integrity(engine: Engine) -> None:
         engine.continuum.ttft_target.check_integrity()
     if engine.job_admission is not None:
         engine.job_admission.check_integrity()
+    if engine.implicit_jobs is not None:
+        engine.implicit_jobs.check_integrity()
     requests = engine.scheduler.running + engine.scheduler.waiting
     table_rows = getattr(engine.runner, "block_table_rows", None)  # the model runner's, on a real backend
     if table_rows is not None:

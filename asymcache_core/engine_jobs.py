@@ -6,11 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from asymcache_core.implicit_jobs import ImplicitJobs
 from asymcache_core.sim_runner import VirtualClock
 
 if TYPE_CHECKING:
+    from asymcache_core.config import EngineConfig
     from asymcache_core.continuum.backends import PinManager
     from asymcache_core.continuum.controller import ContinuumController
+    from asymcache_core.job_admission import JobAdmission
     from asymcache_core.job_stats import JobStats
 
 #: Seconds a job may stay idle (nothing in flight, no pin) before its per-job state is dropped.
@@ -32,6 +35,9 @@ class JobControl:
     pins: PinManager
     job_stats: JobStats
     continuum: ContinuumController
+    job_admission: JobAdmission | None
+    implicit_jobs: ImplicitJobs | None
+    config: EngineConfig
     #: a job idle this long (nothing in flight, no pin) loses its per-job state
     job_idle_s: float = JOB_IDLE_S
     #: jobs whose state is kept at most (the longest idle dropped first)
@@ -88,6 +94,32 @@ class JobControl:
     def unpin_job(self, job_id: str) -> bool:
         """Releases ``job_id``'s pin; whether it had one."""
         return self.pins.unpin(job_id)
+
+    def use_implicit_jobs(self) -> bool:
+        """Give requests that name no job their conversation's job, as
+        :attr:`~asymcache_core.config.EngineConfig.implicit_jobs` says: its ``None`` is on
+        wherever job admission is, once a caller that ends such jobs asks for them (the agent
+        runtime, which ends a job whose reply calls no tool; a bare engine's jobless requests
+        stay jobless: nothing would end their jobs but the gate's idle timeout).
+
+        Returns:
+            Whether the engine now gives them.
+        """
+        if self.implicit_jobs is None and self.config.implicit_jobs is None and self.job_admission is not None:
+            self.implicit_jobs = ImplicitJobs(self.config.block_size)
+        return self.implicit_jobs is not None
+
+    def end_job(self, job_id: str) -> None:
+        """A job is over, though no last step said so (the runtime's ``finish_job``, or a job
+        the engine gave a request whose reply called no tool): job admission lets it go and its
+        pins are released. A later request of it ranks as a new job.
+
+        Args:
+            job_id: the job.
+        """
+        if self.job_admission is not None:
+            self.job_admission.end_job(job_id)
+        self.pins.forget(job_id)
 
     def hint_job(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
         """Passes the runtime's reuse hints (tool-pause estimate, job done) to the policies."""

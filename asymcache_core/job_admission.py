@@ -449,6 +449,21 @@ class JobAdmission:
             self.final_tokens.append(job.tokens)
             self._stay_short = None
 
+    def end_job(self, job_id: str) -> None:
+        """A job is over without a last step saying so: it leaves the ranking now, as a
+        finished job, if nothing of it is in flight (else its next release or expiry does).
+
+        Args:
+            job_id: the job.
+        """
+        job = self.jobs.get(job_id)
+        if job is None or job.in_flight:
+            return
+        del self.jobs[job_id]
+        self._version += 1
+        self.final_tokens.append(job.tokens)
+        self._stay_short = None
+
     def expire(self, now: float) -> list[str]:
         """Drops the jobs idle past :attr:`idle_timeout_s`; returns their ids."""
         if self._expired_scan == (now, self._version):

@@ -103,6 +103,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.params = params
         self.job_id = job_id
+        #: the engine gave its job (:class:`~asymcache_core.implicit_jobs.ImplicitJobs`): the
+        #: request named none
+        self.implicit_job = False
         self.priority = priority
         self.is_last_step = is_last_step
         self.status = RequestStatus.WAITING

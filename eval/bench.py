@@ -40,22 +40,28 @@ SUFFIXES: dict[str, dict[str, Any]] = {
     "no-holes": {"hole_reuse": False},
     "job-admission": {"job_admission": True},
     "no-job-admission": {"job_admission": False},
+    "no-implicit-jobs": {"implicit_jobs": False},
     "no-msa": {"attention_backend": "torch"},
     "unbounded": {},
     "reserve-prompt": {"admit_full_prompt": True},
     "least-work": {"least_work_first": True},
     "fcfs": {"priority": "fcfs"},
+    "anonymous": {},
 }
 """The plain ``PRESET/SUFFIX`` ablations: without hole reuse; ``job-admission`` /
 ``no-job-admission``, job-level admission on or off whatever the eviction policy's default
-(``EngineConfig.job_admission``); with the torch attention path
+(``EngineConfig.job_admission``); ``no-implicit-jobs``, requests without a job id stay without
+one (``EngineConfig.implicit_jobs``; with ``anonymous``, what the default did before); with the torch attention path
 instead of the MSA kernel (one launch per segment on GPU); ``unbounded``, a pool that holds the
 whole working set, so nothing is ever evicted (the ceiling any eviction policy can reach at that
 load; see :attr:`BenchVariant.unbounded_pool`); ``reserve-prompt``, admission only when a
 request's whole prompt fits (vLLM's default, ``EngineConfig.admit_full_prompt``); ``least-work``,
 the requests with the fewest tokens left to compute first (``EngineConfig.least_work_first``);
 ``fcfs``, waiting requests in arrival order whatever the preset's order (``EngineConfig.priority``:
-``asymcache+continuum/fcfs`` is the default without its eta-weighted program order).
+``asymcache+continuum/fcfs`` is the default without its eta-weighted program order);
+``anonymous``, clients that send no job ids and never say a job's last step (most agent
+frameworks): whatever the engine knows of jobs, it learns from the requests themselves (see
+:attr:`BenchVariant.anonymous`).
 
 Suffixes with a value, parsed by :meth:`BenchVariant.parse`: ``least-work:P``, the same with a
 patience of P (``EngineConfig.least_work_patience``); ``adaptive`` turns on adaptive chunking
@@ -82,6 +88,9 @@ class BenchVariant:
         pinning: the preset pins a job's KV across tool pauses (Continuum).
         ttl_rule: how the preset chooses a pin's TTL.
         unbounded_pool: the ``unbounded`` suffix: the pool holds the whole working set.
+        anonymous: the ``anonymous`` suffix: requests carry no ``job_id`` and no
+            ``is_last_step``; the Continuum hand-off (tool pauses) uses the job the engine
+            assigned, if any, as the agent runtime does.
     """
 
     name: str
@@ -89,6 +98,7 @@ class BenchVariant:
     pinning: bool = False
     ttl_rule: TTLRule = "continuum"
     unbounded_pool: bool = False
+    anonymous: bool = False
 
     @classmethod
     def parse(cls, name: str) -> BenchVariant:
@@ -132,7 +142,8 @@ class BenchVariant:
             # NOTE: only adaptive chunking reads the target; accepting it elsewhere would label a
             # fixed-budget run with a target it never used.
             raise ValueError(f"policy: slo:MS needs /adaptive or /adaptive:slack in {name!r}")
-        return cls(name, overrides, preset.pinning, preset.ttl_rule, unbounded_pool="unbounded" in suffixes)
+        return cls(name, overrides, preset.pinning, preset.ttl_rule, unbounded_pool="unbounded" in suffixes,
+                   anonymous="anonymous" in suffixes)
 
     @classmethod
     def label(cls, name: str) -> BenchVariant:

@@ -149,6 +149,8 @@ def drive(
     t0 = clock()
     vocab = engine.model_config.vocab_size
     controller = engine.continuum.configure(pinning=policy.pinning, ttl_rule=policy.ttl_rule)
+    if policy.anonymous:
+        engine.use_implicit_jobs()  # NOTE: as the agent runtime does (it ends jobs the same way below)
     states = {j.job_id: _JobState(j, job_token_stream(j, vocab, seed)) for j in trace.jobs}
     events: list[tuple[float, int, str]] = []
     order = itertools.count()
@@ -162,6 +164,7 @@ def drive(
             heapq.heappush(events, (t0 + job.arrival_s * time_scale, next(order), job.job_id))
         pending_jobs = []
     running: dict[str, str] = {}  # request id -> job id
+    engine_jobs: dict[str, str | None] = {}  # trace job id -> the job the engine has it under
     arrivals: dict[str, float] = {}
     records: list[RequestRecord] = []
     jct: dict[str, float] = {}
@@ -175,15 +178,20 @@ def drive(
         st.context = st.context + st.inputs[st.turn]
         if st.first_arrival is None:
             st.first_arrival = now
-        controller.on_request_arrival(job_id, now)
         last = st.turn == len(st.job.turns) - 1
+        if not policy.anonymous:
+            controller.on_request_arrival(job_id, now)
         rid = engine.add_request(
             st.context,
             SamplingParams(max_tokens=max(1, turn.output_tokens), ignore_eos=True),
-            job_id=job_id,
+            job_id=None if policy.anonymous else job_id,
             request_id=f"{job_id}/{st.turn}",
-            is_last_step=last,
+            is_last_step=last and not policy.anonymous,
         )
+        engine_jobs[job_id] = engine.requests[rid].job_id
+        known = engine_jobs[job_id]
+        if policy.anonymous and known is not None:
+            controller.on_request_arrival(known, now)
         running[rid] = job_id
         arrivals[rid] = now
 
@@ -219,13 +227,20 @@ def drive(
                 st.context = st.context + list(out.token_ids)
                 turn = st.job.turns[st.turn]
                 st.turn += 1
+                known = engine_jobs.get(job_id)
+                if policy.anonymous and known is not None and not turn.tool:
+                    # NOTE: what the agent runtime does for a job the engine gave: a reply that
+                    # calls no tool ends it (the client never says its last step)
+                    controller.on_job_finished(known)
+                    engine.end_job(known)
                 if st.turn < len(st.job.turns):
-                    if turn.tool:
-                        controller.on_tool_call(job_id, [turn.tool], len(st.context), ended_at=end)
+                    if turn.tool and known is not None:
+                        controller.on_tool_call(known, [turn.tool], len(st.context), ended_at=end)
                     pause = st.job.pause_after(st.turn - 1) * time_scale
                     heapq.heappush(events, (end + pause, next(order), job_id))
                 else:
-                    controller.on_job_finished(job_id, len(st.job.turns))
+                    if not policy.anonymous:
+                        controller.on_job_finished(job_id, len(st.job.turns))
                     assert st.first_arrival is not None
                     jct[job_id] = end - st.first_arrival
                     if on_progress is not None:
