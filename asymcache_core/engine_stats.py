@@ -152,6 +152,10 @@ class EngineStats:
     #: the tokens job-level admission admits jobs against (the device pool, plus the part of
     #: a host tier the jobs' pauses leave room for; 0: no job admission)
     job_gate_capacity_tokens: int = 0
+    #: requests that named no job and joined their conversation's (implicit jobs), and those
+    #: that started one
+    implicit_jobs_matched_total: int = 0
+    implicit_jobs_started_total: int = 0
     engine_reload_tokens_total: int = 0
     host_kv_blocks_total: int = 0
     host_kv_blocks_cached: int = 0
@@ -216,6 +220,8 @@ def collect_stats(engine: Engine) -> EngineStats:
         requests_total=c.num_requests,
         jobs_admitted=engine.job_admission.num_jobs if engine.job_admission is not None else 0,
         jobs_held_back_total=engine.job_admission.num_held_back if engine.job_admission is not None else 0,
+        implicit_jobs_matched_total=engine.implicit_jobs.matched if engine.implicit_jobs is not None else 0,
+        implicit_jobs_started_total=engine.implicit_jobs.started if engine.implicit_jobs is not None else 0,
         job_gate_capacity_tokens=engine.job_admission.capacity_tokens if engine.job_admission is not None else 0,
         engine_reload_tokens_total=c.reload_tokens,
         kv_block_size=engine.block_size,

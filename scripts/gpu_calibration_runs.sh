@@ -10,7 +10,9 @@
 # others (seed 23: chat on 900 blocks, BFCL on 800, tool loop on 1,200, three policies each,
 # ~8 min) or ceiling (seed 21: the unbounded pool, and asymcache+continuum with a 64 GB host tier,
 # ~5 min) or tier (seed 23: BFCL on 800 blocks and the tool loop on 1,200, each with a host
-# tier four times the device pool, `vllm-apc` (an LRU tier) and `asymcache+continuum`, ~6 min).
+# tier four times the device pool, `vllm-apc` (an LRU tier) and `asymcache+continuum`, ~6 min) or
+# anonymous-swe (SWE seed 21 on 3,000 blocks) or anonymous-bfcl (BFCL on 800): the default with job
+# ids and without (~5 and ~3 min).
 # PROFILE=... sets the engines' profile (default: the load sweep's). Needs the pydantic
 # wheels of .whl/ carried (the bench CLI imports pydantic).
 # Writes $OUT/results.tgz: every run's results.json, report.md, steps/ and requests/ (the
@@ -49,6 +51,16 @@ case "$STAGE" in
       --concurrency 48 --num-kv-blocks 800 --policies "$P"
     run tool1200 120 --workload toolloop --seed 23 --jobs 96 --concurrency 48 --num-kv-blocks 1200 --policies "$P"
     ;;
+  anonymous-swe)
+    # clients without job ids (the engine gives their requests jobs) against the same clients with them
+    run swe21-anonymous 540 --workload swe --seed 21 --jobs 32 --concurrency 16 --num-kv-blocks 3000 \
+      --policies asymcache+continuum,asymcache+continuum/anonymous
+    ;;
+  anonymous-bfcl)
+    P=asymcache+continuum/reserve-prompt,asymcache+continuum/reserve-prompt/anonymous
+    run bfcl800-anonymous 300 --workload bfcl:bench_traces/bfcl_multi_turn_sample.jsonl --seed 23 --jobs 96 \
+      --concurrency 48 --num-kv-blocks 800 --policies "$P"
+    ;;
   tier)
     P=vllm-apc/reserve-prompt,asymcache+continuum/reserve-prompt
     run bfcl800-host3200 300 --workload bfcl:bench_traces/bfcl_multi_turn_sample.jsonl --seed 23 --jobs 96 \
@@ -57,7 +69,7 @@ case "$STAGE" in
       --num-host-kv-blocks 4800 --policies "$P"
     ;;
   *)
-    echo "STAGE: swe, others, ceiling or tier, got $STAGE" >&2
+    echo "STAGE: swe, others, ceiling, tier, anonymous-swe or anonymous-bfcl, got $STAGE" >&2
     exit 2
     ;;
 esac

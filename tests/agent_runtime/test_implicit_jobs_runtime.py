@@ -42,6 +42,8 @@ def test_an_agent_loop_without_job_ids_is_one_job(smollm):
         await runtime.chat([{"role": "user", "content": "List the files."}], tools=TOOLS,
                            tool_choice={"type": "function", "function": {"name": "list_files"}}, max_tokens=32)
         assert runtime.controller.decisions[-1].job_id not in (job, None)
+        stats = await runtime.call(lambda e: e.stats())
+        assert (stats.implicit_jobs_matched_total, stats.implicit_jobs_started_total) == (2, 2)
         await runtime.call(lambda e: e.check_integrity())
 
     try:
