@@ -51,6 +51,8 @@ class OutputOptions:
             (:mod:`agent_runtime.reasoning`; calls are parsed from the rest).
         implicit_job: the engine gave the request its job (the client named none): a reply
             without a tool call ends the job, as an agent loop's answer does.
+        joins_conversation: a request without a job may be given its conversation's (False:
+            one of several choices, whose client goes on with one at most).
     """
 
     job_id: str | None = None
@@ -62,6 +64,7 @@ class OutputOptions:
     max_tool_calls: int | None = None
     reasoning_parser: str | None = None
     implicit_job: bool = False
+    joins_conversation: bool = True
 
 
 class OutputProcessor:

@@ -292,6 +292,7 @@ class AgentRuntime:
         pause_tool: str | None = None,
         max_tool_calls: int | None = None,
         reasoning_parser: str | None = None,
+        joins_conversation: bool = True,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -313,6 +314,8 @@ class AgentRuntime:
                 pauses for this tool after it, so it is pinned as after a tool call.
             max_tool_calls: keep at most this many parsed tool calls, the first (None: all).
             reasoning_parser: split a reasoning model's thinking off the final text first.
+            joins_conversation: without a ``job_id``, the request may join the job of the
+                conversation it continues (:meth:`~asymcache_core.engine.Engine.use_implicit_jobs`).
 
         Returns:
             The stream.
@@ -322,7 +325,8 @@ class AgentRuntime:
             RuntimeError: the runtime is closed.
         """
         options = OutputOptions(
-            job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool, max_tool_calls, reasoning_parser
+            job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool, max_tool_calls, reasoning_parser,
+            joins_conversation=joins_conversation,
         )
         return await self._client.submit(
             prompt, params, options=options, request_id=request_id,
@@ -550,6 +554,10 @@ class AgentRuntime:
             documents=options.get("documents"),
         )
         parse = self.tool_call_format if schemas and choice != "none" else None
+        # NOTE: several choices without a job: the client goes on with one of them at most, so
+        # none joins a conversation's job (an implicit job's pin or gate reservation would
+        # outlive the choices it drops)
+        joins = len(params) == 1
         streams: list[RequestStream] = []
         try:
             for choice_params in params:
@@ -559,7 +567,7 @@ class AgentRuntime:
                     response_format=fmt, parse_format=parse, pinning=options.get("pinning"),
                     ttl_rule=options.get("ttl_rule"),
                     max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
-                    reasoning_parser=self.reasoning_parser,
+                    reasoning_parser=self.reasoning_parser, joins_conversation=joins,
                 ))
         except BaseException:
             # NOTE: rejected, or the caller cancelled between two submits: none runs on alone

@@ -258,6 +258,7 @@ class Engine(AsyncSteps, JobControl):
         request_id: str | None = None,
         is_last_step: bool = False,
         priority: float = 0.0,
+        implicit_job: bool = True,
     ) -> str:
         """Queues a request.
 
@@ -270,6 +271,9 @@ class Engine(AsyncSteps, JobControl):
             request_id: a caller-chosen id (unique among unfinished requests).
             is_last_step: the job ends with this request (its blocks will not be reused).
             priority: smaller runs first among equal keys.
+            implicit_job: without a ``job_id``, the request may join the job of the
+                conversation it continues (where the engine gives such jobs:
+                :meth:`use_implicit_jobs`); False: it stays without one (one of several choices).
 
         Returns:
             The request id.
@@ -296,7 +300,7 @@ class Engine(AsyncSteps, JobControl):
             request_id, ids, params, now, job_id=job_id,
             priority=priority, is_last_step=is_last_step,
         )
-        if job_id is None and self.implicit_jobs is not None and not is_last_step:
+        if job_id is None and implicit_job and self.implicit_jobs is not None and not is_last_step:
             # NOTE: the conversation this turn continues: its job's admission rank, pins and
             # reuse estimates, for clients that name no job (most agent frameworks)
             job_id = request.job_id = self.implicit_jobs.assign(ids, self.kv.ensure_hashes(request))

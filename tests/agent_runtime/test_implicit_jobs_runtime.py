@@ -9,6 +9,7 @@ import asyncio
 from agent_runtime.presets import resolve_preset
 from agent_runtime.runtime import AgentRuntime
 from asymcache_core.implicit_jobs import JOB_PREFIX
+from asymcache_core.sampling_params import SamplingParams
 from tests.agent_runtime.test_server import TOOLS
 from tests.conftest import make_engine
 
@@ -44,6 +45,14 @@ def test_an_agent_loop_without_job_ids_is_one_job(smollm):
         assert runtime.controller.decisions[-1].job_id not in (job, None)
         stats = await runtime.call(lambda e: e.stats())
         assert (stats.implicit_jobs_matched_total, stats.implicit_jobs_started_total) == (2, 2)
+        # several choices of one chat: the client goes on with one at most, so none gets a job
+        streams, _ = await runtime.start_chat_choices(
+            [{"role": "user", "content": "Read todo.md."}], [SamplingParams(max_tokens=4, seed=s) for s in (1, 2)])
+        for stream in streams:
+            async for _event in stream:
+                pass
+        after = await runtime.call(lambda e: e.stats())
+        assert (after.implicit_jobs_matched_total, after.implicit_jobs_started_total) == (2, 2)
         await runtime.call(lambda e: e.check_integrity())
 
     try:
