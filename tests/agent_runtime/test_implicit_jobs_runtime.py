@@ -60,3 +60,35 @@ def test_an_agent_loop_without_job_ids_is_one_job(smollm):
     finally:
         runtime.close_sync()
         runtime.engine.close()
+
+
+def test_chat_completions_without_job_ids_join_their_conversation(smollm):
+    import httpx
+    import openai
+
+    from agent_runtime.server import create_app
+    from tests.agent_runtime.test_server import MODEL, serving
+
+    preset = resolve_preset("asymcache+continuum")
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=2048, **preset.engine_overrides), policy=preset)
+    try:
+        with serving(create_app(runtime, MODEL)) as base:
+            oa = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+            messages = [{"role": "user", "content": "What is in notes.txt?"}]
+            first = oa.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=READ,
+                                               max_tokens=48)
+            call = first.choices[0].message.tool_calls[0]
+            messages += [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "Buy milk."}]
+            # streamed, as most frameworks do
+            chunks = list(oa.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True,
+                                                     tool_choice=READ, max_tokens=48))
+            assert chunks
+            metrics = httpx.get(f"{base}/metrics", timeout=60).text
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("asymcache_implicit_jobs_")}
+    assert values["asymcache_implicit_jobs_matched_total"] == 1
+    assert values["asymcache_implicit_jobs_started_total"] == 1
