@@ -429,3 +429,20 @@ def test_each_request_feeds_t_queue_once_when_first_admitted():
     assert len(samples) == len(outcome.records) > 6
     expected = sorted(r.first_scheduled - r.arrival for r in outcome.records)
     assert sorted(samples) == pytest.approx(expected)
+
+
+def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path):
+    from eval.bench import BenchVariant
+
+    # SWE agents on a pool that binds: the default serves clients that send no job ids as it
+    # serves those that do, where without implicit jobs it serves them as vllm-apc does
+    names = ("vllm-apc", "asymcache+continuum", "asymcache+continuum/anonymous",
+             "asymcache+continuum/anonymous/no-implicit-jobs")
+    results, _ = run_bench(small("sim", names, tmp_path / "a", workload="swe", jobs=16, concurrency=8,
+                                 token_scale=0.2, time_scale=0.05, num_kv_blocks=200, max_model_len=2048))
+    jct = {name: results.policies[name].jct.mean for name in names}
+    computed = {name: results.policies[name].computed_tokens for name in names}
+    assert jct["asymcache+continuum/anonymous"] == pytest.approx(jct["asymcache+continuum"], rel=0.02)
+    assert computed["asymcache+continuum/anonymous"] <= computed["asymcache+continuum"] * 1.02
+    assert computed["asymcache+continuum/anonymous/no-implicit-jobs"] > computed["asymcache+continuum"] * 1.1
+    assert BenchVariant.parse("asymcache/anonymous").anonymous and not BenchVariant.parse("asymcache").anonymous
