@@ -63,6 +63,12 @@ from agent_runtime.server.response_store import (
     chain_items,
     new_response_id,
 )
+from agent_runtime.server.responses_input import (
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+)
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.server.state import app_state
 from agent_runtime.tool_parsing import to_openai_tool_calls
@@ -71,8 +77,6 @@ from asymcache_core.sampling_params import SamplingParams
 
 PATH = "/v1/responses"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_ROLES = frozenset({"user", "assistant", "system", "developer"})
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 class ResponsesRequest(BaseModel):
@@ -125,155 +129,6 @@ class ResponsesRequest(BaseModel):
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed,
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# The request as a chat
-# ----------------------------------------------------------------------------------------------
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's or a tool output's text: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"{where}: must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}[{j}].type: only text parts are served ({', '.join(sorted(_TEXT_PARTS))}), "
-                             f"got {kind!r}")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str | None = None) -> list[dict[str, Any]]:
-    """The chat messages of a Responses ``input``.
-
-    Args:
-        items: a string (one user message) or the input items.
-        instructions: the system message put first, if any.
-
-    Returns:
-        OpenAI chat messages.
-
-    Raises:
-        ValueError: an item the server does not serve or a malformed one (naming
-            ``input[i]...``), or a ``function_call_output`` without a ``call_id``.
-    """
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    thought: str | None = None  # a reasoning item's text, for the assistant message it precedes
-
-    def assistant(content: str | None) -> dict[str, Any]:
-        nonlocal thought
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if thought is not None:
-            message["reasoning_content"], thought = thought, None
-        messages.append(message)
-        return message
-
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "reasoning":
-            thought = (thought or "") + _reasoning_text(item, where)
-        elif kind == "message":
-            role = item.get("role")
-            if role not in _ROLES:
-                raise ValueError(f"{where}.role: must be one of {sorted(_ROLES)}, got {role!r}")
-            content = _text_of(item.get("content"), f"{where}.content")
-            if role == "assistant":
-                assistant(content)
-            else:
-                messages.append({"role": role, "content": content})
-        elif kind == "function_call":
-            name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not (isinstance(name, str) and name and isinstance(arguments, str) and isinstance(call_id, str)):
-                raise ValueError(f"{where}: a function_call needs string name, arguments and call_id")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            last = messages[-1] if messages else None
-            # NOTE: the calls of one turn, after the text the model wrote before them: one
-            # assistant message, rendered as the model generated it
-            if last is not None and last["role"] == "assistant" and thought is None:
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                assistant(None)["tool_calls"] = [call]
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise ValueError(f"{where}.call_id: must be the call's id")
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": _text_of(item.get("output"), f"{where}.output")})
-        else:
-            raise ValueError(f"{where}.type: not served by this server: {kind!r} (message, reasoning, "
-                             "function_call and function_call_output are)")
-    if not messages:
-        raise ValueError("input: must hold at least one item")
-    return messages
-
-
-def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
-    """A ``reasoning`` input item's thinking: its ``reasoning_text`` content (its summary when it
-    has none, as a client that kept only the summary sends it)."""
-    parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list):
-        raise ValueError(f"{where}.content: must be a list of reasoning_text parts")
-    texts = []
-    for j, part in enumerate(parts):
-        if not isinstance(part, Mapping) or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.content[{j}]: a reasoning part needs its text")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """The chat form of Responses function tools (``{"type": "function", "name", ...}`` flat).
-
-    Raises:
-        ValueError: a built-in tool (``web_search``, ...) or a function without a name.
-    """
-    if not tools:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise ValueError(f"tools[{i}].type: only function tools are served, got {tool.get('type')!r}")
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def chat_tool_choice(choice: Any) -> Any:
-    """The chat form of a Responses ``tool_choice`` (``{"type": "function", "name"}`` flat).
-
-    Raises:
-        ValueError: a choice of a built-in tool or of ``allowed_tools``.
-    """
-    if choice is None or isinstance(choice, str):
-        return "auto" if choice is None else choice
-    if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise ValueError(f"tool_choice: auto, none, required or {{'type': 'function', 'name': ...}}, got {choice!r}")
-
-
-def chat_response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The chat ``response_format`` of a Responses ``text.format``.
-
-    Raises:
-        ValueError: a format of another type, or a JSON schema without its fields.
-    """
-    fmt = (text or {}).get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, Mapping) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise ValueError(f"text.format: type text, json_object or json_schema, got {fmt!r}")
-    if fmt["type"] != "json_schema":
-        return {"type": fmt["type"]}
-    schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-    return {"type": "json_schema", "json_schema": schema}
 
 
 # ----------------------------------------------------------------------------------------------
