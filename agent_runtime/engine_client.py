@@ -418,7 +418,7 @@ class AsyncEngine:
             rid = cmd.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             rid = engine.add_request(
                 ids, params, job_id=opts.job_id, request_id=rid, is_last_step=opts.is_last_step,
-                implicit_job=opts.joins_conversation,
+                joins_conversation=opts.joins_conversation,
             )
             # NOTE: the request's own ids: ``truncate_prompt_tokens`` may have cut the encoded ones
             ids = engine.requests[rid].prompt_token_ids

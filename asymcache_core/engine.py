@@ -258,7 +258,7 @@ class Engine(AsyncSteps, JobControl):
         request_id: str | None = None,
         is_last_step: bool = False,
         priority: float = 0.0,
-        implicit_job: bool = True,
+        joins_conversation: bool = True,
     ) -> str:
         """Queues a request.
 
@@ -271,7 +271,7 @@ class Engine(AsyncSteps, JobControl):
             request_id: a caller-chosen id (unique among unfinished requests).
             is_last_step: the job ends with this request (its blocks will not be reused).
             priority: smaller runs first among equal keys.
-            implicit_job: without a ``job_id``, the request may join the job of the
+            joins_conversation: without a ``job_id``, the request may join the job of the
                 conversation it continues (where the engine gives such jobs:
                 :meth:`use_implicit_jobs`); False: it stays without one (one of several choices).
 
@@ -300,11 +300,8 @@ class Engine(AsyncSteps, JobControl):
             request_id, ids, params, now, job_id=job_id,
             priority=priority, is_last_step=is_last_step,
         )
-        if job_id is None and implicit_job and self.implicit_jobs is not None and not is_last_step:
-            # NOTE: the conversation this turn continues: its job's admission rank, pins and
-            # reuse estimates, for clients that name no job (most agent frameworks)
-            job_id = request.job_id = self.implicit_jobs.assign(ids, self.kv.ensure_hashes(request))
-            request.implicit_job = True
+        if joins_conversation:
+            job_id = self._join_conversation(request)
         self.continuum.on_request_added(request)
         if job_id is not None:
             # NOTE: the turn's new tokens, not the whole prompt: they size the step that will
@@ -470,10 +467,7 @@ class Engine(AsyncSteps, JobControl):
 
     def _on_finish(self, request: Request, now: float) -> None:
         """The scheduler's finish hook: runs before the request's blocks are freed."""
-        if request.implicit_job and self.implicit_jobs is not None and request.status is not RequestStatus.FINISHED_ABORTED:
-            assert request.job_id is not None
-            self.implicit_jobs.on_finished(request.job_id, request.all_token_ids, len(request.prompt_token_ids),
-                                           self.kv.ensure_hashes(request))
+        self._remember_conversation(request)
         if request.job_id is not None:
             held = [
                 (b, self.pool.blocks[b].block_hash)

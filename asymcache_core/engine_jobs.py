@@ -1,5 +1,6 @@
-"""The engine's job-level calls: pins and reuse hints from the runtime, and the sweep that
-keeps per-job state bounded (a mixin of :class:`~asymcache_core.engine.Engine`)."""
+"""The engine's job-level calls: pins and reuse hints from the runtime, the jobs it gives
+requests that name none, and the sweep that keeps per-job state bounded (a mixin of
+:class:`~asymcache_core.engine.Engine`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asymcache_core.implicit_jobs import ImplicitJobs
+from asymcache_core.request import Request, RequestStatus
 from asymcache_core.sim_runner import VirtualClock
 
 if TYPE_CHECKING:
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
     from asymcache_core.continuum.controller import ContinuumController
     from asymcache_core.job_admission import JobAdmission
     from asymcache_core.job_stats import JobStats
+    from asymcache_core.kv_cache_manager import KVCacheManager
 
 #: Seconds a job may stay idle (nothing in flight, no pin) before its per-job state is dropped.
 JOB_IDLE_S = 1800.0
@@ -38,6 +41,7 @@ class JobControl:
     job_admission: JobAdmission | None
     implicit_jobs: ImplicitJobs | None
     config: EngineConfig
+    kv: KVCacheManager
     #: a job idle this long (nothing in flight, no pin) loses its per-job state
     job_idle_s: float = JOB_IDLE_S
     #: jobs whose state is kept at most (the longest idle dropped first)
@@ -108,6 +112,23 @@ class JobControl:
         if self.implicit_jobs is None and self.config.implicit_jobs is None and self.job_admission is not None:
             self.implicit_jobs = ImplicitJobs(self.config.block_size)
         return self.implicit_jobs is not None
+
+    def _join_conversation(self, request: Request) -> str | None:
+        """A new request's job: its own, or where it names none and the engine gives them, the
+        job of the conversation it continues (its admission rank, pins and reuse estimates,
+        for clients that name no job; a last step gets none)."""
+        if request.job_id is None and self.implicit_jobs is not None and not request.is_last_step:
+            request.job_id = self.implicit_jobs.assign(request.prompt_token_ids, self.kv.ensure_hashes(request))
+            request.implicit_job = True
+        return request.job_id
+
+    def _remember_conversation(self, request: Request) -> None:
+        """A finished request whose job the engine gave keeps its turn's keys (not an aborted
+        one: nothing continues it)."""
+        if request.implicit_job and self.implicit_jobs is not None and request.status is not RequestStatus.FINISHED_ABORTED:
+            assert request.job_id is not None
+            self.implicit_jobs.on_finished(request.job_id, request.all_token_ids, len(request.prompt_token_ids),
+                                           self.kv.ensure_hashes(request))
 
     def end_job(self, job_id: str) -> None:
         """A job is over, though no last step said so (the runtime's ``finish_job``, or a job

@@ -277,13 +277,15 @@ async def create_response(request: Request) -> Response:
     state, req = await parse_body(request, ResponsesRequest)
     rt = state.require_runtime()
     responses = state.responses
-    previous = responses.previous(req.previous_response_id) if req.previous_response_id is not None else None
+    previous = None
+    if req.previous_response_id is not None:
+        previous = responses.require(req.previous_response_id, "previous_response_id")
     stored = req.store is not False and responses.enabled
-    if previous is not None:
-        digest = response_digest(previous.id)
-    else:
-        digest = chain_digest(routing_key({"job_id": req.job_id, "input": req.input, "instructions": req.instructions}))
-    response_id = new_response_id(digest or chain_digest(None))
+    # NOTE: a chain's ids carry the digest of its first request's routing key (replicas route by it)
+    digest = (response_digest(previous.id) if previous is not None else
+              chain_digest(routing_key({"job_id": req.job_id, "input": req.input, "instructions": req.instructions})))
+    assert digest is not None, "a stored response's id is this server's"
+    response_id = new_response_id(digest)
     # NOTE: a chain is a job: its KV is pinned across the tool calls between its turns
     job_id = req.job_id or (previous.job_id if previous is not None else response_id if stored else None)
     try:

@@ -124,29 +124,19 @@ class ResponseStore:
         """Forget a response; whether it was stored."""
         return self._responses.pop(response_id, None) is not None
 
-    def previous(self, response_id: str) -> StoredResponse:
-        """The response a request continues (``previous_response_id``).
+    def require(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        """A stored response a request needs: the one it continues (``param`` is
+        ``previous_response_id``), reads or deletes.
 
         Raises:
-            APIError: 404 naming ``previous_response_id`` when it is not stored (never was,
-                deleted, dropped for room, or kept by another server).
+            APIError: 404 naming ``param`` when it is not stored (never was, deleted, dropped
+                for room, or kept by another server).
         """
         found = self.get(response_id)
         if found is None:
-            raise APIError(404, f"Previous response with id {response_id!r} not found", param="previous_response_id",
-                           code="previous_response_not_found")
-        return found
-
-    def require(self, response_id: str) -> StoredResponse:
-        """A response read or deleted by id.
-
-        Raises:
-            APIError: 404 when it is not stored.
-        """
-        found = self.get(response_id)
-        if found is None:
-            raise APIError(404, f"Response with id {response_id!r} not found", param="response_id",
-                           code="response_not_found")
+            what = "Previous response" if param == "previous_response_id" else "Response"
+            raise APIError(404, f"{what} with id {response_id!r} not found", param=param,
+                           code=f"{param.removesuffix('_id')}_not_found")
         return found
 
 

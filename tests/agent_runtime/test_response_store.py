@@ -33,8 +33,9 @@ def test_the_store_drops_the_least_recently_used_first():
     assert len(store) == 2 and store.get(b.id) is None and store.get(a.id) is a and store.get(c.id) is c
     assert store.delete(a.id) and not store.delete(a.id) and len(store) == 1
     with pytest.raises(APIError) as missing:
-        store.previous(a.id)
+        store.require(a.id, "previous_response_id")
     assert missing.value.status == 404 and missing.value.param == "previous_response_id"
+    assert missing.value.code == "previous_response_not_found"
     with pytest.raises(APIError) as unread:
         store.require(a.id)
     assert unread.value.status == 404 and unread.value.code == "response_not_found"
