@@ -20,9 +20,10 @@ def user_tokens(session: int, turn: int, length: int = 20) -> list[int]:
 SESSIONS, TURNS, CONCURRENT = 6, 3, 3
 
 
-def run_script(engine, sessions: int = SESSIONS, turns: int = TURNS) -> list[list[int]]:
+def run_script(engine, sessions: int = SESSIONS, turns: int = TURNS, anonymous: bool = False) -> list[list[int]]:
     """Multi-session multi-turn dialogue: sessions take turns three at a time (round robin), each
-    prompt extending the session's previous prompt and answer."""
+    prompt extending the session's previous prompt and answer (``anonymous``: no job ids, no
+    last step, as most clients send them)."""
     contexts = {s: SYSTEM + user_tokens(s, 0) for s in range(sessions)}
     outputs: list[list[int]] = []
     for turn in range(turns):
@@ -30,7 +31,8 @@ def run_script(engine, sessions: int = SESSIONS, turns: int = TURNS) -> list[lis
             group = range(first, min(first + CONCURRENT, sessions))
             ids = {
                 s: engine.add_request(
-                    contexts[s], TURN, job_id=f"s{s}", is_last_step=turn == turns - 1
+                    contexts[s], TURN, job_id=None if anonymous else f"s{s}",
+                    is_last_step=not anonymous and turn == turns - 1,
                 )
                 for s in group
             }
