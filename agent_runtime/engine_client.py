@@ -150,13 +150,16 @@ class RequestStream:
     Attributes:
         request_id: the engine request id.
         prompt_token_ids: the encoded prompt.
+        job_id: the request's job: the client's, or the one the engine gave it.
         final: the final event once seen.
     """
 
-    def __init__(self, client: AsyncEngine, request_id: str, prompt_ids: list[int], sink: _Sink) -> None:
+    def __init__(self, client: AsyncEngine, request_id: str, prompt_ids: list[int], sink: _Sink,
+                 job_id: str | None = None) -> None:
         self._client = client
         self.request_id = request_id
         self.prompt_token_ids = prompt_ids
+        self.job_id = job_id
         self._sink = sink
         self.final: StreamEvent | None = None
 
@@ -342,7 +345,8 @@ class AsyncEngine:
                 lambda f: self.abort_nowait(f.result()[0]) if f.exception() is None else None
             )
             raise
-        return RequestStream(self, rid, prompt_ids, sink)
+        # NOTE: the engine thread set the options' job before it accepted the request
+        return RequestStream(self, rid, prompt_ids, sink, cmd.options.job_id)
 
     # -- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -418,7 +422,7 @@ class AsyncEngine:
             rid = cmd.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             rid = engine.add_request(
                 ids, params, job_id=opts.job_id, request_id=rid, is_last_step=opts.is_last_step,
-                joins_conversation=opts.joins_conversation,
+                joins_conversation=opts.joins_conversation, continues_job=opts.continues_job,
             )
             # NOTE: the request's own ids: ``truncate_prompt_tokens`` may have cut the encoded ones
             ids = engine.requests[rid].prompt_token_ids

@@ -53,6 +53,8 @@ class OutputOptions:
             without a tool call ends the job, as an agent loop's answer does.
         joins_conversation: a request without a job may be given its conversation's (False:
             one of several choices, whose client goes on with one at most).
+        continues_job: the job of the turn the runtime found the request continues by its
+            rendered chat (:class:`~agent_runtime.rendered_turns.RenderedTurns`).
     """
 
     job_id: str | None = None
@@ -65,6 +67,7 @@ class OutputOptions:
     reasoning_parser: str | None = None
     implicit_job: bool = False
     joins_conversation: bool = True
+    continues_job: str | None = None
 
 
 class OutputProcessor:

@@ -38,6 +38,7 @@ from agent_runtime.protocol import (
     validate_messages,
 )
 from agent_runtime.reasoning import REASONING_PARSERS
+from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
 from agent_runtime.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 from agent_runtime.types import AssistantTurn
 from asymcache_core import Engine
@@ -146,6 +147,8 @@ class AgentRuntime:
                              "(Llama 3.1 and later); this one does not: use hermes")
         # NOTE: jobs for clients that name none: this runtime ends one whose reply calls no tool
         engine.use_implicit_jobs()
+        #: the jobs the engine gave chat turns, by rendered prompt (templates that drop thinking)
+        self.rendered_turns = RenderedTurns()
         self._processor = OutputProcessor(self.controller, engine.block_size, end_job=engine.end_job)
         self._client = AsyncEngine(engine, self._processor, idle_poll_s=idle_poll_s)
         #: close the engine too (its KV event sockets, its tensor-parallel workers) on close
@@ -293,6 +296,7 @@ class AgentRuntime:
         max_tool_calls: int | None = None,
         reasoning_parser: str | None = None,
         joins_conversation: bool = True,
+        continues_job: str | None = None,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -316,6 +320,8 @@ class AgentRuntime:
             reasoning_parser: split a reasoning model's thinking off the final text first.
             joins_conversation: without a ``job_id``, the request may join the job of the
                 conversation it continues (:meth:`~asymcache_core.engine.Engine.use_implicit_jobs`).
+            continues_job: the job of the turn this one continues, found by the rendered chat
+                (taken where the prompt's tokens match no conversation).
 
         Returns:
             The stream.
@@ -326,7 +332,7 @@ class AgentRuntime:
         """
         options = OutputOptions(
             job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool, max_tool_calls, reasoning_parser,
-            joins_conversation=joins_conversation,
+            joins_conversation=joins_conversation, continues_job=continues_job,
         )
         return await self._client.submit(
             prompt, params, options=options, request_id=request_id,
@@ -558,6 +564,9 @@ class AgentRuntime:
         # none joins a conversation's job (an implicit job's pin or gate reservation would
         # outlive the choices it drops)
         joins = len(params) == 1
+        continues = None
+        if joins and options.get("job_id") is None:
+            continues = self._continued_job(messages, schemas, options)
         streams: list[RequestStream] = []
         try:
             for choice_params in params:
@@ -567,14 +576,32 @@ class AgentRuntime:
                     response_format=fmt, parse_format=parse, pinning=options.get("pinning"),
                     ttl_rule=options.get("ttl_rule"),
                     max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
-                    reasoning_parser=self.reasoning_parser, joins_conversation=joins,
+                    reasoning_parser=self.reasoning_parser, joins_conversation=joins, continues_job=continues,
                 ))
         except BaseException:
             # NOTE: rejected, or the caller cancelled between two submits: none runs on alone
             for stream in streams:
                 stream.abort()
             raise
+        if joins and options.get("job_id") is None and streams[0].job_id is not None:
+            self.rendered_turns.remember(prompt, streams[0].job_id)
         return streams, choice if isinstance(choice, str) else "named"
+
+    def _continued_job(self, messages: Sequence[Mapping[str, Any]], schemas: Sequence[Mapping[str, Any]] | None,
+                       options: Mapping[str, Any]) -> str | None:
+        """The job of the earlier turn a chat without a job continues, by rendering the chat
+        before its last reply (:mod:`agent_runtime.rendered_turns`; None: none known)."""
+        earlier = previous_turn_chat(messages)
+        if (earlier is None or not self.rendered_turns or not options.get("add_generation_prompt", True)
+                or options.get("continue_final_message", False)):
+            return None
+        try:
+            prompt = self.render_chat(earlier, schemas, chat_template=options.get("chat_template"),
+                                      chat_template_kwargs=options.get("chat_template_kwargs"),
+                                      documents=options.get("documents"))
+        except ValueError:
+            return None  # a template that renders no chat ending there: no earlier turn to find
+        return self.rendered_turns.take(prompt)
 
     async def chat(
         self,

@@ -259,6 +259,7 @@ class Engine(AsyncSteps, JobControl):
         is_last_step: bool = False,
         priority: float = 0.0,
         joins_conversation: bool = True,
+        continues_job: str | None = None,
     ) -> str:
         """Queues a request.
 
@@ -274,6 +275,9 @@ class Engine(AsyncSteps, JobControl):
             joins_conversation: without a ``job_id``, the request may join the job of the
                 conversation it continues (where the engine gives such jobs:
                 :meth:`use_implicit_jobs`); False: it stays without one (one of several choices).
+            continues_job: with ``joins_conversation``, the job of the turn the caller found
+                the request continues (a chat runtime, by the rendered messages), for templates
+                that render earlier replies otherwise (a reasoning model's dropped thinking).
 
         Returns:
             The request id.
@@ -301,7 +305,7 @@ class Engine(AsyncSteps, JobControl):
             priority=priority, is_last_step=is_last_step,
         )
         if joins_conversation:
-            job_id = self._join_conversation(request)
+            job_id = self._join_conversation(request, continues_job)
         self.continuum.on_request_added(request)
         if job_id is not None:
             # NOTE: the turn's new tokens, not the whole prompt: they size the step that will

@@ -113,12 +113,14 @@ class JobControl:
             self.implicit_jobs = ImplicitJobs(self.config.block_size)
         return self.implicit_jobs is not None
 
-    def _join_conversation(self, request: Request) -> str | None:
+    def _join_conversation(self, request: Request, continues: str | None = None) -> str | None:
         """A new request's job: its own, or where it names none and the engine gives them, the
         job of the conversation it continues (its admission rank, pins and reuse estimates,
-        for clients that name no job; a last step gets none)."""
+        for clients that name no job; a last step gets none). ``continues``: the job the
+        caller found by the rendered chat (:meth:`ImplicitJobs.assign`)."""
         if request.job_id is None and self.implicit_jobs is not None and not request.is_last_step:
-            request.job_id = self.implicit_jobs.assign(request.prompt_token_ids, self.kv.ensure_hashes(request))
+            request.job_id = self.implicit_jobs.assign(request.prompt_token_ids, self.kv.ensure_hashes(request),
+                                                       continues)
             request.implicit_job = True
         return request.job_id
 

@@ -23,6 +23,13 @@ of the prefix cache (so a lookup is one dictionary probe per full block of the n
   request that repeats a turn (a retry, another sample of the same prompt: it holds no reply)
   starts a job of its own.
 
+A template may also render an earlier reply otherwise from its start: a reasoning model's
+(DeepSeek-R1's drops the ``<think>`` block of every earlier reply; Qwen3's does when the client
+does not send it back). The new prompt then holds neither key's tokens, but the caller that
+rendered it can still tell which turn it continues: the chat before its last assistant message,
+rendered, is that turn's prompt. It names that turn's job (``continues``), which the request
+takes when no key matched and the job still has its keys (no other continuation took them).
+
 The longest match wins; among conversations equal so far, the oldest. A match takes the job's
 keys (its next finish gives new ones), so two continuations of one turn (a fork) are two jobs.
 A request that matches nothing starts a job (``implicit-N``). Nothing here changes a token: job
@@ -79,12 +86,15 @@ class ImplicitJobs:
     def __len__(self) -> int:
         return len(self._by_job)
 
-    def assign(self, token_ids: Sequence[int], block_hashes: Sequence[int]) -> str:
+    def assign(self, token_ids: Sequence[int], block_hashes: Sequence[int], continues: str | None = None) -> str:
         """The job of a request that names none: the conversation it continues, or a new one.
 
         Args:
             token_ids: its prompt.
             block_hashes: the chain hashes of the prompt's full blocks.
+            continues: the job of the turn the caller found the request continues (its chat
+                before the last reply rendered to that turn's prompt), taken where no key
+                matched and the job still has keys.
 
         Returns:
             The job id.
@@ -98,6 +108,10 @@ class ImplicitJobs:
                 self._forget(key.job)
                 self.matched += 1
                 return key.job
+        if continues is not None and continues in self._by_job:
+            self._forget(continues)
+            self.matched += 1
+            return continues
         self.started += 1
         return f"{JOB_PREFIX}{next(self._ids)}"
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from agent_runtime.presets import resolve_preset
+from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
 from agent_runtime.runtime import AgentRuntime
 from asymcache_core.implicit_jobs import JOB_PREFIX
 from asymcache_core.sampling_params import SamplingParams
@@ -92,3 +95,70 @@ def test_chat_completions_without_job_ids_join_their_conversation(smollm):
               if line.startswith("asymcache_implicit_jobs_")}
     assert values["asymcache_implicit_jobs_matched_total"] == 1
     assert values["asymcache_implicit_jobs_started_total"] == 1
+
+
+#: DeepSeek-R1's way with SmolLM2's turns: the reply opens with a thinking block the prompt
+#: starts, and earlier replies are rendered without theirs.
+DROPS_THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{{ (m.content or '').split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def test_a_template_that_drops_earlier_thinking_keeps_the_conversation_one_job(smollm):
+    preset = resolve_preset("asymcache+continuum")
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=2048, **preset.engine_overrides), policy=preset,
+                           chat_template=DROPS_THINKING_TEMPLATE, reasoning_parser="deepseek_r1")
+
+    async def turn(messages: list[dict]) -> tuple[str, dict, list[int]]:
+        stream, _ = await runtime.start_chat(messages, params=SamplingParams(max_tokens=12, ignore_eos=True))
+        async for _event in stream:
+            pass
+        final = stream.final
+        assert final is not None and stream.job_id is not None
+        # the client sends the answer back, not the thinking (the whole reply here)
+        message = {"role": "assistant", "content": "", "reasoning_content": final.output.text}
+        return stream.job_id, message, stream.prompt_token_ids
+
+    async def conversation() -> None:
+        ask = [{"role": "user", "content": "Why is the sky blue? Explain it to a child in a few words."}]
+        first_job, first, first_prompt = await turn(ask)
+        assert first_job.startswith(JOB_PREFIX)
+        follow = [*ask, first, {"role": "user", "content": "And why is it red at sunset?"}]
+        second_job, _, second_prompt = await turn(follow)
+        # the reply's thinking is gone from the second prompt: its tokens continue the first
+        # prompt only up to the generation prompt's <think>, so no key of the engine matched
+        rendered_reply = runtime.engine.tokenizer.encode("<think>\n", add_special_tokens=False)
+        assert first_prompt[-len(rendered_reply):] == rendered_reply
+        assert second_prompt[:len(first_prompt)] != first_prompt
+        assert second_job == first_job  # but the rendered chat before the reply did
+        # a second continuation of the first turn (a fork) is a job of its own
+        fork_job, _, _ = await turn([*ask, first, {"role": "user", "content": "Now in French."}])
+        assert fork_job not in (first_job, None)
+        stats = await runtime.call(lambda e: e.stats())
+        assert (stats.implicit_jobs_matched_total, stats.implicit_jobs_started_total) == (1, 2)
+        await runtime.call(lambda e: e.check_integrity())
+
+    try:
+        asyncio.run(conversation())
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
+
+
+def test_rendered_turns_are_taken_once_and_bounded():
+    turns = RenderedTurns(max_turns=2)
+    turns.remember("prompt a", "implicit-0")
+    turns.remember([1, 2, 3], "implicit-1")
+    assert turns.take("prompt a") == "implicit-0" and turns.take("prompt a") is None
+    turns.remember("prompt b", "implicit-2")
+    turns.remember("prompt c", "implicit-3")  # the oldest goes
+    assert len(turns) == 2 and turns.take([1, 2, 3]) is None and turns.take("prompt b") == "implicit-2"
+    with pytest.raises(ValueError, match="^rendered turns: max_turns"):
+        RenderedTurns(0)
+    user, reply, tool = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                         {"role": "tool", "content": "y"})
+    assert previous_turn_chat([user, reply, tool, reply, tool]) == [user, reply, tool]
+    assert previous_turn_chat([user]) is None and previous_turn_chat([reply, user]) is None

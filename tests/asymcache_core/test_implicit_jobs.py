@@ -171,3 +171,25 @@ def test_implicit_jobs_are_lossless_under_pressure(smollm, unbounded):
     assert run_script(engine, anonymous=True) == unbounded
     assert engine.implicit_jobs.started == SESSIONS and engine.implicit_jobs.matched == SESSIONS * (TURNS - 1)
     engine.check_integrity()
+
+
+def test_the_callers_continued_job_is_taken_where_no_key_matched():
+    table = ImplicitJobs(BS)
+    p1 = SYSTEM + [1, 2, 3]
+    a = _assign(table, p1)
+    _finish(table, a, p1, list(range(200, 220)))
+    # the reply rendered otherwise from its start (its thinking dropped)
+    p2 = p1[:-1] + [9] + list(range(210, 220)) + [5]
+    assert table.assign(p2, _hashes(p2)) != a
+    assert table.assign(p2, _hashes(p2), continues=a) == a
+    # taken once: a second continuation of the turn (a fork) is new, as is an unknown job
+    assert table.assign(p2, _hashes(p2), continues=a) != a
+    assert table.assign(p2, _hashes(p2), continues="implicit-999").startswith(JOB_PREFIX)
+    # a key that matches wins over the caller's job
+    b = _assign(table, SYSTEM + [4])
+    _finish(table, b, SYSTEM + [4], list(range(300, 320)))
+    c = _assign(table, SYSTEM + [5])
+    _finish(table, c, SYSTEM + [5], list(range(400, 420)))
+    nxt = SYSTEM + [4] + list(range(300, 320)) + [1]
+    assert table.assign(nxt, _hashes(nxt), continues=c) == b
+    table.check_integrity()
