@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 #: Tokens of the reply a prompt key checks after the prompt's own (the reply's start).
@@ -76,8 +76,8 @@ class ImplicitJobs:
                              f"{block_size!r}, {max_conversations!r}")
         self.block_size = block_size
         self.max_conversations = max_conversations
-        self._by_hash: dict[int, list[_Key]] = {}
-        self._by_job: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._by_hash: dict[Hashable, list[_Key]] = {}
+        self._by_job: OrderedDict[str, tuple[Hashable, ...]] = OrderedDict()
         self._ids = itertools.count()
         #: requests matched to an earlier turn's job, and requests that started one
         self.matched = 0
@@ -86,7 +86,7 @@ class ImplicitJobs:
     def __len__(self) -> int:
         return len(self._by_job)
 
-    def assign(self, token_ids: Sequence[int], block_hashes: Sequence[int], continues: str | None = None) -> str:
+    def assign(self, token_ids: Sequence[int], block_hashes: Sequence[Hashable], continues: str | None = None) -> str:
         """The job of a request that names none: the conversation it continues, or a new one.
 
         Args:
@@ -116,19 +116,21 @@ class ImplicitJobs:
         return f"{JOB_PREFIX}{next(self._ids)}"
 
     def on_finished(self, job: str, token_ids: Sequence[int], num_prompt_tokens: int,
-                    block_hashes: Sequence[int]) -> None:
+                    block_hashes: Sequence[Hashable]) -> None:
         """Keep the keys of a finished turn of ``job`` (replacing its earlier ones).
 
         Args:
             job: the turn's job.
             token_ids: its prompt and reply.
             num_prompt_tokens: the prompt's length.
-            block_hashes: the chain hashes of at least every full block of ``token_ids``.
+            block_hashes: the chain hashes of ``token_ids``' full blocks (a stock vLLM's may
+                lack the last one: the keys stop at the last block hashed).
         """
         bs = self.block_size
         self._forget(job)
-        keys: list[tuple[int, _Key]] = []
-        full, prompt_full = len(token_ids) // bs, num_prompt_tokens // bs
+        keys: list[tuple[Hashable, _Key]] = []
+        full = min(len(token_ids) // bs, len(block_hashes))
+        prompt_full = min(num_prompt_tokens // bs, full)
         if full > prompt_full:
             # NOTE: only where the hashed blocks hold some of the reply: a prompt-only prefix
             # would let a repeat of the same prompt take the job

@@ -148,7 +148,8 @@ class BenchVariant:
     @classmethod
     def label(cls, name: str) -> BenchVariant:
         """A variant that only names a run (the ``http`` backend: the server runs its own
-        configuration, so the name is not parsed).
+        configuration, so the name is not parsed, but for a last ``/anonymous``: its clients
+        send no job ids).
 
         Args:
             name: the label.
@@ -156,7 +157,7 @@ class BenchVariant:
         Returns:
             The variant, without overrides or pinning.
         """
-        return cls(name)
+        return cls(name, anonymous=name.endswith("/anonymous"))
 
 
 def _suffix_number(suffix: str, name: str) -> float:

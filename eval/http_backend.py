@@ -4,7 +4,8 @@ Every turn is a streamed ``/v1/completions`` call whose prompt is the job's toke
 (servers that accept token-id prompts: ours and vLLM). The answer's token ids come back with
 ``return_token_ids`` (vLLM's extension, also ours); a server without it gets deterministic
 stand-in ids appended instead, which keeps the prefix structure the cache sees. ``job_id`` and
-``is_last_step`` travel in the request body for servers that pin (Continuum).
+``is_last_step`` travel in the request body for servers that pin (Continuum), except for a label
+ending in ``/anonymous``: clients that send neither (most agent frameworks).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ async def _one_call(client: Any, url: str, body: dict[str, Any]) -> tuple[list[i
     return token_ids, first, times, prompt_tokens, cached
 
 
-async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int) -> RunOutcome:
+async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int, anonymous: bool = False) -> RunOutcome:
     import httpx
 
     url = cfg.url.rstrip("/") + "/v1/completions"
@@ -80,10 +81,11 @@ async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int) -> Ru
                     "model": model, "prompt": context, "max_tokens": max(1, turn.output_tokens),
                     "temperature": 0.0, "stream": True, "ignore_eos": True, "return_token_ids": True,
                     "stream_options": {"include_usage": True},
-                    "job_id": job.job_id, "is_last_step": last,
-                    # vLLM reads per-request hints from ``vllm_xargs`` (strings/numbers only)
-                    "vllm_xargs": {"job_id": job.job_id, "is_last_step": int(last)},
                 }
+                if not anonymous:
+                    # NOTE: vLLM reads per-request hints from ``vllm_xargs`` (strings/numbers only)
+                    body.update({"job_id": job.job_id, "is_last_step": last,
+                                 "vllm_xargs": {"job_id": job.job_id, "is_last_step": int(last)}})
                 arrival = time.monotonic()
                 ids, first, times, prompt_tokens, cached = await _one_call(client, url, body)
                 end = time.monotonic()
@@ -135,5 +137,5 @@ def run_http(cfg: Any, trace: Trace, variants: list[BenchVariant], progress: Any
     vocab = _vocab_size(cfg.model)
     outcomes = {}
     for variant in variants:
-        outcomes[variant.name] = asyncio.run(_run(cfg, trace, variant.name, model, vocab))
+        outcomes[variant.name] = asyncio.run(_run(cfg, trace, variant.name, model, vocab, variant.anonymous))
     return outcomes

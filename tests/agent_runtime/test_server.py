@@ -409,13 +409,21 @@ def test_api_key(live):
 
 def test_harness_http_backend_against_live_server(live, tmp_path):
     """``asymcache bench --backend http`` drives the same workload through the server."""
-    from eval.bench import BenchConfig, run_bench
+    from dataclasses import replace
+
+    from eval.bench import BenchConfig, load_workload, run_bench
 
     cfg = BenchConfig(
         workload="chat", jobs=3, concurrency=3, token_scale=0.1, time_scale=0.01, max_model_len=256,
         seed=5, backend="http", url=live.base, policies=("our-server",), out=tmp_path / "http",
     )
+    job_ids = {job.job_id for job in load_workload(cfg).jobs}
+    # a label ending in /anonymous: clients that send no job ids
+    anonymous, _ = run_bench(replace(cfg, policies=("our-server/anonymous",), out=tmp_path / "anonymous"))
+    assert anonymous.policies["our-server/anonymous"].num_jobs == 3
+    assert not job_ids & live.engine(lambda e: set(e.job_stats.jobs))
     results, run_dir = run_bench(cfg)
+    assert job_ids <= live.engine(lambda e: set(e.job_stats.jobs))
     r = results.policies["our-server"]
     assert r.num_jobs == 3 and r.num_requests >= 3
     assert r.ttft.count == r.num_requests and r.ttft.mean > 0

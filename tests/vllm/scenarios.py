@@ -1,6 +1,6 @@
 """Scenarios on a real in-process vLLM, one per subprocess; the result is JSON on the last line.
 
-Usage: ``python tests/vllm/scenarios.py {agent,load,order} MODEL_DIR {plugin,baseline,entrypoint}
+Usage: ``python tests/vllm/scenarios.py {agent,load,order,implicit} MODEL_DIR {plugin,baseline,entrypoint}
 [PROFILE_JSON]`` (``entrypoint``: no ``scheduler_cls``; the ``vllm.general_plugins`` function
 with ``$ASYMCACHE_VLLM_SCHEDULER`` picks the scheduler).
 
@@ -209,15 +209,54 @@ def order(model: str, mode: str, profile: str | None) -> dict[str, Any]:
     }
 
 
+def implicit(model: str, mode: str, profile: str | None) -> dict[str, Any]:
+    """The ``implicit`` scenario: a conversation whose requests name no job.
+
+    Turn 1 runs a prompt A; turn 2 sends A + its reply + a tool's result; an unrelated prompt B
+    runs; then a fork of turn 1 (A + its reply + other text); an hour later (the scheduler's
+    clock moved), another prompt. The scheduler's implicit jobs (``$ASYMCACHE_VLLM_OPTIONS`` may
+    turn them off) are read after each.
+    """
+    from vllm import SamplingParams
+
+    llm = make_llm(model, mode, profile)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    report: dict[str, Any] = {"turns": {}}
+
+    def run(name: str, prompt: list[int]) -> list[int]:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        stats = scheduler.asymcache_stats()
+        report["turns"][name] = {
+            "output": list(out.outputs[0].token_ids), "cached_tokens": out.num_cached_tokens,
+            "pinned_jobs": stats["pinned_jobs"], "implicit_jobs": stats["implicit_jobs"],
+            # the jobs Continuum decided a pin for (its TTL rule may choose none for a short pause)
+            "decided_jobs": [d.job_id for d in scheduler.asymcache_controller.decisions],
+        }
+        return list(out.outputs[0].token_ids)
+
+    first = tokens(1000, 100)
+    reply = run("first", first)
+    run("second", first + reply + tokens(2000, 20))
+    run("other", tokens(4000, 90))
+    run("fork", first + reply + tokens(3000, 20))
+    report["tracked_jobs"] = scheduler.asymcache_stats()["tracked_jobs"]
+    # an hour later: the idle jobs' state is dropped at the next step (not the new request's)
+    scheduler.asymcache_clock = lambda: time.monotonic() + 3600.0
+    run("late", tokens(6000, 50))
+    report["tracked_jobs_later"] = scheduler.asymcache_stats()["tracked_jobs"]
+    return report
+
+
 def main(argv: list[str]) -> int:
     """Entry point: prints the scenario's JSON report as the last line."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     name, model, mode = argv[1], argv[2], argv[3]
     profile = argv[4] if len(argv) > 4 else None
-    scenarios = {"agent": agent, "load": load, "order": order}
+    scenarios = {"agent": agent, "load": load, "order": order, "implicit": implicit}
     if name not in scenarios or mode not in ("plugin", "baseline", "entrypoint"):
-        raise SystemExit(f"usage: scenarios.py {{agent,load,order}} MODEL {{plugin,baseline,entrypoint}}; got {name} {mode}")
+        raise SystemExit(f"usage: scenarios.py {{agent,load,order,implicit}} MODEL {{plugin,baseline,entrypoint}}; got {name} {mode}")
     report = scenarios[name](model, mode, profile)
     print("\n" + json.dumps(report), flush=True)
     return 0

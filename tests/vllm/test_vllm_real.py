@@ -76,6 +76,26 @@ def test_outputs_unchanged(agent_runs: dict[str, Any]) -> None:
         assert plugin["requests"][name]["output"] == base["requests"][name]["output"], name
 
 
+def test_requests_without_job_ids_join_their_conversations_job(tiny_model: Path) -> None:
+    # The ``implicit`` scenario (scenarios.py): turn 1, its continuation, an unrelated prompt,
+    # a fork of turn 1 and, an hour later, another prompt, none naming a job.
+    off = run_scenario("implicit", tiny_model, "plugin",
+                       env={"ASYMCACHE_VLLM_OPTIONS": '{"implicit_jobs": false}'})["turns"]
+    run = run_scenario("implicit", tiny_model, "plugin")
+    on = run["turns"]
+    counts = [(t["implicit_jobs"]["matched"], t["implicit_jobs"]["started"]) for t in on.values()]
+    assert counts == [(0, 1), (1, 1), (1, 2), (1, 3), (1, 4)]  # the fork starts a job of its own
+    # idle jobs' state is bounded: an hour on, only the running request's job is left
+    assert run["tracked_jobs"] == 3 and run["tracked_jobs_later"] == 1
+    # a first turn gets no pin decision (nothing says it continues); a conversation that came
+    # back goes to Continuum's TTL rule as a job's tool pause does
+    assert on["first"]["decided_jobs"] == [] and on["second"]["decided_jobs"] == ["implicit-0"]
+    assert on["fork"]["decided_jobs"] == ["implicit-0"]  # nor the other prompt, nor the fork
+    assert on["second"]["cached_tokens"] >= 96
+    assert all(t["implicit_jobs"] is None and t["decided_jobs"] == [] for t in off.values())
+    assert [t["output"] for t in on.values()] == [t["output"] for t in off.values()]
+
+
 def test_least_work_order_admits_the_cached_request_first(tiny_model: Path) -> None:
     # The ``order`` scenario (scenarios.py): L (400 uncached tokens) arrives before S (W's 320
     # cached tokens + 40 new) and the pool cannot hold both.
@@ -121,6 +141,8 @@ def test_bad_order_option_is_a_clear_error() -> None:
         AsymCacheOptions.from_vllm_config(config)
     config = SimpleNamespace(additional_config={"asymcache": {"order": "least-work"}})
     assert AsymCacheOptions.from_vllm_config(config).order == "least-work"
+    with pytest.raises(ValueError, match="implicit_jobs must be true or false"):
+        AsymCacheOptions.from_vllm_config(SimpleNamespace(additional_config={"asymcache": {"implicit_jobs": "no"}}))
     for bad, message in (({"order": "least-work", "least_work_patience": 0}, "must be a positive number"),
                          ({"order": "least-work", "least_work_patience": "8"}, "must be a positive number"),
                          ({"least_work_patience": 8}, "needs order least-work")):

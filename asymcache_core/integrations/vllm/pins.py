@@ -40,12 +40,15 @@ class JobHints:
         is_last_step: the job ends with this request (no pin, its blocks lose value).
         tool_name: the tool the job runs after this request (per-tool durations).
         pin_ttl_s: explicit TTL overriding the estimator.
+        implicit: the scheduler gave the job (the request named none: the conversation its
+            prompt continues, :class:`~asymcache_core.implicit_jobs.ImplicitJobs`).
     """
 
     job_id: str | None = None
     is_last_step: bool = False
     tool_name: str | None = None
     pin_ttl_s: float | None = None
+    implicit: bool = False
 
 
 def _as_bool(value: Any) -> bool:

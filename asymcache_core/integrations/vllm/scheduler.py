@@ -28,15 +28,18 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from asymcache_core.continuum.controller import ContinuumController
+from asymcache_core.engine_jobs import JOB_IDLE_S, JOB_SWEEP_INTERVAL_S, MAX_TRACKED_JOBS
+from asymcache_core.implicit_jobs import ImplicitJobs
 from asymcache_core.integrations.vllm.free_queue import (
     BlockScorer,
     CachedForest,
@@ -73,6 +76,12 @@ class AsymCacheOptions:
             smaller ones go first for at most this many times its own estimated prefill time
             (the latency model's); ``None``: by work alone (the embedded engine's
             ``least_work_patience``).
+        implicit_jobs: a request that names no job (no ``job_id`` in ``vllm_xargs``, no
+            ``session_id``) joins the job of the conversation its prompt continues, as in the
+            embedded engine (:class:`~asymcache_core.implicit_jobs.ImplicitJobs`): its blocks
+            are scored with that job's reuse statistics, and once the conversation has come back
+            at least once its pauses are pinned (a first turn is not: nothing says a plain
+            request will be continued). Needs prefix caching (the keys are its block hashes).
     """
 
     eviction: str = "asymcache"
@@ -83,6 +92,7 @@ class AsymCacheOptions:
     prior_reuse: float = 0.5
     order: str = "fcfs"
     least_work_patience: float | None = None
+    implicit_jobs: bool = True
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> AsymCacheOptions:
@@ -122,6 +132,8 @@ class AsymCacheOptions:
                 raise ValueError(f"asymcache options: least_work_patience must be a positive number, got {patience!r}")
             if opts.order != "least-work":
                 raise ValueError("asymcache options: least_work_patience needs order least-work")
+        if not isinstance(opts.implicit_jobs, bool):
+            raise ValueError(f"asymcache options: implicit_jobs must be true or false, got {opts.implicit_jobs!r}")
         if not 0.0 <= opts.max_pinned_fraction <= 1.0:
             raise ValueError(f"asymcache options: max_pinned_fraction must be in [0, 1], got {opts.max_pinned_fraction}")
         return opts
@@ -282,6 +294,11 @@ class _AsymCacheMixin:
             pool.free_block_queue = queue
             install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer)
             self.asymcache_queue = queue
+        # NOTE: the keys are the prefix cache's block hashes: without caching there are none
+        self.asymcache_implicit_jobs = (
+            ImplicitJobs(self.block_size) if opts.implicit_jobs and pool.enable_caching else None
+        )
+        self._asymcache_next_sweep = 0.0
         self.asymcache_controller = ContinuumController(
             self.asymcache_pins,
             latency,
@@ -292,9 +309,9 @@ class _AsymCacheMixin:
             pinning=opts.pinning and self.asymcache_queue is not None,
         )
         logger.info(
-            "asymcache: eviction=%s pinning=%s order=%s patience=%s latency=%s (%s) blocks=%d",
-            opts.eviction, opts.pinning, opts.order, opts.least_work_patience, latency.source, latency.model,
-            pool.num_gpu_blocks,
+            "asymcache: eviction=%s pinning=%s order=%s patience=%s implicit_jobs=%s latency=%s (%s) blocks=%d",
+            opts.eviction, opts.pinning, opts.order, opts.least_work_patience,
+            self.asymcache_implicit_jobs is not None, latency.source, latency.model, pool.num_gpu_blocks,
         )
 
     # ---- request lifecycle ------------------------------------------------------------------
@@ -306,6 +323,10 @@ class _AsymCacheMixin:
             extra = getattr(params, "extra_args", None) if params is not None else None
             # NOTE: ``session_id`` is vLLM's request field (the chat API's), not ours: the fallback job id.
             hints = parse_job_hints(extra, getattr(request, "session_id", None))
+            implicit = self.asymcache_implicit_jobs
+            if hints.job_id is None and not hints.is_last_step and implicit is not None:
+                job = implicit.assign(list(request.prompt_token_ids), list(request.block_hashes))
+                hints = replace(hints, job_id=job, implicit=True)
             self._asymcache_hints[request.request_id] = hints
         return hints
 
@@ -359,6 +380,7 @@ class _AsymCacheMixin:
         (running requests keep vLLM's order)."""
         now = self.asymcache_clock()
         self.asymcache_pins.expire(now)
+        self._asymcache_sweep_jobs(now)
         if self.asymcache_options.order == "least-work":
             self._asymcache_order_waiting()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -379,6 +401,19 @@ class _AsymCacheMixin:
                 # blocks, so nothing can evict them between the job's arrival and here.
                 self.asymcache_pins.unpin(hints.job_id)
         return output
+
+    def _asymcache_sweep_jobs(self, now: float) -> None:
+        """Drops the per-job state of idle jobs (nothing in flight, no pin) past the embedded
+        engine's bounds (:meth:`~asymcache_core.engine_jobs.JobControl._sweep_jobs`): clients
+        that never send a last step, and every conversation's implicit job, would otherwise
+        grow it for as long as the server runs."""
+        stats = self.asymcache_job_stats
+        if now < self._asymcache_next_sweep and len(stats.jobs) <= MAX_TRACKED_JOBS:
+            return
+        self._asymcache_next_sweep = now + JOB_SWEEP_INTERVAL_S
+        for job in stats.drop_idle(now, JOB_IDLE_S, MAX_TRACKED_JOBS, self.asymcache_pins.is_pinned):
+            self.asymcache_pins.forget(job)
+            self.asymcache_controller.forget_job(job)
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``_free_request``, after recording the job's blocks and pinning them."""
@@ -406,6 +441,15 @@ class _AsymCacheMixin:
         if last:
             controller.on_job_finished(job)
             return
+        if hints.implicit:
+            implicit = self.asymcache_implicit_jobs
+            assert implicit is not None
+            # NOTE: not an aborted turn's keys: nothing continues it (the embedded engine's rule)
+            if request.status != RequestStatus.FINISHED_ABORTED:
+                implicit.on_finished(job, list(request.all_token_ids), int(request.num_prompt_tokens),
+                                     list(request.block_hashes))
+            if not self.asymcache_job_stats.state(job).gaps:
+                return  # a first turn: nothing yet says the conversation comes back
         if controller.pinning:
             self.asymcache_pins.remember(
                 job, (b.block_id for group in groups for b in group if not b.is_null and b.block_hash is not None)
@@ -427,6 +471,9 @@ class _AsymCacheMixin:
             "pinned_blocks": self.asymcache_pins.num_pinned_blocks,
             "pinned_jobs": sorted(self.asymcache_pins.pins),
             "cached_blocks": len(self.asymcache_forest),
+            "implicit_jobs": None if self.asymcache_implicit_jobs is None else {
+                "matched": self.asymcache_implicit_jobs.matched, "started": self.asymcache_implicit_jobs.started},
+            "tracked_jobs": len(self.asymcache_job_stats.jobs),
         }
 
 
