@@ -218,6 +218,8 @@ class ChatSampling(TypedDict, total=False):
         chat_template_kwargs: variables of the chat template (``{"enable_thinking": False}``);
             like ``response_format``, left to the caller.
         documents: the template's ``documents`` (retrieval templates); left to the caller.
+        thinking_token_budget: with a reasoning parser, close the reply's thinking block once
+            it holds this many tokens (vLLM's field); left to the caller.
     """
 
     max_tokens: int
@@ -228,6 +230,7 @@ class ChatSampling(TypedDict, total=False):
     logprobs: int | None
     chat_template_kwargs: Mapping[str, Any] | None
     documents: Sequence[Mapping[str, Any]] | None
+    thinking_token_budget: int | None
 
 
 def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from agent_runtime.chat_template import ChatRenderer, ChatTemplates
@@ -39,6 +40,7 @@ from agent_runtime.protocol import (
 )
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
+from agent_runtime.thinking_budget import check_thinking_budget, thinking_budget_processor
 from agent_runtime.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 from agent_runtime.types import AssistantTurn
 from asymcache_core import Engine
@@ -55,7 +57,7 @@ T = TypeVar("T")
 _CHAT_OPTIONS = frozenset({
     "tools", "tool_choice", "response_format", "job_id", "is_last_step", "pinning", "ttl_rule",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template",
-    "chat_template_kwargs", "documents",
+    "chat_template_kwargs", "documents", "thinking_token_budget",
 })
 
 #: Errors of the chat's rendering that name a field of their own (the rest name ``messages``).
@@ -480,6 +482,7 @@ class AgentRuntime:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
+        thinking_token_budget: int | None = None,
     ) -> tuple[RequestStream, str]:
         """Validate, render and submit one chat turn.
 
@@ -506,6 +509,9 @@ class AgentRuntime:
             chat_template_kwargs: this chat's template variables (``{"enable_thinking":
                 False}``), over the runtime's defaults.
             documents: the ``documents`` variable of retrieval templates.
+            thinking_token_budget: with a reasoning parser, the reply's thinking block is
+                closed once it holds this many tokens (vLLM's field;
+                :mod:`agent_runtime.thinking_budget`; not with a forced tool call or JSON).
 
         Returns:
             The stream and the normalised tool choice.
@@ -520,6 +526,7 @@ class AgentRuntime:
             pinning=pinning, ttl_rule=ttl_rule, parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, documents=documents,
+            thinking_token_budget=thinking_token_budget,
         )
         return streams[0], choice
 
@@ -554,6 +561,8 @@ class AgentRuntime:
         schemas = normalize_tools(options.get("tools"))
         choice = normalize_tool_choice(options.get("tool_choice", "auto"), schemas)
         fmt = normalize_response_format(options.get("response_format"), choice)
+        if options.get("thinking_token_budget") is not None:
+            params = self._with_thinking_budget(params, options["thinking_token_budget"], choice, fmt)
         prompt = self.render_chat(
             messages, schemas, options.get("add_generation_prompt", True), options.get("continue_final_message", False),
             chat_template=options.get("chat_template"), chat_template_kwargs=options.get("chat_template_kwargs"),
@@ -586,6 +595,21 @@ class AgentRuntime:
         if joins and options.get("job_id") is None and streams[0].job_id is not None:
             self.rendered_turns.remember(prompt, streams[0].job_id)
         return streams, choice if isinstance(choice, str) else "named"
+
+    def _with_thinking_budget(self, params: Sequence[SamplingParams], budget: object, choice: object,
+                              fmt: Mapping[str, Any] | None) -> list[SamplingParams]:
+        """Each choice's parameters with its own :class:`ThinkingBudget` (vLLM's
+        ``thinking_token_budget``)."""
+        budget = check_thinking_budget(budget)
+        if self.reasoning_parser is None or self.engine.tokenizer is None:
+            raise ValueError("thinking_token_budget: needs a reasoning parser (serve --reasoning-parser)")
+        if choice not in ("auto", "none") or fmt is not None:
+            # NOTE: such replies are constrained from their first token (Anthropic refuses a
+            # forced tool choice with extended thinking too)
+            raise ValueError("thinking_token_budget: not with a forced tool call or a JSON response format")
+        return [replace(p, logits_processors=(
+            *p.logits_processors, thinking_budget_processor(budget, self.reasoning_parser, self.engine.tokenizer)))
+            for p in params]
 
     def _continued_job(self, messages: Sequence[Mapping[str, Any]], schemas: Sequence[Mapping[str, Any]] | None,
                        options: Mapping[str, Any]) -> str | None:
@@ -641,6 +665,7 @@ class AgentRuntime:
             messages, tools=tools, tool_choice=tool_choice, response_format=sampling.get("response_format"),
             params=params, job_id=job_id, is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,
             chat_template_kwargs=sampling.get("chat_template_kwargs"), documents=sampling.get("documents"),
+            thinking_token_budget=sampling.get("thinking_token_budget"),
         )
         try:
             final = await stream.result()

@@ -323,6 +323,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     continue_final_message: StrictBool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    #: vLLM's: close a reasoning model's thinking block once it holds this many tokens
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -149,6 +149,7 @@ async def chat_completions(request: Request) -> Response:
             parallel_tool_calls=req.parallel_tool_calls is not False,
             add_generation_prompt=chat_ending(req.add_generation_prompt, req.continue_final_message)[0],
             continue_final_message=bool(req.continue_final_message),
+            thinking_token_budget=req.thinking_token_budget,
             **req.template_options(),
         )
     except ValueError as e:

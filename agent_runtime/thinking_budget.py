@@ -1,0 +1,116 @@
+"""A cap on a reasoning model's thinking (vLLM's ``thinking_token_budget``, Anthropic's
+``thinking.budget_tokens``).
+
+Reasoning models can spend the whole ``max_tokens`` inside ``<think>``: the reply then has no
+content, no tool call, nothing an agent loop can use. :class:`ThinkingBudget` is a logits
+processor that counts the tokens a reply spends inside its thinking block (as the runtime's
+reasoning parser reads the reply: :func:`~agent_runtime.reasoning.stream_split`) and, once they
+reach the budget without the block being closed, forces the closing text (``\\n</think>\\n\\n``,
+token by token); after it the model writes its answer as usual. A block the model closes itself
+is left alone, and a reply with no block (``qwen3`` when the model does not open one) is never
+touched. Greedy decoding stays deterministic: the forced tokens depend only on the tokens
+before them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from agent_runtime.reasoning import THINK_CLOSE, stream_split
+
+#: What a reply that ran out of budget is made to write: the block's end, as models write it.
+FORCED_CLOSE = f"\n{THINK_CLOSE}\n\n"
+
+
+def check_thinking_budget(budget: object, field: str = "thinking_token_budget") -> int:
+    """``budget`` as a token count (an integer >= 0).
+
+    Raises:
+        ValueError: naming ``field``.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"{field}: must be an integer >= 0, got {budget!r}")
+    return budget
+
+
+class ThinkingBudget:
+    """Closes a reply's thinking block once it holds ``budget`` tokens (a logits processor).
+
+    State is rebuilt from the generated ids whenever they are not the ones seen last (a
+    preempted request sees its prefix again), so one instance serves one request.
+
+    Args:
+        budget: thinking tokens allowed.
+        parser: the runtime's reasoning parser (``deepseek_r1``: the prompt opened the block;
+            ``qwen3``: the reply opens it).
+        decode: one token id to its text (the block's tags are plain text to every tokenizer).
+        forced: the token ids that close the block (``FORCED_CLOSE`` encoded).
+    """
+
+    def __init__(self, budget: int, parser: str, decode: Callable[[int], str], forced: Sequence[int]) -> None:
+        if not forced:
+            raise ValueError("thinking budget: the closing text encodes to no tokens")
+        self.budget = check_thinking_budget(budget)
+        self.parser = parser
+        self._decode = decode
+        self.forced = tuple(forced)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._seen: list[int] = []
+        self._text = ""
+        self._opened = False  # the block is open and past its opening tag
+        self._thinking = 0  # tokens generated while the block was open
+        self._closed = False  # the block was closed (or there is none)
+        self._forcing_from: int | None = None  # output index where the forced text began
+
+    def _advance(self, output: list[int]) -> None:
+        seen = self._seen
+        # NOTE: the ids only grow; a shorter or different list is another pass over the request
+        if len(output) < len(seen) or (seen and output[len(seen) - 1] != seen[-1]):
+            self._reset()
+            seen = self._seen
+        for token in output[len(seen):]:
+            if not self._closed:
+                piece = self._decode(token)
+                self._text += piece
+                if self._opened:
+                    # NOTE: only the text the new piece can complete a closing tag in: a scan
+                    # of the whole thinking per token would be quadratic
+                    self._closed = THINK_CLOSE in self._text[-(len(piece) + len(THINK_CLOSE)):]
+                else:
+                    _, content_start = stream_split(self._text, self.parser)
+                    self._closed = content_start is not None
+                    self._opened = not self._closed and len(self._text.lstrip()) >= len(THINK_CLOSE)
+                self._thinking += not self._closed
+            seen.append(token)
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Masks every token but the next forced one while the block must close."""
+        self._advance(output_token_ids)
+        n = len(output_token_ids)
+        if self._forcing_from is None:
+            if self._closed or self._thinking < self.budget:
+                return logits
+            self._forcing_from = n
+        # NOTE: the whole closing text, though the block counts as closed from its tag on
+        k = n - self._forcing_from
+        if k >= len(self.forced):
+            return logits
+        token = self.forced[k]
+        masked = torch.full_like(logits, float("-inf"))
+        masked[token] = logits[token] if torch.isfinite(logits[token]) else 0.0
+        return masked
+
+
+def thinking_budget_processor(budget: int, parser: str, tokenizer: object) -> ThinkingBudget:
+    """A :class:`ThinkingBudget` for ``tokenizer`` (an HF tokenizer: ``encode``/``decode``)."""
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+    decode = tokenizer.decode  # type: ignore[attr-defined]
+    forced = encode(FORCED_CLOSE, add_special_tokens=False)
+    return ThinkingBudget(budget, parser, lambda t: decode([t], skip_special_tokens=False), forced)
+
+
+__all__ = ["FORCED_CLOSE", "ThinkingBudget", "check_thinking_budget", "thinking_budget_processor"]
