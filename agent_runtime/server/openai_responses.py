@@ -23,8 +23,12 @@ With a reasoning parser (``serve --reasoning-parser``), the thinking comes first
 ``reasoning`` item (``reasoning_text`` content, streamed as ``response.reasoning_text.delta``);
 ``reasoning`` input items go back into the next assistant message's ``reasoning_content``.
 
-Not served (a 400 naming the field, never ignored): ``conversation``, ``reasoning`` (the
-request's effort settings), ``background``, built-in tools, non-text inputs, ``include``.
+The request's ``reasoning.effort`` is the chat template's ``reasoning_effort`` variable, as vLLM
+passes it (gpt-oss's template reads it; others ignore it); ``reasoning.summary`` is accepted and
+echoed, but the reasoning item carries the thinking itself, never a summary.
+
+Not served (a 400 naming the field, never ignored): ``conversation``, ``background``, built-in
+tools, non-text inputs, ``include``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,10 +55,12 @@ from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import (
     JobId,
     PositiveInt,
+    ReasoningEffort,
     Temperature,
     TopK,
     TopP,
     lift_vllm_xargs,
+    with_reasoning_effort,
 )
 from agent_runtime.server.response_store import (
     ResponseStore,
@@ -79,6 +85,17 @@ PATH = "/v1/responses"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class ReasoningSettings(BaseModel):
+    """The request's ``reasoning``: an effort (the template's ``reasoning_effort``) and the
+    summary asked for (accepted; none is written: the reasoning item holds the thinking)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # OpenAI's older name
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``: what the server reads of OpenAI's body, plus vLLM's ``top_k`` and
     Continuum's ``job_id`` / ``is_last_step`` (the openai client's ``extra_body``)."""
@@ -87,7 +104,7 @@ class ResponsesRequest(BaseModel):
 
     #: fields this server does not serve, with the values that mean "off"
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "conversation": (None,), "reasoning": (None,),
+        "conversation": (None,),
         # NOTE: reasoning items are sent in the clear, so asking for their encrypted content
         # (Codex does) changes nothing; the other includes would
         "background": (None, False), "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
@@ -112,6 +129,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, StrictStr] | None = None
     text: dict[str, Any] | None = None
     user: StrictStr | None = None
+    reasoning: ReasoningSettings | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
 
@@ -200,6 +218,8 @@ class _Envelope:
             "previous_response_id": req.previous_response_id,
             "store": stored, "truncation": "disabled", "user": req.user, "error": None,
             "incomplete_details": None,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                          "summary": (req.reasoning.summary or req.reasoning.generate_summary) if req.reasoning else None},
         }
 
     def body(self, status: str, output: list[dict[str, Any]], final: StreamEvent | None = None,
@@ -299,6 +319,7 @@ async def create_response(request: Request) -> Response:
         streams, choice = await rt.start_chat_choices(
             messages, [params], tools=tools, tool_choice=choice, response_format=fmt, job_id=job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=req.parallel_tool_calls is not False,
+            **with_reasoning_effort({}, req.reasoning.effort if req.reasoning else None),
         )
     except ValueError as e:
         raise _as_responses_error(from_value_error(e, "input")) from None

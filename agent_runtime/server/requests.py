@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -45,6 +45,17 @@ Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[StrictInt, Field(ge=-1)]
 JobId = Annotated[StrictStr, Field(min_length=1, max_length=MAX_JOB_ID_CHARS)]
+#: OpenAI's reasoning efforts (chat ``reasoning_effort``, Responses ``reasoning.effort``): the
+#: chat template's ``reasoning_effort`` variable, as vLLM passes it (gpt-oss's template reads it)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+def with_reasoning_effort(options: dict[str, Any], effort: str | None) -> dict[str, Any]:
+    """Template options (``chat_template_kwargs`` ...) with ``effort`` as the template's
+    ``reasoning_effort`` variable, unless the request's own variables set it."""
+    if effort is None:
+        return options
+    return {**options, "chat_template_kwargs": {"reasoning_effort": effort, **(options.get("chat_template_kwargs") or {})}}
 #: Ranges are checked by SamplingParams (one place for the engine's API and the server's).
 Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 #: ``n`` at most: each choice is a request of its own in the engine.
@@ -325,6 +336,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     #: vLLM's: close a reasoning model's thinking block once it holds this many tokens
     thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -37,6 +37,7 @@ from agent_runtime.server.requests import (
     DetokenizeRequest,
     TokenizeRequest,
     chat_ending,
+    with_reasoning_effort,
 )
 from agent_runtime.server.responses import (
     ChatCompletionChunk,
@@ -150,7 +151,7 @@ async def chat_completions(request: Request) -> Response:
             add_generation_prompt=chat_ending(req.add_generation_prompt, req.continue_final_message)[0],
             continue_final_message=bool(req.continue_final_message),
             thinking_token_budget=req.thinking_token_budget,
-            **req.template_options(),
+            **with_reasoning_effort(req.template_options(), req.reasoning_effort),
         )
     except ValueError as e:
         raise from_value_error(e, "messages") from None

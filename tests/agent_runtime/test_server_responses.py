@@ -98,7 +98,8 @@ def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "auto", "budget": 8}}, "reasoning.budget"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # thinking alone is no conversation
     ({"input": [{"type": "reasoning", "content": "x"}, {"role": "user", "content": "hi"}]}, "input[0].content"),
