@@ -258,12 +258,17 @@ class Sampler:
                                        and processors_pass(p.logits_processors, outputs[i]))
                  for i, p in enumerate(params)]
         argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
+        host = [i for i in range(len(params)) if not plain[i]]
+        # NOTE: the rows sampled on the host come over in one copy (one synchronization, not one
+        # a row); the copy is theirs, so processors rewriting it in place leave ``logits`` (and
+        # the log probabilities computed from it) as the model gave them, on every device
+        host_rows = dict(zip(host, logits[host].float().cpu(), strict=True)) if host else {}
         for i, p in enumerate(params):
             if plain[i]:
                 tokens.append(argmax[i])
                 continue
             try:
-                tokens.append(self._sample_row(logits[i], request_ids[i], p, outputs[i], prompts[i] if prompts else None))
+                tokens.append(self._sample_row(host_rows[i], request_ids[i], p, outputs[i], prompts[i] if prompts else None))
             except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
                 logger.warning("sampling %s failed: %r", request_ids[i], exc)
                 self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"

@@ -232,3 +232,23 @@ def test_a_request_whose_detokenizing_raises_fails_alone():
     assert finals[bad].finish_reason == "abort" and "detokenizing failed" in finals[bad].error
     assert all(b.ref_cnt == 0 for b in engine.pool.blocks)
     engine.check_integrity()
+
+
+def test_host_rows_are_copied_once_and_log_probabilities_stay_raw():
+    # a processor that rewrites its row in place: the logits the model gave, and the log
+    # probabilities computed from them, are unchanged (vLLM's raw_logprobs), on every device
+    logits = _logits(3)
+    before = logits.clone()
+
+    def only_zero(_out: list[int], row: torch.Tensor) -> torch.Tensor:
+        row.fill_(float("-inf"))
+        row[0] = 0.0
+        return row
+
+    sampler = Sampler(0)
+    params = [SamplingParams(logits_processors=(only_zero,), logprobs=0), SamplingParams(),
+              SamplingParams(logits_processors=(only_zero,))]
+    tokens = sampler.sample(logits, ["a", "b", "c"], params, [[], [], []])
+    assert tokens == [0, int(before[1].argmax()), 0]
+    assert torch.equal(logits, before)
+    assert sampler.take_logprobs()["a"].logprob == pytest.approx(float(torch.log_softmax(before[0], -1)[0]))
