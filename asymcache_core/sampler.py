@@ -259,10 +259,7 @@ class Sampler:
                  for i, p in enumerate(params)]
         argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
         host = [i for i in range(len(params)) if not plain[i]]
-        # NOTE: the rows sampled on the host come over in one copy (one synchronization, not one
-        # a row); the copy is theirs, so processors rewriting it in place leave ``logits`` (and
-        # the log probabilities computed from it) as the model gave them, on every device
-        host_rows = dict(zip(host, logits[host].float().cpu(), strict=True)) if host else {}
+        host_rows = self._host_rows(logits, host, params)
         for i, p in enumerate(params):
             if plain[i]:
                 tokens.append(argmax[i])
@@ -280,6 +277,21 @@ class Sampler:
             )
             self.logprobs.update((request_ids[i], entry) for i, entry in zip(want, entries, strict=True))
         return tokens
+
+    @staticmethod
+    def _host_rows(logits: torch.Tensor, host: list[int], params: list[SamplingParams]) -> dict[int, torch.Tensor]:
+        """The float32 host rows of ``host`` that processors may rewrite in place.
+
+        NOTE: from a device, one copy of them all (one synchronization a step, not one a row).
+        On the host, a row is used as it is, but for one whose log probabilities are asked
+        for: that one is copied, so that they come from the logits the model gave (vLLM's
+        ``raw_logprobs``), whatever its processors do to the row.
+        """
+        if not host:
+            return {}
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            return {i: logits[i].clone() if params[i].logprobs is not None else logits[i] for i in host}
+        return dict(zip(host, logits[host].float().cpu(), strict=True))
 
     def _sample_row(
         self, logits: torch.Tensor, request_id: str, p: SamplingParams, output: list[int], prompt: list[int] | None
