@@ -16,7 +16,8 @@ tokens are those of the same request without one, and no row of logits is copied
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -34,6 +35,37 @@ def check_thinking_budget(budget: object, field: str = "thinking_token_budget") 
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"{field}: must be an integer >= 0, got {budget!r}")
+    return budget
+
+
+def anthropic_thinking_budget(thinking: Mapping[str, Any] | None, max_tokens: int,
+                              reasoning_parser: str | None) -> int | None:
+    """The budget Anthropic's ``thinking`` settings ask for (None: none).
+
+    Args:
+        thinking: the request's ``thinking`` (``enabled`` with ``budget_tokens``, ``adaptive``:
+            the model decides, ``disabled``), or None.
+        max_tokens: the request's ``max_tokens`` (the budget must be below it, Anthropic's rule).
+        reasoning_parser: the runtime's reasoning parser (thinking needs one).
+
+    Raises:
+        ValueError: a malformed setting, a budget not below ``max_tokens``, or thinking asked of
+            a runtime without a reasoning parser (naming the ``thinking`` field).
+    """
+    kind = None if thinking is None else thinking.get("type")
+    if kind in (None, "disabled"):
+        return None
+    if kind not in ("enabled", "adaptive"):
+        raise ValueError(f"thinking.type: one of enabled, adaptive, disabled; got {kind!r}")
+    if reasoning_parser is None:
+        raise ValueError("thinking: this server has no reasoning parser (serve --reasoning-parser) "
+                         "to return thinking with; send {'type': 'disabled'} or leave it out")
+    if kind == "adaptive":
+        return None
+    assert thinking is not None
+    budget = check_thinking_budget(thinking.get("budget_tokens"), "thinking.budget_tokens")
+    if budget >= max_tokens:
+        raise ValueError(f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}")
     return budget
 
 
@@ -124,4 +156,7 @@ def thinking_budget_processor(budget: int, parser: str, tokenizer: object) -> Th
     return ThinkingBudget(budget, parser, lambda t: decode([t], skip_special_tokens=False), forced)
 
 
-__all__ = ["FORCED_CLOSE", "ThinkingBudget", "check_thinking_budget", "thinking_budget_processor"]
+__all__ = [
+    "FORCED_CLOSE", "ThinkingBudget", "anthropic_thinking_budget", "check_thinking_budget",
+    "thinking_budget_processor",
+]

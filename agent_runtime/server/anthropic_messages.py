@@ -49,7 +49,7 @@ from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
 from agent_runtime.server.serving import finish_one, parse_body
-from agent_runtime.thinking_budget import check_thinking_budget
+from agent_runtime.thinking_budget import anthropic_thinking_budget
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
 
@@ -96,28 +96,6 @@ class _MessagesFields(BaseModel):
         """
         choice, parallel = chat_tool_choice(self.tool_choice)
         return chat_messages(self.messages, self.system), chat_tools(self.tools), choice, parallel
-
-    def thinking_budget(self, reasoning_parser: str | None) -> int | None:
-        """The thinking budget the request's ``thinking`` asks for (None: none).
-
-        Raises:
-            ValueError: a malformed setting, a budget not below ``max_tokens``, or thinking
-                asked of a server without a reasoning parser (naming ``thinking``).
-        """
-        kind = None if self.thinking is None else self.thinking.get("type")
-        if kind in (None, "disabled"):
-            return None
-        if kind not in ("enabled", "adaptive"):
-            raise ValueError(f"thinking.type: one of enabled, adaptive, disabled; got {kind!r}")
-        if reasoning_parser is None:
-            raise ValueError("thinking: this server has no reasoning parser (serve --reasoning-parser) "
-                             "to return thinking with; send {'type': 'disabled'} or leave it out")
-        if kind == "adaptive":
-            return None
-        budget = check_thinking_budget(self.thinking.get("budget_tokens"), "thinking.budget_tokens")
-        if budget >= self.max_tokens:
-            raise ValueError(f"thinking.budget_tokens: must be less than max_tokens ({self.max_tokens}), got {budget}")
-        return budget
 
     @property
     def prefilled(self) -> bool:
@@ -365,7 +343,7 @@ async def create_message(request: Request) -> Response:
             messages, [params], tools=tools, tool_choice=choice, job_id=req.job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=parallel,
             add_generation_prompt=not req.prefilled, continue_final_message=req.prefilled,
-            thinking_token_budget=req.thinking_budget(rt.reasoning_parser),
+            thinking_token_budget=anthropic_thinking_budget(req.thinking, req.max_tokens, rt.reasoning_parser),
         )
     except ValueError as e:
         raise from_value_error(e, "messages") from None

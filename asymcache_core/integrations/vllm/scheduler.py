@@ -325,7 +325,9 @@ class _AsymCacheMixin:
             hints = parse_job_hints(extra, getattr(request, "session_id", None))
             implicit = self.asymcache_implicit_jobs
             if hints.job_id is None and not hints.is_last_step and implicit is not None:
-                job = implicit.assign(list(request.prompt_token_ids), list(request.block_hashes))
+                # NOTE: no copies: the table only slices them (a new request's tokens are its
+                # prompt's; ``prompt_token_ids`` is None for prompt embeddings)
+                job = implicit.assign(request.all_token_ids, request.block_hashes)
                 hints = replace(hints, job_id=job, implicit=True)
             self._asymcache_hints[request.request_id] = hints
         return hints
@@ -446,8 +448,8 @@ class _AsymCacheMixin:
             assert implicit is not None
             # NOTE: not an aborted turn's keys: nothing continues it (the embedded engine's rule)
             if request.status != RequestStatus.FINISHED_ABORTED:
-                implicit.on_finished(job, list(request.all_token_ids), int(request.num_prompt_tokens),
-                                     list(request.block_hashes))
+                implicit.on_finished(job, request.all_token_ids, int(request.num_prompt_tokens),
+                                     request.block_hashes)
             if not self.asymcache_job_stats.state(job).gaps:
                 return  # a first turn: nothing yet says the conversation comes back
         if controller.pinning:
