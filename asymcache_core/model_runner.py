@@ -21,6 +21,7 @@ from asymcache_core.logprobs import (
     to_entries,
 )
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from asymcache_core.request import Request
 from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
@@ -108,9 +109,10 @@ class LaunchedStep(NamedTuple):
         plan: what it runs.
         sample_index: index into ``plan.scheduled`` of each sampling row.
         rows: request id -> its row in ``tokens`` / ``logits``.
-        tokens: ``[R]`` int64 on the device, the sampled tokens, when every row samples by
-            argmax there (the next step's pending inputs are copied from it); ``None``: the
-            rows sample on the host from ``logits`` when collected.
+        tokens: ``[R]`` int64 on the device, the sampled tokens, when every row samples there
+            (greedy or at random without processors or penalties: the next step's pending
+            inputs are copied from it); ``None``: the rows sample on the host from ``logits``
+            when collected.
         host_tokens: ``tokens`` copied to the host without blocking (pinned on CUDA).
         ready: recorded after that copy, or after the forward pass when the rows sample on the
             host (``None`` off CUDA); with timing.
@@ -122,6 +124,8 @@ class LaunchedStep(NamedTuple):
         logprobs: the log probabilities of device-sampled rows that ask for them, copied to
             the host with ``host_tokens`` (``None``: no row asks).
         prompt_logprobs: the step's prompt log probabilities (``None``: no prompt row).
+        failed: ``[R]`` bool, the random rows without a finite logit, copied to the host with
+            ``host_tokens`` (``None``: every row is greedy).
     """
 
     plan: SchedulerOutput
@@ -134,11 +138,21 @@ class LaunchedStep(NamedTuple):
     started: torch.cuda.Event | None = None
     logprobs: PendingLogprobs | None = None
     prompt_logprobs: PendingPromptLogprobs | None = None
+    failed: torch.Tensor | None = None
 
     @property
     def device_sampled(self) -> bool:
         """Its tokens exist on the device before it is collected."""
         return self.tokens is not None or not self.sample_index
+
+
+def _draw_index(request: Request) -> int:
+    """The index of the output token a request's row samples in the step being run.
+
+    NOTE: with async scheduling a planned step counts its own token in ``num_pending`` (and
+    the step in flight before it, one more): the token drawn comes after those still pending.
+    """
+    return len(request.output_token_ids) + max(request.num_pending - 1, 0)
 
 
 def _timing_event(device: torch.device) -> torch.cuda.Event | None:
@@ -385,7 +399,12 @@ class ModelRunner:
                 plan, inputs.sample_index, rows, None, None, _timing_event(self.device), logits if requests else None,
                 started, prompt_logprobs=prompt,
             )
-        tokens = logits.argmax(dim=-1)
+        drawn = self.sampler.sample_on_device(
+            logits, list(rows), [r.params for r in requests], [_draw_index(r) for r in requests]
+        )
+        tokens = drawn.tokens
+        # NOTE: only random rows can fail (no finite logit); greedy steps copy no marks
+        failed = drawn.failed if any(not r.params.greedy for r in requests) else None
         want = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         pending = None
         if want:
@@ -395,11 +414,16 @@ class ModelRunner:
             # NOTE: queued behind the step like its tokens; collect() reads them after ``ready``
             pending = PendingLogprobs(want, num_top, tensors.to(torch.device("cpu"), pin=self.device.type == "cuda"))
         if self.device.type != "cuda":
-            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None, None, pending, prompt)
+            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None, None, pending, prompt, failed)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        host_failed = None
+        if failed is not None:
+            host_failed = torch.empty(failed.shape, dtype=failed.dtype, pin_memory=True)
+            host_failed.copy_(failed, non_blocking=True)
         return LaunchedStep(
-            plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started, pending, prompt
+            plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started, pending, prompt,
+            host_failed,
         )
 
     @torch.inference_mode()
@@ -421,6 +445,9 @@ class ModelRunner:
             rows = step.logprobs.rows
             entries = to_entries(step.logprobs.tensors, [tokens[row] for row in rows], step.logprobs.num_top)
             self.sampler.logprobs.update((ids[row], entry) for row, entry in zip(rows, entries, strict=True))
+        if step.failed is not None:
+            # NOTE: a failed row's token is left out; the engine fails its request alone
+            return self.sampler.take_drawn(tokens, step.failed.tolist(), list(step.rows))
         return dict(zip(step.rows, tokens, strict=True))
 
     @torch.inference_mode()
@@ -484,6 +511,7 @@ class ModelRunner:
             [r.params for r in requests],
             [r.output_token_ids for r in requests],
             [r.prompt_token_ids for r in requests],
+            [_draw_index(r) for r in requests],
         )
         # NOTE: a row whose sampling failed is left out; the engine fails its request alone.
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True) if t != FAILED}

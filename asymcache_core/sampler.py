@@ -8,11 +8,13 @@ request with the error while the batch's other rows keep their tokens.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from typing import Any
 
 import torch
 
+from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows
 from asymcache_core.logprobs import TokenLogprob, token_logprobs
 from asymcache_core.sampling_params import SamplingParams, processors_pass
 
@@ -20,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 #: The token of a row whose sampling failed (never handed to the scheduler).
 FAILED = -1
+#: The error of a row without a single finite logit.
+NON_FINITE = "sampling failed: every token has a non-finite logit"
 
 
 def apply_penalties(
@@ -176,9 +180,12 @@ def with_engine_processors(
 class Sampler:
     """Samples one token per row of logits.
 
-    Greedy rows take ``argmax``; random rows use a per-request ``torch.Generator`` (seeded from
-    the request's seed, or from the engine seed and the request id) so that a request's tokens do
-    not depend on what else shares its batch.
+    Greedy rows take ``argmax``. Random rows draw by the exponential race keyed by the row's
+    seed (its request's ``seed``, or one derived from the engine seed and the request id) and
+    the index of the token it samples (:mod:`asymcache_core.batched_sampling`): a request's
+    tokens do not depend on what else shares its batch, nor on how often its KV was rebuilt.
+    Rows without logits processors or penalties sample together where the logits are (on the
+    device); the others are rewritten on the host first, then drawn the same way there.
 
     Attributes:
         failures: request id -> error text of rows that failed in the last :meth:`sample`
@@ -190,19 +197,20 @@ class Sampler:
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}
         self.failures: dict[str, str] = {}
         self.logprobs: dict[str, TokenLogprob] = {}
 
     @staticmethod
     def on_device(params: SamplingParams) -> bool:
-        """Whether a row with ``params`` is sampled by a plain argmax (on the device, with no
-        host state: no generator, no penalties over the tokens so far). Its log probabilities,
-        when asked for, are computed on the device too."""
-        return params.greedy and not params.rewrites_logits
+        """Whether a row with ``params`` samples where its logits are, with no host state (no
+        logits processor, no penalty over the tokens so far): greedy or at random with
+        temperature, top-k, top-p and min-p. Its log probabilities, when asked for, are
+        computed there too."""
+        return not params.rewrites_logits
 
     def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._seeds.pop(request_id, None)
 
     def take_failures(self) -> dict[str, str]:
         """The failed rows since the last call (and forget them).
@@ -217,19 +225,49 @@ class Sampler:
         """The log probabilities of the rows sampled since the last call (and forget them).
 
         Returns:
-            Request id -> its token's entry (only requests that ask for them).
+            Request id -> the entry of the token it sampled.
         """
         out, self.logprobs = self.logprobs, {}
         return out
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            # NOTE: int64 seeds are mapped onto manual_seed's [0, 2**64) (non-negative ones unchanged).
-            seed = params.seed % (1 << 64) if params.seed is not None else hash((self.seed, request_id)) & 0x7FFFFFFF
-            gen = torch.Generator().manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
+    def row_seed(self, request_id: str, params: SamplingParams) -> int:
+        """The seed a request's random rows draw with, in ``[0, 2**64)``."""
+        if params.seed is not None:
+            # NOTE: int64 seeds are mapped onto [0, 2**64) (non-negative ones unchanged).
+            return params.seed % (1 << 64)
+        seed = self._seeds.get(request_id)
+        if seed is None:
+            digest = hashlib.blake2b(f"{self.seed}/{request_id}".encode(), digest_size=8).digest()
+            seed = self._seeds[request_id] = int.from_bytes(digest, "little")
+        return seed
+
+    def sample_on_device(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], draws: list[int]
+    ) -> SampledRows:
+        """Samples every row where ``logits`` are, without copying them anywhere.
+
+        Args:
+            logits: ``[N, vocab]``; no row's parameters rewrite logits (:meth:`on_device`).
+            request_ids: the row's request.
+            params: the row's sampling parameters.
+            draws: the index of the output token each row samples.
+
+        Returns:
+            The tokens and failure marks, on ``logits``' device (the caller reads them).
+        """
+        tokens = logits.argmax(dim=-1)
+        failed = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if not rand:
+            return SampledRows(tokens, failed)
+        settings = RowSettings(
+            [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
+        )
+        if len(rand) == len(params):
+            return sample_rows(logits, settings)
+        index = torch.tensor(rand, dtype=torch.int64).to(logits.device, non_blocking=True)
+        drawn = sample_rows(logits.index_select(0, index), settings)
+        return SampledRows(tokens.index_copy(0, index, drawn.tokens), failed.index_copy(0, index, drawn.failed))
 
     def sample(
         self,
@@ -238,6 +276,7 @@ class Sampler:
         params: list[SamplingParams],
         outputs: list[list[int]],
         prompts: list[list[int]] | None = None,
+        draws: list[int] | None = None,
     ) -> list[int]:
         """Samples for each row.
 
@@ -247,29 +286,28 @@ class Sampler:
             params: the row's sampling parameters.
             outputs: the row's generated tokens so far (for logits processors and penalties).
             prompts: the row's prompt ids (for the repetition penalty), if known.
+            draws: the index of the output token each row samples (default: the length of
+                its ``outputs``).
 
         Returns:
             One token id per row; :data:`FAILED` for a row that raised (see :attr:`failures`).
         """
-        tokens: list[int] = []
-        # NOTE: a greedy row whose processors all pass this token (a thinking budget before its
-        # limit) takes the device's argmax too: no copy of its logits to the host
-        plain = [self.on_device(p) or (p.greedy and not p.rewrites_logits_otherwise
-                                       and processors_pass(p.logits_processors, outputs[i]))
+        draws = draws if draws is not None else [len(out) for out in outputs]
+        tokens = [FAILED] * len(params)
+        # NOTE: a row whose processors all pass this token (a thinking budget before its limit)
+        # samples where its logits are too: no copy of them to the host
+        plain = [self.on_device(p) or (not p.rewrites_logits_otherwise and processors_pass(p.logits_processors, outputs[i]))
                  for i, p in enumerate(params)]
-        argmax = logits.argmax(dim=-1).tolist() if any(plain) else []
+        on_device = [i for i in range(len(params)) if plain[i]]
+        if on_device:
+            drawn = self.sample_on_device(
+                logits if len(on_device) == len(params) else logits[on_device],
+                [request_ids[i] for i in on_device], [params[i] for i in on_device], [draws[i] for i in on_device],
+            )
+            self._take(on_device, drawn, request_ids, tokens)
         host = [i for i in range(len(params)) if not plain[i]]
-        host_rows = self._host_rows(logits, host, params)
-        for i, p in enumerate(params):
-            if plain[i]:
-                tokens.append(argmax[i])
-                continue
-            try:
-                tokens.append(self._sample_row(host_rows[i], request_ids[i], p, outputs[i], prompts[i] if prompts else None))
-            except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
-                logger.warning("sampling %s failed: %r", request_ids[i], exc)
-                self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"
-                tokens.append(FAILED)
+        if host:
+            self._sample_on_host(logits, host, request_ids, params, outputs, prompts, draws, tokens)
         want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != FAILED]
         if want:
             entries = token_logprobs(
@@ -277,6 +315,64 @@ class Sampler:
             )
             self.logprobs.update((request_ids[i], entry) for i, entry in zip(want, entries, strict=True))
         return tokens
+
+    def take_drawn(self, drawn_tokens: list[int], failed: list[bool], request_ids: list[str]) -> dict[str, int]:
+        """The tokens of a device draw read back on the host, failed rows recorded and left out.
+
+        Returns:
+            Request id -> token, for the rows that did not fail.
+        """
+        out: dict[str, int] = {}
+        for rid, token, bad in zip(request_ids, drawn_tokens, failed, strict=True):
+            if bad:
+                self.failures[rid] = NON_FINITE
+            else:
+                out[rid] = token
+        return out
+
+    def _take(self, rows: list[int], drawn: SampledRows, request_ids: list[str], tokens: list[int]) -> None:
+        picked = self.take_drawn(drawn.tokens.tolist(), drawn.failed.tolist(), [request_ids[i] for i in rows])
+        for i in rows:
+            tokens[i] = picked.get(request_ids[i], FAILED)
+
+    def _sample_on_host(
+        self,
+        logits: torch.Tensor,
+        host: list[int],
+        request_ids: list[str],
+        params: list[SamplingParams],
+        outputs: list[list[int]],
+        prompts: list[list[int]] | None,
+        draws: list[int],
+        tokens: list[int],
+    ) -> None:
+        """Rewrites the ``host`` rows (penalties, logits processors) on the host and samples
+        them; a row that raises fails alone."""
+        host_rows = self._host_rows(logits, host, params)
+        rand: list[int] = []
+        rewritten: list[torch.Tensor] = []
+        for i in host:
+            p = params[i]
+            try:
+                row = host_rows[i]
+                if p.rewrites_logits_otherwise:
+                    row = apply_penalties(row, p, prompts[i] if prompts else None, outputs[i])
+                for processor in p.logits_processors:
+                    row = processor(outputs[i], row)
+            except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
+                logger.warning("sampling %s failed: %r", request_ids[i], exc)
+                self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"
+                continue
+            if p.greedy:
+                tokens[i] = int(row.argmax())
+            else:
+                rand.append(i)
+                rewritten.append(row.float())
+        if rand:
+            drawn = sample_rows(torch.stack(rewritten), RowSettings(
+                [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
+            ))
+            self._take(rand, drawn, request_ids, tokens)
 
     @staticmethod
     def _host_rows(logits: torch.Tensor, host: list[int], params: list[SamplingParams]) -> dict[int, torch.Tensor]:
@@ -287,41 +383,6 @@ class Sampler:
         for: that one is copied, so that they come from the logits the model gave (vLLM's
         ``raw_logprobs``), whatever its processors do to the row.
         """
-        if not host:
-            return {}
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             return {i: logits[i].clone() if params[i].logprobs is not None else logits[i] for i in host}
         return dict(zip(host, logits[host].float().cpu(), strict=True))
-
-    def _sample_row(
-        self, logits: torch.Tensor, request_id: str, p: SamplingParams, output: list[int], prompt: list[int] | None
-    ) -> int:
-        row = logits.float().cpu()
-        if p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            row = apply_penalties(row, p, prompt, output)
-        for processor in p.logits_processors:
-            row = processor(output, row)
-        if p.greedy:
-            return int(row.argmax())
-        row = row / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
-            # NOTE: the most likely token always stays (a tiny top_p rounds to 0 in float32).
-            keep[0] = True
-            sorted_probs = sorted_probs * keep
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
-            # NOTE: non-finite logits (every token masked, or an overflow): greedy on what is finite.
-            finite = torch.nan_to_num(row, nan=float("-inf"))
-            if not bool(torch.isfinite(finite).any()):
-                raise ValueError("every token has a non-finite logit")
-            return int(finite.argmax())
-        gen = self._generator(request_id, p)
-        return int(torch.multinomial(probs, 1, generator=gen))

@@ -13,6 +13,7 @@ equal bit for bit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
@@ -23,11 +24,16 @@ from asymcache_core.loaders import load_model
 CASES = ((1, 2048), (8, 2048), (32, 2048), (64, 1024), (16, 8192))
 
 
-def run_case(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    """Runs ``prompts`` to ``tokens`` output tokens each; returns the median time per output
+def run_case(
+    engine: Engine, prompts: list[list[int]], tokens: int, params: list[SamplingParams] | None = None
+) -> tuple[float, list[list[int]]]:
+    """Runs ``prompts`` to ``tokens`` output tokens each (greedy, or ``params`` per prompt,
+    whose ``max_tokens`` and ``ignore_eos`` are set here); returns the median time per output
     token (ms) once every request is decoding, and the outputs."""
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    if params is None:
+        params = [SamplingParams()] * len(prompts)
+    params = [dataclasses.replace(p, max_tokens=tokens, ignore_eos=True) for p in params]
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
     finals = {}
     while engine.has_unfinished():
         for out in engine.step():

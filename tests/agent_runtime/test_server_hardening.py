@@ -13,12 +13,15 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
 from agent_runtime.server.app import RequestGuard, key_matches
 from agent_runtime.server.state import AppState
+from asymcache_core.batched_sampling import SampledRows
+from asymcache_core.sampler import NON_FINITE
 from tests.conftest import make_engine
 
 MODEL = "smollm2-135m"
@@ -69,15 +72,16 @@ class Server:
 def srv(smollm) -> Iterator[Server]:
     engine = make_engine(smollm, max_model_len=1024)
     sampler = engine.runner.sampler
-    original = sampler._sample_row
+    original = sampler.sample_on_device
 
-    def faulty(logits, request_id, p, output, prompt):
-        # NOTE: a fault injected into one request's sampling: only it may fail.
-        if p.seed == FAIL_SEED and len(output) >= 2:
-            raise RuntimeError("injected sampler fault")
-        return original(logits, request_id, p, output, prompt)
+    def faulty(logits, request_ids, params, draws):
+        # NOTE: a fault injected into one request's sampling (its row drawn with no finite
+        # logit from its third token on): only it may fail.
+        drawn = original(logits, request_ids, params, draws)
+        bad = [p.seed == FAIL_SEED and d >= 2 for p, d in zip(params, draws, strict=True)]
+        return SampledRows(drawn.tokens, drawn.failed | torch.tensor(bad, device=drawn.failed.device))
 
-    sampler._sample_row = faulty
+    sampler.sample_on_device = faulty
     runtime = AgentRuntime(engine)
     server = Server(create_app(runtime, MODEL, max_request_body_bytes=BODY_CAP), runtime)
     try:
@@ -268,7 +272,7 @@ def test_a_request_that_fails_in_a_step_fails_alone(srv):
         events = [json.loads(line[6:]) for line in lines[:-1]]
         if i == 1:
             assert events[-1]["error"]["code"] == "request_failed"
-            assert "injected sampler fault" in events[-1]["error"]["message"]
+            assert NON_FINITE in events[-1]["error"]["message"]
         else:
             assert events[-1]["choices"][0]["finish_reason"] == "length"
             assert not any("error" in e for e in events)

@@ -9,6 +9,7 @@ that have already ended dropped, steps that sample on the host waited for.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -48,9 +49,12 @@ def _preemptions_in_flight(engine: Engine) -> list[int]:
     return seen
 
 
-def _small_vocab_sessions(engine: Engine, sessions: int = 6, turns: int = 3, concurrent: int = 3) -> list[list[int]]:
+def _small_vocab_sessions(
+    engine: Engine, sessions: int = 6, turns: int = 3, concurrent: int = 3, sampled: bool = False
+) -> list[list[int]]:
     """The multi-session script of ``test_holes_and_policies`` in token ids below 500 (the
-    tiny dummy model's vocabulary)."""
+    tiny dummy model's vocabulary); ``sampled``: each session samples at random with its own
+    seed (temperature, top-p) instead of greedily."""
     def user(s: int, t: int) -> list[int]:
         return [(60 + 23 * s + 7 * t + i) % 500 for i in range(20)]
 
@@ -60,7 +64,13 @@ def _small_vocab_sessions(engine: Engine, sessions: int = 6, turns: int = 3, con
     for turn in range(turns):
         for first in range(0, sessions, concurrent):
             group = range(first, min(first + concurrent, sessions))
-            ids = {s: engine.add_request(contexts[s], params, job_id=f"s{s}", is_last_step=turn == turns - 1) for s in group}
+            ids = {
+                s: engine.add_request(
+                    contexts[s], dataclasses.replace(params, temperature=0.9, top_p=0.9, seed=s) if sampled else params,
+                    job_id=f"s{s}", is_last_step=turn == turns - 1,
+                )
+                for s in group
+            }
             done = run_all(engine)
             for s in group:
                 outputs.append(done[ids[s]].token_ids)
@@ -108,7 +118,7 @@ def test_async_is_lossless_under_pressure_with_the_real_model(tight_run, unbound
 def _mixed_requests(engine: Engine, prompts: list[list[int]], stop_token: int, stop_text: str) -> list[str]:
     """Requests that end every way while others run: on a stop token (so their next, already
     planned token is dropped), on a stop string, on length; greedy rows beside ones that sample
-    on the host (seeded random, a repetition penalty)."""
+    on the host (a repetition penalty) or at random where the logits are (seeded)."""
     params = [
         SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop_token]),
         SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop_text]),
@@ -143,7 +153,7 @@ def test_async_gives_the_synchronous_outputs_whatever_ends_a_request(smollm, cha
     reasons = [reason for _, _, reason, _ in finals[True]]
     assert reasons[:3] == ["stop", "stop", "length"]
     assert len(finals[True][0][0]) < 24 and finals[True][0][0][-1] == stop_token
-    # steps overlapped when every row was greedy; the ones with host sampling were waited for
+    # steps overlapped while no row sampled on the host; the ones with host sampling were waited for
     assert counters["launch"].overlapped > 0
     assert counters["launch"].overlapped < counters["launch"].launches
 
@@ -162,6 +172,27 @@ def test_async_overlaps_every_step_of_greedy_decoding(smollm, chat_prompts):
     # the request that ends on length is never planned past its last token
     assert all(len(r.token_times) == 8 for r in (o.metrics for o in engine.generate(chat_prompts, params)))
     assert_clean(engine)
+
+
+def test_async_overlaps_random_sampling_and_gives_the_synchronous_tokens(smollm, chat_prompts):
+    """Rows sampled at random (temperature, top-k, top-p, min-p, seeded or not) draw where the
+    logits are: every step is launched while the one before runs, as with greedy rows, and
+    the tokens are the synchronous engine's."""
+    params = [
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.2, top_k=20, min_p=0.05),
+        SamplingParams(max_tokens=8, ignore_eos=True),
+    ]
+    outs = {}
+    for mode in (False, True):
+        engine = make_engine(smollm, num_kv_blocks=128, async_scheduling=mode)
+        counter = LaunchCounter(engine) if mode else None
+        ids = [engine.add_request(p, s) for p, s in zip(chat_prompts, params, strict=False)]
+        finals = run_all(engine)
+        outs[mode] = [finals[i].token_ids for i in ids]
+        assert_clean(engine)
+    assert outs[True] == outs[False]
+    assert counter is not None and counter.overlapped == counter.launches - 1
 
 
 def test_aborting_a_request_in_flight_frees_it_and_the_others_go_on(smollm, chat_prompts):
@@ -284,6 +315,23 @@ def test_async_on_the_gpu_gives_the_synchronous_tokens(dtype: str) -> None:
             assert counter.overlapped >= counter.launches - 2
     assert outputs[0] == outputs[1]
     assert [len(o) for o in outputs[1]] == [12, 3, 20, 7, 16, 9]
+
+
+@pytest.mark.gpu
+def test_seeded_random_sampling_on_the_gpu_is_lossless_and_overlapped() -> None:
+    """On the GPU in bf16 (batch-invariant), async scheduling by default: sessions sampling at
+    random with their own seeds draw on the device (every launch overlaps the step before),
+    and a 12-block pool that evicts and preempts gives the unbounded synchronous engine's
+    sampled tokens."""
+    common = dict(model="dummy:tiny", device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=8)
+    reference = _small_vocab_sessions(Engine(num_kv_blocks=2048, async_scheduling=False, **common), sampled=True)
+    assert reference != _small_vocab_sessions(Engine(num_kv_blocks=2048, async_scheduling=False, **common))
+    engine = Engine(num_kv_blocks=12, eviction_policy="asymcache", **common)
+    counter = LaunchCounter(engine)
+    assert _small_vocab_sessions(engine, sampled=True) == reference
+    assert engine.stats().evictions_total > 0
+    assert counter.overlapped > counter.launches // 2
+    assert_clean(engine)
 
 
 @pytest.mark.gpu

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from asymcache_core import SamplingParams
@@ -20,10 +22,14 @@ def user_tokens(session: int, turn: int, length: int = 20) -> list[int]:
 SESSIONS, TURNS, CONCURRENT = 6, 3, 3
 
 
-def run_script(engine, sessions: int = SESSIONS, turns: int = TURNS, anonymous: bool = False) -> list[list[int]]:
+def run_script(
+    engine, sessions: int = SESSIONS, turns: int = TURNS, anonymous: bool = False,
+    params: Callable[[int, int], SamplingParams] | None = None,
+) -> list[list[int]]:
     """Multi-session multi-turn dialogue: sessions take turns three at a time (round robin), each
     prompt extending the session's previous prompt and answer (``anonymous``: no job ids, no
-    last step, as most clients send them)."""
+    last step, as most clients send them; ``params(session, turn)``: each turn's sampling,
+    greedy :data:`TURN` by default)."""
     contexts = {s: SYSTEM + user_tokens(s, 0) for s in range(sessions)}
     outputs: list[list[int]] = []
     for turn in range(turns):
@@ -31,7 +37,7 @@ def run_script(engine, sessions: int = SESSIONS, turns: int = TURNS, anonymous: 
             group = range(first, min(first + CONCURRENT, sessions))
             ids = {
                 s: engine.add_request(
-                    contexts[s], TURN, job_id=None if anonymous else f"s{s}",
+                    contexts[s], TURN if params is None else params(s, turn), job_id=None if anonymous else f"s{s}",
                     is_last_step=not anonymous and turn == turns - 1,
                 )
                 for s in group
@@ -56,6 +62,24 @@ def test_lossless_under_pressure(tight_run, unbounded, policy):
     assert run.outputs == unbounded
     assert run.engine.stats().evictions_total > 0
     run.engine.check_integrity()
+
+
+def _seeded(session: int, turn: int) -> SamplingParams:
+    return SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_p=0.95, top_k=40, seed=100 * session + turn)
+
+
+@pytest.mark.parametrize("policy", ["asymcache", "vllm-apc"])
+def test_seeded_sampling_is_lossless_under_pressure(smollm, policy):
+    """Random sampling draws each token by its seed and its index, not from a generator's
+    state: a tight pool that evicts (later turns draw on rebuilt KV) gives the unbounded
+    pool's sampled tokens."""
+    reference = run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048), params=_seeded)
+    greedy = run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
+    assert reference != greedy  # it did sample
+    engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy=policy)
+    assert run_script(engine, params=_seeded) == reference
+    assert engine.stats().evictions_total > 0
+    engine.check_integrity()
 
 
 # NOTE: one variant in the default suite (least work first, whole-prompt admission and the

@@ -155,3 +155,15 @@ def interp_copy() -> Iterator[ModuleType]:
 def compiled_copy() -> ModuleType:
     """``kernels.block_copy`` compiled for the GPU."""
     return _compiled("block_copy.py")
+
+
+@pytest.fixture(scope="module")
+def interp_sampling() -> Iterator[ModuleType]:
+    """``kernels/sampling.py`` under the interpreter."""
+    yield from _interpreted("sampling.py")
+
+
+@pytest.fixture(scope="module")
+def compiled_sampling() -> ModuleType:
+    """``kernels.sampling`` compiled for the GPU."""
+    return _compiled("sampling.py")

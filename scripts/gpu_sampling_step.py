@@ -1,0 +1,86 @@
+"""Decode steps with random sampling against greedy ones, through the engine (GPU).
+
+``python scripts/gpu_sampling_step.py [--cases 1x2048,8x2048,32x2048] [--tokens 48] [--rounds 3]``
+
+One engine (dummy Llama-3.1-8B bf16, the defaults: batch-invariant kernels, CUDA graphs, async
+scheduling) runs the same random prompts three ways, alternating in rounds: greedy; at random
+(temperature 0.7, top-p 0.95, top-k 50, a seed per request) drawn on the device; and at random
+through the host path (the same settings and a logits processor that cannot say it passes: the
+rows go to the host, and the step after waits for them, which is how every random row ran
+before 2026-12-06). Prints the median ms per output token of decode-only steps and the ratios,
+and checks that a second run of the device draws gives the same tokens (keyed draws).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+
+from asymcache_core import Engine, SamplingParams
+from asymcache_core.loaders import load_model
+from scripts.gpu_async_step import run_case
+
+RANDOM = dict(temperature=0.7, top_p=0.95, top_k=50)
+
+
+def _unchanged(_out: list[int], row: torch.Tensor) -> torch.Tensor:
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--cases", default="1x2048,8x2048,32x2048")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    os.environ.setdefault("ASYMCACHE_CACHE_DIR", tempfile.mkdtemp(prefix="sampling-step-"))
+    longest = max(c for _, c in cases) + args.tokens + 16
+    max_len = 1 << (longest - 1).bit_length()
+    loaded = load_model(args.model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, 0, max_len)
+    engine = Engine(
+        model=args.model, device=args.device, loaded=loaded, max_model_len=max_len, max_num_batched_tokens=8192,
+        num_kv_blocks=max(b * (c + args.tokens) // 16 + 64 for b, c in cases) + 256,
+        max_num_seqs=max(b for b, _ in cases),
+    )
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}; {args.model}; async scheduling {engine.async_scheduling}; "
+          f"ms per output token, median of {args.rounds} rounds")
+    ways = {
+        "greedy": lambda b: [SamplingParams()] * b,
+        "random, device": lambda b: [SamplingParams(seed=i, **RANDOM) for i in range(b)],
+        "random, host path": lambda b: [SamplingParams(seed=i, logits_processors=(_unchanged,), **RANDOM) for i in range(b)],
+    }
+    print("\n| decode | greedy ms | random on the device ms | random, host path ms | device / greedy | host / device | repeat equal |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    gen = torch.Generator().manual_seed(0)
+    vocab = loaded.config.vocab_size
+    for batch, context in cases:
+        times: dict[str, list[float]] = {w: [] for w in ways}
+        repeat_equal = True
+        for rnd in range(args.rounds):
+            prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+            seen = None
+            for way in list(ways) if rnd % 2 == 0 else list(ways)[::-1]:
+                engine.reset_prefix_cache()
+                ms, outs = run_case(engine, prompts, args.tokens, ways[way](batch))
+                times[way].append(ms)
+                if way == "random, device":
+                    seen = outs
+            engine.reset_prefix_cache()
+            _, again = run_case(engine, prompts, args.tokens, ways["random, device"](batch))
+            repeat_equal &= again == seen
+        med = {w: statistics.median(t) for w, t in times.items()}
+        g, d, h = med["greedy"], med["random, device"], med["random, host path"]
+        print(f"| {batch} x {context} | {g:.3f} | {d:.3f} | {h:.3f} | {d / g:.3f} | {h / d:.2f}x | {repeat_equal} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Random sampling where the logits are: the masks, the keyed draw, and a row's independence
+from the rest of its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asymcache_core.batched_sampling import RowSettings, masked_probs, sample_rows
+from asymcache_core.sampler import FAILED, NON_FINITE, Sampler
+from asymcache_core.sampling_params import SamplingParams
+from kernels.sampling import exponential_race_naive, mix32, row_keys
+
+VOCAB = 64
+
+
+def _logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], draws: list[int]) -> list[int]:
+    drawn = sample_rows(logits, RowSettings(params, seeds, draws))
+    assert not drawn.failed.any()
+    return drawn.tokens.tolist()
+
+
+def test_mix32_is_a_bijection_on_a_sample_and_keys_follow_seed_and_draw():
+    values = [mix32(x) for x in range(1 << 16)]
+    assert len(set(values)) == 1 << 16 and all(0 <= v < 1 << 32 for v in values)
+    keys = {row_keys(seed, draw) for seed in (0, 1, 2**63, 2**64 - 1) for draw in range(50)}
+    assert len(keys) == 200
+    assert row_keys(5, 7) == row_keys(5, 7)
+
+
+def test_the_race_draws_each_token_with_its_probability():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    n = 40_000
+    keys = torch.tensor([row_keys(9, d) for d in range(n)], dtype=torch.int64)
+    freq = torch.bincount(exponential_race_naive(probs.expand(n, 5), keys), minlength=5).double() / n
+    sigma = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert freq[4] == 0.0  # a zero is never drawn
+    assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all(), freq
+    # unnormalized rows draw the same way
+    assert torch.equal(exponential_race_naive(3 * probs.expand(n, 5), keys), exponential_race_naive(probs.expand(n, 5), keys))
+
+
+def test_the_cpu_draw_follows_the_probabilities_too():
+    logits = torch.log(torch.tensor([[0.6, 0.25, 0.1, 0.05]]))
+    p = SamplingParams(temperature=1.0)
+    tokens = [_draw(logits, [p], [11], [d])[0] for d in range(8_000)]
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).double() / len(tokens)
+    assert (freq - torch.tensor([0.6, 0.25, 0.1, 0.05], dtype=torch.float64)).abs().max() < 0.03
+
+
+def test_a_row_draws_the_same_alone_and_in_any_batch():
+    logits = _logits(5)
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.5, min_p=0.1),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_k=10, top_p=0.8, min_p=0.02),
+    ]
+    seeds, draws = [1, 2, 3, 4, 5], [0, 3, 9, 1, 2]
+    together = _draw(logits, params, seeds, draws)
+    alone = [_draw(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], draws[i : i + 1])[0] for i in range(5)]
+    assert together == alone
+    order = [4, 2, 0, 3, 1]
+    shuffled = _draw(logits[order], [params[i] for i in order], [seeds[i] for i in order], [draws[i] for i in order])
+    assert shuffled == [together[i] for i in order]
+
+
+def test_masks_keep_what_vllm_keeps():
+    logits = _logits(1, seed=3).expand(4, VOCAB).contiguous()
+    order = logits[0].argsort(descending=True)
+    params = [
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=1e-30),
+        SamplingParams(temperature=1.0, min_p=1.0),
+        SamplingParams(temperature=1.0),
+    ]
+    probs = masked_probs(logits, params)
+    assert set(probs[0].nonzero().flatten().tolist()) == set(order[:3].tolist())
+    assert probs[1].nonzero().flatten().tolist() == [int(order[0])]  # the most likely token stays
+    assert probs[2].nonzero().flatten().tolist() == [int(order[0])]
+    assert (probs[3] > 0).all()  # no top-p: every token, though the batch sorts for the others
+    top3 = set(order[:3].tolist())
+    for draw in range(60):
+        tokens = _draw(logits, params, [7] * 4, [draw] * 4)
+        assert tokens[0] in top3 and tokens[1] == tokens[2] == int(order[0])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_it():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = masked_probs(logits, [SamplingParams(temperature=1.0, top_p=0.8)])
+    assert probs[0].nonzero().flatten().tolist() == [0, 1]  # 0.5 < 0.8, 0.5 + 0.3 reaches it
+    probs = masked_probs(logits, [SamplingParams(temperature=1.0, top_p=0.81)])
+    assert probs[0].nonzero().flatten().tolist() == [0, 1, 2]
+
+
+def test_a_row_without_finite_logits_fails_alone_and_one_with_some_falls_back_to_them():
+    logits = _logits(3)
+    logits[1] = float("nan")
+    logits[2, :] = float("-inf")
+    logits[2, 5] = 2.0
+    logits[2, 7] = float("nan")
+    p = SamplingParams(temperature=1.0)
+    drawn = sample_rows(logits, RowSettings([p] * 3, [1, 2, 3], [0, 0, 0]))
+    assert drawn.failed.tolist() == [False, True, False]
+    assert 0 <= int(drawn.tokens[1]) < VOCAB and int(drawn.tokens[2]) == 5
+    sampler = Sampler(0)
+    tokens = sampler.sample(logits, ["a", "b", "c"], [p] * 3, [[], [], []])
+    assert tokens[1] == FAILED and tokens[2] == 5 and tokens[0] != FAILED
+    assert sampler.take_failures() == {"b": NON_FINITE}
+
+
+def test_the_sampler_keys_each_row_by_its_seed_and_the_token_index():
+    logits = _logits(1, seed=5).expand(2, VOCAB).contiguous()
+    sampler = Sampler(0)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    # the same seed and index draw the same token whatever the request; the index moves it
+    first = sampler.sample(logits, ["a", "b"], [seeded, seeded], [[], []])
+    assert first[0] == first[1]
+    runs = {tuple(sampler.sample(logits[:1], ["a"], [seeded], [[0] * n])) for n in range(40)}
+    assert len(runs) > 5
+    # unseeded rows take their seed from the engine seed and the request id: stable per request
+    free = SamplingParams(temperature=1.0)
+    assert Sampler(0).row_seed("x", free) == Sampler(0).row_seed("x", free) != Sampler(1).row_seed("x", free)
+    assert Sampler(0).row_seed("x", free) != Sampler(0).row_seed("y", free)
+    assert Sampler(0).row_seed("x", SamplingParams(seed=-1)) == 2**64 - 1
+
+
+def test_a_host_row_and_a_device_row_with_the_same_draw_agree_when_the_processor_passes():
+    """A processor that rewrites nothing sends its row to the host; a row without it samples on
+    the device path: on one device both draw by the same keys, so the same token."""
+    logits = _logits(1, seed=8)
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=4)
+    host = SamplingParams(temperature=0.8, top_p=0.9, seed=4, logits_processors=(lambda out, row: row,))
+    for n in range(10):
+        assert Sampler(0).sample(logits, ["a"], [p], [[1] * n]) == Sampler(0).sample(logits.clone(), ["a"], [host], [[1] * n])
+
+
+@pytest.mark.parametrize("greedy_rows", [(0,), (1, 2), ()])
+def test_sample_on_device_mixes_greedy_and_random_rows(greedy_rows):
+    logits = _logits(3, seed=2)
+    params = [SamplingParams() if i in greedy_rows else SamplingParams(temperature=1.0, seed=i) for i in range(3)]
+    drawn = Sampler(0).sample_on_device(logits, ["a", "b", "c"], params, [0, 0, 0])
+    for i in range(3):
+        if i in greedy_rows:
+            assert int(drawn.tokens[i]) == int(logits[i].argmax())
+        else:
+            assert int(drawn.tokens[i]) == _draw(logits[i : i + 1], [params[i]], [i], [0])[0]
+
+
+@pytest.mark.parametrize("shift", [0, 32])
+def test_seeds_that_differ_in_either_half_draw_differently(shift):
+    """Seeds 1..40 (or the same in the seed's high half) on a flat row, one draw each."""
+    logits = torch.zeros(1, VOCAB)
+    p = SamplingParams(temperature=1.0)
+    tokens = {_draw(logits, [p], [s << shift], [0])[0] for s in range(1, 41)}
+    assert len(tokens) > 20
+    keys = torch.tensor([row_keys(s << shift, 0) for s in range(1, 41)], dtype=torch.int64)
+    assert len(set(exponential_race_naive(torch.ones(40, VOCAB), keys).tolist())) > 20
