@@ -5,25 +5,29 @@ together on the logits' device, in a few batched ops and one draw (:func:`sample
 copy of the vocabulary to the host, and on CUDA no synchronization, so async scheduling keeps
 the next step's launch ahead of this one (the next step reads the tokens on the device).
 
-Each row is drawn by the exponential race of :mod:`kernels.sampling`, keyed by its seed and
+Each row is drawn by the Gumbel-max race of :mod:`kernels.sampling`, keyed by its seed and
 the index of the token it draws (:func:`kernels.sampling.row_keys`): a row's token depends only
 on its own logits, settings, seed and position, never on the rest of the batch, and a token
 recomputed after its KV was evicted is drawn again the same. On CUDA the race is one Triton
-launch; elsewhere each row draws with ``torch.multinomial`` from a generator seeded by its
-keys (cheaper than the hash on a CPU), with the same independence.
+launch that reads the logits once (no softmax); on a CPU each row finds one uniform from its
+keys in its cumulative distribution (:func:`inverse_cdf_draw`, cheaper than hashing every token
+there), with the same independence.
 
-The masks follow vLLM's order: temperature, then top-k on the scaled logits, softmax, min-p
-(relative to the row's most likely token), then top-p (the most likely token always stays).
+The masks are one number a row, the least scaled logit kept (:func:`row_cuts`): top-k on the
+logits divided by the temperature, min-p relative to the most likely token, then top-p over
+the distribution what is left renormalizes to (the most likely token always stays). Rows with
+temperature alone need no mask at all.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from asymcache_core.sampling_params import SamplingParams
-from kernels.sampling import exponential_race_naive, exponential_race_triton, row_keys
+from kernels.sampling import gumbel_argmax_triton, gumbel_scores_naive, row_keys
 from kernels.sampling import triton as _triton
 
 
@@ -54,64 +58,94 @@ class RowSettings(NamedTuple):
     draws: list[int]
 
 
-def _column(values: list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _column(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def masked_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The rows' probabilities after temperature, top-k, min-p and top-p: ``[N, V]`` float32,
-    zero where masked (rows not renormalized: the race does not need it).
+def _no_cut(params: list[SamplingParams]) -> bool:
+    return all(p.top_k <= 0 and p.min_p <= 0.0 and p.top_p >= 1.0 for p in params)
+
+
+def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's temperature and cut: the least logit divided by the temperature that its
+    top-k, min-p and top-p keep (``-inf``: all of them).
 
     Args:
         logits: ``[N, V]`` of the rows, any float dtype.
         params: each row's parameters (``temperature > 0``).
+
+    Returns:
+        ``temperature [N]`` and ``cut [N]``, float32 on ``logits``' device.
     """
     device, vocab = logits.device, logits.shape[-1]
-    x = logits.float() / _column([p.temperature for p in params], device, torch.float32)[:, None]
+    temperature = _column([p.temperature for p in params], device, torch.float32)
+    cut = torch.full((len(params),), float("-inf"), device=device)
+    if _no_cut(params):
+        return temperature, cut
+    # NOTE: a NaN logit is never kept, so it must not set a cut either
+    scaled = torch.nan_to_num(logits.float() / temperature[:, None], nan=float("-inf"))
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
     if any(top_k):
-        kth = torch.topk(x, max(top_k), dim=-1).values
-        kth = kth.gather(1, _column([max(k, 1) - 1 for k in top_k], device, torch.int64)[:, None])
-        # NOTE: a row without top-k keeps everything (its threshold is -inf)
-        kth = kth.masked_fill(_column([k == 0 for k in top_k], device, torch.bool)[:, None], float("-inf"))
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+        kth = torch.topk(scaled, max(top_k), dim=-1).values
+        kth = kth.gather(1, _column([max(k, 1) - 1 for k in top_k], device, torch.int64)[:, None]).squeeze(1)
+        cut = torch.where(_column([k > 0 for k in top_k], device, torch.bool), kth, cut)
     if any(p.min_p > 0.0 for p in params):
-        floor = _column([p.min_p for p in params], device, torch.float32)[:, None]
-        probs = probs.masked_fill(probs < floor * probs.amax(dim=-1, keepdim=True), 0.0)
+        # NOTE: p >= min_p * p_max is x / T >= max(x / T) + log(min_p)
+        floor = _column([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], device, torch.float32)
+        cut = torch.maximum(cut, scaled.amax(dim=-1) + floor)
     if any(p.top_p < 1.0 for p in params):
-        # NOTE: a row without top-p keeps every token: its bound is +inf, not 1.0 (the float32
-        # cumulative sum of a whole row can pass 1.0 before its last tokens)
-        bound = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device, torch.float32)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_probs.cumsum(dim=-1) - sorted_probs < bound[:, None]
-        keep[:, 0] = True  # the most likely token always stays (a tiny top_p rounds to 0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
-    return probs
+        cut = torch.maximum(cut, _top_p_cut(scaled, cut, [p.top_p for p in params]))
+    return temperature, cut
 
 
-def race(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
-    """One token per row of ``probs`` by its keys: ``[N]`` int64 on ``probs``' device."""
-    device = probs.device
-    if device.type == "cuda" and _triton is not None:
-        return exponential_race_triton(probs, _column(keys, device, torch.int64))
-    if device.type != "cpu":
-        return exponential_race_naive(probs, _column(keys, device, torch.int64))
-    tokens = [
-        # NOTE: the generator is seeded by this draw's keys, no state carried between draws; by
-        # the second key alone, which depends on both halves of the seed (the CPU generator
-        # keeps only the low 32 bits of a seed)
-        int(torch.multinomial(row, 1, generator=torch.Generator().manual_seed(k1)))
-        for row, (_, k1) in zip(probs, keys, strict=True)
-    ]
-    return torch.tensor(tokens, dtype=torch.int64)
+def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The cut of each row's top-p over what ``cut`` keeps: its most likely tokens until their
+    probability reaches ``top_p`` (the token that reaches it included); ``-inf`` for a row
+    without top-p."""
+    device, vocab = scaled.device, scaled.shape[-1]
+    bound = _column(top_p, device, torch.float32)[:, None]
+    masked = torch.where(scaled >= cut[:, None], scaled, float("-inf"))
+    norm = torch.logsumexp(masked, dim=-1, keepdim=True)
+    # NOTE: on a CPU the sort of the whole vocabulary is most of a step's sampling: the most
+    # likely 256 (then 8x more) are enough for a row whose cut falls among them. On a device
+    # that would need a synchronization to know; the whole sort is cheap there.
+    width = min(vocab, 256) if device.type == "cpu" else vocab
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    while True:
+        top = masked.topk(width, dim=-1).values if width < vocab else masked.sort(dim=-1, descending=True).values
+        probs = torch.exp(top - norm)
+        before = probs.cumsum(dim=-1) - probs
+        if width == vocab or bool((before[rows, -1] + probs[rows, -1] >= bound[rows, 0]).all()):
+            break
+        width = min(vocab, width * 8)
+    # NOTE: the most likely token always stays (a tiny top_p rounds to 0)
+    count = (before < bound).sum(dim=-1, keepdim=True).clamp_(min=1)
+    cut_p = top.gather(1, count - 1).squeeze(1)
+    return torch.where(_column([p < 1.0 for p in top_p], device, torch.bool), cut_p, float("-inf"))
+
+
+def inverse_cdf_draw(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """The CPU's draw: one uniform per row from its keys, found in the row's cumulative sum:
+    ``[N]`` int64.
+
+    NOTE: one number a row where the race hashes every token: ~20x cheaper on a CPU, and as
+    independent of the batch (a row's token is a function of its keys and probabilities).
+    """
+    cdf = probs.float().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # NOTE: the uniform's bits come from the second key first, which depends on the whole seed
+    u = torch.tensor([[((k1 << 21) ^ k0) % (1 << 53) / float(1 << 53)] for k0, k1 in keys], dtype=torch.float32)
+    # NOTE: the target stays below the row's total, so the first entry past it exists; a
+    # zero-probability token never starts a step of the cumulative sum, so it is never found
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def sample_rows(logits: torch.Tensor, rows: RowSettings) -> SampledRows:
-    """Samples one token per row of ``logits`` at random.
+    """Samples one token per row of ``logits`` at random, among the tokens its cut keeps.
 
-    A row whose probabilities are not finite or sum to nothing (non-finite logits) takes the
-    argmax of its finite logits instead; a row without any finite logit is marked failed.
+    NaN logits are never drawn; a row with a ``+inf`` logit takes it; a row with nothing left
+    (no logit above ``-inf``) is marked failed.
 
     Args:
         logits: ``[N, V]`` of the rows (processed already, where processors ran).
@@ -120,15 +154,24 @@ def sample_rows(logits: torch.Tensor, rows: RowSettings) -> SampledRows:
     Returns:
         The tokens and failure marks, on ``logits``' device.
     """
-    probs = masked_probs(logits, rows.params)
+    device = logits.device
+    temperature, cut = row_cuts(logits, rows.params)
+    keys = [row_keys(s, d) for s, d in zip(rows.seeds, rows.draws, strict=True)]
+    if device.type != "cpu":
+        key_tensor = _column(keys, device, torch.int64)
+        if device.type == "cuda" and _triton is not None:
+            tokens, best = gumbel_argmax_triton(logits, temperature, cut, key_tensor)
+        else:
+            best, tokens = gumbel_scores_naive(logits, temperature, cut, key_tensor).max(dim=-1)
+        return SampledRows(tokens, best == float("-inf"))
+    scaled = logits.float() / temperature[:, None]
+    kept = torch.where(scaled >= cut[:, None], scaled, float("-inf"))
+    probs = torch.softmax(kept, dim=-1)
     sums = probs.sum(dim=-1)
-    ok = torch.isfinite(probs).all(dim=-1) & (sums > 0.0)
-    if probs.device.type == "cpu" and not bool(ok.all()):
-        # NOTE: the CPU's multinomial rejects such rows; their tokens come from the fallback
-        probs = torch.where(ok[:, None], probs, torch.ones_like(probs))
-    drawn = race(probs, [row_keys(s, d) for s, d in zip(rows.seeds, rows.draws, strict=True)])
-    finite = torch.nan_to_num(logits.float(), nan=float("-inf"))
-    fallback = finite.argmax(dim=-1)
-    tokens = torch.where(ok, drawn, fallback)
-    failed = ~ok & ~torch.isfinite(finite).any(dim=-1)
-    return SampledRows(tokens, failed)
+    ok = torch.isfinite(sums) & (sums > 0.0)
+    tokens = inverse_cdf_draw(torch.where(ok[:, None], probs, 1.0), keys)
+    if bool(ok.all()):
+        return SampledRows(tokens, torch.zeros_like(ok))
+    # NOTE: a +inf logit makes the softmax NaN: the first such token is drawn
+    best, fallback = kept.max(dim=-1)
+    return SampledRows(torch.where(ok, tokens, fallback), ~ok & (best == float("-inf")))

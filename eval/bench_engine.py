@@ -6,8 +6,8 @@ of this engine and of HF ``generate`` at batch 1 and 16, measured in one run on 
 Prefill is timed as the first step of a batch (all prompts, one token sampled), the median of
 ``prefill_samples`` fresh ones per measurement (a single step of a few hundred milliseconds
 swings by 20% on a shared machine); decode is the rest of a ``max_tokens`` generation divided
-by its generated tokens. Both engines run greedy,
-float32, with EOS ignored so that every row generates exactly ``new_tokens`` tokens. Each
+by its generated tokens. Both engines run greedy (``sampling="random"``: temperature 0.7 and
+top-p 0.9, top-k off, in both), float32, with EOS ignored so that every row generates exactly ``new_tokens`` tokens. Each
 measurement is repeated, the two engines alternating, and the table shows medians and the
 range of the paired ratios: on a shared 2-core machine one run's figures swing by 10% or more.
 """
@@ -56,30 +56,48 @@ class SpeedSummary:
         return statistics.median(r.decode_tok_s for r in self.runs)
 
 
+#: the settings of ``sampling="random"`` (both engines)
+RANDOM = {"temperature": 0.7, "top_p": 0.9}
+SAMPLINGS = ("greedy", "random")
+
+
+def _ours_params(sampling: str, max_tokens: int) -> Any:
+    from asymcache_core import SamplingParams
+
+    extra = RANDOM if sampling == "random" else {}
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def _hf_kwargs(sampling: str) -> dict[str, Any]:
+    return {"do_sample": True, "top_k": 0, **RANDOM} if sampling == "random" else {"do_sample": False}
+
+
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(100, vocab - 100, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
 
 
-def bench_ours(loaded, batch: int, prompt_len: int, new_tokens: int, seed: int, prefill_samples: int = 3) -> SpeedRow:
-    from asymcache_core import Engine, SamplingParams
+def bench_ours(
+    loaded, batch: int, prompt_len: int, new_tokens: int, seed: int, prefill_samples: int = 3, sampling: str = "greedy"
+) -> SpeedRow:
+    from asymcache_core import Engine
 
     prompts = _prompts(batch, prompt_len, loaded.config.vocab_size, seed)
     blocks = batch * (-(-(prompt_len + new_tokens) // 16) + 1) + 16
     engine = Engine(model=loaded.name, loaded=loaded, num_kv_blocks=blocks, max_num_batched_tokens=max(2048, batch * prompt_len))
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    engine.generate(prompts[:1], _ours_params(sampling, 2))  # warm-up
     prefills = []
     for _ in range(prefill_samples):
         engine.reset_prefix_cache()  # every timed prefill computes its prompts afresh
         for p in prompts:
-            engine.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+            engine.add_request(p, _ours_params(sampling, 1))
         start = time.perf_counter()
         engine.step()  # the whole batch's prefill (the budget covers it) and its one token
         prefills.append(time.perf_counter() - start)
         while engine.has_unfinished():
             engine.step()
     engine.reset_prefix_cache()
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    params = _ours_params(sampling, new_tokens)
     for p in prompts:
         engine.add_request(p, params)
     start = time.perf_counter()
@@ -93,21 +111,21 @@ def bench_ours(loaded, batch: int, prompt_len: int, new_tokens: int, seed: int, 
 
 
 def bench_hf(
-    hf_model, batch: int, prompt_len: int, new_tokens: int, seed: int, vocab: int, prefill_samples: int = 3
+    hf_model, batch: int, prompt_len: int, new_tokens: int, seed: int, vocab: int, prefill_samples: int = 3,
+    sampling: str = "greedy",
 ) -> SpeedRow:
     prompts = torch.tensor(_prompts(batch, prompt_len, vocab, seed))
     mask = torch.ones_like(prompts)
+    how = _hf_kwargs(sampling)
     with torch.no_grad():
-        hf_model.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        hf_model.generate(prompts[:1], attention_mask=mask[:1], max_new_tokens=2, min_new_tokens=2, **how)
         prefills = []
         for _ in range(prefill_samples):
             start = time.perf_counter()
-            hf_model.generate(prompts, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            hf_model.generate(prompts, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, **how)
             prefills.append(time.perf_counter() - start)
         start = time.perf_counter()
-        hf_model.generate(
-            prompts, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-        )
+        hf_model.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **how)
         total = time.perf_counter() - start
     prefill = statistics.median(prefills)
     return SpeedRow("transformers", batch, batch * prompt_len / prefill, batch * (new_tokens - 1) / max(total - prefill, 1e-9))
@@ -115,7 +133,7 @@ def bench_hf(
 
 def run(
     batches: tuple[int, ...] = (1, 16), prompt_len: int = 128, new_tokens: int = 64, seed: int = 0,
-    progress: Any = None, repeats: int = 3,
+    progress: Any = None, repeats: int = 3, sampling: str = "greedy",
 ) -> list[SpeedSummary]:
     """Measures both engines, ``repeats`` times each, alternating; returns the summaries (also
     printed as a table).
@@ -124,6 +142,7 @@ def run(
         progress: optional ``rich.progress.Progress``-like object (``add_task``/``update``):
             one task over the model loads and the measurements.
         repeats: measurements per engine and batch size.
+        sampling: ``greedy``, or ``random`` (temperature 0.7, top-p 0.9 in both engines).
     """
     from transformers import AutoModelForCausalLM
 
@@ -131,6 +150,8 @@ def run(
 
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling: must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
     task = progress.add_task("bench-engine", total=2 + 2 * len(batches) * repeats) if progress is not None else None
     completed = 0
 
@@ -150,12 +171,12 @@ def run(
         ours: list[SpeedRow] = []
         theirs: list[SpeedRow] = []
         for _ in range(repeats):
-            ours.append(bench_ours(loaded, batch, prompt_len, new_tokens, seed))
+            ours.append(bench_ours(loaded, batch, prompt_len, new_tokens, seed, sampling=sampling))
             done()
-            theirs.append(bench_hf(hf_model, batch, prompt_len, new_tokens, seed, loaded.config.vocab_size))
+            theirs.append(bench_hf(hf_model, batch, prompt_len, new_tokens, seed, loaded.config.vocab_size, sampling=sampling))
             done()
         summaries += [SpeedSummary("asymcache", batch, tuple(ours)), SpeedSummary("transformers", batch, tuple(theirs))]
-    print_table(summaries, prompt_len, new_tokens)
+    print_table(summaries, prompt_len, new_tokens, sampling)
     return summaries
 
 
@@ -165,9 +186,10 @@ def _ratio_range(ours: SpeedSummary, hf: SpeedSummary, key: str) -> str:
     return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
-def print_table(rows: list[SpeedSummary], prompt_len: int, new_tokens: int) -> None:
+def print_table(rows: list[SpeedSummary], prompt_len: int, new_tokens: int, sampling: str = "greedy") -> None:
     repeats = max((len(r.runs) for r in rows), default=0)
-    print(f"# SmolLM2-135M fp32, prompt {prompt_len}, {new_tokens} new tokens, "
+    how = "greedy" if sampling == "greedy" else "random (temperature 0.7, top-p 0.9)"
+    print(f"# SmolLM2-135M fp32, prompt {prompt_len}, {new_tokens} new tokens, {how}, "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"median of {repeats} alternating runs (ratio range over the paired runs)")
     print(f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}"

@@ -578,18 +578,22 @@ def bench_engine(
     prompt_len: int = typer.Option(128, min=1),
     new_tokens: int = typer.Option(64, min=2),
     repeats: int = typer.Option(3, min=1, help="Measurements per engine and batch size, the engines alternating."),
+    sampling: str = typer.Option("greedy", help="greedy, or random: temperature 0.7 and top-p 0.9 in both engines."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
     """Engine prefill/decode tokens/s against transformers' generate (SmolLM2 fp32 on the CPU,
     batch 1 and 16; medians of alternating runs)."""
     from asymcache_core import EngineConfig
-    from eval.bench_engine import run
+    from eval.bench_engine import SAMPLINGS, run
     from eval.cli_progress import progress_for, showing_model_loads
 
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"--sampling: must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
     seed = EngineConfig(**engine_args).seed
     with progress_for() as progress, showing_model_loads(progress):
-        run(prompt_len=prompt_len, new_tokens=new_tokens, seed=seed, progress=progress, repeats=repeats)
+        run(prompt_len=prompt_len, new_tokens=new_tokens, seed=seed, progress=progress, repeats=repeats,
+            sampling=sampling)
 
 
 @app.command()

@@ -1,38 +1,47 @@
-"""A categorical draw per row, keyed by a counter: the exponential race.
+"""A categorical draw per row of logits, keyed by a counter: the Gumbel-max race.
 
-A row's token is ``argmax_v p_v / E_v`` with ``E_v = -log(u_v)`` independent Exp(1) draws: the
-first of ``V`` exponential clocks of rates ``p_v`` to ring, which lands on ``v`` with
-probability ``p_v / sum(p)`` (the Gumbel-max trick in another form; vLLM's sampler draws the
-same way). Here ``u_v`` is a counter-based hash of the row's two 32-bit keys and of ``v``, not
-the output of a generator: a row's draw is a function of its keys and its probabilities only,
-never of the other rows of the batch nor of a draw before it, so one launch serves rows of any
-seeds, and a token recomputed after an eviction is drawn again the same.
+A row's token is ``argmax_v (x_v / T + G_v)`` over the tokens kept by its cut
+(``x_v / T >= cut``), with ``G_v = -log(-log(u_v))`` independent Gumbel draws: it lands on
+``v`` with probability ``softmax(x / T)_v`` renormalized over the kept tokens (vLLM's sampler
+draws the same way, as ``argmax(p / Exp(1))``), and needs neither the softmax nor its max. Here
+``u_v`` is a counter-based hash of the row's two 32-bit keys and of ``v``, not the output of a
+generator: a row's draw is a function of its keys, logits, temperature and cut only, never of
+the other rows of the batch nor of a draw before it, so one launch serves rows of any seeds, and
+a token recomputed after an eviction is drawn again the same.
 
-- :func:`exponential_race_triton`: one launch, the vocabulary split into chunks of
-  ``CHUNK`` tokens over a ``(row, chunk)`` grid; each program writes its chunk's best score and
-  index, and the row's token is the first chunk's best among the best (ties to the lower index,
-  as ``torch.argmax``).
-- :func:`exponential_race_naive`: its torch twin (the same integer hash and float32 steps),
-  for any device; the tests compare the two.
+- :func:`gumbel_argmax_triton`: one launch over a ``(row, chunk)`` grid (``CHUNK`` tokens a
+  program) that reads the logits once and writes each chunk's best score and index; the row's
+  token is the best among them (ties to the lower index, as ``torch.argmax``).
+- :func:`gumbel_argmax_naive`: its torch twin (the same integer hash and float32 steps), for
+  any device; the tests compare the two.
 - :func:`row_keys`: a row's keys from its 64-bit seed and the index of its draw.
 
-Shapes: ``probs [N, V]`` float32 (rows need not sum to one; a zero is never drawn),
-``keys [N, 2]`` int64 holding 32-bit values.
+Shapes: ``logits [N, V]`` (any float dtype, computed in float32), ``temperature [N]`` and
+``cut [N]`` float32 (``-inf``: every token kept), ``keys [N, 2]`` int64 holding 32-bit values.
+A logit that is NaN is never drawn; a row with nothing left scores ``-inf`` everywhere.
 
 NOTE: the hash works on 32-bit values held in int64, and multiplies by 16-bit halves so that no
-product overflows: the same bits on the CPU, under the interpreter and compiled.
+product overflows: the same bits on the CPU, under the interpreter and compiled. The logs and
+the division are the exactly rounded ones torch runs (libdevice's ``log``, ``div_rn``): the
+winners are short draws (``u`` near 1, ``-log(u)`` near 0), where an approximate log loses
+every digit, and so the kernel draws the twin's tokens on the same device.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - triton is an optional dependency off CUDA
     triton = None
 
+#: under Triton's interpreter (the CPU tests), whose ``tl.log`` is numpy's: libdevice is not there
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 #: the two multipliers of the 32-bit mix (Wellons' "lowbias32"), split in 16-bit halves
 _M1_LO, _M1_HI = 0x7FEB352D & 0xFFFF, 0x7FEB352D >> 16
 _M2_LO, _M2_HI = 0x846CA68B & 0xFFFF, 0x846CA68B >> 16
@@ -60,8 +69,8 @@ def row_keys(seed: int, draw: int) -> tuple[int, int]:
     """
     d = mix32(draw & _MASK32) ^ mix32((draw >> 32) ^ 0x9E3779B9)
     k0 = mix32((seed & _MASK32) ^ d)
-    # NOTE: the second key depends on the whole seed and draw too (a 32-bit generator seed can
-    # be taken from it alone)
+    # NOTE: the second key depends on the whole seed and draw too (a 32-bit generator seed or
+    # a uniform can be taken from it alone)
     return k0, mix32(((seed >> 32) & _MASK32) ^ mix32(k0 ^ 0x85EBCA6B))
 
 
@@ -85,10 +94,21 @@ def race_uniforms_naive(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
 
 
-def exponential_race_naive(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The reference race: ``[N]`` int64 tokens of ``probs [N, V]`` keyed by ``keys [N, 2]``."""
-    exp_draws = -torch.log(race_uniforms_naive(keys, probs.shape[-1]))
-    return (probs.float() / exp_draws).argmax(dim=-1)
+def gumbel_scores_naive(
+    logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """The race's scores ``[N, V]`` float32: ``x / T + G`` where kept, ``-inf`` elsewhere."""
+    scaled = logits.float() / temperature[:, None]
+    kept = scaled >= cut[:, None]  # NOTE: False for a NaN logit
+    gumbel = -torch.log(-torch.log(race_uniforms_naive(keys, logits.shape[-1])))
+    return torch.where(kept, scaled + gumbel, float("-inf"))
+
+
+def gumbel_argmax_naive(
+    logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """The reference race: ``[N]`` int64 tokens."""
+    return gumbel_scores_naive(logits, temperature, cut, keys).argmax(dim=-1)
 
 
 if triton is not None:
@@ -107,53 +127,70 @@ if triton is not None:
 
     @triton.jit
     def _race_kernel(
-        p_probs,
+        p_logits,
+        p_temperature,
+        p_cut,
         p_keys,
         p_score,
         p_index,
         V,
-        s_probs_n,
+        s_logits_n,
         S: tl.constexpr,
         BLOCK_V: tl.constexpr,
         M1_LO: tl.constexpr,
         M1_HI: tl.constexpr,
         M2_LO: tl.constexpr,
         M2_HI: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):
         i_n = tl.program_id(0)
         i_s = tl.program_id(1)
         k0 = tl.load(p_keys + i_n * 2)
         k1 = tl.load(p_keys + i_n * 2 + 1)
+        b_t = tl.load(p_temperature + i_n)
+        b_cut = tl.load(p_cut + i_n)
         o_v = i_s * BLOCK_V + tl.arange(0, BLOCK_V)
         m_v = o_v < V
-        b_p = tl.load(p_probs + i_n * s_probs_n + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_x = tl.load(p_logits + i_n * s_logits_n + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
+        b_x = tl.math.div_rn(b_x, b_t)
         h = _mix32(o_v.to(tl.int64) ^ k0, M1_LO, M1_HI, M2_LO, M2_HI)
         h = _mix32(h ^ k1, M1_LO, M1_HI, M2_LO, M2_HI)
         b_u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        b_score = b_p / -tl.log(b_u)
-        b_score = tl.where(m_v, b_score, -1.0)
+        if INTERPRETED:
+            b_g = -tl.log(-tl.log(b_u))
+        else:
+            b_g = -libdevice.log(-libdevice.log(b_u))
+        b_score = tl.where(m_v & (b_x >= b_cut), b_x + b_g, float("-inf"))
         i_best = tl.argmax(b_score, axis=0, tie_break_left=True)
         tl.store(p_score + i_n * S + i_s, tl.max(b_score, axis=0))
         tl.store(p_index + i_n * S + i_s, i_s * BLOCK_V + i_best)
 
 
-def exponential_race_triton(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The race in one launch (plus a ``[N, V / CHUNK]`` argmax): ``[N]`` int64 tokens.
+def gumbel_argmax_triton(
+    logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor, keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The race in one launch (plus a ``[N, V / CHUNK]`` argmax).
 
     Args:
-        probs: ``[N, V]`` float32 (or half), rows contiguous in their last dim.
+        logits: ``[N, V]``, rows contiguous in their last dim.
+        temperature: ``[N]`` float32, > 0.
+        cut: ``[N]`` float32, the least scaled logit kept.
         keys: ``[N, 2]`` int64 (see :func:`row_keys`), on the same device.
+
+    Returns:
+        ``[N]`` int64 tokens, and ``[N]`` float32 best scores (``-inf``: nothing to draw).
     """
     if triton is None:  # pragma: no cover - guarded by the callers
-        raise RuntimeError("exponential_race_triton: triton is not installed")
-    n, vocab = probs.shape
-    if probs.stride(-1) != 1:
-        probs = probs.contiguous()
+        raise RuntimeError("gumbel_argmax_triton: triton is not installed")
+    n, vocab = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     splits = triton.cdiv(vocab, CHUNK)
-    score = torch.empty((n, splits), dtype=torch.float32, device=probs.device)
-    index = torch.empty((n, splits), dtype=torch.int64, device=probs.device)
+    score = torch.empty((n, splits), dtype=torch.float32, device=logits.device)
+    index = torch.empty((n, splits), dtype=torch.int64, device=logits.device)
     _race_kernel[(n, splits)](
-        probs, keys.contiguous(), score, index, vocab, probs.stride(0), S=splits, BLOCK_V=CHUNK,
-        M1_LO=_M1_LO, M1_HI=_M1_HI, M2_LO=_M2_LO, M2_HI=_M2_HI,
+        logits, temperature.contiguous(), cut.contiguous(), keys.contiguous(), score, index, vocab, logits.stride(0),
+        S=splits, BLOCK_V=CHUNK, M1_LO=_M1_LO, M1_HI=_M1_HI, M2_LO=_M2_LO, M2_HI=_M2_HI, INTERPRETED=_INTERPRETED,
     )
-    return index.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
+    best, chunk = score.max(dim=-1, keepdim=True)
+    return index.gather(1, chunk).squeeze(1), best.squeeze(1)

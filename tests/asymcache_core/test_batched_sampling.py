@@ -6,16 +6,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asymcache_core.batched_sampling import RowSettings, masked_probs, sample_rows
+from asymcache_core.batched_sampling import RowSettings, row_cuts, sample_rows
 from asymcache_core.sampler import FAILED, NON_FINITE, Sampler
 from asymcache_core.sampling_params import SamplingParams
-from kernels.sampling import exponential_race_naive, mix32, row_keys
+from kernels.sampling import gumbel_argmax_naive, mix32, row_keys
 
 VOCAB = 64
 
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _kept(logits: torch.Tensor, params: list[SamplingParams]) -> list[set[int]]:
+    """Each row's tokens its cut keeps."""
+    temperature, cut = row_cuts(logits, params)
+    kept = logits / temperature[:, None] >= cut[:, None]
+    return [set(row.nonzero().flatten().tolist()) for row in kept]
+
+
+def _race(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    n = logits.shape[0]
+    return gumbel_argmax_naive(logits, torch.ones(n), torch.full((n,), float("-inf")), keys)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], draws: list[int]) -> list[int]:
@@ -36,12 +48,16 @@ def test_the_race_draws_each_token_with_its_probability():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     n = 40_000
     keys = torch.tensor([row_keys(9, d) for d in range(n)], dtype=torch.int64)
-    freq = torch.bincount(exponential_race_naive(probs.expand(n, 5), keys), minlength=5).double() / n
+    logits = torch.log(probs).expand(n, 5)
+    freq = torch.bincount(_race(logits, keys), minlength=5).double() / n
     sigma = (probs.double() * (1 - probs.double()) / n).sqrt()
     assert freq[4] == 0.0  # a zero is never drawn
     assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all(), freq
-    # unnormalized rows draw the same way
-    assert torch.equal(exponential_race_naive(3 * probs.expand(n, 5), keys), exponential_race_naive(probs.expand(n, 5), keys))
+    # a temperature flattens the odds: at T = 2 they follow sqrt(p), renormalized
+    hot = gumbel_argmax_naive(logits, torch.full((n,), 2.0), torch.full((n,), float("-inf")), keys)
+    expect = probs.double().sqrt() / probs.double().sqrt().sum()
+    freq = torch.bincount(hot, minlength=5).double() / n
+    assert ((freq - expect).abs() <= 5 * (expect * (1 - expect) / n).sqrt() + 1e-12).all(), freq
 
 
 def test_the_cpu_draw_follows_the_probabilities_too():
@@ -79,11 +95,11 @@ def test_masks_keep_what_vllm_keeps():
         SamplingParams(temperature=1.0, min_p=1.0),
         SamplingParams(temperature=1.0),
     ]
-    probs = masked_probs(logits, params)
-    assert set(probs[0].nonzero().flatten().tolist()) == set(order[:3].tolist())
-    assert probs[1].nonzero().flatten().tolist() == [int(order[0])]  # the most likely token stays
-    assert probs[2].nonzero().flatten().tolist() == [int(order[0])]
-    assert (probs[3] > 0).all()  # no top-p: every token, though the batch sorts for the others
+    kept = _kept(logits, params)
+    assert kept[0] == set(order[:3].tolist())
+    assert kept[1] == {int(order[0])}  # the most likely token stays
+    assert kept[2] == {int(order[0])}
+    assert kept[3] == set(range(VOCAB))  # no mask: every token, though the batch sorts for the others
     top3 = set(order[:3].tolist())
     for draw in range(60):
         tokens = _draw(logits, params, [7] * 4, [draw] * 4)
@@ -92,10 +108,13 @@ def test_masks_keep_what_vllm_keeps():
 
 def test_top_p_keeps_the_smallest_set_reaching_it():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    probs = masked_probs(logits, [SamplingParams(temperature=1.0, top_p=0.8)])
-    assert probs[0].nonzero().flatten().tolist() == [0, 1]  # 0.5 < 0.8, 0.5 + 0.3 reaches it
-    probs = masked_probs(logits, [SamplingParams(temperature=1.0, top_p=0.81)])
-    assert probs[0].nonzero().flatten().tolist() == [0, 1, 2]
+    assert _kept(logits, [SamplingParams(temperature=1.0, top_p=0.8)]) == [{0, 1}]  # 0.5 + 0.3 reaches it
+    assert _kept(logits, [SamplingParams(temperature=1.0, top_p=0.81)]) == [{0, 1, 2}]
+    # after top-k, top-p counts the renormalized rest: 0.5 / 0.8 = 0.625 reaches 0.6
+    assert _kept(logits, [SamplingParams(temperature=1.0, top_k=2, top_p=0.6)]) == [{0}]
+    # min-p keeps tokens at least min_p times the most likely one
+    assert _kept(logits, [SamplingParams(temperature=1.0, min_p=0.3)]) == [{0, 1, 2}]
+    assert _kept(logits, [SamplingParams(temperature=1.0, min_p=0.31)]) == [{0, 1}]
 
 
 def test_a_row_without_finite_logits_fails_alone_and_one_with_some_falls_back_to_them():
@@ -107,6 +126,9 @@ def test_a_row_without_finite_logits_fails_alone_and_one_with_some_falls_back_to
     p = SamplingParams(temperature=1.0)
     drawn = sample_rows(logits, RowSettings([p] * 3, [1, 2, 3], [0, 0, 0]))
     assert drawn.failed.tolist() == [False, True, False]
+    inf = _logits(1)
+    inf[0, 11] = float("inf")
+    assert _draw(inf, [p], [1], [0]) == [11]  # an infinite logit takes the draw
     assert 0 <= int(drawn.tokens[1]) < VOCAB and int(drawn.tokens[2]) == 5
     sampler = Sampler(0)
     tokens = sampler.sample(logits, ["a", "b", "c"], [p] * 3, [[], [], []])
@@ -160,4 +182,21 @@ def test_seeds_that_differ_in_either_half_draw_differently(shift):
     tokens = {_draw(logits, [p], [s << shift], [0])[0] for s in range(1, 41)}
     assert len(tokens) > 20
     keys = torch.tensor([row_keys(s << shift, 0) for s in range(1, 41)], dtype=torch.int64)
-    assert len(set(exponential_race_naive(torch.ones(40, VOCAB), keys).tolist())) > 20
+    assert len(set(_race(torch.zeros(40, VOCAB), keys).tolist())) > 20
+
+
+def test_top_p_on_a_flat_row_widens_past_the_first_candidates():
+    """On a CPU top-p looks at the most likely 256 tokens first and widens while a row's cut
+    lies beyond them: the kept set is the whole sort's."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5000, generator=gen) * torch.tensor([[0.1], [6.0], [0.1]])  # flat, peaked, flat
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.0)]
+    kept = _kept(logits, params)
+    full = torch.softmax(logits, dim=-1)
+    for row in range(2):
+        sorted_probs, order = full[row].sort(descending=True)
+        count = int(((sorted_probs.cumsum(0) - sorted_probs) < 0.9).sum())
+        assert kept[row] == set(order[:count].tolist())
+    assert len(kept[0]) > 2048 and len(kept[1]) < 256
+    assert kept[2] == set(range(5000))  # no top-p: untouched

@@ -141,3 +141,10 @@ def test_bench_engine_reports_through_the_progress(monkeypatch: pytest.MonkeyPat
     assert result.exit_code == 0, result.output
     assert isinstance(seen[0]["progress"], LineProgress)
     assert (seen[0]["prompt_len"], seen[0]["new_tokens"], seen[0]["repeats"]) == (8, 4, 2)
+    assert seen[0]["sampling"] == "greedy"
+    result = runner.invoke(app, ["bench-engine", "--sampling", "random", "--repeats", "1"])
+    assert result.exit_code == 0 and seen[1]["sampling"] == "random"
+    result = runner.invoke(app, ["bench-engine", "--sampling", "hot"])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines() == [
+        "error: --sampling: must be one of greedy, random, got 'hot'"
+    ]
