@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from asymcache_core.sampling_params import SamplingParams
-from kernels.sampling import gumbel_argmax_triton, gumbel_scores_naive, row_keys
+from kernels.sampling import gumbel_argmax_triton, gumbel_scores_naive, row_keys_array
 from kernels.sampling import triton as _triton
 
 
@@ -94,14 +94,17 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
         floor = _column([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], device, torch.float32)
         cut = torch.maximum(cut, scaled.amax(dim=-1) + floor)
     if any(p.top_p < 1.0 for p in params):
-        cut = torch.maximum(cut, _top_p_cut(scaled, cut, [p.top_p for p in params]))
+        # NOTE: where every top-p row has a top-k, what is left lies among its k most likely
+        # tokens: those are all top-p needs sorted (exact but for ties at the k-th logit)
+        within = max(top_k) if all(k > 0 for k, p in zip(top_k, params, strict=True) if p.top_p < 1.0) else vocab
+        cut = torch.maximum(cut, _top_p_cut(scaled, cut, [p.top_p for p in params], within))
     return temperature, cut
 
 
-def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float], within: int) -> torch.Tensor:
     """The cut of each row's top-p over what ``cut`` keeps: its most likely tokens until their
     probability reaches ``top_p`` (the token that reaches it included); ``-inf`` for a row
-    without top-p."""
+    without top-p. ``within``: how many tokens at most each top-p row keeps already."""
     device, vocab = scaled.device, scaled.shape[-1]
     bound = _column(top_p, device, torch.float32)[:, None]
     masked = torch.where(scaled >= cut[:, None], scaled, float("-inf"))
@@ -109,32 +112,32 @@ def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> t
     # NOTE: on a CPU the sort of the whole vocabulary is most of a step's sampling: the most
     # likely 256 (then 8x more) are enough for a row whose cut falls among them. On a device
     # that would need a synchronization to know; the whole sort is cheap there.
-    width = min(vocab, 256) if device.type == "cpu" else vocab
+    width = min(vocab, 256, within) if device.type == "cpu" else within
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
     while True:
         top = masked.topk(width, dim=-1).values if width < vocab else masked.sort(dim=-1, descending=True).values
         probs = torch.exp(top - norm)
         before = probs.cumsum(dim=-1) - probs
-        if width == vocab or bool((before[rows, -1] + probs[rows, -1] >= bound[rows, 0]).all()):
+        if width >= within or bool((before[rows, -1] + probs[rows, -1] >= bound[rows, 0]).all()):
             break
-        width = min(vocab, width * 8)
+        width = min(within, width * 8)
     # NOTE: the most likely token always stays (a tiny top_p rounds to 0)
     count = (before < bound).sum(dim=-1, keepdim=True).clamp_(min=1)
     cut_p = top.gather(1, count - 1).squeeze(1)
     return torch.where(_column([p < 1.0 for p in top_p], device, torch.bool), cut_p, float("-inf"))
 
 
-def inverse_cdf_draw(probs: torch.Tensor, keys: list[tuple[int, int]]) -> torch.Tensor:
-    """The CPU's draw: one uniform per row from its keys, found in the row's cumulative sum:
-    ``[N]`` int64.
+def inverse_cdf_draw(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The CPU's draw: one uniform per row from its keys (``[N, 2]`` int64), found in the row's
+    cumulative sum: ``[N]`` int64.
 
     NOTE: one number a row where the race hashes every token: ~20x cheaper on a CPU, and as
     independent of the batch (a row's token is a function of its keys and probabilities).
     """
     cdf = probs.float().cumsum(dim=-1)
     total = cdf[:, -1:]
-    # NOTE: the uniform's bits come from the second key first, which depends on the whole seed
-    u = torch.tensor([[((k1 << 21) ^ k0) % (1 << 53) / float(1 << 53)] for k0, k1 in keys], dtype=torch.float32)
+    # NOTE: the uniform's bits come from the second key, which depends on the whole seed
+    u = (((keys[:, 1:] >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)).to(probs.device)
     # NOTE: the target stays below the row's total, so the first entry past it exists; a
     # zero-probability token never starts a step of the cumulative sum, so it is never found
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -156,9 +159,9 @@ def sample_rows(logits: torch.Tensor, rows: RowSettings) -> SampledRows:
     """
     device = logits.device
     temperature, cut = row_cuts(logits, rows.params)
-    keys = [row_keys(s, d) for s, d in zip(rows.seeds, rows.draws, strict=True)]
+    keys = torch.from_numpy(row_keys_array(rows.seeds, rows.draws))
     if device.type != "cpu":
-        key_tensor = _column(keys, device, torch.int64)
+        key_tensor = keys.to(device, non_blocking=True)
         if device.type == "cuda" and _triton is not None:
             tokens, best = gumbel_argmax_triton(logits, temperature, cut, key_tensor)
         else:

@@ -14,7 +14,8 @@ a token recomputed after an eviction is drawn again the same.
   token is the best among them (ties to the lower index, as ``torch.argmax``).
 - :func:`gumbel_argmax_naive`: its torch twin (the same integer hash and float32 steps), for
   any device; the tests compare the two.
-- :func:`row_keys`: a row's keys from its 64-bit seed and the index of its draw.
+- :func:`row_keys`: a row's keys from its 64-bit seed and the index of its draw
+  (:func:`row_keys_array`: many rows at once).
 
 Shapes: ``logits [N, V]`` (any float dtype, computed in float32), ``temperature [N]`` and
 ``cut [N]`` float32 (``-inf``: every token kept), ``keys [N, 2]`` int64 holding 32-bit values.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 try:
@@ -72,6 +74,28 @@ def row_keys(seed: int, draw: int) -> tuple[int, int]:
     # NOTE: the second key depends on the whole seed and draw too (a 32-bit generator seed or
     # a uniform can be taken from it alone)
     return k0, mix32(((seed >> 32) & _MASK32) ^ mix32(k0 ^ 0x85EBCA6B))
+
+
+def _mix32_array(x: np.ndarray) -> np.ndarray:
+    # NOTE: uint64 products wrap modulo 2**64, whose low 32 bits are the 32-bit product's
+    x = x & _MASK32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & _MASK32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & _MASK32
+    return x ^ (x >> np.uint64(16))
+
+
+def row_keys_array(seeds: list[int], draws: list[int]) -> np.ndarray:
+    """:func:`row_keys` of many rows at once: ``[N, 2]`` int64 (a few numpy ops, where the
+    scalar form costs microseconds a row in Python)."""
+    seed = np.array(seeds, dtype=np.uint64)
+    draw = np.array(draws, dtype=np.uint64)
+    mask = np.uint64(_MASK32)
+    d = _mix32_array(draw & mask) ^ _mix32_array((draw >> np.uint64(32)) ^ np.uint64(0x9E3779B9))
+    k0 = _mix32_array((seed & mask) ^ d)
+    k1 = _mix32_array(((seed >> np.uint64(32)) & mask) ^ _mix32_array(k0 ^ np.uint64(0x85EBCA6B)))
+    return np.stack([k0, k1], axis=1).astype(np.int64)
 
 
 def _mul32_torch(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from asymcache_core.batched_sampling import RowSettings, row_cuts, sample_rows
 from asymcache_core.sampler import FAILED, NON_FINITE, Sampler
 from asymcache_core.sampling_params import SamplingParams
-from kernels.sampling import gumbel_argmax_naive, mix32, row_keys
+from kernels.sampling import gumbel_argmax_naive, mix32, row_keys, row_keys_array
 
 VOCAB = 64
 
@@ -42,6 +42,9 @@ def test_mix32_is_a_bijection_on_a_sample_and_keys_follow_seed_and_draw():
     keys = {row_keys(seed, draw) for seed in (0, 1, 2**63, 2**64 - 1) for draw in range(50)}
     assert len(keys) == 200
     assert row_keys(5, 7) == row_keys(5, 7)
+    seeds = [0, 1, 2**63, 2**64 - 1, 12345, 2**40 + 3]
+    draws = [0, 7, 2**32 + 5, 1, 2**63, 99]
+    assert row_keys_array(seeds, draws).tolist() == [list(row_keys(s, d)) for s, d in zip(seeds, draws, strict=True)]
 
 
 def test_the_race_draws_each_token_with_its_probability():
@@ -112,6 +115,15 @@ def test_top_p_keeps_the_smallest_set_reaching_it():
     assert _kept(logits, [SamplingParams(temperature=1.0, top_p=0.81)]) == [{0, 1, 2}]
     # after top-k, top-p counts the renormalized rest: 0.5 / 0.8 = 0.625 reaches 0.6
     assert _kept(logits, [SamplingParams(temperature=1.0, top_k=2, top_p=0.6)]) == [{0}]
+    # top-p after top-k sorts only the top-k, with the same cut as the whole sort
+    flat = torch.randn(2, 3000, generator=torch.Generator().manual_seed(6))
+    both = [SamplingParams(temperature=1.0, top_k=300, top_p=0.5), SamplingParams(temperature=0.5, top_k=40, top_p=0.9)]
+    for row, p in enumerate(both):
+        probs = torch.softmax(flat[row] / p.temperature, dim=-1)
+        top, order = probs.topk(p.top_k)
+        top = top / top.sum()
+        count = int(((top.cumsum(0) - top) < p.top_p).sum())
+        assert _kept(flat, both)[row] == set(order[:count].tolist())
     # min-p keeps tokens at least min_p times the most likely one
     assert _kept(logits, [SamplingParams(temperature=1.0, min_p=0.3)]) == [{0, 1, 2}]
     assert _kept(logits, [SamplingParams(temperature=1.0, min_p=0.31)]) == [{0, 1}]
