@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "Tool": "agent_runtime.tools",
     "ToolRegistry": "agent_runtime.tools",
     "ToolResult": "agent_runtime.tools",
-    "builtin_registry": "agent_runtime.tools",
+    "builtin_registry": "agent_runtime.builtin_tools",
     "ParsedMessage": "agent_runtime.tool_parsing",
     "ParsedToolCall": "agent_runtime.tool_parsing",
     "parse_tool_calls": "agent_runtime.tool_parsing",

@@ -132,7 +132,7 @@ def run_agent(
 
     The built-ins (``bash``, ``read_file``, ``list_files``, ``write_file``) are confined to
     ``workdir``; ``bash`` runs with rlimits and a scrubbed environment, and is sandboxed only
-    where bubblewrap is installed (:func:`agent_runtime.tools.bash_sandbox` says which). Small models do
+    where bubblewrap is installed (:func:`agent_runtime.builtin_tools.bash_sandbox` says which). Small models do
     not call tools unprompted, so the first ``forced_tool_turns`` turns are constrained to a
     tool call (``tool_choice="required"``); later turns are free.
 
@@ -159,7 +159,8 @@ def run_agent(
     Raises:
         ValueError: a bad argument (one line naming it).
     """
-    from agent_runtime.tools import ToolRegistry, builtin_registry
+    from agent_runtime.builtin_tools import builtin_registry
+    from agent_runtime.tools import ToolRegistry
 
     if not isinstance(task, str) or not task.strip():
         raise ValueError("task: must be a non-empty string")

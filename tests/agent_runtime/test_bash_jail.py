@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_runtime.tools import BuiltinToolConfig, bash_argv, bash_sandbox, make_builtin_tools
+from agent_runtime.builtin_tools import (
+    BuiltinToolConfig,
+    bash_argv,
+    bash_sandbox,
+    make_builtin_tools,
+)
 
 
 def _bash(tmp_path: Path, **cfg):

@@ -8,8 +8,9 @@ import threading
 import time
 from pathlib import Path
 
+from agent_runtime.builtin_tools import BuiltinToolConfig, make_builtin_tools
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.tools import BuiltinToolConfig, Tool, ToolRegistry, make_builtin_tools
+from agent_runtime.tools import Tool, ToolRegistry
 from tests.conftest import make_engine
 
 TIMEOUT_S = 0.3

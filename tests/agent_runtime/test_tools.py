@@ -12,15 +12,8 @@ from typing import Literal
 import pydantic
 import pytest
 
-from agent_runtime.tools import (
-    PathEscapeError,
-    Tool,
-    ToolRegistry,
-    ToolResult,
-    builtin_registry,
-    resolve_in_workdir,
-    validate_tool_schema,
-)
+from agent_runtime.builtin_tools import PathEscapeError, builtin_registry, resolve_in_workdir
+from agent_runtime.tools import Tool, ToolRegistry, ToolResult, validate_tool_schema
 
 
 def run(coro):  # noqa: ANN001, ANN201 - tiny helper
@@ -270,3 +263,12 @@ def test_async_callable_object_and_required_check() -> None:
     schema["function"]["parameters"]["required"] = ["city", "country"]
     with pytest.raises(ValueError, match=r"^function.parameters.required: \['country'\]"):
         validate_tool_schema(schema)
+
+
+def test_the_builtins_are_importable_from_the_tools_module_as_before():
+    import agent_runtime.builtin_tools as builtins
+    import agent_runtime.tools as tools
+
+    assert tools.builtin_registry is builtin_registry and tools.make_builtin_tools is builtins.make_builtin_tools
+    with pytest.raises(AttributeError, match="no_such_tool"):
+        tools.no_such_tool  # noqa: B018
