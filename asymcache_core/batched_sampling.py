@@ -85,44 +85,59 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     # NOTE: a NaN logit is never kept, so it must not set a cut either
     scaled = torch.nan_to_num(logits.float() / temperature[:, None], nan=float("-inf"))
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    top_values = None
     if any(top_k):
-        kth = torch.topk(scaled, max(top_k), dim=-1).values
-        kth = kth.gather(1, _column([max(k, 1) - 1 for k in top_k], device, torch.int64)[:, None]).squeeze(1)
+        top_values = torch.topk(scaled, max(top_k), dim=-1).values
+        kth = top_values.gather(1, _column([max(k, 1) - 1 for k in top_k], device, torch.int64)[:, None]).squeeze(1)
         cut = torch.where(_column([k > 0 for k in top_k], device, torch.bool), kth, cut)
     if any(p.min_p > 0.0 for p in params):
         # NOTE: p >= min_p * p_max is x / T >= max(x / T) + log(min_p)
         floor = _column([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], device, torch.float32)
         cut = torch.maximum(cut, scaled.amax(dim=-1) + floor)
     if any(p.top_p < 1.0 for p in params):
-        # NOTE: where every top-p row has a top-k, what is left lies among its k most likely
-        # tokens: those are all top-p needs sorted (exact but for ties at the k-th logit)
-        within = max(top_k) if all(k > 0 for k, p in zip(top_k, params, strict=True) if p.top_p < 1.0) else vocab
-        cut = torch.maximum(cut, _top_p_cut(scaled, cut, [p.top_p for p in params], within))
+        top_p = [p.top_p for p in params]
+        if top_values is not None and all(k > 0 for k, p in zip(top_k, top_p, strict=True) if p < 1.0):
+            # NOTE: every top-p row has a top-k, so what is left lies among the most likely
+            # tokens top-k sorted already (exact but for ties at the k-th logit): no more sort
+            masked = torch.where(top_values >= cut[:, None], top_values, float("-inf"))
+            cut_p = _top_p_of_sorted(masked, torch.logsumexp(masked, dim=-1, keepdim=True), top_p)
+        else:
+            cut_p = _top_p_cut(scaled, cut, top_p)
+        cut = torch.maximum(cut, cut_p)
     return temperature, cut
 
 
-def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float], within: int) -> torch.Tensor:
+def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """The cut of each row's top-p over what ``cut`` keeps: its most likely tokens until their
     probability reaches ``top_p`` (the token that reaches it included); ``-inf`` for a row
-    without top-p. ``within``: how many tokens at most each top-p row keeps already."""
+    without top-p."""
     device, vocab = scaled.device, scaled.shape[-1]
-    bound = _column(top_p, device, torch.float32)[:, None]
     masked = torch.where(scaled >= cut[:, None], scaled, float("-inf"))
     norm = torch.logsumexp(masked, dim=-1, keepdim=True)
+    if device.type != "cpu":
+        # NOTE: knowing how many of the most likely tokens a row needs would wait for the device
+        return _top_p_of_sorted(masked.sort(dim=-1, descending=True).values, norm, top_p)
     # NOTE: on a CPU the sort of the whole vocabulary is most of a step's sampling: the most
-    # likely 256 (then 8x more) are enough for a row whose cut falls among them. On a device
-    # that would need a synchronization to know; the whole sort is cheap there.
-    width = min(vocab, 256, within) if device.type == "cpu" else within
+    # likely 256 (then 8x more) are enough for a row whose cut falls among them
+    bound = torch.tensor(top_p, dtype=torch.float32)
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    width = min(vocab, 256)
     while True:
         top = masked.topk(width, dim=-1).values if width < vocab else masked.sort(dim=-1, descending=True).values
-        probs = torch.exp(top - norm)
-        before = probs.cumsum(dim=-1) - probs
-        if width >= within or bool((before[rows, -1] + probs[rows, -1] >= bound[rows, 0]).all()):
-            break
-        width = min(within, width * 8)
+        reached = torch.exp(top[rows] - norm[rows]).sum(dim=-1)
+        if width == vocab or bool((reached >= bound[rows]).all()):
+            return _top_p_of_sorted(top, norm, top_p)
+        width = min(vocab, width * 8)
+
+
+def _top_p_of_sorted(top: torch.Tensor, norm: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The top-p cut of rows whose kept logits ``top`` are sorted descending (``-inf`` past
+    them; ``norm``: the log of their rows' whole mass); ``-inf`` for a row without top-p."""
+    device = top.device
+    probs = torch.exp(top - norm)
+    before = probs.cumsum(dim=-1) - probs
     # NOTE: the most likely token always stays (a tiny top_p rounds to 0)
-    count = (before < bound).sum(dim=-1, keepdim=True).clamp_(min=1)
+    count = (before < _column(top_p, device, torch.float32)[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
     cut_p = top.gather(1, count - 1).squeeze(1)
     return torch.where(_column([p < 1.0 for p in top_p], device, torch.bool), cut_p, float("-inf"))
 

@@ -3,6 +3,8 @@ from the rest of its batch."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -212,3 +214,42 @@ def test_top_p_on_a_flat_row_widens_past_the_first_candidates():
         assert kept[row] == set(order[:count].tolist())
     assert len(kept[0]) > 2048 and len(kept[1]) < 256
     assert kept[2] == set(range(5000))  # no top-p: untouched
+
+
+def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """What vLLM's masks keep, spelled out with whole sorts: top-k, then min-p against the most
+    likely token, then top-p over what is left, renormalized."""
+    scaled = torch.nan_to_num(row / p.temperature, nan=float("-inf"))
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if p.top_k > 0:
+        keep &= scaled >= scaled.sort(descending=True).values[min(p.top_k, scaled.numel()) - 1]
+    if p.min_p > 0.0:
+        keep &= scaled >= scaled.max() + math.log(p.min_p)
+    if p.top_p < 1.0:
+        left = torch.where(keep, scaled, float("-inf"))
+        probs, order = torch.softmax(left, dim=-1).sort(descending=True)
+        count = max(1, int(((probs.cumsum(0) - probs) < p.top_p).sum()))
+        keep &= scaled >= left[order[count - 1]]
+    return set(keep.nonzero().flatten().tolist())
+
+
+def test_cuts_match_the_whole_sort_on_random_rows_and_settings():
+    """Mixed batches of random settings over rows from flat to peaked: every row's kept set is
+    the reference's, whichever shortcut its batch takes (the top-k-bounded top-p, the CPU's
+    widening top-p)."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        rows = 1 + trial % 5
+        logits = torch.randn(rows, 3000, generator=gen) * (0.05 + 8 * torch.rand(rows, 1, generator=gen))
+        params = []
+        for _ in range(rows):
+            pick = torch.rand(4, generator=gen).tolist()
+            params.append(SamplingParams(
+                temperature=0.3 + 1.5 * pick[0],
+                top_k=[0, 1, 5, 40, 600][int(pick[1] * 5)] if trial % 3 else 50,
+                top_p=1.0 if pick[2] < 0.3 else 0.05 + 0.9 * pick[2],
+                min_p=0.0 if pick[3] < 0.6 else 0.2 * pick[3],
+            ))
+        kept = _kept(logits, params)
+        for i in range(rows):
+            assert kept[i] == _reference_kept(logits[i], params[i]), (trial, i, params[i])
