@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 #: The token of a row whose sampling failed (never handed to the scheduler).
 FAILED = -1
-#: The error of a row without a single finite logit.
+#: The error of a row with nothing to draw (no logit above ``-inf``, NaNs aside).
 NON_FINITE = "sampling failed: every token has a non-finite logit"
 
 
@@ -180,7 +180,7 @@ def with_engine_processors(
 class Sampler:
     """Samples one token per row of logits.
 
-    Greedy rows take ``argmax``. Random rows draw by the exponential race keyed by the row's
+    Greedy rows take ``argmax``. Random rows draw by the Gumbel-max race keyed by the row's
     seed (its request's ``seed``, or one derived from the engine seed and the request id) and
     the index of the token it samples (:mod:`asymcache_core.batched_sampling`): a request's
     tokens do not depend on what else shares its batch, nor on how often its KV was rebuilt.
@@ -255,16 +255,16 @@ class Sampler:
         Returns:
             The tokens and failure marks, on ``logits``' device (the caller reads them).
         """
-        tokens = logits.argmax(dim=-1)
-        failed = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
         rand = [i for i, p in enumerate(params) if not p.greedy]
-        if not rand:
-            return SampledRows(tokens, failed)
         settings = RowSettings(
             [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
         )
-        if len(rand) == len(params):
+        if rand and len(rand) == len(params):
             return sample_rows(logits, settings)
+        tokens = logits.argmax(dim=-1)
+        failed = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+        if not rand:
+            return SampledRows(tokens, failed)
         index = torch.tensor(rand, dtype=torch.int64).to(logits.device, non_blocking=True)
         drawn = sample_rows(logits.index_select(0, index), settings)
         return SampledRows(tokens.index_copy(0, index, drawn.tokens), failed.index_copy(0, index, drawn.failed))
