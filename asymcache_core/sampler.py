@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows
+from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows, with_logit_bias
 from asymcache_core.logprobs import TokenLogprob, token_logprobs
 from asymcache_core.sampling_params import SamplingParams, processors_pass
 
@@ -205,9 +205,9 @@ class Sampler:
     def on_device(params: SamplingParams) -> bool:
         """Whether a row with ``params`` samples where its logits are, with no host state (no
         logits processor, no penalty over the tokens so far): greedy or at random with
-        temperature, top-k, top-p and min-p. Its log probabilities, when asked for, are
-        computed there too."""
-        return not params.rewrites_logits
+        temperature, top-k, top-p and min-p, and a logit bias. Its log probabilities, when
+        asked for, are computed there too (from the logits before the bias)."""
+        return not params.logits_processors and not params.needs_history
 
     def forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
@@ -255,6 +255,7 @@ class Sampler:
         Returns:
             The tokens and failure marks, on ``logits``' device (the caller reads them).
         """
+        logits = with_logit_bias(logits, params)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         settings = RowSettings(
             [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
@@ -296,7 +297,7 @@ class Sampler:
         tokens = [FAILED] * len(params)
         # NOTE: a row whose processors all pass this token (a thinking budget before its limit)
         # samples where its logits are too: no copy of them to the host
-        plain = [self.on_device(p) or (not p.rewrites_logits_otherwise and processors_pass(p.logits_processors, outputs[i]))
+        plain = [self.on_device(p) or (not p.needs_history and processors_pass(p.logits_processors, outputs[i]))
                  for i, p in enumerate(params)]
         on_device = [i for i in range(len(params)) if plain[i]]
         if on_device:

@@ -217,10 +217,16 @@ class SamplingParams:
     @property
     def rewrites_logits_otherwise(self) -> bool:
         """Whether anything but the logits processors changes the logits."""
+        return bool(self.logit_bias) or self.needs_history
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether what changes the logits depends on the tokens so far (penalties, and what
+        becomes a logits processor: ``min_tokens``, ``allowed_token_ids``, ``bad_words``);
+        ``logit_bias`` does not."""
         return bool(
-            self.logit_bias or self.presence_penalty or self.frequency_penalty
-            or self.repetition_penalty != 1.0 or self.min_tokens or self.allowed_token_ids is not None
-            or bool(self.bad_words)
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
+            or self.allowed_token_ids is not None or bool(self.bad_words)
         )
 
 

@@ -253,3 +253,21 @@ def test_cuts_match_the_whole_sort_on_random_rows_and_settings():
         kept = _kept(logits, params)
         for i in range(rows):
             assert kept[i] == _reference_kept(logits[i], params[i]), (trial, i, params[i])
+
+
+def test_a_logit_bias_applies_where_the_logits_are_and_leaves_the_log_probabilities_raw():
+    logits = _logits(3, seed=9)
+    params = [
+        SamplingParams(logit_bias={"30": 100}),  # greedy: forced
+        SamplingParams(temperature=1.0, seed=2, logit_bias={5: -100, 6: 100, 10_000: 5}),  # out of range: ignored
+        SamplingParams(temperature=1.0, seed=3, logprobs=1, logit_bias={7: 100}),
+    ]
+    assert all(Sampler.on_device(p) for p in params)
+    assert not Sampler.on_device(SamplingParams(presence_penalty=0.5))
+    sampler = Sampler(0)
+    drawn = sampler.sample_on_device(logits, ["a", "b", "c"], params, [0, 0, 0])
+    assert drawn.tokens.tolist() == [30, 6, 7]
+    tokens = sampler.sample(logits, ["a", "b", "c"], params, [[], [], []])
+    assert tokens == [30, 6, 7]
+    entry = sampler.take_logprobs()["c"]
+    assert entry.logprob == pytest.approx(float(torch.log_softmax(logits[2], dim=-1)[7]), abs=1e-5)

@@ -77,14 +77,16 @@ class _Gate:
 
 def test_a_greedy_row_whose_processors_pass_takes_the_device_argmax():
     logits = _logits(3)
-    gates = [_Gate(2), _Gate(2), _Gate(2)]
+    gates = [_Gate(2), _Gate(2), _Gate(2), _Gate(2)]
     params = [SamplingParams(logits_processors=(gates[0],)),
               SamplingParams(logits_processors=(gates[1], lambda out, row: row)),  # one cannot tell: host
-              SamplingParams(logits_processors=(gates[2],), logit_bias={1: 5.0})]  # other rewrites: host
-    outputs = [[7], [7], [7]]
-    tokens = Sampler(0).sample(logits, ["a", "b", "c"], params, outputs)
+              SamplingParams(logits_processors=(gates[2],), presence_penalty=0.5),  # a penalty: host
+              SamplingParams(logits_processors=(gates[3],), logit_bias={1: 50.0})]  # a bias: on the device
+    outputs = [[7], [7], [7], [7]]
+    tokens = Sampler(0).sample(torch.cat([logits, logits[:1]]), ["a", "b", "c", "d"], params, outputs)
     assert tokens[0] == int(logits[0].argmax()) and gates[0].calls == 0  # passed: never called
     assert gates[1].calls == 1 and gates[2].calls == 1
+    assert tokens[3] == 1 and gates[3].calls == 0
     # once it no longer passes, its mask applies
     tokens = Sampler(0).sample(logits, ["a"], params[:1], [[7, 7]])
     assert tokens == [0] and gates[0].calls == 1
