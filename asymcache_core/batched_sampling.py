@@ -62,19 +62,6 @@ def _column(values: list, device: torch.device, dtype: torch.dtype) -> torch.Ten
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def with_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """``logits`` with each row's ``logit_bias`` added (a new tensor; ``logits`` itself when no
-    row has one, so that log probabilities still read the model's logits)."""
-    rows = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < logits.shape[-1]]
-    if not rows:
-        return logits
-    device = logits.device
-    index = _column([[i, t] for i, t, _ in rows], device, torch.int64)
-    biased = logits.float().clone()
-    biased.index_put_((index[:, 0], index[:, 1]), _column([b for _, _, b in rows], device, torch.float32), accumulate=True)
-    return biased
-
-
 def _no_cut(params: list[SamplingParams]) -> bool:
     return all(p.top_k <= 0 and p.min_p <= 0.0 and p.top_p >= 1.0 for p in params)
 

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows, with_logit_bias
+from asymcache_core.batched_penalties import rewrites as penalties_rewrite
+from asymcache_core.batched_penalties import with_penalties
+from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows
 from asymcache_core.logprobs import TokenLogprob, token_logprobs
 from asymcache_core.sampling_params import SamplingParams, processors_pass
 
@@ -184,8 +186,9 @@ class Sampler:
     seed (its request's ``seed``, or one derived from the engine seed and the request id) and
     the index of the token it samples (:mod:`asymcache_core.batched_sampling`): a request's
     tokens do not depend on what else shares its batch, nor on how often its KV was rebuilt.
-    Rows without logits processors or penalties sample together where the logits are (on the
-    device); the others are rewritten on the host first, then drawn the same way there.
+    Rows without logits processors sample together where the logits are (on the device),
+    penalties and bias applied there; the others are rewritten on the host first, then drawn
+    the same way there.
 
     Attributes:
         failures: request id -> error text of rows that failed in the last :meth:`sample`
@@ -203,11 +206,11 @@ class Sampler:
 
     @staticmethod
     def on_device(params: SamplingParams) -> bool:
-        """Whether a row with ``params`` samples where its logits are, with no host state (no
-        logits processor, no penalty over the tokens so far): greedy or at random with
-        temperature, top-k, top-p and min-p, and a logit bias. Its log probabilities, when
-        asked for, are computed there too (from the logits before the bias)."""
-        return not params.logits_processors and not params.needs_history
+        """Whether a row with ``params`` samples where its logits are: no logits processor
+        (they run on the host); greedy or at random with temperature, top-k, top-p and min-p,
+        a logit bias and the repetition, presence and frequency penalties. Its log
+        probabilities, when asked for, are computed there too (from the model's logits)."""
+        return not params.logits_processors and not params.becomes_processors
 
     def forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
@@ -242,20 +245,31 @@ class Sampler:
         return seed
 
     def sample_on_device(
-        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams], draws: list[int]
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        draws: list[int],
+        outputs: list[list[int]] | None = None,
+        prompts: list[list[int]] | None = None,
+        pending: torch.Tensor | None = None,
     ) -> SampledRows:
         """Samples every row where ``logits`` are, without copying them anywhere.
 
         Args:
-            logits: ``[N, vocab]``; no row's parameters rewrite logits (:meth:`on_device`).
+            logits: ``[N, vocab]``; every row samples there (:meth:`on_device`).
             request_ids: the row's request.
             params: the row's sampling parameters.
             draws: the index of the output token each row samples.
+            outputs: each row's generated tokens on the host (for penalties).
+            prompts: each row's prompt ids (for the repetition penalty).
+            pending: ``[N]`` int64 on the device, each row's token sampled by the step in
+                flight and not on the host yet (``-1``: none; for penalties).
 
         Returns:
             The tokens and failure marks, on ``logits``' device (the caller reads them).
         """
-        logits = with_logit_bias(logits, params)
+        logits = with_penalties(logits, params, outputs, prompts, pending)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         settings = RowSettings(
             [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
@@ -297,13 +311,14 @@ class Sampler:
         tokens = [FAILED] * len(params)
         # NOTE: a row whose processors all pass this token (a thinking budget before its limit)
         # samples where its logits are too: no copy of them to the host
-        plain = [self.on_device(p) or (not p.needs_history and processors_pass(p.logits_processors, outputs[i]))
+        plain = [self.on_device(p) or (not p.becomes_processors and processors_pass(p.logits_processors, outputs[i]))
                  for i, p in enumerate(params)]
         on_device = [i for i in range(len(params)) if plain[i]]
         if on_device:
             drawn = self.sample_on_device(
                 logits if len(on_device) == len(params) else logits[on_device],
                 [request_ids[i] for i in on_device], [params[i] for i in on_device], [draws[i] for i in on_device],
+                [outputs[i] for i in on_device], [prompts[i] for i in on_device] if prompts else None,
             )
             self._take(on_device, drawn, request_ids, tokens)
         host = [i for i in range(len(params)) if not plain[i]]
@@ -356,7 +371,7 @@ class Sampler:
             p = params[i]
             try:
                 row = host_rows[i]
-                if p.rewrites_logits_otherwise:
+                if penalties_rewrite(p):
                     row = apply_penalties(row, p, prompts[i] if prompts else None, outputs[i])
                 for processor in p.logits_processors:
                     row = processor(outputs[i], row)

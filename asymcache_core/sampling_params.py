@@ -217,17 +217,15 @@ class SamplingParams:
     @property
     def rewrites_logits_otherwise(self) -> bool:
         """Whether anything but the logits processors changes the logits."""
-        return bool(self.logit_bias) or self.needs_history
+        return bool(
+            self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        ) or self.becomes_processors
 
     @property
-    def needs_history(self) -> bool:
-        """Whether what changes the logits depends on the tokens so far (penalties, and what
-        becomes a logits processor: ``min_tokens``, ``allowed_token_ids``, ``bad_words``);
-        ``logit_bias`` does not."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
-            or self.allowed_token_ids is not None or bool(self.bad_words)
-        )
+    def becomes_processors(self) -> bool:
+        """Whether a field the engine turns into logits processors is set (``min_tokens``,
+        ``allowed_token_ids``, ``bad_words``)."""
+        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:

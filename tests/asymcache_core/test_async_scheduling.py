@@ -118,7 +118,7 @@ def test_async_is_lossless_under_pressure_with_the_real_model(tight_run, unbound
 def _mixed_requests(engine: Engine, prompts: list[list[int]], stop_token: int, stop_text: str) -> list[str]:
     """Requests that end every way while others run: on a stop token (so their next, already
     planned token is dropped), on a stop string, on length; greedy rows beside ones that sample
-    on the host (a repetition penalty) or at random where the logits are (seeded)."""
+    on the host (a logits processor) or where the logits are (seeded random, penalties)."""
     params = [
         SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop_token]),
         SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop_text]),
@@ -126,6 +126,7 @@ def _mixed_requests(engine: Engine, prompts: list[list[int]], stop_token: int, s
         SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True),
         SamplingParams(max_tokens=12, repetition_penalty=1.3, ignore_eos=True),
         SamplingParams(max_tokens=16),
+        SamplingParams(max_tokens=10, ignore_eos=True, logits_processors=(lambda out, row: row,)),
     ]
     return [engine.add_request(prompts[i % len(prompts)], p) for i, p in enumerate(params)]
 
@@ -175,13 +176,15 @@ def test_async_overlaps_every_step_of_greedy_decoding(smollm, chat_prompts):
 
 
 def test_async_overlaps_random_sampling_and_gives_the_synchronous_tokens(smollm, chat_prompts):
-    """Rows sampled at random (temperature, top-k, top-p, min-p, seeded or not) draw where the
-    logits are: every step is launched while the one before runs, as with greedy rows, and
-    the tokens are the synchronous engine's."""
+    """Rows sampled at random (temperature, top-k, top-p, min-p, seeded or not) and rows with
+    penalties and a bias sample where the logits are (the token of the step in flight counted
+    from the device): every step is launched while the one before runs, as with plain greedy
+    rows, and the tokens are the synchronous engine's."""
     params = [
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3),
-        SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.2, top_k=20, min_p=0.05),
-        SamplingParams(max_tokens=8, ignore_eos=True),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.2, top_k=20, min_p=0.05, frequency_penalty=1.5),
+        SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1.4, presence_penalty=0.7,
+                       logit_bias={11: 2.0}),
     ]
     outs = {}
     for mode in (False, True):

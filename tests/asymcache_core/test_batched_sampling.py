@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from asymcache_core.batched_penalties import with_penalties
 from asymcache_core.batched_sampling import RowSettings, row_cuts, sample_rows
-from asymcache_core.sampler import FAILED, NON_FINITE, Sampler
+from asymcache_core.sampler import FAILED, NON_FINITE, Sampler, apply_penalties
 from asymcache_core.sampling_params import SamplingParams
 from kernels.sampling import gumbel_argmax_naive, mix32, row_keys, row_keys_array
 
@@ -263,7 +264,10 @@ def test_a_logit_bias_applies_where_the_logits_are_and_leaves_the_log_probabilit
         SamplingParams(temperature=1.0, seed=3, logprobs=1, logit_bias={7: 100}),
     ]
     assert all(Sampler.on_device(p) for p in params)
-    assert not Sampler.on_device(SamplingParams(presence_penalty=0.5))
+    assert Sampler.on_device(SamplingParams(presence_penalty=0.5))  # penalties too
+    assert not Sampler.on_device(SamplingParams(min_tokens=2)) and not Sampler.on_device(
+        SamplingParams(logits_processors=(lambda out, row: row,))
+    )
     sampler = Sampler(0)
     drawn = sampler.sample_on_device(logits, ["a", "b", "c"], params, [0, 0, 0])
     assert drawn.tokens.tolist() == [30, 6, 7]
@@ -271,3 +275,28 @@ def test_a_logit_bias_applies_where_the_logits_are_and_leaves_the_log_probabilit
     assert tokens == [30, 6, 7]
     entry = sampler.take_logprobs()["c"]
     assert entry.logprob == pytest.approx(float(torch.log_softmax(logits[2], dim=-1)[7]), abs=1e-5)
+
+
+def test_penalties_where_the_logits_are_give_the_host_rows_bits():
+    """:func:`with_penalties` against :func:`apply_penalties` row by row, on random histories;
+    a token still in flight (``pending``) counts as if it were on the host."""
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(6, VOCAB, generator=gen) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, logit_bias={3: 2.5, 70: 1.0}),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4, temperature=1.0),
+        SamplingParams(),
+        SamplingParams(presence_penalty=1.9),
+        SamplingParams(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2, logit_bias={0: -5.0}),
+    ]
+    outputs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 0, 3, 1, 12)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (20, 4, 7, 2, 0, 30)]
+    got = with_penalties(logits, params, outputs, prompts)
+    for i, p in enumerate(params):
+        assert torch.equal(got[i], apply_penalties(logits[i], p, prompts[i], outputs[i])), i
+    # the last output token of each row still in flight (rows without output have none)
+    pending = torch.tensor([out[-1] if out else -1 for out in outputs])
+    held = with_penalties(logits, params, [out[:-1] for out in outputs], prompts, pending)
+    assert torch.equal(held, got)
+    assert with_penalties(logits, [SamplingParams(temperature=1.0)], None, None) is logits  # nothing to do

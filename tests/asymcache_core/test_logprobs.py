@@ -63,9 +63,9 @@ def test_sampler_reports_raw_logprobs_for_rows_that_ask_only():
     assert got["a"].logprob == pytest.approx(float(ref[0, 5]), abs=1e-6)
     assert got["a"].rank == int((ref[0] > ref[0, 5]).sum()) + 1
     assert got["c"].token_id == tokens[2] and got["c"].top == ()
-    # a bias alone samples on the device too; a penalty needs the host
-    assert Sampler.on_device(params[0]) and Sampler.on_device(SamplingParams(logprobs=0))
-    assert not Sampler.on_device(SamplingParams(logprobs=2, repetition_penalty=1.2))
+    # a bias samples on the device too, and so do penalties; a logits processor needs the host
+    assert Sampler.on_device(params[0]) and Sampler.on_device(SamplingParams(logprobs=2, repetition_penalty=1.2))
+    assert not Sampler.on_device(SamplingParams(logprobs=0, logits_processors=(lambda out, row: row,)))
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

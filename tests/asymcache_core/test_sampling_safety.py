@@ -80,7 +80,7 @@ def test_a_greedy_row_whose_processors_pass_takes_the_device_argmax():
     gates = [_Gate(2), _Gate(2), _Gate(2), _Gate(2)]
     params = [SamplingParams(logits_processors=(gates[0],)),
               SamplingParams(logits_processors=(gates[1], lambda out, row: row)),  # one cannot tell: host
-              SamplingParams(logits_processors=(gates[2],), presence_penalty=0.5),  # a penalty: host
+              SamplingParams(logits_processors=(gates[2],), min_tokens=3),  # a field made a processor: host
               SamplingParams(logits_processors=(gates[3],), logit_bias={1: 50.0})]  # a bias: on the device
     outputs = [[7], [7], [7], [7]]
     tokens = Sampler(0).sample(torch.cat([logits, logits[:1]]), ["a", "b", "c", "d"], params, outputs)

@@ -1,0 +1,94 @@
+"""Logit bias and the repetition, presence and frequency penalties of a batch of rows, where
+their logits are.
+
+:func:`with_penalties` gives the rows' logits as :func:`asymcache_core.sampler.apply_penalties`
+rewrites them one by one on the host (the same ops in the same order, so the same bits): the
+bias added, then the repetition penalty on every token of the prompt and the output, then the
+presence and frequency penalties on the output's counts. The histories come from the host
+(each request's token lists) and, under async scheduling, from the device: the token the step
+in flight samples for a row is not on the host yet when the next step is launched, and is
+counted from the device tensor it lands in (``pending``). No synchronization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asymcache_core.sampling_params import SamplingParams
+
+
+def _tensor(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def rewrites(params: SamplingParams) -> bool:
+    """Whether :func:`with_penalties` changes a row with ``params``."""
+    return bool(params.logit_bias) or bool(params.presence_penalty or params.frequency_penalty) or (
+        params.repetition_penalty != 1.0
+    )
+
+
+def _marks(
+    rows: list[int], lists: list[list[int]], vocab: int, device: torch.device, pending: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[len(rows), V]``: for each of ``rows``, the count of each token of its list and of
+    its pending token (``pending[row]``, ``-1``: none) as ``dtype``."""
+    out = torch.zeros((len(rows), vocab), dtype=dtype, device=device)
+    flat = [(r, t) for r, tokens in enumerate(lists) for t in tokens if 0 <= t < vocab]
+    if flat:
+        index = _tensor(flat, device, torch.int64)
+        out.index_put_((index[:, 0], index[:, 1]), torch.ones(len(flat), dtype=dtype, device=device), accumulate=True)
+    if pending is not None:
+        tokens = pending[_tensor(rows, device, torch.int64)]
+        valid = (tokens >= 0) & (tokens < vocab)
+        out.scatter_add_(1, tokens.clamp(0, vocab - 1)[:, None], valid[:, None].to(dtype))
+    return out
+
+
+def with_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]] | None,
+    prompts: list[list[int]] | None,
+    pending: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rows' logits with their bias and penalties applied.
+
+    Args:
+        logits: ``[N, V]``.
+        params: each row's parameters.
+        outputs: each row's generated tokens on the host (``None``: none yet).
+        prompts: each row's prompt ids (the repetition penalty covers them; ``None``: unknown).
+        pending: ``[N]`` int64 on ``logits``' device, each row's token sampled but not on the
+            host yet (``-1``: none).
+
+    Returns:
+        A new float32 tensor, or ``logits`` itself when no row has a bias or a penalty (so that
+        log probabilities still read the model's logits).
+    """
+    if not any(rewrites(p) for p in params):
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    x = logits.float().clone()
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab]
+    if bias:
+        index = _tensor([[i, t] for i, t, _ in bias], device, torch.int64)
+        x.index_put_((index[:, 0], index[:, 1]), _tensor([b for _, _, b in bias], device, torch.float32), accumulate=True)
+    history = [list(out) for out in outputs] if outputs is not None else [[] for _ in params]
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        lists = [[*(prompts[i] if prompts is not None else ()), *history[i]] for i in rep]
+        seen = _marks(rep, lists, vocab, device, pending, torch.float32) > 0
+        index = _tensor(rep, device, torch.int64)
+        vals = x.index_select(0, index)
+        penalty = _tensor([params[i].repetition_penalty for i in rep], device, torch.float32)[:, None]
+        x.index_copy_(0, index, torch.where(seen, torch.where(vals > 0, vals / penalty, vals * penalty), vals))
+    counted = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+    if counted:
+        counts = _marks(counted, [history[i] for i in counted], vocab, device, pending, torch.float32)
+        index = _tensor(counted, device, torch.int64)
+        frequency = _tensor([params[i].frequency_penalty for i in counted], device, torch.float32)[:, None]
+        presence = _tensor([params[i].presence_penalty for i in counted], device, torch.float32)[:, None]
+        x.index_copy_(0, index, x.index_select(0, index) - (frequency * counts + presence * (counts > 0).to(torch.float32)))
+    return x
