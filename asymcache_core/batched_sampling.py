@@ -1,7 +1,8 @@
 """Random sampling of a batch of rows where their logits are: temperature, top-k, top-p, min-p.
 
-The rows of a step that sample at random without logits processors or penalties are sampled
-together on the logits' device, in a few batched ops and one draw (:func:`sample_rows`): no
+The rows of a step that sample at random without logits processors are sampled together on
+the logits' device (their bias and penalties applied there first:
+:mod:`asymcache_core.batched_penalties`), in a few batched ops and one draw (:func:`sample_rows`): no
 copy of the vocabulary to the host, and on CUDA no synchronization, so async scheduling keeps
 the next step's launch ahead of this one (the next step reads the tokens on the device).
 
@@ -35,9 +36,10 @@ class SampledRows(NamedTuple):
     """The tokens of :func:`sample_rows`, on the logits' device.
 
     Attributes:
-        tokens: ``[N]`` int64; a failed row holds a valid id (its greedy fallback) so that a
-            step reading it on the device stays in range.
-        failed: ``[N]`` bool, rows with no finite logit at all (their requests fail).
+        tokens: ``[N]`` int64; a failed row holds a valid id so that a step reading it on the
+            device stays in range.
+        failed: ``[N]`` bool, rows with nothing to draw (no logit above ``-inf``, NaNs aside;
+            their requests fail).
     """
 
     tokens: torch.Tensor
