@@ -12,6 +12,7 @@ counted from the device tensor it lands in (``pending``). No synchronization.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from asymcache_core.sampling_params import SamplingParams
@@ -29,28 +30,50 @@ def rewrites(params: SamplingParams) -> bool:
 
 
 def _marks(
-    rows: list[int], lists: list[list[int]], vocab: int, device: torch.device, pending: torch.Tensor | None,
-    dtype: torch.dtype,
+    rows: list[int],
+    outputs: list[list[int]],
+    prompts: list[torch.Tensor] | None,
+    vocab: int,
+    device: torch.device,
+    pending: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``[len(rows), V]``: for each of ``rows``, the count of each token of its list and of
-    its pending token (``pending[row]``, ``-1``: none) as ``dtype``."""
-    out = torch.zeros((len(rows), vocab), dtype=dtype, device=device)
-    flat = [(r, t) for r, tokens in enumerate(lists) for t in tokens if 0 <= t < vocab]
-    if flat:
-        index = _tensor(flat, device, torch.int64)
-        out.index_put_((index[:, 0], index[:, 1]), torch.ones(len(flat), dtype=dtype, device=device), accumulate=True)
+    """``[len(rows), V]`` float32: for each of ``rows``, the count of each token of its output
+    (a host list), of its prompt (``prompts[k]``, ids on the device) and of its pending token
+    (``pending[row]``, ``-1``: none)."""
+    out = torch.zeros((len(rows), vocab), dtype=torch.float32, device=device)
+    parts = [np.asarray(tokens, dtype=np.int64) for tokens in outputs]
+    owners = np.repeat(np.arange(len(rows), dtype=np.int64), [len(t) for t in parts])
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    keep = (tokens >= 0) & (tokens < vocab)
+    if keep.any():
+        row_index = torch.from_numpy(owners[keep]).to(device, non_blocking=True)
+        token_index = torch.from_numpy(tokens[keep]).to(device, non_blocking=True)
+        out.index_put_((row_index, token_index), torch.ones(len(row_index), device=device), accumulate=True)
+    if prompts is not None and any(t.numel() for t in prompts):
+        sizes = torch.tensor([t.numel() for t in prompts], device=device)
+        out.index_put_(
+            (torch.repeat_interleave(torch.arange(len(rows), device=device), sizes), torch.cat(prompts)),
+            torch.ones(int(sum(t.numel() for t in prompts)), device=device), accumulate=True,
+        )
     if pending is not None:
-        tokens = pending[_tensor(rows, device, torch.int64)]
-        valid = (tokens >= 0) & (tokens < vocab)
-        out.scatter_add_(1, tokens.clamp(0, vocab - 1)[:, None], valid[:, None].to(dtype))
+        token = pending[_tensor(rows, device, torch.int64)]
+        valid = (token >= 0) & (token < vocab)
+        out.scatter_add_(1, token.clamp(0, vocab - 1)[:, None], valid[:, None].to(torch.float32))
     return out
+
+
+def prompt_ids(prompt: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """A prompt's distinct ids within the vocabulary, on ``device`` (what the repetition
+    penalty covers; built once a request, not once a step)."""
+    ids = np.unique(np.asarray(prompt, dtype=np.int64))
+    return torch.from_numpy(ids[(ids >= 0) & (ids < vocab)]).to(device)
 
 
 def with_penalties(
     logits: torch.Tensor,
     params: list[SamplingParams],
     outputs: list[list[int]] | None,
-    prompts: list[list[int]] | None,
+    prompts: list[torch.Tensor | None] | None,
     pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rows' logits with their bias and penalties applied.
@@ -59,7 +82,8 @@ def with_penalties(
         logits: ``[N, V]``.
         params: each row's parameters.
         outputs: each row's generated tokens on the host (``None``: none yet).
-        prompts: each row's prompt ids (the repetition penalty covers them; ``None``: unknown).
+        prompts: each row's distinct prompt ids on the device (:func:`prompt_ids`; the
+            repetition penalty covers them; ``None``: unknown), needed for rows with one.
         pending: ``[N]`` int64 on ``logits``' device, each row's token sampled but not on the
             host yet (``-1``: none).
 
@@ -78,15 +102,18 @@ def with_penalties(
     history = [list(out) for out in outputs] if outputs is not None else [[] for _ in params]
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
-        lists = [[*(prompts[i] if prompts is not None else ()), *history[i]] for i in rep]
-        seen = _marks(rep, lists, vocab, device, pending, torch.float32) > 0
+        rep_prompts = None
+        if prompts is not None:
+            empty = torch.zeros(0, dtype=torch.int64, device=device)
+            rep_prompts = [prompts[i] if prompts[i] is not None else empty for i in rep]
+        seen = _marks(rep, [history[i] for i in rep], rep_prompts, vocab, device, pending) > 0
         index = _tensor(rep, device, torch.int64)
         vals = x.index_select(0, index)
         penalty = _tensor([params[i].repetition_penalty for i in rep], device, torch.float32)[:, None]
         x.index_copy_(0, index, torch.where(seen, torch.where(vals > 0, vals / penalty, vals * penalty), vals))
     counted = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if counted:
-        counts = _marks(counted, [history[i] for i in counted], vocab, device, pending, torch.float32)
+        counts = _marks(counted, [history[i] for i in counted], None, vocab, device, pending)
         index = _tensor(counted, device, torch.int64)
         frequency = _tensor([params[i].frequency_penalty for i in counted], device, torch.float32)[:, None]
         presence = _tensor([params[i].presence_penalty for i in counted], device, torch.float32)[:, None]

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from asymcache_core.batched_penalties import prompt_ids, with_penalties
 from asymcache_core.batched_penalties import rewrites as penalties_rewrite
-from asymcache_core.batched_penalties import with_penalties
 from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows
 from asymcache_core.logprobs import TokenLogprob, token_logprobs
 from asymcache_core.sampling_params import SamplingParams, processors_pass
@@ -201,6 +201,8 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._seeds: dict[str, int] = {}
+        #: request id -> its distinct prompt ids on the device (the repetition penalty's)
+        self._prompts: dict[str, torch.Tensor] = {}
         self.failures: dict[str, str] = {}
         self.logprobs: dict[str, TokenLogprob] = {}
 
@@ -214,6 +216,15 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+
+    def _prompt_ids(self, request_id: str, prompt: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """A request's distinct prompt ids on the logits' device, built at its first draw with
+        a repetition penalty and kept until it is forgotten (a prompt does not change)."""
+        ids = self._prompts.get(request_id)
+        if ids is None or ids.device != logits.device:
+            ids = self._prompts[request_id] = prompt_ids(prompt, logits.shape[-1], logits.device)
+        return ids
 
     def take_failures(self) -> dict[str, str]:
         """The failed rows since the last call (and forget them).
@@ -269,7 +280,13 @@ class Sampler:
         Returns:
             The tokens and failure marks, on ``logits``' device (the caller reads them).
         """
-        logits = with_penalties(logits, params, outputs, prompts, pending)
+        prompt_tensors = None
+        if prompts is not None and any(p.repetition_penalty != 1.0 for p in params):
+            prompt_tensors = [
+                self._prompt_ids(rid, prompt, logits) if p.repetition_penalty != 1.0 else None
+                for rid, prompt, p in zip(request_ids, prompts, params, strict=True)
+            ]
+        logits = with_penalties(logits, params, outputs, prompt_tensors, pending)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         settings = RowSettings(
             [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from asymcache_core.batched_penalties import with_penalties
+from asymcache_core.batched_penalties import prompt_ids, with_penalties
 from asymcache_core.batched_sampling import RowSettings, row_cuts, sample_rows
 from asymcache_core.sampler import FAILED, NON_FINITE, Sampler, apply_penalties
 from asymcache_core.sampling_params import SamplingParams
@@ -292,11 +292,25 @@ def test_penalties_where_the_logits_are_give_the_host_rows_bits():
     ]
     outputs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 0, 3, 1, 12)]
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (20, 4, 7, 2, 0, 30)]
-    got = with_penalties(logits, params, outputs, prompts)
+    prompt_tensors = [prompt_ids(prompt, VOCAB, logits.device) for prompt in prompts]
+    got = with_penalties(logits, params, outputs, prompt_tensors)
     for i, p in enumerate(params):
         assert torch.equal(got[i], apply_penalties(logits[i], p, prompts[i], outputs[i])), i
     # the last output token of each row still in flight (rows without output have none)
     pending = torch.tensor([out[-1] if out else -1 for out in outputs])
-    held = with_penalties(logits, params, [out[:-1] for out in outputs], prompts, pending)
+    held = with_penalties(logits, params, [out[:-1] for out in outputs], prompt_tensors, pending)
     assert torch.equal(held, got)
     assert with_penalties(logits, [SamplingParams(temperature=1.0)], None, None) is logits  # nothing to do
+    # a prompt id out of the vocabulary is left out; the sampler keeps each request's ids
+    assert prompt_ids([5, 5, VOCAB + 3, -1, 2], VOCAB, logits.device).tolist() == [2, 5]
+    row = torch.zeros(1, VOCAB)
+    row[0, 1], row[0, 9] = 5.0, 4.0
+    sampler = Sampler(0)
+    rep = [SamplingParams(repetition_penalty=1.5)]
+    assert sampler.sample_on_device(row, ["r"], rep, [0], [[]], [[1, 2, 3]]).tokens.tolist() == [9]  # 5 / 1.5 < 4
+    assert set(sampler._prompts) == {"r"}
+    # a request's prompt ids are built once: a later call's list is not read again
+    assert sampler.sample_on_device(row, ["r"], rep, [0], [[]], [[9, 9]]).tokens.tolist() == [9]
+    sampler.forget("r")
+    assert sampler._prompts == {}
+    assert sampler.sample_on_device(row, ["r"], rep, [0], [[]], [[9, 9]]).tokens.tolist() == [1]
