@@ -1,13 +1,13 @@
 """Logit bias and the repetition, presence and frequency penalties of a batch of rows, where
 their logits are.
 
-:func:`with_penalties` gives the rows' logits as :func:`asymcache_core.sampler.apply_penalties`
-rewrites them one by one on the host (the same ops in the same order, so the same bits): the
-bias added, then the repetition penalty on every token of the prompt and the output, then the
-presence and frequency penalties on the output's counts. The histories come from the host
-(each request's token lists) and, under async scheduling, from the device: the token the step
-in flight samples for a row is not on the host yet when the next step is launched, and is
-counted from the device tensor it lands in (``pending``). No synchronization.
+:func:`with_penalties` rewrites a batch of rows at once: the bias is added, then the repetition
+penalty applies to every token of the prompt and the output, then the presence and frequency
+penalties to the output's counts (vLLM's order). Rows sampled on the host (with logits
+processors) go through the same function there. The histories come from the host (each
+request's token lists) and, under async scheduling, from the device: the token the step in
+flight samples for a row is not on the host yet when the next step is launched, and is counted
+from the device tensor it lands in (``pending``). No synchronization.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from asymcache_core.request import Request
 from asymcache_core.sampling_params import SamplingParams
 
 
-def _tensor(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def to_device(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a tensor on ``device``, copied without waiting."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
@@ -27,6 +29,23 @@ def rewrites(params: SamplingParams) -> bool:
     return bool(params.logit_bias) or bool(params.presence_penalty or params.frequency_penalty) or (
         params.repetition_penalty != 1.0
     )
+
+
+def in_flight_tokens(requests: list[Request], tokens: torch.Tensor | None, rows: dict[str, int]) -> torch.Tensor | None:
+    """``[R]`` int64 on the device: each request's token sampled by the step in flight (its
+    ``tokens``, request id -> row in ``rows``), not on the host yet (``-1``: none); ``None``
+    when no request has one.
+
+    NOTE: a request planned into the step being launched while the one before is in flight
+    counts two pending tokens: that step's and its own.
+    """
+    if tokens is None:
+        return None
+    index = [rows.get(r.request_id, -1) if r.num_pending >= 2 else -1 for r in requests]
+    if all(i < 0 for i in index):
+        return None
+    at = to_device(index, tokens.device, torch.int64)
+    return torch.where(at >= 0, tokens[at.clamp(min=0)], -1)
 
 
 def _marks(
@@ -56,7 +75,7 @@ def _marks(
             torch.ones(int(sum(t.numel() for t in prompts)), device=device), accumulate=True,
         )
     if pending is not None:
-        token = pending[_tensor(rows, device, torch.int64)]
+        token = pending[to_device(rows, device, torch.int64)]
         valid = (token >= 0) & (token < vocab)
         out.scatter_add_(1, token.clamp(0, vocab - 1)[:, None], valid[:, None].to(torch.float32))
     return out
@@ -97,9 +116,9 @@ def with_penalties(
     x = logits.float().clone()
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items() if t < vocab]
     if bias:
-        index = _tensor([[i, t] for i, t, _ in bias], device, torch.int64)
-        x.index_put_((index[:, 0], index[:, 1]), _tensor([b for _, _, b in bias], device, torch.float32), accumulate=True)
-    history = [list(out) for out in outputs] if outputs is not None else [[] for _ in params]
+        index = to_device([[i, t] for i, t, _ in bias], device, torch.int64)
+        x.index_put_((index[:, 0], index[:, 1]), to_device([b for _, _, b in bias], device, torch.float32), accumulate=True)
+    history = outputs if outputs is not None else [[] for _ in params]
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:
         rep_prompts = None
@@ -107,15 +126,15 @@ def with_penalties(
             empty = torch.zeros(0, dtype=torch.int64, device=device)
             rep_prompts = [prompts[i] if prompts[i] is not None else empty for i in rep]
         seen = _marks(rep, [history[i] for i in rep], rep_prompts, vocab, device, pending) > 0
-        index = _tensor(rep, device, torch.int64)
+        index = to_device(rep, device, torch.int64)
         vals = x.index_select(0, index)
-        penalty = _tensor([params[i].repetition_penalty for i in rep], device, torch.float32)[:, None]
+        penalty = to_device([params[i].repetition_penalty for i in rep], device, torch.float32)[:, None]
         x.index_copy_(0, index, torch.where(seen, torch.where(vals > 0, vals / penalty, vals * penalty), vals))
     counted = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if counted:
         counts = _marks(counted, [history[i] for i in counted], None, vocab, device, pending)
-        index = _tensor(counted, device, torch.int64)
-        frequency = _tensor([params[i].frequency_penalty for i in counted], device, torch.float32)[:, None]
-        presence = _tensor([params[i].presence_penalty for i in counted], device, torch.float32)[:, None]
+        index = to_device(counted, device, torch.int64)
+        frequency = to_device([params[i].frequency_penalty for i in counted], device, torch.float32)[:, None]
+        presence = to_device([params[i].presence_penalty for i in counted], device, torch.float32)[:, None]
         x.index_copy_(0, index, x.index_select(0, index) - (frequency * counts + presence * (counts > 0).to(torch.float32)))
     return x

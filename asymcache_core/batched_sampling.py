@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from asymcache_core.batched_penalties import to_device
 from asymcache_core.sampling_params import SamplingParams
 from kernels.sampling import gumbel_argmax_triton, gumbel_scores_naive, row_keys_array
 from kernels.sampling import triton as _triton
@@ -39,11 +40,11 @@ class SampledRows(NamedTuple):
         tokens: ``[N]`` int64; a failed row holds a valid id so that a step reading it on the
             device stays in range.
         failed: ``[N]`` bool, rows with nothing to draw (no logit above ``-inf``, NaNs aside;
-            their requests fail).
+            their requests fail); ``None`` where no row can fail (all greedy).
     """
 
     tokens: torch.Tensor
-    failed: torch.Tensor
+    failed: torch.Tensor | None
 
 
 class RowSettings(NamedTuple):
@@ -58,10 +59,6 @@ class RowSettings(NamedTuple):
     params: list[SamplingParams]
     seeds: list[int]
     draws: list[int]
-
-
-def _column(values: list, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _no_cut(params: list[SamplingParams]) -> bool:
@@ -80,7 +77,7 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
         ``temperature [N]`` and ``cut [N]``, float32 on ``logits``' device.
     """
     device, vocab = logits.device, logits.shape[-1]
-    temperature = _column([p.temperature for p in params], device, torch.float32)
+    temperature = to_device([p.temperature for p in params], device, torch.float32)
     cut = torch.full((len(params),), float("-inf"), device=device)
     if _no_cut(params):
         return temperature, cut
@@ -90,11 +87,11 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     top_values = None
     if any(top_k):
         top_values = torch.topk(scaled, max(top_k), dim=-1).values
-        kth = top_values.gather(1, _column([max(k, 1) - 1 for k in top_k], device, torch.int64)[:, None]).squeeze(1)
-        cut = torch.where(_column([k > 0 for k in top_k], device, torch.bool), kth, cut)
+        kth = top_values.gather(1, to_device([max(k, 1) - 1 for k in top_k], device, torch.int64)[:, None]).squeeze(1)
+        cut = torch.where(to_device([k > 0 for k in top_k], device, torch.bool), kth, cut)
     if any(p.min_p > 0.0 for p in params):
         # NOTE: p >= min_p * p_max is x / T >= max(x / T) + log(min_p)
-        floor = _column([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], device, torch.float32)
+        floor = to_device([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], device, torch.float32)
         cut = torch.maximum(cut, scaled.amax(dim=-1) + floor)
     if any(p.top_p < 1.0 for p in params):
         top_p = [p.top_p for p in params]
@@ -139,9 +136,9 @@ def _top_p_of_sorted(top: torch.Tensor, norm: torch.Tensor, top_p: list[float]) 
     probs = torch.exp(top - norm)
     before = probs.cumsum(dim=-1) - probs
     # NOTE: the most likely token always stays (a tiny top_p rounds to 0)
-    count = (before < _column(top_p, device, torch.float32)[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
+    count = (before < to_device(top_p, device, torch.float32)[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
     cut_p = top.gather(1, count - 1).squeeze(1)
-    return torch.where(_column([p < 1.0 for p in top_p], device, torch.bool), cut_p, float("-inf"))
+    return torch.where(to_device([p < 1.0 for p in top_p], device, torch.bool), cut_p, float("-inf"))
 
 
 def inverse_cdf_draw(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

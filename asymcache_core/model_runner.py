@@ -7,6 +7,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from asymcache_core.batched_penalties import in_flight_tokens
 from asymcache_core.batched_penalties import rewrites as penalties_rewrite
 from asymcache_core.block_tables import BlockTableRows
 from asymcache_core.cuda_graphs import DecodeBatch, DecodeGraphs
@@ -22,7 +23,6 @@ from asymcache_core.logprobs import (
     to_entries,
 )
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
-from asymcache_core.request import Request
 from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
@@ -145,31 +145,6 @@ class LaunchedStep(NamedTuple):
     def device_sampled(self) -> bool:
         """Its tokens exist on the device before it is collected."""
         return self.tokens is not None or not self.sample_index
-
-
-def _draw_index(request: Request) -> int:
-    """The index of the output token a request's row samples in the step being run.
-
-    NOTE: with async scheduling a planned step counts its own token in ``num_pending`` (and
-    the step in flight before it, one more): the token drawn comes after those still pending.
-    """
-    return len(request.output_token_ids) + max(request.num_pending - 1, 0)
-
-
-def _in_flight_tokens(requests: list[Request], previous: LaunchedStep | None) -> torch.Tensor | None:
-    """``[R]`` int64 on the device: each request's token that ``previous`` (in flight) samples,
-    not on the host yet (``-1``: none). ``None`` when no request has one.
-
-    NOTE: a request planned into the step being launched while the one before is in flight
-    counts two pending tokens: that step's and its own.
-    """
-    if previous is None or previous.tokens is None:
-        return None
-    rows = [previous.rows.get(r.request_id, -1) if r.num_pending >= 2 else -1 for r in requests]
-    if all(row < 0 for row in rows):
-        return None
-    index = torch.tensor(rows, dtype=torch.int64).to(previous.tokens.device, non_blocking=True)
-    return torch.where(index >= 0, previous.tokens[index.clamp(min=0)], -1)
 
 
 def _timing_event(device: torch.device) -> torch.cuda.Event | None:
@@ -418,14 +393,12 @@ class ModelRunner:
             )
         penalized = any(penalties_rewrite(r.params) for r in requests)
         drawn = self.sampler.sample_on_device(
-            logits, list(rows), [r.params for r in requests], [_draw_index(r) for r in requests],
+            logits, list(rows), [r.params for r in requests], [r.draw_index for r in requests],
             [r.output_token_ids for r in requests] if penalized else None,
             [r.prompt_token_ids for r in requests] if penalized else None,
-            _in_flight_tokens(requests, previous) if penalized else None,
+            in_flight_tokens(requests, previous.tokens, previous.rows) if penalized and previous is not None else None,
         )
-        tokens = drawn.tokens
-        # NOTE: only random rows can fail (nothing to draw); greedy steps copy no marks
-        failed = drawn.failed if any(not r.params.greedy for r in requests) else None
+        tokens, failed = drawn
         want = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         pending = None
         if want:
@@ -532,7 +505,7 @@ class ModelRunner:
             [r.params for r in requests],
             [r.output_token_ids for r in requests],
             [r.prompt_token_ids for r in requests],
-            [_draw_index(r) for r in requests],
+            [r.draw_index for r in requests],
         )
         # NOTE: a row whose sampling failed is left out; the engine fails its request alone.
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True) if t != FAILED}

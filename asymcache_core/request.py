@@ -184,6 +184,16 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def draw_index(self) -> int:
+        """The index of the output token its row samples in the step being run (what keys a
+        random draw).
+
+        NOTE: with async scheduling a planned step counts its own token in ``num_pending`` (and
+        the step in flight before it, one more): the token drawn comes after those still pending.
+        """
+        return len(self.output_token_ids) + max(self.num_pending - 1, 0)
+
+    @property
     def finished(self) -> bool:
         return self.status.finished
 

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from asymcache_core.batched_penalties import prompt_ids, with_penalties
-from asymcache_core.batched_penalties import rewrites as penalties_rewrite
 from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows
 from asymcache_core.logprobs import TokenLogprob, token_logprobs
 from asymcache_core.sampling_params import SamplingParams, processors_pass
@@ -26,39 +25,6 @@ logger = logging.getLogger(__name__)
 FAILED = -1
 #: The error of a row with nothing to draw (no logit above ``-inf``, NaNs aside).
 NON_FINITE = "sampling failed: every token has a non-finite logit"
-
-
-def apply_penalties(
-    row: torch.Tensor, params: SamplingParams, prompt: list[int] | None, output: list[int]
-) -> torch.Tensor:
-    """Logit bias, repetition, presence and frequency penalties on one ``[vocab]`` row.
-
-    Args:
-        row: float32 logits (a new tensor is returned; ``row`` is not modified).
-        params: the request's parameters.
-        prompt: its prompt ids (the repetition penalty covers them), or None.
-        output: the tokens it generated so far.
-
-    Returns:
-        The rewritten row.
-    """
-    vocab = row.numel()
-    row = row.clone()
-    if params.logit_bias:
-        ids = torch.tensor([t for t in params.logit_bias if t < vocab], dtype=torch.long)
-        vals = torch.tensor([v for t, v in params.logit_bias.items() if t < vocab], dtype=row.dtype)
-        row.index_add_(0, ids, vals)
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({t for t in (*(prompt or ()), *output) if 0 <= t < vocab}), dtype=torch.long)
-        if seen.numel():
-            vals = row[seen]
-            p = params.repetition_penalty
-            row[seen] = torch.where(vals > 0, vals / p, vals * p)
-    if (params.presence_penalty or params.frequency_penalty) and output:
-        counts = torch.bincount(torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.long), minlength=vocab)
-        counts = counts[:vocab].to(row.dtype)
-        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
-    return row
 
 
 class MinTokensMask:
@@ -209,10 +175,11 @@ class Sampler:
     @staticmethod
     def on_device(params: SamplingParams) -> bool:
         """Whether a row with ``params`` samples where its logits are: no logits processor
-        (they run on the host); greedy or at random with temperature, top-k, top-p and min-p,
-        a logit bias and the repetition, presence and frequency penalties. Its log
+        (they run on the host; the engine turns ``min_tokens``, ``allowed_token_ids`` and
+        ``bad_words`` into processors); greedy or at random with temperature, top-k, top-p and
+        min-p, a logit bias and the repetition, presence and frequency penalties. Its log
         probabilities, when asked for, are computed there too (from the model's logits)."""
-        return not params.logits_processors and not params.becomes_processors
+        return not params.logits_processors
 
     def forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
@@ -280,26 +247,39 @@ class Sampler:
         Returns:
             The tokens and failure marks, on ``logits``' device (the caller reads them).
         """
+        logits = self._penalized(logits, request_ids, params, outputs, prompts, pending)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if not rand:
+            # NOTE: argmax cannot fail: no marks to compute or copy back
+            return SampledRows(logits.argmax(dim=-1), None)
+        settings = RowSettings(
+            [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
+        )
+        if len(rand) == len(params):
+            return sample_rows(logits, settings)
+        index = torch.tensor(rand, dtype=torch.int64).to(logits.device, non_blocking=True)
+        drawn = sample_rows(logits.index_select(0, index), settings)
+        failed = torch.zeros(len(params), dtype=torch.bool, device=logits.device).index_copy(0, index, drawn.failed)
+        return SampledRows(logits.argmax(dim=-1).index_copy(0, index, drawn.tokens), failed)
+
+    def _penalized(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        outputs: list[list[int]] | None,
+        prompts: list[list[int]] | None,
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``logits`` with the rows' bias and penalties (:func:`with_penalties`), the prompt ids
+        of the repetition penalty taken from :meth:`_prompt_ids`."""
         prompt_tensors = None
         if prompts is not None and any(p.repetition_penalty != 1.0 for p in params):
             prompt_tensors = [
                 self._prompt_ids(rid, prompt, logits) if p.repetition_penalty != 1.0 else None
                 for rid, prompt, p in zip(request_ids, prompts, params, strict=True)
             ]
-        logits = with_penalties(logits, params, outputs, prompt_tensors, pending)
-        rand = [i for i, p in enumerate(params) if not p.greedy]
-        settings = RowSettings(
-            [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
-        )
-        if rand and len(rand) == len(params):
-            return sample_rows(logits, settings)
-        tokens = logits.argmax(dim=-1)
-        failed = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-        if not rand:
-            return SampledRows(tokens, failed)
-        index = torch.tensor(rand, dtype=torch.int64).to(logits.device, non_blocking=True)
-        drawn = sample_rows(logits.index_select(0, index), settings)
-        return SampledRows(tokens.index_copy(0, index, drawn.tokens), failed.index_copy(0, index, drawn.failed))
+        return with_penalties(logits, params, outputs, prompt_tensors, pending)
 
     def sample(
         self,
@@ -328,8 +308,7 @@ class Sampler:
         tokens = [FAILED] * len(params)
         # NOTE: a row whose processors all pass this token (a thinking budget before its limit)
         # samples where its logits are too: no copy of them to the host
-        plain = [self.on_device(p) or (not p.becomes_processors and processors_pass(p.logits_processors, outputs[i]))
-                 for i, p in enumerate(params)]
+        plain = [processors_pass(p.logits_processors, outputs[i]) for i, p in enumerate(params)]
         on_device = [i for i in range(len(params)) if plain[i]]
         if on_device:
             drawn = self.sample_on_device(
@@ -349,12 +328,15 @@ class Sampler:
             self.logprobs.update((request_ids[i], entry) for i, entry in zip(want, entries, strict=True))
         return tokens
 
-    def take_drawn(self, drawn_tokens: list[int], failed: list[bool], request_ids: list[str]) -> dict[str, int]:
-        """The tokens of a device draw read back on the host, failed rows recorded and left out.
+    def take_drawn(self, drawn_tokens: list[int], failed: list[bool] | None, request_ids: list[str]) -> dict[str, int]:
+        """The tokens of a device draw read back on the host, failed rows recorded and left out
+        (``failed`` ``None``: none can have failed).
 
         Returns:
             Request id -> token, for the rows that did not fail.
         """
+        if failed is None:
+            return dict(zip(request_ids, drawn_tokens, strict=True))
         out: dict[str, int] = {}
         for rid, token, bad in zip(request_ids, drawn_tokens, failed, strict=True):
             if bad:
@@ -364,7 +346,8 @@ class Sampler:
         return out
 
     def _take(self, rows: list[int], drawn: SampledRows, request_ids: list[str], tokens: list[int]) -> None:
-        picked = self.take_drawn(drawn.tokens.tolist(), drawn.failed.tolist(), [request_ids[i] for i in rows])
+        failed = drawn.failed.tolist() if drawn.failed is not None else None
+        picked = self.take_drawn(drawn.tokens.tolist(), failed, [request_ids[i] for i in rows])
         for i in rows:
             tokens[i] = picked.get(request_ids[i], FAILED)
 
@@ -379,17 +362,24 @@ class Sampler:
         draws: list[int],
         tokens: list[int],
     ) -> None:
-        """Rewrites the ``host`` rows (penalties, logits processors) on the host and samples
-        them; a row that raises fails alone."""
-        host_rows = self._host_rows(logits, host, params)
+        """Copies the ``host`` rows to the host (one copy), applies their bias and penalties as
+        the device does, runs their logits processors and samples them; a row that raises
+        fails alone.
+
+        NOTE: the rows are a copy, so processors may rewrite them in place while the log
+        probabilities still read the model's logits (vLLM's ``raw_logprobs``).
+        """
+        ids, host_params = [request_ids[i] for i in host], [params[i] for i in host]
+        rows = self._penalized(
+            logits[host].float().cpu(), ids, host_params, [outputs[i] for i in host],
+            [prompts[i] for i in host] if prompts else None,
+        )
         rand: list[int] = []
         rewritten: list[torch.Tensor] = []
-        for i in host:
+        for k, i in enumerate(host):
             p = params[i]
             try:
-                row = host_rows[i]
-                if penalties_rewrite(p):
-                    row = apply_penalties(row, p, prompts[i] if prompts else None, outputs[i])
+                row = rows[k]
                 for processor in p.logits_processors:
                     row = processor(outputs[i], row)
             except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
@@ -406,16 +396,3 @@ class Sampler:
                 [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
             ))
             self._take(rand, drawn, request_ids, tokens)
-
-    @staticmethod
-    def _host_rows(logits: torch.Tensor, host: list[int], params: list[SamplingParams]) -> dict[int, torch.Tensor]:
-        """The float32 host rows of ``host`` that processors may rewrite in place.
-
-        NOTE: from a device, one copy of them all (one synchronization a step, not one a row).
-        On the host, a row is used as it is, but for one whose log probabilities are asked
-        for: that one is copied, so that they come from the logits the model gave (vLLM's
-        ``raw_logprobs``), whatever its processors do to the row.
-        """
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            return {i: logits[i].clone() if params[i].logprobs is not None else logits[i] for i in host}
-        return dict(zip(host, logits[host].float().cpu(), strict=True))

@@ -209,24 +209,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def rewrites_logits(self) -> bool:
-        """Whether anything changes the logits before the token is picked."""
-        return bool(self.logits_processors) or self.rewrites_logits_otherwise
-
-    @property
-    def rewrites_logits_otherwise(self) -> bool:
-        """Whether anything but the logits processors changes the logits."""
-        return bool(
-            self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-        ) or self.becomes_processors
-
-    @property
-    def becomes_processors(self) -> bool:
-        """Whether a field the engine turns into logits processors is set (``min_tokens``,
-        ``allowed_token_ids``, ``bad_words``)."""
-        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
-
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:
     """OpenAI's ``logit_bias`` (keys may be strings of ints, as JSON sends them), checked."""

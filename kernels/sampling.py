@@ -14,8 +14,8 @@ a token recomputed after an eviction is drawn again the same.
   token is the best among them (ties to the lower index, as ``torch.argmax``).
 - :func:`gumbel_argmax_naive`: its torch twin (the same integer hash and float32 steps), for
   any device; the tests compare the two.
-- :func:`row_keys`: a row's keys from its 64-bit seed and the index of its draw
-  (:func:`row_keys_array`: many rows at once).
+- :func:`row_keys_array`: the rows' keys from their 64-bit seeds and the indices of their
+  draws (:func:`row_keys`: one row).
 
 Shapes: ``logits [N, V]`` (any float dtype, computed in float32), ``temperature [N]`` and
 ``cut [N]`` float32 (``-inf``: every token kept), ``keys [N, 2]`` int64 holding 32-bit values.
@@ -52,32 +52,11 @@ _MASK32 = 0xFFFFFFFF
 CHUNK = 2048
 
 
-def mix32(x: int) -> int:
-    """The 32-bit mix of ``x`` (a bijection of ``[0, 2**32)``)."""
-    x &= _MASK32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def row_keys(seed: int, draw: int) -> tuple[int, int]:
-    """The two 32-bit keys of draw number ``draw`` of a row seeded with ``seed``.
-
-    Args:
-        seed: the row's seed in ``[0, 2**64)``.
-        draw: which of the row's draws (its output token's index).
-    """
-    d = mix32(draw & _MASK32) ^ mix32((draw >> 32) ^ 0x9E3779B9)
-    k0 = mix32((seed & _MASK32) ^ d)
-    # NOTE: the second key depends on the whole seed and draw too (a 32-bit generator seed or
-    # a uniform can be taken from it alone)
-    return k0, mix32(((seed >> 32) & _MASK32) ^ mix32(k0 ^ 0x85EBCA6B))
-
-
 def _mix32_array(x: np.ndarray) -> np.ndarray:
-    # NOTE: uint64 products wrap modulo 2**64, whose low 32 bits are the 32-bit product's
+    """The 32-bit mix (Wellons' "lowbias32", a bijection of ``[0, 2**32)``) of uint64 values.
+
+    NOTE: uint64 products wrap modulo 2**64, whose low 32 bits are the 32-bit product's.
+    """
     x = x & _MASK32
     x ^= x >> np.uint64(16)
     x = (x * np.uint64(0x7FEB352D)) & _MASK32
@@ -87,15 +66,27 @@ def _mix32_array(x: np.ndarray) -> np.ndarray:
 
 
 def row_keys_array(seeds: list[int], draws: list[int]) -> np.ndarray:
-    """:func:`row_keys` of many rows at once: ``[N, 2]`` int64 (a few numpy ops, where the
-    scalar form costs microseconds a row in Python)."""
+    """The two 32-bit keys of each row's draw: ``[N, 2]`` int64.
+
+    Args:
+        seeds: each row's seed in ``[0, 2**64)``.
+        draws: which of the row's draws (its output token's index).
+    """
     seed = np.array(seeds, dtype=np.uint64)
     draw = np.array(draws, dtype=np.uint64)
     mask = np.uint64(_MASK32)
     d = _mix32_array(draw & mask) ^ _mix32_array((draw >> np.uint64(32)) ^ np.uint64(0x9E3779B9))
     k0 = _mix32_array((seed & mask) ^ d)
+    # NOTE: the second key depends on the whole seed and draw too (a uniform can be taken from
+    # it alone)
     k1 = _mix32_array(((seed >> np.uint64(32)) & mask) ^ _mix32_array(k0 ^ np.uint64(0x85EBCA6B)))
     return np.stack([k0, k1], axis=1).astype(np.int64)
+
+
+def row_keys(seed: int, draw: int) -> tuple[int, int]:
+    """:func:`row_keys_array` of one row."""
+    k0, k1 = row_keys_array([seed], [draw])[0].tolist()
+    return k0, k1
 
 
 def _mul32_torch(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

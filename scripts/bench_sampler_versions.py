@@ -1,7 +1,7 @@
 """Host rows (a logits processor on every row) through an earlier sampler and this one, side by side.
 
 ``git show b32a002:asymcache_core/sampler.py > /tmp/old_sampler.py``
-``python scripts/bench_sampler_versions.py --old /tmp/old_sampler.py [--rows 1,8,32]``
+``PYTHONPATH=$PWD python scripts/bench_sampler_versions.py --old /tmp/old_sampler.py [--rows 1,8,32]``
 
 Llama-3 vocabulary (128,256); on CUDA when there is one. Median ms of ``Sampler.sample`` over 12
 calls after 3, for temperature 0.7 alone, with top-k 50 and top-p 0.95, and with top-p 0.95.
@@ -18,12 +18,9 @@ import torch
 
 from asymcache_core.sampler import Sampler
 from asymcache_core.sampling_params import SamplingParams
+from scripts.bench_sampling import unchanged
 
 SETTINGS = (dict(temperature=0.7), dict(temperature=0.7, top_p=0.95, top_k=50), dict(temperature=0.7, top_p=0.95))
-
-
-def _unchanged(_out: list[int], row: torch.Tensor) -> torch.Tensor:
-    return row
 
 
 def main() -> None:
@@ -41,7 +38,7 @@ def main() -> None:
         logits = torch.randn(n, 128_256, device=device) * 3
         ids, outs = [f"r{i}" for i in range(n)], [[1, 2]] * n
         for kw in SETTINGS:
-            params = [SamplingParams(seed=i, logits_processors=(_unchanged,), **kw) for i in range(n)]
+            params = [SamplingParams(seed=i, logits_processors=(unchanged,), **kw) for i in range(n)]
             row = []
             for sampler in (old.Sampler(0), Sampler(0)):
                 times = []

@@ -1,6 +1,6 @@
 """Decode steps with random sampling against greedy ones, through the engine (GPU).
 
-``python scripts/gpu_sampling_step.py [--cases 1x2048,8x2048,32x2048] [--tokens 48] [--rounds 3]``
+``PYTHONPATH=$PWD python scripts/gpu_sampling_step.py [--cases 1x2048,8x2048,32x2048] [--tokens 48] [--rounds 3]``
 
 One engine (dummy Llama-3.1-8B bf16, the defaults: batch-invariant kernels, CUDA graphs, async
 scheduling) runs the same random prompts three ways, alternating in rounds: greedy; at random
@@ -22,13 +22,8 @@ import torch
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
+from scripts.bench_sampling import RANDOM, unchanged
 from scripts.gpu_async_step import run_case
-
-RANDOM = dict(temperature=0.7, top_p=0.95, top_k=50)
-
-
-def _unchanged(_out: list[int], row: torch.Tensor) -> torch.Tensor:
-    return row
 
 
 def main() -> None:
@@ -56,7 +51,7 @@ def main() -> None:
     ways = {
         "greedy": lambda b: [SamplingParams()] * b,
         "random, device": lambda b: [SamplingParams(seed=i, **RANDOM) for i in range(b)],
-        "random, host path": lambda b: [SamplingParams(seed=i, logits_processors=(_unchanged,), **RANDOM) for i in range(b)],
+        "random, host path": lambda b: [SamplingParams(seed=i, logits_processors=(unchanged,), **RANDOM) for i in range(b)],
     }
     print("\n| decode | greedy ms | random on the device ms | random, host path ms | device / greedy | host / device | repeat equal |")
     print("|---|---:|---:|---:|---:|---:|---|")

@@ -79,7 +79,8 @@ def srv(smollm) -> Iterator[Server]:
         # logit from its third token on): only it may fail.
         drawn = original(logits, request_ids, params, draws, *histories)
         bad = [p.seed == FAIL_SEED and d >= 2 for p, d in zip(params, draws, strict=True)]
-        return SampledRows(drawn.tokens, drawn.failed | torch.tensor(bad, device=drawn.failed.device))
+        marks = torch.tensor(bad, device=drawn.tokens.device)
+        return SampledRows(drawn.tokens, marks if drawn.failed is None else drawn.failed | marks)
 
     sampler.sample_on_device = faulty
     runtime = AgentRuntime(engine)

@@ -10,9 +10,9 @@ import torch
 
 from asymcache_core.batched_penalties import prompt_ids, with_penalties
 from asymcache_core.batched_sampling import RowSettings, row_cuts, sample_rows
-from asymcache_core.sampler import FAILED, NON_FINITE, Sampler, apply_penalties
+from asymcache_core.sampler import FAILED, NON_FINITE, Sampler, with_engine_processors
 from asymcache_core.sampling_params import SamplingParams
-from kernels.sampling import gumbel_argmax_naive, mix32, row_keys, row_keys_array
+from kernels.sampling import gumbel_argmax_naive, row_keys, row_keys_array
 
 VOCAB = 64
 
@@ -39,15 +39,16 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], 
     return drawn.tokens.tolist()
 
 
-def test_mix32_is_a_bijection_on_a_sample_and_keys_follow_seed_and_draw():
-    values = [mix32(x) for x in range(1 << 16)]
-    assert len(set(values)) == 1 << 16 and all(0 <= v < 1 << 32 for v in values)
+def test_keys_follow_seed_and_draw():
     keys = {row_keys(seed, draw) for seed in (0, 1, 2**63, 2**64 - 1) for draw in range(50)}
-    assert len(keys) == 200
+    assert len(keys) == 200 and all(0 <= k < 1 << 32 for pair in keys for k in pair)
     assert row_keys(5, 7) == row_keys(5, 7)
     seeds = [0, 1, 2**63, 2**64 - 1, 12345, 2**40 + 3]
     draws = [0, 7, 2**32 + 5, 1, 2**63, 99]
     assert row_keys_array(seeds, draws).tolist() == [list(row_keys(s, d)) for s, d in zip(seeds, draws, strict=True)]
+    # the mix is a bijection: 65,536 draws of one seed give 65,536 distinct first keys
+    many = row_keys_array([3] * (1 << 16), list(range(1 << 16)))
+    assert len(set(many[:, 0].tolist())) == 1 << 16
 
 
 def test_the_race_draws_each_token_with_its_probability():
@@ -265,9 +266,9 @@ def test_a_logit_bias_applies_where_the_logits_are_and_leaves_the_log_probabilit
     ]
     assert all(Sampler.on_device(p) for p in params)
     assert Sampler.on_device(SamplingParams(presence_penalty=0.5))  # penalties too
-    assert not Sampler.on_device(SamplingParams(min_tokens=2)) and not Sampler.on_device(
-        SamplingParams(logits_processors=(lambda out, row: row,))
-    )
+    # the engine makes min_tokens a processor: such a row goes to the host
+    assert not Sampler.on_device(with_engine_processors(SamplingParams(min_tokens=2), frozenset({0})))
+    assert not Sampler.on_device(SamplingParams(logits_processors=(lambda out, row: row,)))
     sampler = Sampler(0)
     drawn = sampler.sample_on_device(logits, ["a", "b", "c"], params, [0, 0, 0])
     assert drawn.tokens.tolist() == [30, 6, 7]
@@ -277,8 +278,27 @@ def test_a_logit_bias_applies_where_the_logits_are_and_leaves_the_log_probabilit
     assert entry.logprob == pytest.approx(float(torch.log_softmax(logits[2], dim=-1)[7]), abs=1e-5)
 
 
-def test_penalties_where_the_logits_are_give_the_host_rows_bits():
-    """:func:`with_penalties` against :func:`apply_penalties` row by row, on random histories;
+def _reference_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The penalties of one row spelled out with sets and ``bincount`` (the sampler's own code
+    before 2026-12-06)."""
+    vocab = row.numel()
+    row = row.clone()
+    if p.logit_bias:
+        row.index_add_(0, torch.tensor([t for t in p.logit_bias if t < vocab]),
+                       torch.tensor([v for t, v in p.logit_bias.items() if t < vocab]))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*prompt, *output) if 0 <= t < vocab}), dtype=torch.long)
+        if seen.numel():
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output), minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def test_penalties_where_the_logits_are_give_the_reference_bits():
+    """:func:`with_penalties` on a batch against the reference row by row, on random histories;
     a token still in flight (``pending``) counts as if it were on the host."""
     gen = torch.Generator().manual_seed(12)
     logits = torch.randn(6, VOCAB, generator=gen) * 3
@@ -295,7 +315,7 @@ def test_penalties_where_the_logits_are_give_the_host_rows_bits():
     prompt_tensors = [prompt_ids(prompt, VOCAB, logits.device) for prompt in prompts]
     got = with_penalties(logits, params, outputs, prompt_tensors)
     for i, p in enumerate(params):
-        assert torch.equal(got[i], apply_penalties(logits[i], p, prompts[i], outputs[i])), i
+        assert torch.equal(got[i], _reference_penalties(logits[i], p, prompts[i], outputs[i])), i
     # the last output token of each row still in flight (rows without output have none)
     pending = torch.tensor([out[-1] if out else -1 for out in outputs])
     held = with_penalties(logits, params, [out[:-1] for out in outputs], prompt_tensors, pending)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from asymcache_core import Engine, SamplingParams
-from asymcache_core.sampler import FAILED, Sampler, apply_penalties
+from asymcache_core.batched_penalties import prompt_ids, with_penalties
+from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 
 VOCAB = 50
@@ -80,12 +81,13 @@ def test_a_greedy_row_whose_processors_pass_takes_the_device_argmax():
     gates = [_Gate(2), _Gate(2), _Gate(2), _Gate(2)]
     params = [SamplingParams(logits_processors=(gates[0],)),
               SamplingParams(logits_processors=(gates[1], lambda out, row: row)),  # one cannot tell: host
-              SamplingParams(logits_processors=(gates[2],), min_tokens=3),  # a field made a processor: host
+              SamplingParams(logits_processors=(gates[2],), presence_penalty=2.0),  # a penalty: on the device
               SamplingParams(logits_processors=(gates[3],), logit_bias={1: 50.0})]  # a bias: on the device
     outputs = [[7], [7], [7], [7]]
     tokens = Sampler(0).sample(torch.cat([logits, logits[:1]]), ["a", "b", "c", "d"], params, outputs)
     assert tokens[0] == int(logits[0].argmax()) and gates[0].calls == 0  # passed: never called
-    assert gates[1].calls == 1 and gates[2].calls == 1
+    assert gates[1].calls == 1 and gates[2].calls == 0
+    assert tokens[2] == int((logits[2] - 2.0 * (torch.arange(VOCAB) == 7)).argmax())  # the output's 7 penalized
     assert tokens[3] == 1 and gates[3].calls == 0
     # once it no longer passes, its mask applies
     tokens = Sampler(0).sample(logits, ["a"], params[:1], [[7, 7]])
@@ -138,9 +140,9 @@ def test_logit_bias_and_penalties():
     row[1], row[2] = 5.0, -5.0
     # a +100 bias forces a token under greedy
     assert Sampler(0).sample(row[None].clone(), ["r"], [SamplingParams(logit_bias={"30": 100})], [[]]) == [30]
-    out = apply_penalties(row, SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), None, [1, 1, 4])
+    out = with_penalties(row[None], [SamplingParams(presence_penalty=1.0, frequency_penalty=0.5)], [[1, 1, 4]], None)[0]
     assert out[1] == pytest.approx(5.0 - 1.0 - 1.0) and out[4] == pytest.approx(-1.5) and out[0] == 0.0
-    rep = apply_penalties(row, SamplingParams(repetition_penalty=2.0), [2], [1])
+    rep = with_penalties(row[None], [SamplingParams(repetition_penalty=2.0)], [[1]], [prompt_ids([2], VOCAB, row.device)])[0]
     assert rep[1] == pytest.approx(2.5) and rep[2] == pytest.approx(-10.0) and rep[0] == 0.0
     assert torch.equal(row[1:3], torch.tensor([5.0, -5.0]))  # the input row is left alone
     # a repeated favourite loses the greedy pick to the runner-up under a presence penalty
