@@ -69,11 +69,12 @@ def _marks(
         token_index = torch.from_numpy(tokens[keep]).to(device, non_blocking=True)
         out.index_put_((row_index, token_index), torch.ones(len(row_index), device=device), accumulate=True)
     if prompts is not None and any(t.numel() for t in prompts):
-        sizes = torch.tensor([t.numel() for t in prompts], device=device)
-        out.index_put_(
-            (torch.repeat_interleave(torch.arange(len(rows), device=device), sizes), torch.cat(prompts)),
-            torch.ones(int(sum(t.numel() for t in prompts)), device=device), accumulate=True,
-        )
+        total = sum(t.numel() for t in prompts)
+        sizes = to_device([t.numel() for t in prompts], device, torch.int64)
+        # NOTE: the output size given, or repeat_interleave reads the sizes' sum back from the
+        # device: a synchronization every step, which cost async scheduling its overlap
+        owner = torch.repeat_interleave(torch.arange(len(rows), device=device), sizes, output_size=total)
+        out.index_put_((owner, torch.cat(prompts)), torch.ones(total, device=device), accumulate=True)
     if pending is not None:
         token = pending[to_device(rows, device, torch.int64)]
         valid = (token >= 0) & (token < vocab)

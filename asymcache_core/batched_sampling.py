@@ -17,7 +17,9 @@ there), with the same independence.
 The masks are one number a row, the least scaled logit kept (:func:`row_cuts`): top-k on the
 logits divided by the temperature, min-p relative to the most likely token, then top-p over
 the distribution what is left renormalizes to (the most likely token always stays). Rows with
-temperature alone need no mask at all.
+temperature alone need no mask at all. Top-p sorts only what a top-k kept; without a top-k, on
+CUDA a search finds each row's cut (:mod:`kernels.top_p`, no sort of the vocabulary), on a CPU
+the most likely 256 tokens are looked at first.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from asymcache_core.batched_penalties import to_device
 from asymcache_core.sampling_params import SamplingParams
 from kernels.sampling import gumbel_argmax_triton, gumbel_scores_naive, row_keys_array
 from kernels.sampling import triton as _triton
+from kernels.top_p import top_p_cut_triton
 
 
 class SampledRows(NamedTuple):
@@ -81,9 +84,12 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     cut = torch.full((len(params),), float("-inf"), device=device)
     if _no_cut(params):
         return temperature, cut
-    # NOTE: a NaN logit is never kept, so it must not set a cut either
-    scaled = torch.nan_to_num(logits.float() / temperature[:, None], nan=float("-inf"))
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    searched = device.type == "cuda" and _triton is not None
+    scaled = None
+    if any(top_k) or any(p.min_p > 0.0 for p in params) or not searched:
+        # NOTE: a NaN logit is never kept, so it must not set a cut either
+        scaled = torch.nan_to_num(logits.float() / temperature[:, None], nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     top_values = None
     if any(top_k):
         top_values = torch.topk(scaled, max(top_k), dim=-1).values
@@ -100,6 +106,13 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
             # tokens top-k sorted already (exact but for ties at the k-th logit): no more sort
             masked = torch.where(top_values >= cut[:, None], top_values, float("-inf"))
             cut_p = _top_p_of_sorted(masked, torch.logsumexp(masked, dim=-1, keepdim=True), top_p)
+        elif searched:
+            # NOTE: knowing how many of the most likely tokens a row needs would wait for the
+            # device, and sorting the vocabulary is most of a sampled step: a search instead
+            cut_p = top_p_cut_triton(
+                logits, temperature, cut, to_device(top_p, device, torch.float32),
+                has_cut=any(top_k) or any(p.min_p > 0.0 for p in params),
+            )
         else:
             cut_p = _top_p_cut(scaled, cut, top_p)
         cut = torch.maximum(cut, cut_p)
@@ -114,7 +127,6 @@ def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> t
     masked = torch.where(scaled >= cut[:, None], scaled, float("-inf"))
     norm = torch.logsumexp(masked, dim=-1, keepdim=True)
     if device.type != "cpu":
-        # NOTE: knowing how many of the most likely tokens a row needs would wait for the device
         return _top_p_of_sorted(masked.sort(dim=-1, descending=True).values, norm, top_p)
     # NOTE: on a CPU the sort of the whole vocabulary is most of a step's sampling: the most
     # likely 256 (then 8x more) are enough for a row whose cut falls among them

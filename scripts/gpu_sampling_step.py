@@ -3,12 +3,15 @@
 ``PYTHONPATH=$PWD python scripts/gpu_sampling_step.py [--cases 1x2048,8x2048,32x2048] [--tokens 48] [--rounds 3]``
 
 One engine (dummy Llama-3.1-8B bf16, the defaults: batch-invariant kernels, CUDA graphs, async
-scheduling) runs the same random prompts three ways, alternating in rounds: greedy; at random
-(temperature 0.7, top-p 0.95, top-k 50, a seed per request) drawn on the device; and at random
+scheduling) runs the same random prompts five ways, alternating in rounds: greedy; at random
+(temperature 0.7, top-p 0.95, top-k 50, a seed per request) drawn on the device; the same
+without top-k (top-p's cut found by the search of :mod:`kernels.top_p`); the first with
+repetition, presence and frequency penalties (applied on the device); and at random
 through the host path (the same settings and a logits processor that cannot say it passes: the
 rows go to the host, and the step after waits for them, which is how every random row ran
-before 2026-12-06). Prints the median ms per output token of decode-only steps and the ratios,
-and checks that a second run of the device draws gives the same tokens (keyed draws).
+before 2026-12-06). Prints the median ms per output token of decode-only steps, each way's
+ratio to greedy, and checks that a second run of the device draws gives the same tokens
+(keyed draws).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from asymcache_core.loaders import load_model
 from scripts.bench_sampling import RANDOM, unchanged
 from scripts.gpu_async_step import run_case
 
+#: the penalties of the fourth way (OpenAI's presence and frequency, vLLM's repetition)
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -33,6 +39,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
+    ap.add_argument("--ways", default="", help="comma-separated ways to run besides greedy and random (default: all)")
     args = ap.parse_args()
     device = torch.device(args.device)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
@@ -48,13 +55,21 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{name}; {args.model}; async scheduling {engine.async_scheduling}; "
           f"ms per output token, median of {args.rounds} rounds")
+    top_p_only = {k: v for k, v in RANDOM.items() if k != "top_k"}
     ways = {
         "greedy": lambda b: [SamplingParams()] * b,
-        "random, device": lambda b: [SamplingParams(seed=i, **RANDOM) for i in range(b)],
-        "random, host path": lambda b: [SamplingParams(seed=i, logits_processors=(unchanged,), **RANDOM) for i in range(b)],
+        "random": lambda b: [SamplingParams(seed=i, **RANDOM) for i in range(b)],
+        "top-p alone": lambda b: [SamplingParams(seed=i, **top_p_only) for i in range(b)],
+        "penalties": lambda b: [SamplingParams(seed=i, **RANDOM, **PENALTIES) for i in range(b)],
+        "host path": lambda b: [SamplingParams(seed=i, logits_processors=(unchanged,), **RANDOM) for i in range(b)],
     }
-    print("\n| decode | greedy ms | random on the device ms | random, host path ms | device / greedy | host / device | repeat equal |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    if args.ways:
+        wanted = {"greedy", "random", *args.ways.split(",")}
+        ways = {w: f for w, f in ways.items() if w in wanted}
+    others = [w for w in ways if w != "greedy"]
+    print("\n| decode | greedy ms | " + " | ".join(f"{w} ms" for w in others) + " | "
+          + " | ".join(f"{w} / greedy" for w in others) + " | repeat equal |")
+    print("|---|" + "---:|" * (1 + 2 * len(others)) + "---|")
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
     for batch, context in cases:
@@ -67,15 +82,15 @@ def main() -> None:
                 engine.reset_prefix_cache()
                 ms, outs = run_case(engine, prompts, args.tokens, ways[way](batch))
                 times[way].append(ms)
-                if way == "random, device":
+                if way == "random":
                     seen = outs
             engine.reset_prefix_cache()
-            _, again = run_case(engine, prompts, args.tokens, ways["random, device"](batch))
+            _, again = run_case(engine, prompts, args.tokens, ways["random"](batch))
             repeat_equal &= again == seen
         med = {w: statistics.median(t) for w, t in times.items()}
-        g, d, h = med["greedy"], med["random, device"], med["random, host path"]
-        print(f"| {batch} x {context} | {g:.3f} | {d:.3f} | {h:.3f} | {d / g:.3f} | {h / d:.2f}x | {repeat_equal} |", flush=True)
-
+        g = med["greedy"]
+        print(f"| {batch} x {context} | {g:.3f} | " + " | ".join(f"{med[w]:.3f}" for w in others) + " | "
+              + " | ".join(f"{med[w] / g:.3f}" for w in others) + f" | {repeat_equal} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@ from the rest of its batch."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -334,3 +335,31 @@ def test_penalties_where_the_logits_are_give_the_reference_bits():
     sampler.forget("r")
     assert sampler._prompts == {}
     assert sampler.sample_on_device(row, ["r"], rep, [0], [[]], [[9, 9]]).tokens.tolist() == [1]
+
+
+@pytest.mark.gpu
+def test_device_rows_sample_without_waiting_for_the_device() -> None:
+    """Rows with penalties, bias, top-p alone (the search), min-p and top-k sample on CUDA
+    without a synchronization (one would stop async scheduling's overlap): no call waits."""
+    device = torch.device("cuda")
+    vocab = 128_256
+    logits = torch.randn(4, vocab, device=device) * 3
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05, frequency_penalty=0.3, logit_bias={5: 2.0}, seed=2),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=3),
+        SamplingParams(temperature=0.5, seed=4),
+    ]
+    prompts = [prompt_ids(list(range(i, 3000 + i)), vocab, device) for i in range(4)]
+    outputs = [[7, 8, 9], [], [1], [2, 2]]
+    pending = torch.tensor([11, -1, 12, 13], device=device)
+    torch.cuda.synchronize()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NOTE: torch warns that the mode is on
+            torch.cuda.set_sync_debug_mode("error")
+        penalized = with_penalties(logits, params, outputs, prompts, pending)
+        drawn = sample_rows(penalized, RowSettings(params, [1, 2, 3, 4], [3, 0, 1, 2]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not drawn.failed.any()

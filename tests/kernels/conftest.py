@@ -167,3 +167,15 @@ def interp_sampling() -> Iterator[ModuleType]:
 def compiled_sampling() -> ModuleType:
     """``kernels.sampling`` compiled for the GPU."""
     return _compiled("sampling.py")
+
+
+@pytest.fixture(scope="module")
+def interp_top_p() -> Iterator[ModuleType]:
+    """``kernels/top_p.py`` under the interpreter."""
+    yield from _interpreted("top_p.py")
+
+
+@pytest.fixture(scope="module")
+def compiled_top_p() -> ModuleType:
+    """``kernels.top_p`` compiled for the GPU."""
+    return _compiled("top_p.py")
