@@ -41,7 +41,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from asymcache_core.token_masks import clear_tokens, pack_keep, words_for
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -524,6 +527,23 @@ class GrammarLogitsProcessor:
         keep[idx] = logits[idx]
         logits.copy_(keep)
         return logits
+
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray:
+        """The tokens the grammar allows next, packed as a row of ``vocab`` logits
+        (:mod:`asymcache_core.token_masks`: the sampler masks the row where it is)."""
+        self._sync(output_token_ids)
+        if self.is_terminated:
+            keep = np.zeros(vocab, dtype=bool)
+            stops = np.asarray(self.stop_token_ids, dtype=np.int64)
+            keep[stops[(stops >= 0) & (stops < vocab)]] = True
+            return pack_keep(keep)
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        grammar = self._bitmask[0].numpy()
+        words = np.zeros(words_for(vocab), dtype=np.int32)
+        n = min(self._grammar_vocab, vocab)
+        words[: words_for(n)] = grammar[: words_for(n)]
+        # NOTE: tokens past the grammar's vocabulary stay masked, as __call__ masks them
+        return clear_tokens(words, range(n, words_for(n) * 32))
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Mask ``logits`` (a ``[vocab]`` row) to the tokens the grammar allows next.

@@ -117,8 +117,10 @@ class EngineConfig:
             Greedy outputs are then exactly those of an unbounded pool under every policy, on
             the GPU too. ``None`` (the default): on for CUDA devices in bfloat16/float16, where
             it costs 1-7% of a step (H200, BENCHMARKS.md), off on the CPU, whose float32 steps
-            are exact without it, and off for float32 on a GPU (cost not measured); the
-            resolved bool is what the field then holds.
+            kept greedy tokens in every test without it (log probabilities to the BLAS's rounding, which may
+            follow a step's row count: up to 1.3e-5 when only a prompt's chunking changes, on
+            an AMD EPYC with MKL, 2026-12-06), and off for float32 on a GPU (cost not
+            measured); the resolved bool is what the field then holds.
         fused_kernels: with the Triton backend, the fused rotary + KV store, add + RMSNorm and
             SiLU-mul kernels (:mod:`kernels.fused`); ``False`` runs those steps as separate torch
             ops (an ablation; the benchmarks compare the two).

@@ -12,12 +12,21 @@ import hashlib
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from asymcache_core.batched_penalties import prompt_ids, with_penalties
 from asymcache_core.batched_sampling import RowSettings, SampledRows, sample_rows
 from asymcache_core.logprobs import TokenLogprob, token_logprobs
 from asymcache_core.sampling_params import SamplingParams, processors_pass
+from asymcache_core.token_masks import (
+    all_words,
+    apply_keep,
+    clear_tokens,
+    keep_words,
+    masks_only,
+    pack_keep,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +55,12 @@ class MinTokensMask:
             logits[banned] = float("-inf")
         return logits
 
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray | None:
+        """The tokens kept this step, packed (:mod:`asymcache_core.token_masks`)."""
+        if len(output_token_ids) < self.min_tokens and self.banned.numel():
+            return clear_tokens(all_words(vocab), self.banned.tolist())
+        return None
+
 
 class AllowedTokensMask:
     """A logits processor that leaves only ``allowed`` ids samplable (vLLM's
@@ -57,12 +72,23 @@ class AllowedTokensMask:
 
     def __init__(self, allowed: tuple[int, ...]) -> None:
         self.allowed = torch.tensor(sorted(set(allowed)), dtype=torch.long)
+        self._words: dict[int, np.ndarray] = {}
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         keep = self.allowed[self.allowed < logits.numel()]
         masked = torch.full_like(logits, float("-inf"))
         masked[keep] = logits[keep]
         return masked
+
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray:
+        """The tokens kept, packed (built once a vocabulary size)."""
+        words = self._words.get(vocab)
+        if words is None:
+            keep = np.zeros(vocab, dtype=bool)
+            ids = self.allowed.numpy()
+            keep[ids[ids < vocab]] = True
+            words = self._words[vocab] = pack_keep(keep)
+        return words
 
 
 class BadWordsMask:
@@ -77,13 +103,22 @@ class BadWordsMask:
     def __init__(self, sequences: list[list[int]]) -> None:
         self.sequences = sequences
 
+    def _banned(self, output_token_ids: list[int]) -> list[int]:
+        return [
+            seq[-1] for seq in self.sequences
+            if len(seq) - 1 <= len(output_token_ids) and (len(seq) == 1 or output_token_ids[1 - len(seq):] == seq[:-1])
+        ]
+
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        for seq in self.sequences:
-            head = len(seq) - 1
-            if head <= len(output_token_ids) and (head == 0 or output_token_ids[-head:] == seq[:-1]):
-                if seq[-1] < logits.numel():
-                    logits[seq[-1]] = float("-inf")
+        for token in self._banned(output_token_ids):
+            if token < logits.numel():
+                logits[token] = float("-inf")
         return logits
+
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray | None:
+        """The tokens kept this step, packed (:mod:`asymcache_core.token_masks`)."""
+        banned = self._banned(output_token_ids)
+        return clear_tokens(all_words(vocab), banned) if banned else None
 
 
 def bad_word_sequences(tokenizer: Any, words: tuple[str, ...]) -> list[list[int]]:
@@ -153,8 +188,10 @@ class Sampler:
     the index of the token it samples (:mod:`asymcache_core.batched_sampling`): a request's
     tokens do not depend on what else shares its batch, nor on how often its KV was rebuilt.
     Rows without logits processors sample together where the logits are (on the device),
-    penalties and bias applied there; the others are rewritten on the host first, then drawn
-    the same way there.
+    penalties and bias applied there; so do rows whose processors only mask tokens (grammars,
+    ``allowed_token_ids``, ``min_tokens``, ``bad_words``: :mod:`asymcache_core.token_masks`),
+    their masks built on the host and applied there; the others are rewritten on the host
+    first, then drawn the same way there.
 
     Attributes:
         failures: request id -> error text of rows that failed in the last :meth:`sample`
@@ -231,6 +268,7 @@ class Sampler:
         outputs: list[list[int]] | None = None,
         prompts: list[list[int]] | None = None,
         pending: torch.Tensor | None = None,
+        keep: tuple[list[int], np.ndarray] | None = None,
     ) -> SampledRows:
         """Samples every row where ``logits`` are, without copying them anywhere.
 
@@ -243,11 +281,17 @@ class Sampler:
             prompts: each row's prompt ids (for the repetition penalty).
             pending: ``[N]`` int64 on the device, each row's token sampled by the step in
                 flight and not on the host yet (``-1``: none; for penalties).
+            keep: rows masked by their processors and their packed masks
+                (:mod:`asymcache_core.token_masks`), applied after the penalties.
 
         Returns:
             The tokens and failure marks, on ``logits``' device (the caller reads them).
         """
+        model_logits = logits
         logits = self._penalized(logits, request_ids, params, outputs, prompts, pending)
+        if keep is not None:
+            # NOTE: the model's logits stay as they are: log probabilities read them
+            logits = apply_keep(logits.clone() if logits is model_logits else logits, *keep)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if not rand:
             # NOTE: argmax cannot fail: no marks to compute or copy back
@@ -307,17 +351,28 @@ class Sampler:
         draws = draws if draws is not None else [len(out) for out in outputs]
         tokens = [FAILED] * len(params)
         # NOTE: a row whose processors all pass this token (a thinking budget before its limit)
-        # samples where its logits are too: no copy of them to the host
+        # samples where its logits are too: no copy of them to the host; so does a row whose
+        # processors only mask (grammars, allowed ids, min_tokens, bad words), its mask built
+        # here and applied there
         plain = [processors_pass(p.logits_processors, outputs[i]) for i, p in enumerate(params)]
-        on_device = [i for i in range(len(params)) if plain[i]]
+        masks, unmasked = self._masks(logits.shape[-1], request_ids, params, outputs, plain)
+        on_device = [i for i in range(len(params)) if plain[i] or i in masks]
         if on_device:
+            keep = None
+            if masks:
+                masked = [k for k, i in enumerate(on_device) if masks.get(i) is not None]
+                if masked:
+                    keep = (masked, np.stack([masks[on_device[k]] for k in masked]))
             drawn = self.sample_on_device(
                 logits if len(on_device) == len(params) else logits[on_device],
                 [request_ids[i] for i in on_device], [params[i] for i in on_device], [draws[i] for i in on_device],
-                [outputs[i] for i in on_device], [prompts[i] for i in on_device] if prompts else None,
+                [outputs[i] for i in on_device], [prompts[i] for i in on_device] if prompts else None, keep=keep,
             )
             self._take(on_device, drawn, request_ids, tokens)
-        host = [i for i in range(len(params)) if not plain[i]]
+        host = [
+            i for i in range(len(params))
+            if not plain[i] and i not in masks and i not in unmasked
+        ]
         if host:
             self._sample_on_host(logits, host, request_ids, params, outputs, prompts, draws, tokens)
         want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != FAILED]
@@ -327,6 +382,29 @@ class Sampler:
             )
             self.logprobs.update((request_ids[i], entry) for i, entry in zip(want, entries, strict=True))
         return tokens
+
+    def _masks(
+        self,
+        vocab: int,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        outputs: list[list[int]],
+        plain: list[bool],
+    ) -> tuple[dict[int, np.ndarray | None], set[int]]:
+        """Row -> its packed mask (``None``: it keeps every token) for the rows not ``plain``
+        whose processors only mask, and the rows whose processor raised (they fail alone)."""
+        out: dict[int, np.ndarray | None] = {}
+        failed: set[int] = set()
+        for i, p in enumerate(params):
+            if plain[i] or not masks_only(p.logits_processors):
+                continue
+            try:
+                out[i] = keep_words(p.logits_processors, outputs[i], vocab)
+            except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
+                logger.warning("sampling %s failed: %r", request_ids[i], exc)
+                self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"
+                failed.add(i)
+        return out, failed
 
     def take_drawn(self, drawn_tokens: list[int], failed: list[bool] | None, request_ids: list[str]) -> dict[str, int]:
         """The tokens of a device draw read back on the host, failed rows recorded and left out

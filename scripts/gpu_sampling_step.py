@@ -3,11 +3,12 @@
 ``PYTHONPATH=$PWD python scripts/gpu_sampling_step.py [--cases 1x2048,8x2048,32x2048] [--tokens 48] [--rounds 3]``
 
 One engine (dummy Llama-3.1-8B bf16, the defaults: batch-invariant kernels, CUDA graphs, async
-scheduling) runs the same random prompts five ways, alternating in rounds: greedy; at random
+scheduling) runs the same random prompts six ways, alternating in rounds: greedy; at random
 (temperature 0.7, top-p 0.95, top-k 50, a seed per request) drawn on the device; the same
 without top-k (top-p's cut found by the search of :mod:`kernels.top_p`); the first with
-repetition, presence and frequency penalties (applied on the device); and at random
-through the host path (the same settings and a logits processor that cannot say it passes: the
+repetition, presence and frequency penalties (applied on the device); the first with a
+processor that only masks (``min_tokens``' mask: masked on the device, as grammars are, the
+step after waiting for it); and at random through the host path (the same settings and a logits processor that cannot say it passes: the
 rows go to the host, and the step after waits for them, which is how every random row ran
 before 2026-12-06). Prints the median ms per output token of decode-only steps, each way's
 ratio to greedy, and checks that a second run of the device draws gives the same tokens
@@ -25,6 +26,7 @@ import torch
 
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.loaders import load_model
+from asymcache_core.sampler import MinTokensMask
 from scripts.bench_sampling import RANDOM, unchanged
 from scripts.gpu_async_step import run_case
 
@@ -56,11 +58,14 @@ def main() -> None:
     print(f"{name}; {args.model}; async scheduling {engine.async_scheduling}; "
           f"ms per output token, median of {args.rounds} rounds")
     top_p_only = {k: v for k, v in RANDOM.items() if k != "top_k"}
+    # NOTE: min_tokens' mask over the whole run: a processor that only masks, as a grammar does
+    masked = MinTokensMask(1 << 20, frozenset({0}))
     ways = {
         "greedy": lambda b: [SamplingParams()] * b,
         "random": lambda b: [SamplingParams(seed=i, **RANDOM) for i in range(b)],
         "top-p alone": lambda b: [SamplingParams(seed=i, **top_p_only) for i in range(b)],
         "penalties": lambda b: [SamplingParams(seed=i, **RANDOM, **PENALTIES) for i in range(b)],
+        "masked": lambda b: [SamplingParams(seed=i, logits_processors=(masked,), **RANDOM) for i in range(b)],
         "host path": lambda b: [SamplingParams(seed=i, logits_processors=(unchanged,), **RANDOM) for i in range(b)],
     }
     if args.ways:

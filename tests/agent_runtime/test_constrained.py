@@ -232,3 +232,21 @@ def test_schema_building_and_cache(tokenizer: Any) -> None:
     assert matcher.accept_string(good) and matcher.is_completed()
     bad = xgr.GrammarMatcher(compiled)
     assert not bad.accept_string('<tool_call>\n{"name": "move", "arguments": {"to": {"x": "a"')
+
+
+def test_grammar_mask_words_match_the_rewritten_row(tokenizer: Any, cache: GrammarCache) -> None:
+    """``keep_words`` (the device path's mask) keeps exactly what ``__call__`` leaves finite,
+    along a tool call, after it ends, off the grammar, and for a padded vocabulary."""
+    from asymcache_core.token_masks import apply_keep
+
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 22}}\n</tool_call>'
+    toks = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    bad = tokenizer.encode("hello", add_special_tokens=False)[0]
+    for vocab in (VOCAB, VOCAB + 64):
+        compiled = cache.tool_call_grammar(tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+        by_call, by_words = GrammarLogitsProcessor(compiled, vocab), GrammarLogitsProcessor(compiled, vocab)
+        for out in [toks[:k] for k in range(0, len(toks) + 1, 3)] + [[bad], [bad, 7]]:
+            row = _allowed(by_call, out, vocab)
+            words = by_words.keep_words(out, vocab)
+            masked = apply_keep(torch.zeros(1, vocab), [0], words[None, :])
+            assert torch.equal(torch.isfinite(masked[0]), row), (vocab, out)
