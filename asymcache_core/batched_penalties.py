@@ -4,7 +4,7 @@ their logits are.
 :func:`with_penalties` rewrites a batch of rows at once: the bias is added, then the repetition
 penalty applies to every token of the prompt and the output, then the presence and frequency
 penalties to the output's counts (vLLM's order). Rows sampled on the host (with logits
-processors) go through the same function there. The histories come from the host (each
+processors that rewrite them) go through the same function there. The histories come from the host (each
 request's token lists) and, under async scheduling, from the device: the token the step in
 flight samples for a row is not on the host yet when the next step is launched, and is counted
 from the device tensor it lands in (``pending``). No synchronization.

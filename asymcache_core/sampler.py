@@ -152,7 +152,8 @@ def with_engine_processors(
     :class:`BadWordsMask` with ``bad_words`` (unchanged otherwise).
 
     NOTE: the ids that would end the request are banned until ``min_tokens``, so they never
-    reach the scheduler's stop check; the processors run on the host sampling path.
+    reach the scheduler's stop check; the processors only mask, so their rows are masked and
+    sampled where the logits are (:mod:`asymcache_core.token_masks`).
 
     Args:
         params: the request's parameters.
@@ -211,11 +212,13 @@ class Sampler:
 
     @staticmethod
     def on_device(params: SamplingParams) -> bool:
-        """Whether a row with ``params`` samples where its logits are: no logits processor
-        (they run on the host; the engine turns ``min_tokens``, ``allowed_token_ids`` and
-        ``bad_words`` into processors); greedy or at random with temperature, top-k, top-p and
-        min-p, a logit bias and the repetition, presence and frequency penalties. Its log
-        probabilities, when asked for, are computed there too (from the model's logits)."""
+        """Whether a row with ``params`` samples where its logits are without waiting for the
+        step before: no logits processor (a processor must see the previous token; the engine
+        turns ``min_tokens``, ``allowed_token_ids`` and ``bad_words`` into processors, and rows
+        whose processors only mask are still masked and sampled there, in the synchronous
+        :meth:`sample`); greedy or at random with temperature, top-k, top-p and min-p, a logit
+        bias and the repetition, presence and frequency penalties. Its log probabilities, when
+        asked for, are computed there too (from the model's logits)."""
         return not params.logits_processors
 
     def forget(self, request_id: str) -> None:
