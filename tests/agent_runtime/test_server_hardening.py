@@ -74,10 +74,10 @@ def srv(smollm) -> Iterator[Server]:
     sampler = engine.runner.sampler
     original = sampler.sample_on_device
 
-    def faulty(logits, request_ids, params, draws, *histories):
+    def faulty(logits, request_ids, params, draws, *histories, **options):
         # NOTE: a fault injected into one request's sampling (its row drawn with no finite
         # logit from its third token on): only it may fail.
-        drawn = original(logits, request_ids, params, draws, *histories)
+        drawn = original(logits, request_ids, params, draws, *histories, **options)
         bad = [p.seed == FAIL_SEED and d >= 2 for p, d in zip(params, draws, strict=True)]
         marks = torch.tensor(bad, device=drawn.tokens.device)
         return SampledRows(drawn.tokens, marks if drawn.failed is None else drawn.failed | marks)
