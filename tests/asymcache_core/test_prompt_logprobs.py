@@ -121,15 +121,21 @@ def _sessions(engine: Engine) -> list[tuple[list[int], tuple | None]]:
     return [(out.token_ids, out.prompt_logprobs) for out in run_sessions(engine, params_of)]
 
 
+@pytest.fixture(scope="module")
+def unbounded_prompt_logprobs(smollm):
+    """The sessions' tokens and prompt log probabilities on an unbounded pool (once a module)."""
+    return _sessions(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
+
+
 @pytest.mark.parametrize("overrides", [
     {"eviction_policy": "asymcache", "max_num_batched_tokens": 48},
     {"eviction_policy": "lru", "async_scheduling": True, "max_num_batched_tokens": 40},
 ], ids=["asymcache-chunked", "lru-async-chunked"])
-def test_prompt_logprobs_are_lossless_under_eviction_and_preemption(smollm, overrides):
+def test_prompt_logprobs_are_lossless_under_eviction_and_preemption(smollm, unbounded_prompt_logprobs, overrides):
     # NOTE: a 12-block pool against a ~33-block working set, prompts in chunks: blocks are
     # evicted, requests preempted mid-prompt and computed again, yet every prompt token gets
     # one entry, the unbounded pool's.
-    reference = _sessions(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
+    reference = unbounded_prompt_logprobs
     engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, **overrides)
     tight = _sessions(engine)
     stats = engine.stats()
