@@ -15,7 +15,7 @@ so a small model cannot wander into whitespace runs, and the text equals what
 
 :class:`GrammarCache` (owned by the caller, e.g. the runtime) holds one ``TokenizerInfo`` and
 ``GrammarCompiler`` per tokenizer and the compiled grammars per (tokenizer, schema).
-:class:`GrammarLogitsProcessor` implements :class:`asymcache_core.sampling_params.LogitsProcessor`
+:class:`~agent_runtime.grammar_processor.GrammarLogitsProcessor` (its own module, imported here) implements :class:`asymcache_core.sampling_params.LogitsProcessor`
 for one request.
 
 ``response_format`` (OpenAI's ``json_object`` / ``json_schema``, normalised by
@@ -41,10 +41,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from asymcache_core.token_masks import clear_tokens, pack_keep, words_for
+from agent_runtime.grammar_processor import GrammarLogitsProcessor
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -450,125 +447,6 @@ class GrammarCache:
 
     def __len__(self) -> int:
         return len(self._grammars)
-
-
-class GrammarLogitsProcessor:
-    """Masks one request's logits to a compiled grammar; then allows only EOS.
-
-    Implements :class:`asymcache_core.sampling_params.LogitsProcessor`. Stateful: create one per
-    request. It feeds the matcher the output tokens it has not seen; if the list shrank or
-    changed (a preemption that dropped and recomputed the output), it resets the matcher and
-    replays the list. A token the grammar rejects (another processor changed the choice, or the
-    engine ignored the mask) leaves only EOS allowed, so the request ends instead of producing
-    text the grammar cannot describe.
-
-    Args:
-        compiled: the compiled grammar.
-        vocab_size: length of the logit rows (tokens past the grammar's vocabulary are masked).
-        stop_token_ids: EOS ids (default: those xgrammar found in the tokenizer).
-    """
-
-    def __init__(
-        self,
-        compiled: xgr.CompiledGrammar,
-        vocab_size: int | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-    ) -> None:
-        xgr = load_xgrammar("tool_choice")
-        self._compiled = compiled
-        info = compiled.tokenizer_info
-        self._grammar_vocab: int = info.vocab_size
-        self.vocab_size: int = vocab_size if vocab_size is not None else info.vocab_size
-        stops = list(stop_token_ids) if stop_token_ids is not None else list(info.stop_token_ids)
-        if not stops:
-            raise ValueError("stop_token_ids: none known for this tokenizer; pass them")
-        self.stop_token_ids: tuple[int, ...] = tuple(stops)
-        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
-        self._bitmask = xgr.allocate_token_bitmask(1, self._grammar_vocab)
-        self._seen: list[int] = []
-        self._failed = False
-
-    @property
-    def failed(self) -> bool:
-        """A token outside the grammar was seen."""
-        return self._failed
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar was completed and EOS accepted (or it failed)."""
-        return self._failed or self._matcher.is_terminated()
-
-    def _reset(self) -> None:
-        self._matcher.reset()
-        self._seen = []
-        self._failed = False
-
-    def _accept(self, token_id: int) -> None:
-        self._seen.append(token_id)
-        if self._failed:
-            return
-        if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
-            self._failed = True
-
-    def _sync(self, output_token_ids: Sequence[int]) -> None:
-        n = len(self._seen)
-        # Cheap divergence check: a shorter list, or a different last common token. Outputs
-        # only ever grow or are recomputed from scratch, so this catches every real case
-        # without comparing whole lists on each step.
-        if len(output_token_ids) < n or (n and output_token_ids[n - 1] != self._seen[-1]):
-            self._reset()
-            n = 0
-        for tok in output_token_ids[n:]:
-            self._accept(int(tok))
-
-    def _only_stops(self, logits: torch.Tensor) -> torch.Tensor:
-        keep = torch.full_like(logits, float("-inf"))
-        idx = torch.tensor(self.stop_token_ids, device=logits.device)
-        keep[idx] = logits[idx]
-        logits.copy_(keep)
-        return logits
-
-    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray:
-        """The tokens the grammar allows next, packed as a row of ``vocab`` logits
-        (:mod:`asymcache_core.token_masks`: the sampler masks the row where it is)."""
-        self._sync(output_token_ids)
-        if self.is_terminated:
-            keep = np.zeros(vocab, dtype=bool)
-            stops = np.asarray(self.stop_token_ids, dtype=np.int64)
-            keep[stops[(stops >= 0) & (stops < vocab)]] = True
-            return pack_keep(keep)
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        grammar = self._bitmask[0].numpy()
-        words = np.zeros(words_for(vocab), dtype=np.int32)
-        n = min(self._grammar_vocab, vocab)
-        words[: words_for(n)] = grammar[: words_for(n)]
-        # NOTE: tokens past the grammar's vocabulary stay masked, as __call__ masks them
-        return clear_tokens(words, range(n, words_for(n) * 32))
-
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """Mask ``logits`` (a ``[vocab]`` row) to the tokens the grammar allows next.
-
-        Args:
-            output_token_ids: all tokens generated so far for this request.
-            logits: next-token logits, modified in place.
-
-        Returns:
-            ``logits``.
-        """
-        self._sync(output_token_ids)
-        if self.is_terminated:
-            return self._only_stops(logits)
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        # Unpack the bit mask (int32 words, bit i of word w = token 32*w+i) with torch so it
-        # works on any device and dtype without relying on xgrammar's kernels.
-        words = self._bitmask[0].to(logits.device)
-        bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-        allowed = ((words.unsqueeze(1) >> bits) & 1).bool().flatten()
-        n = min(self._grammar_vocab, logits.shape[-1])
-        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        mask[:n] = allowed[:n]
-        logits.masked_fill_(~mask, float("-inf"))
-        return logits
 
 
 def make_tool_call_processor(

@@ -33,7 +33,7 @@ from asymcache_core.batched_penalties import to_device
 from asymcache_core.sampling_params import SamplingParams
 from kernels.sampling import gumbel_argmax_triton, gumbel_scores_naive, row_keys_array
 from kernels.sampling import triton as _triton
-from kernels.top_p import top_p_cut_triton
+from kernels.top_p import cut_of_sorted, scaled_logits, top_p_cut_naive, top_p_cut_triton
 
 
 class SampledRows(NamedTuple):
@@ -87,9 +87,8 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
     searched = device.type == "cuda" and _triton is not None
     scaled = None
-    if any(top_k) or any(p.min_p > 0.0 for p in params) or not searched:
-        # NOTE: a NaN logit is never kept, so it must not set a cut either
-        scaled = torch.nan_to_num(logits.float() / temperature[:, None], nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    if any(top_k) or any(p.min_p > 0.0 for p in params) or device.type == "cpu":
+        scaled = scaled_logits(logits, temperature)
     top_values = None
     if any(top_k):
         top_values = torch.topk(scaled, max(top_k), dim=-1).values
@@ -105,7 +104,7 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
             # NOTE: every top-p row has a top-k, so what is left lies among the most likely
             # tokens top-k sorted already (exact but for ties at the k-th logit): no more sort
             masked = torch.where(top_values >= cut[:, None], top_values, float("-inf"))
-            cut_p = _top_p_of_sorted(masked, torch.logsumexp(masked, dim=-1, keepdim=True), top_p)
+            cut_p = cut_of_sorted(masked, torch.logsumexp(masked, dim=-1, keepdim=True), to_device(top_p, device, torch.float32))
         elif searched:
             # NOTE: knowing how many of the most likely tokens a row needs would wait for the
             # device, and sorting the vocabulary is most of a sampled step: a search instead
@@ -113,23 +112,26 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
                 logits, temperature, cut, to_device(top_p, device, torch.float32),
                 has_cut=any(top_k) or any(p.min_p > 0.0 for p in params),
             )
+        elif device.type == "cpu":
+            cut_p = _top_p_cut_cpu(scaled, cut, top_p)
         else:
-            cut_p = _top_p_cut(scaled, cut, top_p)
+            # NOTE: another device, or CUDA without Triton: the whole sort
+            cut_p = top_p_cut_naive(logits, temperature, cut, to_device(top_p, device, torch.float32))
         cut = torch.maximum(cut, cut_p)
     return temperature, cut
 
 
-def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """The cut of each row's top-p over what ``cut`` keeps: its most likely tokens until their
-    probability reaches ``top_p`` (the token that reaches it included); ``-inf`` for a row
-    without top-p."""
-    device, vocab = scaled.device, scaled.shape[-1]
+def _top_p_cut_cpu(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """The cut of each row's top-p over what ``cut`` keeps, on a CPU: its most likely tokens
+    until their probability reaches ``top_p`` (the token that reaches it included); ``-inf`` for
+    a row without top-p.
+
+    NOTE: the sort of the whole vocabulary is most of a CPU step's sampling: the most likely
+    256 (then 8x more) are enough for a row whose cut falls among them.
+    """
+    vocab = scaled.shape[-1]
     masked = torch.where(scaled >= cut[:, None], scaled, float("-inf"))
     norm = torch.logsumexp(masked, dim=-1, keepdim=True)
-    if device.type != "cpu":
-        return _top_p_of_sorted(masked.sort(dim=-1, descending=True).values, norm, top_p)
-    # NOTE: on a CPU the sort of the whole vocabulary is most of a step's sampling: the most
-    # likely 256 (then 8x more) are enough for a row whose cut falls among them
     bound = torch.tensor(top_p, dtype=torch.float32)
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
     width = min(vocab, 256)
@@ -137,20 +139,8 @@ def _top_p_cut(scaled: torch.Tensor, cut: torch.Tensor, top_p: list[float]) -> t
         top = masked.topk(width, dim=-1).values if width < vocab else masked.sort(dim=-1, descending=True).values
         reached = torch.exp(top[rows] - norm[rows]).sum(dim=-1)
         if width == vocab or bool((reached >= bound[rows]).all()):
-            return _top_p_of_sorted(top, norm, top_p)
+            return cut_of_sorted(top, norm, bound)
         width = min(vocab, width * 8)
-
-
-def _top_p_of_sorted(top: torch.Tensor, norm: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """The top-p cut of rows whose kept logits ``top`` are sorted descending (``-inf`` past
-    them; ``norm``: the log of their rows' whole mass); ``-inf`` for a row without top-p."""
-    device = top.device
-    probs = torch.exp(top - norm)
-    before = probs.cumsum(dim=-1) - probs
-    # NOTE: the most likely token always stays (a tiny top_p rounds to 0)
-    count = (before < to_device(top_p, device, torch.float32)[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
-    cut_p = top.gather(1, count - 1).squeeze(1)
-    return torch.where(to_device([p < 1.0 for p in top_p], device, torch.bool), cut_p, float("-inf"))
 
 
 def inverse_cdf_draw(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

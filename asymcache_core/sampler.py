@@ -404,10 +404,14 @@ class Sampler:
             try:
                 out[i] = keep_words(p.logits_processors, outputs[i], vocab)
             except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
-                logger.warning("sampling %s failed: %r", request_ids[i], exc)
-                self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"
+                self._fail(request_ids[i], exc)
                 failed.add(i)
         return out, failed
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        """Records a row whose processor raised: its request fails, not the batch."""
+        logger.warning("sampling %s failed: %r", request_id, exc)
+        self.failures[request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
 
     def take_drawn(self, drawn_tokens: list[int], failed: list[bool] | None, request_ids: list[str]) -> dict[str, int]:
         """The tokens of a device draw read back on the host, failed rows recorded and left out
@@ -464,8 +468,7 @@ class Sampler:
                 for processor in p.logits_processors:
                     row = processor(outputs[i], row)
             except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
-                logger.warning("sampling %s failed: %r", request_ids[i], exc)
-                self.failures[request_ids[i]] = f"sampling failed: {type(exc).__name__}: {exc}"
+                self._fail(request_ids[i], exc)
                 continue
             if p.greedy:
                 tokens[i] = int(row.argmax())

@@ -87,7 +87,8 @@ def keep_words(processors: Sequence[Any], output_token_ids: list[int], vocab: in
             continue
         if len(words) != words_for(vocab):
             raise ValueError(f"keep_words: {len(words)} words for a vocabulary of {vocab}")
-        out = words.copy() if out is None else np.bitwise_and(out, words)
+        # NOTE: a processor's array is never written: the first is taken as it is
+        out = words if out is None else np.bitwise_and(out, words)
     return out
 
 

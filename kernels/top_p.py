@@ -54,9 +54,25 @@ BLOCK_V = 2048
 FEW = 2048
 
 
-def _scaled_kept(logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
-    scaled = torch.nan_to_num(logits.float() / temperature[:, None], nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    return torch.where(scaled >= cut[:, None], scaled, float("-inf"))
+def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``logits / temperature`` in float32, NaN as ``-inf`` (never kept, so it must not set a
+    cut either); infinities stay."""
+    return torch.nan_to_num(
+        logits.float() / temperature[:, None], nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")
+    )
+
+
+def cut_of_sorted(top: torch.Tensor, norm: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-p cut of rows whose kept scaled logits ``top`` are sorted descending (``-inf``
+    past them; ``norm``: the log of each row's whole mass, ``[N, 1]``); ``-inf`` for a row
+    with ``top_p >= 1``."""
+    probs = torch.exp(top - norm)
+    before = probs.cumsum(dim=-1) - probs
+    # NOTE: the most likely token always stays (a tiny top_p rounds to 0); NaN probabilities
+    # (a +inf logit, or nothing kept) count as not reaching p: the first token stays, +inf or -inf
+    count = (before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
+    found = top.gather(1, count - 1).squeeze(1)
+    return torch.where(top_p < 1.0, found, float("-inf"))
 
 
 def top_p_cut_naive(
@@ -64,15 +80,9 @@ def top_p_cut_naive(
 ) -> torch.Tensor:
     """The reference: each row sorted, its cumulative probabilities, the first token that
     reaches ``top_p`` (see the module's docstring for shapes and edge rows)."""
-    masked = _scaled_kept(logits, temperature, cut)
-    top = masked.sort(dim=-1, descending=True).values
-    probs = torch.exp(top - torch.logsumexp(top, dim=-1, keepdim=True))
-    before = probs.cumsum(dim=-1) - probs
-    # NOTE: NaN probabilities (a +inf logit, or nothing kept) count as not reaching p: the
-    # first token stays, +inf or -inf
-    count = (before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
-    found = top.gather(1, count - 1).squeeze(1)
-    return torch.where(top_p < 1.0, found, float("-inf"))
+    scaled = scaled_logits(logits, temperature)
+    top = torch.where(scaled >= cut[:, None], scaled, float("-inf")).sort(dim=-1, descending=True).values
+    return cut_of_sorted(top, torch.logsumexp(top, dim=-1, keepdim=True), top_p)
 
 
 if triton is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from asymcache_core.batched_sampling import RowSettings, _top_p_cut, row_cuts, sample_rows
+from asymcache_core.batched_sampling import RowSettings, row_cuts, sample_rows
 from asymcache_core.sampling_params import SamplingParams
 from kernels.sampling import gumbel_argmax_triton, row_keys
 from kernels.top_p import top_p_cut_naive, top_p_cut_triton
@@ -46,8 +46,7 @@ def _top_p_table(batches: list[int], iters: int) -> None:
             temperature = torch.full((batch,), 0.7, device="cuda")
             cut = torch.full((batch,), float("-inf"), device="cuda")
             top_p = torch.full((batch,), 0.95, device="cuda")
-            scaled = logits.float() / temperature[:, None]
-            sort_ms, _ = _times(lambda: _top_p_cut(scaled, cut, [0.95] * batch), iters)  # noqa: B023
+            sort_ms, _ = _times(lambda: top_p_cut_naive(logits, temperature, cut, top_p), iters)  # noqa: B023
             cells = [
                 _times(lambda w=w, b=b: top_p_cut_triton(logits, temperature, cut, top_p, False, w, b), iters)[0]  # noqa: B023
                 for w, b in SEARCHES
