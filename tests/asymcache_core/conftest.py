@@ -16,7 +16,7 @@ def unbounded(smollm) -> list[list[int]]:
     from tests.asymcache_core.test_holes_and_policies import run_script
     from tests.conftest import StepClock, make_engine
 
-    return run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
+    return run_script(make_engine(smollm, clock=StepClock()))
 
 
 @dataclass

@@ -71,7 +71,7 @@ def _seeded(session: int, turn: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def seeded_unbounded(smollm) -> list[list[int]]:
     """The script's tokens sampled at random on an unbounded pool (computed once a module)."""
-    return run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048), params=_seeded)
+    return run_script(make_engine(smollm, clock=StepClock()), params=_seeded)
 
 
 @pytest.mark.parametrize("policy", ["asymcache", "vllm-apc"])
@@ -228,7 +228,7 @@ def test_job_admission_runs_older_jobs_first_and_stays_lossless(smollm):
             engine.check_integrity()
         return outputs, started
 
-    roomy, _ = run(make_engine(smollm, num_kv_blocks=2048))
+    roomy, _ = run(make_engine(smollm))
     engine = make_engine(smollm, num_kv_blocks=14, eviction_policy="asymcache")
     assert engine.job_admission is not None  # on by default under asymcache
     gated, started = run(engine)
@@ -251,7 +251,7 @@ def test_lossless_under_pressure_on_two_threads(smollm, monkeypatch):
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        expected = run_script(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048), 3, 2)
+        expected = run_script(make_engine(smollm, clock=StepClock()), 3, 2)
         engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=8, eviction_policy="asymcache")
         assert engine.runner.backend.dense.linear is cpu_linear.linear_cpu
         assert run_script(engine, 3, 2) == expected

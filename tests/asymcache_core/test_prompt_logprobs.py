@@ -125,7 +125,7 @@ def _sessions(engine: Engine) -> list[tuple[list[int], tuple | None]]:
 @pytest.fixture(scope="module")
 def unbounded_prompt_logprobs(smollm):
     """The sessions' tokens and prompt log probabilities on an unbounded pool (once a module)."""
-    return _sessions(make_engine(smollm, clock=StepClock(), num_kv_blocks=2048))
+    return _sessions(make_engine(smollm, clock=StepClock()))
 
 
 @pytest.mark.parametrize("overrides", [

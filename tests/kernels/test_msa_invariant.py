@@ -13,6 +13,20 @@ from kernels import msa_config, msa_plan
 from kernels.metadata import MSAMetadata, build_msa_metadata
 from tests.kernels.msa_cases import Case, case_seed, check_close, make_case
 
+# NOTE: the interpreter runs a kernel's every turn in Python, so its tests of the chunked walk
+# and merge take a 128-key chunk (two 64-key turns, as the 512-key default takes eight): the
+# same code paths (turns within a chunk, folds across chunks, eight chunk states a merge
+# turn) over a quarter of the keys. The default chunk runs in the one-chunk interpreter test
+# and in every GPU test.
+SHORT_CHUNK = 128
+
+
+@pytest.fixture
+def short_chunk(monkeypatch: pytest.MonkeyPatch) -> int:
+    """:data:`kernels.msa_plan.INVARIANT_CHUNK` set to :data:`SHORT_CHUNK` for one test."""
+    monkeypatch.setattr(msa_plan, "INVARIANT_CHUNK", SHORT_CHUNK)
+    return SHORT_CHUNK
+
 
 def _single_rows(case: Case, rows: list[int]) -> list[tuple[torch.Tensor, MSAMetadata]]:
     """Each packed row of ``case`` alone, as a one-token segment at its position."""
@@ -91,18 +105,21 @@ def _rows_to_check(case: Case, count: int) -> list[int]:
     return rows
 
 
-def test_msa_triton_interpreter_batch_invariant(interp: ModuleType) -> None:
+def test_msa_triton_interpreter_batch_invariant(interp: ModuleType, short_chunk: int) -> None:
     """Contexts past several fixed chunks, holes and decodes in one step."""
-    case = _invariant_case("cpu", torch.float32, group=2, head_dim=16, max_ctx=3000, seed=case_seed("bi", 3))
+    case = _invariant_case("cpu", torch.float32, group=2, head_dim=16, max_ctx=6 * short_chunk, seed=case_seed("bi", 3))
     assert max(s[3] + s[2] for s in case.meta.host_segments) > 2 * msa_plan.INVARIANT_CHUNK
-    _check_invariant(interp, case, torch.float32, _rows_to_check(case, 3))
+    with pytest.MonkeyPatch.context() as mp:
+        # an H200's SMs: the step's few tiles leave programs for its chunks to spread over
+        mp.setattr(msa_config, "_num_sms", lambda device: 132)
+        _check_invariant(interp, case, torch.float32, _rows_to_check(case, 3))
 
 
-def test_msa_triton_interpreter_batch_invariant_decodes(interp: ModuleType) -> None:
+def test_msa_triton_interpreter_batch_invariant_decodes(interp: ModuleType, short_chunk: int) -> None:
     """Decode tiles over many chunks, spread over programs as on an H200: the split merge
     folds every chunk, in order, to the in-program walk's bits."""
     case = _invariant_case(
-        "cpu", torch.float32, group=4, head_dim=16, max_ctx=3000, seed=case_seed("bi-decode", 4), kind="decode"
+        "cpu", torch.float32, group=4, head_dim=16, max_ctx=6 * short_chunk, seed=case_seed("bi-decode", 4), kind="decode"
     )
     with pytest.MonkeyPatch.context() as mp:
         # an H200's SMs: 4 decodes x 2 KV heads are too few programs, so the chunks spread
@@ -135,7 +152,7 @@ def test_msa_triton_interpreter_batch_invariant_split_with_one_chunk_contexts(in
     _check_split_decodes(interp, [chunk // 2, 4 * chunk + 100, 37, chunk], case_seed("bi-one-chunk", 5), 1)
 
 
-def test_msa_triton_interpreter_batch_invariant_merge_over_many_turns(interp: ModuleType) -> None:
+def test_msa_triton_interpreter_batch_invariant_merge_over_many_turns(interp: ModuleType, short_chunk: int) -> None:
     """The split merge folds eight chunk states a loop turn: contexts of 18, 9, 8 and 1 chunks
     (a partial last turn, a last turn of one chunk, one full turn, none to merge) give the
     in-program walk's bits."""
@@ -190,8 +207,8 @@ def _check_decode_graph_invariant(module: ModuleType, case: Case, dtype: torch.d
     check_close(merged, case, dtype)
 
 
-def test_msa_triton_interpreter_batch_invariant_decode_graph(interp: ModuleType) -> None:
-    chunk = msa_plan.INVARIANT_CHUNK
+def test_msa_triton_interpreter_batch_invariant_decode_graph(interp: ModuleType, short_chunk: int) -> None:
+    chunk = short_chunk
     ctxs = [chunk // 2, 2 * chunk + 100, 37, chunk, chunk + 1]  # 1, 3, 1, 1, 2 chunks
     case = make_case(
         case_seed("bi-graph", 5), kind="decode", num_seqs=len(ctxs), block_size=16, num_kv_heads=2, group=4,
