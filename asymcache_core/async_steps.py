@@ -80,6 +80,17 @@ class AsyncSteps:
                 # NOTE: the step before it ran again synchronously: the tokens this one read
                 # on the device are not trustworthy, so it runs again too
                 flight = None
+        if flight is not None and flight.launched.awaiting_masks:
+            # NOTE: its rows' masks follow the tokens of the step just collected; its forward
+            # pass runs on the device meanwhile
+            try:
+                flight = flight._replace(launched=self.runner.sample_masked(flight.launched))  # type: ignore[attr-defined]
+            except EngineDeadError as exc:
+                self.dead = exc
+                raise
+            except Exception as exc:  # noqa: BLE001 - run again below, isolating the culprit
+                logger.warning("sampling a launched step failed (%s: %s); running it synchronously", type(exc).__name__, exc)
+                flight = None
         if flight is not None:
             self._in_flight = flight
             return outputs

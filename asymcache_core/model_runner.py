@@ -25,6 +25,7 @@ from asymcache_core.logprobs import (
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
 from asymcache_core.scheduler import SchedulerOutput
+from asymcache_core.token_masks import keep_words, masks_only
 from kernels.dispatch import AttentionBackend
 from kernels.metadata import build_msa_metadata, table_width
 
@@ -127,6 +128,12 @@ class LaunchedStep(NamedTuple):
         prompt_logprobs: the step's prompt log probabilities (``None``: no prompt row).
         failed: ``[R]`` bool, the random rows without a finite logit, copied to the host with
             ``host_tokens`` (``None``: every row is greedy).
+        awaiting_masks: its rows' processors only mask (:func:`~asymcache_core.token_masks.masks_only`):
+            the forward pass is queued, and the rows sample on the device once the step
+            before is collected (:meth:`ModelRunner.sample_masked`), their masks built from
+            its tokens meanwhile; ``logits`` holds them until then.
+        mask_failed: requests whose processor raised building their mask: their tokens are
+            left out when collected (the engine fails them alone).
     """
 
     plan: SchedulerOutput
@@ -140,6 +147,8 @@ class LaunchedStep(NamedTuple):
     logprobs: PendingLogprobs | None = None
     prompt_logprobs: PendingPromptLogprobs | None = None
     failed: torch.Tensor | None = None
+    awaiting_masks: bool = False
+    mask_failed: frozenset[str] = frozenset()
 
     @property
     def device_sampled(self) -> bool:
@@ -288,6 +297,10 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, backend, block_size, max_model_len, max_num_seqs, device
             )
+        #: rows whose processors only mask sample in async scheduling's pipeline, their masks
+        #: built while the step runs (:meth:`sample_masked`); ``False`` (an ablation) waits for
+        #: the step before and samples them on :meth:`collect`, as rows with other processors
+        self.masks_in_flight = True
         #: each scheduled request's block table between steps (:mod:`asymcache_core.block_tables`)
         self.block_table_rows = BlockTableRows()
         #: request id -> ``(first position, entries)`` of the prompt log probabilities computed
@@ -386,17 +399,88 @@ class ModelRunner:
         logits = out.logits
         requests = [plan.scheduled[i].request for i in inputs.sample_index]
         rows = {r.request_id: row for row, r in enumerate(requests)}
-        if not requests or not all(self.sampler.on_device(r.params) for r in requests):
-            return LaunchedStep(
-                plan, inputs.sample_index, rows, None, None, _timing_event(self.device), logits if requests else None,
-                started, prompt_logprobs=prompt,
+        if requests and all(self.sampler.on_device(r.params) for r in requests):
+            return self._sample_launched(
+                plan, inputs.sample_index, rows, logits, started, prompt, previous.tokens if previous else None,
+                previous.rows if previous else None,
             )
+        masked = self.masks_in_flight and bool(requests) and all(
+            self.sampler.on_device(r.params) or masks_only(r.params.logits_processors) for r in requests
+        )
+        # NOTE: rows sampled on the host record ``ready`` after the forward pass; masked rows
+        # record it once they are sampled (sample_masked)
+        ready = None if masked else _timing_event(self.device)
+        return LaunchedStep(
+            plan, inputs.sample_index, rows, None, None, ready, logits if requests else None,
+            started, prompt_logprobs=prompt, awaiting_masks=masked,
+        )
+
+    @torch.inference_mode()
+    def sample_masked(self, step: LaunchedStep) -> LaunchedStep:
+        """Queues the sampling of a launched step whose rows wait for their masks
+        (``awaiting_masks``), once the step before it is collected: each row's processors see
+        every token before the one it samples. Returns the step as :meth:`launch` returns one
+        that samples on the device.
+
+        NOTE: the masks are built while the step's forward pass runs on the device, so that a
+        grammar costs its host time beside the step instead of between steps (vLLM's
+        structured outputs overlap their bitmasks the same way). A row whose request has ended
+        since its launch (its token will be dropped) is not masked.
+        """
+        assert step.awaiting_masks and step.logits is not None
+        requests = [step.plan.scheduled[i].request for i in step.sample_index]
+        vocab = step.logits.shape[-1]
+        masked: list[int] = []
+        words: list[np.ndarray] = []
+        failed: set[str] = set()
+        for row, request in enumerate(requests):
+            processors = request.params.logits_processors
+            if not processors or request.finished:
+                continue
+            try:
+                mask = keep_words(processors, request.output_token_ids, vocab)
+            except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
+                self.sampler.record_failure(request.request_id, exc)
+                failed.add(request.request_id)
+                continue
+            if mask is not None:
+                masked.append(row)
+                words.append(mask)
+        keep = (masked, np.stack(words)) if masked else None
+        sampled = self._sample_launched(
+            step.plan, step.sample_index, step.rows, step.logits, step.started, step.prompt_logprobs, keep=keep
+        )
+        return sampled._replace(mask_failed=frozenset(failed))
+
+    def _sample_launched(
+        self,
+        plan: SchedulerOutput,
+        sample_index: list[int],
+        rows: dict[str, int],
+        logits: torch.Tensor,
+        started: torch.cuda.Event | None,
+        prompt: PendingPromptLogprobs | None,
+        previous_tokens: torch.Tensor | None = None,
+        previous_rows: dict[str, int] | None = None,
+        keep: tuple[list[int], np.ndarray] | None = None,
+    ) -> LaunchedStep:
+        """Queues the sampling of a launched step's rows on the device, their tokens' copy to
+        the host and their log probabilities.
+
+        Args:
+            previous_tokens / previous_rows: the step in flight before it (its tokens, not on
+                the host yet, count for the penalties), or ``None``.
+            keep: rows masked by their processors and their packed masks.
+        """
+        requests = [plan.scheduled[i].request for i in sample_index]
         penalized = any(penalties_rewrite(r.params) for r in requests)
         drawn = self.sampler.sample_on_device(
             logits, list(rows), [r.params for r in requests], [r.draw_index for r in requests],
             [r.output_token_ids for r in requests] if penalized else None,
             [r.prompt_token_ids for r in requests] if penalized else None,
-            in_flight_tokens(requests, previous.tokens, previous.rows) if penalized and previous is not None else None,
+            in_flight_tokens(requests, previous_tokens, previous_rows)
+            if penalized and previous_tokens is not None and previous_rows is not None else None,
+            keep=keep,
         )
         tokens, failed = drawn
         want = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
@@ -408,7 +492,7 @@ class ModelRunner:
             # NOTE: queued behind the step like its tokens; collect() reads them after ``ready``
             pending = PendingLogprobs(want, num_top, tensors.to(torch.device("cpu"), pin=self.device.type == "cuda"))
         if self.device.type != "cuda":
-            return LaunchedStep(plan, inputs.sample_index, rows, tokens, tokens, None, None, None, pending, prompt, failed)
+            return LaunchedStep(plan, sample_index, rows, tokens, tokens, None, None, None, pending, prompt, failed)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         host_failed = None
@@ -416,7 +500,7 @@ class ModelRunner:
             host_failed = torch.empty(failed.shape, dtype=failed.dtype, pin_memory=True)
             host_failed.copy_(failed, non_blocking=True)
         return LaunchedStep(
-            plan, inputs.sample_index, rows, tokens, host, _timing_event(self.device), None, started, pending, prompt,
+            plan, sample_index, rows, tokens, host, _timing_event(self.device), None, started, pending, prompt,
             host_failed,
         )
 
@@ -441,8 +525,12 @@ class ModelRunner:
             self.sampler.logprobs.update((ids[row], entry) for row, entry in zip(rows, entries, strict=True))
         if step.failed is not None:
             # NOTE: a failed row's token is left out; the engine fails its request alone
-            return self.sampler.take_drawn(tokens, step.failed.tolist(), list(step.rows))
-        return dict(zip(step.rows, tokens, strict=True))
+            drawn = self.sampler.take_drawn(tokens, step.failed.tolist(), list(step.rows))
+        else:
+            drawn = dict(zip(step.rows, tokens, strict=True))
+        for request_id in step.mask_failed:
+            drawn.pop(request_id, None)
+        return drawn
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOutput:

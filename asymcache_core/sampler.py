@@ -404,11 +404,11 @@ class Sampler:
             try:
                 out[i] = keep_words(p.logits_processors, outputs[i], vocab)
             except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
-                self._fail(request_ids[i], exc)
+                self.record_failure(request_ids[i], exc)
                 failed.add(i)
         return out, failed
 
-    def _fail(self, request_id: str, exc: Exception) -> None:
+    def record_failure(self, request_id: str, exc: Exception) -> None:
         """Records a row whose processor raised: its request fails, not the batch."""
         logger.warning("sampling %s failed: %r", request_id, exc)
         self.failures[request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
@@ -468,7 +468,7 @@ class Sampler:
                 for processor in p.logits_processors:
                     row = processor(outputs[i], row)
             except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
-                self._fail(request_ids[i], exc)
+                self.record_failure(request_ids[i], exc)
                 continue
             if p.greedy:
                 tokens[i] = int(row.argmax())

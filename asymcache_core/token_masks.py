@@ -110,8 +110,10 @@ def apply_keep(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> torc
         bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
         drop = torch.from_numpy(bits == 0)
     else:
-        # NOTE: the packed masks cross over (32x smaller than a byte a token) and unpack there
-        packed = torch.from_numpy(words).to(device, non_blocking=True)
+        # NOTE: the packed masks cross over (32x smaller than a byte a token) and unpack there,
+        # from pinned memory: a copy from pageable memory may wait for the stream's work before
+        # it (the step's forward pass, when the masks are built beside it)
+        packed = torch.from_numpy(words).pin_memory().to(device, non_blocking=True)
         shifts = torch.arange(32, device=device, dtype=torch.int32)
         drop = ((packed[:, :, None] >> shifts) & 1 == 0).reshape(len(rows), -1)[:, :vocab]
     if rows == list(range(logits.shape[0])):

@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from asymcache_core import Engine, EngineConfig, SamplingParams
 from asymcache_core.eviction import registered_policies
 from asymcache_core.request import RequestOutput
+from asymcache_core.token_masks import pack_keep
 from tests.asymcache_core.test_step_faults import POISON, FaultyModel, assert_clean, run_all
 from tests.conftest import StepClock, make_engine
 
@@ -198,6 +201,89 @@ def test_async_overlaps_random_sampling_and_gives_the_synchronous_tokens(smollm,
     assert counter is not None and counter.overlapped == counter.launches - 1
 
 
+class FollowsTheLastToken:
+    """A grammar-like mask: after token ``t`` only ``t + 1 .. t + 40`` may follow, so a mask
+    built before the previous token is known keeps the wrong tokens. Past ``stop_after``
+    tokens it keeps ``stop`` alone (the request then stops on it), and it raises if it is
+    asked for a mask after that (a row whose request has ended); ``fail_at``: it raises when
+    asked for that token's mask. Records the lengths it was called with."""
+
+    def __init__(self, start: int, stop: int, stop_after: int, fail_at: int | None = None) -> None:
+        self.start, self.stop, self.stop_after, self.fail_at = start, stop, stop_after, fail_at
+        self.calls: list[int] = []
+
+    def keep(self, output_token_ids: list[int], vocab: int) -> np.ndarray:
+        n = len(output_token_ids)
+        self.calls.append(n)
+        if n == self.fail_at:
+            raise RuntimeError("grammar broke")
+        assert n <= self.stop_after, "asked for a mask after the request stopped"
+        keep = np.zeros(vocab, dtype=bool)
+        if n == self.stop_after:
+            keep[self.stop] = True
+        else:
+            last = output_token_ids[-1] if output_token_ids else self.start
+            keep[last + 1 : last + 41] = True
+        return keep
+
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray:
+        return pack_keep(self.keep(output_token_ids, vocab))
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        keep = torch.from_numpy(self.keep(output_token_ids, logits.shape[-1]))
+        return logits.masked_fill(~keep, float("-inf"))
+
+
+def _masked_params() -> list[SamplingParams]:
+    """Rows whose processors only mask: a grammar-like processor that stops its request on a
+    stop token (its next, already planned row is dropped unmasked), one that raises at its
+    fourth token, ``allowed_token_ids`` at random, ``min_tokens`` with EOS, ``bad_words``; and a
+    plain greedy row beside them."""
+    return [
+        SamplingParams(max_tokens=12, logits_processors=(FollowsTheLastToken(400, 7, stop_after=5),),
+                       stop_token_ids=[7]),
+        SamplingParams(max_tokens=12, ignore_eos=True, logits_processors=(FollowsTheLastToken(900, 7, 20, fail_at=3),)),
+        SamplingParams(max_tokens=10, temperature=0.9, seed=5, allowed_token_ids=list(range(1000, 1400))),
+        SamplingParams(max_tokens=10, min_tokens=7),
+        SamplingParams(max_tokens=10, ignore_eos=True, bad_words=["the", " Paris"]),
+        SamplingParams(max_tokens=10, ignore_eos=True),
+    ]
+
+
+def test_async_overlaps_rows_their_processors_mask_and_gives_the_synchronous_tokens(smollm, chat_prompts):
+    """Rows masked by their processors (grammars, allowed ids, min_tokens, bad words) keep async
+    scheduling's overlap: each step is launched while the one before runs, and its masks are
+    built once that one's tokens are back, while its own forward pass runs. The tokens are the
+    synchronous engine's, each mask is built once a token and after every token before it, a
+    row whose request stopped is not masked, and a processor that raises fails its request
+    alone. ``masks_in_flight = False`` (the ablation) waits for each step instead."""
+    finals: dict[str, list] = {}
+    counters: dict[str, LaunchCounter] = {}
+    calls: dict[str, list[list[int]]] = {}
+    for mode in ("sync", "async", "ablation"):
+        engine = make_engine(smollm, num_kv_blocks=128, async_scheduling=mode != "sync")
+        if mode != "sync":
+            counters[mode] = LaunchCounter(engine)
+        if mode == "ablation":
+            engine.runner.masks_in_flight = False
+        params = _masked_params()
+        ids = [engine.add_request(chat_prompts[i % len(chat_prompts)], p) for i, p in enumerate(params)]
+        outs = run_all(engine)
+        finals[mode] = [(outs[i].token_ids, outs[i].finish_reason, outs[i].error) for i in ids]
+        calls[mode] = [p.logits_processors[0].calls for p in params[:2]]
+        assert_clean(engine)
+    assert finals["async"] == finals["sync"] == finals["ablation"]
+    stopped, broke = finals["async"][0], finals["async"][1]
+    assert stopped[0][-1] == 7 and len(stopped[0]) == 6 and stopped[1] == "stop"
+    assert all(400 < t <= 440 for t in stopped[0][:1])
+    assert broke[1] == "abort" and "grammar broke" in broke[2] and len(broke[0]) == 3
+    assert len(finals["async"][3][0]) >= 7
+    # one mask a token, each after the token before it
+    assert calls["async"] == calls["sync"] == [list(range(6)), list(range(4))]
+    assert counters["async"].overlapped == counters["async"].launches - 1
+    assert counters["ablation"].overlapped < counters["async"].overlapped
+
+
 def test_aborting_a_request_in_flight_frees_it_and_the_others_go_on(smollm, chat_prompts):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     reference = [make_engine(smollm).generate([p], params)[0].token_ids for p in chat_prompts]
@@ -318,6 +404,39 @@ def test_async_on_the_gpu_gives_the_synchronous_tokens(dtype: str) -> None:
             assert counter.overlapped >= counter.launches - 2
     assert outputs[0] == outputs[1]
     assert [len(o) for o in outputs[1]] == [12, 3, 20, 7, 16, 9]
+
+
+@pytest.mark.gpu
+def test_masked_rows_on_the_gpu_keep_the_overlap_and_the_synchronous_tokens() -> None:
+    """On the GPU (CUDA graphs, bf16, batch-invariant): rows whose processors only mask sample
+    in the pipeline, their masks built while their step's forward pass runs, with the
+    synchronous engine's tokens; a row whose grammar-like mask stops it, and one whose
+    processor raises, end as they do synchronously."""
+    prompts = [list(range(10 + i, 10 + i + n)) for i, n in enumerate((5, 40, 77, 130, 33))]
+    outputs = []
+    for mode in (False, True):
+        engine = Engine(
+            model="dummy:tiny", device="cuda", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=8,
+            max_model_len=2048, async_scheduling=mode,
+        )
+        counter = LaunchCounter(engine) if mode else None
+        params = [
+            SamplingParams(max_tokens=12, logits_processors=(FollowsTheLastToken(100, 7, stop_after=5),),
+                           stop_token_ids=[7]),
+            SamplingParams(max_tokens=12, ignore_eos=True, logits_processors=(FollowsTheLastToken(200, 7, 20, fail_at=3),)),
+            SamplingParams(max_tokens=10, temperature=0.9, seed=5, allowed_token_ids=list(range(300, 420))),
+            SamplingParams(max_tokens=10, min_tokens=7),
+            SamplingParams(max_tokens=10, ignore_eos=True),
+        ]
+        ids = [engine.add_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        finals = run_all(engine)
+        outputs.append([(finals[i].token_ids, finals[i].finish_reason) for i in ids])
+        assert params[0].logits_processors[0].calls == list(range(6))
+        assert_clean(engine)
+        if counter is not None:
+            assert counter.overlapped >= counter.launches - 2
+    assert outputs[0] == outputs[1]
+    assert outputs[1][0][0][-1] == 7 and outputs[1][1][1] == "abort"
 
 
 @pytest.mark.gpu
