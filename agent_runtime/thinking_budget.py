@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from agent_runtime.reasoning import THINK_CLOSE, stream_split
+from asymcache_core.token_masks import pack_keep
 
 #: What a reply that ran out of budget is made to write: the block's end, as models write it.
 FORCED_CLOSE = f"\n{THINK_CLOSE}\n\n"
@@ -137,6 +139,23 @@ class ThinkingBudget:
         """Whether the next token's logits are left as they are (the sampler then keeps a
         greedy row's argmax on the device)."""
         return self._forced_token(output_token_ids) is None
+
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray | None:
+        """The tokens kept for the next step, packed (:mod:`asymcache_core.token_masks`): the
+        forced one alone while the block must close, else ``None`` (every token).
+
+        NOTE: a processor that says so only masks: its row is masked and sampled where the
+        logits are, and keeps async scheduling's overlap (a processor without it makes its
+        step wait for the one before). Combined with other masks, the forced token is kept
+        only where they keep it too (a grammar is not combined with a budget: the server
+        refuses a forced tool call with one).
+        """
+        token = self._forced_token(output_token_ids)
+        if token is None:
+            return None
+        keep = np.zeros(vocab, dtype=bool)
+        keep[token] = True
+        return pack_keep(keep)
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Masks every token but the next forced one while the block must close."""

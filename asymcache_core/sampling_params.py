@@ -35,6 +35,12 @@ class LogitsProcessor(Protocol):
     ``[vocab]`` float32 logits row; returns the row to sample from (may modify it in place).
     Stateful processors must be able to see the same prefix again after a preemption: they are
     handed the full list of generated ids each time, so they can resynchronise.
+
+    A processor that only masks tokens should also say which it keeps with
+    ``keep_words(output_token_ids, vocab) -> packed int32 mask | None``
+    (:mod:`asymcache_core.token_masks`): its row is then masked and sampled where the logits
+    are, and with async scheduling its mask is built while the step runs. Without it the row is
+    copied to the host and its step waited for before the next is planned.
     """
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...

@@ -8,12 +8,19 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
-from agent_runtime.thinking_budget import FORCED_CLOSE, ThinkingBudget, check_thinking_budget
+from agent_runtime.thinking_budget import (
+    FORCED_CLOSE,
+    ThinkingBudget,
+    check_thinking_budget,
+    thinking_budget_processor,
+)
+from asymcache_core.token_masks import masks_only
 from tests.agent_runtime.test_reasoning import THINKING_PROMPT_TEMPLATE
 from tests.agent_runtime.test_server import MODEL, TOOLS, serving
 from tests.conftest import make_engine
@@ -64,6 +71,48 @@ def test_the_state_follows_the_ids_it_is_handed():
         check_thinking_budget(-1)
     with pytest.raises(ValueError, match="^thinking.budget_tokens: must be an integer"):
         check_thinking_budget(True, "thinking.budget_tokens")
+
+
+def test_the_budget_only_masks_and_its_mask_is_its_rewrite():
+    """``keep_words`` keeps what ``__call__`` leaves finite: nothing masked while the block may
+    go on, the forced token alone while it must close."""
+    wanted = "abcdefghijklmnopqrstuvwxyz" * 3
+    by_mask, by_call = _budget(6, "deepseek_r1"), _budget(6, "deepseek_r1")
+    assert masks_only([by_mask])
+    out: list[int] = []
+    for i in range(6 + len(FORCED_CLOSE) + 3):
+        logits = torch.zeros(len(VOCAB))
+        logits[VOCAB.index(wanted[i])] = 5.0
+        words = by_mask.keep_words(list(out), len(VOCAB))
+        rewritten = by_call(list(out), logits.clone())
+        if words is None:
+            assert torch.equal(rewritten, logits)
+        else:
+            kept = torch.from_numpy(np.unpackbits(words.view(np.uint8), bitorder="little")[: len(VOCAB)] == 1)
+            assert torch.equal(kept, torch.isfinite(rewritten)) and kept.sum() == 1
+        out.append(int(rewritten.argmax()))
+    assert "".join(VOCAB[t] for t in out).startswith("abcdef" + FORCED_CLOSE)
+
+
+def test_a_budget_keeps_async_scheduling_overlapped_with_the_synchronous_tokens(smollm):
+    """A request with a thinking budget samples in async scheduling's pipeline (its processor
+    only masks): every step is launched while the one before runs, and the tokens, the forced
+    close included, are the synchronous engine's."""
+    from asymcache_core import SamplingParams
+    from tests.asymcache_core.test_async_scheduling import LaunchCounter
+    from tests.asymcache_core.test_step_faults import run_all
+
+    prompt = smollm.tokenizer.encode("<think>\nWhy is the sky blue? Let me think.")
+    outputs = {}
+    for mode in (False, True):
+        engine = make_engine(smollm, num_kv_blocks=64, async_scheduling=mode)
+        counter = LaunchCounter(engine) if mode else None
+        budget = thinking_budget_processor(3, "deepseek_r1", smollm.tokenizer)
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True, logits_processors=(budget,)))
+        outputs[mode] = run_all(engine)[rid].token_ids
+    assert outputs[True] == outputs[False]
+    assert smollm.tokenizer.decode(outputs[True][3 : 3 + len(budget.forced)]) == FORCED_CLOSE
+    assert counter is not None and counter.overlapped == counter.launches - 1
 
 
 def test_smollm2s_thinking_is_capped_everywhere(smollm):
