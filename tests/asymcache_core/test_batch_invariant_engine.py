@@ -76,7 +76,7 @@ def test_logits_equal_cached_or_rebuilt_under_a_tight_pool(smollm):
 
     logs = []
     engines = [
-        make_engine(smollm, batch_invariant=True, num_kv_blocks=1024),
+        make_engine(smollm, batch_invariant=True),
         make_engine(smollm, clock=StepClock(), batch_invariant=True, num_kv_blocks=9, eviction_policy="asymcache"),
     ]
     for engine in engines:
