@@ -10,6 +10,8 @@ admission are checked; at the end everything runs out and the pool must hold not
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -30,6 +32,8 @@ from asymcache_core.sim_runner import VirtualClock
 
 POISON = 13
 JOBS = ["j0", "j1", "j2"]
+#: the tokens a masked request may take (``allowed_token_ids``; the tiny model's vocabulary is 512)
+ALLOWED = tuple(range(100, 512, 3))
 
 
 class FaultyRunner:
@@ -88,6 +92,7 @@ def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> typ
             self.live: dict[str, tuple[bool, int]] = {}  # id -> (poisoned, max_tokens)
             self.aborted: set[str] = set()
             self.done: dict[str, RequestOutput] = {}
+            self.masked: set[str] = set()
 
         # -- rules ---------------------------------------------------------------------------
         @rule(
@@ -99,10 +104,11 @@ def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> typ
             poisoned=st.sampled_from([False, False, False, False, True]),
             copies=st.integers(min_value=1, max_value=3),
             logprobs=st.sampled_from([None, None, 0, 3]),
+            masked=st.sampled_from([False, False, True]),
         )
         def add(
             self, job: str | None, shared: int, own: int, max_tokens: int, last: bool, poisoned: bool, copies: int,
-            logprobs: int | None,
+            logprobs: int | None, masked: bool,
         ) -> None:
             for copy in range(copies):
                 # NOTE: a job's prompts share a prefix, so turns (and copies) hit each other's blocks.
@@ -112,12 +118,18 @@ def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> typ
                     prompt[-1] = POISON
                 # NOTE: the simulator computes no logits: log probabilities on the real model only
                 params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs if async_model else None)
+                if masked and async_model:
+                    # NOTE: a processor that only masks: its rows sample in the async pipeline,
+                    # their masks built once the step before is collected
+                    params = dataclasses.replace(params, allowed_token_ids=ALLOWED)
                 try:
                     rid = self.engine.add_request(prompt, params, job_id=job, is_last_step=last)
                 except ValueError as exc:
                     assert str(exc).startswith(("num_kv_blocks", "prompt")), exc
                     return
                 self.live[rid] = (POISON in prompt, max_tokens)
+                if params.allowed_token_ids is not None:
+                    self.masked.add(rid)
 
         @rule(times=st.integers(min_value=1, max_value=4), down=st.sampled_from([False, False, False, True]))
         def step(self, times: int, down: bool) -> None:
@@ -182,6 +194,9 @@ def make_machine(policy: str, host_tier: bool, async_model: bool = False) -> typ
             elif out.request_id not in self.aborted:
                 assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
                 assert not poisoned, "a poisoned request ran"
+            if out.request_id in self.masked:
+                # the mask held for every token, whatever preemption, faults and aborts did
+                assert set(out.token_ids) <= set(ALLOWED)
             if out.logprobs is not None:
                 # one entry per token, whatever preemption, faults and async steps did to it
                 assert [e.token_id for e in out.logprobs] == out.token_ids
