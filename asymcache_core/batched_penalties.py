@@ -12,6 +12,8 @@ from the device tensor it lands in (``pending``). No synchronization.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -58,28 +60,38 @@ def _marks(
 ) -> torch.Tensor:
     """``[len(rows), V]`` float32: for each of ``rows``, the count of each token of its output
     (a host list), of its prompt (``prompts[k]``, ids on the device) and of its pending token
-    (``pending[row]``, ``-1``: none)."""
-    out = torch.zeros((len(rows), vocab), dtype=torch.float32, device=device)
+    (``pending[row]``, ``-1``: none).
+
+    NOTE: every ``(row, token)`` pair is one index into the flattened counts, and all of them
+    go in by one ``scatter_add_`` of ones (the counts are small integers: exact in any order).
+    A two-dimensional ``index_put_(accumulate=True)`` sorts its indices on CUDA, and
+    ``repeat_interleave`` of the prompts' owners is a cumulative sum there: several small
+    kernels each, which a step with penalties paid on the device. The owners' offsets are
+    known on the host (the prompts' sizes), so they cross with the outputs' indices in one copy.
+    """
+    num = len(rows)
+    out = torch.zeros(num * vocab, dtype=torch.float32, device=device)
     parts = [np.asarray(tokens, dtype=np.int64) for tokens in outputs]
-    owners = np.repeat(np.arange(len(rows), dtype=np.int64), [len(t) for t in parts])
+    owners = np.repeat(np.arange(num, dtype=np.int64) * vocab, [len(t) for t in parts])
     tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     keep = (tokens >= 0) & (tokens < vocab)
-    if keep.any():
-        row_index = torch.from_numpy(owners[keep]).to(device, non_blocking=True)
-        token_index = torch.from_numpy(tokens[keep]).to(device, non_blocking=True)
-        out.index_put_((row_index, token_index), torch.ones(len(row_index), device=device), accumulate=True)
+    host = owners[keep] + tokens[keep]
+    num_output = len(host)
     if prompts is not None and any(t.numel() for t in prompts):
-        total = sum(t.numel() for t in prompts)
-        sizes = to_device([t.numel() for t in prompts], device, torch.int64)
-        # NOTE: the output size given, or repeat_interleave reads the sizes' sum back from the
-        # device: a synchronization every step, which cost async scheduling its overlap
-        owner = torch.repeat_interleave(torch.arange(len(rows), device=device), sizes, output_size=total)
-        out.index_put_((owner, torch.cat(prompts)), torch.ones(total, device=device), accumulate=True)
+        # the prompts' ids are on the device already: their rows' offsets go with the outputs'
+        offsets = np.repeat(np.arange(num, dtype=np.int64) * vocab, [t.numel() for t in prompts])
+        host = np.concatenate((host, offsets))
+    if len(host):
+        flat = torch.from_numpy(host).to(device, non_blocking=True)
+        if len(host) > num_output:
+            flat = torch.cat((flat[:num_output], flat[num_output:] + torch.cat(prompts)))  # type: ignore[arg-type]
+        out.scatter_add_(0, flat, torch.ones(len(host), dtype=torch.float32, device=device))
     if pending is not None:
         token = pending[to_device(rows, device, torch.int64)]
         valid = (token >= 0) & (token < vocab)
-        out.scatter_add_(1, token.clamp(0, vocab - 1)[:, None], valid[:, None].to(torch.float32))
-    return out
+        flat = torch.arange(num, device=device) * vocab + token.clamp(0, vocab - 1)
+        out.scatter_add_(0, flat, valid.to(torch.float32))
+    return out.view(num, vocab)
 
 
 def prompt_ids(prompt: list[int], vocab: int, device: torch.device) -> torch.Tensor:
@@ -127,15 +139,22 @@ def with_penalties(
             empty = torch.zeros(0, dtype=torch.int64, device=device)
             rep_prompts = [prompts[i] if prompts[i] is not None else empty for i in rep]
         seen = _marks(rep, [history[i] for i in rep], rep_prompts, vocab, device, pending) > 0
-        index = to_device(rep, device, torch.int64)
-        vals = x.index_select(0, index)
         penalty = to_device([params[i].repetition_penalty for i in rep], device, torch.float32)[:, None]
-        x.index_copy_(0, index, torch.where(seen, torch.where(vals > 0, vals / penalty, vals * penalty), vals))
+        x = _rewrite_rows(x, rep, lambda vals: torch.where(seen, torch.where(vals > 0, vals / penalty, vals * penalty), vals))
     counted = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
     if counted:
         counts = _marks(counted, [history[i] for i in counted], None, vocab, device, pending)
-        index = to_device(counted, device, torch.int64)
         frequency = to_device([params[i].frequency_penalty for i in counted], device, torch.float32)[:, None]
         presence = to_device([params[i].presence_penalty for i in counted], device, torch.float32)[:, None]
-        x.index_copy_(0, index, x.index_select(0, index) - (frequency * counts + presence * (counts > 0).to(torch.float32)))
+        x = _rewrite_rows(x, counted, lambda vals: vals - (frequency * counts + presence * (counts > 0).to(torch.float32)))
     return x
+
+
+def _rewrite_rows(x: torch.Tensor, rows: list[int], rewrite: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``x`` with ``rows`` rewritten (``x[rows] = rewrite(x[rows])``, in place), or
+    ``rewrite(x)`` when ``rows`` are all of them (no gather and scatter back: two kernels and a
+    copy fewer a step)."""
+    if rows == list(range(x.shape[0])):
+        return rewrite(x)
+    index = to_device(rows, x.device, torch.int64)
+    return x.index_copy_(0, index, rewrite(x.index_select(0, index)))

@@ -321,6 +321,12 @@ def test_penalties_where_the_logits_are_give_the_reference_bits():
     pending = torch.tensor([out[-1] if out else -1 for out in outputs])
     held = with_penalties(logits, params, [out[:-1] for out in outputs], prompt_tensors, pending)
     assert torch.equal(held, got)
+    # every row penalized (rewritten all at once, no gather): the same reference bits
+    every = [SamplingParams(repetition_penalty=1.2 + 0.1 * i, presence_penalty=0.5, frequency_penalty=0.25 * i)
+             for i in range(len(params))]
+    whole = with_penalties(logits, every, [out[:-1] for out in outputs], prompt_tensors, pending)
+    for i, p in enumerate(every):
+        assert torch.equal(whole[i], _reference_penalties(logits[i], p, prompts[i], outputs[i])), i
     assert with_penalties(logits, [SamplingParams(temperature=1.0)], None, None) is logits  # nothing to do
     # a prompt id out of the vocabulary is left out; the sampler keeps each request's ids
     assert prompt_ids([5, 5, VOCAB + 3, -1, 2], VOCAB, logits.device).tolist() == [2, 5]
