@@ -382,8 +382,10 @@ class ModelRunner:
             previous: the step launched before it, not collected yet (``None``: none).
 
         Returns:
-            The launched step, for :meth:`collect`. Every row samples on the device when all
-            are greedy without logits rewrites; otherwise the logits are kept for the host.
+            The launched step, for :meth:`collect`. Its rows sample on the device at once when
+            none has a logits processor; when every processor only masks, they wait for
+            :meth:`sample_masked` (``awaiting_masks``), called once ``previous`` is collected;
+            otherwise the logits are kept for the host.
         """
         started = _timing_event(self.device)
         inputs = pack_step(plan, self.block_size, self.block_table_rows)
