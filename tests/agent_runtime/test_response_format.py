@@ -200,3 +200,22 @@ def test_json_format_with_a_forced_tool_call_is_a_400(client: TestClient, runtim
     ok = _chat(client, max_tokens=40, tools=[TOOL], tool_choice=named, response_format={"type": "text"})
     assert ok["message"]["tool_calls"][0]["function"]["name"] == "get_color"
     _clean(runtime)
+
+
+def test_a_json_schema_reply_keeps_async_scheduling_overlapped(smollm, runtime: AgentRuntime) -> None:
+    """xgrammar's mask only masks: under async scheduling the constrained reply's steps are each
+    launched while the one before runs (its masks built meanwhile), and the reply is the
+    synchronous engine's."""
+    from tests.asymcache_core.test_async_scheduling import LaunchCounter
+
+    engine = make_engine(smollm, num_kv_blocks=64, max_model_len=512, async_scheduling=True)
+    counter = LaunchCounter(engine)
+    overlapped = AgentRuntime(engine)
+    try:
+        got = asyncio.run(overlapped.chat(MESSAGES, max_tokens=32, response_format=JSON_SCHEMA))
+    finally:
+        overlapped.close_sync()
+    want = asyncio.run(runtime.chat(MESSAGES, max_tokens=32, response_format=JSON_SCHEMA))
+    assert got.token_ids == want.token_ids
+    jsonschema.validate(json.loads(got.text), SCHEMA)
+    assert counter.launches > 5 and counter.overlapped == counter.launches - 1
