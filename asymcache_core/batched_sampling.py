@@ -68,6 +68,16 @@ def _no_cut(params: list[SamplingParams]) -> bool:
     return all(p.top_k <= 0 and p.min_p <= 0.0 and p.top_p >= 1.0 for p in params)
 
 
+#: rows from which top-p without a top-k searches for its cut on CUDA (:mod:`kernels.top_p`,
+#: one program a row) instead of sorting the vocabulary (its twin: the same cut, so a row's
+#: token does not depend on how many share its step). NOTE: below it the sort's few launches
+#: cost a decode step less than one program reading a whole row on one SM (H100, dummy
+#: Llama-3.1-8B, top-p 0.95 alone, step / greedy: sort against search 1.031 / 1.070 at one
+#: row, 1.062 / 1.070 at 4, 1.069 / 1.058 at 16; ``scripts/gpu_sampling_step.py
+#: --search-min-rows``, BENCHMARKS.md "Random sampling on the device")
+SEARCH_MIN_ROWS = 4
+
+
 def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's temperature and cut: the least logit divided by the temperature that its
     top-k, min-p and top-p keep (``-inf``: all of them).
@@ -105,7 +115,7 @@ def row_cuts(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
             # tokens top-k sorted already (exact but for ties at the k-th logit): no more sort
             masked = torch.where(top_values >= cut[:, None], top_values, float("-inf"))
             cut_p = cut_of_sorted(masked, torch.logsumexp(masked, dim=-1, keepdim=True), to_device(top_p, device, torch.float32))
-        elif searched:
+        elif searched and len(params) >= SEARCH_MIN_ROWS:
             # NOTE: knowing how many of the most likely tokens a row needs would wait for the
             # device, and sorting the vocabulary is most of a sampled step: a search instead
             cut_p = top_p_cut_triton(

@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 import torch
 
-from asymcache_core import Engine, SamplingParams
+from asymcache_core import Engine, SamplingParams, batched_sampling
 from asymcache_core.loaders import load_model
 from asymcache_core.sampler import MinTokensMask
 from asymcache_core.token_masks import apply_keep, pack_keep
@@ -69,7 +69,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
     ap.add_argument("--ways", default="", help="comma-separated ways to run besides greedy and random (default: all)")
+    ap.add_argument("--search-min-rows", type=int, default=None,
+                    help="rows from which top-p alone searches instead of sorting (default: the engine's)")
     args = ap.parse_args()
+    if args.search_min_rows is not None:
+        batched_sampling.SEARCH_MIN_ROWS = args.search_min_rows
     device = torch.device(args.device)
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     os.environ.setdefault("ASYMCACHE_CACHE_DIR", tempfile.mkdtemp(prefix="sampling-step-"))
