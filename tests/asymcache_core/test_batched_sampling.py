@@ -369,3 +369,19 @@ def test_device_rows_sample_without_waiting_for_the_device() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not drawn.failed.any()
+
+
+@pytest.mark.gpu
+def test_a_top_p_rows_cut_is_the_same_sorted_alone_or_searched_in_a_batch() -> None:
+    """On CUDA a step of few top-p-only rows sorts (below ``SEARCH_MIN_ROWS``) and a larger one
+    searches: each row's cut, so its token, is the same either way."""
+    from asymcache_core import batched_sampling
+
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(8, 128_256, generator=gen) * torch.tensor([0.5, 1, 2, 3, 5, 8, 12, 20])[:, None]).cuda()
+    params = [SamplingParams(temperature=0.5 + 0.1 * i, top_p=0.8 + 0.02 * i, seed=i) for i in range(8)]
+    assert 1 < batched_sampling.SEARCH_MIN_ROWS <= len(params)
+    _, searched = row_cuts(logits, params)
+    for i in range(len(params)):
+        _, alone = row_cuts(logits[i : i + 1], params[i : i + 1])
+        assert torch.equal(alone[0], searched[i]), i
