@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from asymcache_core.token_masks import apply_keep, clear_tokens, pack_keep, words_for
+from asymcache_core.token_masks import apply_keep, clear_tokens, keep_only, words_for
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -96,10 +96,7 @@ class GrammarLogitsProcessor:
         (:mod:`asymcache_core.token_masks`: the sampler masks the row where it is)."""
         self._sync(output_token_ids)
         if self.is_terminated:
-            keep = np.zeros(vocab, dtype=bool)
-            stops = np.asarray(self.stop_token_ids, dtype=np.int64)
-            keep[stops[(stops >= 0) & (stops < vocab)]] = True
-            return pack_keep(keep)
+            return keep_only(self.stop_token_ids, vocab)
         self._matcher.fill_next_token_bitmask(self._bitmask)
         grammar = self._bitmask[0].numpy()
         words = np.zeros(words_for(vocab), dtype=np.int32)

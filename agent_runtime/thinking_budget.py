@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from agent_runtime.reasoning import THINK_CLOSE, stream_split
-from asymcache_core.token_masks import pack_keep
+from asymcache_core.token_masks import keep_only
 
 #: What a reply that ran out of budget is made to write: the block's end, as models write it.
 FORCED_CLOSE = f"\n{THINK_CLOSE}\n\n"
@@ -151,11 +151,7 @@ class ThinkingBudget:
         refuses a forced tool call with one).
         """
         token = self._forced_token(output_token_ids)
-        if token is None:
-            return None
-        keep = np.zeros(vocab, dtype=bool)
-        keep[token] = True
-        return pack_keep(keep)
+        return None if token is None else keep_only((token,), vocab)
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Masks every token but the next forced one while the block must close."""

@@ -16,7 +16,7 @@ from asymcache_core.scheduler import SchedulerOutput
 from asymcache_core.step_faults import StepResult
 
 if TYPE_CHECKING:
-    from asymcache_core.model_runner import LaunchedStep
+    from asymcache_core.launched_steps import LaunchedStep
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,10 @@ from asymcache_core.token_masks import (
     all_words,
     apply_keep,
     clear_tokens,
+    keep_only,
     keep_words,
     masks_only,
-    pack_keep,
+    stacked_keep,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,10 +85,7 @@ class AllowedTokensMask:
         """The tokens kept, packed (built once a vocabulary size)."""
         words = self._words.get(vocab)
         if words is None:
-            keep = np.zeros(vocab, dtype=bool)
-            ids = self.allowed.numpy()
-            keep[ids[ids < vocab]] = True
-            words = self._words[vocab] = pack_keep(keep)
+            words = self._words[vocab] = keep_only(self.allowed.tolist(), vocab)
         return words
 
 
@@ -358,14 +356,10 @@ class Sampler:
         # processors only mask (grammars, allowed ids, min_tokens, bad words), its mask built
         # here and applied there
         plain = [processors_pass(p.logits_processors, outputs[i]) for i, p in enumerate(params)]
-        masks, unmasked = self._masks(logits.shape[-1], request_ids, params, outputs, plain)
+        masks, unmasked = self.row_masks(logits.shape[-1], request_ids, params, outputs, plain)
         on_device = [i for i in range(len(params)) if plain[i] or i in masks]
         if on_device:
-            keep = None
-            if masks:
-                masked = [k for k, i in enumerate(on_device) if masks.get(i) is not None]
-                if masked:
-                    keep = (masked, np.stack([masks[on_device[k]] for k in masked]))
+            keep = stacked_keep(masks, on_device)
             drawn = self.sample_on_device(
                 logits if len(on_device) == len(params) else logits[on_device],
                 [request_ids[i] for i in on_device], [params[i] for i in on_device], [draws[i] for i in on_device],
@@ -386,7 +380,7 @@ class Sampler:
             self.logprobs.update((request_ids[i], entry) for i, entry in zip(want, entries, strict=True))
         return tokens
 
-    def _masks(
+    def row_masks(
         self,
         vocab: int,
         request_ids: list[str],
@@ -395,7 +389,9 @@ class Sampler:
         plain: list[bool],
     ) -> tuple[dict[int, np.ndarray | None], set[int]]:
         """Row -> its packed mask (``None``: it keeps every token) for the rows not ``plain``
-        whose processors only mask, and the rows whose processor raised (they fail alone)."""
+        whose processors only mask, and the rows whose processor raised (recorded: their
+        requests fail alone). :meth:`sample` builds its masks here, and so does the model
+        runner for rows sampled in async scheduling's pipeline."""
         out: dict[int, np.ndarray | None] = {}
         failed: set[int] = set()
         for i, p in enumerate(params):

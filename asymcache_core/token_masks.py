@@ -12,7 +12,8 @@ vocabulary rows to the host and sampling there (:class:`asymcache_core.sampler.S
 - :func:`masks_only`: whether every processor of a row can say so.
 - :func:`keep_words`: a row's mask, the processors' masks combined (a token is kept when every
   processor keeps it: masking in turn, as the host path does).
-- :func:`pack_keep`, :func:`all_words`, :func:`clear_tokens`: build masks.
+- :func:`pack_keep`, :func:`keep_only`, :func:`all_words`, :func:`clear_tokens`: build masks.
+- :func:`stacked_keep`: the masks of a batch's rows, as :func:`apply_keep` takes them.
 - :func:`apply_keep`: masks ``[R, V]`` logits rows on their device.
 """
 
@@ -36,6 +37,14 @@ def pack_keep(keep: np.ndarray) -> np.ndarray:
     padded = np.zeros(words_for(len(keep)) * 32, dtype=bool)
     padded[: len(keep)] = keep
     return np.packbits(padded, bitorder="little").view("<i4").astype(np.int32)
+
+
+def keep_only(tokens: Iterable[int], vocab: int) -> np.ndarray:
+    """The mask keeping ``tokens`` alone (ids outside ``[0, vocab)`` ignored)."""
+    ids = np.fromiter((t for t in tokens), dtype=np.int64)
+    keep = np.zeros(vocab, dtype=bool)
+    keep[ids[(ids >= 0) & (ids < vocab)]] = True
+    return pack_keep(keep)
 
 
 @functools.lru_cache(maxsize=8)
@@ -90,6 +99,16 @@ def keep_words(processors: Sequence[Any], output_token_ids: list[int], vocab: in
         # NOTE: a processor's array is never written: the first is taken as it is
         out = words if out is None else np.bitwise_and(out, words)
     return out
+
+
+def stacked_keep(masks: dict[int, np.ndarray | None], rows: Sequence[int]) -> tuple[list[int], np.ndarray] | None:
+    """The masks of a batch's ``rows`` as :func:`apply_keep` takes them: the positions in
+    ``rows`` of those with a mask in ``masks`` (row -> mask, ``None``: keeps every token) and
+    their masks stacked; ``None`` when no row is masked."""
+    masked = [k for k, row in enumerate(rows) if masks.get(row) is not None]
+    if not masked:
+        return None
+    return masked, np.stack([masks[rows[k]] for k in masked])
 
 
 def apply_keep(logits: torch.Tensor, rows: list[int], words: np.ndarray) -> torch.Tensor:

@@ -12,9 +12,11 @@ from asymcache_core.token_masks import (
     all_words,
     apply_keep,
     clear_tokens,
+    keep_only,
     keep_words,
     masks_only,
     pack_keep,
+    stacked_keep,
 )
 
 VOCAB = 300  # not a multiple of 32: the last word is partial
@@ -138,3 +140,14 @@ def test_masked_rows_on_cuda_keep_to_their_masks_and_match_the_host_path_greedy(
     want = Sampler(0).sample(logits, ids, host, outputs)
     assert got[:2] == want[:2] and got[0] % 7 == 0 and got[2] % 7 == 0
     assert got[1] != int(logits[1].argmax())
+
+
+def test_keep_only_and_the_batchs_stacked_masks():
+    words = keep_only([3, 299, 299, VOCAB + 4, -1], VOCAB)
+    kept = np.unpackbits(words.view(np.uint8), bitorder="little")
+    assert np.flatnonzero(kept).tolist() == [3, 299]  # ids outside the vocabulary ignored
+    a, b = all_words(VOCAB), keep_only([7], VOCAB)
+    # positions within the rows given, rows without a mask (or keeping all: None) left out
+    positions, stacked = stacked_keep({4: a, 6: None, 9: b}, [9, 6, 4, 2])
+    assert positions == [0, 2] and np.array_equal(stacked, np.stack([b, a]))
+    assert stacked_keep({6: None}, [6, 2]) is None
