@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import statistics
 import time
 import warnings
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
     ap.add_argument("--sync-debug", action="store_true", help="also report synchronizing calls (torch's sync debug mode)")
+    ap.add_argument("--profile", action="store_true", help="also print the host's hottest functions in the mixed steps (cProfile)")
     args = ap.parse_args()
     device = torch.device(args.device)
     lengths = [int(v) for v in args.prompts.split(",")]
@@ -114,6 +117,8 @@ def main() -> None:
             engine.step()
         rows: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
         synced: collections.Counter[str] = collections.Counter()
+        profiler = cProfile.Profile() if args.profile else None
+        loop_start = time.perf_counter()
         for i in range(args.steps):
             kind = "decode"
             if i % args.every == 0:
@@ -130,13 +135,19 @@ def main() -> None:
                 torch.cuda.set_sync_debug_mode(0)
                 for w in caught:
                     synced[f"{w.filename}:{w.lineno}: {str(w.message)[:80]}"] += 1
+            elif profiler is not None and kind != "decode":
+                profiler.enable()
+                engine.step()
+                profiler.disable()
             else:
                 engine.step()
             timer.current["step"] = time.perf_counter() - t0
             rows[kind].append(dict(timer.current))
         if device.type == "cuda":
             torch.cuda.synchronize()
+        loop_ms = (time.perf_counter() - loop_start) / args.steps * 1e3
         name = "async" if engine.async_scheduling else "sync"
+        print(f"\n== {name}: {loop_ms:.2f} ms a step over the {args.steps} steps, prompts and decodes together")
         phases = sorted({p for rs in rows.values() for r in rs for p in r})
         print(f"\n== {name}: host ms per step (median over steps of the kind; the step that adds a prompt plans its mixed step)")
         print(f"{'kind':>8} {'n':>4} " + " ".join(f"{p:>13}" for p in phases))
@@ -148,6 +159,11 @@ def main() -> None:
             print("synchronizing calls during the mixed steps:")
             for where, n in synced.most_common(12):
                 print(f"  {n:>4}  {where}")
+        if profiler is not None:
+            print(f"host functions of the {sum(len(rs) for k, rs in rows.items() if k != 'decode')} mixed steps (cProfile):")
+            stats = pstats.Stats(profiler)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(30)
         restore()
         del engine
 
