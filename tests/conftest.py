@@ -116,14 +116,44 @@ def _hf_reference_lock(name: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF loading with its two pure, slow steps memoized for the call.
+
+    NOTE: transformers parses the file twice (config, then tensors; ~5 s each on this
+    project's machine) and builds gguf's tensor-name table once per tensor (~400 times, ~5 s);
+    both depend only on their arguments. The reader is read-only (a memory map), so handing the
+    same one back gives the same tensors: the conversion is still transformers' own.
+    """
+    import functools
+
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = saved[0](path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[assignment,misc]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved  # type: ignore[misc]
+
+
 @pytest.fixture(scope="session")
 def hf_smollm() -> Any:
     """transformers' own ``LlamaForCausalLM`` read from the packaged SmolLM2 GGUF (its own
     de-quantizing loader, float32, eval mode), loaded once for the whole session: the
     independent reference of the parity and constrained-decoding tests (never modified).
 
-    NOTE: transformers' GGUF loading takes ~30 s on this project's machine (it parses the file
-    and builds the tokenizer again); the first worker of a run saves the state dict it produced
+    NOTE: transformers' GGUF loading takes ~30 s on this project's machine (~15 s with
+    :func:`_gguf_parsed_once`); the first worker of a run saves the state dict it produced
     (safetensors) and its config, and the others build the model from those (~3 s): the same
     tensors, still never touched by this project's loader.
     """
@@ -149,9 +179,10 @@ def hf_smollm() -> Any:
                 assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
                 model.tie_weights()
             else:
-                model = transformers.AutoModelForCausalLM.from_pretrained(
-                    str(path.parent), gguf_file=path.name, dtype=torch.float32
-                )
+                with _gguf_parsed_once():
+                    model = transformers.AutoModelForCausalLM.from_pretrained(
+                        str(path.parent), gguf_file=path.name, dtype=torch.float32
+                    )
                 tied = model.config.tie_word_embeddings
                 state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
                 model.config.save_pretrained(str(folder))
@@ -173,7 +204,8 @@ def hf_smollm_tokenizer() -> Any:
     with _hf_reference_lock("tokenizer"):
         if (folder / "tokenizer_config.json").is_file():
             return transformers.AutoTokenizer.from_pretrained(str(folder))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with _gguf_parsed_once():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer.save_pretrained(str(folder))
         return tokenizer
 
