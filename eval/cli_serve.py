@@ -1,0 +1,241 @@
+"""The commands that serve or run the model: ``generate``, ``serve``, ``chat`` and ``agent run``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from eval.cli_app import (
+    agent_app,
+    app,
+    clean_errors,
+    engine_options,
+    json_object,
+    memory_sized_pool,
+)
+
+
+@app.command()
+@clean_errors
+@engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 256})
+def generate(
+    ctx: typer.Context,
+    prompt: str = typer.Argument(..., help="A user message (rendered with the chat template)."),
+    max_tokens: int = typer.Option(64, min=1),
+    temperature: float = typer.Option(0.0, min=0.0),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
+    """Generate one chat answer with the embedded engine (printed as it is generated)."""
+    from asymcache_core import Engine, SamplingParams
+    from eval.cli_progress import showing_model_loads
+
+    memory_sized_pool(ctx, engine_args)
+    with showing_model_loads():
+        engine = Engine(**engine_args)
+    if engine.tokenizer is None:
+        why = f" ({engine.loaded.tokenizer_source})" if engine.loaded is not None else ""
+        raise ValueError(f"model: {engine.config.model!r} has no tokenizer{why}")
+    text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    stream_answer(engine, text, SamplingParams(max_tokens=max_tokens, temperature=temperature), _write_stdout)
+    typer.echo("")
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def stream_answer(engine: Any, prompt: str, params: Any, write: Callable[[str], None]) -> str:
+    """Runs one request and writes its text as it grows (each step's new characters).
+
+    Args:
+        engine: an :class:`asymcache_core.Engine`.
+        prompt: the rendered prompt.
+        params: its :class:`asymcache_core.SamplingParams`.
+        write: called with each new piece of text.
+
+    Returns:
+        The whole answer.
+
+    Raises:
+        ValueError: the request failed.
+    """
+    request_id = engine.add_request(prompt, params)
+    shown = ""
+    while True:
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if out.error:
+                raise ValueError(f"generate: {out.error}")
+            # NOTE: a stop string would cut text already shown; only growth is written.
+            if out.text.startswith(shown) and len(out.text) > len(shown):
+                write(out.text[len(shown):])
+                shown = out.text
+            if out.finished:
+                return shown
+
+
+def startup_line(ready: Mapping[str, Any], policy: str, seconds: float) -> str:
+    """The line ``serve`` logs once its engine is built.
+
+    Args:
+        ready: the engine's ``engine_ready`` log fields (model, dtype, device,
+            eviction_policy, kv_blocks, kv_gib).
+        policy: the serving preset.
+        seconds: since the command started.
+    """
+    return (
+        f"serve: model {ready['model']}, dtype {ready['dtype']}, device {ready['device']}, "
+        f"policy {policy} (eviction {ready['eviction_policy']}), "
+        f"pool {ready['kv_blocks']} blocks ({ready['kv_gib']:.2f} GiB); loaded in {seconds:.1f} s"
+    )
+
+
+class StartupLine(logging.Handler):
+    """Writes :func:`startup_line` to stderr when the engine reports itself ready.
+
+    Args:
+        policy: the serving preset.
+        clock: time source (the start is read at construction).
+    """
+
+    def __init__(self, policy: str, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(logging.INFO)
+        self.policy = policy
+        self.clock = clock
+        self.started = clock()
+        self.done = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        ready = getattr(record, "engine_ready", None)
+        if ready is None or self.done:
+            return
+        self.done = True
+        typer.echo(startup_line(ready, self.policy, self.clock() - self.started), err=True)
+
+    @classmethod
+    @contextlib.contextmanager
+    def listening(cls, policy: str, clock: Callable[[], float] = time.monotonic) -> Iterator[StartupLine]:
+        """Attaches a handler to the engine's logger for the duration of the block."""
+        engine_log = logging.getLogger("asymcache_core.engine")
+        handler, level = cls(policy, clock), engine_log.level
+        engine_log.setLevel(logging.INFO)
+        engine_log.addHandler(handler)
+        try:
+            yield handler
+        finally:
+            engine_log.removeHandler(handler)
+            engine_log.setLevel(level)
+
+
+@app.command()
+@clean_errors
+@engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 2048, "max_step_log": 10_000})
+def serve(
+    ctx: typer.Context,
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000, min=1, max=65535),
+    api_key: str = typer.Option(None, help="Require this bearer token."),
+    policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    max_request_body_bytes: int = typer.Option(8 << 20, help="Request bodies beyond this are a 413."),
+    max_queue_len: int = typer.Option(256, help="Completions waiting beyond the running batch before new ones get a 429 (one of n choices counts n)."),
+    shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds in-flight requests may finish before they are aborted."),
+    replicas: int = typer.Option(1, help="Engine replicas behind the one endpoint; above 1 on a local Ray cluster "
+                                 "(the ray extra), each job kept on the replica that holds its KV."),
+    served_model_name: str = typer.Option(None, help="The model name clients send and /v1/models lists "
+                                          "(default: --model)."),
+    chat_template: str = typer.Option(None, help="A chat template, as a Jinja file or its text, instead of the "
+                                      "model's."),
+    default_chat_template_kwargs: str = typer.Option(
+        None, help='Template variables every chat gets unless it sets its own, as a JSON object '
+        '(e.g. \'{"enable_thinking": false}\').'),
+    trust_request_chat_template: bool = typer.Option(
+        False, "--trust-request-chat-template", help="Serve chats that send a chat_template of their own."),
+    tool_call_parser: str = typer.Option(
+        "hermes", help="How tool calls are written and parsed: hermes (tagged; Qwen, and models without a tools "
+        "template) or llama3_json (Llama 3.1+, with its own template)."),
+    reasoning_parser: str = typer.Option(
+        None, help="Split reasoning models' thinking off chat replies into reasoning_content: deepseek_r1 or "
+        "qwen3 (vLLM's names)."),
+    responses_store_size: int = typer.Option(
+        4096, help="Responses API responses kept for previous_response_id and GET /v1/responses/{id} (least "
+        "recently used dropped first; 0: none)."),
+    enable_auto_tool_choice: bool = typer.Option(
+        True, "--enable-auto-tool-choice", help="vLLM's flag, accepted: tool calls are parsed under "
+        "tool_choice auto whether it is given or not."),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
+    """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics)."""
+    from agent_runtime.commands import run_serve
+
+    memory_sized_pool(ctx, engine_args)
+    template_kwargs = json_object("default_chat_template_kwargs", default_chat_template_kwargs)
+    from eval.cli_progress import showing_model_loads
+
+    with StartupLine.listening(policy), showing_model_loads():
+        run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
+                  max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, replicas=replicas,
+                  served_model_name=served_model_name, chat_template=chat_template,
+                  default_chat_template_kwargs=template_kwargs,
+                  trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
+                  reasoning_parser=reasoning_parser, responses_store_size=responses_store_size, **engine_args)
+
+
+@app.command()
+@clean_errors
+@engine_options()
+def chat(
+    policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
+    """Interactive chat with the local model (/exit to quit)."""
+    from agent_runtime.commands import run_chat
+    from eval.cli_progress import showing_model_loads
+
+    with showing_model_loads():
+        run_chat(policy=policy, **engine_args)
+
+
+@agent_app.command("run")
+@clean_errors
+@engine_options()
+def agent_run(
+    task: str = typer.Argument(..., help="What the agent should do."),
+    workdir: Path = typer.Option(
+        Path("."), help="The agent's working directory: the file tools stay inside it; bash runs there, sandboxed "
+        "only where bubblewrap is installed (otherwise its own session, rlimits and a scrubbed environment)."
+    ),
+    max_turns: int = typer.Option(6, min=1),
+    policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
+    tool_choice: str = typer.Option(
+        "required", help="Per-turn tool choice, comma-separated: auto, none, required or a tool name (that "
+        "call is forced, constrained decoding); later turns are auto. Small models need the tools named."
+    ),
+    *,
+    engine_args: dict[str, Any],
+) -> None:
+    """A real tool loop (bash, read/list/write files) on the local model."""
+    from agent_runtime.commands import run_agent
+
+    if not workdir.is_dir():
+        raise ValueError(f"workdir: {str(workdir)!r} is not a directory")
+    choices = [c.strip() for c in tool_choice.split(",") if c.strip()]
+    from eval.cli_progress import showing_model_loads
+
+    with showing_model_loads():
+        run_agent(
+            task=task, workdir=workdir, max_turns=max_turns, policy=policy, tool_choice=choices, **engine_args
+        )
