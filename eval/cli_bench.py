@@ -14,7 +14,6 @@ import typer
 
 from agent_runtime.presets import preset_names
 from eval.bench import ENGINE_FIELDS as BENCH_ENGINE_FIELDS
-from eval.bench import SUFFIX_SPELLINGS
 from eval.cli_app import (
     app,
     clean_errors,
@@ -23,6 +22,7 @@ from eval.cli_app import (
     option_given,
     torch_device_type,
 )
+from eval.variants import SUFFIX_SPELLINGS
 
 #: The engine settings ``asymcache profile`` takes: those that shape a forward step (the grid
 #: sizes the pool, and no scheduler runs).

@@ -39,7 +39,7 @@ from eval.results import (
 from workloads import Job, Trace, job_token_stream
 
 if TYPE_CHECKING:
-    from eval.bench import BenchVariant
+    from eval.variants import BenchVariant
 
 @dataclass
 class RequestRecord:

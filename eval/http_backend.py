@@ -19,7 +19,7 @@ from eval.harness import RequestRecord, RunOutcome
 from workloads import Trace, job_token_stream
 
 if TYPE_CHECKING:
-    from eval.bench import BenchVariant
+    from eval.variants import BenchVariant
 
 
 async def _one_call(client: Any, url: str, body: dict[str, Any]) -> tuple[list[int], float | None, list[float], int, int]:

@@ -12,9 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from eval.bench import SUFFIX_SPELLINGS, BenchVariant
 from eval.cli import app, clean_errors, one_line
 from eval.results import save_results
+from eval.variants import SUFFIX_SPELLINGS, BenchVariant
 from tests.eval.test_report import _results
 
 runner = CliRunner()

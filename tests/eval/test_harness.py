@@ -224,7 +224,8 @@ def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path):
 
 
 def test_rounds_rotate_so_each_policy_runs_first_equally_often():
-    from eval.bench import BenchVariant, run_order
+    from eval.bench import run_order
+    from eval.variants import BenchVariant
 
     policies = [BenchVariant.parse(n) for n in ("vllm-apc", "lru", "asymcache")]
     order = [(p.name, r) for p, r in run_order(policies, 3)]
@@ -239,14 +240,14 @@ def test_rounds_rotate_so_each_policy_runs_first_equally_often():
 
 
 def test_reserve_prompt_ablation_turns_on_full_prompt_admission():
-    from eval.bench import BenchVariant
+    from eval.variants import BenchVariant
 
     assert BenchVariant.parse("vllm-apc/reserve-prompt").engine_overrides["admit_full_prompt"] is True
     assert "admit_full_prompt" not in BenchVariant.parse("vllm-apc").engine_overrides
 
 
 def test_fcfs_ablation_replaces_only_the_presets_order():
-    from eval.bench import BenchVariant
+    from eval.variants import BenchVariant
 
     default, plain = BenchVariant.parse("asymcache+continuum"), BenchVariant.parse("asymcache+continuum/fcfs")
     assert default.engine_overrides["priority"] == "adaptive" and plain.engine_overrides["priority"] == "fcfs"
@@ -271,7 +272,7 @@ def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path
     # The long-chat grid again (BENCHMARKS.md): under FCFS, returning turns whose
     # context is cached wait behind long prefills while vLLM's order evicts their blocks; with
     # the least work first they run before that happens.
-    from eval.bench import BenchVariant
+    from eval.variants import BenchVariant
 
     assert BenchVariant.parse("vllm-apc/least-work").engine_overrides["least_work_first"] is True
     policies = ("vllm-apc/reserve-prompt", "vllm-apc/reserve-prompt/least-work")
@@ -317,7 +318,7 @@ def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
 
 
 def test_ablation_suffixes_combine():
-    from eval.bench import BenchVariant
+    from eval.variants import BenchVariant
 
     full = BenchVariant.parse("asymcache/reserve-prompt/adaptive:slack")
     assert full.engine_overrides["admit_full_prompt"] is True
@@ -415,8 +416,9 @@ def test_each_request_feeds_t_queue_once_when_first_admitted():
     """The pin benefit's queueing delay (T_queue) is recorded by the engine when a request is
     first admitted, once: the harness reports nothing a second time at the request's end."""
     from asymcache_core import EngineConfig
-    from eval.bench import BenchVariant, load_workload
+    from eval.bench import load_workload
     from eval.harness import drive, make_engine
+    from eval.variants import BenchVariant
 
     cfg = BenchConfig(workload="toolloop", backend="sim", jobs=6, concurrency=3, max_model_len=131072,
                       num_kv_blocks=4000)
@@ -432,7 +434,7 @@ def test_each_request_feeds_t_queue_once_when_first_admitted():
 
 
 def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path):
-    from eval.bench import BenchVariant
+    from eval.variants import BenchVariant
 
     # SWE agents on a pool that binds: the default serves clients that send no job ids as it
     # serves those that do, where without implicit jobs it serves them as vllm-apc does
