@@ -147,13 +147,13 @@ def main() -> None:
             torch.cuda.synchronize()
         loop_ms = (time.perf_counter() - loop_start) / args.steps * 1e3
         name = "async" if engine.async_scheduling else "sync"
-        print(f"\n== {name}: {loop_ms:.2f} ms a step over the {args.steps} steps, prompts and decodes together")
         phases = sorted({p for rs in rows.values() for r in rs for p in r})
         print(f"\n== {name}: host ms per step (median over steps of the kind; the step that adds a prompt plans its mixed step)")
         print(f"{'kind':>8} {'n':>4} " + " ".join(f"{p:>13}" for p in phases))
         for kind, rs in sorted(rows.items()):
             vals = [statistics.median([r.get(p, 0.0) for r in rs]) * 1e3 for p in phases]
             print(f"{kind:>8} {len(rs):>4} " + " ".join(f"{v:>13.2f}" for v in vals))
+        print(f"loop: {loop_ms:.2f} ms a step over the {args.steps} steps, prompts and decodes together")
         # the step after the one that added a prompt (its decode collects the mixed step)
         if synced:
             print("synchronizing calls during the mixed steps:")
