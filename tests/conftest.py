@@ -152,7 +152,7 @@ def hf_smollm() -> Any:
     de-quantizing loader, float32, eval mode), loaded once for the whole session: the
     independent reference of the parity and constrained-decoding tests (never modified).
 
-    NOTE: transformers' GGUF loading takes ~30 s on this project's machine (~15 s with
+    NOTE: transformers' GGUF loading takes ~30 s on this project's machine (~10 s with
     :func:`_gguf_parsed_once`); the first worker of a run saves the state dict it produced
     (safetensors) and its config, and the others build the model from those (~3 s): the same
     tensors, still never touched by this project's loader.

@@ -91,8 +91,6 @@ def import_mooncake(
     )
 
 
-
-
 def import_bailian(
     path: str | Path,
     *,

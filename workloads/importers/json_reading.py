@@ -28,7 +28,6 @@ def estimate_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
-
 class JsonStream:
     """Iterates the elements of a (possibly truncated) JSON array file, or a JSONL file.
 
@@ -206,6 +205,7 @@ def first_field(
 
 
 def as_int(value: Any, name: str, path: Path, lineno: int) -> int:
+    """Field ``name`` as a non-negative integer; TraceError naming the line otherwise."""
     try:
         out = int(value)
     except (TypeError, ValueError) as e:
@@ -216,6 +216,7 @@ def as_int(value: Any, name: str, path: Path, lineno: int) -> int:
 
 
 def as_float(value: Any, name: str, path: Path, lineno: int) -> float:
+    """Field ``name`` as a finite number; TraceError naming the line otherwise."""
     try:
         out = float(value)
     except (TypeError, ValueError) as e:
@@ -226,6 +227,7 @@ def as_float(value: Any, name: str, path: Path, lineno: int) -> float:
 
 
 def hash_id_list(value: Any, path: Path, lineno: int) -> list[int] | None:
+    """A ``hash_ids`` field as integers (``None`` when absent); TraceError naming the line."""
     if value is None:
         return None
     if not isinstance(value, list):
@@ -237,5 +239,6 @@ def hash_id_list(value: Any, path: Path, lineno: int) -> list[int] | None:
 
 
 def require_file(path: Path) -> None:
+    """TraceError unless ``path`` is a file."""
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
