@@ -563,17 +563,18 @@ def truncate_middle(text: str, limit: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-#: names that moved to :mod:`agent_runtime.builtin_tools` (importable from here as before)
-_BUILTIN_NAMES = frozenset({
-    "PathEscapeError", "resolve_in_workdir", "BuiltinToolConfig", "bash_sandbox", "bash_env", "bash_argv",
-    "kill_call", "BashRun", "run_bash", "make_builtin_tools", "builtin_registry",
-})
+#: names that moved out of this module (importable from here as before), and their modules
+_MOVED_NAMES = {
+    **dict.fromkeys(("PathEscapeError", "resolve_in_workdir", "BuiltinToolConfig", "bash_sandbox", "bash_env",
+                     "bash_argv", "make_builtin_tools", "builtin_registry"), "builtin_tools"),
+    **dict.fromkeys(("kill_call", "BashRun", "run_bash"), "bash_process"),
+}
 
 
 def __getattr__(name: str) -> Any:
     # NOTE: lazily, as builtin_tools imports this module
-    if name in _BUILTIN_NAMES:
-        from agent_runtime import builtin_tools
+    if name in _MOVED_NAMES:
+        import importlib
 
-        return getattr(builtin_tools, name)
+        return getattr(importlib.import_module(f"agent_runtime.{_MOVED_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
