@@ -43,6 +43,8 @@ demo-real: setup
 # (pytest-xdist), each taking a whole file at a time so that module fixtures (live servers, the
 # real model) start once. On this project's 2-core machine two took the suite from 993 to 547 s
 # (2026-12-03): much of its time waits on subprocesses, servers and sockets, not on the CPU.
+# A third process does not pay: 2 -> 3 took it from 635 to 681 s on an AMD EPYC (2026-12-06;
+# both cores were already ~93% busy, and each process collects the whole suite).
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900 -m "not slow" -n $(TEST_WORKERS) --dist loadfile
