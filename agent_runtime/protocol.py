@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
-from agent_runtime.tools import Tool, ToolRegistry, validate_tool_schema
+from agent_runtime.tool_schema import validate_tool_schema
+from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core.sampling_params import SamplingParams
 
 ToolChoice = str | Mapping[str, Any] | None
