@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -414,3 +415,19 @@ class EngineConfig:
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+
+
+def json_object_text(name: str, text: str) -> dict[str, Any]:
+    """A JSON object given as text (a command-line flag's value, such as vLLM's
+    ``--kv-events-config`` or ``--default-chat-template-kwargs``).
+
+    Raises:
+        ValueError: not JSON, or not an object (the message names ``name``).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}: not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
+    return value

@@ -25,7 +25,6 @@ pyzmq and msgpack (the ``kv-events`` extra) are imported only when a publisher i
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -36,6 +35,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any
 
 from asymcache_core.block_pool import BlockPool, KVBlock
+from asymcache_core.config import json_object_text
 
 if TYPE_CHECKING:
     from asymcache_core.host_tier import HostTier
@@ -89,12 +89,7 @@ class KVEventsConfig:
         """
         if not isinstance(text, str):
             raise ValueError(f"kv_events_config: must be a JSON string or None, got {type(text).__name__}")
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_events_config: not valid JSON ({exc.msg} at {exc.pos})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"kv_events_config: must be a JSON object, got {type(raw).__name__}")
+        raw = json_object_text("kv_events_config", text)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import json
 import os
 import sys
 import typing
@@ -253,12 +252,6 @@ def json_object(name: str, text: str | None) -> dict[str, Any] | None:
     Raises:
         ValueError: not a JSON object (naming ``name``).
     """
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name}: not JSON: {e.msg} at character {e.pos}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
-    return value
+    from asymcache_core.config import json_object_text
+
+    return None if text is None else json_object_text(name, text)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 #: Seconds between two lines of a running task in a log.
 LINE_INTERVAL_S = 5.0
@@ -166,20 +166,30 @@ class LoaderLog(logging.Handler):
         self.progress.update(self._tasks[label], completed=done)
 
 
+H = TypeVar("H", bound=logging.Handler)
+
+
+@contextmanager
+def logging_to(logger: logging.Logger, handler: H, level: int) -> Iterator[H]:
+    """Attaches ``handler`` to ``logger`` at ``level`` for the duration of the block; the
+    logger's own level comes back after it."""
+    saved = logger.level
+    logger.setLevel(level)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
+
+
 @contextmanager
 def showing_model_loads(progress: LineProgress | TerminalProgress | None = None) -> Iterator[LoaderLog]:
     """Shows what the model loader logs (INFO and up, and its progress) for the duration of the
     block."""
-    loader_log = logging.getLogger("asymcache_core.loaders")
-    handler = LoaderLog(progress or progress_for())
-    level = loader_log.level
-    loader_log.setLevel(logging.DEBUG)
-    loader_log.addHandler(handler)
-    try:
+    with logging_to(logging.getLogger("asymcache_core.loaders"), LoaderLog(progress or progress_for()),
+                    logging.DEBUG) as handler:
         yield handler
-    finally:
-        loader_log.removeHandler(handler)
-        loader_log.setLevel(level)
 
 
 def _count(value: float | None) -> str:

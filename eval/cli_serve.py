@@ -128,15 +128,10 @@ class StartupLine(logging.Handler):
     @contextlib.contextmanager
     def listening(cls, policy: str, clock: Callable[[], float] = time.monotonic) -> Iterator[StartupLine]:
         """Attaches a handler to the engine's logger for the duration of the block."""
-        engine_log = logging.getLogger("asymcache_core.engine")
-        handler, level = cls(policy, clock), engine_log.level
-        engine_log.setLevel(logging.INFO)
-        engine_log.addHandler(handler)
-        try:
+        from eval.cli_progress import logging_to
+
+        with logging_to(logging.getLogger("asymcache_core.engine"), cls(policy, clock), logging.INFO) as handler:
             yield handler
-        finally:
-            engine_log.removeHandler(handler)
-            engine_log.setLevel(level)
 
 
 @app.command()
