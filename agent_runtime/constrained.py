@@ -1,4 +1,6 @@
-"""Constrained decoding of tool calls and of JSON replies (``response_format``) with xgrammar.
+"""Constrained decoding of tool calls, of JSON replies (``response_format``) and of replies
+matching a regular expression, a list of strings or a grammar (vLLM's ``structured_outputs``)
+with xgrammar.
 
 For ``tool_choice="required"`` (some tool must be called) or a named function, the model's
 output is forced into the shape the parser and the chat template use::
@@ -23,7 +25,10 @@ for one request.
 object, or one matching the schema. When the request also offers tools under ``tool_choice``
 ``"auto"``, the reply may instead be a tool call: the grammar is the union of the JSON grammar
 and the tool-call grammar, so neither the answer nor the tool call is ruled out. A forced
-``tool_choice`` and a JSON ``response_format`` contradict each other (a 400).
+``tool_choice`` and a JSON ``response_format`` contradict each other (a 400). vLLM's
+``structured_outputs`` (:mod:`agent_runtime.structured_outputs`) normalises to the same JSON
+formats, or to a ``regex``, ``choice`` or ``grammar`` constraint
+(:func:`text_constraint_grammar`), under the same rules.
 
 xgrammar is the ``constrained`` extra: it is imported on the first grammar a request needs, so
 the runtime and unconstrained requests work without it, and a constrained request without it
@@ -279,6 +284,49 @@ def _json_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
     return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
 
 
+#: The reply constraints of ``structured_outputs`` that are not JSON
+#: (:func:`agent_runtime.structured_outputs.normalize_structured_outputs`).
+TEXT_CONSTRAINTS = ("regex", "choice", "grammar")
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """The EBNF grammar whose sentences are exactly ``choices``.
+
+    Args:
+        choices: the strings.
+
+    Returns:
+        ``root ::= "a" | "b"`` (each string a quoted literal).
+    """
+    # NOTE: a JSON string literal is an EBNF one: xgrammar reads the same escapes (\", \\, \n)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def text_constraint_grammar(constraint: Mapping[str, Any]) -> xgr.Grammar:
+    """Grammar of a reply matching a regular expression, one of a list of strings, or an EBNF
+    grammar (``structured_outputs``' ``regex``, ``choice`` and ``grammar``).
+
+    Args:
+        constraint: ``{"type": "regex", "regex": ...}``, ``{"type": "choice", "choice": [...]}``
+            or ``{"type": "grammar", "grammar": ...}``.
+
+    Returns:
+        The (uncompiled) grammar.
+
+    Raises:
+        ValueError: another kind of constraint; xgrammar is not installed.
+    """
+    xgr = load_xgrammar("structured_outputs")
+    kind = constraint.get("type")
+    if kind == "regex":
+        return xgr.Grammar.from_regex(constraint["regex"])
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_ebnf(constraint["choice"]))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(constraint["grammar"])
+    raise ValueError(f"structured_outputs: {kind!r} is not one of {', '.join(TEXT_CONSTRAINTS)}")
+
+
 def json_or_tool_call_grammar(
     schema: Mapping[str, Any], call_schema: Mapping[str, Any], call_format: str = "hermes"
 ) -> xgr.Grammar:
@@ -355,7 +403,7 @@ class GrammarCache:
     def _compiled(
         self, tokenizer: Any, vocab_size: int | None, kind: str, schema: Mapping[str, Any], call_format: str = "hermes"
     ) -> xgr.CompiledGrammar:
-        field = "tool_choice" if kind == "tool_call" else "response_format"
+        field = {"tool_call": "tool_choice", "text": "structured_outputs"}.get(kind, "response_format")
         entry = self._entry(tokenizer, vocab_size, field)
         schema_key = json.dumps(schema, sort_keys=True)
         key = (id(tokenizer), vocab_size, f"{kind}:{call_format}", schema_key)
@@ -367,6 +415,12 @@ class GrammarCache:
                 compiled = entry.compiler.compile_grammar(
                     json_or_tool_call_grammar(schema["json"], schema["tool_call"], call_format)
                 )
+            elif kind == "text":
+                grammar = text_constraint_grammar(schema["reply"])
+                if schema.get("tool_call") is not None:
+                    grammar = load_xgrammar("structured_outputs").Grammar.union(
+                        grammar, tool_call_grammar(schema["tool_call"], call_format))
+                compiled = entry.compiler.compile_grammar(grammar)
             else:
                 compiled = entry.compiler.compile_json_schema(schema_key, any_whitespace=False)
             if len(self._grammars) >= self._max_grammars:
@@ -445,6 +499,34 @@ class GrammarCache:
         both = {"json": dict(schema), "tool_call": tool_call_json_schema(tools, "required", _args_key(call_format))}
         return self._compiled(tokenizer, vocab_size, "json_or_tool_call", both, call_format)
 
+    def text_constraint_grammar(
+        self,
+        tokenizer: Any,
+        constraint: Mapping[str, Any],
+        tools: Sequence[Mapping[str, Any]] = (),
+        vocab_size: int | None = None,
+        call_format: str = "hermes",
+    ) -> xgr.CompiledGrammar:
+        """Compiled grammar of a reply matching a regular expression, one of a list of strings
+        or an EBNF grammar (see :func:`text_constraint_grammar`), or of one call of ``tools``.
+
+        Args:
+            tokenizer: HF tokenizer.
+            constraint: the normalised ``structured_outputs`` constraint.
+            tools: OpenAI tool schemas any of which may be called instead (none: the reply only).
+            vocab_size: the model's vocabulary size.
+            call_format: the runtime's tool-call format.
+
+        Returns:
+            The compiled grammar (cached).
+
+        Raises:
+            ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
+        """
+        call = tool_call_json_schema(tools, "required", _args_key(call_format)) if tools else None
+        return self._compiled(tokenizer, vocab_size, "text", {"reply": dict(constraint), "tool_call": call},
+                              call_format)
+
     def __len__(self) -> int:
         return len(self._grammars)
 
@@ -493,15 +575,17 @@ def make_request_processor(
     vocab_size: int | None = None,
     call_format: str = "hermes",
 ) -> GrammarLogitsProcessor | None:
-    """A fresh processor for what a request constrains: a forced tool call, a JSON reply, or
-    (tools offered under ``"auto"`` and a JSON ``response_format``) either of the two.
+    """A fresh processor for what a request constrains: a forced tool call, a reply (JSON, or
+    ``structured_outputs``' regex, choice or grammar), or (tools offered under ``"auto"`` and a
+    constrained reply) either of the two.
 
     Args:
         cache: the caller's grammar cache.
         tokenizer: HF tokenizer.
         tools: OpenAI tool schemas.
         tool_choice: OpenAI ``tool_choice`` (normalised).
-        response_format: a normalised ``response_format`` (None: free text).
+        response_format: a normalised ``response_format`` or ``structured_outputs``
+            constraint (:mod:`agent_runtime.structured_outputs`; None: free text).
         vocab_size: the model's vocabulary size (logit row length).
         call_format: the runtime's tool-call format (``hermes`` or ``llama3_json``).
 
@@ -515,6 +599,18 @@ def make_request_processor(
     """
     if response_format is None:
         return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size, call_format)
+    if response_format.get("type") in TEXT_CONSTRAINTS:
+        if needs_constraint(tool_choice):
+            raise ValueError("structured_outputs: a constrained reply cannot be combined with a tool_choice that "
+                             "forces a tool call")
+        callable_tools = tools if tools and tool_choice != "none" else ()
+        try:
+            compiled = cache.text_constraint_grammar(tokenizer, response_format, callable_tools, vocab_size,
+                                                     call_format)
+        except RuntimeError as exc:
+            raise ValueError(f"structured_outputs: constrained decoding cannot use this constraint: "
+                             f"{str(exc)[:300]}") from None
+        return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)
     if needs_constraint(tool_choice):
         raise ValueError("response_format: a JSON reply cannot be combined with a tool_choice that forces a tool call")
     schema = response_json_schema(response_format)

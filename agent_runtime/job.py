@@ -87,8 +87,9 @@ class Job:
                 constrain decoding so even a small model emits a valid call).
             is_last_step: this is the job's last LLM call (its KV is released right after).
             **sampling: ``max_tokens`` (default 256), ``temperature`` (0: greedy), ``seed``,
-                ``stop``, ``logprobs``, ``response_format``, ``chat_template_kwargs``,
-                ``documents`` (:class:`~agent_runtime.protocol.ChatSampling`).
+                ``stop``, ``logprobs``, ``response_format``, ``structured_outputs``,
+                ``chat_template_kwargs``, ``documents``
+                (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
             The turn; when it ends in a tool call and the policy pins, ``turn.pin`` says for how

@@ -72,8 +72,28 @@ def validate_messages(messages: Any) -> None:
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
             raise ValueError(f"messages[{i}].content: must be a string, a list of parts, or null")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            _check_content_part(part, f"messages[{i}].content[{j}]")
         if m.get("tool_calls") is not None and not isinstance(m.get("tool_calls"), list):
             raise ValueError(f"messages[{i}].tool_calls: must be a list")
+
+
+def _check_content_part(part: Any, where: str) -> None:
+    """A content part must be text: an image or audio part would be dropped from the prompt
+    unseen (the models served take text only), so it is refused instead.
+
+    Raises:
+        ValueError: naming ``where`` or its ``type`` / ``text``.
+    """
+    if isinstance(part, str):
+        return  # NOTE: a bare string part, as some clients send: its text
+    if not isinstance(part, Mapping):
+        raise ValueError(f"{where}: must be a content part object")
+    kind = part.get("type")
+    if kind != "text":
+        raise ValueError(f"{where}.type: {kind!r} parts are not served: the model takes text only (type 'text')")
+    if not isinstance(part.get("text"), str):
+        raise ValueError(f"{where}.text: must be a string")
 
 
 def normalize_tools(tools: ToolsArg | Iterable[Callable[..., Any]]) -> list[dict[str, Any]]:
@@ -213,6 +233,8 @@ class ChatSampling(TypedDict, total=False):
         response_format: OpenAI's ``response_format`` (default: free text;
             :func:`normalize_response_format`); not a sampling parameter, so
             :func:`chat_sampling_params` leaves it to the caller.
+        structured_outputs: vLLM's ``structured_outputs`` (``{"regex": ...}``, ``{"choice":
+            [...]}``, ...; :mod:`agent_runtime.structured_outputs`); left to the caller.
         logprobs: report each token's log probability and this many alternatives
             (:attr:`AssistantTurn.logprobs <agent_runtime.types.AssistantTurn.logprobs>`;
             default: none).
@@ -228,6 +250,7 @@ class ChatSampling(TypedDict, total=False):
     seed: int | None
     stop: Sequence[str]
     response_format: Mapping[str, Any] | None
+    structured_outputs: Mapping[str, Any] | None
     logprobs: int | None
     chat_template_kwargs: Mapping[str, Any] | None
     documents: Sequence[Mapping[str, Any]] | None

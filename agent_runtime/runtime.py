@@ -33,6 +33,7 @@ from agent_runtime.protocol import (
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.rendered_turns import RenderedTurns
 from agent_runtime.runtime_chat import ChatTurns
+from agent_runtime.structured_outputs import normalize_structured_outputs
 from agent_runtime.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 from asymcache_core import Engine
 from asymcache_core.continuum.controller import ContinuumController
@@ -271,6 +272,7 @@ class AgentRuntime(ChatTurns):
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice = None,
         response_format: Mapping[str, Any] | None = None,
+        structured_outputs: Mapping[str, Any] | None = None,
         parse_format: ToolCallFormat | None = None,
         pinning: bool | None = None,
         ttl_rule: str | None = None,
@@ -291,6 +293,9 @@ class AgentRuntime(ChatTurns):
             tools: tool schemas (for constrained decoding when ``tool_choice`` forces a call).
             tool_choice: ``required`` or a named function constrains decoding.
             response_format: a normalised ``response_format`` (JSON replies are constrained).
+            structured_outputs: vLLM's ``structured_outputs`` (a JSON schema, a regular
+                expression, a list of strings or an EBNF grammar: the reply is constrained to it;
+                :mod:`agent_runtime.structured_outputs`); not with ``response_format``.
             parse_format: parse tool calls out of the final text with this format (needed for
                 pinning); None: no parsing.
             pinning: per-request override of the policy's pinning.
@@ -312,6 +317,12 @@ class AgentRuntime(ChatTurns):
             ValueError: rejected by the engine or by the grammar builder (message names the field).
             RuntimeError: the runtime is closed.
         """
+        constraint = normalize_structured_outputs(structured_outputs, tool_choice)
+        if constraint is not None:
+            if response_format is not None:
+                raise ValueError("structured_outputs: set either structured_outputs or a JSON response_format, "
+                                 "not both")
+            response_format = constraint
         options = OutputOptions(
             job_id, is_last_step, parse_format, pinning, ttl_rule, pause_tool, max_tool_calls, reasoning_parser,
             joins_conversation=joins_conversation, continues_job=continues_job,

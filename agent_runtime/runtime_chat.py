@@ -28,6 +28,7 @@ from agent_runtime.protocol import (
     validate_messages,
 )
 from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
+from agent_runtime.structured_outputs import normalize_structured_outputs
 from agent_runtime.thinking_budget import check_thinking_budget, thinking_budget_processor
 from agent_runtime.tool_parsing import ToolCallFormat
 from agent_runtime.types import AssistantTurn
@@ -36,7 +37,7 @@ from asymcache_core.sampling_params import SamplingParams
 
 #: :meth:`ChatTurns.start_chat`'s keywords that :meth:`ChatTurns.start_chat_choices` takes.
 _CHAT_OPTIONS = frozenset({
-    "tools", "tool_choice", "response_format", "job_id", "is_last_step", "pinning", "ttl_rule",
+    "tools", "tool_choice", "response_format", "structured_outputs", "job_id", "is_last_step", "pinning", "ttl_rule",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template",
     "chat_template_kwargs", "documents", "thinking_token_budget",
 })
@@ -192,6 +193,7 @@ class ChatTurns:
         tools: ToolsArg = None,
         tool_choice: ToolChoice = "auto",
         response_format: Mapping[str, Any] | None = None,
+        structured_outputs: Mapping[str, Any] | None = None,
         params: SamplingParams | None = None,
         job_id: str | None = None,
         is_last_step: bool = False,
@@ -215,6 +217,9 @@ class ChatTurns:
                 "function": {"name": ...}}``.
             response_format: OpenAI's ``response_format`` (``text``, ``json_object`` or
                 ``json_schema``): JSON replies are constrained to it.
+            structured_outputs: vLLM's ``structured_outputs`` (one of ``json``, ``regex``,
+                ``choice``, ``grammar``, ``json_object``): the reply is constrained to it
+                (:mod:`agent_runtime.structured_outputs`; not with a JSON ``response_format``).
             params: sampling parameters.
             job_id: the job.
             is_last_step: the job's last step.
@@ -239,12 +244,12 @@ class ChatTurns:
             The stream and the normalised tool choice.
 
         Raises:
-            ValueError: bad messages, tools, tool_choice or response_format, or rejected by the
-                engine.
+            ValueError: bad messages, tools, tool_choice, response_format or structured_outputs,
+                or rejected by the engine.
         """
         streams, choice = await self.start_chat_choices(
             messages, [params or SamplingParams()], tools=tools, tool_choice=tool_choice,
-            response_format=response_format, job_id=job_id, is_last_step=is_last_step, request_id=request_id,
+            response_format=response_format, structured_outputs=structured_outputs, job_id=job_id, is_last_step=is_last_step, request_id=request_id,
             pinning=pinning, ttl_rule=ttl_rule, parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, documents=documents,
@@ -283,6 +288,12 @@ class ChatTurns:
         schemas = normalize_tools(options.get("tools"))
         choice = normalize_tool_choice(options.get("tool_choice", "auto"), schemas)
         fmt = normalize_response_format(options.get("response_format"), choice)
+        constraint = normalize_structured_outputs(options.get("structured_outputs"), choice)
+        if constraint is not None:
+            if fmt is not None:
+                raise ValueError("structured_outputs: set either structured_outputs or a JSON response_format, "
+                                 "not both")
+            fmt = constraint
         if options.get("thinking_token_budget") is not None:
             params = self._with_thinking_budget(params, options["thinking_token_budget"], choice, fmt)
         prompt = self.render_chat(
@@ -372,8 +383,8 @@ class ChatTurns:
             pinning: per-request pinning override.
             ttl_rule: per-request TTL rule override.
             **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``, ``logprobs``,
-                ``response_format``, ``chat_template_kwargs``, ``documents``
-                (:class:`~agent_runtime.protocol.ChatSampling`).
+                ``response_format``, ``structured_outputs``, ``chat_template_kwargs``,
+                ``documents`` (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
             The assistant turn.
@@ -385,7 +396,7 @@ class ChatTurns:
         params = chat_sampling_params(sampling)
         stream, _ = await self.start_chat(
             messages, tools=tools, tool_choice=tool_choice, response_format=sampling.get("response_format"),
-            params=params, job_id=job_id, is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,
+            structured_outputs=sampling.get("structured_outputs"), params=params, job_id=job_id, is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,
             chat_template_kwargs=sampling.get("chat_template_kwargs"), documents=sampling.get("documents"),
             thinking_token_budget=sampling.get("thinking_token_budget"),
         )

@@ -32,11 +32,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1.0),
     "spaces_between_special_tokens": (None, True),
     "mm_processor_kwargs": (None, {}),
-    # NOTE: vLLM's older spellings of structured output; ``response_format`` is the one served.
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
+    # NOTE: the options of vLLM's older ``guided_*`` fields (those are read as
+    # ``structured_outputs``: agent_runtime.structured_outputs.lift_guided_fields)
+    "guided_whitespace_pattern": (None,),
+    "guided_decoding_backend": (None, "auto", "xgrammar"),
 }
 
 

@@ -33,6 +33,7 @@ from agent_runtime.protocol import (
     MAX_STOP_STRINGS,
     normalize_response_format,
 )
+from agent_runtime.structured_outputs import lift_guided_fields, normalize_structured_outputs
 from asymcache_core.logprobs import MAX_LOGPROBS
 from asymcache_core.sampling_params import SamplingParams
 
@@ -130,7 +131,7 @@ class _GenerationRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _hints_in_xargs(cls, data: Any) -> Any:
-        return lift_vllm_xargs(data)
+        return lift_guided_fields(lift_vllm_xargs(data))
 
     model: StrictStr | None = None
     max_tokens: PositiveInt | None = None
@@ -160,11 +161,26 @@ class _GenerationRequest(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
+    #: vLLM's (and, through :func:`lift_guided_fields`, its older ``guided_*`` fields): kept as
+    #: given once valid; the runtime builds the constraint
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("response_format", mode="before")
     @classmethod
     def _response_format(cls, response_format: Any) -> dict[str, Any] | None:
         return normalize_response_format(response_format)
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _structured_outputs(cls, structured_outputs: Any) -> dict[str, Any] | None:
+        normalize_structured_outputs(structured_outputs)
+        return None if structured_outputs is None else dict(structured_outputs)
+
+    @model_validator(mode="after")
+    def _one_reply_constraint(self) -> _GenerationRequest:
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise ValueError("structured_outputs: set either structured_outputs or a JSON response_format, not both")
+        return self
 
     @field_validator("n")
     @classmethod

@@ -145,6 +145,7 @@ async def chat_completions(request: Request) -> Response:
             tools=req.tools,
             tool_choice=req.tool_choice,
             response_format=req.response_format,
+            structured_outputs=req.structured_outputs,
             job_id=req.job_id,
             is_last_step=req.last_step,
             parallel_tool_calls=req.parallel_tool_calls is not False,
@@ -180,7 +181,7 @@ async def completions(request: Request) -> Response:
             # after a tool call, attributing the pause to ``tool_name`` when the client names it.
             stream = await rt.submit(
                 prompt, choice_params, job_id=req.job_id, is_last_step=req.last_step,
-                response_format=req.response_format,
+                response_format=req.response_format, structured_outputs=req.structured_outputs,
                 pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
             )
             chunks.append(CompletionChunks(

@@ -1,6 +1,7 @@
 """Without the ``constrained`` extra (xgrammar hidden from the import system, in a fresh
 interpreter): the runtime and the server load and serve unconstrained requests; a request that
-needs constrained decoding (a forced tool call, a JSON ``response_format``) fails with a ValueError
+needs constrained decoding (a forced tool call, a JSON ``response_format``, vLLM's
+``structured_outputs``) fails with a ValueError
 naming the extra, a 400 from the server naming the field."""
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ SCRIPT = textwrap.dedent(
                 client.post("/v1/chat/completions", json={**body, "response_format": f})
                 for f in ({"type": "json_object"}, fmt, {"type": "text"}))
         ]
+        # vLLM's structured outputs: checked for shape, then the extra is named (no grammar)
+        report["structured"] = [
+            [r.status_code, r.json()] for r in (
+                client.post("/v1/chat/completions", json={**body, "structured_outputs": so})
+                for so in ({"regex": "[0-9]+"}, {"choice": ["a", "b"]}, {"choice": []}))
+        ]
     runtime.close_sync()
     report["xgrammar_loaded"] = sys.modules.get("xgrammar") is not None
     print("REPORT " + json.dumps(report))
@@ -92,4 +99,9 @@ def test_no_xgrammar_serves_unconstrained_and_names_the_extra() -> None:
     assert obj_status == schema_status == 400 and text_status == 200
     for body in (obj_body, schema_body):
         assert body["error"]["param"] == "response_format" and hint in body["error"]["message"]
+    (regex_status, regex_body), (choice_status, choice_body), (empty_status, empty_body) = report["structured"]
+    assert regex_status == choice_status == empty_status == 400
+    for body in (regex_body, choice_body):
+        assert body["error"]["param"] == "structured_outputs" and hint in body["error"]["message"]
+    assert empty_body["error"]["param"] == "structured_outputs.choice"
     assert report["xgrammar_loaded"] is False
