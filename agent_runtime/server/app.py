@@ -27,6 +27,7 @@ from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import anthropic_messages, openai_responses, serving
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.requests import (
+    MAX_BATCH_SEQUENCES,
     MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
@@ -198,15 +199,19 @@ class RequestGuard:
 
 
 def _choices(body: bytes) -> int:
-    """The engine requests a completion body asks for: its ``n`` where it is a valid one, else
-    1 (a body that does not parse is rejected by its route, after this count)."""
-    if b'"n"' not in body:
+    """The engine requests a completion body asks for: its ``n`` where it is a valid one (else
+    1), times the prompts of a ``/v1/completions`` batch (a body that does not parse, or a batch
+    over the bound, is rejected by its route, after this count)."""
+    if b'"n"' not in body and b'"prompt"' not in body:
         return 1
     try:
-        n = json.loads(body).get("n")
+        parsed = json.loads(body)
+        n, prompt = parsed.get("n"), parsed.get("prompt")
     except (ValueError, AttributeError, RecursionError):
         return 1
-    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
+    batch = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else 1
+    return min(n * batch, MAX_BATCH_SEQUENCES)
 
 
 @contextlib.asynccontextmanager

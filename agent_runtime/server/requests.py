@@ -61,6 +61,8 @@ def with_reasoning_effort(options: dict[str, Any], effort: str | None) -> dict[s
 Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 #: ``n`` at most: each choice is a request of its own in the engine.
 MAX_CHOICES = 16
+#: Prompts x choices of one ``/v1/completions`` batch at most (each a request of the engine).
+MAX_BATCH_SEQUENCES = 256
 
 
 class StreamOptions(BaseModel):
@@ -379,7 +381,9 @@ class CompletionRequest(_GenerationRequest):
     output's token ids in each choice). ``echo`` puts the prompt before each choice's text
     (and, with ``logprobs``, its tokens before the generated ones, the first with a null log
     probability); ``max_tokens: 0`` with it returns the prompt alone (as vLLM does, and as
-    lm-evaluation-harness's log-likelihood requests ask).
+    lm-evaluation-harness's log-likelihood requests ask). A batch of prompts (a list of texts
+    or of token-id lists) is answered in one body: prompt ``i``'s choice ``j`` has index
+    ``i * n + j``, and usage counts every prompt once.
     """
 
     #: a chat's fields: a text completion is not rendered with a template
@@ -387,7 +391,8 @@ class CompletionRequest(_GenerationRequest):
         "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
     }
 
-    prompt: str | list[int]
+    #: one prompt, or a batch of them (a tuple once validated: :attr:`prompts`)
+    prompt: str | list[int] | tuple[str | list[int], ...]
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     echo: StrictBool | None = None
     tool_name: StrictStr | None = None
@@ -418,10 +423,27 @@ class CompletionRequest(_GenerationRequest):
             return self.logprobs
         return self.prompt_logprobs
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts (one, unless ``prompt`` is a list of texts or of token lists)."""
+        return list(self.prompt) if isinstance(self.prompt, tuple) else [self.prompt]
+
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        return completion_prompt(prompt)
+    def _prompts(cls, prompt: Any) -> str | list[int] | tuple[str | list[int], ...]:
+        prompts = completion_prompts(prompt)
+        return prompts[0] if len(prompts) == 1 else tuple(prompts)
+
+    @model_validator(mode="after")
+    def _batch_bounds(self) -> CompletionRequest:
+        batch = len(self.prompts)
+        if batch > 1:
+            if batch * self.num_choices > MAX_BATCH_SEQUENCES:
+                raise ValueError(f"prompt: {batch} prompts x n={self.num_choices} are more than "
+                                 f"{MAX_BATCH_SEQUENCES} sequences in one request")
+            if self.job_id is not None:
+                raise ValueError("job_id: names one conversation; send a batch of prompts without it")
+        return self
 
 
 class TokenizeRequest(_ChatTemplateFields):
@@ -463,38 +485,54 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-def completion_prompt(prompt: Any) -> str | list[int]:
-    """A ``/v1/completions`` prompt: a string, token ids, or a one-element batch of either.
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a ``/v1/completions`` body: a string, token ids, or a batch of either (a
+    list of strings, or a list of token-id lists), as OpenAI and vLLM take them.
 
     Args:
         prompt: the body's ``prompt``.
 
     Returns:
-        The text or the token ids.
+        Each prompt's text or token ids, in order.
 
     Raises:
-        ValueError: naming ``prompt``.
+        ValueError: naming ``prompt`` (or ``prompt[i]`` in a batch).
     """
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    if _is_token_ids(prompt) or isinstance(prompt, str):
+        return [_one_prompt(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if isinstance(prompt, list) and prompt:
+        raise ValueError("prompt: a list holds token ids, or a batch of strings, or a batch of token-id lists: "
+                         "one kind only")
+    raise ValueError("prompt: must be a non-empty string, a list of token ids, or a batch of either")
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("prompt: must not be empty")
+            raise ValueError(f"{where}: must not be empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _is_token_ids(prompt):
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ValueError("prompt: batches are not supported; send one prompt per request")
-    raise ValueError("prompt: must be a non-empty string or a list of token ids")
+    raise ValueError(f"{where}: must be a non-empty string or a non-empty list of token ids")
 
 
 __all__ = [
     "chat_ending",
     "ChatCompletionRequest",
     "lift_vllm_xargs",
-    "completion_prompt",
+    "completion_prompts",
     "CompletionRequest",
     "DetokenizeRequest",
+    "MAX_BATCH_SEQUENCES",
     "MAX_CHOICES",
     "StreamOptions",
     "TokenizeRequest",

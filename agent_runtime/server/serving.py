@@ -173,31 +173,34 @@ async def completions(request: Request) -> Response:
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
     chunks: list[Chunks] = []
+    n = req.num_choices
     try:
-        # NOTE: the choices share one prompt: a text is encoded once, not once a choice
-        prompt = await rt.tokenize(req.prompt) if req.num_choices > 1 and isinstance(req.prompt, str) else req.prompt
-        for index, choice_params in enumerate(choice_sampling_params(params, req.num_choices)):
-            # A job's non-last completion is followed by a tool pause (Continuum's API): pin as
-            # after a tool call, attributing the pause to ``tool_name`` when the client names it.
-            stream = await rt.submit(
-                prompt, choice_params, job_id=req.job_id, is_last_step=req.last_step,
-                response_format=req.response_format, structured_outputs=req.structured_outputs,
-                pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
-            )
-            chunks.append(CompletionChunks(
-                stream, index, texts, params.logprobs or 0, return_ids=req.return_token_ids is True,
-                report_logprobs=params.logprobs is not None, report_prompt_logprobs=req.prompt_logprobs is not None,
-                echo_only=req.echo_only,
-            ))
-        if req.echo:
-            # NOTE: the prompt as given, or as the engine runs it (token ids, or cut by
-            # ``truncate_prompt_tokens``)
-            ids = chunks[0].stream.prompt_token_ids
-            echo = req.prompt if isinstance(req.prompt, str) and req.truncate_prompt_tokens is None else None
-            echo = echo if echo is not None else await rt.detokenize(ids)
-            for chunk in chunks:
-                assert isinstance(chunk, CompletionChunks)
-                chunk.echo = echo
+        for given in req.prompts:
+            # NOTE: a prompt's choices share it: a text is encoded once, not once a choice
+            prompt = await rt.tokenize(given) if n > 1 and isinstance(given, str) else given
+            group: list[CompletionChunks] = []
+            for choice_params in choice_sampling_params(params, n):
+                # A job's non-last completion is followed by a tool pause (Continuum's API): pin
+                # as after a tool call, attributing the pause to ``tool_name`` when the client
+                # names it.
+                stream = await rt.submit(
+                    prompt, choice_params, job_id=req.job_id, is_last_step=req.last_step,
+                    response_format=req.response_format, structured_outputs=req.structured_outputs,
+                    pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
+                )
+                group.append(CompletionChunks(
+                    stream, len(chunks) + len(group), texts, params.logprobs or 0,
+                    return_ids=req.return_token_ids is True, report_logprobs=params.logprobs is not None,
+                    report_prompt_logprobs=req.prompt_logprobs is not None, echo_only=req.echo_only,
+                ))
+            chunks.extend(group)
+            if req.echo:
+                # NOTE: the prompt as given, or as the engine runs it (token ids, or cut by
+                # ``truncate_prompt_tokens``)
+                echo = given if isinstance(given, str) and req.truncate_prompt_tokens is None else None
+                echo = echo if echo is not None else await rt.detokenize(group[0].stream.prompt_token_ids)
+                for chunk in group:
+                    chunk.echo = echo
     except ValueError as e:
         _abort_all(chunks)
         raise from_value_error(e, "prompt") from None
@@ -307,14 +310,15 @@ async def _respond(
         body = endpoint.response_model(
             id=rid, created=int(time.time()), model=model,
             choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)],
-            usage=_usage(finals, generated=not getattr(req, "echo_only", False)),
+            usage=_usage(finals, req.num_choices, generated=not getattr(req, "echo_only", False)),
             **chunks[0].response_fields(finals[0]),
         )
         metrics.count(endpoint.path, 200)
         return JSONResponse(body.model_dump())
     metrics.count(endpoint.path, 200)
     return StreamingResponse(
-        _sse_events(chunks, endpoint, rid, model, req.include_usage, metrics, not getattr(req, "echo_only", False)),
+        _sse_events(chunks, endpoint, rid, model, req.include_usage, metrics, req.num_choices,
+                    not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
         headers=_SSE_HEADERS,
     )
@@ -364,6 +368,7 @@ async def _sse_events(
     model: str,
     include_usage: bool,
     metrics: ServerMetrics,
+    choices_per_prompt: int,
     generated: bool = True,
 ) -> AsyncIterator[str]:
     """The SSE frames of one streamed completion, its choices interleaved as their tokens come;
@@ -391,7 +396,7 @@ async def _sse_events(
             return
         finals = [stream.final for stream in streams]
         if include_usage:
-            yield frame([], usage=_usage(finals, generated=generated))  # type: ignore[arg-type]
+            yield frame([], usage=_usage(finals, choices_per_prompt, generated))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"
     finally:
         # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:
@@ -431,12 +436,13 @@ async def finish_one(request: Request, state: AppState, stream: RequestStream, p
     return final, build_turn(stream, final)
 
 
-def _usage(finals: list[StreamEvent], generated: bool = True) -> Usage:
-    """Usage of a response: the prompt once (every choice shares it), the choices' tokens summed
-    (none where nothing generated is returned: ``echo`` with ``max_tokens: 0``)."""
-    first = finals[0].output
+def _usage(finals: list[StreamEvent], choices_per_prompt: int, generated: bool = True) -> Usage:
+    """Usage of a response: each prompt once (its ``n`` choices, consecutive, share it), the
+    choices' tokens summed (none where nothing generated is returned: ``echo`` with
+    ``max_tokens: 0``)."""
+    firsts = [f.output for f in finals[::choices_per_prompt]]
     completion = sum(len(f.output.token_ids) for f in finals) if generated else 0
-    return Usage.of(first.num_prompt_tokens, completion, first.metrics.cached_tokens)
+    return Usage.of(sum(o.num_prompt_tokens for o in firsts), completion, sum(o.metrics.cached_tokens for o in firsts))
 
 
 __all__ = [

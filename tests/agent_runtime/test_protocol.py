@@ -18,7 +18,7 @@ from agent_runtime.server.body_parsing import parse_json_body, parse_request
 from agent_runtime.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    completion_prompt,
+    completion_prompts,
 )
 from agent_runtime.server.responses import (
     ChatCompletionChoice,
@@ -122,15 +122,23 @@ def test_completion_prompt_forms():
     assert parse_request(CompletionRequest, {"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
     assert parse_request(CompletionRequest, {"prompt": ["hi"]}).prompt == "hi"
     assert parse_request(CompletionRequest, {"prompt": [[4, 5]]}).prompt == [4, 5]
-    for bad, words in (("", "empty"), ([], "non-empty"), (["a", "b"], "batches"), ({"x": 1}, "non-empty"),
-                       ([1, True], "batches"), (None, "non-empty")):
+    assert parse_request(CompletionRequest, {"prompt": "hi"}).prompts == ["hi"]
+    # a batch: texts (even ones that read as numbers), or token-id lists
+    assert parse_request(CompletionRequest, {"prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert parse_request(CompletionRequest, {"prompt": ["1", "2"]}).prompts == ["1", "2"]
+    assert parse_request(CompletionRequest, {"prompt": [[1], [2, 3]]}).prompts == [[1], [2, 3]]
+    assert completion_prompts([[1], [2]]) == [[1], [2]]
+    for bad, words in (("", "empty"), ([], "non-empty"), (["a", [1]], "one kind"), ({"x": 1}, "non-empty"),
+                       ([1, True], "one kind"), (None, "non-empty"), ([1, "a"], "one kind")):
         with pytest.raises(RequestError) as info:
             parse_request(CompletionRequest, {"prompt": bad})
         assert info.value.param == "prompt" and words in str(info.value), bad
         # the message is not prefixed twice
         assert str(info.value).startswith("prompt: ") and not str(info.value).startswith("prompt: prompt")
-    with pytest.raises(ValueError, match="^prompt: batches"):
-        completion_prompt([[1], [2]])
+    for bad, param in ((["a", ""], "prompt[1]"), ([[1], []], "prompt[1]"), ([[1], [True]], "prompt[1]")):
+        with pytest.raises(RequestError) as info:
+            parse_request(CompletionRequest, {"prompt": bad})
+        assert info.value.param == param, bad
     req = parse_request(CompletionRequest, {"prompt": "x", "tool_name": "sleep", "return_token_ids": True})
     assert (req.tool_name, req.return_token_ids) == ("sleep", True)
     for bad, param in (({"tool_name": 3}, "tool_name"), ({"return_token_ids": "yes"}, "return_token_ids")):

@@ -377,11 +377,22 @@ def test_a_completion_of_n_choices_counts_n_in_the_queue():
             full = guard.in_flight
             release.set()
             await asyncio.gather(three, one)
-            return held, refused, two, full
+            release.clear()
+            # a batch of prompts is prompts x n engine requests (token-id prompts too)
+            batches = []
+            for prompt in (["a", "b", "c"], [[1, 2], [3]], [1, 2, 3]):
+                task = asyncio.create_task(c.post("/v1/completions", json={"prompt": prompt, "n": 2}))
+                await asyncio.sleep(0.05)
+                batches.append(guard.in_flight)
+                release.set()
+                await task
+                release.clear()
+            return held, refused, two, full, batches
 
-    held, refused, two, full = asyncio.run(main())
+    held, refused, two, full, batches = asyncio.run(main())
     assert held == 16 and refused.status_code == 429
     assert two.status_code == 429 and full == 4 and guard.in_flight == 0
+    assert batches == [6, 4, 2]
 
 
 def test_shutdown_drains_up_to_the_timeout_then_aborts(smollm):
