@@ -66,11 +66,13 @@ MAX_BATCH_SEQUENCES = 256
 
 
 class StreamOptions(BaseModel):
-    """OpenAI's ``stream_options``."""
+    """OpenAI's ``stream_options``, and vLLM's ``continuous_usage_stats`` (with
+    ``include_usage``: every chunk carries the usage of its choice so far)."""
 
     model_config = ConfigDict(extra="ignore")
 
     include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
 
 
 #: Continuum's hints a body may carry in vLLM's ``vllm_xargs`` (the AsymCache plugin's form).
@@ -182,6 +184,9 @@ class _GenerationRequest(BaseModel):
     def _one_reply_constraint(self) -> _GenerationRequest:
         if self.structured_outputs is not None and self.response_format is not None:
             raise ValueError("structured_outputs: set either structured_outputs or a JSON response_format, not both")
+        if self.stream_options is not None and not self.stream:
+            # NOTE: OpenAI's and vLLM's rule: options of a stream that is not asked for
+            raise ValueError("stream_options: only allowed when stream is true")
         return self
 
     @field_validator("n")
@@ -232,6 +237,12 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a streamed response carries its choice's usage so far
+        (vLLM's ``continuous_usage_stats``, which counts only with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def requested_max_tokens(self) -> int | None:
         """The generation limit the client asked for (None: the server's default)."""

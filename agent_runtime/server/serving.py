@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -317,8 +317,8 @@ async def _respond(
         return JSONResponse(body.model_dump())
     metrics.count(endpoint.path, 200)
     return StreamingResponse(
-        _sse_events(chunks, endpoint, rid, model, req.include_usage, metrics, req.num_choices,
-                    not getattr(req, "echo_only", False)),
+        _sse_events(chunks, endpoint, rid, model, _UsageReport(req.include_usage, req.continuous_usage, req.num_choices),
+                    metrics, not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
         headers=_SSE_HEADERS,
     )
@@ -361,14 +361,27 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Stre
             task.cancel()
 
 
+class _UsageReport(NamedTuple):
+    """Where a streamed response reports usage.
+
+    Attributes:
+        final: a last chunk with the whole response's usage (``include_usage``).
+        continuous: every chunk with its choice's usage so far (vLLM's ``continuous_usage_stats``).
+        choices_per_prompt: ``n`` (each prompt's usage is counted once).
+    """
+
+    final: bool
+    continuous: bool
+    choices_per_prompt: int
+
+
 async def _sse_events(
     chunks: list[Chunks],
     endpoint: _Endpoint,
     rid: str,
     model: str,
-    include_usage: bool,
+    usage: _UsageReport,
     metrics: ServerMetrics,
-    choices_per_prompt: int,
     generated: bool = True,
 ) -> AsyncIterator[str]:
     """The SSE frames of one streamed completion, its choices interleaved as their tokens come;
@@ -380,23 +393,32 @@ async def _sse_events(
         chunk = endpoint.chunk_model(id=rid, created=created, model=model, choices=choices, usage=usage)
         return f"data: {json.dumps(chunk.model_dump(), ensure_ascii=False)}\n\n"
 
+    def so_far(stream: RequestStream, event: StreamEvent | None) -> Usage | None:
+        # NOTE: vLLM's continuous usage: the choice's prompt and its tokens so far
+        if not usage.continuous:
+            return None
+        if event is None:
+            return Usage.of(len(stream.prompt_token_ids), 0, 0)
+        out = event.output
+        return Usage.of(out.num_prompt_tokens, len(out.token_ids) if generated else 0, out.metrics.cached_tokens)
+
     try:
         for chunk in chunks:
             for choice in chunk.opening():
-                yield frame([choice])
+                yield frame([choice], so_far(chunk.stream, None))
         try:
             async for index, event in _merged(streams):
                 if event.output.finished:
                     metrics.observe(event)
                 for choice in chunks[index].on_event(event):
-                    yield frame([choice])
+                    yield frame([choice], so_far(streams[index], event))
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
             yield stream_error_frame(exc)
             yield "data: [DONE]\n\n"
             return
         finals = [stream.final for stream in streams]
-        if include_usage:
-            yield frame([], usage=_usage(finals, choices_per_prompt, generated))  # type: ignore[arg-type]
+        if usage.final:
+            yield frame([], usage=_usage(finals, usage.choices_per_prompt, generated))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"
     finally:
         # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:

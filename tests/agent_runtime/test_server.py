@@ -157,6 +157,30 @@ def test_completion_stream_usage_and_token_counters(live):
     live.check()
 
 
+def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(live):
+    """vLLM's ``continuous_usage_stats``: with ``include_usage`` every chunk carries its
+    choice's prompt and tokens so far; the last chunk the whole response's usage."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to ten."}]}),
+                       ("/v1/completions", {"prompt": ["One, two,", "Three, four,"]})):
+        events = _sse(live, path, {"model": MODEL, "max_tokens": 4, "ignore_eos": True, "n": 2, **body,
+                                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        seen: dict[int, list[int]] = {}
+        for e in events[:-1]:
+            (choice,) = e["choices"]
+            usage = e["usage"]
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+            seen.setdefault(choice["index"], []).append(usage["completion_tokens"])
+        assert sorted(seen) == [0, 1, 2, 3][:len(seen)] and len(seen) in (2, 4), path
+        for counts in seen.values():
+            assert counts == sorted(counts) and counts[-1] == 4, (path, counts)
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4 * len(seen)
+        # without include_usage the option asks for nothing (vLLM's rule)
+        bare = _sse(live, path, {"model": MODEL, "max_tokens": 2, **body,
+                                 "stream_options": {"continuous_usage_stats": True}})
+        assert all(e.get("usage") is None for e in bare)
+    live.check()
+
+
 def test_tool_loop_through_openai_client(live, oa):
     messages = [{"role": "user", "content": "What is the secret word in notes.txt?"}]
     first = oa.chat.completions.create(
@@ -279,6 +303,9 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("bad ignore_eos", chat, {"model": MODEL, "messages": user, "ignore_eos": "yes"}, 400, "ignore_eos", None),
         ("bad is_last_step", chat, {"model": MODEL, "messages": user, "is_last_step": 1}, 400, "is_last_step", None),
         ("bad stream", chat, {"model": MODEL, "messages": user, "stream": "yes"}, 400, "stream", None),
+        ("stream_options without stream", chat, {"model": MODEL, "messages": user,
+                                                 "stream_options": {"include_usage": True}}, 400, "stream_options",
+         None),
         ("bad include_usage", chat, {"model": MODEL, "messages": user, "stream": True,
                                      "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage", None),
         ("message not an object", chat, {"model": MODEL, "messages": [user[0], "hi"]}, 400, "messages[1]", None),
