@@ -61,24 +61,25 @@ class RenderedTurns:
         return len(self._jobs)
 
     @staticmethod
-    def _key(prompt: str | Sequence[int]) -> int:
-        return hash(prompt if isinstance(prompt, str) else tuple(prompt))
+    def _key(prompt: str | Sequence[int], salt: str | None) -> int:
+        # NOTE: a ``cache_salt`` is a namespace: a turn is found only by turns of the same one
+        return hash((salt, prompt if isinstance(prompt, str) else tuple(prompt)))
 
-    def remember(self, prompt: str | Sequence[int], job: str) -> None:
-        """A turn rendered to ``prompt`` runs in ``job``."""
-        key = self._key(prompt)
+    def remember(self, prompt: str | Sequence[int], job: str, salt: str | None = None) -> None:
+        """A turn rendered to ``prompt`` (under ``cache_salt`` ``salt``) runs in ``job``."""
+        key = self._key(prompt, salt)
         self._jobs[key] = job
         self._jobs.move_to_end(key)
         while len(self._jobs) > self.max_turns:
             self._jobs.popitem(last=False)
 
-    def take(self, prompt: str | Sequence[int]) -> str | None:
-        """The job of the turn rendered to ``prompt``, once (None: none is known).
+    def take(self, prompt: str | Sequence[int], salt: str | None = None) -> str | None:
+        """The job of the turn rendered to ``prompt`` under ``salt``, once (None: none is known).
 
         NOTE: once, as the engine's keys go with a match: a second continuation of the same
         turn (a fork) is a job of its own, not the job of the first one's later turns.
         """
-        return self._jobs.pop(self._key(prompt), None)
+        return self._jobs.pop(self._key(prompt, salt), None)
 
 
 __all__ = ["RenderedTurns", "previous_turn_chat"]

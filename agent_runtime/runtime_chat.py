@@ -308,7 +308,7 @@ class ChatTurns:
         joins = len(params) == 1
         continues = None
         if joins and options.get("job_id") is None:
-            continues = self._continued_job(messages, schemas, options)
+            continues = self._continued_job(messages, schemas, options, params[0].cache_salt)
         streams: list[RequestStream] = []
         try:
             for choice_params in params:
@@ -326,7 +326,7 @@ class ChatTurns:
                 stream.abort()
             raise
         if joins and options.get("job_id") is None and streams[0].job_id is not None:
-            self.rendered_turns.remember(prompt, streams[0].job_id)
+            self.rendered_turns.remember(prompt, streams[0].job_id, params[0].cache_salt)
         return streams, choice if isinstance(choice, str) else "named"
 
     def _with_thinking_budget(self, params: Sequence[SamplingParams], budget: object, choice: object,
@@ -345,7 +345,7 @@ class ChatTurns:
             for p in params]
 
     def _continued_job(self, messages: Sequence[Mapping[str, Any]], schemas: Sequence[Mapping[str, Any]] | None,
-                       options: Mapping[str, Any]) -> str | None:
+                       options: Mapping[str, Any], salt: str | None = None) -> str | None:
         """The job of the earlier turn a chat without a job continues, by rendering the chat
         before its last reply (:mod:`agent_runtime.rendered_turns`; None: none known)."""
         earlier = previous_turn_chat(messages)
@@ -358,7 +358,7 @@ class ChatTurns:
                                       documents=options.get("documents"))
         except ValueError:
             return None  # a template that renders no chat ending there: no earlier turn to find
-        return self.rendered_turns.take(prompt)
+        return self.rendered_turns.take(prompt, salt)
 
     async def chat(
         self,

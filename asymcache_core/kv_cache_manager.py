@@ -20,6 +20,8 @@ copies are complete (``Request.kv_ticket``); the step's copies go out in its pla
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from bisect import bisect_left
 from collections.abc import Callable
 from itertools import compress, repeat
@@ -39,6 +41,16 @@ RELOAD = -2
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     """Hash of a full block given its parent's hash (deterministic across processes)."""
     return hash((parent, tokens))
+
+
+@functools.lru_cache(maxsize=1024)
+def salted_root(salt: str | None) -> int:
+    """The parent hash of a request's first block: the shared root, or one of its
+    ``cache_salt`` (a digest: Python's ``hash`` of a string differs between processes, and the
+    hashes must not, for the host tier's and the KV events' readers)."""
+    if salt is None:
+        return _ROOT_HASH
+    return int.from_bytes(hashlib.sha256(salt.encode("utf-8")).digest()[:8], "little", signed=True)
 
 
 class CacheHit(NamedTuple):
@@ -124,7 +136,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(hashes) < full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else salted_root(request.params.cache_salt)
             hashes.append(chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs])))
         return hashes
 

@@ -23,6 +23,8 @@ MAX_STOP_TOKEN_IDS = 1024
 #: ``allowed_token_ids`` entries at most (a vocabulary's worth).
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_LOGIT_BIAS_ENTRIES = 1024
+#: vLLM's bound on a ``cache_salt``.
+MAX_CACHE_SALT_CHARS = 1024
 #: ``max_tokens`` beyond any context a model could hold (the engine checks the real limit).
 MAX_TOKENS_LIMIT = 1 << 24
 
@@ -116,6 +118,10 @@ class SamplingParams:
             ``include_stop_str_in_output``).
         truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's; -1: the
             last ``max_model_len - 1``, room for one generated token; ``None``: the whole prompt).
+        cache_salt: the request's prefix-cache namespace (vLLM's): its blocks hash from this
+            salt, so they are found only by requests with the same salt (tenants that must not
+            learn whether another's prompt was cached). 1 to 1,024 characters; ``None``: the
+            shared namespace.
     """
 
     max_tokens: int = 16
@@ -140,6 +146,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     bad_words: tuple[str, ...] = ()
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -210,6 +217,10 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
             )
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(f"cache_salt: must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, or None")
 
     @property
     def greedy(self) -> bool:

@@ -32,6 +32,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1.0),
     "spaces_between_special_tokens": (None, True),
     "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "watermarking": (None, False),
+    "logprob_token_ids": (None, []),
+    "truncation_side": (None, "left"),  # NOTE: truncate_prompt_tokens keeps the prompt's last tokens
+    "priority": (None, 0),
+    "repetition_detection": (None,),
+    "return_prompt_text": (None, False),
+    "return_token_offsets": (None, False),
+    "routed_experts_prompt_start": (None, 0),
+    "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,),
     # NOTE: the options of vLLM's older ``guided_*`` fields (those are read as
     # ``structured_outputs``: agent_runtime.structured_outputs.lift_guided_fields)
     "guided_whitespace_pattern": (None,),

@@ -53,6 +53,7 @@ from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.job_router import response_digest, routing_key
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import (
+    CacheSalt,
     JobId,
     PositiveInt,
     ReasoningEffort,
@@ -132,6 +133,7 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningSettings | None = None
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -146,6 +148,7 @@ class ResponsesRequest(BaseModel):
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed,
+            cache_salt=self.cache_salt,
         )
 
 

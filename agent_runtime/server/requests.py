@@ -35,7 +35,7 @@ from agent_runtime.protocol import (
 )
 from agent_runtime.structured_outputs import lift_guided_fields, normalize_structured_outputs
 from asymcache_core.logprobs import MAX_LOGPROBS
-from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 
 # ----------------------------------------------------------------------------------------------
 # HTTP request bodies
@@ -46,6 +46,8 @@ Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[StrictInt, Field(ge=-1)]
 JobId = Annotated[StrictStr, Field(min_length=1, max_length=MAX_JOB_ID_CHARS)]
+#: vLLM's ``cache_salt``: the request's prefix-cache namespace (SamplingParams.cache_salt)
+CacheSalt = Annotated[StrictStr, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 #: OpenAI's reasoning efforts (chat ``reasoning_effort``, Responses ``reasoning.effort``): the
 #: chat template's ``reasoning_effort`` variable, as vLLM passes it (gpt-oss's template reads it)
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
@@ -164,6 +166,7 @@ class _GenerationRequest(BaseModel):
     is_last_step: StrictBool | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    cache_salt: CacheSalt | None = None
     response_format: dict[str, Any] | None = None
     #: vLLM's (and, through :func:`lift_guided_fields`, its older ``guided_*`` fields): kept as
     #: given once valid; the runtime builds the constraint
@@ -291,6 +294,7 @@ class _GenerationRequest(BaseModel):
             bad_words=tuple(self.bad_words or ()),
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            cache_salt=self.cache_salt,
         )
 
 
@@ -351,8 +355,13 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     """
 
     #: fields of text completions a chat completion does not take (vLLM's chat ``echo`` repeats
-    #: the last message, not served)
-    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (None, False)}
+    #: the last message, not served), and vLLM's chat fields not served
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "echo": (None, False),
+        # NOTE: the chat template writes the special tokens; a reasoning reply always carries
+        # its reasoning; token ids are returned by /v1/completions
+        "add_special_tokens": (None, False), "include_reasoning": (None, True), "return_token_ids": (None, False),
+    }
 
     max_completion_tokens: PositiveInt | None = None
     messages: list[dict[str, Any]]

@@ -158,6 +158,10 @@ def test_rendered_turns_are_taken_once_and_bounded():
     assert len(turns) == 2 and turns.take([1, 2, 3]) is None and turns.take("prompt b") == "implicit-2"
     with pytest.raises(ValueError, match="^rendered turns: max_turns"):
         RenderedTurns(0)
+    # a cache salt is a namespace: a turn is continued only under its own salt
+    turns.remember("prompt d", "implicit-4", "tenant-a")
+    assert turns.take("prompt d") is None and turns.take("prompt d", "tenant-b") is None
+    assert turns.take("prompt d", "tenant-a") == "implicit-4"
     user, reply, tool = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
                          {"role": "tool", "content": "y"})
     assert previous_turn_chat([user, reply, tool, reply, tool]) == [user, reply, tool]

@@ -157,6 +157,25 @@ def test_completion_stream_usage_and_token_counters(live):
     live.check()
 
 
+def test_cache_salt_keeps_tenants_prefix_caches_apart(live, oa):
+    """vLLM's ``cache_salt``: a request reuses only the blocks of requests with its salt, even
+    the chat template's shared system prompt; the reply is the unsalted one."""
+    messages = [{"role": "user", "content": "Name a prime number larger than one hundred."}]
+
+    def cached(**extra) -> tuple[int, str]:
+        reply = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens, reply.choices[0].message.content
+
+    plain = cached()
+    first, again, other = cached(cache_salt="tenant-a-7f3e"), cached(cache_salt="tenant-a-7f3e"), cached(
+        cache_salt="tenant-b-91c2")
+    assert first[0] == other[0] == 0 < again[0] and plain[0] >= 0
+    assert plain[1] == first[1] == again[1] == other[1]
+    r = httpx.post(f"{live.base}/v1/completions", json={"model": MODEL, "prompt": "hi", "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    live.check()
+
+
 def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(live):
     """vLLM's ``continuous_usage_stats``: with ``include_usage`` every chunk carries its
     choice's prompt and tokens so far; the last chunk the whole response's usage."""

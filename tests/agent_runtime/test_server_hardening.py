@@ -127,7 +127,11 @@ def test_non_finite_numbers_are_a_400(srv, literal):
 
 
 UNSUPPORTED = [("echo", True), ("best_of", 3), ("n", 0),
-               ("guided_whitespace_pattern", " "), ("functions", [{"name": "f"}]), ("suffix", "x")]
+               ("guided_whitespace_pattern", " "), ("functions", [{"name": "f"}]), ("suffix", "x"),
+               # vLLM's fields that change what is generated or returned, not served here
+               ("watermarking", True), ("priority", 5), ("truncation_side", "right"), ("include_reasoning", False),
+               ("add_special_tokens", True), ("return_token_ids", True), ("logprob_token_ids", [5]),
+               ("repetition_detection", {"max_pattern_size": 4, "min_count": 3}), ("kv_transfer_params", {"x": 1})]
 
 
 @pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
@@ -139,7 +143,8 @@ def test_unsupported_openai_fields_are_a_400_naming_them(srv, field, value):
 
 def test_off_values_of_unsupported_fields_are_accepted(srv):
     r = _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2, "logprobs": False, "n": 1,
-                    "response_format": {"type": "text"}, "top_logprobs": None})
+                    "response_format": {"type": "text"}, "top_logprobs": None, "priority": 0,
+                    "include_reasoning": True, "truncation_side": "left", "add_special_tokens": False})
     assert r.status_code == 200, r.text
 
 

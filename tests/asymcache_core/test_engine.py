@@ -51,6 +51,33 @@ def test_shared_prefix_reports_cached_tokens(smollm, chat_prompts, reference):
     engine.check_integrity()
 
 
+def test_a_cache_salt_is_a_namespace_of_the_prefix_cache(smollm, chat_prompts, reference):
+    """vLLM's ``cache_salt``: blocks are found only by requests of the same salt (the unsalted
+    ones are a namespace of their own), and the tokens are those of an unsalted run."""
+    from dataclasses import replace
+
+    from asymcache_core.kv_cache_manager import salted_root
+
+    engine = make_engine(smollm)
+    bs, prompt = engine.block_size, chat_prompts[2]
+    full = (len(prompt) - 1) // bs * bs
+
+    def cached(salt: str | None) -> int:
+        out = engine.generate([prompt], replace(GREEDY, cache_salt=salt))[0]
+        assert out.token_ids == reference[2]
+        return out.metrics.cached_tokens
+
+    assert [cached("tenant-a"), cached("tenant-a"), cached("tenant-b"), cached(None), cached("tenant-b"),
+            cached(None)] == [0, full, 0, 0, full, full]
+    engine.check_integrity()
+    # the namespaces' roots are digests: the same in every process (the host tier's and KV
+    # events' readers compare hashes across processes), distinct per salt
+    assert salted_root("tenant-a") == salted_root("tenant-a") != salted_root("tenant-b") != salted_root(None)
+    for bad in ("", "x" * 1025, 5):
+        with pytest.raises(ValueError, match="^cache_salt: "):
+            SamplingParams(cache_salt=bad)
+
+
 def test_preemption_under_tiny_pool_finishes_everything(smollm, chat_prompts, reference):
     longest = max(len(p) for p in chat_prompts) + GREEDY.max_tokens
     blocks = -(-longest // 16) + 1  # room for one request and a bit
