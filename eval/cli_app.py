@@ -12,7 +12,6 @@ import os
 import sys
 import typing
 from collections.abc import Callable, Collection, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -90,16 +89,10 @@ app.add_typer(agent_app, name="agent")
 
 
 def version() -> str:
-    """The installed package's version (the source tree's ``pyproject.toml`` when not installed)."""
-    from importlib import metadata
+    """The installed package's version (:func:`asymcache_core.version.package_version`)."""
+    from asymcache_core.version import package_version
 
-    try:
-        return metadata.version("asymcache")
-    except metadata.PackageNotFoundError:
-        import tomllib
-
-        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+    return package_version()
 
 
 def _print_version(value: bool) -> None:

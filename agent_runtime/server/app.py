@@ -280,6 +280,8 @@ def create_app(
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"])
+    app.add_api_route("/version", serving.version, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics, methods=["GET"])
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])

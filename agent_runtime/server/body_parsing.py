@@ -42,6 +42,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "return_token_offsets": (None, False),
     "routed_experts_prompt_start": (None, 0),
     "kv_transfer_params": (None,),
+    "prompt_embeds": (None,),
+    "logits_processors": (None, []),
     "ec_transfer_params": (None,),
     # NOTE: the options of vLLM's older ``guided_*`` fields (those are read as
     # ``structured_outputs``: agent_runtime.structured_outputs.lift_guided_fields)

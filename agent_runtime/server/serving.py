@@ -82,6 +82,22 @@ async def models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=[ModelCard(id=state.model_name, created=state.created)]).model_dump())
 
 
+async def model(request: Request, model_id: str) -> JSONResponse:
+    """``GET /v1/models/{model}`` (OpenAI's retrieve): the served model's card, else a 404."""
+    state = app_state(request)
+    state.check_auth(request)
+    state.check_model(model_id)
+    state.metrics.count("/v1/models/{model}", 200)
+    return JSONResponse(ModelCard(id=state.model_name, created=state.created).model_dump())
+
+
+async def version(request: Request) -> dict[str, str]:
+    """``GET /version`` (vLLM's): the package's version."""
+    from asymcache_core.version import package_version
+
+    return {"version": package_version()}
+
+
 async def metrics(request: Request) -> Response:
     """``GET /metrics``: Prometheus text, engine gauges read on the engine thread."""
     state = app_state(request)

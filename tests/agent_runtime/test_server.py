@@ -106,6 +106,14 @@ def oa(live) -> openai.OpenAI:
 
 def test_models_health_metrics(live, oa):
     assert [m.id for m in oa.models.list().data] == [MODEL]
+    # OpenAI's retrieve, and vLLM's version route
+    assert oa.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        oa.models.retrieve("org/other-model")
+    assert missing.value.body["code"] == "model_not_found"
+    from asymcache_core.version import package_version
+
+    assert httpx.get(f"{live.base}/version", timeout=10).json() == {"version": package_version()}
     live.check()
     text = httpx.get(f"{live.base}/metrics", timeout=10).text
     for name in (
