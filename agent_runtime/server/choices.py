@@ -91,6 +91,10 @@ class Chunks(ABC):
         """Choices sent before the first token (none by default)."""
         return []
 
+    def opening_fields(self) -> dict[str, Any]:
+        """Fields of the chunk that carries the choice's opening (none by default)."""
+        return {}
+
     @abstractmethod
     def on_event(self, event: StreamEvent) -> list[Any]:
         """Choices for one event of the stream (the final one included)."""
@@ -141,7 +145,7 @@ class ChatChunks(Chunks):
     def __init__(
         self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
-        call_format: str = "hermes", reasoning_parser: str | None = None,
+        call_format: str = "hermes", reasoning_parser: str | None = None, return_ids: bool = False,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         #: what of the reply went out: its thinking (``reasoning_content``) and its content
@@ -149,14 +153,34 @@ class ChatChunks(Chunks):
         #: the body's content is the text as generated, not stripped: it continues a message
         #: (``continue_final_message``), whose next character may be a space
         self.raw_content = raw_content
+        #: vLLM's ``return_token_ids``; ``ids_sent``: the reply's tokens already sent
+        self.return_ids = return_ids
+        self.ids_sent = 0
+
+    def _take_ids(self, event: StreamEvent) -> list[int] | None:
+        """The reply's token ids not sent yet (None when not asked for).
+
+        NOTE: like log probabilities, they go with the first chunk sent after their step (the
+        text of a step may be held back: part of a character, or of a ``<tool_call>`` tag).
+        """
+        if not self.return_ids:
+            return None
+        ids = event.output.token_ids
+        new, self.ids_sent = list(ids[self.ids_sent :]), len(ids)
+        return new
+
+    def opening_fields(self) -> dict[str, Any]:
+        return {"prompt_token_ids": list(self.stream.prompt_token_ids)} if self.return_ids else {}
 
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         return chat_logprobs(entries, self.texts) if self.report_logprobs and self.texts is not None else None
 
     def response_fields(self, final: StreamEvent) -> dict[str, Any]:
-        # NOTE: vLLM's chat body carries the prompt's log probabilities beside its choices
+        # NOTE: vLLM's chat body carries the prompt's log probabilities and token ids beside
+        # its choices
         prompt = self.prompt_logprobs_of(final)
-        return {"prompt_logprobs": prompt} if prompt is not None else {}
+        fields: dict[str, Any] = {"prompt_logprobs": prompt} if prompt is not None else {}
+        return fields | self.opening_fields()
 
     def opening(self) -> list[ChatCompletionStreamChoice]:
         return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
@@ -172,7 +196,8 @@ class ChatChunks(Chunks):
             if not deltas:
                 return []
             out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
-            out[0] = out[0].model_copy(update={"logprobs": self._logprobs(self.take_logprobs(event))})
+            out[0] = out[0].model_copy(update={"logprobs": self._logprobs(self.take_logprobs(event)),
+                                               **self._ids_update(event)})
             return out
         turn = build_turn(self.stream, event)
         deltas = self._deltas(*self.text.rest(turn, event))
@@ -185,7 +210,12 @@ class ChatChunks(Chunks):
         pending = self.take_logprobs(event)
         if pending:
             out[0] = out[0].model_copy(update={"logprobs": self._logprobs(pending)})
+        out[0] = out[0].model_copy(update=self._ids_update(event))
         return out
+
+    def _ids_update(self, event: StreamEvent) -> dict[str, Any]:
+        ids = self._take_ids(event)
+        return {} if ids is None else {"token_ids": ids}
 
     def final_choice(self, final: StreamEvent) -> ChatCompletionChoice:
         turn = build_turn(self.stream, final)
@@ -195,6 +225,7 @@ class ChatChunks(Chunks):
         return ChatCompletionChoice(
             index=self.index, message=ChatMessage.model_validate(message), finish_reason=turn.finish_reason,
             logprobs=self._logprobs(final.output.logprobs or []), stop_reason=final.output.stop_reason,
+            **({"token_ids": list(final.output.token_ids)} if self.return_ids else {}),
         )
 
 

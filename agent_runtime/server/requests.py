@@ -160,6 +160,8 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+    #: vLLM's: the prompt's and the reply's token ids beside the text
+    return_token_ids: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     bad_words: list[StrictStr] | None = None
     job_id: JobId | None = None
@@ -359,8 +361,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
         "echo": (None, False),
         # NOTE: the chat template writes the special tokens; a reasoning reply always carries
-        # its reasoning; token ids are returned by /v1/completions
-        "add_special_tokens": (None, False), "include_reasoning": (None, True), "return_token_ids": (None, False),
+        # its reasoning
+        "add_special_tokens": (None, False), "include_reasoning": (None, True),
     }
 
     max_completion_tokens: PositiveInt | None = None
@@ -416,7 +418,6 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     echo: StrictBool | None = None
     tool_name: StrictStr | None = None
-    return_token_ids: StrictBool | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property

@@ -163,6 +163,8 @@ class ChatCompletionChoice(_Body):
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
     stop_reason: int | str | None = None
+    #: vLLM's ``return_token_ids``: the reply's token ids
+    token_ids: list[int] | None = _OMIT
 
 
 class ChatCompletionStreamChoice(_Body):
@@ -173,6 +175,8 @@ class ChatCompletionStreamChoice(_Body):
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
     stop_reason: int | str | None = None
+    #: vLLM's ``return_token_ids``: the tokens sampled since the choice's last chunk
+    token_ids: list[int] | None = _OMIT
 
 
 class CompletionChoice(_Body):
@@ -220,12 +224,16 @@ class ChatCompletionResponse(_Completion[ChatCompletionChoice]):
 
     object: Literal["chat.completion"] = "chat.completion"
     prompt_logprobs: PromptLogprobs | None = _OMIT
+    #: vLLM's ``return_token_ids``: the rendered chat's token ids (its choices share them)
+    prompt_token_ids: list[int] | None = _OMIT
 
 
 class ChatCompletionChunk(_Chunk[ChatCompletionStreamChoice]):
     """One SSE chunk of a streamed chat completion."""
 
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    #: vLLM's ``return_token_ids``: the prompt's ids, on a choice's first chunk
+    prompt_token_ids: list[int] | None = _OMIT
 
 
 class CompletionResponse(_Completion[CompletionChoice]):

@@ -176,7 +176,7 @@ async def chat_completions(request: Request) -> Response:
     chunks: list[Chunks] = [
         ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None,
                    raw_content=bool(req.continue_final_message), call_format=rt.tool_call_format,
-                   reasoning_parser=rt.reasoning_parser)
+                   reasoning_parser=rt.reasoning_parser, return_ids=req.return_token_ids is True)
         for i, s in enumerate(streams)
     ]
     return await _respond(request, state, req, chunks, _CHAT)
@@ -405,8 +405,8 @@ async def _sse_events(
     created = int(time.time())
     streams = [c.stream for c in chunks]
 
-    def frame(choices: list[Any], usage: Usage | None = None) -> str:
-        chunk = endpoint.chunk_model(id=rid, created=created, model=model, choices=choices, usage=usage)
+    def frame(choices: list[Any], usage: Usage | None = None, **fields: Any) -> str:
+        chunk = endpoint.chunk_model(id=rid, created=created, model=model, choices=choices, usage=usage, **fields)
         return f"data: {json.dumps(chunk.model_dump(), ensure_ascii=False)}\n\n"
 
     def so_far(stream: RequestStream, event: StreamEvent | None) -> Usage | None:
@@ -421,7 +421,7 @@ async def _sse_events(
     try:
         for chunk in chunks:
             for choice in chunk.opening():
-                yield frame([choice], so_far(chunk.stream, None))
+                yield frame([choice], so_far(chunk.stream, None), **chunk.opening_fields())
         try:
             async for index, event in _merged(streams):
                 if event.output.finished:

@@ -165,6 +165,36 @@ def test_completion_stream_usage_and_token_counters(live):
     live.check()
 
 
+def test_chat_return_token_ids_streamed_and_not(live):
+    """vLLM's ``return_token_ids`` on chat (what agent-RL trainers read): the rendered chat's ids
+    beside the choices, each choice's reply ids; streamed, the prompt's ids on the first chunk
+    and every token once, also where the text is held back (a forced tool call)."""
+    messages = [{"role": "user", "content": "What is in notes.txt?"}]
+    for extra in ({}, {"tools": TOOLS, "tool_choice": "required"}):
+        # NOTE: salted, so that its blocks are no cache hit of the later tests' tool prompts
+        body = {"model": MODEL, "messages": messages, "max_tokens": 40, "return_token_ids": True,
+                "cache_salt": "return-token-ids", **extra}
+        reply = httpx.post(f"{live.base}/v1/chat/completions", json=body, timeout=120).json()
+        rendered = httpx.post(f"{live.base}/tokenize", json={"model": MODEL, "messages": messages,
+                                                              **({"tools": TOOLS} if extra else {})}).json()
+        assert reply["prompt_token_ids"] == rendered["tokens"]
+        (choice,) = reply["choices"]
+        assert len(choice["token_ids"]) == reply["usage"]["completion_tokens"] > 0
+        if extra:
+            assert choice["message"]["tool_calls"]
+        else:
+            text = httpx.post(f"{live.base}/detokenize", json={"model": MODEL, "tokens": choice["token_ids"]}).json()
+            assert text["prompt"].strip() == choice["message"]["content"].strip()
+        chunks = _sse(live, "/v1/chat/completions", body)
+        assert chunks[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == choice["token_ids"]
+    plain = httpx.post(f"{live.base}/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                 "max_tokens": 2}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    live.check()
+
+
 def test_cache_salt_keeps_tenants_prefix_caches_apart(live, oa):
     """vLLM's ``cache_salt``: a request reuses only the blocks of requests with its salt, even
     the chat template's shared system prompt; the reply is the unsalted one."""
