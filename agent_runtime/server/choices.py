@@ -146,6 +146,7 @@ class ChatChunks(Chunks):
         self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
         call_format: str = "hermes", reasoning_parser: str | None = None, return_ids: bool = False,
+        include_reasoning: bool = True,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         #: what of the reply went out: its thinking (``reasoning_content``) and its content
@@ -156,6 +157,8 @@ class ChatChunks(Chunks):
         #: vLLM's ``return_token_ids``; ``ids_sent``: the reply's tokens already sent
         self.return_ids = return_ids
         self.ids_sent = 0
+        #: vLLM's ``include_reasoning``: False leaves the thinking out of the reply
+        self.include_reasoning = include_reasoning
 
     def _take_ids(self, event: StreamEvent) -> list[int] | None:
         """The reply's token ids not sent yet (None when not asked for).
@@ -185,9 +188,8 @@ class ChatChunks(Chunks):
     def opening(self) -> list[ChatCompletionStreamChoice]:
         return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
 
-    @staticmethod
-    def _deltas(reasoning: str, content: str) -> list[DeltaMessage]:
-        return ([DeltaMessage(reasoning_content=reasoning)] if reasoning else []) + (
+    def _deltas(self, reasoning: str, content: str) -> list[DeltaMessage]:
+        return ([DeltaMessage(reasoning_content=reasoning)] if reasoning and self.include_reasoning else []) + (
             [DeltaMessage(content=content)] if content else [])
 
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
@@ -220,6 +222,8 @@ class ChatChunks(Chunks):
     def final_choice(self, final: StreamEvent) -> ChatCompletionChoice:
         turn = build_turn(self.stream, final)
         message = dict(turn.message)
+        if not self.include_reasoning:
+            message.pop("reasoning_content", None)
         if self.raw_content and not turn.parsed.tool_calls:
             message["content"] = self.text.split(final.output.text, True)[1]
         return ChatCompletionChoice(

@@ -360,9 +360,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     #: the last message, not served), and vLLM's chat fields not served
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
         "echo": (None, False),
-        # NOTE: the chat template writes the special tokens; a reasoning reply always carries
-        # its reasoning
-        "add_special_tokens": (None, False), "include_reasoning": (None, True),
+        # NOTE: the chat template writes the special tokens
+        "add_special_tokens": (None, False),
     }
 
     max_completion_tokens: PositiveInt | None = None
@@ -377,6 +376,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     #: vLLM's: close a reasoning model's thinking block once it holds this many tokens
     thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    #: vLLM's: false leaves a reasoning reply's thinking (``reasoning_content``) out
+    include_reasoning: StrictBool | None = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -176,7 +176,8 @@ async def chat_completions(request: Request) -> Response:
     chunks: list[Chunks] = [
         ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None,
                    raw_content=bool(req.continue_final_message), call_format=rt.tool_call_format,
-                   reasoning_parser=rt.reasoning_parser, return_ids=req.return_token_ids is True)
+                   reasoning_parser=rt.reasoning_parser, return_ids=req.return_token_ids is True,
+                   include_reasoning=req.include_reasoning is not False)
         for i, s in enumerate(streams)
     ]
     return await _respond(request, state, req, chunks, _CHAT)

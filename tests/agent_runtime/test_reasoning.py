@@ -102,12 +102,21 @@ def test_the_server_returns_reasoning_content(smollm, parser):
             with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
                 deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
                           if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+            # vLLM's include_reasoning=false: the thinking stays out, streamed or not
+            hidden = {**body, "include_reasoning": False}
+            bare = httpx.post(f"{base}/v1/chat/completions", json=hidden, timeout=60).json()["choices"][0]["message"]
+            with httpx.stream("POST", f"{base}/v1/chat/completions", json={**hidden, "stream": True},
+                              timeout=60) as r:
+                bare_deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                               if line.startswith("data: {") and json.loads(line[6:])["choices"]]
     finally:
         runtime.close_sync()
         runtime.engine.close()
     streamed_reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
     streamed_content = "".join(d.get("content") or "" for d in deltas)
     assert "</think>" not in raw  # SmolLM2 never closes the block: 12 tokens of thinking
+    assert "reasoning_content" not in bare and not any(d.get("reasoning_content") for d in bare_deltas)
+    assert bare.get("content") == message.get("content")
     if parser == "deepseek_r1":  # the block opened in the prompt: all of it is thinking
         assert message["reasoning_content"] == raw and message["content"] is None
         assert streamed_reasoning == raw and streamed_content == ""

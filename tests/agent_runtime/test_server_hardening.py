@@ -129,7 +129,7 @@ def test_non_finite_numbers_are_a_400(srv, literal):
 UNSUPPORTED = [("echo", True), ("best_of", 3), ("n", 0),
                ("guided_whitespace_pattern", " "), ("functions", [{"name": "f"}]), ("suffix", "x"),
                # vLLM's fields that change what is generated or returned, not served here
-               ("watermarking", True), ("priority", 5), ("truncation_side", "right"), ("include_reasoning", False),
+               ("watermarking", True), ("priority", 5), ("truncation_side", "right"),
                ("add_special_tokens", True), ("logprob_token_ids", [5]),
                ("repetition_detection", {"max_pattern_size": 4, "min_count": 3}), ("kv_transfer_params", {"x": 1})]
 
