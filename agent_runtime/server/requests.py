@@ -418,8 +418,16 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | tuple[str | list[int], ...]
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     echo: StrictBool | None = None
+    #: vLLM's (default true): the tokenizer's special tokens (Llama's ``<|begin_of_text|>``)
+    #: start a text prompt
+    add_special_tokens: StrictBool | None = None
     tool_name: StrictStr | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        """``add_special_tokens`` with vLLM's default (true)."""
+        return self.add_special_tokens is not False
 
     @property
     def echo_only(self) -> bool:
@@ -478,9 +486,16 @@ class TokenizeRequest(_ChatTemplateFields):
     prompt: StrictStr | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    add_special_tokens: StrictBool = False
+    #: vLLM's defaults: a ``prompt``'s special tokens are added (as ``/v1/completions`` adds
+    #: them), a chat's are the template's
+    add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        """``add_special_tokens`` with vLLM's default (true for a ``prompt``)."""
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
     @property
     def chat_ending(self) -> tuple[bool, bool]:

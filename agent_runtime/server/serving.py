@@ -119,7 +119,7 @@ async def tokenize(request: Request) -> JSONResponse:
     rt = state.require_runtime()
     try:
         ids = await rt.tokenize(req.prompt, messages=req.messages, tools=req.tools,
-                                add_special_tokens=req.add_special_tokens,
+                                add_special_tokens=req.adds_special_tokens,
                                 add_generation_prompt=req.chat_ending[0], continue_final_message=req.chat_ending[1],
                                 **req.template_options())
     except ValueError as e:
@@ -193,8 +193,10 @@ async def completions(request: Request) -> Response:
     n = req.num_choices
     try:
         for given in req.prompts:
-            # NOTE: a prompt's choices share it: a text is encoded once, not once a choice
-            prompt = await rt.tokenize(given) if n > 1 and isinstance(given, str) else given
+            # NOTE: a text is encoded here, once for all the prompt's choices, with the
+            # tokenizer's special tokens unless the request says otherwise (vLLM's default)
+            prompt = await rt.tokenize(given, add_special_tokens=req.adds_special_tokens) if isinstance(
+                given, str) else given
             group: list[CompletionChunks] = []
             for choice_params in choice_sampling_params(params, n):
                 # A job's non-last completion is followed by a tool pause (Continuum's API): pin

@@ -268,4 +268,15 @@ def test_a_small_llama3_dummy_model_serves_chats_and_forced_tool_calls(tmp_path:
         (call,) = forced_reply.json()["choices"][0]["message"]["tool_calls"]
         assert call["function"]["name"] == "read_file"
         assert json.loads(call["function"]["arguments"])["path"] in ("notes.txt", "todo.md")
+        # vLLM's add_special_tokens: a text completion starts with Llama's <|begin_of_text|> by
+        # default, as /tokenize's prompt does; a chat has the one its template writes
+        plain = engine.tokenizer.encode("Hello there", add_special_tokens=False)
+        for extra, want in (({}, [128000, *plain]), ({"add_special_tokens": False}, plain)):
+            done = client.post("/v1/completions", json={"model": "dummy", "prompt": "Hello there", "max_tokens": 2,
+                                                        "return_token_ids": True, **extra})
+            assert done.status_code == 200, done.text
+            assert done.json()["choices"][0]["prompt_token_ids"] == want
+            assert client.post("/tokenize", json={"prompt": "Hello there", **extra}).json()["tokens"] == want
+        chat_ids = client.post("/tokenize", json={"messages": user}).json()["tokens"]
+        assert chat_ids[0] == 128000 and chat_ids.count(128000) == 1
     runtime.close_sync()
