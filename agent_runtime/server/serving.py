@@ -208,11 +208,13 @@ async def completions(request: Request) -> Response:
                     pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
                 )
                 group.append(CompletionChunks(
-                    stream, len(chunks) + len(group), texts, params.logprobs or 0,
+                    stream, len(chunks), texts, params.logprobs or 0,
                     return_ids=req.return_token_ids is True, report_logprobs=params.logprobs is not None,
                     report_prompt_logprobs=req.prompt_logprobs is not None, echo_only=req.echo_only,
                 ))
-            chunks.extend(group)
+                # NOTE: in ``chunks`` at once: whatever fails after (the next submit, the client
+                # leaving) aborts every request submitted so far
+                chunks.append(group[-1])
             if req.echo:
                 # NOTE: the prompt as given, or as the engine runs it (token ids, or cut by
                 # ``truncate_prompt_tokens``)

@@ -483,6 +483,20 @@ def test_an_exception_in_the_model_step_fails_only_its_culprit_and_serving_goes_
     assert _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2}).status_code == 200
 
 
+def test_a_batch_whose_later_prompt_is_refused_leaves_none_running(srv):
+    # NOTE: the first prompt's choices are submitted (and running) when the second is refused
+    too_long = list(range(300, 300 + srv.runtime.max_model_len + 5))
+    body = {"model": MODEL, "prompt": [list(range(300, 340)), too_long], "n": 2, "max_tokens": 900,
+            "ignore_eos": True}
+    refused = _post(srv, body, "/v1/completions")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    deadline = time.monotonic() + 5  # 2 x 900 tokens would run for minutes on a CPU
+    while srv.runtime.call_threadsafe(lambda e: e.has_unfinished()).result(timeout=30):
+        assert time.monotonic() < deadline, "a refused batch left choices running"
+        time.sleep(0.1)
+    srv.clean()
+
+
 def test_a_completion_cancelled_between_its_choices_leaves_none_running(srv, monkeypatch):
     # NOTE: the echoed prompt is decoded after the choices are submitted; a client gone there
     # (the handler cancelled) must abort the choices already running
