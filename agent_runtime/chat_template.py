@@ -102,6 +102,12 @@ def tools_system_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
     return _TOOLS_PREAMBLE + "\n" + "\n".join(lines) + "\n" + _TOOLS_INSTRUCTION
 
 
+#: The content-part types that are text, with the key of their text: OpenAI's ``text`` (and an
+#: assistant's ``refusal``), and the Responses API's ``input_text`` / ``output_text``, which
+#: clients converting between the two APIs send in chat messages too (vLLM reads them all).
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def _content_text(content: Any) -> str:
     """OpenAI content (string, None, or a list of parts) as plain text.
 
@@ -109,7 +115,7 @@ def _content_text(content: Any) -> str:
         content: message content.
 
     Returns:
-        The text parts joined (non-text parts dropped).
+        The text parts joined (others, refused by the protocol's checks, dropped).
     """
     if content is None:
         return ""
@@ -118,8 +124,9 @@ def _content_text(content: Any) -> str:
     if isinstance(content, Sequence):
         texts = []
         for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
+            key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, Mapping) else None
+            if key is not None:
+                texts.append(str(part.get(key, "")))
             elif isinstance(part, str):
                 texts.append(part)
         return "".join(texts)

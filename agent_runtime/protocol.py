@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
+from agent_runtime.chat_template import TEXT_PART_KEYS
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
 from agent_runtime.tool_schema import validate_tool_schema
 from agent_runtime.tools import Tool, ToolRegistry
@@ -90,10 +91,12 @@ def _check_content_part(part: Any, where: str) -> None:
     if not isinstance(part, Mapping):
         raise ValueError(f"{where}: must be a content part object")
     kind = part.get("type")
-    if kind != "text":
-        raise ValueError(f"{where}.type: {kind!r} parts are not served: the model takes text only (type 'text')")
-    if not isinstance(part.get("text"), str):
-        raise ValueError(f"{where}.text: must be a string")
+    key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+    if key is None:
+        raise ValueError(f"{where}.type: {kind!r} parts are not served: the model takes text only "
+                         f"(types {', '.join(TEXT_PART_KEYS)})")
+    if not isinstance(part.get(key), str):
+        raise ValueError(f"{where}.{key}: must be a string")
 
 
 def normalize_tools(tools: ToolsArg | Iterable[Callable[..., Any]]) -> list[dict[str, Any]]:
