@@ -15,10 +15,12 @@ named tool and an ``anyOf`` of those for "required". JSON is generated without f
 so a small model cannot wander into whitespace runs, and the text equals what
 :func:`agent_runtime.tool_parsing.render_hermes_tool_calls` renders for the next turn.
 
-:class:`GrammarCache` (owned by the caller, e.g. the runtime) holds one ``TokenizerInfo`` and
-``GrammarCompiler`` per tokenizer and the compiled grammars per (tokenizer, schema).
-:class:`~agent_runtime.grammar_processor.GrammarLogitsProcessor` (its own module, imported here) implements :class:`asymcache_core.sampling_params.LogitsProcessor`
-for one request.
+This module builds the grammars (uncompiled) and checks a request's schemas and patterns;
+:class:`~agent_runtime.grammar_cache.GrammarCache` (owned by the caller, e.g. the runtime)
+compiles them, one ``TokenizerInfo`` and ``GrammarCompiler`` per tokenizer, and
+:func:`~agent_runtime.grammar_cache.make_request_processor` gives a request its
+:class:`~agent_runtime.grammar_processor.GrammarLogitsProcessor`
+(:class:`asymcache_core.sampling_params.LogitsProcessor`).
 
 ``response_format`` (OpenAI's ``json_object`` / ``json_schema``, normalised by
 :func:`agent_runtime.protocol.normalize_response_format`) constrains the reply to bare JSON: any
@@ -42,11 +44,8 @@ import importlib
 import importlib.util
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
-
-from agent_runtime.grammar_processor import GrammarLogitsProcessor
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -80,26 +79,35 @@ def load_xgrammar(field: str) -> ModuleType:
         ) from None
 
 
+#: The xgrammar builders a request's text is checked with, and what each takes.
+_BUILDERS = {"json_schema": "a schema", "regex": "a regular expression", "ebnf": "an EBNF grammar (root ::= ...)"}
+
+
 @functools.lru_cache(maxsize=1024)
-def _schema_error(schema_json: str) -> str | None:
+def _grammar_error(builder: str, text: str) -> str | None:
     xgr = importlib.import_module("xgrammar")
     try:
-        xgr.Grammar.from_json_schema(schema_json, any_whitespace=False)
-    except Exception as exc:  # noqa: BLE001 - xgrammar reports every schema problem as RuntimeError
+        if builder == "json_schema":
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        else:
+            getattr(xgr.Grammar, f"from_{builder}")(text)
+    except Exception as exc:  # noqa: BLE001 - xgrammar reports every parse problem as RuntimeError
         # NOTE: xgrammar prefixes "[time] /path/file.cc:line: "; the client needs the reason only.
         return str(exc).strip().splitlines()[0].split(": ", 1)[-1][:300]
     return None
 
 
-def check_schema_compiles(schema: Mapping[str, Any], field: str) -> None:
-    """Reject a JSON schema that xgrammar cannot turn into a grammar (``"pattern": "("``).
+def check_compiles(builder: str, text: str, field: str) -> None:
+    """Reject what xgrammar cannot turn into a grammar: a JSON schema (``"pattern": "("``), a
+    regular expression or an EBNF grammar.
 
-    Checked when a request is validated, so a schema that would fail constrained decoding is a
+    Checked when a request is validated, so text that would fail constrained decoding is a
     client error under every ``tool_choice``. Without xgrammar nothing is checked (constrained
     requests then fail with the install hint).
 
     Args:
-        schema: the JSON schema.
+        builder: ``json_schema``, ``regex`` or ``ebnf``.
+        text: the schema's JSON, the expression or the grammar.
         field: the request field it came from (names the error).
 
     Raises:
@@ -107,9 +115,14 @@ def check_schema_compiles(schema: Mapping[str, Any], field: str) -> None:
     """
     if importlib.util.find_spec("xgrammar") is None:
         return
-    error = _schema_error(json.dumps(schema, sort_keys=True))
+    error = _grammar_error(builder, text)
     if error is not None:
-        raise ValueError(f"{field}: not a schema constrained decoding can use: {error}")
+        raise ValueError(f"{field}: not {_BUILDERS[builder]} constrained decoding can use: {error}")
+
+
+def check_schema_compiles(schema: Mapping[str, Any], field: str) -> None:
+    """:func:`check_compiles` of a JSON schema."""
+    check_compiles("json_schema", json.dumps(schema, sort_keys=True), field)
 
 
 def tool_choice_name(tool_choice: ToolChoice) -> str | None:
@@ -347,279 +360,17 @@ def json_or_tool_call_grammar(
     return xgr.Grammar.union(_json_grammar(schema), tool_call_grammar(call_schema, call_format))
 
 
-def _args_key(call_format: str) -> str:
+def args_key(call_format: str) -> str:
     """The arguments' key of a call object in ``call_format`` (Llama's is ``parameters``)."""
     return "parameters" if call_format == "llama3_json" else "arguments"
 
 
-@dataclass
-class _TokenizerEntry:
-    tokenizer: Any  # held so its id() cannot be reused while the entry lives
-    info: xgr.TokenizerInfo
-    compiler: xgr.GrammarCompiler
+#: Names that moved to :mod:`agent_runtime.grammar_cache` (their old import path still works).
+_MOVED_NAMES = frozenset({"GrammarCache", "make_request_processor", "make_tool_call_processor"})
 
 
-class GrammarCache:
-    """Compiled grammars per (tokenizer, schema); one per runtime, owned by the caller.
-
-    Args:
-        max_threads: compiler threads (xgrammar compiles the token masks in parallel).
-        max_grammars: compiled grammars kept (oldest dropped first).
-    """
-
-    def __init__(self, max_threads: int = 2, max_grammars: int = 256) -> None:
-        self._max_threads = max_threads
-        self._max_grammars = max_grammars
-        self._tokenizers: dict[tuple[int, int | None], _TokenizerEntry] = {}
-        self._grammars: dict[tuple[int, int | None, str, str], xgr.CompiledGrammar] = {}
-
-    def _entry(self, tokenizer: Any, vocab_size: int | None, field: str) -> _TokenizerEntry:
-        key = (id(tokenizer), vocab_size)
-        entry = self._tokenizers.get(key)
-        if entry is None:
-            xgr = load_xgrammar(field)
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-            compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
-            entry = _TokenizerEntry(tokenizer, info, compiler)
-            self._tokenizers[key] = entry
-        return entry
-
-    def tokenizer_info(self, tokenizer: Any, vocab_size: int | None = None) -> xgr.TokenizerInfo:
-        """xgrammar's view of a tokenizer.
-
-        Args:
-            tokenizer: HF tokenizer.
-            vocab_size: the model's vocabulary size (logit row length; may exceed the
-                tokenizer's, e.g. padded embeddings).
-
-        Returns:
-            The tokenizer info (cached).
-
-        Raises:
-            ValueError: xgrammar is not installed.
-        """
-        return self._entry(tokenizer, vocab_size, "tool_choice").info
-
-    def _compiled(
-        self, tokenizer: Any, vocab_size: int | None, kind: str, schema: Mapping[str, Any], call_format: str = "hermes"
-    ) -> xgr.CompiledGrammar:
-        field = {"tool_call": "tool_choice", "text": "structured_outputs"}.get(kind, "response_format")
-        entry = self._entry(tokenizer, vocab_size, field)
-        schema_key = json.dumps(schema, sort_keys=True)
-        key = (id(tokenizer), vocab_size, f"{kind}:{call_format}", schema_key)
-        compiled = self._grammars.get(key)
-        if compiled is None:
-            if kind == "tool_call":
-                compiled = entry.compiler.compile_grammar(tool_call_grammar(schema, call_format))
-            elif kind == "json_or_tool_call":
-                compiled = entry.compiler.compile_grammar(
-                    json_or_tool_call_grammar(schema["json"], schema["tool_call"], call_format)
-                )
-            elif kind == "text":
-                grammar = text_constraint_grammar(schema["reply"])
-                if schema.get("tool_call") is not None:
-                    grammar = load_xgrammar("structured_outputs").Grammar.union(
-                        grammar, tool_call_grammar(schema["tool_call"], call_format))
-                compiled = entry.compiler.compile_grammar(grammar)
-            else:
-                compiled = entry.compiler.compile_json_schema(schema_key, any_whitespace=False)
-            if len(self._grammars) >= self._max_grammars:
-                self._grammars.pop(next(iter(self._grammars)))
-            self._grammars[key] = compiled
-        return compiled
-
-    def tool_call_grammar(
-        self,
-        tokenizer: Any,
-        tools: Sequence[Mapping[str, Any]],
-        tool_choice: ToolChoice = "required",
-        vocab_size: int | None = None,
-        call_format: str = "hermes",
-    ) -> xgr.CompiledGrammar:
-        """Compiled grammar forcing one call of the given tools, in the runtime's format.
-
-        Args:
-            tokenizer: HF tokenizer.
-            tools: OpenAI tool schemas.
-            tool_choice: ``"required"`` or a named function.
-            vocab_size: the model's vocabulary size.
-            call_format: ``hermes`` (a tagged call) or ``llama3_json`` (a bare
-                ``{"name", "parameters"}`` object).
-
-        Returns:
-            The compiled grammar (cached).
-
-        Raises:
-            ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
-        """
-        schema = tool_call_json_schema(tools, tool_choice, _args_key(call_format))
-        return self._compiled(tokenizer, vocab_size, "tool_call", schema, call_format)
-
-    def json_schema_grammar(
-        self, tokenizer: Any, schema: Mapping[str, Any], vocab_size: int | None = None
-    ) -> xgr.CompiledGrammar:
-        """Compiled grammar of bare JSON matching ``schema`` (``response_format``).
-
-        Args:
-            tokenizer: HF tokenizer.
-            schema: JSON schema.
-            vocab_size: the model's vocabulary size.
-
-        Returns:
-            The compiled grammar (cached).
-
-        Raises:
-            ValueError: xgrammar is not installed.
-        """
-        return self._compiled(tokenizer, vocab_size, "json", schema)
-
-    def json_or_tool_call_grammar(
-        self,
-        tokenizer: Any,
-        schema: Mapping[str, Any],
-        tools: Sequence[Mapping[str, Any]],
-        vocab_size: int | None = None,
-        call_format: str = "hermes",
-    ) -> xgr.CompiledGrammar:
-        """Compiled grammar of a JSON reply matching ``schema`` or one call of ``tools``.
-
-        Args:
-            tokenizer: HF tokenizer.
-            schema: the reply's JSON schema.
-            tools: OpenAI tool schemas (any of them may be called).
-            vocab_size: the model's vocabulary size.
-            call_format: the runtime's tool-call format.
-
-        Returns:
-            The compiled grammar (cached).
-
-        Raises:
-            ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
-        """
-        both = {"json": dict(schema), "tool_call": tool_call_json_schema(tools, "required", _args_key(call_format))}
-        return self._compiled(tokenizer, vocab_size, "json_or_tool_call", both, call_format)
-
-    def text_constraint_grammar(
-        self,
-        tokenizer: Any,
-        constraint: Mapping[str, Any],
-        tools: Sequence[Mapping[str, Any]] = (),
-        vocab_size: int | None = None,
-        call_format: str = "hermes",
-    ) -> xgr.CompiledGrammar:
-        """Compiled grammar of a reply matching a regular expression, one of a list of strings
-        or an EBNF grammar (see :func:`text_constraint_grammar`), or of one call of ``tools``.
-
-        Args:
-            tokenizer: HF tokenizer.
-            constraint: the normalised ``structured_outputs`` constraint.
-            tools: OpenAI tool schemas any of which may be called instead (none: the reply only).
-            vocab_size: the model's vocabulary size.
-            call_format: the runtime's tool-call format.
-
-        Returns:
-            The compiled grammar (cached).
-
-        Raises:
-            ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
-        """
-        call = tool_call_json_schema(tools, "required", _args_key(call_format)) if tools else None
-        return self._compiled(tokenizer, vocab_size, "text", {"reply": dict(constraint), "tool_call": call},
-                              call_format)
-
-    def __len__(self) -> int:
-        return len(self._grammars)
-
-
-def make_tool_call_processor(
-    cache: GrammarCache,
-    tokenizer: Any,
-    tools: Sequence[Mapping[str, Any]],
-    tool_choice: ToolChoice,
-    vocab_size: int | None = None,
-    call_format: str = "hermes",
-) -> GrammarLogitsProcessor | None:
-    """A fresh processor forcing a tool call, or None when ``tool_choice`` does not force one.
-
-    Args:
-        cache: the caller's grammar cache.
-        tokenizer: HF tokenizer.
-        tools: OpenAI tool schemas.
-        tool_choice: OpenAI ``tool_choice`` (``"auto"``/``"none"``/None -> None).
-        vocab_size: the model's vocabulary size (logit row length).
-        call_format: the runtime's tool-call format (``hermes`` or ``llama3_json``).
-
-    Returns:
-        The processor, or None.
-
-    Raises:
-        ValueError: a forced call without tools, or of an unknown tool; xgrammar is not
-            installed.
-    """
-    if not needs_constraint(tool_choice):
-        return None
-    try:
-        compiled = cache.tool_call_grammar(tokenizer, tools, tool_choice, vocab_size, call_format)
-    except RuntimeError as exc:
-        # NOTE: xgrammar raises RuntimeError for schemas it cannot compile: a client error.
-        raise ValueError(f"tools: constrained decoding cannot use these schemas: {str(exc)[:300]}") from None
-    return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)
-
-
-def make_request_processor(
-    cache: GrammarCache,
-    tokenizer: Any,
-    tools: Sequence[Mapping[str, Any]],
-    tool_choice: ToolChoice,
-    response_format: Mapping[str, Any] | None,
-    vocab_size: int | None = None,
-    call_format: str = "hermes",
-) -> GrammarLogitsProcessor | None:
-    """A fresh processor for what a request constrains: a forced tool call, a reply (JSON, or
-    ``structured_outputs``' regex, choice or grammar), or (tools offered under ``"auto"`` and a
-    constrained reply) either of the two.
-
-    Args:
-        cache: the caller's grammar cache.
-        tokenizer: HF tokenizer.
-        tools: OpenAI tool schemas.
-        tool_choice: OpenAI ``tool_choice`` (normalised).
-        response_format: a normalised ``response_format`` or ``structured_outputs``
-            constraint (:mod:`agent_runtime.structured_outputs`; None: free text).
-        vocab_size: the model's vocabulary size (logit row length).
-        call_format: the runtime's tool-call format (``hermes`` or ``llama3_json``).
-
-    Returns:
-        The processor, or None when nothing is constrained.
-
-    Raises:
-        ValueError: a forced call together with a JSON ``response_format``, a forced call without
-            tools or of an unknown tool, a schema xgrammar cannot compile; xgrammar is not
-            installed.
-    """
-    if response_format is None:
-        return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size, call_format)
-    if response_format.get("type") in TEXT_CONSTRAINTS:
-        if needs_constraint(tool_choice):
-            raise ValueError("structured_outputs: a constrained reply cannot be combined with a tool_choice that "
-                             "forces a tool call")
-        callable_tools = tools if tools and tool_choice != "none" else ()
-        try:
-            compiled = cache.text_constraint_grammar(tokenizer, response_format, callable_tools, vocab_size,
-                                                     call_format)
-        except RuntimeError as exc:
-            raise ValueError(f"structured_outputs: constrained decoding cannot use this constraint: "
-                             f"{str(exc)[:300]}") from None
-        return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)
-    if needs_constraint(tool_choice):
-        raise ValueError("response_format: a JSON reply cannot be combined with a tool_choice that forces a tool call")
-    schema = response_json_schema(response_format)
-    try:
-        if tools and tool_choice != "none":
-            compiled = cache.json_or_tool_call_grammar(tokenizer, schema, tools, vocab_size, call_format)
-        else:
-            compiled = cache.json_schema_grammar(tokenizer, schema, vocab_size)
-    except RuntimeError as exc:
-        # NOTE: xgrammar raises RuntimeError for schemas it cannot compile: a client error.
-        raise ValueError(f"response_format: constrained decoding cannot use this schema: {str(exc)[:300]}") from None
-    return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)
+def __getattr__(name: str) -> Any:
+    # NOTE: lazily, as grammar_cache imports this module
+    if name in _MOVED_NAMES:
+        return getattr(importlib.import_module("agent_runtime.grammar_cache"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from agent_runtime.constrained import GrammarCache, make_request_processor
+from agent_runtime.grammar_cache import GrammarCache, make_request_processor
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
 from agent_runtime.protocol import ToolChoice
 from agent_runtime.types import StreamEvent

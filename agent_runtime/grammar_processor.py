@@ -3,7 +3,7 @@
 :class:`GrammarLogitsProcessor` implements :class:`asymcache_core.sampling_params.LogitsProcessor`
 for one request, and says which tokens it keeps (``keep_words``), so the sampler masks its row
 where the logits are (:mod:`asymcache_core.token_masks`). The grammars come from
-:class:`agent_runtime.constrained.GrammarCache`.
+:class:`agent_runtime.grammar_cache.GrammarCache`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the same (:func:`lift_guided_fields`).
 :func:`agent_runtime.protocol.normalize_response_format` gives a ``response_format`` (a JSON
 schema is ``{"type": "json_schema", ...}``, any object ``{"type": "json_object"}``), or as
 ``{"type": "regex", "regex": ...}``, ``{"type": "choice", "choice": [...]}`` and
-``{"type": "grammar", "grammar": ...}``; :func:`agent_runtime.constrained.make_request_processor`
+``{"type": "grammar", "grammar": ...}``; :func:`agent_runtime.grammar_cache.make_request_processor`
 builds the grammar of each. The text is checked to compile when xgrammar is installed, so a bad
 pattern is a client error before anything runs.
 
@@ -27,13 +27,10 @@ Every error is a :class:`ValueError` whose text starts with the field
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-from agent_runtime.constrained import check_schema_compiles, needs_constraint
+from agent_runtime.constrained import check_compiles, check_schema_compiles, needs_constraint
 from asymcache_core.config import json_object_text
 
 FIELD = "structured_outputs"
@@ -140,13 +137,13 @@ def _pattern_text(text: Any, field: str) -> str:
 
 def _regex(regex: Any, field: str) -> dict[str, Any]:
     regex = _pattern_text(regex, field)
-    _check_compiles("from_regex", regex, field, "a regular expression")
+    check_compiles("regex", regex, field)
     return {"type": "regex", "regex": regex}
 
 
 def _grammar(grammar: Any, field: str) -> dict[str, Any]:
     grammar = _pattern_text(grammar, field)
-    _check_compiles("from_ebnf", grammar, field, "an EBNF grammar (root ::= ...)")
+    check_compiles("ebnf", grammar, field)
     return {"type": "grammar", "grammar": grammar}
 
 
@@ -162,27 +159,6 @@ def _choice(choices: Any, field: str) -> dict[str, Any]:
 
 
 _NORMALIZERS = {"json": _json, "json_object": _json_object, "regex": _regex, "choice": _choice, "grammar": _grammar}
-
-
-@functools.lru_cache(maxsize=1024)
-def _compile_error(builder: str, text: str) -> str | None:
-    xgr = importlib.import_module("xgrammar")
-    try:
-        getattr(xgr.Grammar, builder)(text)
-    except Exception as exc:  # noqa: BLE001 - xgrammar reports every parse problem as RuntimeError
-        # NOTE: xgrammar prefixes "[time] /path/file.cc:line: "; the client needs the reason only.
-        return str(exc).strip().splitlines()[0].split(": ", 1)[-1][:300]
-    return None
-
-
-def _check_compiles(builder: str, text: str, field: str, what: str) -> None:
-    """Reject text xgrammar cannot parse (without xgrammar, constrained requests fail later
-    with the install hint)."""
-    if importlib.util.find_spec("xgrammar") is None:
-        return
-    error = _compile_error(builder, text)
-    if error is not None:
-        raise ValueError(f"{field}: not {what} constrained decoding can use: {error}")
 
 
 __all__ = [

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -33,6 +33,7 @@ from agent_runtime.protocol import (
     MAX_STOP_STRINGS,
     normalize_response_format,
 )
+from agent_runtime.server.body_parsing import completion_prompts, lift_vllm_xargs
 from agent_runtime.structured_outputs import lift_guided_fields, normalize_structured_outputs
 from asymcache_core.logprobs import MAX_LOGPROBS
 from asymcache_core.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
@@ -75,52 +76,6 @@ class StreamOptions(BaseModel):
 
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None
-
-
-#: Continuum's hints a body may carry in vLLM's ``vllm_xargs`` (the AsymCache plugin's form).
-_XARGS_HINTS = ("job_id", "is_last_step", "tool_name")
-_XARGS_TRUE, _XARGS_FALSE = {1, "1", "true", "yes", "on"}, {0, "0", "false", "no", "off"}
-
-
-def lift_vllm_xargs(data: Any, hints: Sequence[str] = _XARGS_HINTS) -> Any:
-    """A body with the Continuum hints of its ``vllm_xargs`` (what a client of a stock vLLM
-    running the AsymCache plugin sends: values are strings or numbers there, so
-    ``is_last_step`` is ``1``/``0`` or ``"true"``/``"false"``) as its own fields; the body's own
-    fields win, and vLLM's ``session_id`` names the job when nothing else does.
-
-    Args:
-        data: the decoded body.
-        hints: the hints the route reads.
-
-    Returns:
-        The body, lifted (unchanged when it carries none of them).
-
-    Raises:
-        ValueError: ``vllm_xargs.pin_ttl_s`` (an explicit TTL, not served here), or an
-            ``is_last_step`` that is no truth value.
-    """
-    if not isinstance(data, Mapping):
-        return data
-    xargs = data.get("vllm_xargs")
-    lifted: dict[str, Any] = {}
-    if isinstance(xargs, Mapping):
-        if xargs.get("pin_ttl_s") is not None:
-            raise ValueError("vllm_xargs.pin_ttl_s: an explicit pin TTL is not served here (the controller sets it)")
-        for key in hints:
-            if key in xargs and data.get(key) is None:
-                lifted[key] = xargs[key]
-        if "is_last_step" in lifted:
-            flag = lifted["is_last_step"]
-            flag = flag.strip().lower() if isinstance(flag, str) else flag
-            if flag not in _XARGS_TRUE and flag not in _XARGS_FALSE:
-                raise ValueError(f"vllm_xargs.is_last_step: 1/0 or true/false, got {lifted['is_last_step']!r}")
-            lifted["is_last_step"] = flag in _XARGS_TRUE
-        if "job_id" in lifted and not isinstance(lifted["job_id"], str):
-            lifted["job_id"] = str(lifted["job_id"])
-    if "job_id" in hints and data.get("job_id") is None and "job_id" not in lifted \
-            and isinstance(data.get("session_id"), str) and data["session_id"]:
-        lifted["job_id"] = data["session_id"]
-    return {**data, **lifted} if lifted else data
 
 
 class _GenerationRequest(BaseModel):
@@ -520,46 +475,6 @@ class DetokenizeRequest(BaseModel):
 
     model: StrictStr | None = None
     tokens: list[StrictInt]
-
-
-def completion_prompts(prompt: Any) -> list[str | list[int]]:
-    """The prompts of a ``/v1/completions`` body: a string, token ids, or a batch of either (a
-    list of strings, or a list of token-id lists), as OpenAI and vLLM take them.
-
-    Args:
-        prompt: the body's ``prompt``.
-
-    Returns:
-        Each prompt's text or token ids, in order.
-
-    Raises:
-        ValueError: naming ``prompt`` (or ``prompt[i]`` in a batch).
-    """
-    if _is_token_ids(prompt) or isinstance(prompt, str):
-        return [_one_prompt(prompt, "prompt")]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    if isinstance(prompt, list) and prompt:
-        raise ValueError("prompt: a list holds token ids, or a batch of strings, or a batch of token-id lists: "
-                         "one kind only")
-    raise ValueError("prompt: must be a non-empty string, a list of token ids, or a batch of either")
-
-
-def _is_token_ids(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-
-
-def _one_prompt(prompt: Any, where: str) -> str | list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError(f"{where}: must not be empty")
-        return prompt
-    if _is_token_ids(prompt):
-        return list(prompt)
-    raise ValueError(f"{where}: must be a non-empty string or a non-empty list of token ids")
 
 
 __all__ = [

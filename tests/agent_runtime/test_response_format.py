@@ -19,7 +19,7 @@ xgr = pytest.importorskip("xgrammar")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from agent_runtime.constrained import GrammarCache, make_request_processor  # noqa: E402
+from agent_runtime.grammar_cache import GrammarCache, make_request_processor  # noqa: E402
 from agent_runtime.protocol import normalize_response_format  # noqa: E402
 from agent_runtime.runtime import AgentRuntime  # noqa: E402
 from agent_runtime.server import create_app  # noqa: E402
