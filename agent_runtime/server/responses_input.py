@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agent_runtime.chat_template import TEXT_PART_KEYS
+
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 def _text_of(content: Any, where: str) -> str:
-    """A message's or a tool output's text: a string, or a list of text parts."""
+    """A message's or a tool output's text: a string, or a list of text parts (the chat's kinds:
+    :data:`agent_runtime.chat_template.TEXT_PART_KEYS`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -27,10 +29,11 @@ def _text_of(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}[{j}].type: only text parts are served ({', '.join(sorted(_TEXT_PARTS))}), "
+        key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+        if key is None or not isinstance(part.get(key), str):
+            raise ValueError(f"{where}[{j}].type: only text parts are served ({', '.join(TEXT_PART_KEYS)}), "
                              f"got {kind!r}")
-        texts.append(part["text"])
+        texts.append(part[key])
     return "".join(texts)
 
 
