@@ -1,34 +1,37 @@
-"""The CPU's linear op for a few rows: the weight as the GEMM's left operand, where that pays.
+"""The CPU's linear op for a few rows: the library's product, the weight as the GEMM's left
+operand, or oneDNN's product on a weight packed once into its blocked layout, whichever a probe
+of this process's machine finds fastest at each row count.
 
 ``F.linear(x, w)`` computes ``x [M, K] @ w[N, K]^T``. With a few rows (a decode step's batch)
-some CPU BLAS builds run that product far slower than the same dot products as ``w @ x^T``,
-whose large operand is the left one and splits over the threads; others run it faster. Timed
-with weights cycled so that every call reads them from memory, as a decode step does
-(``python scripts/bench_cpu_linear.py``, torch 2.13's MKL, two threads):
+MKL's GEMM re-packs the whole weight on every call and, on some machines, takes a slow path:
 
 - the CPU machine of 2026-12-04: SmolLM2-135M's fused gate/up projection at 2 rows 1.21 ms
-  with ``F.linear`` against 0.59 ms weight-left, its LM head at 16 rows 26.4 against 18.6 ms;
-  the engine's decode steps 1.14-1.25x (batch 1) and 1.21-1.73x (batch 16) faster;
-- an AVX-512 Xeon of 2026-12-05: the same gate/up at 2 rows 0.28 against 0.77 ms, the LM
-  head at 1 row 4.2 against 12.2 ms; decode steps 0.52x (batch 1) and 0.89x (batch 16).
+  with ``F.linear`` against 0.59 ms weight-left (two threads), its LM head at 16 rows 26.4
+  against 18.6 ms; an AVX-512 Xeon of 2026-12-05: the weight-left form 2-3x *slower*;
+- an AMD EPYC of 2026-12-06 (AVX2, one thread): the LM head at 3 rows 3.5 GB/s of weights read
+  with ``F.linear`` against 11.9 GB/s with the packed oneDNN product, the gate/up projection
+  5.3 against 11.7 GB/s (``python scripts/bench_cpu_linear.py``).
 
-So :func:`linear_cpu`, the CPU engine's op, takes the weight-left form only where a probe of
-this process's BLAS (:func:`weight_left_pays`) found it clearly faster, and on two or more
-threads (on one thread neither form wins throughout). From :data:`FEW_ROWS` rows both forms
-run the same blocked kernel (same bits, same time).
+So :func:`linear_cpu`, the CPU engine's op, runs the forms :func:`few_row_forms` found fastest
+for this process's thread count: oneDNN's for every row count where it clearly beats the others
+at few rows and ties the library's at many (then a row's bits never depend on its batch), else
+per row count below :data:`FEW_ROWS` the library's or the weight-left product, and the
+library's from there. ``ASYMCACHE_CPU_LINEAR`` (``library``, ``weight-left`` or ``onednn``)
+sets one form instead.
 
 Shapes: activations ``[..., K]``, weights ``[N, K]`` (``nn.Linear`` layout), outputs
-``[..., N]``. The weight-left result is the same float32 math in another summation order: a
-row's bits may differ from ``F.linear``'s in the last places, and between row counts below
-:data:`FEW_ROWS` (the engine's batch-invariant mode keeps its own op,
-:func:`kernels.batch_invariant.linear_padded`).
+``[..., N]``. Every form is the same float32 math in another summation order: a row's bits may
+differ from ``F.linear``'s in the last places, and between forms (the engine's batch-invariant
+mode keeps its own op, :func:`kernels.batch_invariant.linear_padded`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,51 +78,191 @@ def linear_weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out.reshape(*lead, weight.shape[0])
 
 
-# How much faster the weight-left form must run in the probe to be taken: a margin, so that a
-# machine near the line does not switch forms (and bits) from one process to the next.
-WEIGHT_LEFT_MARGIN = 1.25
+
+# The forms of the product, and the env variable that forces one of them.
+FORMS = ("library", "weight-left", "onednn")
+FORM_ENV = "ASYMCACHE_CPU_LINEAR"
+# Lower bounds of the row-count buckets a form is chosen for (the last: FEW_ROWS rows and more),
+# and the row count the probe times for each.
+ROW_BUCKETS = (1, 2, 4, 8, 16, FEW_ROWS)
+PROBE_ROWS = (1, 3, 6, 12, 24, 128)
+# How much faster than the library's product another few-row form must run in the probe to be
+# taken: a margin, so that a machine near the line does not switch forms (and bits) from one
+# process to the next. oneDNN's form, taken for every row count or none, needs ONEDNN_MARGIN over
+# the few-row forms it replaces (it costs nothing elsewhere: its many-row calls, prefill steps,
+# must stay within TIE of the library's).
+MARGIN = 1.25
+ONEDNN_MARGIN = 1.1
+TIE = 1.1
+
+# The packed copy of a weight rides on the weight tensor itself (its data pointer and version
+# with it): engines sharing a loaded model share the copies, and they go with the weights.
+_PACKED_ATTR = "_asymcache_onednn_packed"
 
 
-def weight_left_wins(library_ms: float, weight_left_ms: float) -> bool:
-    """Whether the probe's times clear :data:`WEIGHT_LEFT_MARGIN` for the weight-left form."""
-    return library_ms >= WEIGHT_LEFT_MARGIN * weight_left_ms
+@functools.cache
+def onednn_available() -> bool:
+    """Whether this torch build runs oneDNN's packed-weight linear op on the CPU."""
+    try:
+        ops = torch.ops.mkldnn
+        return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(
+            ops, "_reorder_linear_weight"
+        )
+    except (AttributeError, RuntimeError):
+        return False
 
 
-def probe_weight_left(rounds: int = 5) -> tuple[float, float]:
-    """Milliseconds a call of ``F.linear`` and of :func:`linear_weight_left` take on this process's
-    BLAS: two rows against a 3,072 x 576 float32 weight (a small model's gate/up projection),
-    four copies cycled (28 MB, past the per-core caches), medians of alternating rounds."""
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` packed into oneDNN's blocked layout, once per weight (and again only if
+    its storage or contents changed since)."""
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(weight, _PACKED_ATTR, None)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        setattr(weight, _PACKED_ATTR, cached)
+    return cached[1]
+
+
+def linear_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by oneDNN on the packed weight (:func:`onednn_weight`), float32.
+
+    NOTE: measured on the machines of 2026-12-06 (AMD EPYC, one and two threads), a row's bits
+    do not depend on how many rows share the call (1 to 600): used for every row count, this
+    form keeps the CPU's linear layers batch-invariant, where the library's product changes
+    bits below four rows.
+
+    Args:
+        x: ``[..., K]`` activations.
+        weight: ``[N, K]``.
+        bias: optional ``[N]``.
+
+    Returns:
+        ``[..., N]``, contiguous.
+    """
+    lead, rows = _as_rows(x)
+    if rows.shape[0] == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), onednn_weight(weight), bias, "none", [], "")
+    return out.reshape(*lead, weight.shape[0])
+
+
+# Each form's op, by name.
+FORM_OPS: dict[str, Callable[..., torch.Tensor]] = {
+    "library": F.linear, "weight-left": linear_weight_left, "onednn": linear_onednn,
+}
+
+
+def pick_form(times_ms: dict[str, float]) -> str:
+    """The fastest of ``times_ms`` (one row count's probe) but oneDNN's, the library's unless
+    another runs at least :data:`MARGIN` times faster."""
+    others = {f: t for f, t in times_ms.items() if f != "onednn"}
+    best = min(others, key=others.__getitem__)
+    return best if others["library"] >= MARGIN * others[best] else "library"
+
+
+def choose_forms(probe: dict[int, dict[str, float]]) -> tuple[str, ...]:
+    """The form of each of :data:`ROW_BUCKETS` from a probe (:func:`probe_forms`).
+
+    oneDNN's form is one for every row count or none (a row's bits then never follow the
+    batch): taken where its few-row calls together run at least :data:`ONEDNN_MARGIN` times
+    faster than the forms :func:`pick_form` would run instead, and its many-row call (prefill
+    steps) within :data:`TIE` of the library's. Otherwise each few-row bucket runs its :func:`pick_form`, and
+    many rows the library's product.
+    """
+    few = PROBE_ROWS[:-1]
+    forms = tuple(pick_form(probe[rows]) for rows in few) + ("library",)
+    if "onednn" in probe[few[0]]:
+        onednn_ms = sum(probe[rows]["onednn"] for rows in few)
+        chosen_ms = sum(probe[rows][form] for rows, form in zip(few, forms, strict=False))
+        many = probe[PROBE_ROWS[-1]]
+        if chosen_ms >= ONEDNN_MARGIN * onednn_ms and many["onednn"] <= TIE * many["library"]:
+            return ("onednn",) * len(ROW_BUCKETS)
+    return forms
+
+
+def probe_forms(threads: int, rounds: int = 3) -> dict[int, dict[str, float]]:
+    """Milliseconds a call of each form takes on this process's machine at :data:`PROBE_ROWS`
+    rows (medians of alternating rounds): a gate/up- and a down-shaped weight (3,072 x 576 and
+    576 x 1,536, a small model's MLP), three copies of each cycled (32 MB, past the per-core
+    caches). The weight-left form only below :data:`FEW_ROWS` rows and on two or more threads
+    (elsewhere it is the library's product).
+
+    Returns:
+        ``{rows: {form: ms}}``.
+    """
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn((3072, 576), generator=gen) for _ in range(4)]
-    x = torch.randn((2, 576), generator=gen)
-    times: dict[str, list[float]] = {"library": [], "weight_left": []}
-    forms = (("library", F.linear), ("weight_left", linear_weight_left))
-    for fn in (F.linear, linear_weight_left):  # warm-up
-        fn(x, weights[0])
-    for _ in range(rounds):
-        for name, fn in forms:
-            start = time.perf_counter()
-            for _ in range(3):
-                for weight in weights:
-                    fn(x, weight)
-            times[name].append((time.perf_counter() - start) / (3 * len(weights)) * 1e3)
-    return statistics.median(times["library"]), statistics.median(times["weight_left"])
+    weights = [torch.randn(shape, generator=gen) for shape in ((3072, 576), (576, 1536)) for _ in range(3)]
+    result: dict[int, dict[str, float]] = {}
+    for rows in PROBE_ROWS:
+        forms = [
+            f for f in FORMS
+            if (f != "weight-left" or (threads >= 2 and rows < FEW_ROWS)) and (f != "onednn" or onednn_available())
+        ]
+        xs = {w.shape[1]: torch.randn((rows, w.shape[1]), generator=gen) for w in weights}
+        times: dict[str, list[float]] = {f: [] for f in forms}
+        for form in forms:  # warm-up (and the packing)
+            for w in weights:
+                FORM_OPS[form](xs[w.shape[1]], w)
+        passes = 2 if rows < FEW_ROWS else 1
+        for r in range(rounds):
+            for form in forms if r % 2 == 0 else reversed(forms):
+                op = FORM_OPS[form]
+                start = time.perf_counter()
+                for _ in range(passes):
+                    for w in weights:
+                        op(xs[w.shape[1]], w)
+                times[form].append((time.perf_counter() - start) / (passes * len(weights)) * 1e3)
+        result[rows] = {f: statistics.median(t) for f, t in times.items()}
+    return result
 
 
 # NOTE: cached per thread count for the process, as a device property is: the BLAS and the
-# machine do not change under a running engine (about 30 ms once).
+# machine do not change under a running engine (~0.6 s once).
 @functools.cache
-def weight_left_pays(threads: int) -> bool:
-    """Whether the weight-left form runs clearly faster than ``F.linear`` on this machine at
-    ``threads`` threads (:func:`probe_weight_left`; never on one thread)."""
-    if threads < 2:
-        return False
-    return weight_left_wins(*probe_weight_left())
+def few_row_forms(threads: int) -> tuple[str, ...]:
+    """The form :func:`linear_cpu` runs for each of :data:`ROW_BUCKETS` at ``threads`` threads:
+    ``ASYMCACHE_CPU_LINEAR``'s where it is set (``weight-left``: below :data:`FEW_ROWS` rows),
+    else :func:`choose_forms` of :func:`probe_forms`.
+
+    Raises:
+        ValueError: ``ASYMCACHE_CPU_LINEAR`` names no form, or ``onednn`` where it is missing.
+    """
+    forced = os.environ.get(FORM_ENV, "").strip()
+    if forced:
+        if forced not in FORMS:
+            raise ValueError(f"{FORM_ENV}: {forced!r} is not one of {', '.join(FORMS)}")
+        if forced == "onednn" and not onednn_available():
+            raise ValueError(f"{FORM_ENV}: this torch build has no oneDNN linear op")
+        return (forced,) * (len(ROW_BUCKETS) - 1) + ("library" if forced == "weight-left" else forced,)
+    return choose_forms(probe_forms(threads))
+
+
+def row_bucket(rows: int) -> int:
+    """The index in :data:`ROW_BUCKETS` of ``rows`` (>= 1)."""
+    index = 0
+    while index + 1 < len(ROW_BUCKETS) and rows >= ROW_BUCKETS[index + 1]:
+        index += 1
+    return index
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU engine's linear op: :func:`linear_weight_left` where :func:`weight_left_pays`,
-    else ``F.linear``."""
-    if weight_left_pays(torch.get_num_threads()):
-        return linear_weight_left(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """The CPU engine's linear op: float32 rows in the form :func:`few_row_forms` chose for
+    their count; other dtypes ``F.linear``."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    form = few_row_forms(torch.get_num_threads())[row_bucket(rows)]
+    return FORM_OPS[form](x, weight, bias)
+
+
+def packed_weight_bytes(module: torch.nn.Module, threads: int) -> int:
+    """Bytes the packed copies of ``module``'s float32 linear weights will take once
+    :func:`linear_cpu` has run them (0 where no row count runs the ``onednn`` form)."""
+    if "onednn" not in few_row_forms(threads):
+        return 0
+    seen: dict[int, int] = {}
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Linear) and sub.weight.dtype == torch.float32:
+            seen[id(sub.weight)] = sub.weight.numel() * sub.weight.element_size()
+    return sum(seen.values())

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import linear_cpu, weight_left_pays
+from kernels.cpu_linear import few_row_forms, linear_cpu
 from kernels.metadata import MSAMetadata
 from kernels.reference import (
     msa_naive,
@@ -144,8 +144,8 @@ class DenseOps:
 
 
 DEFAULT_DENSE_OPS = DenseOps("default", F.linear, _rms_norm_torch)
-# NOTE: the CPU's few-row products run with the weight as the left operand where a probe of the
-# BLAS finds that clearly faster (1.1-3x on one machine, 2-3x slower on another: kernels/cpu_linear.py).
+# NOTE: the CPU's few-row products run in the form a probe of the machine finds clearly faster
+# (the weight as the left operand, or oneDNN on a packed weight: kernels/cpu_linear.py).
 CPU_DENSE_OPS = DenseOps("default", linear_cpu, _rms_norm_torch)
 
 
@@ -156,7 +156,7 @@ def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) 
     if not batch_invariant:
         if device.type != "cpu":
             return DEFAULT_DENSE_OPS
-        weight_left_pays(torch.get_num_threads())  # the BLAS probe now, not in the first step
+        few_row_forms(torch.get_num_threads())  # the BLAS probe now, not in the first step
         return CPU_DENSE_OPS
     if device.type == "cuda":
         if not triton_available(device):

@@ -1,18 +1,19 @@
-"""The CPU's few-row linear op against ``F.linear``, on a model's own weight shapes.
+"""The CPU's few-row linear forms against ``F.linear``, on a model's own weight shapes.
 
-``python scripts/bench_cpu_linear.py [--rows 1,2,4,8,16,32,64,128] [--rounds 5] [--engine 1,16]``
+``python scripts/bench_cpu_linear.py [--rows 1,2,3,4,8,16,32] [--rounds 5] [--engine 1,3,8,16]``
 times, per row count and projection of SmolLM2-135M (the embedded default: fused q/k/v, o, fused
-gate/up, down, the tied LM head), ``F.linear(x, w)`` (what transformers and the engine ran
-before) and :func:`kernels.cpu_linear.linear_weight_left` (the engine's CPU op where
-:func:`kernels.cpu_linear.weight_left_pays`; the script prints the probe's times and choice).
-The weights are cycled through copies that together exceed the last-level cache many times, so
-that each call reads its weight from memory as a decode step does. Medians of alternating
-rounds, the ratio, and whether the two give the same bits.
+gate/up, down, the tied LM head), each form of :mod:`kernels.cpu_linear`: ``F.linear(x, w)``
+(what transformers runs), the weight-left product, and oneDNN's product on a weight packed once
+(the weight-left form only on two or more threads). The weights are cycled through copies that
+together exceed the last-level cache many times, so that each call reads its weight from memory
+as a decode step does. Medians of alternating rounds, as GB/s of weights read, and each form's
+speed-up over ``F.linear``. The script first prints the engine's probe and the form it picks
+for each row count (:func:`kernels.cpu_linear.few_row_forms`).
 
 ``--engine B,...``: then one engine on the packaged SmolLM2-135M (fp32) decodes 32 greedy tokens
-for a batch of ``B`` 128-token random prompts with either op (the backend's dense ops swapped
-between rounds, which alternate), and prints the median decode step and whether both ops gave
-the same tokens. CPU only.
+for a batch of ``B`` 128-token random prompts with ``F.linear`` and with the engine's op (the
+backend's dense ops swapped between rounds, which alternate), and prints the median decode step
+and whether both gave the same tokens. CPU only.
 """
 
 from __future__ import annotations
@@ -23,9 +24,17 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from kernels.cpu_linear import linear_weight_left, probe_weight_left, weight_left_wins
+from kernels.cpu_linear import (
+    FORM_OPS,
+    FORMS,
+    PROBE_ROWS,
+    few_row_forms,
+    onednn_available,
+    onednn_weight,
+    pick_form,
+    probe_forms,
+)
 
 # (name, N, K) of SmolLM2-135M: hidden 576, 9 q and 3 KV heads of 64, MLP 1536, vocab 49152.
 SHAPES = (
@@ -35,7 +44,7 @@ SHAPES = (
     ("down", 576, 1536),
     ("lm head", 49152, 576),
 )
-COLD_BYTES = 400e6  # weights cycled per timing: >10x the 32 MB L3 of the machine measured
+COLD_BYTES = 400e6  # weights cycled per timing: >10x the 32 MB L3 of the machines measured
 
 
 def _time_calls(calls: list[Callable[[], torch.Tensor]], passes: int = 2) -> float:
@@ -47,7 +56,7 @@ def _time_calls(calls: list[Callable[[], torch.Tensor]], passes: int = 2) -> flo
 
 
 def time_engine(batches: list[int], rounds: int) -> None:
-    """Decode steps of one engine with ``F.linear`` and with the weight-left op, alternating."""
+    """Decode steps of one engine with ``F.linear`` and with the engine's own op, alternating."""
     import dataclasses
 
     from asymcache_core import Engine, SamplingParams
@@ -56,13 +65,12 @@ def time_engine(batches: list[int], rounds: int) -> None:
     from kernels.dispatch import CPU_DENSE_OPS, DEFAULT_DENSE_OPS
 
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32, 0)
-    print(f"{'batch':>5} {'F.linear step ms':>17} {'weight-left step ms':>20} {'speed-up':>9} {'tokens equal':>13}")
+    print(f"{'batch':>5} {'F.linear step ms':>17} {'engine op step ms':>18} {'speed-up':>9} {'tokens equal':>13}")
     for batch in batches:
         prompts = _prompts(batch, 128, loaded.config.vocab_size, 0)
         engine = Engine(model=loaded.name, loaded=loaded, num_kv_blocks=batch * 12 + 64, max_num_batched_tokens=4096)
         ours = engine.runner.backend
-        weight_left = dataclasses.replace(CPU_DENSE_OPS, linear=linear_weight_left)
-        arms = {"F.linear": dataclasses.replace(ours, dense=DEFAULT_DENSE_OPS), "weight-left": dataclasses.replace(ours, dense=weight_left)}
+        arms = {"F.linear": dataclasses.replace(ours, dense=DEFAULT_DENSE_OPS), "engine": dataclasses.replace(ours, dense=CPU_DENSE_OPS)}
         steps: dict[str, list[float]] = {name: [] for name in arms}
         tokens: dict[str, list[list[int]]] = {}
         for r in range(rounds):
@@ -78,41 +86,49 @@ def time_engine(batches: list[int], rounds: int) -> None:
                     count += 1
                 steps[name].append((time.perf_counter() - start) / count * 1e3)
                 tokens[name] = [list(outs[i].token_ids) for i in ids]
-        base, new = statistics.median(steps["F.linear"]), statistics.median(steps["weight-left"])
-        same = tokens["F.linear"] == tokens["weight-left"]
-        print(f"{batch:>5} {base:>17.1f} {new:>20.1f} {base / new:>8.2f}x {str(same):>13}", flush=True)
+        base, new = statistics.median(steps["F.linear"]), statistics.median(steps["engine"])
+        same = tokens["F.linear"] == tokens["engine"]
+        print(f"{batch:>5} {base:>17.1f} {new:>18.1f} {base / new:>8.2f}x {str(same):>13}", flush=True)
         engine.runner.backend = ours
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--rows", default="1,2,3,4,8,16,32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-lm-head-rows", type=int, default=16, help="the engine's LM head sees the sampled rows only")
     parser.add_argument("--engine", default="", help="batch sizes of the engine's decode A/B (none: skipped)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, float32, weights read from memory")
-    library_ms, left_ms = probe_weight_left()
-    print(f"# the engine's probe: F.linear {library_ms:.3f} ms, weight-left {left_ms:.3f} ms at 2 rows of a 3072 x 576"
-          f" weight: {'weight-left' if weight_left_wins(library_ms, left_ms) else 'F.linear'}")
-    print(f"{'rows':>5} {'projection':<9} {'F.linear ms':>12} {'weight-left ms':>15} {'speed-up':>9} {'same bits':>10}")
+    threads = torch.get_num_threads()
+    print(f"# torch {torch.__version__}, {threads} threads, float32, weights read from memory")
+    probe = probe_forms(threads)
+    for rows in PROBE_ROWS:
+        times = ", ".join(f"{f} {ms:.3f}" for f, ms in probe[rows].items())
+        print(f"# probe at {rows} rows (ms a call): {times} -> {pick_form(probe[rows])}")
+    print(f"# the engine's forms by row bucket: {few_row_forms(threads)}")
+    forms = [f for f in FORMS if (f != "weight-left" or threads >= 2) and (f != "onednn" or onednn_available())]
+    print(f"{'rows':>5} {'projection':<9} " + " ".join(f"{f + ' GB/s':>16}" for f in forms)
+          + " " + " ".join(f"{f + ' x':>14}" for f in forms[1:]))
     for num in (int(r) for r in args.rows.split(",")):
         for name, n, k in SHAPES:
             if name == "lm head" and num > args.max_lm_head_rows:
                 continue
             copies = max(2, int(COLD_BYTES // (n * k * 4)))
             weights = [torch.randn(n, k) for _ in range(copies)]
+            if "onednn" in forms:
+                for w in weights:
+                    onednn_weight(w)  # packed once, as the engine's weights are
             x = torch.randn(num, k)
-            library = [lambda w=w, x=x: F.linear(x, w) for w in weights]
-            ours = [lambda w=w, x=x: linear_weight_left(x, w) for w in weights]
-            a, b = [], []
-            for _ in range(args.rounds):
-                a.append(_time_calls(library))
-                b.append(_time_calls(ours))
-            base, new = statistics.median(a), statistics.median(b)
-            same = torch.equal(F.linear(x, weights[0]), linear_weight_left(x, weights[0]))
-            print(f"{num:>5} {name:<9} {base:>12.3f} {new:>15.3f} {base / new:>8.2f}x {str(same):>10}", flush=True)
+            calls = {f: [lambda w=w, x=x, op=FORM_OPS[f]: op(x, w) for w in weights] for f in forms}
+            times: dict[str, list[float]] = {f: [] for f in forms}
+            for r in range(args.rounds):
+                for f in forms if r % 2 == 0 else reversed(forms):
+                    times[f].append(_time_calls(calls[f]))
+            ms = {f: statistics.median(t) for f, t in times.items()}
+            gbs = {f: n * k * 4 / (ms[f] * 1e-3) / 1e9 for f in forms}
+            print(f"{num:>5} {name:<9} " + " ".join(f"{gbs[f]:>16.1f}" for f in forms)
+                  + " " + " ".join(f"{ms['library'] / ms[f]:>13.2f}x" for f in forms[1:]), flush=True)
             del weights
     if args.engine:
         time_engine([int(b) for b in args.engine.split(",")], max(args.rounds, 2))

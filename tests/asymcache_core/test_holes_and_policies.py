@@ -238,16 +238,18 @@ def test_job_admission_runs_older_jobs_first_and_stays_lossless(smollm):
 
 
 def test_lossless_under_pressure_on_two_threads(smollm, monkeypatch):
-    """The CPU's few-row linear op (:mod:`kernels.cpu_linear`) takes its own path only on two or
-    more threads, and the test workers run one: the script under eviction, on two threads,
-    gives the tokens of an unbounded pool on two threads (three sessions, two turns: the
-    script's first half, on a pool of 8 blocks where three prompts need ~15). The weight-left
-    form is taken whatever this machine's probe says, so that its path is the one checked."""
+    """The CPU's few-row linear op (:mod:`kernels.cpu_linear`) takes its weight-left form only on
+    two or more threads, and the test workers run one: the script under eviction, on two
+    threads, gives the tokens of an unbounded pool on two threads (three sessions, two turns:
+    the script's first half, on a pool of 8 blocks where three prompts need ~15). The
+    weight-left form is taken whatever this machine's probe says, so that its path is the one
+    checked (the other tests run the probe's choice)."""
     import torch
 
     from kernels import cpu_linear
 
-    monkeypatch.setattr(cpu_linear, "weight_left_pays", lambda threads: threads >= 2)
+    forms = ("weight-left",) * (len(cpu_linear.ROW_BUCKETS) - 1) + ("library",)
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: forms)
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -259,3 +261,19 @@ def test_lossless_under_pressure_on_two_threads(smollm, monkeypatch):
         engine.check_integrity()
     finally:
         torch.set_num_threads(saved)
+
+
+def test_lossless_under_pressure_with_onednn_for_every_row_count(smollm, monkeypatch):
+    """oneDNN's packed-weight product for every row count (:mod:`kernels.cpu_linear`; what the
+    probe picks where it wins), whatever this machine's probe says: the script's first half
+    under eviction gives the tokens of an unbounded pool."""
+    from kernels import cpu_linear
+
+    if not cpu_linear.onednn_available():
+        pytest.skip("this torch build has no oneDNN linear op")
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("onednn",) * len(cpu_linear.ROW_BUCKETS))
+    expected = run_script(make_engine(smollm, clock=StepClock()), 3, 2)
+    engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=8, eviction_policy="asymcache")
+    assert run_script(engine, 3, 2) == expected
+    assert engine.stats().evictions_total > 0
+    engine.check_integrity()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asymcache_core import Engine, EngineConfig
 from asymcache_core.loaders import resolve_hf_config
@@ -75,9 +76,30 @@ def test_real_cpu_engine_measures_its_weights(smollm):
     engine = make_engine(smollm, num_kv_blocks=None, gpu_memory_utilization=0.9, device_memory_gib=2.0)
     plan = engine.memory_plan
     assert plan is not None and plan.num_blocks == engine.num_blocks > 0
+    from kernels.cpu_linear import packed_weight_bytes
+
     weights = sum(p.numel() * p.element_size() for p in smollm.model.parameters())
-    assert plan.weight_bytes == weights
+    # with the packed copies of the few-row op where it runs oneDNN's form (kernels/cpu_linear.py)
+    assert plan.weight_bytes == weights + packed_weight_bytes(smollm.model, torch.get_num_threads())
     assert plan.activation_bytes == activation_reserve_bytes(
         engine.model_config, max_num_batched_tokens=engine.config.max_num_batched_tokens,
         max_num_seqs=engine.config.max_num_seqs, dtype_bytes=4, runtime_overhead_bytes=0,
     )
+
+
+def test_a_cpu_plan_counts_the_packed_weight_copies_of_the_few_row_op(monkeypatch):
+    from asymcache_core.memory_budget import plan_for_device
+    from kernels import cpu_linear
+
+    model = llama8b()
+    weights = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))
+    kwargs = dict(gpu_memory_utilization=0.9, device=torch.device("cpu"), block_size=16, dtype_bytes=4,
+                  max_num_batched_tokens=256, max_num_seqs=8, weights=weights, device_memory_bytes=64 * GIB)
+    params = sum(p.numel() * 4 for p in weights.parameters())
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("library",) * len(cpu_linear.ROW_BUCKETS))
+    plain = plan_for_device(model, **kwargs)
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("onednn",) * len(cpu_linear.ROW_BUCKETS))
+    packed = plan_for_device(model, **kwargs)
+    assert plain.weight_bytes == params
+    assert packed.weight_bytes == params + 2 * 1024 * 2048 * 4  # each linear weight a second time
+    assert packed.num_blocks < plain.num_blocks

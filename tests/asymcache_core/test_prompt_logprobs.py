@@ -179,11 +179,11 @@ def test_prompt_logprobs_on_the_gpu_async_chunked_and_not_agree() -> None:
 def test_prompt_rows_through_the_head_in_slices_give_the_same_entries(smollm, monkeypatch):
     # NOTE: the prompt rows' logits are computed a slice at a time; slices of 7 rows (a prompt
     # of 106 rows in 16 slices, the last one short) give the entries of a single slice. The
-    # CPU's linear op is pinned to F.linear: where a timing probe picks the weight-left form
-    # for few rows (kernels/cpu_linear.py), a 7-row slice's bits differ from a 106-row one's
+    # CPU's linear op is pinned to F.linear: where a timing probe picks another form for few
+    # rows (kernels/cpu_linear.py), a 7-row slice's bits differ from a 106-row one's
     # by rounding (1.1e-5 in a log probability on an AMD EPYC), and the probe's pick follows
     # the machine's load, so the test would too
-    monkeypatch.setattr(cpu_linear, "weight_left_pays", lambda threads: False)
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("library",) * len(cpu_linear.ROW_BUCKETS))
     (whole,) = make_engine(smollm).generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=4))
     monkeypatch.setattr(logprobs, "PROMPT_LOGITS_SLICE", 7)
     (sliced,) = make_engine(smollm).generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=4))

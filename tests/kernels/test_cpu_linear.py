@@ -1,5 +1,7 @@
-"""The CPU's few-row linear op (:mod:`kernels.cpu_linear`): the same products as ``F.linear``
-at every row count, shape and dtype, and the op the CPU engine's dispatch picks."""
+"""The CPU's few-row linear op (:mod:`kernels.cpu_linear`): each form (weight-left, oneDNN on a
+packed weight) the same products as ``F.linear`` at every row count, shape and dtype; the form
+each row count runs, as the probe or ``ASYMCACHE_CPU_LINEAR`` chose it; and the op the CPU
+engine's dispatch picks."""
 
 from __future__ import annotations
 
@@ -7,14 +9,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_linear
 from kernels.batch_invariant import linear_naive
 from kernels.cpu_linear import (
     FEW_ROWS,
+    FORM_ENV,
+    ROW_BUCKETS,
+    choose_forms,
+    few_row_forms,
     linear_cpu,
+    linear_onednn,
     linear_weight_left,
-    probe_weight_left,
-    weight_left_pays,
-    weight_left_wins,
+    onednn_available,
+    onednn_weight,
+    packed_weight_bytes,
+    pick_form,
+    probe_forms,
+    row_bucket,
 )
 from kernels.dispatch import (
     CPU_DENSE_OPS,
@@ -79,28 +90,145 @@ def test_weight_left_is_the_library_on_one_thread() -> None:
     assert torch.equal(two, (weight @ x.T).T)  # on two threads: the weight-left product
 
 
-def test_the_cpu_engine_runs_the_weight_left_op_where_the_probe_finds_it_faster(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from kernels import cpu_linear
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear op")
 
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, FEW_ROWS - 1, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_matches_the_float64_product(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(100 + rows)
+    weight = torch.randn((960, 576), generator=gen) / 24
+    bias = torch.randn(960, generator=gen) if with_bias else None
+    x = torch.randn((rows, 576), generator=gen)
+    out = linear_onednn(x, weight, bias)
+    assert out.shape == (rows, 960) and out.is_contiguous() and out.dtype == torch.float32
+    ref = linear_naive(x.double(), weight.double(), None if bias is None else bias.double())
+    assert float((out.double() - ref).abs().max()) < 1e-4
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_onednn_keeps_leading_dims_strided_input_and_other_dtypes() -> None:
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn((192, 64), generator=gen)
+    x = torch.randn((2, 3, 128), generator=gen)[..., ::2]  # [2, 3, 64], last dim strided
+    out = linear_onednn(x, weight)
+    assert out.shape == (2, 3, 192)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert linear_onednn(x[:0], weight).shape == (0, 3, 192)
+    xb, wb = x.bfloat16(), weight.bfloat16()
+    assert torch.equal(linear_onednn(xb, wb), F.linear(xb, wb))  # not float32: the library's
+
+
+@needs_onednn
+def test_a_weight_is_packed_once_and_again_after_it_changes() -> None:
+    gen = torch.Generator().manual_seed(8)
+    weight, x = torch.randn((256, 128), generator=gen), torch.randn((3, 128), generator=gen)
+    first = onednn_weight(weight)
+    assert onednn_weight(weight) is first  # cached on the tensor: engines sharing weights share it
+    before = linear_onednn(x, weight)
+    with torch.no_grad():
+        weight.mul_(2.0)  # in place: a new version of the same storage
+    assert onednn_weight(weight) is not first
+    torch.testing.assert_close(linear_onednn(x, weight), 2.0 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_each_row_count_runs_the_form_chosen_for_its_bucket(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert [row_bucket(r) for r in (1, 2, 3, 4, 7, 8, 15, 16, FEW_ROWS - 1, FEW_ROWS, 500)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn((3072, 576), generator=gen)
+    forms = [f for f in cpu_linear.FORMS if f != "onednn" or onednn_available()]
+    for rows in (1, 2, 5, 9, 20, 40):
+        x = torch.randn((rows, 576), generator=gen)
+        outputs = {f: cpu_linear.FORM_OPS[f](x, weight) for f in forms}
+        for form in forms:
+            chosen = ["library"] * len(ROW_BUCKETS)
+            chosen[row_bucket(rows)] = form
+            monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads, c=tuple(chosen): c)
+            assert torch.equal(linear_cpu(x, weight), outputs[form]), (rows, form)
+    # other dtypes and empty inputs are the library's whatever the choice
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("onednn",) * len(ROW_BUCKETS))
+    x = torch.randn((2, 576), generator=gen)
+    assert torch.equal(linear_cpu(x.bfloat16(), weight.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
+    assert linear_cpu(x[:0], weight).shape == (0, 3072)
+
+
+def test_the_cpu_engine_runs_the_few_row_op() -> None:
     assert select_dense_ops("cpu") is CPU_DENSE_OPS and CPU_DENSE_OPS.linear is linear_cpu
     assert select_dense_ops("meta") is DEFAULT_DENSE_OPS
     for preference in ("torch", "naive"):
         assert select_attention_backend("cpu", preference, torch.float32).dense is CPU_DENSE_OPS
     # the batch-invariant mode keeps its padded op (a row's bits must not follow the batch)
     assert select_attention_backend("cpu", "torch", torch.float32, batch_invariant=True).dense.linear is not linear_cpu
-    # the op follows the probe's answer: rows where the two forms give other bits tell them apart
-    gen = torch.Generator().manual_seed(6)
-    weight, x = torch.randn((3072, 576), generator=gen), torch.randn((2, 576), generator=gen)
-    left, library = linear_weight_left(x, weight), F.linear(x, weight)
-    assert not torch.equal(left, library)
-    for pays, expected in ((True, left), (False, library)):
-        monkeypatch.setattr(cpu_linear, "weight_left_pays", lambda threads, pays=pays: pays)
-        assert torch.equal(linear_cpu(x, weight), expected)
 
 
-def test_the_probe_takes_the_weight_left_form_only_past_its_margin() -> None:
-    assert weight_left_wins(1.0, 0.5) and weight_left_wins(1.25, 1.0)
-    assert not weight_left_wins(1.2, 1.0) and not weight_left_wins(0.3, 0.8)
-    library_ms, left_ms = probe_weight_left(rounds=1)
-    assert library_ms > 0 and left_ms > 0
-    assert not weight_left_pays(1)  # one thread: never probed, never taken
+def test_another_form_is_taken_only_past_the_margin() -> None:
+    assert pick_form({"library": 1.0, "weight-left": 0.5}) == "weight-left"
+    assert pick_form({"library": 1.0, "weight-left": 0.9, "onednn": 0.1}) == "library"  # oneDNN: all or none
+    assert pick_form({"library": 1.2, "weight-left": 1.0}) == "library"
+    assert pick_form({"library": 0.3, "weight-left": 0.8}) == "library"
+
+
+def _probe(few: dict[str, float], many: dict[str, float]) -> dict[int, dict[str, float]]:
+    return {rows: dict(few if rows < FEW_ROWS else many) for rows in cpu_linear.PROBE_ROWS}
+
+
+def test_onednn_is_taken_for_every_row_count_or_none() -> None:
+    # clearly faster at few rows and as fast at many: every bucket, many rows included
+    both = _probe({"library": 1.0, "weight-left": 0.9, "onednn": 0.5}, {"library": 4.0, "onednn": 4.2})
+    assert choose_forms(both) == ("onednn",) * len(ROW_BUCKETS)
+    # slower at many rows (prefill steps): none, the few-row buckets pick among the others
+    slow_many = _probe({"library": 1.0, "weight-left": 0.5, "onednn": 0.3}, {"library": 4.0, "onednn": 5.0})
+    assert choose_forms(slow_many) == ("weight-left",) * (len(ROW_BUCKETS) - 1) + ("library",)
+    # not clearly faster than what the few rows would run instead
+    close = _probe({"library": 1.0, "onednn": 0.95}, {"library": 4.0, "onednn": 4.0})
+    assert choose_forms(close) == ("library",) * len(ROW_BUCKETS)
+    # a machine without oneDNN's op
+    assert choose_forms(_probe({"library": 1.0}, {"library": 4.0})) == ("library",) * len(ROW_BUCKETS)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_probe_times_every_form_that_can_run(threads: int) -> None:
+    probe = probe_forms(threads, rounds=1)
+    assert sorted(probe) == sorted(cpu_linear.PROBE_ROWS)
+    onednn = {"onednn"} if onednn_available() else set()
+    for rows, times in probe.items():
+        left = {"weight-left"} if threads >= 2 and rows < FEW_ROWS else set()
+        assert set(times) == {"library"} | left | onednn and all(t > 0 for t in times.values())
+
+
+@pytest.fixture
+def fresh_forms(monkeypatch):  # type: ignore[no-untyped-def]
+    """``few_row_forms`` with an empty cache, and emptied again after the test."""
+    few_row_forms.cache_clear()
+    yield monkeypatch
+    few_row_forms.cache_clear()
+
+
+def test_the_env_variable_sets_one_form_for_every_row_count(fresh_forms) -> None:  # type: ignore[no-untyped-def]
+    fresh_forms.setenv(FORM_ENV, "library")
+    assert few_row_forms(2) == ("library",) * len(ROW_BUCKETS)
+    few_row_forms.cache_clear()
+    fresh_forms.setenv(FORM_ENV, "weight-left")  # below FEW_ROWS rows: from there it is the library's
+    assert few_row_forms(2) == ("weight-left",) * (len(ROW_BUCKETS) - 1) + ("library",)
+    few_row_forms.cache_clear()
+    fresh_forms.setenv(FORM_ENV, "fastest")
+    with pytest.raises(ValueError, match=FORM_ENV):
+        few_row_forms(2)
+    few_row_forms.cache_clear()
+    fresh_forms.setenv(FORM_ENV, "onednn")
+    if onednn_available():
+        assert few_row_forms(1) == ("onednn",) * len(ROW_BUCKETS)
+    else:
+        with pytest.raises(ValueError, match="oneDNN"):
+            few_row_forms(1)
+
+
+def test_the_packed_copies_are_counted_once_a_weight_where_onednn_runs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model = torch.nn.ModuleList([torch.nn.Linear(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)])
+    model[2].weight = model[0].weight  # shared by two layers, as a tied head is: packed once
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("library",) * len(ROW_BUCKETS))
+    assert packed_weight_bytes(model, 1) == 0
+    monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("onednn",) * len(ROW_BUCKETS))
+    assert packed_weight_bytes(model, 1) == 2 * 64 * 32 * 4
