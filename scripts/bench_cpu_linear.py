@@ -105,7 +105,7 @@ def main() -> None:
     probe = probe_forms(threads)
     for rows in PROBE_ROWS:
         times = ", ".join(f"{f} {ms:.3f}" for f, ms in probe[rows].items())
-        print(f"# probe at {rows} rows (ms a call): {times} -> {pick_form(probe[rows])}")
+        print(f"# probe at {rows} rows (ms a call): {times}; fastest of the others: {pick_form(probe[rows])}")
     print(f"# the engine's forms by row bucket: {few_row_forms(threads)}")
     forms = [f for f in FORMS if (f != "weight-left" or threads >= 2) and (f != "onednn" or onednn_available())]
     print(f"{'rows':>5} {'projection':<9} " + " ".join(f"{f + ' GB/s':>16}" for f in forms)
