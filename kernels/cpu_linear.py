@@ -1,6 +1,6 @@
-"""The CPU's linear op for a few rows: the library's product, the weight as the GEMM's left
-operand, or oneDNN's product on a weight packed once into its blocked layout, whichever a probe
-of this process's machine finds fastest at each row count.
+"""The CPU's linear op: the library's product, the weight as the GEMM's left operand, or
+oneDNN's product on a weight packed once into its blocked layout, whichever a probe of this
+process's machine finds fastest.
 
 ``F.linear(x, w)`` computes ``x [M, K] @ w[N, K]^T``. With a few rows (a decode step's batch)
 MKL's GEMM re-packs the whole weight on every call and, on some machines, takes a slow path:
@@ -76,7 +76,6 @@ def linear_weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
-
 
 
 # The forms of the product, and the env variable that forces one of them.
