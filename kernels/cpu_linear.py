@@ -27,16 +27,22 @@ mode keeps its own op, :func:`kernels.batch_invariant.linear_padded`).
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
+import json
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kernels.batch_invariant import _as_rows
+from kernels.cache_paths import cache_dir
 
 # Row counts from which F.linear already runs the blocked kernel the transposed form runs:
 # measured equal in bits and time from 32 rows (bench_cpu_linear.py prints both).
@@ -216,13 +222,92 @@ def probe_forms(threads: int, rounds: int = 3) -> dict[int, dict[str, float]]:
     return result
 
 
+# The file in the cache folder that keeps each machine's probed forms.
+STORE_NAME = "cpu-linear.json"
+
+
+def machine_key(threads: int) -> str:
+    """What decides the probe's answer besides noise: torch's build, the CPU (its model and
+    instruction sets), the cores and the threads."""
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and not model:
+                model = value.strip()
+            elif name.strip() == "flags" and not flags:
+                flags = hashlib.sha256(value.strip().encode()).hexdigest()[:16]
+    except OSError:
+        model = platform.processor()
+    key = {"torch": torch.__version__, "cpu": model, "flags": flags, "cores": os.cpu_count(), "threads": threads}
+    return json.dumps(key, sort_keys=True)
+
+
+def _valid_forms(forms: object) -> bool:
+    return (
+        isinstance(forms, list) and len(forms) == len(ROW_BUCKETS) and all(f in FORMS for f in forms)
+        and ("onednn" not in forms or onednn_available())
+    )
+
+
+def stored_forms(threads: int, store: Path | None) -> tuple[str, ...]:
+    """The forms ``store`` (a JSON file) keeps for this machine (:func:`machine_key`), else
+    :func:`choose_forms` of a :func:`probe_forms`, then kept there.
+
+    NOTE: kept so that every process on a machine runs the same forms (the same bits) and
+    probes once: a probe near its thresholds could answer differently from one process to the
+    next. Processes starting together take a lock, so one probes and the others read. A store
+    that cannot be read is probed over; one that cannot be written costs a probe per process.
+    """
+    key = machine_key(threads)
+    lock_file = None
+    try:
+        if store is not None:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            lock_file = open(store.with_suffix(".lock"), "w")  # held across the probe
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+    except OSError:
+        lock_file = None
+    try:
+        data = _read_store(store)
+        if _valid_forms(data.get(key)):
+            return tuple(data[key])
+        forms = choose_forms(probe_forms(threads))
+        if store is not None:
+            data[key] = list(forms)
+            _write_store(store, data)
+        return forms
+    finally:
+        if lock_file is not None:
+            lock_file.close()
+
+
+def _read_store(store: Path | None) -> dict[str, object]:
+    if store is None:
+        return {}
+    try:
+        data = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_store(store: Path, data: dict[str, object]) -> None:
+    try:
+        tmp = store.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(store)
+    except OSError:
+        pass
+
+
 # NOTE: cached per thread count for the process, as a device property is: the BLAS and the
-# machine do not change under a running engine (~1 s once).
+# machine do not change under a running engine (a probe of ~1 s once a machine).
 @functools.cache
 def few_row_forms(threads: int) -> tuple[str, ...]:
     """The form :func:`linear_cpu` runs for each of :data:`ROW_BUCKETS` at ``threads`` threads:
     ``ASYMCACHE_CPU_LINEAR``'s where it is set (``weight-left``: below :data:`FEW_ROWS` rows),
-    else :func:`choose_forms` of :func:`probe_forms`.
+    else those kept for this machine in the cache folder (:func:`stored_forms`).
 
     Raises:
         ValueError: ``ASYMCACHE_CPU_LINEAR`` names no form, or ``onednn`` where it is missing.
@@ -234,7 +319,7 @@ def few_row_forms(threads: int) -> tuple[str, ...]:
         if forced == "onednn" and not onednn_available():
             raise ValueError(f"{FORM_ENV}: this torch build has no oneDNN linear op")
         return (forced,) * (len(ROW_BUCKETS) - 1) + ("library" if forced == "weight-left" else forced,)
-    return choose_forms(probe_forms(threads))
+    return stored_forms(threads, cache_dir() / STORE_NAME)
 
 
 def row_bucket(rows: int) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import zlib
@@ -32,27 +31,18 @@ from typing import Any
 
 import torch
 
+# NOTE: the cache folder is found in kernels (the bottom of the stack), re-exported here.
+from kernels.cache_paths import CACHE_ENV as CACHE_ENV
+from kernels.cache_paths import cache_dir as cache_dir
+
 logger = logging.getLogger("asymcache_core.loaders")
 
-#: Environment variable naming the cache folder (it wins over ``XDG_CACHE_HOME``).
-CACHE_ENV = "ASYMCACHE_CACHE_DIR"
 #: Bumped whenever the layout or the conversion changes: older entries are then ignored.
 FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 _WEIGHTS = "weights.safetensors"
 _ALIASES = "aliases.json"
 _CHUNK = 1 << 24
-
-
-def cache_dir() -> Path:
-    """The cache folder: ``$ASYMCACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/asymcache``, else
-    ``~/.cache/asymcache``."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "asymcache"
 
 
 def _digest(value: Any) -> str:

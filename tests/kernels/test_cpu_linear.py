@@ -5,6 +5,8 @@ engine's dispatch picks."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -232,3 +234,36 @@ def test_the_packed_copies_are_counted_once_a_weight_where_onednn_runs(monkeypat
     assert packed_weight_bytes(model, 1) == 0
     monkeypatch.setattr(cpu_linear, "few_row_forms", lambda threads: ("onednn",) * len(ROW_BUCKETS))
     assert packed_weight_bytes(model, 1) == 2 * 64 * 32 * 4
+
+
+def test_a_machines_forms_are_probed_once_and_kept(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    probes: list[int] = []
+
+    def fake_probe(threads: int, rounds: int = 3) -> dict[int, dict[str, float]]:
+        probes.append(threads)
+        return _probe({"library": 1.0, "weight-left": 0.5}, {"library": 4.0})
+
+    monkeypatch.setattr(cpu_linear, "probe_forms", fake_probe)
+    store = tmp_path / "cache" / cpu_linear.STORE_NAME
+    expected = ("weight-left",) * (len(ROW_BUCKETS) - 1) + ("library",)
+    assert cpu_linear.stored_forms(2, store) == expected and probes == [2]
+    assert cpu_linear.stored_forms(2, store) == expected and probes == [2]  # read back, not probed
+    assert cpu_linear.stored_forms(1, store) == expected and probes == [2, 1]  # another thread count
+    # a store that names no form, or cannot be parsed, is probed over
+    data = json.loads(store.read_text())
+    data[cpu_linear.machine_key(2)] = ["fastest"] * len(ROW_BUCKETS)
+    store.write_text(json.dumps(data))
+    assert cpu_linear.stored_forms(2, store) == expected and probes == [2, 1, 2]
+    store.write_text("{not json")
+    assert cpu_linear.stored_forms(2, store) == expected and probes == [2, 1, 2, 2]
+    # no store: a probe every call
+    assert cpu_linear.stored_forms(2, None) == expected and probes == [2, 1, 2, 2, 2]
+
+
+def test_few_row_forms_keep_the_probe_in_the_cache_folder(fresh_forms, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fresh_forms.delenv(FORM_ENV, raising=False)
+    fresh_forms.setenv("ASYMCACHE_CACHE_DIR", str(tmp_path))
+    fresh_forms.setattr(cpu_linear, "probe_forms", lambda threads, rounds=3: _probe({"library": 1.0}, {"library": 4.0}))
+    assert few_row_forms(2) == ("library",) * len(ROW_BUCKETS)
+    kept = json.loads((tmp_path / cpu_linear.STORE_NAME).read_text())
+    assert kept == {cpu_linear.machine_key(2): ["library"] * len(ROW_BUCKETS)}
