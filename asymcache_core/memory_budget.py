@@ -181,8 +181,8 @@ def plan_for_device(
     if weights is not None and device.type == "cpu":
         from kernels.cpu_linear import packed_weight_bytes
 
-        # NOTE: the CPU's few-row products may read oneDNN's packed copies of the linear
-        # weights, made at their first call: memory the weights take a second time.
+        # NOTE: the CPU's linear op may read oneDNN's packed copies of the linear weights,
+        # made at their first call: memory the weights take a second time.
         weight_bytes = (weight_bytes or 0) + packed_weight_bytes(weights, torch.get_num_threads())
     return plan_kv_pool(
         model, gpu_memory_utilization=gpu_memory_utilization, total_bytes=total, block_size=block_size,

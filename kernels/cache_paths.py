@@ -5,6 +5,7 @@ that every package can find it."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,4 +24,31 @@ def cache_dir() -> Path:
     return base / "asymcache"
 
 
-__all__ = ["CACHE_ENV", "cache_dir"]
+def read_json_store(store: Path | None) -> dict:
+    """The JSON object in ``store``; ``{}`` where there is none, or it cannot be read or parsed
+    (the caller then computes again what it would have read)."""
+    if store is None:
+        return {}
+    try:
+        data = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json_store(store: Path, data: dict) -> None:
+    """Writes ``data`` to ``store`` atomically (a temporary file renamed into place).
+
+    NOTE: a failure (a read-only home) is ignored: it costs the caller its computation again in
+    the next process, nothing else.
+    """
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(store)
+    except OSError:
+        pass
+
+
+__all__ = ["CACHE_ENV", "cache_dir", "read_json_store", "write_json_store"]

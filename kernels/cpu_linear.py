@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.batch_invariant import _as_rows
-from kernels.cache_paths import cache_dir
+from kernels.cache_paths import cache_dir, read_json_store, write_json_store
 
 # Row counts from which F.linear already runs the blocked kernel the transposed form runs:
 # measured equal in bits and time from 32 rows (bench_cpu_linear.py prints both).
@@ -269,36 +269,17 @@ def stored_forms(threads: int, store: Path | None) -> tuple[str, ...]:
     except OSError:
         lock_file = None
     try:
-        data = _read_store(store)
+        data = read_json_store(store)
         if _valid_forms(data.get(key)):
             return tuple(data[key])
         forms = choose_forms(probe_forms(threads))
         if store is not None:
             data[key] = list(forms)
-            _write_store(store, data)
+            write_json_store(store, data)
         return forms
     finally:
         if lock_file is not None:
             lock_file.close()
-
-
-def _read_store(store: Path | None) -> dict[str, object]:
-    if store is None:
-        return {}
-    try:
-        data = json.loads(store.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_store(store: Path, data: dict[str, object]) -> None:
-    try:
-        tmp = store.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(store)
-    except OSError:
-        pass
 
 
 # NOTE: cached per thread count for the process, as a device property is: the BLAS and the

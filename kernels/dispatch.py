@@ -144,8 +144,9 @@ class DenseOps:
 
 
 DEFAULT_DENSE_OPS = DenseOps("default", F.linear, _rms_norm_torch)
-# NOTE: the CPU's few-row products run in the form a probe of the machine finds clearly faster
-# (the weight as the left operand, or oneDNN on a packed weight: kernels/cpu_linear.py).
+# NOTE: the CPU's linear products run in the forms a probe of the machine finds fastest (oneDNN
+# on packed weights for every row count, or the weight as the left operand for a few rows:
+# kernels/cpu_linear.py).
 CPU_DENSE_OPS = DenseOps("default", linear_cpu, _rms_norm_torch)
 
 
@@ -156,7 +157,7 @@ def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) 
     if not batch_invariant:
         if device.type != "cpu":
             return DEFAULT_DENSE_OPS
-        few_row_forms(torch.get_num_threads())  # the BLAS probe now, not in the first step
+        few_row_forms(torch.get_num_threads())  # the probe (or its kept answer) now, not in the first step
         return CPU_DENSE_OPS
     if device.type == "cuda":
         if not triton_available(device):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.batch_invariant import Tiling, _add_bias, _as_rows, matmul_triton
+from kernels.cache_paths import read_json_store, write_json_store
 
 # Tilings :meth:`BatchInvariantLinear.calibrate` times per row bucket (16-bit operands) on the
 # shapes the library leaves to Triton at a few rows: the best tiling differs by shape (on the
@@ -202,7 +202,7 @@ class BatchInvariantLinear:
             ``(N, K) -> (first, last)`` row counts the library serves, ``None`` where none.
         """
         key = json.dumps(library_key(self.device, dtype), sort_keys=True)
-        saved = _read_store(store).get(key, {})
+        saved = read_json_store(store).get(key, {})
         found: dict[tuple[int, int], tuple[int, int] | None] = {}
         gen = torch.Generator().manual_seed(seed)
         for (n, k), max_rows in shapes.items():
@@ -225,9 +225,9 @@ class BatchInvariantLinear:
                 self.library_rows.pop((n, k, dtype), None)
             self.tilings[(n, k, dtype)] = tuple((int(b), tuple(t)) for b, t in entry["tilings"])  # type: ignore[misc]
         if store is not None:
-            data = _read_store(store)
+            data = read_json_store(store)
             data[key] = saved
-            _write_store(store, data)
+            write_json_store(store, data)
         return found
 
     def _first_library_rows(self, n: int, k: int, max_rows: int, dtype: torch.dtype, gen: torch.Generator) -> int:
@@ -350,28 +350,6 @@ def _cycled(call: Callable[[torch.Tensor], object], copies: list[torch.Tensor]) 
     """``call`` of the next of ``copies`` at each call (equal weights, read in turn)."""
     cycle = itertools.cycle(copies)
     return lambda: call(next(cycle))
-
-
-def _read_store(store: Path | None) -> dict[str, dict[str, dict[str, int]]]:
-    if store is None or not store.exists():
-        return {}
-    try:
-        data = json.loads(store.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_store(store: Path, data: dict[str, dict[str, dict[str, int]]]) -> None:
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(store)
-    except OSError:
-        pass  # NOTE: a read-only home costs a calibration per process, nothing else
-
-
 
 
 __all__ = ["BatchInvariantLinear", "graph_time_us", "library_key"]
