@@ -261,13 +261,15 @@ def stored_forms(threads: int, store: Path | None) -> tuple[str, ...]:
     """
     key = machine_key(threads)
     lock_file = None
-    try:
-        if store is not None:
+    if store is not None:
+        try:
             store.parent.mkdir(parents=True, exist_ok=True)
             lock_file = open(store.with_suffix(".lock"), "w")  # held across the probe
             fcntl.flock(lock_file, fcntl.LOCK_EX)
-    except OSError:
-        lock_file = None
+        except OSError:
+            if lock_file is not None:  # a file system without locks: probe unlocked
+                lock_file.close()
+            lock_file = None
     try:
         data = read_json_store(store)
         if _valid_forms(data.get(key)):
