@@ -189,9 +189,13 @@ def _ratio_range(ours: SpeedSummary, hf: SpeedSummary, key: str) -> str:
 def print_table(rows: list[SpeedSummary], prompt_len: int, new_tokens: int, sampling: str = "greedy") -> None:
     repeats = max((len(r.runs) for r in rows), default=0)
     how = "greedy" if sampling == "greedy" else "random (temperature 0.7, top-p 0.9)"
+    from kernels.cpu_linear import few_row_forms
+
+    # NOTE: the engine's linear op is the form its probe kept for this machine (kernels/cpu_linear.py)
+    forms = "/".join(dict.fromkeys(few_row_forms(torch.get_num_threads())))
     print(f"# SmolLM2-135M fp32, prompt {prompt_len}, {new_tokens} new tokens, {how}, "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"median of {repeats} alternating runs (ratio range over the paired runs)")
+          f"CPU linear {forms}, median of {repeats} alternating runs (ratio range over the paired runs)")
     print(f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}"
           f"{'prefill range':>15}{'decode range':>14}")
     by_batch: dict[int, dict[str, SpeedSummary]] = {}
