@@ -132,7 +132,7 @@ def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 def linear_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` by oneDNN on the packed weight (:func:`onednn_weight`), float32.
 
-    NOTE: measured on the machines of 2026-12-06 (AMD EPYC, one and two threads), a row's bits
+    NOTE: measured on the CPU machine of 2026-12-06 (AMD EPYC, one and two threads), a row's bits
     do not depend on how many rows share the call (1 to 600): used for every row count, this
     form keeps the CPU's linear layers batch-invariant, where the library's product changes
     bits below four rows.
@@ -172,14 +172,14 @@ def choose_forms(probe: dict[int, dict[str, float]]) -> tuple[str, ...]:
     oneDNN's form is one for every row count or none (a row's bits then never follow the
     batch): taken where its few-row calls together run at least :data:`ONEDNN_MARGIN` times
     faster than the forms :func:`pick_form` would run instead, and its many-row call (prefill
-    steps) within :data:`TIE` of the library's. Otherwise each few-row bucket runs its :func:`pick_form`, and
-    many rows the library's product.
+    steps) within :data:`TIE` of the library's. Otherwise each few-row bucket runs its
+    :func:`pick_form`, and many rows the library's product.
     """
     few = PROBE_ROWS[:-1]
     forms = tuple(pick_form(probe[rows]) for rows in few) + ("library",)
     if "onednn" in probe[few[0]]:
         onednn_ms = sum(probe[rows]["onednn"] for rows in few)
-        chosen_ms = sum(probe[rows][form] for rows, form in zip(few, forms, strict=False))
+        chosen_ms = sum(probe[rows][form] for rows, form in zip(few, forms[:-1], strict=True))
         many = probe[PROBE_ROWS[-1]]
         if chosen_ms >= ONEDNN_MARGIN * onednn_ms and many["onednn"] <= TIE * many["library"]:
             return ("onednn",) * len(ROW_BUCKETS)

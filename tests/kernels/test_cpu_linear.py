@@ -46,14 +46,19 @@ def two_threads():
     torch.set_num_threads(saved)
 
 
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear op")
+FEW_ROW_FORMS = ["weight-left", pytest.param("onednn", marks=needs_onednn)]
+
+
+@pytest.mark.parametrize("form", FEW_ROW_FORMS)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 16, FEW_ROWS - 1, FEW_ROWS, 100])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_weight_left_matches_the_float64_product(rows: int, with_bias: bool) -> None:
+def test_each_form_matches_the_float64_product(form: str, rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn((960, 576), generator=gen) / 24
     bias = torch.randn(960, generator=gen) if with_bias else None
     x = torch.randn((rows, 576), generator=gen)
-    out = linear_weight_left(x, weight, bias)
+    out = cpu_linear.FORM_OPS[form](x, weight, bias)
     assert out.shape == (rows, 960) and out.is_contiguous() and out.dtype == torch.float32
     ref = linear_naive(x.double(), weight.double(), None if bias is None else bias.double())
     err = (out.double() - ref).abs()
@@ -62,13 +67,15 @@ def test_weight_left_matches_the_float64_product(rows: int, with_bias: bool) -> 
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_weight_left_keeps_leading_dims_and_strided_input() -> None:
+@pytest.mark.parametrize("form", FEW_ROW_FORMS)
+def test_each_form_keeps_leading_dims_strided_and_empty_input(form: str) -> None:
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn((192, 64), generator=gen)
     x = torch.randn((2, 3, 128), generator=gen)[..., ::2]  # [2, 3, 64], last dim strided
-    out = linear_weight_left(x, weight)
+    out = cpu_linear.FORM_OPS[form](x, weight)
     assert out.shape == (2, 3, 192)
     torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert cpu_linear.FORM_OPS[form](x[:0], weight).shape == (0, 3, 192)
 
 
 def test_weight_left_leaves_other_dtypes_many_rows_and_long_single_rows_to_the_library() -> None:
@@ -92,35 +99,11 @@ def test_weight_left_is_the_library_on_one_thread() -> None:
     assert torch.equal(two, (weight @ x.T).T)  # on two threads: the weight-left product
 
 
-needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear op")
-
-
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, FEW_ROWS - 1, 100])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_onednn_matches_the_float64_product(rows: int, with_bias: bool) -> None:
-    gen = torch.Generator().manual_seed(100 + rows)
-    weight = torch.randn((960, 576), generator=gen) / 24
-    bias = torch.randn(960, generator=gen) if with_bias else None
-    x = torch.randn((rows, 576), generator=gen)
-    out = linear_onednn(x, weight, bias)
-    assert out.shape == (rows, 960) and out.is_contiguous() and out.dtype == torch.float32
-    ref = linear_naive(x.double(), weight.double(), None if bias is None else bias.double())
-    assert float((out.double() - ref).abs().max()) < 1e-4
-    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-
-
-@needs_onednn
-def test_onednn_keeps_leading_dims_strided_input_and_other_dtypes() -> None:
+def test_onednn_leaves_other_dtypes_to_the_library() -> None:
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn((192, 64), generator=gen)
-    x = torch.randn((2, 3, 128), generator=gen)[..., ::2]  # [2, 3, 64], last dim strided
-    out = linear_onednn(x, weight)
-    assert out.shape == (2, 3, 192)
-    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
-    assert linear_onednn(x[:0], weight).shape == (0, 3, 192)
-    xb, wb = x.bfloat16(), weight.bfloat16()
-    assert torch.equal(linear_onednn(xb, wb), F.linear(xb, wb))  # not float32: the library's
+    x, weight = torch.randn((3, 64), generator=gen).bfloat16(), torch.randn((192, 64), generator=gen).bfloat16()
+    assert torch.equal(linear_onednn(x, weight), F.linear(x, weight))
 
 
 @needs_onednn
