@@ -114,7 +114,7 @@ class EngineConfig:
         batch_invariant: each token's logits are the same bits whatever else shares its step,
             however its prompt was chunked and whether its history was cached or rebuilt as a
             hole: linear layers, norms and attention run with a fixed reduction order
-            (:mod:`kernels.batch_invariant`, the MSA plan's fixed chunks, :func:`~kernels.reference.msa_tiled`).
+            (:mod:`kernels.batch_invariant`, the MSA plan's fixed chunks, :func:`~kernels.msa_tiled.msa_tiled`).
             Greedy outputs are then exactly those of an unbounded pool under every policy, on
             the GPU too. ``None`` (the default): on for CUDA devices in bfloat16/float16, where
             it costs 1-7% of a step (H200, BENCHMARKS.md), off on the CPU, whose float32 steps

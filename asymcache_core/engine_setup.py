@@ -125,6 +125,7 @@ def pool_blocks(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             weights=weights,
             device_memory_bytes=None if config.device_memory_gib is None else int(config.device_memory_gib * GIB),
+            batch_invariant=bool(config.batch_invariant),
         )
         return plan.num_blocks, plan
     per_block = rank_config.kv_bytes_per_token(dtype_bytes) * config.block_size

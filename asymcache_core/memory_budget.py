@@ -145,6 +145,7 @@ def plan_for_device(
     max_num_seqs: int,
     weights: torch.nn.Module | None = None,
     device_memory_bytes: int | None = None,
+    batch_invariant: bool = False,
 ) -> KVPoolPlan:
     """:func:`plan_kv_pool` for a device: a real one (``weights`` loaded on it, measured) or a
     simulated one (no ``weights``: its parameter count, and ``device_memory_bytes`` needed).
@@ -160,6 +161,8 @@ def plan_for_device(
         weights: the loaded model (``None``: a simulated device).
         device_memory_bytes: the memory to split (default: the CUDA device's total; a CPU's
             available RAM plus the weights already loaded into it).
+        batch_invariant: the engine runs in batch-invariant mode (on the CPU its linear op may
+            pack the weights a second time: :func:`kernels.cpu_linear.packed_weight_bytes`).
 
     Returns:
         The split.
@@ -183,7 +186,7 @@ def plan_for_device(
 
         # NOTE: the CPU's linear op may read oneDNN's packed copies of the linear weights,
         # made at their first call: memory the weights take a second time.
-        weight_bytes = (weight_bytes or 0) + packed_weight_bytes(weights, torch.get_num_threads())
+        weight_bytes = (weight_bytes or 0) + packed_weight_bytes(weights, torch.get_num_threads(), batch_invariant)
     return plan_kv_pool(
         model, gpu_memory_utilization=gpu_memory_utilization, total_bytes=total, block_size=block_size,
         dtype_bytes=dtype_bytes, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

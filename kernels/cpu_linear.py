@@ -27,6 +27,7 @@ mode keeps its own op, :func:`kernels.batch_invariant.linear_padded`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -35,13 +36,13 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels.batch_invariant import _as_rows
+from kernels.batch_invariant import _as_rows, linear_padded
 from kernels.cache_paths import cache_dir, read_json_store, write_json_store
 
 # Row counts from which F.linear already runs the blocked kernel the transposed form runs:
@@ -260,17 +261,7 @@ def stored_forms(threads: int, store: Path | None) -> tuple[str, ...]:
     that cannot be read is probed over; one that cannot be written costs a probe per process.
     """
     key = machine_key(threads)
-    lock_file = None
-    if store is not None:
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            lock_file = open(store.with_suffix(".lock"), "w")  # held across the probe
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-        except OSError:
-            if lock_file is not None:  # a file system without locks: probe unlocked
-                lock_file.close()
-            lock_file = None
-    try:
+    with _locked(store):
         data = read_json_store(store)
         if _valid_forms(data.get(key)):
             return tuple(data[key])
@@ -279,6 +270,24 @@ def stored_forms(threads: int, store: Path | None) -> tuple[str, ...]:
             data[key] = list(forms)
             write_json_store(store, data)
         return forms
+
+
+@contextlib.contextmanager
+def _locked(store: Path | None) -> Iterator[None]:
+    """Holds ``store``'s lock file (beside it) while the caller reads, measures and writes it;
+    where no lock can be taken (no store, a file system without locks), goes on unlocked."""
+    lock_file = None
+    if store is not None:
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            lock_file = open(store.with_suffix(".lock"), "w")
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        except OSError:
+            if lock_file is not None:
+                lock_file.close()
+            lock_file = None
+    try:
+        yield
     finally:
         if lock_file is not None:
             lock_file.close()
@@ -323,10 +332,76 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return FORM_OPS[form](x, weight, bias)
 
 
-def packed_weight_bytes(module: torch.nn.Module, threads: int) -> int:
+# Row counts at which :func:`onednn_rows_agree` checks a weight shape: every count to 16 (the
+# small kernels), then both sides of each power of two to 512 (where blockings change).
+INVARIANCE_ROWS = tuple(range(1, 17)) + tuple(m + d for m in (32, 64, 128, 256, 512) for d in (-1, 0, 1))
+
+
+def onednn_rows_agree(out_features: int, in_features: int, rows: tuple[int, ...] = INVARIANCE_ROWS) -> bool:
+    """Whether oneDNN's product (:func:`linear_onednn`) gives every row the same bits at each of
+    ``rows`` rows in a call, and shifted within the call, on random data of one weight shape.
+
+    Returns:
+        True when every row agreed with the same row in a call of ``max(rows)`` rows.
+    """
+    if not onednn_available():
+        return False
+    # NOTE: the first forward step asks, inside inference mode, whose tensors cannot carry the
+    # version a packed weight is keyed by: the check's own tensors are made outside it.
+    with torch.inference_mode(False), torch.no_grad():
+        gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
+        weight = torch.randn((out_features, in_features), generator=gen)
+        x = torch.randn((max(rows) + 3, in_features), generator=gen)
+        full = linear_onednn(x, weight)
+        for count in rows:
+            for shift in (0, 3) if count in (1, 7, 64, 129) else (0,):
+                if not torch.equal(linear_onednn(x[shift : shift + count], weight), full[shift : shift + count]):
+                    return False
+    return True
+
+
+@functools.cache
+def onednn_rows_invariant(threads: int, out_features: int, in_features: int) -> bool:
+    """:func:`onednn_rows_agree` for this machine and thread count, kept in the cache folder's
+    store beside the probed forms (:data:`STORE_NAME`): checked once a machine and shape."""
+    store = cache_dir() / STORE_NAME
+    key = f"{machine_key(threads)}|onednn-rows|{out_features}x{in_features}"
+    with _locked(store):
+        data = read_json_store(store)
+        if isinstance(data.get(key), bool):
+            return data[key]
+        agree = onednn_rows_agree(out_features, in_features)
+        data[key] = agree
+        write_json_store(store, data)
+        return agree
+
+
+def linear_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The batch-invariant mode's linear op on the CPU: oneDNN's product on the packed weight
+    where this machine's check found its rows' bits independent of the row count
+    (:func:`onednn_rows_invariant`, per weight shape), else same-shape BLAS calls
+    (:func:`~kernels.batch_invariant.linear_padded`). The bias is added after the product is
+    rounded, as every batch-invariant path adds it.
+
+    NOTE: measured on an AMD EPYC (2026-12-06): oneDNN's path costs ~1x ``F.linear`` where the
+    padded calls cost 1.5x at one row and 1.6x at many.
+    """
+    if (
+        x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() > 0
+        and onednn_rows_invariant(torch.get_num_threads(), *weight.shape)
+    ):
+        out = linear_onednn(x, weight)
+        return out if bias is None else out + bias
+    return linear_padded(x, weight, bias)
+
+
+def packed_weight_bytes(module: torch.nn.Module, threads: int, batch_invariant: bool = False) -> int:
     """Bytes the packed copies of ``module``'s float32 linear weights will take once
-    :func:`linear_cpu` has run them (0 where no row count runs the ``onednn`` form)."""
-    if "onednn" not in few_row_forms(threads):
+    :func:`linear_cpu` (or, ``batch_invariant``, :func:`linear_invariant_cpu`) has run them: 0
+    where neither runs the ``onednn`` form (the batch-invariant mode counts them wherever oneDNN
+    is there, before its check has run)."""
+    uses = onednn_available() if batch_invariant else "onednn" in few_row_forms(threads)
+    if not uses:
         return 0
     seen: dict[int, int] = {}
     for sub in module.modules():

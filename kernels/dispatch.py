@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from kernels.cpu_linear import few_row_forms, linear_cpu
 from kernels.metadata import MSAMetadata
+from kernels.msa_tiled import msa_tiled, prepare_msa_tiled
 from kernels.reference import (
     msa_naive,
-    msa_tiled,
     msa_torch,
     prepare_msa_torch,
     rope_store_torch,
@@ -152,7 +152,8 @@ CPU_DENSE_OPS = DenseOps("default", linear_cpu, _rms_norm_torch)
 
 def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) -> DenseOps:
     """The linear and norm ops for ``device``: the library's, or the batch-invariant ones
-    (the Triton matmul and RMSNorm on CUDA, same-shape BLAS calls on the CPU)."""
+    (the Triton matmul and RMSNorm on CUDA; on the CPU oneDNN's product where a check of the
+    machine found its rows' bits independent of the batch, else same-shape BLAS calls)."""
     device = torch.device(device)
     if not batch_invariant:
         if device.type != "cpu":
@@ -168,11 +169,11 @@ def select_dense_ops(device: torch.device | str, batch_invariant: bool = False) 
         return DenseOps("batch-invariant", BatchInvariantLinear(device), rms_norm_triton)
     if device.type != "cpu":
         raise ValueError(f"batch_invariant: not supported on {device.type}")
-    from kernels.batch_invariant import linear_padded
+    from kernels.cpu_linear import linear_invariant_cpu
 
     # NOTE: the CPU norm reduces each row alone, in the same order whatever the rows: the
     # library kernel already is batch-invariant there (the engine tests check the bits).
-    return DenseOps("batch-invariant", linear_padded, _rms_norm_torch)
+    return DenseOps("batch-invariant", linear_invariant_cpu, _rms_norm_torch)
 
 
 def triton_available(device: torch.device) -> bool:
@@ -212,7 +213,7 @@ def select_attention_backend(
         dtype: the model's activations (the Triton launch plan fits its tiles to it).
         batch_invariant: a query's output never depends on what else shares the step, how its
             prompt was chunked or whether its history was cached or rebuilt: the Triton plan's
-            fixed configuration and KV chunks, or :func:`~kernels.reference.msa_tiled` for
+            fixed configuration and KV chunks, or :func:`~kernels.msa_tiled.msa_tiled` for
             ``torch``, with the batch-invariant dense ops (:func:`select_dense_ops`). ``naive``
             is a test oracle and has no such mode.
         fused: with ``triton``, the fused rotary + KV store, add + RMSNorm and SiLU-mul
@@ -255,7 +256,7 @@ def select_attention_backend(
     if preference == "naive":
         return AttentionBackend("naive", store_kv_torch, msa_naive, dense=dense)
     if batch_invariant:
-        return AttentionBackend("torch", store_kv_torch, msa_tiled, no_plan, True, dense)
+        return AttentionBackend("torch", store_kv_torch, msa_tiled, prepare_msa_tiled, True, dense)
     return AttentionBackend("torch", store_kv_torch, msa_torch, prepare_msa_torch, dense=dense)
 
 

@@ -11,8 +11,9 @@ Two twins with one signature:
 - :func:`msa_torch` is the fast torch path: every length-1 segment of the step (decodes) goes
   through one batched SDPA call over a padded gather, every longer segment through one SDPA call
   with an explicit causal mask offset by its position.
-- :func:`msa_tiled` is the batch-invariant torch path: a query's output is the same bits alone,
-  inside a prefill chunk of any length, or rebuilt as a hole.
+- :func:`kernels.msa_tiled.msa_tiled` (its own module) is the batch-invariant torch path: a
+  query's output is the same bits alone, inside a prefill chunk of any length, or rebuilt as a
+  hole.
 
 The twins of :mod:`kernels.fused`: :func:`rope_store_torch` (rotary + KV store),
 :func:`add_rms_norm_torch` and :func:`silu_mul_torch`, each the unfused sequence of torch ops.
@@ -310,80 +311,6 @@ def msa_torch(
             is_causal=grp.mask is None and grp.q_len > 1, scale=scale, enable_gqa=group > 1,
         )
         out[grp.rows] = o.transpose(1, 2).reshape(num * grp.q_len, *q.shape[1:])
-    return out
-
-
-# Keys per tile of :func:`msa_tiled`, and the largest elementwise call it makes (the CPU's
-# TensorIterator splits calls above 32,768 elements across threads, and a split point can land
-# inside a SIMD vector, whose elements then take the scalar path: other bits for ``exp``).
-TILE_KEYS = 64
-_SERIAL_ELEMENTS = 32768
-_ROW_PAD = 8
-
-
-def _exp_serial(x: torch.Tensor) -> torch.Tensor:
-    """``exp`` of a contiguous tensor whose size is a multiple of :data:`TILE_KEYS`, in calls of
-    at most :data:`_SERIAL_ELEMENTS` elements: every element goes through the same SIMD path."""
-    flat = x.reshape(-1)
-    out = torch.empty_like(flat)
-    for i in range(0, flat.numel(), _SERIAL_ELEMENTS):
-        torch.exp(flat[i : i + _SERIAL_ELEMENTS], out=out[i : i + _SERIAL_ELEMENTS])
-    return out.reshape(x.shape)
-
-
-def msa_tiled(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: MSAMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Batch-invariant torch MSA (same contract as :func:`msa_naive`).
-
-    Each segment's keys are cut into tiles of :data:`TILE_KEYS` at absolute positions. A query
-    row's weights are ``exp(s - m)`` with ``m`` its exact maximum over the keys it sees; each
-    tile's ``P @ V`` is a GEMM of a fixed key width, and the tiles are summed in order, so the
-    tiles past a row's position add exact zeros. Rows are the segment's ``L * G`` query heads of
-    one KV head, padded to a multiple of 8 (CPU BLAS takes another kernel for fewer rows).
-    """
-    out = torch.zeros_like(q)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    for seq, q_start, q_len, pos_start in meta.host_segments:
-        ctx_len = pos_start + q_len
-        n_tiles = -(-ctx_len // TILE_KEYS)
-        width = n_tiles * TILE_KEYS
-        k = _gather_context(k_cache, meta.block_tables[seq], ctx_len).to(q.dtype)
-        v = _gather_context(v_cache, meta.block_tables[seq], ctx_len).to(q.dtype)
-        if width > ctx_len:
-            pad = q.new_zeros((width - ctx_len, num_kv_heads, head_dim))
-            k, v = torch.cat((k, pad)), torch.cat((v, pad))
-        rows = q_len * group
-        padded_rows = -(-rows // _ROW_PAD) * _ROW_PAD
-        # [HKV, rows, D], row = token * G + g
-        qs = q[q_start : q_start + q_len].reshape(q_len, num_kv_heads, group, head_dim)
-        qs = qs.permute(1, 0, 2, 3).reshape(num_kv_heads, rows, head_dim)
-        if padded_rows > rows:
-            qs = torch.cat((qs, qs.new_zeros((num_kv_heads, padded_rows - rows, head_dim))), 1)
-        k_tiles = k.reshape(n_tiles, TILE_KEYS, num_kv_heads, head_dim).permute(2, 0, 3, 1)  # [HKV, n, D, 64]
-        v_tiles = v.reshape(n_tiles, TILE_KEYS, num_kv_heads, head_dim).permute(2, 0, 1, 3)  # [HKV, n, 64, D]
-        scores = torch.matmul(qs.unsqueeze(1), k_tiles.contiguous()) * scale  # [HKV, n, R, 64]
-        q_pos = torch.arange(padded_rows, device=q.device) // group + pos_start
-        k_pos = torch.arange(width, device=q.device).reshape(n_tiles, 1, TILE_KEYS)
-        visible = k_pos <= q_pos[None, :, None]  # [n, R, 64]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        row_max = scores.amax(dim=(1, 3), keepdim=True)  # exact: a max has no order
-        probs = _exp_serial((scores - row_max).contiguous())
-        tile_pv = torch.matmul(probs, v_tiles.contiguous())  # [HKV, n, R, D]
-        tile_sum = probs.sum(-1)  # [HKV, n, R]
-        acc = tile_pv[:, 0].clone()
-        total = tile_sum[:, 0].clone()
-        for i in range(1, n_tiles):
-            acc += tile_pv[:, i]
-            total += tile_sum[:, i]
-        o = (acc / total[..., None])[:, :rows]  # [HKV, rows, D]
-        o = o.reshape(num_kv_heads, q_len, group, head_dim).permute(1, 0, 2, 3)
-        out[q_start : q_start + q_len] = o.reshape(q_len, num_kv_heads * group, head_dim)
     return out
 
 

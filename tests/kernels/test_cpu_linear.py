@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_linear
-from kernels.batch_invariant import linear_naive
+from kernels.batch_invariant import linear_naive, linear_padded
 from kernels.cpu_linear import (
     FEW_ROWS,
     FORM_ENV,
@@ -20,6 +20,7 @@ from kernels.cpu_linear import (
     choose_forms,
     few_row_forms,
     linear_cpu,
+    linear_invariant_cpu,
     linear_onednn,
     linear_weight_left,
     onednn_available,
@@ -144,8 +145,8 @@ def test_the_cpu_engine_runs_the_few_row_op() -> None:
     assert select_dense_ops("meta") is DEFAULT_DENSE_OPS
     for preference in ("torch", "naive"):
         assert select_attention_backend("cpu", preference, torch.float32).dense is CPU_DENSE_OPS
-    # the batch-invariant mode keeps its padded op (a row's bits must not follow the batch)
-    assert select_attention_backend("cpu", "torch", torch.float32, batch_invariant=True).dense.linear is not linear_cpu
+    # the batch-invariant mode runs its own op (a row's bits must not follow the batch)
+    assert select_attention_backend("cpu", "torch", torch.float32, batch_invariant=True).dense.linear is linear_invariant_cpu
 
 
 def test_another_form_is_taken_only_past_the_margin() -> None:
@@ -250,3 +251,71 @@ def test_few_row_forms_keep_the_probe_in_the_cache_folder(fresh_forms, tmp_path)
     assert few_row_forms(2) == ("library",) * len(ROW_BUCKETS)
     kept = json.loads((tmp_path / cpu_linear.STORE_NAME).read_text())
     assert kept == {cpu_linear.machine_key(2): ["library"] * len(ROW_BUCKETS)}
+
+
+@pytest.fixture
+def fresh_checks(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """``onednn_rows_invariant`` with an empty cache and store, emptied again after the test."""
+    monkeypatch.setenv("ASYMCACHE_CACHE_DIR", str(tmp_path))
+    cpu_linear.onednn_rows_invariant.cache_clear()
+    yield monkeypatch
+    cpu_linear.onednn_rows_invariant.cache_clear()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_invariant_op_gives_a_row_its_bits_in_any_batch(fresh_checks, with_bias: bool) -> None:  # type: ignore[no-untyped-def]
+    # whichever product this machine's check allows: a row's bits alone, in a few rows, in many
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn((320, 192), generator=gen) / 14
+    bias = torch.randn(320, generator=gen) if with_bias else None
+    x = torch.randn((300, 192), generator=gen)
+    full = linear_invariant_cpu(x, weight, bias)
+    for rows in (1, 2, 3, 5, 17, 64, 299):
+        assert torch.equal(linear_invariant_cpu(x[:rows], weight, bias), full[:rows]), rows
+        assert torch.equal(linear_invariant_cpu(x[-rows:], weight, bias), full[-rows:]), rows
+    exact = linear_naive(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(full.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_a_product_whose_rows_follow_the_batch_fails_the_check(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: True)
+
+    def uneven(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = (x.double() @ weight.double().T).float()  # each row alone, whatever the call
+        return out * (1 + 1e-6) if x.shape[0] == 64 else out  # but a blocking that changes at 64 rows
+
+    monkeypatch.setattr(cpu_linear, "linear_onednn", uneven)
+    assert cpu_linear.onednn_rows_agree(48, 32) is False
+    assert cpu_linear.onednn_rows_agree(48, 32, rows=(1, 2, 63, 65)) is True  # the counts checked are what it saw
+    monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
+    assert cpu_linear.onednn_rows_agree(48, 32) is False  # no oneDNN: nothing to check
+
+
+@needs_onednn
+def test_the_check_is_kept_per_shape_and_a_failed_one_runs_padded_calls(fresh_checks, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    checks: list[tuple[int, int]] = []
+
+    def fake_check(out_features: int, in_features: int) -> bool:
+        checks.append((out_features, in_features))
+        return out_features != 96  # one shape's rows follow the batch on this "machine"
+
+    fresh_checks.setattr(cpu_linear, "onednn_rows_agree", fake_check)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn((5, 32), generator=gen)
+    failed, passed = torch.randn((96, 32), generator=gen), torch.randn((48, 32), generator=gen)
+    assert torch.equal(linear_invariant_cpu(x, failed), linear_padded(x, failed))
+    assert torch.equal(linear_invariant_cpu(x, passed), linear_onednn(x, passed))
+    linear_invariant_cpu(x[:0], passed)  # an empty batch asks nothing
+    assert checks == [(96, 32), (48, 32)]
+    kept = json.loads((tmp_path / cpu_linear.STORE_NAME).read_text())
+    assert kept[f"{cpu_linear.machine_key(2)}|onednn-rows|96x32"] is False
+    cpu_linear.onednn_rows_invariant.cache_clear()  # a new process: read back, not checked again
+    linear_invariant_cpu(x, failed)
+    assert len(checks) == 2
+
+
+@needs_onednn
+def test_the_check_runs_from_inside_inference_mode() -> None:
+    # the engine's first forward step asks for it there: the check's tensors are its own
+    with torch.inference_mode():
+        assert cpu_linear.onednn_rows_agree(48, 32, rows=(1, 2, 5)) in (True, False)

@@ -241,7 +241,7 @@ def test_invariant_config_is_the_same_for_every_step(interp: ModuleType) -> None
 def test_msa_tiled_rows_equal_alone(group: int) -> None:
     """The batch-invariant torch path: every checked row alone gives the same bits as inside
     its step (a prefill chunk, holes, decodes), and the step is accurate."""
-    from kernels.reference import msa_tiled
+    from kernels.msa_tiled import msa_tiled
 
     case = _invariant_case("cpu", torch.float32, group=group, head_dim=32, max_ctx=700, seed=case_seed("tiled", group))
     out = msa_tiled(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -250,6 +250,51 @@ def test_msa_tiled_rows_equal_alone(group: int) -> None:
     for row, (q_row, meta) in zip(rows, _single_rows(case, rows), strict=True):
         alone = msa_tiled(q_row, case.k_cache, case.v_cache, meta, case.scale)
         assert torch.equal(alone[0], out[row]), f"row {row} differs alone"
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_msa_tiled_decodes_batched_equal_alone(group: int) -> None:
+    """A step of many decodes: contexts within one tile, at and across tile edges and tile
+    counts of several batches (padded to their batch's widest), some sequences twice. Each
+    decode's bits are its bits alone, and the step is accurate."""
+    from kernels.msa_tiled import TILE_KEYS, msa_tiled
+
+    ctxs = [1, 5, TILE_KEYS, TILE_KEYS + 1, 2 * TILE_KEYS - 1, 3 * TILE_KEYS, 300, 700, 4 * TILE_KEYS + 2, 129]
+    case = make_case(
+        case_seed("tiled-decodes", group), kind="decode", num_seqs=len(ctxs), block_size=16, num_kv_heads=2,
+        group=group, head_dim=32, max_ctx=max(ctxs), dtype=torch.float32, ctxs=ctxs,
+    )
+    assert len(case.meta.host_segments) == len(ctxs)
+    out = msa_tiled(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    check_close(out, case, torch.float32)
+    rows = [seg[1] for seg in case.meta.host_segments]
+    for row, (q_row, meta) in zip(rows, _single_rows(case, rows), strict=True):
+        alone = msa_tiled(q_row, case.k_cache, case.v_cache, meta, case.scale)
+        assert torch.equal(alone[0], out[row]), f"decode row {row} differs alone"
+
+
+def test_msa_tiled_plans_a_step_once_and_batches_decodes_by_width() -> None:
+    from kernels.msa_tiled import (
+        DECODE_BATCH_KEYS,
+        TILE_KEYS,
+        _decode_batches,
+        msa_tiled,
+        prepare_msa_tiled,
+    )
+
+    # by position; a batch closes where its padded width doubles or its keys pass the budget
+    segs = [(i, i, 1, pos) for i, pos in enumerate([10, 70, 100, 127, 128, 300, 5000])]
+    widths = [[-(-(s[3] + 1) // TILE_KEYS) * TILE_KEYS for s in batch] for batch in _decode_batches(segs)]
+    assert widths == [[64], [128, 128, 128, 192], [320], [5056]]
+    many = [(i, i, 1, 1000) for i in range(9)]  # 1,024 keys each: four to a batch
+    assert [len(b) for b in _decode_batches(many)] == [4, 4, 1] and 4 * 1024 <= DECODE_BATCH_KEYS
+    # a step planned once (the backend's prepare) gives the bits of one planned in the call
+    case = _invariant_case("cpu", torch.float32, group=3, head_dim=32, max_ctx=500, seed=case_seed("tiled-plan", 1))
+    prepared = prepare_msa_tiled(case.meta, case.q.shape[1], case.k_cache.shape[2], case.q.shape[2])
+    assert prepared.plan is not None and len(prepared.plan.calls) >= 2
+    planned = msa_tiled(case.q, case.k_cache, case.v_cache, prepared, case.scale)
+    assert torch.equal(planned, msa_tiled(case.q, case.k_cache, case.v_cache, case.meta, case.scale))
+    check_close(planned, case, torch.float32)
 
 
 # (block_size, kv_heads, group, head_dim, max_ctx)
