@@ -21,8 +21,12 @@ sets one form instead.
 
 Shapes: activations ``[..., K]``, weights ``[N, K]`` (``nn.Linear`` layout), outputs
 ``[..., N]``. Every form is the same float32 math in another summation order: a row's bits may
-differ from ``F.linear``'s in the last places, and between forms (the engine's batch-invariant
-mode keeps its own op, :func:`kernels.batch_invariant.linear_padded`).
+differ from ``F.linear``'s in the last places, and between forms.
+
+The engine's batch-invariant mode runs :func:`linear_invariant_cpu`: oneDNN's product where a
+check of this machine (:func:`onednn_rows_invariant`, per weight shape, kept beside the probe's
+forms) finds a row's bits independent of how many rows share the call, else the same-shape
+BLAS calls of :func:`kernels.batch_invariant.linear_padded`.
 """
 
 from __future__ import annotations
