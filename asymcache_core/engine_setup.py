@@ -161,6 +161,12 @@ def build_model_runner(
     backend = select_attention_backend(
         device, config.attention_backend, dtype, batch_invariant=config.batch_invariant, fused=config.fused_kernels,
     )
+    if config.batch_invariant and device.type == "cpu" and tp_workers is None:
+        from kernels.cpu_linear import check_invariant_linears
+
+        # NOTE: which product each weight shape runs is checked now (a few seconds, once a
+        # machine: kept in the cache folder), not in the first step a request waits on.
+        check_invariant_linears(loaded.model, torch.get_num_threads())
     runner_kwargs: dict[str, Any] = dict(
         num_blocks=num_blocks, block_size=config.block_size, seed=config.seed,
         max_model_len=max_model_len,

@@ -399,6 +399,21 @@ def linear_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return linear_padded(x, weight, bias)
 
 
+def check_invariant_linears(module: torch.nn.Module, threads: int) -> dict[tuple[int, int], bool]:
+    """Runs (or reads back) :func:`onednn_rows_invariant` for every float32 linear weight shape
+    of ``module``: the batch-invariant engine calls it at start-up, so that its first step does
+    not stop for the checks.
+
+    Returns:
+        ``{(out_features, in_features): oneDNN's product used}``.
+    """
+    shapes = {
+        tuple(sub.weight.shape) for sub in module.modules()
+        if isinstance(sub, torch.nn.Linear) and sub.weight.dtype == torch.float32
+    }
+    return {shape: onednn_rows_invariant(threads, *shape) for shape in sorted(shapes)}
+
+
 def packed_weight_bytes(module: torch.nn.Module, threads: int, batch_invariant: bool = False) -> int:
     """Bytes the packed copies of ``module``'s float32 linear weights will take once
     :func:`linear_cpu` (or, ``batch_invariant``, :func:`linear_invariant_cpu`) has run them: 0

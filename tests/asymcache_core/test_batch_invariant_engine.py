@@ -158,3 +158,25 @@ def test_gpu_every_policy_equals_an_unbounded_pool_at_two_chunk_budgets(llama8b)
     assert {row["policy"] for row in rows} == {"lru", "vllm-apc", "pensieve", "asymcache"}
     assert all(row["tokens_equal"] == 1.0 for row in rows), rows
     assert any(row["holes"] > 0 for row in rows)
+
+
+def test_the_cpu_engine_checks_its_linear_shapes_at_start(monkeypatch, tmp_path):
+    # the product each weight shape runs is settled before the first step, and kept
+    from asymcache_core import Engine
+    from kernels import cpu_linear
+
+    monkeypatch.setenv("ASYMCACHE_CACHE_DIR", str(tmp_path))
+    cpu_linear.onednn_rows_invariant.cache_clear()
+    checked: list[tuple[int, int]] = []
+    monkeypatch.setattr(cpu_linear, "onednn_rows_agree", lambda n, k: checked.append((n, k)) or False)
+    try:
+        engine = Engine(model="dummy:tiny", dtype="float32", num_kv_blocks=32, batch_invariant=True)
+        shapes = {tuple(m.weight.shape) for m in engine.loaded.model.modules() if isinstance(m, torch.nn.Linear)}
+        assert set(checked) == shapes and len(checked) == len(shapes) > 0
+        (out,) = engine.generate([[5, 6, 7, 8]], GREEDY)  # every shape failed: the padded calls, no new check
+        assert len(out.token_ids) == GREEDY.max_tokens and len(checked) == len(shapes)
+        cpu_linear.onednn_rows_invariant.cache_clear()
+        Engine(model="dummy:tiny", dtype="float32", num_kv_blocks=32, batch_invariant=True)
+        assert len(checked) == len(shapes)  # another process on this machine reads them back
+    finally:
+        cpu_linear.onednn_rows_invariant.cache_clear()
