@@ -279,6 +279,8 @@ def create_app(
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/health", serving.health, methods=["GET"])
+    # vLLM's (SageMaker's liveness route): the health check under another name
+    app.add_api_route("/ping", serving.health, methods=["GET", "POST"])
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"])
     app.add_api_route("/version", serving.version, methods=["GET"])

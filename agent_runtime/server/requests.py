@@ -124,6 +124,8 @@ class _GenerationRequest(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: CacheSalt | None = None
+    #: vLLM's: the response's id is ``chatcmpl-`` / ``cmpl-`` and this (else a random one)
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     response_format: dict[str, Any] | None = None
     #: vLLM's (and, through :func:`lift_guided_fields`, its older ``guided_*`` fields): kept as
     #: given once valid; the runtime builds the constraint

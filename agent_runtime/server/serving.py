@@ -322,7 +322,7 @@ async def _respond(
 ) -> Response:
     """The response of a submitted completion (one stream per choice): one JSON body once every
     choice finished, or the SSE stream."""
-    rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex[:24]}"
+    rid = f"{endpoint.id_prefix}-{req.request_id or uuid.uuid4().hex[:24]}"
     model, metrics = state.model_name, state.metrics
     if not req.streaming:
         finals = await await_finals(request, [c.stream for c in chunks])

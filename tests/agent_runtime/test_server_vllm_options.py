@@ -1,6 +1,6 @@
 """vLLM's request options over HTTP: ``continue_final_message`` (the chat rendered open inside
 its final message, the reply its continuation; also in Python), ``allowed_token_ids``,
-``truncate_prompt_tokens`` and ``return_tokens_as_token_ids``."""
+``truncate_prompt_tokens``, ``return_tokens_as_token_ids`` and ``request_id``; its ``/ping``."""
 
 from __future__ import annotations
 
@@ -201,4 +201,24 @@ def test_job_hints_in_vllm_xargs_as_the_plugin_reads_them(live):  # noqa: F811
     chat = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                                 "max_tokens": 2, "vllm_xargs": {"job_id": "cj", "is_last_step": 1}})
     assert chat.status_code == 200, chat.text
+    live.check()
+
+
+def test_request_id_names_the_response_and_ping_answers(live):  # noqa: F811
+    # vLLM's request_id: the response's id (each streamed chunk's too), else a fresh one per request
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    named = _post(live, "/v1/chat/completions", {**chat, "request_id": "trace-42"})
+    assert named.status_code == 200 and named.json()["id"] == "chatcmpl-trace-42", named.text
+    text = _post(live, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "t-7"})
+    assert text.json()["id"] == "cmpl-t-7"
+    streamed = _sse(live, "/v1/chat/completions", {**chat, "request_id": "s-1"})
+    assert streamed and {frame["id"] for frame in streamed} == {"chatcmpl-s-1"}
+    ids = {_post(live, "/v1/chat/completions", chat).json()["id"] for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("chatcmpl-") for i in ids)
+    for bad in ("", 7):
+        r = _post(live, "/v1/chat/completions", {**chat, "request_id": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    # vLLM's /ping (GET and POST): the health check
+    for method in ("GET", "POST"):
+        assert httpx.request(method, f"{live.base}/ping", timeout=10).status_code == 200
     live.check()
