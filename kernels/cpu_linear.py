@@ -31,8 +31,6 @@ BLAS calls of :func:`kernels.batch_invariant.linear_padded`.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -40,14 +38,14 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kernels.batch_invariant import _as_rows, linear_padded
-from kernels.cache_paths import cache_dir, read_json_store, write_json_store
+from kernels.cache_paths import cache_dir, kept_in_store
 
 # Row counts from which F.linear already runs the blocked kernel the transposed form runs:
 # measured equal in bits and time from 32 rows (bench_cpu_linear.py prints both).
@@ -264,37 +262,8 @@ def stored_forms(threads: int, store: Path | None) -> tuple[str, ...]:
     next. Processes starting together take a lock, so one probes and the others read. A store
     that cannot be read is probed over; one that cannot be written costs a probe per process.
     """
-    key = machine_key(threads)
-    with _locked(store):
-        data = read_json_store(store)
-        if _valid_forms(data.get(key)):
-            return tuple(data[key])
-        forms = choose_forms(probe_forms(threads))
-        if store is not None:
-            data[key] = list(forms)
-            write_json_store(store, data)
-        return forms
-
-
-@contextlib.contextmanager
-def _locked(store: Path | None) -> Iterator[None]:
-    """Holds ``store``'s lock file (beside it) while the caller reads, measures and writes it;
-    where no lock can be taken (no store, a file system without locks), goes on unlocked."""
-    lock_file = None
-    if store is not None:
-        try:
-            store.parent.mkdir(parents=True, exist_ok=True)
-            lock_file = open(store.with_suffix(".lock"), "w")
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
-        except OSError:
-            if lock_file is not None:
-                lock_file.close()
-            lock_file = None
-    try:
-        yield
-    finally:
-        if lock_file is not None:
-            lock_file.close()
+    forms = kept_in_store(store, machine_key(threads), _valid_forms, lambda: list(choose_forms(probe_forms(threads))))
+    return tuple(forms)
 
 
 # NOTE: cached per thread count for the process, as a device property is: the BLAS and the
@@ -368,16 +337,10 @@ def onednn_rows_agree(out_features: int, in_features: int, rows: tuple[int, ...]
 def onednn_rows_invariant(threads: int, out_features: int, in_features: int) -> bool:
     """:func:`onednn_rows_agree` for this machine and thread count, kept in the cache folder's
     store beside the probed forms (:data:`STORE_NAME`): checked once a machine and shape."""
-    store = cache_dir() / STORE_NAME
     key = f"{machine_key(threads)}|onednn-rows|{out_features}x{in_features}"
-    with _locked(store):
-        data = read_json_store(store)
-        if isinstance(data.get(key), bool):
-            return data[key]
-        agree = onednn_rows_agree(out_features, in_features)
-        data[key] = agree
-        write_json_store(store, data)
-        return agree
+    return kept_in_store(
+        cache_dir() / STORE_NAME, key, lambda kept: isinstance(kept, bool), lambda: onednn_rows_agree(out_features, in_features)
+    )
 
 
 def linear_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
