@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 
 from agent_runtime.grammar_cache import GrammarCache, make_request_processor
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
-from agent_runtime.protocol import ToolChoice
+from agent_runtime.protocol import ContextLengthError, ToolChoice
 from agent_runtime.types import StreamEvent
 from asymcache_core import Engine
+from asymcache_core.engine_checks import truncated_prompt
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import RequestOutput
 from asymcache_core.sampling_params import SamplingParams
@@ -118,6 +119,16 @@ class _Submit:
     options: OutputOptions
     sink: _Sink
     accepted: concurrent.futures.Future[tuple[str, list[int]]]
+    strict_max_tokens: bool = False
+
+
+def _check_fits_context(engine: Engine, ids: list[int], params: SamplingParams) -> None:
+    """Raises :class:`ContextLengthError` where the prompt (as the engine runs it, cut by
+    ``truncate_prompt_tokens``) and ``params.max_tokens`` pass ``max_model_len``; a prompt that
+    leaves no room at all is left to the engine's own check (the ``prompt`` error)."""
+    kept = len(truncated_prompt(ids, params, engine.max_model_len))
+    if kept < engine.max_model_len < kept + params.max_tokens:
+        raise ContextLengthError(kept, params.max_tokens, engine.max_model_len)
 
 
 @dataclass
@@ -298,6 +309,7 @@ class AsyncEngine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice = None,
         response_format: Mapping[str, Any] | None = None,
+        strict_max_tokens: bool = False,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -311,11 +323,15 @@ class AsyncEngine:
             response_format: a normalised ``response_format``
                 (:func:`~agent_runtime.protocol.normalize_response_format`): JSON replies are
                 constrained to it (None: free text).
+            strict_max_tokens: reject a request whose prompt and ``params.max_tokens`` together
+                pass the engine's ``max_model_len`` (the servers' rule, where the client gave
+                ``max_tokens``) instead of stopping it at the limit.
 
         Returns:
             The stream.
 
         Raises:
+            ContextLengthError: ``strict_max_tokens`` and the request passes ``max_model_len``.
             ValueError: rejected by the engine or by the grammar builder (message names the field).
             RuntimeError: the engine thread is stopped.
         """
@@ -335,6 +351,7 @@ class AsyncEngine:
             options or OutputOptions(),
             sink,
             accepted,
+            strict_max_tokens,
         )
         self._commands.put(cmd)
         try:
@@ -419,6 +436,8 @@ class AsyncEngine:
                 if processor is not None:
                     params = replace(params, logits_processors=(*params.logits_processors, processor))
             ids = engine.encode(cmd.prompt)
+            if cmd.strict_max_tokens:
+                _check_fits_context(engine, ids, params)
             rid = cmd.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             rid = engine.add_request(
                 ids, params, job_id=opts.job_id, request_id=rid, is_last_step=opts.is_last_step,

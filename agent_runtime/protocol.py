@@ -48,6 +48,31 @@ class RequestError(ValueError):
         self.code = code
 
 
+class ContextLengthError(RequestError):
+    """A prompt and the ``max_tokens`` it asks for that together pass the context limit.
+
+    The servers reject such a request as vLLM's, SGLang's and OpenAI's do (agent frameworks
+    read ``context_length_exceeded`` as their cue to shorten the history) rather than stop it at
+    the limit, which is what the engine does for the Python API.
+
+    Args:
+        prompt_tokens: the prompt's tokens, as the engine would run them.
+        max_tokens: the tokens asked for.
+        max_model_len: the context limit.
+        param: the request field that asked for them.
+    """
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "max_tokens") -> None:
+        super().__init__(
+            f"{param}: too large: {max_tokens}. This model's maximum context length is {max_model_len} tokens "
+            f"and your request has {prompt_tokens} input tokens ({max_tokens} > {max_model_len} - {prompt_tokens})",
+            param=param, code="context_length_exceeded",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
 # ----------------------------------------------------------------------------------------------
 # Conversation inputs (shared with the runtime's Python API)
 # ----------------------------------------------------------------------------------------------
@@ -288,6 +313,7 @@ def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
 __all__ = [
     "chat_sampling_params",
     "ChatSampling",
+    "ContextLengthError",
     "MAX_JOB_ID_CHARS",
     "MAX_STOP_STRINGS",
     "normalize_response_format",

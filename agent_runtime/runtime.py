@@ -281,6 +281,7 @@ class AgentRuntime(ChatTurns):
         reasoning_parser: str | None = None,
         joins_conversation: bool = True,
         continues_job: str | None = None,
+        strict_max_tokens: bool = False,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -309,6 +310,9 @@ class AgentRuntime(ChatTurns):
                 conversation it continues (:meth:`~asymcache_core.engine.Engine.use_implicit_jobs`).
             continues_job: the job of the turn this one continues, found by the rendered chat
                 (taken where the prompt's tokens match no conversation).
+            strict_max_tokens: reject (:class:`~agent_runtime.protocol.ContextLengthError`) a
+                prompt whose ``max_tokens`` reach past ``max_model_len``, as vLLM's server
+                does, instead of stopping it at the limit.
 
         Returns:
             The stream.
@@ -330,6 +334,7 @@ class AgentRuntime(ChatTurns):
         return await self._client.submit(
             prompt, params, options=options, request_id=request_id,
             tools=tools, tool_choice=tool_choice, response_format=response_format,
+            strict_max_tokens=strict_max_tokens,
         )
 
     async def finish_job(self, job_id: str, num_turns: int | None = None) -> None:

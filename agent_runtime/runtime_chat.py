@@ -39,7 +39,7 @@ from asymcache_core.sampling_params import SamplingParams
 _CHAT_OPTIONS = frozenset({
     "tools", "tool_choice", "response_format", "structured_outputs", "job_id", "is_last_step", "pinning", "ttl_rule",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template",
-    "chat_template_kwargs", "documents", "thinking_token_budget",
+    "chat_template_kwargs", "documents", "thinking_token_budget", "strict_max_tokens",
 })
 
 #: Errors of the chat's rendering that name a field of their own (the rest name ``messages``).
@@ -207,6 +207,7 @@ class ChatTurns:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         thinking_token_budget: int | None = None,
+        strict_max_tokens: bool = False,
     ) -> tuple[RequestStream, str]:
         """Validate, render and submit one chat turn.
 
@@ -239,6 +240,9 @@ class ChatTurns:
             thinking_token_budget: with a reasoning parser, the reply's thinking block is
                 closed once it holds this many tokens (vLLM's field;
                 :mod:`agent_runtime.thinking_budget`; not with a forced tool call or JSON).
+            strict_max_tokens: reject (:class:`~agent_runtime.protocol.ContextLengthError`) a
+                chat whose prompt and ``params.max_tokens`` pass ``max_model_len``, as the
+                servers do, instead of stopping the reply at the limit.
 
         Returns:
             The stream and the normalised tool choice.
@@ -253,7 +257,7 @@ class ChatTurns:
             pinning=pinning, ttl_rule=ttl_rule, parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, documents=documents,
-            thinking_token_budget=thinking_token_budget,
+            thinking_token_budget=thinking_token_budget, strict_max_tokens=strict_max_tokens,
         )
         return streams[0], choice
 
@@ -319,6 +323,7 @@ class ChatTurns:
                     ttl_rule=options.get("ttl_rule"),
                     max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
                     reasoning_parser=self.reasoning_parser, joins_conversation=joins, continues_job=continues,
+                    strict_max_tokens=options.get("strict_max_tokens", False),
                 ))
         except BaseException:
             # NOTE: rejected, or the caller cancelled between two submits: none runs on alone

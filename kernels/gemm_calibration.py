@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.batch_invariant import Tiling, _add_bias, _as_rows, matmul_triton
-from kernels.cache_paths import read_json_store, write_json_store
+from kernels.cache_paths import locked_store, read_json_store, write_json_store
 
 # Tilings :meth:`BatchInvariantLinear.calibrate` times per row bucket (16-bit operands) on the
 # shapes the library leaves to Triton at a few rows: the best tiling differs by shape (on the
@@ -189,8 +189,8 @@ class BatchInvariantLinear:
         lowest up, while a bucket's fastest tiling beats the library by :data:`_RACE_MARGIN`
         at the bucket's largest count, Triton serves that bucket too (:meth:`_race_library`:
         both give the same bits there, so only time decides). Results are kept in ``store`` (a JSON file
-        keyed by :func:`library_key`), so a process on the same device and libraries skips the
-        work. Run it before any CUDA graph capture.
+        keyed by :func:`library_key`, under its lock), so a process on the same device and libraries
+        skips the work, and processes calibrating at once check each shape once. Run it before any CUDA graph capture.
 
         Args:
             shapes: ``(N, K) -> the most rows a call will have``.
@@ -202,32 +202,37 @@ class BatchInvariantLinear:
             ``(N, K) -> (first, last)`` row counts the library serves, ``None`` where none.
         """
         key = json.dumps(library_key(self.device, dtype), sort_keys=True)
-        saved = read_json_store(store).get(key, {})
-        found: dict[tuple[int, int], tuple[int, int] | None] = {}
-        gen = torch.Generator().manual_seed(seed)
-        for (n, k), max_rows in shapes.items():
-            entry = saved.get(f"{n}x{k}")
-            if entry is None or entry["max_rows"] < max_rows:
-                entry = {"bits_first": self._first_library_rows(n, k, max_rows, dtype, gen), "max_rows": max_rows}
-            if entry.get("tuning") != _TUNING_VERSION:
-                # NOTE: a store written before the race kept the bits' threshold as "first"
-                bits_first = entry.get("bits_first", entry.get("first", max_rows + 1))
-                tilings = self._tune_tilings(n, k, min(bits_first - 1, max_rows), dtype, gen)
-                first, tilings = self._race_library(n, k, bits_first, max_rows, dtype, gen, tilings)
-                entry.update(bits_first=bits_first, first=first, tilings=tilings, tuning=_TUNING_VERSION)
-            first = entry["first"]
-            saved[f"{n}x{k}"] = entry
-            span = (first, max_rows) if first <= max_rows else None
-            found[(n, k)] = span
-            if span is not None:
-                self.library_rows[(n, k, dtype)] = span
-            else:
-                self.library_rows.pop((n, k, dtype), None)
-            self.tilings[(n, k, dtype)] = tuple((int(b), tuple(t)) for b, t in entry["tilings"])  # type: ignore[misc]
-        if store is not None:
-            data = read_json_store(store)
-            data[key] = saved
-            write_json_store(store, data)
+        # NOTE: under the store's lock, so that processes calibrating one device type at once
+        # (replicas, ranks) check each shape once: the others wait, then read its entry
+        with locked_store(store):
+            saved = read_json_store(store).get(key)
+            saved = saved if isinstance(saved, dict) else {}
+            found: dict[tuple[int, int], tuple[int, int] | None] = {}
+            gen = torch.Generator().manual_seed(seed)
+            for (n, k), max_rows in shapes.items():
+                entry = saved.get(f"{n}x{k}")
+                if entry is None or entry["max_rows"] < max_rows:
+                    entry = {"bits_first": self._first_library_rows(n, k, max_rows, dtype, gen), "max_rows": max_rows}
+                if entry.get("tuning") != _TUNING_VERSION:
+                    # NOTE: a store written before the race kept the bits' threshold as "first"
+                    bits_first = entry.get("bits_first", entry.get("first", max_rows + 1))
+                    tilings = self._tune_tilings(n, k, min(bits_first - 1, max_rows), dtype, gen)
+                    first, tilings = self._race_library(n, k, bits_first, max_rows, dtype, gen, tilings)
+                    entry.update(bits_first=bits_first, first=first, tilings=tilings, tuning=_TUNING_VERSION)
+                first = entry["first"]
+                saved[f"{n}x{k}"] = entry
+                span = (first, max_rows) if first <= max_rows else None
+                found[(n, k)] = span
+                if span is not None:
+                    self.library_rows[(n, k, dtype)] = span
+                else:
+                    self.library_rows.pop((n, k, dtype), None)
+                self.tilings[(n, k, dtype)] = tuple((int(b), tuple(t)) for b, t in entry["tilings"])  # type: ignore[misc]
+            if store is not None:
+                data = read_json_store(store)
+                kept = data.get(key)
+                data[key] = {**(kept if isinstance(kept, dict) else {}), **saved}
+                write_json_store(store, data)
         return found
 
     def _first_library_rows(self, n: int, k: int, max_rows: int, dtype: torch.dtype, gen: torch.Generator) -> int:

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
-from agent_runtime.protocol import MAX_STOP_STRINGS
+from agent_runtime.protocol import MAX_STOP_STRINGS, ContextLengthError
 from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.metrics import ServerMetrics
@@ -344,7 +344,13 @@ async def create_message(request: Request) -> Response:
             is_last_step=bool(req.is_last_step), parallel_tool_calls=parallel,
             add_generation_prompt=not req.prefilled, continue_final_message=req.prefilled,
             thinking_token_budget=anthropic_thinking_budget(req.thinking, req.max_tokens, rt.reasoning_parser),
+            strict_max_tokens=True,
         )
+    except ContextLengthError as e:
+        # NOTE: Anthropic's wording, which its clients parse to retry with a smaller max_tokens
+        raise APIError(400, f"input length and `max_tokens` exceed context limit: {e.prompt_tokens} + "
+                       f"{e.max_tokens} > {e.max_model_len}, decrease input length or `max_tokens` and try again",
+                       param="max_tokens", code=e.code) from None
     except ValueError as e:
         raise from_value_error(e, "messages") from None
     mid = f"msg_{uuid.uuid4().hex[:24]}"

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, mo
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
+from agent_runtime.protocol import ContextLengthError
 from agent_runtime.reasoning import reasoning_tokens
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.choices import StreamedText
@@ -322,8 +323,13 @@ async def create_response(request: Request) -> Response:
         streams, choice = await rt.start_chat_choices(
             messages, [params], tools=tools, tool_choice=choice, response_format=fmt, job_id=job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=req.parallel_tool_calls is not False,
+            strict_max_tokens=req.max_output_tokens is not None,
             **with_reasoning_effort({}, req.reasoning.effort if req.reasoning else None),
         )
+    except ContextLengthError as e:
+        raise _as_responses_error(from_value_error(
+            ContextLengthError(e.prompt_tokens, e.max_tokens, e.max_model_len, param="max_output_tokens"), "input"
+        )) from None
     except ValueError as e:
         raise _as_responses_error(from_value_error(e, "input")) from None
     decode = _decoder(rt)

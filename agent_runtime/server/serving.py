@@ -56,6 +56,10 @@ from asymcache_core import EngineStats
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: vLLM's request id header: names a completion (over the body's ``request_id``) and comes back
+#: on its response.
+REQUEST_ID_HEADER = "X-Request-Id"
+_MAX_REQUEST_ID_CHARS = 256
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
@@ -147,6 +151,7 @@ async def detokenize(request: Request) -> JSONResponse:
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     state, req = await parse_body(request, ChatCompletionRequest)
+    base_id = _base_request_id(request, req.request_id)
     _check_template_trusted(state, req)
     rt = state.require_runtime()
     params = _sampling_params(req, state.default_max_tokens)
@@ -168,6 +173,8 @@ async def chat_completions(request: Request) -> Response:
             add_generation_prompt=chat_ending(req.add_generation_prompt, req.continue_final_message)[0],
             continue_final_message=bool(req.continue_final_message),
             thinking_token_budget=req.thinking_token_budget,
+            # NOTE: a stated max_tokens past the context is a 400, as vLLM's (none: up to the limit)
+            strict_max_tokens=req.requested_max_tokens() is not None,
             **with_reasoning_effort(req.template_options(), req.reasoning_effort),
         )
     except ValueError as e:
@@ -180,12 +187,13 @@ async def chat_completions(request: Request) -> Response:
                    include_reasoning=req.include_reasoning is not False)
         for i, s in enumerate(streams)
     ]
-    return await _respond(request, state, req, chunks, _CHAT)
+    return await _respond(request, state, req, chunks, _CHAT, base_id)
 
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
     state, req = await parse_body(request, CompletionRequest)
+    base_id = _base_request_id(request, req.request_id)
     rt = state.require_runtime()
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
@@ -206,6 +214,7 @@ async def completions(request: Request) -> Response:
                     prompt, choice_params, job_id=req.job_id, is_last_step=req.last_step,
                     response_format=req.response_format, structured_outputs=req.structured_outputs,
                     pause_tool=(req.tool_name or "default") if req.job_id is not None and not req.last_step else None,
+                    strict_max_tokens=req.requested_max_tokens() is not None,
                 )
                 group.append(CompletionChunks(
                     stream, len(chunks), texts, params.logprobs or 0,
@@ -229,7 +238,7 @@ async def completions(request: Request) -> Response:
         # NOTE: the client left (cancelled) between two submits: no choice may run on alone
         _abort_all(chunks)
         raise
-    return await _respond(request, state, req, chunks, _COMPLETION)
+    return await _respond(request, state, req, chunks, _COMPLETION, base_id)
 
 
 def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -319,10 +328,13 @@ async def _respond(
     req: ChatCompletionRequest | CompletionRequest,
     chunks: list[Chunks],
     endpoint: _Endpoint,
+    base_id: str,
 ) -> Response:
     """The response of a submitted completion (one stream per choice): one JSON body once every
-    choice finished, or the SSE stream."""
-    rid = f"{endpoint.id_prefix}-{req.request_id or uuid.uuid4().hex[:24]}"
+    choice finished, or the SSE stream; either with ``base_id`` (:func:`_base_request_id`) in
+    ``X-Request-Id``."""
+    rid = f"{endpoint.id_prefix}-{base_id}"
+    id_header = {REQUEST_ID_HEADER: base_id}
     model, metrics = state.model_name, state.metrics
     if not req.streaming:
         finals = await await_finals(request, [c.stream for c in chunks])
@@ -335,14 +347,30 @@ async def _respond(
             **chunks[0].response_fields(finals[0]),
         )
         metrics.count(endpoint.path, 200)
-        return JSONResponse(body.model_dump())
+        return JSONResponse(body.model_dump(), headers=id_header)
     metrics.count(endpoint.path, 200)
     return StreamingResponse(
         _sse_events(chunks, endpoint, rid, model, _UsageReport(req.include_usage, req.continuous_usage, req.num_choices),
                     metrics, not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
-        headers=_SSE_HEADERS,
+        headers={**_SSE_HEADERS, **id_header},
     )
+
+
+def _base_request_id(request: Request, body_id: str | None) -> str:
+    """A completion's base id: vLLM's ``X-Request-Id`` header, else the body's ``request_id``,
+    else a random one.
+
+    Raises:
+        APIError: 400 for a header that is empty or over 256 characters.
+    """
+    header = request.headers.get(REQUEST_ID_HEADER)
+    if header is None:
+        return body_id or uuid.uuid4().hex[:24]
+    if not 0 < len(header) <= _MAX_REQUEST_ID_CHARS:
+        raise APIError(400, f"{REQUEST_ID_HEADER}: must be 1 to {_MAX_REQUEST_ID_CHARS} characters",
+                       param=REQUEST_ID_HEADER)
+    return header
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamEvent]]:

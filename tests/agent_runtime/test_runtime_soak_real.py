@@ -127,10 +127,12 @@ def test_a_hundred_real_jobs_leave_flat_state_and_nothing_behind(smollm) -> None
                 assert final.output.finish_reason in ("abort", "stop")
                 outcomes["abort"] += 1
         done += 1
-        if done in (50, JOBS):
+        # NOTE: the count is taken before the await: another job may finish while it waits
+        mark = done
+        if mark in (50, JOBS):
             gc.collect()
-            samples[done] = await runtime.call(lambda e: _sizes(runtime, e))
-            memory[done] = (tracemalloc.get_traced_memory()[0], _rss())
+            samples[mark] = await runtime.call(lambda e: _sizes(runtime, e))
+            memory[mark] = (tracemalloc.get_traced_memory()[0], _rss())
 
     async def main() -> tuple[dict[str, int], tuple[int, int, int, bool]]:
         runtime = AgentRuntime(engine, policy="asymcache+continuum")

@@ -1,12 +1,17 @@
 """vLLM's request options over HTTP: ``continue_final_message`` (the chat rendered open inside
 its final message, the reply its continuation; also in Python), ``allowed_token_ids``,
-``truncate_prompt_tokens``, ``return_tokens_as_token_ids`` and ``request_id``; its ``/ping``."""
+``truncate_prompt_tokens``, ``return_tokens_as_token_ids``, ``request_id`` and the
+``X-Request-Id`` header; its ``/ping``; a stated ``max_tokens`` past the context is a 400, as
+vLLM's (and Anthropic's, OpenAI's Responses') servers answer it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import httpx
+import pytest
 
 from agent_runtime.runtime import AgentRuntime
 from asymcache_core import SamplingParams
@@ -218,7 +223,73 @@ def test_request_id_names_the_response_and_ping_answers(live):  # noqa: F811
     for bad in ("", 7):
         r = _post(live, "/v1/chat/completions", {**chat, "request_id": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    # vLLM's X-Request-Id header names the completion over the body's field, and comes back
+    headed = httpx.post(f"{live.base}/v1/chat/completions", json={**chat, "request_id": "body-1"},
+                        headers={"X-Request-Id": "hdr-1"}, timeout=120)
+    assert headed.json()["id"] == "chatcmpl-hdr-1" and headed.headers["x-request-id"] == "hdr-1", headed.text
+    assert named.headers["x-request-id"] == "trace-42" and text.headers["x-request-id"] == "t-7"
+    with httpx.stream("POST", f"{live.base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                      "stream": True}, headers={"X-Request-Id": "hs-2"}, timeout=120) as r:
+        frames = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert r.headers["x-request-id"] == "hs-2" and {f["id"] for f in frames} == {"cmpl-hs-2"}
+    for bad in ("", "x" * 257):
+        r = httpx.post(f"{live.base}/v1/chat/completions", json=chat, headers={"X-Request-Id": bad}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
     # vLLM's /ping (GET and POST): the health check
     for method in ("GET", "POST"):
         assert httpx.request(method, f"{live.base}/ping", timeout=10).status_code == 200
     live.check()
+
+
+def test_max_tokens_past_the_context_is_a_400_and_runs_nothing(live):  # noqa: F811
+    # NOTE: the prompt counts as the engine would run it; max_model_len is 1024. Without
+    # max_tokens a reply runs up to the limit (vLLM's default); with one past it, vLLM's 400.
+    prompt = list(range(300, 340))
+    before = live.engine(lambda e: e.stats().requests_total)
+    text = _post(live, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 985})
+    err = text.json()["error"]
+    assert text.status_code == 400 and (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    assert "maximum context length is 1024 tokens and your request has 40 input tokens" in err["message"]
+    cut = _post(live, "/v1/completions", {"model": MODEL, "prompt": list(range(300, 1400)), "max_tokens": 1000,
+                                          "truncate_prompt_tokens": 30})
+    assert cut.status_code == 400 and "has 30 input tokens" in cut.json()["error"]["message"], cut.text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = _post(live, "/v1/chat/completions", {**chat, field: 1020})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    streamed = _post(live, "/v1/chat/completions", {**chat, "max_tokens": 1020, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "max_tokens"
+    responses = _post(live, "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 1020})
+    err = responses.json()["error"]
+    assert responses.status_code == 400 and (err["param"], err["code"]) == ("max_output_tokens", "context_length_exceeded")
+    # Anthropic's wording, which its clients parse to retry with less
+    messages = _post(live, "/v1/messages", {"model": MODEL, "max_tokens": 1020, "messages": [{"role": "user", "content": "hi"}]})
+    assert messages.status_code == 400 and messages.json()["type"] == "error", messages.text
+    assert re.fullmatch(r"input length and `max_tokens` exceed context limit: (\d+) \+ 1020 > 1024, decrease input "
+                        r"length or `max_tokens` and try again", messages.json()["error"]["message"])
+    # refused before the engine took them: nothing ran, nothing is held
+    assert live.engine(lambda e: (e.has_unfinished(), e.stats().requests_total)) == (False, before)
+    # within the context: served; and without max_tokens a chat is not refused
+    ok = _post(live, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert _post(live, "/v1/chat/completions", {**chat, "stop": ["."], "max_tokens": None}).status_code == 200
+    live.check()
+
+
+def test_the_context_check_counts_the_prompt_the_engine_runs():
+    from types import SimpleNamespace
+
+    from agent_runtime.engine_client import _check_fits_context
+    from agent_runtime.protocol import ContextLengthError
+
+    engine = SimpleNamespace(max_model_len=100)
+    _check_fits_context(engine, list(range(60)), SamplingParams(max_tokens=40))  # exactly the limit
+    with pytest.raises(ContextLengthError) as over:
+        _check_fits_context(engine, list(range(60)), SamplingParams(max_tokens=41))
+    assert (over.value.prompt_tokens, over.value.max_tokens, over.value.param) == (60, 41, "max_tokens")
+    assert str(over.value).startswith("max_tokens: too large: 41.")
+    _check_fits_context(engine, list(range(500)), SamplingParams(max_tokens=90, truncate_prompt_tokens=10))
+    with pytest.raises(ContextLengthError):
+        _check_fits_context(engine, list(range(500)), SamplingParams(max_tokens=91, truncate_prompt_tokens=10))
+    # a prompt with no room at all is the engine's own error (``prompt``), not this one
+    _check_fits_context(engine, list(range(100)), SamplingParams(max_tokens=5))

@@ -12,6 +12,7 @@ calibrated linear op of :mod:`kernels.gemm_calibration`).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -122,6 +123,41 @@ def test_calibrated_linear_serves_the_library_only_where_checked(tmp_path: Path)
     assert again.library.calls == []  # type: ignore[attr-defined]
     assert again.calibrate({(24, 16): 44}, torch.float32, store) == {(24, 16): (1, 44)}
     assert json.loads(store.read_text())[json.dumps(library_key(torch.device("cpu"), torch.float32), sort_keys=True)]
+
+
+def test_calibrations_at_once_check_each_shape_once_and_keep_every_shape(tmp_path: Path) -> None:
+    """A calibration that starts while another holds the store waits, then reads what that one
+    found (no check of its own); one of another shape adds to the store, dropping nothing."""
+    store = tmp_path / "gemm.json"
+    started, release = threading.Event(), threading.Event()
+
+    class _Held(_FlakyLibrary):
+        def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            started.set()
+            assert release.wait(30)
+            return super().__call__(x, weight)
+
+    def reference(x: torch.Tensor, weight: torch.Tensor, config: object = None) -> torch.Tensor:
+        return linear_padded(x, weight)
+
+    first = BatchInvariantLinear("cpu", library=_Held({1, 2}), reference=reference)
+    second = BatchInvariantLinear("cpu", library=_FlakyLibrary(set()), reference=reference)
+    results: dict[str, object] = {}
+    a = threading.Thread(target=lambda: results.update(a=first.calibrate({(24, 16): 12}, torch.float32, store)))
+    a.start()
+    assert started.wait(30)
+    b = threading.Thread(target=lambda: results.update(b=second.calibrate({(24, 16): 12}, torch.float32, store)))
+    b.start()
+    b.join(0.3)
+    assert b.is_alive() and "b" not in results  # waits on the lock the first holds
+    release.set()
+    a.join(30)
+    b.join(30)
+    assert results == {"a": {(24, 16): (3, 12)}, "b": {(24, 16): (3, 12)}}
+    assert second.library.calls == []  # type: ignore[attr-defined]
+    second.calibrate({(8, 16): 4}, torch.float32, store)
+    kept = json.loads(store.read_text())[json.dumps(library_key(torch.device("cpu"), torch.float32), sort_keys=True)]
+    assert set(kept) == {"24x16", "8x16"}
 
 
 def test_calibration_picks_the_fastest_tiling_with_the_reference_bits(tmp_path: Path) -> None:
