@@ -2,8 +2,9 @@
 
 :class:`GrammarLogitsProcessor` implements :class:`asymcache_core.sampling_params.LogitsProcessor`
 for one request, and says which tokens it keeps (``keep_words``), so the sampler masks its row
-where the logits are (:mod:`asymcache_core.token_masks`). The grammars come from
-:class:`agent_runtime.grammar_cache.GrammarCache`.
+where the logits are (:mod:`asymcache_core.token_masks`), and which tokens the grammar alone
+allows next (``forced_tokens``: the engine appends those at once, jump-forward decoding). The
+grammars come from :class:`agent_runtime.grammar_cache.GrammarCache`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ from asymcache_core.token_masks import apply_keep, clear_tokens, keep_only, word
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
+
+def single_token(words: np.ndarray) -> int | None:
+    """The one token a packed mask keeps (:mod:`asymcache_core.token_masks`), or ``None`` where
+    it keeps several or none."""
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return None
+    word = int(words[nonzero[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 
 class GrammarLogitsProcessor:
@@ -57,6 +70,9 @@ class GrammarLogitsProcessor:
         self._bitmask = xgr.allocate_token_bitmask(1, self._grammar_vocab)
         self._seen: list[int] = []
         self._failed = False
+        # NOTE: the bitmask holds the matcher's next-token mask while this is True (filled for
+        # the same state by forced_tokens, then read by keep_words: one fill a step)
+        self._bitmask_current = False
 
     @property
     def failed(self) -> bool:
@@ -72,9 +88,11 @@ class GrammarLogitsProcessor:
         self._matcher.reset()
         self._seen = []
         self._failed = False
+        self._bitmask_current = False
 
     def _accept(self, token_id: int) -> None:
         self._seen.append(token_id)
+        self._bitmask_current = False
         if self._failed:
             return
         if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
@@ -97,13 +115,43 @@ class GrammarLogitsProcessor:
         self._sync(output_token_ids)
         if self.is_terminated:
             return keep_only(self.stop_token_ids, vocab)
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        grammar = self._bitmask[0].numpy()
+        grammar = self._next_mask()
         words = np.zeros(words_for(vocab), dtype=np.int32)
         n = min(self._grammar_vocab, vocab)
         words[: words_for(n)] = grammar[: words_for(n)]
         # NOTE: tokens past the grammar's vocabulary stay masked, as __call__ masks them
         return clear_tokens(words, range(n, words_for(n) * 32))
+
+    def _next_mask(self) -> np.ndarray:
+        """The grammar's packed mask of the tokens allowed next (over its own vocabulary)."""
+        if not self._bitmask_current:
+            self._matcher.fill_next_token_bitmask(self._bitmask)
+            self._bitmask_current = True
+        return self._bitmask[0].numpy()
+
+    def forced_tokens(self, output_token_ids: list[int], limit: int) -> list[int]:
+        """The tokens the grammar allows alone next, one after another (its fixed text: a
+        forced call's name, an object's keys), at most ``limit``; they end at a choice, at a
+        stop token or where the grammar is complete. They are taken as the request's next
+        output tokens (the engine appends them: jump-forward decoding,
+        :meth:`asymcache_core.scheduler.Scheduler._forced_tokens`).
+
+        Args:
+            output_token_ids: all tokens generated so far for this request.
+            limit: the most tokens to return.
+
+        Returns:
+            The forced tokens, in order (often none).
+        """
+        self._sync(output_token_ids)
+        forced: list[int] = []
+        while len(forced) < limit and not self.is_terminated:
+            token = single_token(self._next_mask())
+            if token is None or token in self.stop_token_ids or token >= self.vocab_size:
+                break
+            self._accept(token)
+            forced.append(token)
+        return forced
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         """Mask ``logits`` (a ``[vocab]`` row) to the tokens the grammar allows next (only the

@@ -150,6 +150,9 @@ class AsyncSteps:
         )
         ran = {id(item.request) for item in result.ran.scheduled}
         for item in plan.scheduled:
-            if item.sample and item.request.num_pending and id(item.request) not in ran:
-                item.request.num_pending -= 1
+            if item.sample and id(item.request) not in ran:
+                if item.request.skip_samples:
+                    item.request.skip_samples -= 1  # the sample a jump-forward was to drop
+                elif item.request.num_pending:
+                    item.request.num_pending -= 1
         return result

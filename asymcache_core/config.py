@@ -131,6 +131,18 @@ class EngineConfig:
             Triton backend, decode-only steps replay one CUDA graph and other steps of at most
             ``mixed_graph_max_tokens`` tokens replay piecewise graphs around the eager MSA
             (:mod:`~asymcache_core.piecewise_graphs`).
+        jump_forward: once a request samples a token, the tokens its constraint allows alone
+            next (a grammar's fixed text: a forced tool call's name and argument keys, a JSON
+            schema's keys) are appended at once and computed in the next step together, as the
+            rest of a prompt is, instead of one decode step each (SGLang's jump-forward
+            decoding, at the token level: the tokens are those sampling would pick, so outputs
+            are unchanged). Not for rows with log probabilities or stop strings. With async
+            scheduling the step in flight sampled the position the first forced token takes;
+            its token is dropped. ``None`` (the default): on for the CPU, where a step runs
+            eagerly whatever its rows (1.29x faster agent jobs at 2 in flight, even at 8:
+            BENCHMARKS.md, "Jump-forward"); off on CUDA devices, not measured there: a jump
+            makes its step a mixed one, whose piecewise graphs take ~1.5x a decode graph's time
+            at 8 decodes on the H200. The resolved bool is what the field then holds.
         async_scheduling: plan and launch each step while the one before it still runs on the
             device (vLLM's ``--async-scheduling``): the host's scheduling, packing and output
             work leave the device's critical path. A decode's input token is taken on the
@@ -242,6 +254,10 @@ class EngineConfig:
     async_scheduling: bool | None = field(default=None, metadata=_flag(
         "--async-scheduling", "Plan each step while the previous one runs on the device (vLLM's flag); "
         "greedy tokens are unchanged (default: on for one CUDA device, off on the CPU)."))
+    jump_forward: bool | None = field(default=None, metadata=_flag(
+        "--jump-forward", "Append the tokens a grammar forces (a forced tool call's fixed text) at once, "
+        "computed together in the next step, instead of one decode step each; the tokens are unchanged "
+        "(default: on for the CPU, off on CUDA devices)."))
     mixed_graph_max_tokens: int = field(default=1024, metadata=_flag(
         "--mixed-graph-max-tokens", "Largest step (tokens) replayed as piecewise CUDA graphs; 0 runs every "
         "step with prefill tokens eagerly."))
@@ -329,6 +345,13 @@ class EngineConfig:
             raise ValueError(f"max_step_log: must be a positive integer or None, got {self.max_step_log!r}")
         if not isinstance(self.fused_kernels, bool):
             raise ValueError(f"fused_kernels: must be a bool, got {self.fused_kernels!r}")
+        if self.jump_forward is None:
+            # NOTE: resolved here, once, so every reader sees a bool. Off on CUDA until measured
+            # there: a jump makes its step a mixed one, which replays piecewise graphs, ~1.5x a
+            # decode graph's time at 8 decodes on the H200 (BENCHMARKS.md, "Mixed steps")
+            object.__setattr__(self, "jump_forward", device.type != "cuda")
+        if not isinstance(self.jump_forward, bool):
+            raise ValueError(f"jump_forward: must be a bool or None, got {self.jump_forward!r}")
         if self.batch_invariant is None:
             # NOTE: resolved here, once, so every reader sees a bool: exact by default where the
             # library kernels are not (the GPU in 16-bit, where the cost was measured at 1-7% of

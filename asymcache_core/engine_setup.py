@@ -246,6 +246,7 @@ def build_scheduler(
         work_seconds=latency.prefill_latency,
         job_admission=stack.job_admission,
         async_output=async_output,
+        jump_forward=config.jump_forward,
     )
 
 

@@ -157,6 +157,8 @@ class EngineStats:
     implicit_jobs_matched_total: int = 0
     implicit_jobs_started_total: int = 0
     engine_reload_tokens_total: int = 0
+    #: output tokens a constraint forced, appended without a decode step each (jump-forward)
+    engine_jump_forward_tokens_total: int = 0
     host_kv_blocks_total: int = 0
     host_kv_blocks_cached: int = 0
     host_offloaded_blocks_total: int = 0
@@ -224,6 +226,7 @@ def collect_stats(engine: Engine) -> EngineStats:
         implicit_jobs_started_total=engine.implicit_jobs.started if engine.implicit_jobs is not None else 0,
         job_gate_capacity_tokens=engine.job_admission.capacity_tokens if engine.job_admission is not None else 0,
         engine_reload_tokens_total=c.reload_tokens,
+        engine_jump_forward_tokens_total=engine.scheduler.num_jump_forward_tokens,
         kv_block_size=engine.block_size,
         order_slack_seconds=target.slack_s if target is not None else math.inf,
         **(engine.host_driver.stats() if engine.host_driver is not None else {}),

@@ -129,6 +129,9 @@ class Request:
         #: scheduler plans past ``num_tokens`` by this many positions, whose input ids the
         #: model runner takes on the device from the step that samples them
         self.num_pending = 0
+        #: samples of the step in flight to drop: a jump-forward appended the token at the
+        #: position it samples (async scheduling; the scheduler's ``_forced_tokens``)
+        self.skip_samples = 0
         self.stop_reason: int | str | None = None
         #: why the request failed alone (sampling or detokenizing raised); None otherwise
         self.error: str | None = None

@@ -43,6 +43,11 @@ class LogitsProcessor(Protocol):
     (:mod:`asymcache_core.token_masks`): its row is then masked and sampled where the logits
     are, and with async scheduling its mask is built while the step runs. Without it the row is
     copied to the host and its step waited for before the next is planned.
+
+    A masking processor may also say which tokens it alone allows next, one after another, with
+    ``forced_tokens(output_token_ids, limit) -> list[int]`` (taking them as generated): when it
+    is a request's only processor, the engine appends them at once (jump-forward,
+    ``EngineConfig.jump_forward``).
     """
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...

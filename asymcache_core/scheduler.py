@@ -42,6 +42,11 @@ def fcfs_key(request: Request) -> tuple:
     return (request.priority, request.metrics.arrival_time)
 
 
+#: Most tokens one jump-forward appends (a long forced text is computed over a few steps,
+#: each a chunk the step budget takes like a prompt's).
+MAX_JUMP_FORWARD = 64
+
+
 class Scheduler:
     """Plans steps over the waiting and running queues.
 
@@ -83,6 +88,9 @@ class Scheduler:
             scheduling): a request that samples in a step counts that token as pending
             (:attr:`Request.num_pending`), the next step plans past it, and
             :meth:`update_from_output` drops the token of a request that had already ended.
+        jump_forward: after a sampled token, append at once the tokens a request's constraint
+            forces (:meth:`_forced_tokens`): they are computed in the next step together, as
+            the rest of a prompt is, instead of one decode step each.
     """
 
     def __init__(
@@ -106,6 +114,7 @@ class Scheduler:
         work_seconds: Callable[[int, int], float] | None = None,
         job_admission: JobAdmission | None = None,
         async_output: bool = False,
+        jump_forward: bool = False,
     ) -> None:
         if least_work_patience is not None and (not least_work_first or work_seconds is None):
             raise ValueError("least_work_patience: needs least_work_first and a work_seconds estimate")
@@ -128,6 +137,9 @@ class Scheduler:
         self.admission_key = admission_key or priority_key
         self.job_admission = job_admission
         self.async_output = async_output
+        self.jump_forward = jump_forward
+        #: tokens appended by jump-forward, not sampled (a counter for the stats)
+        self.num_jump_forward_tokens = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._order = itertools.count()
@@ -391,6 +403,11 @@ class Scheduler:
             if not item.sample:
                 continue
             request = item.request
+            if request.skip_samples:
+                # NOTE: a jump-forward already appended the token at the position this step
+                # sampled (and took this step's pending token off then)
+                request.skip_samples -= 1
+                continue
             if request.num_pending:
                 request.num_pending -= 1
             if request.finished:
@@ -403,12 +420,51 @@ class Scheduler:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.token_times.append(now)
+            tokens = [token]
             status = self._check_stop(request, token)
-            stop_reason = token if status is RequestStatus.FINISHED_STOPPED else None
+            if status is None and self.jump_forward and (forced_run := self._forced_tokens(request)):
+                if request.num_pending:
+                    # NOTE: the step in flight (async scheduling) samples the position the
+                    # first forced token takes: its token is dropped, and is no longer pending
+                    request.num_pending -= 1
+                    request.skip_samples += 1
+                for forced in forced_run:
+                    request.append_output(forced)
+                    metrics.token_times.append(now)
+                    tokens.append(forced)
+                    self.num_jump_forward_tokens += 1
+                    status = self._check_stop(request, forced)
+                    if status is not None:
+                        break
+            stop_reason = tokens[-1] if status is RequestStatus.FINISHED_STOPPED else None
             if status is not None:
                 self.finish_request(request, status, now, stop_reason)
-            updates.append(RequestUpdate(request, [token], status, stop_reason))
+            updates.append(RequestUpdate(request, tokens, status, stop_reason))
         return updates
+
+    def _forced_tokens(self, request: Request) -> list[int]:
+        """The tokens that follow ``request``'s last one whatever the logits are: those its one
+        logits processor keeps alone, one after the other (a grammar's fixed text: a forced
+        tool call's name and keys), as its ``forced_tokens(output_token_ids, limit)`` gives
+        them, at most up to ``max_tokens`` and the context limit.
+
+        NOTE: exact: with one token kept, every sampling setting picks it (greedy or not; a
+        seeded row draws by its position, so later draws do not move). None where that may
+        not hold or cannot be reported: a row with log probabilities (the forced tokens would
+        need theirs), stop strings (the text is searched per step) or another processor (its
+        mask could differ). With async scheduling the step in flight samples the position the
+        first forced token takes; :meth:`update_from_output` drops that token.
+        """
+        params = request.params
+        if request.num_pending > 1 or params.logprobs is not None or params.stop or len(params.logits_processors) != 1:
+            return []
+        forced_tokens = getattr(params.logits_processors[0], "forced_tokens", None)
+        if forced_tokens is None:
+            return []
+        limit = min(MAX_JUMP_FORWARD, params.max_tokens - len(request.output_token_ids))
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - request.num_tokens)
+        return list(forced_tokens(request.output_token_ids, limit))[:limit] if limit > 0 else []
 
     def _ends_on_length(self, request: Request) -> bool:
         """Whether the tokens in flight end ``request`` on length, whatever they are."""

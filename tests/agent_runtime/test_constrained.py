@@ -246,3 +246,40 @@ def test_grammar_mask_words_match_the_rewritten_row(tokenizer: Any, cache: Gramm
             words = by_words.keep_words(out, vocab)
             masked = apply_keep(torch.zeros(1, vocab), [0], words[None, :])
             assert torch.equal(torch.isfinite(masked[0]), row), (vocab, out)
+
+
+def test_forced_tokens_are_those_the_grammar_allows_alone(tokenizer: Any, cache: GrammarCache) -> None:
+    """Walking a forced call token by token: wherever the mask keeps one token (not EOS), the
+    processor's ``forced_tokens`` gives exactly the run of such tokens from there, and taking
+    them leaves it where walking would (jump-forward is exact)."""
+    from agent_runtime.grammar_processor import single_token
+    from asymcache_core.token_masks import keep_only
+
+    assert single_token(keep_only([70], 100)) == 70 and single_token(keep_only([0], 100)) == 0
+    assert single_token(keep_only([31, 32], 100)) is None and single_token(keep_only([], 100)) is None
+    assert single_token(keep_only([3, 5], 100)) is None
+
+    choice = {"type": "function", "function": {"name": "add"}}
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 22}}\n</tool_call>'
+    toks = tokenizer.encode(text, add_special_tokens=False)
+    walker = make_tool_call_processor(cache, tokenizer, SCHEMAS, choice, vocab_size=VOCAB)
+    alone: list[int | None] = []
+    for i in range(len(toks)):
+        kept = _allowed(walker, toks[:i]).nonzero().flatten().tolist()
+        alone.append(kept[0] if len(kept) == 1 and kept[0] != tokenizer.eos_token_id else None)
+    assert sum(t is not None for t in alone) >= 2  # the call's fixed text forces some tokens
+    for i in range(len(toks)):
+        run = []
+        while i + len(run) < len(toks) and alone[i + len(run)] is not None:
+            run.append(alone[i + len(run)])
+        jumper = make_tool_call_processor(cache, tokenizer, SCHEMAS, choice, vocab_size=VOCAB)
+        assert jumper.forced_tokens(toks[:i], 64) == run == toks[i : i + len(run)], i
+        if run:
+            # the taken tokens are the request's: its next mask is the walker's after them
+            assert torch.equal(_allowed(jumper, toks[: i + len(run)]), _allowed(walker, toks[: i + len(run)]))
+    capped = make_tool_call_processor(cache, tokenizer, SCHEMAS, choice, vocab_size=VOCAB)
+    first = next(i for i, t in enumerate(alone) if t is not None)
+    assert capped.forced_tokens(toks[:first], 1) == [alone[first]]
+    # the grammar complete: EOS is the one token left, and it is never jumped over
+    done = make_tool_call_processor(cache, tokenizer, SCHEMAS, choice, vocab_size=VOCAB)
+    assert done.forced_tokens(toks, 64) == []
