@@ -131,18 +131,19 @@ class EngineConfig:
             Triton backend, decode-only steps replay one CUDA graph and other steps of at most
             ``mixed_graph_max_tokens`` tokens replay piecewise graphs around the eager MSA
             (:mod:`~asymcache_core.piecewise_graphs`).
-        jump_forward: once a request samples a token, the tokens its constraint allows alone
-            next (a grammar's fixed text: a forced tool call's name and argument keys, a JSON
-            schema's keys) are appended at once and computed in the next step together, as the
-            rest of a prompt is, instead of one decode step each (SGLang's jump-forward
+        jump_forward: once a request samples a token, the tokens its one logits processor
+            keeps alone next (where a grammar allows a single token: parts of a forced tool
+            call's fixed text) are appended at once and computed in the next step together, as
+            the rest of a prompt is, instead of one decode step each (SGLang's jump-forward
             decoding, at the token level: the tokens are those sampling would pick, so outputs
             are unchanged). Not for rows with log probabilities or stop strings. With async
             scheduling the step in flight sampled the position the first forced token takes;
             its token is dropped. ``None`` (the default): on for the CPU, where a step runs
-            eagerly whatever its rows (1.29x faster agent jobs at 2 in flight, even at 8:
-            BENCHMARKS.md, "Jump-forward"); off on CUDA devices, not measured there: a jump
-            makes its step a mixed one, whose piecewise graphs take ~1.5x a decode graph's time
-            at 8 decodes on the H200. The resolved bool is what the field then holds.
+            eagerly whatever its rows (agent jobs with forced tool calls 1.15x faster with one
+            in flight, 1.08x at 8: BENCHMARKS.md, "Jump-forward"); off on CUDA devices, not
+            measured there: a jump makes its step a mixed one, whose piecewise graphs take
+            ~1.5x a decode graph's time at 8 decodes on the H200. The resolved bool is what
+            the field then holds.
         async_scheduling: plan and launch each step while the one before it still runs on the
             device (vLLM's ``--async-scheduling``): the host's scheduling, packing and output
             work leave the device's critical path. A decode's input token is taken on the

@@ -16,6 +16,7 @@ Prints three tables:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -28,6 +29,14 @@ from asymcache_core.loaders import load_model
 
 MODES = {"library-kernels": False, "batch-invariant": True}  # the engine runs the second by default on the GPU
 DEVICE = "cuda"
+
+
+def release_device_memory() -> None:
+    """Frees the device memory of engines no longer referenced (an engine's parts refer to each
+    other, so only the collector frees its KV pool)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def sync() -> None:
@@ -112,11 +121,17 @@ def multi_turn(engine: Engine, jobs: int = 6, turns: int = 3) -> list[list[int]]
 
 def policy_grid(loaded, model: str, modes: dict[str, bool] = MODES) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
     rows = []
+    release_device_memory()
     for name, invariant in modes.items():
         for budget in (8192, 512):
             common = dict(model=model, device=DEVICE, loaded=loaded, async_scheduling=False, enforce_eager=True, batch_invariant=invariant,
                           max_num_batched_tokens=budget)
-            reference = multi_turn(Engine(num_kv_blocks=8192, eviction_policy="vllm-apc", **common))
+            unbounded = Engine(num_kv_blocks=8192, eviction_policy="vllm-apc", **common)
+            reference = multi_turn(unbounded)
+            # NOTE: an 8B's 8,192-block pool is 16 GiB: freed before the next engine, so the
+            # grid fits an 80 GB H100 beside the shared weights
+            del unbounded
+            release_device_memory()
             for policy in ("lru", "vllm-apc", "pensieve", "asymcache"):
                 engine = Engine(num_kv_blocks=160, eviction_policy=policy, **common)
                 outs = multi_turn(engine)
@@ -127,6 +142,8 @@ def policy_grid(loaded, model: str, modes: dict[str, bool] = MODES) -> list[dict
                              "holes": engine.counters.hole_tokens, "evictions": engine.pool.num_evictions})
                 print(f"| {name} | {budget} | {policy} | {agree:.0%} | {rows[-1]['tokens_equal']:.1%} | "
                       f"{engine.counters.hole_tokens} | {engine.pool.num_evictions} |", flush=True)
+                del engine
+                release_device_memory()
     return rows
 
 
