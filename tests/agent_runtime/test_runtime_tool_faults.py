@@ -14,7 +14,7 @@ from agent_runtime.tools import Tool, ToolRegistry
 from tests.conftest import make_engine
 
 TIMEOUT_S = 0.3
-CAP = 2_000
+CAP = 600
 
 
 def _named(name: str) -> dict:

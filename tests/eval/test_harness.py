@@ -61,7 +61,7 @@ def test_cli_bench_end_to_end_writes_valid_results(tmp_path):
     result = runner.invoke(
         app,
         ["bench", "--workload", "swe", "--jobs", "2", "--concurrency", "2", "--token-scale", "0.03",
-         "--time-scale", "0.01", "--max-context", "256", "--kv-fraction", "0.9",
+         "--time-scale", "0.01", "--max-context", "160", "--kv-fraction", "0.9",
          "--policies", "vllm-apc,asymcache+continuum", "--out", str(out)],
     )
     assert result.exit_code == 0, result.output
