@@ -29,10 +29,9 @@ from typing import Any, TypeVar
 
 from agent_runtime.grammar_cache import GrammarCache, make_request_processor
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
-from agent_runtime.protocol import ContextLengthError, ToolChoice
+from agent_runtime.protocol import ToolChoice, check_fits_context
 from agent_runtime.types import StreamEvent
 from asymcache_core import Engine
-from asymcache_core.engine_checks import truncated_prompt
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import RequestOutput
 from asymcache_core.sampling_params import SamplingParams
@@ -120,15 +119,6 @@ class _Submit:
     sink: _Sink
     accepted: concurrent.futures.Future[tuple[str, list[int]]]
     strict_max_tokens: bool = False
-
-
-def _check_fits_context(engine: Engine, ids: list[int], params: SamplingParams) -> None:
-    """Raises :class:`ContextLengthError` where the prompt (as the engine runs it, cut by
-    ``truncate_prompt_tokens``) and ``params.max_tokens`` pass ``max_model_len``; a prompt that
-    leaves no room at all is left to the engine's own check (the ``prompt`` error)."""
-    kept = len(truncated_prompt(ids, params, engine.max_model_len))
-    if kept < engine.max_model_len < kept + params.max_tokens:
-        raise ContextLengthError(kept, params.max_tokens, engine.max_model_len)
 
 
 @dataclass
@@ -331,7 +321,8 @@ class AsyncEngine:
             The stream.
 
         Raises:
-            ContextLengthError: ``strict_max_tokens`` and the request passes ``max_model_len``.
+            ContextLengthError: ``strict_max_tokens`` and the request passes ``max_model_len``
+                (:func:`~agent_runtime.protocol.check_fits_context`).
             ValueError: rejected by the engine or by the grammar builder (message names the field).
             RuntimeError: the engine thread is stopped.
         """
@@ -437,7 +428,7 @@ class AsyncEngine:
                     params = replace(params, logits_processors=(*params.logits_processors, processor))
             ids = engine.encode(cmd.prompt)
             if cmd.strict_max_tokens:
-                _check_fits_context(engine, ids, params)
+                check_fits_context(ids, params, engine.max_model_len)
             rid = cmd.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             rid = engine.add_request(
                 ids, params, job_id=opts.job_id, request_id=rid, is_last_step=opts.is_last_step,

@@ -134,7 +134,7 @@ class GrammarLogitsProcessor:
         forced call's name, an object's keys), at most ``limit``; they end at a choice, at a
         stop token or where the grammar is complete. They are taken as the request's next
         output tokens (the engine appends them: jump-forward decoding,
-        :meth:`asymcache_core.scheduler.Scheduler._forced_tokens`).
+        :mod:`asymcache_core.jump_forward`).
 
         Args:
             output_token_ids: all tokens generated so far for this request.

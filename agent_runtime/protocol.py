@@ -20,6 +20,7 @@ from agent_runtime.chat_template import TEXT_PART_KEYS
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
 from agent_runtime.tool_schema import validate_tool_schema
 from agent_runtime.tools import Tool, ToolRegistry
+from asymcache_core.engine_checks import truncated_prompt
 from asymcache_core.sampling_params import SamplingParams
 
 ToolChoice = str | Mapping[str, Any] | None
@@ -71,6 +72,20 @@ class ContextLengthError(RequestError):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
+
+
+def check_fits_context(prompt_ids: Sequence[int], params: SamplingParams, max_model_len: int) -> None:
+    """Rejects a prompt whose ``params.max_tokens`` take it past ``max_model_len``.
+
+    The prompt counts as the engine runs it (cut by ``truncate_prompt_tokens``); one that
+    leaves no room at all is left to the engine's own check (its ``prompt`` error).
+
+    Raises:
+        ContextLengthError: the prompt and ``max_tokens`` together pass ``max_model_len``.
+    """
+    kept = len(truncated_prompt(list(prompt_ids), params, max_model_len))
+    if kept < max_model_len < kept + params.max_tokens:
+        raise ContextLengthError(kept, params.max_tokens, max_model_len)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,6 +328,7 @@ def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
 __all__ = [
     "chat_sampling_params",
     "ChatSampling",
+    "check_fits_context",
     "ContextLengthError",
     "MAX_JOB_ID_CHARS",
     "MAX_STOP_STRINGS",

@@ -130,7 +130,7 @@ class Request:
         #: model runner takes on the device from the step that samples them
         self.num_pending = 0
         #: samples of the step in flight to drop: a jump-forward appended the token at the
-        #: position it samples (async scheduling; the scheduler's ``_forced_tokens``)
+        #: position it samples (async scheduling; :mod:`asymcache_core.jump_forward`)
         self.skip_samples = 0
         self.stop_reason: int | str | None = None
         #: why the request failed alone (sampling or detokenizing raised); None otherwise

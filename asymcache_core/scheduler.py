@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Collection
 
 from asymcache_core.job_admission import JobAdmission
+from asymcache_core.jump_forward import forced_tokens
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
 from asymcache_core.request import HOLE, Request, RequestStatus
 from asymcache_core.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
@@ -41,10 +42,6 @@ def fcfs_key(request: Request) -> tuple:
     """vLLM's default: by arrival."""
     return (request.priority, request.metrics.arrival_time)
 
-
-#: Most tokens one jump-forward appends (a long forced text is computed over a few steps,
-#: each a chunk the step budget takes like a prompt's).
-MAX_JUMP_FORWARD = 64
 
 
 class Scheduler:
@@ -89,8 +86,8 @@ class Scheduler:
             (:attr:`Request.num_pending`), the next step plans past it, and
             :meth:`update_from_output` drops the token of a request that had already ended.
         jump_forward: after a sampled token, append at once the tokens a request's constraint
-            forces (:meth:`_forced_tokens`): they are computed in the next step together, as
-            the rest of a prompt is, instead of one decode step each.
+            forces (:func:`~asymcache_core.jump_forward.forced_tokens`): the next step computes
+            them together, as the rest of a prompt, instead of one decode step each.
     """
 
     def __init__(
@@ -422,7 +419,7 @@ class Scheduler:
             metrics.token_times.append(now)
             tokens = [token]
             status = self._check_stop(request, token)
-            if status is None and self.jump_forward and (forced_run := self._forced_tokens(request)):
+            if status is None and self.jump_forward and (forced_run := forced_tokens(request, self.max_model_len)):
                 if request.num_pending:
                     # NOTE: the step in flight (async scheduling) samples the position the
                     # first forced token takes: its token is dropped, and is no longer pending
@@ -441,30 +438,6 @@ class Scheduler:
                 self.finish_request(request, status, now, stop_reason)
             updates.append(RequestUpdate(request, tokens, status, stop_reason))
         return updates
-
-    def _forced_tokens(self, request: Request) -> list[int]:
-        """The tokens that follow ``request``'s last one whatever the logits are: those its one
-        logits processor keeps alone, one after the other (a grammar's fixed text: a forced
-        tool call's name and keys), as its ``forced_tokens(output_token_ids, limit)`` gives
-        them, at most up to ``max_tokens`` and the context limit.
-
-        NOTE: exact: with one token kept, every sampling setting picks it (greedy or not; a
-        seeded row draws by its position, so later draws do not move). None where that may
-        not hold or cannot be reported: a row with log probabilities (the forced tokens would
-        need theirs), stop strings (the text is searched per step) or another processor (its
-        mask could differ). With async scheduling the step in flight samples the position the
-        first forced token takes; :meth:`update_from_output` drops that token.
-        """
-        params = request.params
-        if request.num_pending > 1 or params.logprobs is not None or params.stop or len(params.logits_processors) != 1:
-            return []
-        forced_tokens = getattr(params.logits_processors[0], "forced_tokens", None)
-        if forced_tokens is None:
-            return []
-        limit = min(MAX_JUMP_FORWARD, params.max_tokens - len(request.output_token_ids))
-        if self.max_model_len is not None:
-            limit = min(limit, self.max_model_len - request.num_tokens)
-        return list(forced_tokens(request.output_token_ids, limit))[:limit] if limit > 0 else []
 
     def _ends_on_length(self, request: Request) -> bool:
         """Whether the tokens in flight end ``request`` on length, whatever they are."""

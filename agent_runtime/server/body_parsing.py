@@ -9,12 +9,14 @@ completion's prompt or batch of prompts (:func:`completion_prompts`).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from agent_runtime.protocol import RequestError
+from agent_runtime.server.errors import APIError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -52,6 +54,28 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (None,),
     "guided_decoding_backend": (None, "auto", "xgrammar"),
 }
+
+
+#: vLLM's request id header: names a completion (over the body's ``request_id``) and comes back
+#: on its response.
+REQUEST_ID_HEADER = "X-Request-Id"
+_MAX_REQUEST_ID_CHARS = 256
+
+
+def base_request_id(headers: Mapping[str, str], body_id: str | None) -> str:
+    """A completion's base id: vLLM's ``X-Request-Id`` header, else the body's ``request_id``,
+    else a random one.
+
+    Raises:
+        APIError: 400 for a header that is empty or over 256 characters.
+    """
+    header = headers.get(REQUEST_ID_HEADER)
+    if header is None:
+        return body_id or uuid.uuid4().hex[:24]
+    if not 0 < len(header) <= _MAX_REQUEST_ID_CHARS:
+        raise APIError(400, f"{REQUEST_ID_HEADER}: must be 1 to {_MAX_REQUEST_ID_CHARS} characters",
+                       param=REQUEST_ID_HEADER)
+    return header
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -262,6 +286,8 @@ def _one_prompt(prompt: Any, where: str) -> str | list[int]:
 
 
 __all__ = [
+    "base_request_id",
+    "REQUEST_ID_HEADER",
     "MAX_JSON_DEPTH", "UNSUPPORTED_FIELDS", "check_json_tree", "completion_prompts", "lift_vllm_xargs",
     "parse_json_body", "parse_request", "reject_unsupported",
 ]

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -26,7 +25,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import RequestError
-from agent_runtime.server.body_parsing import parse_json_body, parse_request
+from agent_runtime.server.body_parsing import (
+    REQUEST_ID_HEADER,
+    base_request_id,
+    parse_json_body,
+    parse_request,
+)
 from agent_runtime.server.choices import ChatChunks, Chunks, CompletionChunks, safe_text_len
 from agent_runtime.server.errors import APIError, from_value_error, stream_error_frame
 from agent_runtime.server.logprobs import TokenTexts
@@ -56,10 +60,6 @@ from asymcache_core import EngineStats
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-#: vLLM's request id header: names a completion (over the body's ``request_id``) and comes back
-#: on its response.
-REQUEST_ID_HEADER = "X-Request-Id"
-_MAX_REQUEST_ID_CHARS = 256
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
@@ -151,7 +151,7 @@ async def detokenize(request: Request) -> JSONResponse:
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     state, req = await parse_body(request, ChatCompletionRequest)
-    base_id = _base_request_id(request, req.request_id)
+    base_id = base_request_id(request.headers, req.request_id)
     _check_template_trusted(state, req)
     rt = state.require_runtime()
     params = _sampling_params(req, state.default_max_tokens)
@@ -193,7 +193,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
     state, req = await parse_body(request, CompletionRequest)
-    base_id = _base_request_id(request, req.request_id)
+    base_id = base_request_id(request.headers, req.request_id)
     rt = state.require_runtime()
     params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
@@ -331,7 +331,7 @@ async def _respond(
     base_id: str,
 ) -> Response:
     """The response of a submitted completion (one stream per choice): one JSON body once every
-    choice finished, or the SSE stream; either with ``base_id`` (:func:`_base_request_id`) in
+    choice finished, or the SSE stream; either with ``base_id`` (:func:`~agent_runtime.server.body_parsing.base_request_id`) in
     ``X-Request-Id``."""
     rid = f"{endpoint.id_prefix}-{base_id}"
     id_header = {REQUEST_ID_HEADER: base_id}
@@ -356,21 +356,6 @@ async def _respond(
         headers={**_SSE_HEADERS, **id_header},
     )
 
-
-def _base_request_id(request: Request, body_id: str | None) -> str:
-    """A completion's base id: vLLM's ``X-Request-Id`` header, else the body's ``request_id``,
-    else a random one.
-
-    Raises:
-        APIError: 400 for a header that is empty or over 256 characters.
-    """
-    header = request.headers.get(REQUEST_ID_HEADER)
-    if header is None:
-        return body_id or uuid.uuid4().hex[:24]
-    if not 0 < len(header) <= _MAX_REQUEST_ID_CHARS:
-        raise APIError(400, f"{REQUEST_ID_HEADER}: must be 1 to {_MAX_REQUEST_ID_CHARS} characters",
-                       param=REQUEST_ID_HEADER)
-    return header
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamEvent]]:

@@ -277,19 +277,15 @@ def test_max_tokens_past_the_context_is_a_400_and_runs_nothing(live):  # noqa: F
 
 
 def test_the_context_check_counts_the_prompt_the_engine_runs():
-    from types import SimpleNamespace
+    from agent_runtime.protocol import ContextLengthError, check_fits_context
 
-    from agent_runtime.engine_client import _check_fits_context
-    from agent_runtime.protocol import ContextLengthError
-
-    engine = SimpleNamespace(max_model_len=100)
-    _check_fits_context(engine, list(range(60)), SamplingParams(max_tokens=40))  # exactly the limit
+    check_fits_context(list(range(60)), SamplingParams(max_tokens=40), 100)  # exactly the limit
     with pytest.raises(ContextLengthError) as over:
-        _check_fits_context(engine, list(range(60)), SamplingParams(max_tokens=41))
+        check_fits_context(list(range(60)), SamplingParams(max_tokens=41), 100)
     assert (over.value.prompt_tokens, over.value.max_tokens, over.value.param) == (60, 41, "max_tokens")
     assert str(over.value).startswith("max_tokens: too large: 41.")
-    _check_fits_context(engine, list(range(500)), SamplingParams(max_tokens=90, truncate_prompt_tokens=10))
+    check_fits_context(list(range(500)), SamplingParams(max_tokens=90, truncate_prompt_tokens=10), 100)
     with pytest.raises(ContextLengthError):
-        _check_fits_context(engine, list(range(500)), SamplingParams(max_tokens=91, truncate_prompt_tokens=10))
+        check_fits_context(list(range(500)), SamplingParams(max_tokens=91, truncate_prompt_tokens=10), 100)
     # a prompt with no room at all is the engine's own error (``prompt``), not this one
-    _check_fits_context(engine, list(range(100)), SamplingParams(max_tokens=5))
+    check_fits_context(list(range(100)), SamplingParams(max_tokens=5), 100)
