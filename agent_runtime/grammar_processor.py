@@ -15,22 +15,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from asymcache_core.token_masks import apply_keep, clear_tokens, keep_only, words_for
+from asymcache_core.token_masks import apply_keep, clear_tokens, keep_only, single_token, words_for
 
 if TYPE_CHECKING:
     import xgrammar as xgr
-
-
-def single_token(words: np.ndarray) -> int | None:
-    """The one token a packed mask keeps (:mod:`asymcache_core.token_masks`), or ``None`` where
-    it keeps several or none."""
-    nonzero = np.flatnonzero(words)
-    if len(nonzero) != 1:
-        return None
-    word = int(words[nonzero[0]]) & 0xFFFFFFFF
-    if word & (word - 1):
-        return None
-    return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 
 class GrammarLogitsProcessor:

@@ -74,7 +74,7 @@ class ContextLengthError(RequestError):
         self.max_model_len = max_model_len
 
 
-def check_fits_context(prompt_ids: Sequence[int], params: SamplingParams, max_model_len: int) -> None:
+def check_fits_context(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
     """Rejects a prompt whose ``params.max_tokens`` take it past ``max_model_len``.
 
     The prompt counts as the engine runs it (cut by ``truncate_prompt_tokens``); one that
@@ -83,7 +83,7 @@ def check_fits_context(prompt_ids: Sequence[int], params: SamplingParams, max_mo
     Raises:
         ContextLengthError: the prompt and ``max_tokens`` together pass ``max_model_len``.
     """
-    kept = len(truncated_prompt(list(prompt_ids), params, max_model_len))
+    kept = len(truncated_prompt(prompt_ids, params, max_model_len))
     if kept < max_model_len < kept + params.max_tokens:
         raise ContextLengthError(kept, params.max_tokens, max_model_len)
 

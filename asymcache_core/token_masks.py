@@ -12,7 +12,8 @@ vocabulary rows to the host and sampling there (:class:`asymcache_core.sampler.S
 - :func:`masks_only`: whether every processor of a row can say so.
 - :func:`keep_words`: a row's mask, the processors' masks combined (a token is kept when every
   processor keeps it: masking in turn, as the host path does).
-- :func:`pack_keep`, :func:`keep_only`, :func:`all_words`, :func:`clear_tokens`: build masks.
+- :func:`pack_keep`, :func:`keep_only`, :func:`all_words`, :func:`clear_tokens`: build masks;
+  :func:`single_token`: the one token a mask keeps, if it keeps one (jump-forward).
 - :func:`stacked_keep`: the masks of a batch's rows, as :func:`apply_keep` takes them.
 - :func:`apply_keep`: masks ``[R, V]`` logits rows on their device.
 """
@@ -45,6 +46,18 @@ def keep_only(tokens: Iterable[int], vocab: int) -> np.ndarray:
     keep = np.zeros(vocab, dtype=bool)
     keep[ids[(ids >= 0) & (ids < vocab)]] = True
     return pack_keep(keep)
+
+
+def single_token(words: np.ndarray) -> int | None:
+    """The one token a packed mask keeps (:mod:`asymcache_core.token_masks`), or ``None`` where
+    it keeps several or none."""
+    nonzero = np.flatnonzero(words)
+    if len(nonzero) != 1:
+        return None
+    word = int(words[nonzero[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 
 @functools.lru_cache(maxsize=8)

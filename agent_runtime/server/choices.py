@@ -8,6 +8,7 @@ choice of the non-streamed body; one instance per choice (OpenAI's ``n``), carry
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from abc import ABC, abstractmethod
 from typing import Any
@@ -34,6 +35,10 @@ from agent_runtime.server.responses import (
 from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
+from asymcache_core.sampling_params import SEED_MAX, SamplingParams
+
+#: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
+SEED_SPAN = SEED_MAX + 1
 
 _TOOL_OPEN = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -384,4 +389,24 @@ class StreamedText:
         return thought, content
 
 
-__all__ = ["ChatChunks", "Chunks", "CompletionChunks", "StreamedText", "safe_text_len"]
+def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of each of a request's ``n`` choices.
+
+    NOTE: with a seed, choice ``i`` samples with ``seed + i`` (vLLM's rule), so the choices
+    differ yet the response is reproducible; without one each choice draws its own stream.
+
+    Args:
+        params: the request's parameters.
+        n: its number of choices.
+
+    Returns:
+        One per choice.
+    """
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i + SEED_SPAN) % (2 * SEED_SPAN) - SEED_SPAN)
+            for i in range(n)]
+
+
+
+__all__ = ["ChatChunks", "Chunks", "CompletionChunks", "StreamedText", "choice_sampling_params", "safe_text_len"]

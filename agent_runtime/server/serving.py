@@ -12,7 +12,6 @@ response model of :mod:`agent_runtime.protocol`, and its ``model_dump()`` is wha
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -31,7 +30,13 @@ from agent_runtime.server.body_parsing import (
     parse_json_body,
     parse_request,
 )
-from agent_runtime.server.choices import ChatChunks, Chunks, CompletionChunks, safe_text_len
+from agent_runtime.server.choices import (
+    ChatChunks,
+    Chunks,
+    CompletionChunks,
+    choice_sampling_params,
+    safe_text_len,
+)
 from agent_runtime.server.errors import APIError, from_value_error, stream_error_frame
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -57,13 +62,11 @@ from agent_runtime.server.responses import (
 from agent_runtime.server.state import AppState, app_state
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core import EngineStats
-from asymcache_core.sampling_params import SEED_MAX, SamplingParams
+from asymcache_core.sampling_params import SamplingParams
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
-#: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
-SEED_SPAN = SEED_MAX + 1
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
@@ -239,25 +242,6 @@ async def completions(request: Request) -> Response:
         _abort_all(chunks)
         raise
     return await _respond(request, state, req, chunks, _COMPLETION, base_id)
-
-
-def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The parameters of each of a request's ``n`` choices.
-
-    NOTE: with a seed, choice ``i`` samples with ``seed + i`` (vLLM's rule), so the choices
-    differ yet the response is reproducible; without one each choice draws its own stream.
-
-    Args:
-        params: the request's parameters.
-        n: its number of choices.
-
-    Returns:
-        One per choice.
-    """
-    if n == 1 or params.seed is None:
-        return [params] * n
-    return [dataclasses.replace(params, seed=(params.seed + i + SEED_SPAN) % (2 * SEED_SPAN) - SEED_SPAN)
-            for i in range(n)]
 
 
 def _token_texts(state: AppState, params: SamplingParams, as_ids: bool | None) -> TokenTexts | None:
@@ -502,6 +486,6 @@ def _usage(finals: list[StreamEvent], choices_per_prompt: int, generated: bool =
 
 
 __all__ = [
-    "await_finals", "chat_completions", "choice_sampling_params", "completions", "detokenize", "finish_one",
+    "await_finals", "chat_completions", "completions", "detokenize", "finish_one",
     "health", "metrics", "models", "parse_body", "safe_text_len", "tokenize",
 ]

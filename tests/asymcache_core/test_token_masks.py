@@ -151,3 +151,12 @@ def test_keep_only_and_the_batchs_stacked_masks():
     positions, stacked = stacked_keep({4: a, 6: None, 9: b}, [9, 6, 4, 2])
     assert positions == [0, 2] and np.array_equal(stacked, np.stack([b, a]))
     assert stacked_keep({6: None}, [6, 2]) is None
+
+
+def test_single_token_finds_the_one_kept_token_or_none():
+    from asymcache_core.token_masks import single_token
+
+    for token in (0, 5, 31, 32, 63, 70, VOCAB - 1):  # 31: the int32 word's sign bit
+        assert single_token(keep_only([token], VOCAB)) == token
+    for tokens in ([], [3, 5], [31, 32], [0, VOCAB - 1]):
+        assert single_token(keep_only(tokens, VOCAB)) is None
