@@ -40,6 +40,7 @@ from asymcache_core.engine_setup import (
     resolve_config,
 )
 from asymcache_core.engine_stats import (
+    CacheReset,
     EngineCounters,
     EngineStats,
     GenerationOutput,
@@ -341,16 +342,21 @@ class Engine(AsyncSteps, JobControl):
         request changes that. A loop should wait for one of those rather than step again."""
         return self._stalled
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, *, host_tier: bool = False) -> CacheReset:
         """Evicts every cached block that no request holds and no pin protects.
 
+        Args:
+            host_tier: also drop the host tier's copies (vLLM's ``reset_external``); without
+                it the evicted blocks' content lives on there, as any eviction's does.
+
         Returns:
-            Blocks evicted.
+            The device blocks evicted and the host slots dropped.
         """
         evicted = self.pool.evict_all()
+        dropped = self.host_tier.clear() if host_tier and self.host_tier is not None else 0
         if self.kv_events is not None:
             self.kv_events.flush()  # routers learn of the removals now, not at the next step
-        return evicted
+        return CacheReset(evicted, dropped)
 
     def close(self) -> None:
         """Closes the KV event publisher and stops the tensor-parallel workers, if any

@@ -9,11 +9,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from asymcache_core.engine import Engine
     from asymcache_core.scheduler import SchedulerOutput
+
+
+class CacheReset(NamedTuple):
+    """What :meth:`~asymcache_core.engine.Engine.reset_prefix_cache` dropped.
+
+    Attributes:
+        device_blocks: cached device blocks evicted.
+        host_blocks: host-tier slots dropped (0 unless asked, or without a tier).
+    """
+
+    device_blocks: int
+    host_blocks: int
 
 
 @dataclass

@@ -220,6 +220,19 @@ class HostTier:
                 due.append((back, job_id))
         return [job_id for _, job_id in sorted(due)]
 
+    def clear(self) -> int:
+        """Forgets every copy: those queued and not issued yet, and every host slot that no
+        reload in flight reads (a cache reset: a later lookup finds nothing it dropped).
+
+        Returns:
+            Host slots dropped.
+        """
+        # NOTE: a dropped snapshot's device block is being reused: its copy, never issued,
+        # needs no wait either.
+        self._queued.clear()
+        self._evicted.clear()
+        return self.pool.evict_all()
+
     # -- the step's copies -----------------------------------------------------------------
     def take_transfers(self) -> KVTransfers:
         """Closes this step's copies: the queued offloads get host slots, the planned reloads

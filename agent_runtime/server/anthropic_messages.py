@@ -48,6 +48,7 @@ from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
+from agent_runtime.server.responses import SSE_HEADERS
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.thinking_budget import anthropic_thinking_budget
 from agent_runtime.types import AssistantTurn, StreamEvent
@@ -55,7 +56,6 @@ from asymcache_core.sampling_params import SamplingParams
 
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: Anthropic's error type for each status (its ``error.type``).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -366,7 +366,7 @@ async def create_message(request: Request) -> Response:
     state.metrics.count(PATH, 200)
     events = _events(stream, mid, state.model_name, StreamedText(bool(tools) and choice != "none", rt.tool_call_format, rt.reasoning_parser),
                      state.metrics)
-    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def count_tokens(request: Request) -> JSONResponse:

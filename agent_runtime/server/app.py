@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from agent_runtime.chat_template_options import check_template_kwargs, load_chat_template
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server import anthropic_messages, openai_responses, serving
+from agent_runtime.server import admin, anthropic_messages, openai_responses, serving
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.requests import (
     MAX_BATCH_SEQUENCES,
@@ -294,6 +294,8 @@ def create_app(
     app.add_api_route(anthropic_messages.COUNT_PATH, anthropic_messages.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
+    for path in admin.RESET_PATHS:
+        app.add_api_route(path, admin.reset_prefix_cache, methods=["POST"])
     app.add_middleware(
         RequestGuard, state=state, max_body_bytes=max_request_body_bytes, max_queue_len=max_queue_len
     )

@@ -18,6 +18,11 @@ from pydantic import (
     Field,
 )
 
+#: The headers of every event stream (chat, completions, Responses, Messages): no cache, and no
+#: proxy buffering (nginx holds a response back otherwise, and the client sees no token until
+#: the end).
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 # ----------------------------------------------------------------------------------------------
 # HTTP response bodies
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""OpenAI's Responses API input as chat messages: the items, function tools, tool choice and
-``text.format`` of a ``POST /v1/responses`` body in the chat route's forms
-(:mod:`agent_runtime.server.openai_responses` serves them).
+"""OpenAI's Responses API input: the body of ``POST /v1/responses`` as the server reads it
+(:class:`ResponsesRequest`), and its items, function tools, tool choice and ``text.format`` in
+the chat route's forms (:mod:`agent_runtime.server.openai_responses` serves them).
 
 ``message`` items become their role's messages, consecutive ``function_call`` items the tool
 calls of one assistant message (after the text the model wrote before them, so the next turn's
@@ -12,11 +12,90 @@ after it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
 
 from agent_runtime.chat_template import TEXT_PART_KEYS
+from agent_runtime.server.requests import (
+    CacheSalt,
+    JobId,
+    PositiveInt,
+    ReasoningEffort,
+    Temperature,
+    TopK,
+    TopP,
+    lift_vllm_xargs,
+)
+from asymcache_core.sampling_params import SamplingParams
 
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
+
+
+class ReasoningSettings(BaseModel):
+    """The request's ``reasoning``: an effort (the template's ``reasoning_effort``) and the
+    summary asked for (accepted; none is written: the reasoning item holds the thinking)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # OpenAI's older name
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: what the server reads of OpenAI's body, plus vLLM's ``top_k`` and
+    Continuum's ``job_id`` / ``is_last_step`` (the openai client's ``extra_body``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    #: fields this server does not serve, with the values that mean "off"
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "conversation": (None,),
+        # NOTE: reasoning items are sent in the clear, so asking for their encrypted content
+        # (Codex does) changes nothing; the other includes would
+        "background": (None, False), "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
+        "top_logprobs": (None, 0),
+        "truncation": (None, "disabled"), "max_tool_calls": (None,),
+    }
+
+    model: StrictStr | None = None
+    input: str | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool | None = None
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    text: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    reasoning: ReasoningSettings | None = None
+    job_id: JobId | None = None
+    is_last_step: StrictBool | None = None
+    cache_salt: CacheSalt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hints_in_xargs(cls, data: Any) -> Any:
+        return lift_vllm_xargs(data, ("job_id", "is_last_step"))
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters (greedy unless ``temperature`` says otherwise)."""
+        return SamplingParams(
+            max_tokens=self.max_output_tokens or default_max_tokens,
+            temperature=0.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            cache_salt=self.cache_salt,
+        )
 
 
 def _text_of(content: Any, where: str) -> str:

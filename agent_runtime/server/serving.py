@@ -49,6 +49,7 @@ from agent_runtime.server.requests import (
     with_reasoning_effort,
 )
 from agent_runtime.server.responses import (
+    SSE_HEADERS,
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
@@ -64,7 +65,6 @@ from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core import EngineStats
 from asymcache_core.sampling_params import SamplingParams
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
@@ -337,7 +337,7 @@ async def _respond(
         _sse_events(chunks, endpoint, rid, model, _UsageReport(req.include_usage, req.continuous_usage, req.num_choices),
                     metrics, not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
-        headers={**_SSE_HEADERS, **id_header},
+        headers={**SSE_HEADERS, **id_header},
     )
 
 

@@ -165,6 +165,18 @@ def test_stored_response_chains_stay_where_they_are_stored(client: httpx.Client)
     assert len({turns[0][0] for turns in runs}) == 2, runs  # new chains spread over both replicas
 
 
+def test_a_cache_reset_reaches_every_replica(client: httpx.Client):
+    # NOTE: after the chains above both replicas hold cached blocks; the gateway sums their answers
+    reset = client.post("/reset_prefix_cache")
+    assert reset.status_code == 200, reset.text
+    body = reset.json()
+    assert body["success"] is True and body["replicas"] == 2 and body["device_blocks"] > 0
+    again = client.post("/flush_cache").json()
+    assert again["replicas"] == 2 and again["device_blocks"] == 0
+    bad = client.post("/reset_prefix_cache?reset_external=perhaps")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reset_external", bad.text
+
+
 def _kill(replica: str) -> None:
     from ray.serve._private.common import DeploymentID
 

@@ -289,3 +289,28 @@ def test_the_context_check_counts_the_prompt_the_engine_runs():
         check_fits_context(list(range(500)), SamplingParams(max_tokens=91, truncate_prompt_tokens=10), 100)
     # a prompt with no room at all is the engine's own error (``prompt``), not this one
     check_fits_context(list(range(100)), SamplingParams(max_tokens=5), 100)
+
+
+def test_reset_prefix_cache_drops_what_no_request_holds(live):  # noqa: F811
+    prompt = ("The tide came in over the flats while the gulls circled the old harbour wall, and the boats "
+              "that had lain on their sides all afternoon lifted, one after another, as the water reached them")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    assert _post(live, "/v1/completions", body).status_code == 200
+    warm = _post(live, "/v1/completions", body).json()["usage"]
+    assert warm["prompt_tokens_details"]["cached_tokens"] > 0
+    # vLLM's route, and SGLang's name for it; a reset of an empty cache drops nothing
+    reset = httpx.post(f"{live.base}/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200 and reset.json()["success"] is True and reset.json()["device_blocks"] > 0
+    assert reset.json()["host_blocks"] == 0  # no host tier here
+    cold = _post(live, "/v1/completions", body).json()["usage"]
+    assert not cold.get("prompt_tokens_details") or cold["prompt_tokens_details"]["cached_tokens"] == 0
+    again = httpx.post(f"{live.base}/flush_cache?reset_external=true", timeout=30)
+    assert again.status_code == 200 and again.json()["device_blocks"] > 0
+    assert live.engine(lambda e: len(e.pool.cached)) == 0
+    # a flag that is not a boolean, and preempting running requests, are 400s naming the parameter
+    for query, param in (("reset_external=maybe", "reset_external"),
+                         ("reset_running_requests=true", "reset_running_requests")):
+        bad = httpx.post(f"{live.base}/reset_prefix_cache?{query}", timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert httpx.get(f"{live.base}/reset_prefix_cache", timeout=30).status_code == 405
+    live.check()
