@@ -172,7 +172,8 @@ def test_chat_return_token_ids_streamed_and_not(live):
     messages = [{"role": "user", "content": "What is in notes.txt?"}]
     for extra in ({}, {"tools": TOOLS, "tool_choice": "required"}):
         # NOTE: salted, so that its blocks are no cache hit of the later tests' tool prompts
-        body = {"model": MODEL, "messages": messages, "max_tokens": 40 if extra else 10, "return_token_ids": True,
+        # NOTE: 4 tokens of a plain reply carry its ids as well as 10 (each reply runs twice)
+        body = {"model": MODEL, "messages": messages, "max_tokens": 40 if extra else 4, "return_token_ids": True,
                 "cache_salt": "return-token-ids", **extra}
         reply = httpx.post(f"{live.base}/v1/chat/completions", json=body, timeout=120).json()
         rendered = httpx.post(f"{live.base}/tokenize", json={"model": MODEL, "messages": messages,
@@ -502,8 +503,11 @@ def test_harness_http_backend_against_live_server(live, tmp_path):
 
     from eval.bench import BenchConfig, load_workload, run_bench
 
+    # NOTE: token_scale 0.05 keeps every job's turns (1 to 3 a job, so later turns extend earlier
+    # ones) and halves their replies: a run is as long as its longest job, ~33 decode steps for
+    # the ~67 of 0.1, and the test makes two runs.
     cfg = BenchConfig(
-        workload="chat", jobs=3, concurrency=3, token_scale=0.1, time_scale=0.01, max_model_len=256,
+        workload="chat", jobs=3, concurrency=3, token_scale=0.05, time_scale=0.01, max_model_len=256,
         seed=5, backend="http", url=live.base, policies=("our-server",), out=tmp_path / "http",
     )
     job_ids = {job.job_id for job in load_workload(cfg).jobs}
@@ -547,12 +551,15 @@ def _sse(live: Live, path: str, body: dict) -> list[dict]:
 
 def test_chat_logprobs_through_openai_client_streamed_and_not(live, oa):
     messages = [{"role": "user", "content": "Name three colours in French, with accents: é, è."}]
+    # NOTE: the reply's first tokens are accented letters, some split over two tokens (a lead
+    # byte, then a continuation byte): 8 tokens hold them; 24 repeated them at three times the cost
     reply = oa.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=24, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+        model=MODEL, messages=messages, max_tokens=8, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
     )
     choice = reply.choices[0]
     content = choice.logprobs.content
-    assert len(content) == reply.usage.completion_tokens == 24
+    assert len(content) == reply.usage.completion_tokens == 8
+    assert any(len(e.bytes) == 1 and e.bytes[0] >= 0x80 for e in content)  # a token that is no whole character
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0.0
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
@@ -560,7 +567,7 @@ def test_chat_logprobs_through_openai_client_streamed_and_not(live, oa):
     # the tokens' exact bytes join into the reply's text, multi-byte characters included
     assert bytes(b for e in content for b in e.bytes).decode("utf-8").strip() == choice.message.content
     # streamed: the same entries, spread over the chunks
-    chunks = _sse(live, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 24,
+    chunks = _sse(live, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
                                                  "logprobs": True, "top_logprobs": 3, "ignore_eos": True})
     streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
     assert len(streamed) == len(content)
@@ -603,8 +610,11 @@ def test_a_batch_of_prompts_is_each_prompt_alone(live, oa):
     """OpenAI's and vLLM's batch (a list of texts, or of token-id lists): prompt i's choice j is
     index i * n + j, each as the prompt sent alone; usage counts each prompt once."""
     texts = ["The capital of France is", "One, two, three,", "The capital of France is"]
-    alone = [oa.completions.create(model=MODEL, prompt=p, max_tokens=5) for p in texts]
-    batch = oa.completions.create(model=MODEL, prompt=texts, max_tokens=5)
+    # NOTE: the third prompt repeats the first: its reply alone is the first's (greedy), so it is
+    # not asked for twice. 3 tokens tell the prompts' replies apart as well as 5 did.
+    alone = [oa.completions.create(model=MODEL, prompt=p, max_tokens=3) for p in texts[:2]]
+    alone.append(alone[0])
+    batch = oa.completions.create(model=MODEL, prompt=texts, max_tokens=3)
     assert [c.index for c in batch.choices] == [0, 1, 2]
     assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
@@ -612,7 +622,7 @@ def test_a_batch_of_prompts_is_each_prompt_alone(live, oa):
     ids = [httpx.post(live.base + "/tokenize", json={"model": MODEL, "prompt": p}).json()["tokens"] for p in texts[:2]]
     # NOTE: greedy: a seeded draw is keyed by seed and position, but the logits it draws from
     # round with the step's rows on this CPU, so a near tie can fall either way in a batch
-    body = {"model": MODEL, "prompt": ids, "max_tokens": 5, "n": 2, "echo": True}
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 3, "n": 2, "echo": True}
     sampled = httpx.post(live.base + "/v1/completions", json=body, timeout=120).json()
     assert [c["index"] for c in sampled["choices"]] == [0, 1, 2, 3]
     for i, p in enumerate(texts[:2]):
@@ -631,7 +641,8 @@ def test_a_batch_of_prompts_is_each_prompt_alone(live, oa):
 
 def test_n_choices_seeded_and_reproducible(live, oa):
     messages = [{"role": "user", "content": "Write a word."}]
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=12, n=3, temperature=1.0, seed=5, logprobs=True)
+    # NOTE: 6 tokens already tell the three seeded choices apart (12 made each request twice as long)
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=6, n=3, temperature=1.0, seed=5, logprobs=True)
     reply = oa.chat.completions.create(**kwargs)
     assert [c.index for c in reply.choices] == [0, 1, 2]
     texts = [c.message.content for c in reply.choices]
@@ -709,7 +720,9 @@ def test_vllm_generation_extensions(live, oa):
     short = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=30)
     assert short.choices[0].finish_reason == "stop"
     n = short.usage.completion_tokens
-    held = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+    # NOTE: max_tokens at the minimum: without min_tokens the same greedy reply stops at n, so
+    # reaching n + 5 shows the stop held back (30 let it run on to 30 for nothing)
+    held = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=n + 5,
                                       extra_body={"min_tokens": n + 5, "skip_special_tokens": True})
     assert held.usage.completion_tokens >= n + 5
     kept = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=30, stop=["."],

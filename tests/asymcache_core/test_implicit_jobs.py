@@ -160,16 +160,24 @@ def test_an_ended_job_leaves_the_gate_and_a_later_turn_rejoins_it_as_new():
     engine.check_integrity()
 
 
-def test_implicit_jobs_are_lossless_under_pressure(smollm, unbounded):
-    # the multi-session script without job ids on the tight pool (12 blocks for ~33): the engine
-    # gives each session's turns one job, and the greedy tokens are the unbounded pool's
-    from tests.asymcache_core.test_holes_and_policies import SESSIONS, TURNS, run_script
+def test_implicit_jobs_are_lossless_under_pressure(smollm, short_unbounded):
+    # the multi-session script (3-token answers) without job ids on the tight pool (12 blocks
+    # for ~30): the engine gives each session's turns one job, and the greedy tokens are the
+    # unbounded pool's
+    from tests.asymcache_core.test_holes_and_policies import (
+        SESSIONS,
+        TURNS,
+        run_script,
+        short_turns,
+    )
     from tests.conftest import StepClock, make_engine
 
     engine = make_engine(smollm, clock=StepClock(), num_kv_blocks=12, eviction_policy="asymcache")
     assert engine.use_implicit_jobs()
-    assert run_script(engine, anonymous=True) == unbounded
+    assert run_script(engine, anonymous=True, params=short_turns) == short_unbounded
     assert engine.implicit_jobs.started == SESSIONS and engine.implicit_jobs.matched == SESSIONS * (TURNS - 1)
+    stats = engine.stats()
+    assert stats.evictions_total > 0 and stats.engine_hole_tokens_total > 0
     engine.check_integrity()
 
 

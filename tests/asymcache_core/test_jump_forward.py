@@ -63,16 +63,24 @@ def _params(processor: type = ForcedEvery, **extra) -> list[SamplingParams]:
             for _ in PROMPTS]
 
 
-def test_forced_tokens_come_at_once_and_the_outputs_are_those_sampled_step_by_step(smollm):
+@pytest.fixture(scope="module")
+def stepwise(smollm) -> tuple[list[tuple[list[int], str | None]], int]:
+    """The greedy outputs of :func:`_params` with jump-forward off, and that engine's steps
+    (the reference of several tests: computed once)."""
     off = make_engine(smollm, jump_forward=False)
-    reference = _run(off, _params())
+    outputs = _run(off, _params())
+    assert off.stats().engine_jump_forward_tokens_total == 0
+    return outputs, len(off.step_log)
+
+
+def test_forced_tokens_come_at_once_and_the_outputs_are_those_sampled_step_by_step(smollm, stepwise):
+    reference, stepwise_steps = stepwise
     on = make_engine(smollm)
     got = _run(on, _params())
     assert got == reference
     # positions 1-3, 6-8 and 11-13 are forced: 9 of 14 tokens per request, none sampled
     assert on.stats().engine_jump_forward_tokens_total == 9 * len(PROMPTS)
-    assert off.stats().engine_jump_forward_tokens_total == 0
-    assert len(on.step_log) < len(off.step_log)
+    assert len(on.step_log) < stepwise_steps
     assert all(ids[1:4] == [1001, 1002, 1003] for ids, _ in got)
     # a processor that cannot say what it forces is sampled a step a token, the same tokens
     plain = make_engine(smollm)
@@ -97,8 +105,11 @@ def test_jump_forward_is_lossless_under_eviction_preemption_and_random_sampling(
     ({"stop": ["never said"]}, "stop strings are searched step by step"),
     ({"allowed_token_ids": list(range(900, 1100))}, "a second processor"),
 ])
-def test_rows_jump_forward_cannot_report_sample_every_token(smollm, extra, why):
-    reference = _run(make_engine(smollm, jump_forward=False), _params(**extra))
+def test_rows_jump_forward_cannot_report_sample_every_token(smollm, stepwise, extra, why):
+    # NOTE: log probabilities and a stop string never met leave the tokens those of the
+    # shared reference; a second mask changes them, so that row gets its own
+    reference = (stepwise[0] if "allowed_token_ids" not in extra
+                 else _run(make_engine(smollm, jump_forward=False), _params(**extra)))
     engine = make_engine(smollm)
     assert _run(engine, _params(**extra)) == reference, why
     assert engine.stats().engine_jump_forward_tokens_total == 0, why
@@ -114,10 +125,10 @@ def test_a_jump_stops_at_max_tokens_and_at_a_stop_token(smollm):
     engine.check_integrity()
 
 
-def test_async_scheduling_jumps_and_gives_the_same_tokens(smollm):
+def test_async_scheduling_jumps_and_gives_the_same_tokens(smollm, stepwise):
     # NOTE: the step in flight when a jump is appended samples the position the first forced
     # token took: that sample is dropped; random rows draw by position, so none moves
-    greedy = _run(make_engine(smollm, jump_forward=False), _params())
+    greedy = stepwise[0]
     engine = make_engine(smollm, async_scheduling=True)
     assert _run(engine, _params()) == greedy
     assert engine.stats().engine_jump_forward_tokens_total == 9 * len(PROMPTS)

@@ -58,10 +58,13 @@ def test_sim_reproduces_real_ranking(smollm, tmp_path):
 
 def test_cli_bench_end_to_end_writes_valid_results(tmp_path):
     out = tmp_path / "run"
+    # NOTE: a 96-token context keeps two turns of each job (a returning turn that reuses its
+    # cache after a tool pause): 4 requests and 12 output tokens a run, where 160 kept 9 and 36
+    # for the same paths, three runs over (two policies and the lossless reference).
     result = runner.invoke(
         app,
         ["bench", "--workload", "swe", "--jobs", "2", "--concurrency", "2", "--token-scale", "0.03",
-         "--time-scale", "0.01", "--max-context", "160", "--kv-fraction", "0.9",
+         "--time-scale", "0.01", "--max-context", "96", "--kv-fraction", "0.9",
          "--policies", "vllm-apc,asymcache+continuum", "--out", str(out)],
     )
     assert result.exit_code == 0, result.output
@@ -69,6 +72,7 @@ def test_cli_bench_end_to_end_writes_valid_results(tmp_path):
     assert list(results.policies) == ["vllm-apc", "asymcache+continuum"]
     for r in results.policies.values():
         assert r.num_jobs == 2 and r.lossless_agreement == 1.0
+        assert r.num_requests == 4 and r.hit_tokens > 0  # the returning turns ran on their cache
         assert r.jct.count == 2 and r.jct.mean > 0
     schema = json.loads((out / "results.schema.json").read_text())
     assert "policies" in schema["properties"]
@@ -78,12 +82,14 @@ def test_cli_bench_end_to_end_writes_valid_results(tmp_path):
 
 
 def test_cli_sim_bench_scales(tmp_path):
+    # NOTE: 96 jobs through 32 slots refill the closed loop three times over with every default
+    # policy; the sim's cost is linear in the jobs (200 took twice as long for the same paths).
     result = runner.invoke(
-        app, ["bench", "--backend", "sim", "--jobs", "200", "--concurrency", "32", "--out", str(tmp_path / "s")]
+        app, ["bench", "--backend", "sim", "--jobs", "96", "--concurrency", "32", "--out", str(tmp_path / "s")]
     )
     assert result.exit_code == 0, result.output
     results = load_results(tmp_path / "s")
-    assert all(r.num_jobs == 200 for r in results.policies.values())
+    assert all(r.num_jobs == 96 for r in results.policies.values())
 
 
 @pytest.mark.parametrize(
@@ -211,7 +217,7 @@ def test_cli_bench_repeats_reports_each_run(tmp_path):
         run_bench(small("sim", ("lru",), tmp_path / "bad", repeats=0))
 
 
-def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path):
+def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path, no_plots):
     # a pool of 20 blocks thrashes; the same policy with the whole working set evicts nothing
     results, _ = run_bench(small("sim", ("vllm-apc", "asymcache", "vllm-apc/unbounded"), tmp_path / "u"))
     ceiling = results.policies["vllm-apc/unbounded"]
@@ -268,7 +274,7 @@ def gpu_longchat_sim(policies: tuple[str, ...], out: Path) -> BenchConfig:
     )
 
 
-def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path):
+def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path, no_plots):
     # The long-chat grid again (BENCHMARKS.md): under FCFS, returning turns whose
     # context is cached wait behind long prefills while vLLM's order evicts their blocks; with
     # the least work first they run before that happens.
@@ -282,7 +288,7 @@ def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path
     assert least_work.computed_tokens < 0.8 * fcfs.computed_tokens
 
 
-def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
+def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path, no_plots):
     # The long-chat grid at pool 25%, vLLM's 8,192-token budget, the whole system (BENCHMARKS.md): the least work first alone leaves long cold prompts waiting behind streams of
     # returning turns (p99 15.8 s here, up to 24 s on the H200); a patience of 4 bounds that wait.
     traces = Path(__file__).resolve().parents[2] / "bench_traces"
@@ -299,7 +305,7 @@ def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
     assert patient.ttft.p99 < 0.85 * pure.ttft.p99
 
 
-def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
+def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path, no_plots):
     # The GPU grid's long-chat trace (BENCHMARKS.md, eviction on the GPU), simulated with the H200
     # profile: with contexts up to 64k a token's attention costs as much as its linear layers,
     # so evicting shallow blocks (refilled as holes) beats vLLM's tail-first order.
@@ -338,7 +344,7 @@ def test_ablation_suffixes_combine():
             BenchVariant.parse(bad)
 
 
-def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path):
+def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path, no_plots):
     # One run sweeps adaptive targets side by side (BENCHMARKS.md): the tighter
     # target must give smaller steps, so lower TPOT, whatever the run's --tpot-slo-ms says.
     from dataclasses import replace
@@ -351,7 +357,7 @@ def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path):
     assert tight.tpot.p99 < 0.8 * loose.tpot.p99
 
 
-def test_a_host_tier_shows_in_the_results_and_the_report(tmp_path):
+def test_a_host_tier_shows_in_the_results_and_the_report(tmp_path, no_plots):
     # a bench with --num-host-kv-blocks: every variant's results carry the tier's counters
     # (the unbounded ceiling has no tier), the copies replace recomputation, and the report has
     # the tier's table
@@ -433,7 +439,7 @@ def test_each_request_feeds_t_queue_once_when_first_admitted():
     assert sorted(samples) == pytest.approx(expected)
 
 
-def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path):
+def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path, no_plots):
     from eval.variants import BenchVariant
 
     # SWE agents on a pool that binds: the default serves clients that send no job ids as it

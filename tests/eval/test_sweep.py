@@ -74,7 +74,7 @@ SIM = [
 ]
 
 
-def test_cli_sweep_writes_every_point_and_the_capacity(tmp_path):
+def test_cli_sweep_writes_every_point_and_the_capacity(tmp_path, no_plots):
     out = tmp_path / "sweep"
     result = runner.invoke(
         app, [*SIM, "--workload", "swe", "--concurrency", "2,8", "--seeds", "1,2", "--slo", "jct:400,ttft:3000",
@@ -115,7 +115,7 @@ def test_cli_sweep_writes_every_point_and_the_capacity(tmp_path):
     assert again.exit_code == 0 and (out / "sweep.md").read_text() == md
 
 
-def test_cli_rate_points(tmp_path):
+def test_cli_rate_points(tmp_path, no_plots):
     out = tmp_path / "rates"
     result = runner.invoke(app, [*SIM, "--workload", "toolloop", "--rate", "0.5,2", "--policies", "vllm-apc",
                                  "--out", str(out)])

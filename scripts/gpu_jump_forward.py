@@ -1,0 +1,159 @@
+"""Jump-forward decoding on and off through the engine on the GPU: what a forced run costs there.
+
+``python scripts/gpu_jump_forward.py [--cases 1x2048,8x2048,32x2048] [--patterns 16:4,32:8]``
+
+On the CPU a step's cost grows with its tokens, so appending a grammar's forced tokens and
+computing them in one step saves the decode steps they would take (BENCHMARKS.md, "Jump-forward:
+forced tool calls on the CPU"). On the GPU a decode step replays a CUDA graph, and the step after
+a jump carries several tokens of one request: a mixed step (piecewise graphs), which may cost
+more than the decode steps it saves. ``EngineConfig.jump_forward`` is off on CUDA until this is
+measured; this script measures it.
+
+The requests' one logits processor (:class:`PeriodicForcing`) lets ``FREE`` tokens be sampled,
+then keeps ``FORCED`` tokens alone one after another (a tool call's fixed text between its free
+values), again and again. Dummy Llama-3.1-8B bf16, the defaults (batch-invariant, CUDA graphs,
+async scheduling), greedy. Per case and pattern: the wall time of a batch of requests from
+their arrival to their last token (alternating rounds, median), the engine's steps, the tokens
+jumped, and whether the outputs are the same bits with jump-forward on and off (the batch-
+invariant mode makes them so whatever the steps' composition).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from asymcache_core import Engine, SamplingParams
+from asymcache_core.token_masks import keep_only
+
+SETTINGS = ("off", "on")
+
+
+class PeriodicForcing:
+    """Samples ``free`` tokens, then forces ``forced`` fixed ones; repeats.
+
+    The forced ids depend only on the position, so the outputs of two runs agree exactly where
+    their free tokens do.
+
+    Args:
+        free: tokens sampled freely in a period.
+        forced: tokens forced after them.
+        vocab: the model's vocabulary size.
+    """
+
+    def __init__(self, free: int, forced: int, vocab: int) -> None:
+        self.free, self.forced, self.vocab = free, forced, vocab
+
+    def _forced_at(self, position: int) -> int | None:
+        offset = position % (self.free + self.forced)
+        return None if offset < self.free else (7 * position + 11) % self.vocab
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        token = self._forced_at(len(output_token_ids))
+        if token is None:
+            return logits
+        masked = torch.full_like(logits, float("-inf"))
+        masked[token] = logits[token]
+        return masked
+
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray | None:
+        token = self._forced_at(len(output_token_ids))
+        return None if token is None else keep_only([token], vocab)
+
+    def forced_tokens(self, output_token_ids: list[int], limit: int) -> list[int]:
+        out: list[int] = []
+        position = len(output_token_ids)
+        while len(out) < limit and (token := self._forced_at(position)) is not None:
+            out.append(token)
+            position += 1
+        return out
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """(seconds from the first arrival to the last token, each request's output ids)."""
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    return time.perf_counter() - start, [finals[i] for i in ids]
+
+
+def main() -> None:
+    from asymcache_core.loaders import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--cases", default="1x2048,8x2048,32x2048", help="BATCHxCONTEXT,...")
+    ap.add_argument("--patterns", default="16:4,32:8", help="FREE:FORCED,...")
+    ap.add_argument("--tokens", type=int, default=200, help="output tokens per request")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu to check the script")
+    args = ap.parse_args()
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    patterns = [tuple(int(v) for v in p.split(":")) for p in args.patterns.split(",")]
+    os.environ.setdefault("ASYMCACHE_CACHE_DIR", tempfile.mkdtemp(prefix="jump-forward-"))
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    longest = max(c for _, c in cases) + args.tokens + 16
+    max_len = 1 << (longest - 1).bit_length()
+    loaded = load_model(args.model, device, dtype, 0, max_len)
+    vocab = loaded.config.vocab_size
+    blocks = max(b * (c + args.tokens) // 16 + 64 for b, c in cases) + 256
+    engines = {
+        s: Engine(model=args.model, device=args.device, loaded=loaded, num_kv_blocks=blocks, max_model_len=max_len,
+                  max_num_seqs=max(b for b, _ in cases), jump_forward=s == "on")
+        for s in SETTINGS
+    }
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}, {args.model} {dtype}; {args.tokens} output tokens a request; median of {args.rounds} rounds")
+    print("\n| batch x context | free:forced | jumped | steps off | steps on | ms off | ms on | off / on | same bits |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    gen = torch.Generator().manual_seed(0)
+    all_same = True
+    for batch, context in cases:
+        prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in range(batch)]
+        for free, forced in patterns:
+            params = SamplingParams(
+                max_tokens=args.tokens, ignore_eos=True,
+                logits_processors=(PeriodicForcing(free, forced, vocab),),
+            )
+            times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+            steps: dict[str, int] = {}
+            jumped = 0
+            outputs: dict[str, list[list[int]]] = {}
+            for rnd in range(args.rounds + 1):  # round 0 warms the graphs up, untimed
+                for s in SETTINGS if rnd % 2 == 0 else SETTINGS[::-1]:
+                    eng = engines[s]
+                    eng.reset_prefix_cache()
+                    before_steps = len(eng.step_log)
+                    before_jumped = eng.stats().engine_jump_forward_tokens_total
+                    seconds, outs = run_batch(eng, prompts, params)
+                    if rnd:
+                        times[s].append(seconds)
+                    steps[s] = len(eng.step_log) - before_steps
+                    if s == "on":
+                        jumped = eng.stats().engine_jump_forward_tokens_total - before_jumped
+                    outputs.setdefault(s, outs)
+                    all_same = all_same and outputs[s] == outs
+            same = outputs["on"] == outputs["off"]
+            all_same = all_same and same
+            ms = {s: 1e3 * statistics.median(t) for s, t in times.items()}
+            print(f"| {batch} x {context} | {free}:{forced} | {jumped / batch / args.tokens:.0%} | {steps['off']} | "
+                  f"{steps['on']} | {ms['off']:.1f} | {ms['on']:.1f} | {ms['off'] / ms['on']:.2f}x | {same} |",
+                  flush=True)
+    print(f"\nevery output the same with jump-forward on and off: {all_same}")
+    if not all_same:
+        raise SystemExit("jump-forward changed an output")
+
+
+if __name__ == "__main__":
+    main()
