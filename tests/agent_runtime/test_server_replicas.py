@@ -36,6 +36,9 @@ from agent_runtime.server.replicas import (  # noqa: E402
 
 MODEL = "smollm2-135m"
 SYSTEM = "You are a terse agent. Answer in a few words."
+#: Tokens of the turn in flight when its replica is killed: a few seconds of decode steps on
+#: this CPU, long enough for the kill to land mid-turn (the test waits until it runs).
+LONG_TURN = 32
 
 
 def _free_port() -> int:
@@ -198,7 +201,7 @@ def test_a_killed_replica_is_replaced_and_its_jobs_continue(client: httpx.Client
     # a long turn in flight on the victim when it is killed: retried on another replica, not lost
     result: dict[str, httpx.Response] = {}
     worker = threading.Thread(target=lambda: result.setdefault(
-        "r", _chat(client, messages, "job-k", max_tokens=64, ignore_eos=True)))
+        "r", _chat(client, messages, "job-k", max_tokens=LONG_TURN, ignore_eos=True)))
     worker.start()
     deadline = time.monotonic() + 30
     while _per_replica(_replica_metrics(client), "vllm:num_requests_running").get(victim, 0) < 1:
@@ -209,7 +212,7 @@ def test_a_killed_replica_is_replaced_and_its_jobs_continue(client: httpx.Client
     retried = result["r"]
     assert retried.status_code == 200, retried.text
     assert retried.headers[REPLICA_HEADER] != victim
-    assert retried.json()["usage"]["completion_tokens"] == 64
+    assert retried.json()["usage"]["completion_tokens"] == LONG_TURN
     assert _replica_metrics(client)[("asymcache_gateway_retries_total", ())] >= 1  # it was sent twice
     # the job's next turn is served, on a live replica
     messages += [retried.json()["choices"][0]["message"], {"role": "user", "content": "Thanks."}]
