@@ -107,7 +107,9 @@ def resolve_hf_config(spec: str) -> tuple[dict[str, Any], str]:
     """Returns the HF config dict and the kind (``gguf``, ``hf`` or ``dummy``) of a model spec."""
     gguf_path = _gguf_source(spec)
     if gguf_path is not None:
-        return _gguf_meta(gguf_path)[0], "gguf"
+        # NOTE: the config alone where it is cached (its tokenizer is not needed here)
+        cached = GGUFCache(gguf_path).config() if gguf_path.is_file() else None
+        return (cached if cached is not None else _gguf_meta(gguf_path)[0]), "gguf"
     if spec.startswith("dummy:"):
         name = spec.split(":", 1)[1]
         path = CONFIG_DIR / f"{name}.json"

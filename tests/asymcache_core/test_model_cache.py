@@ -98,6 +98,24 @@ def test_second_load_reads_the_cache_only(cache: Path, tiny: Path, monkeypatch: 
     assert outs[0] == outs[1]
 
 
+def test_the_config_alone_is_read_without_the_tokenizer(cache: Path, tiny: Path) -> None:
+    # a cold cache converts (config and tokenizer); a warm one gives the config from its file
+    cold = loaders.resolve_hf_config(str(tiny))
+    assert cold[1] == "gguf" and cold[0]["vocab_size"] > 0 and GGUFCache(tiny).config() == cold[0]
+
+    def no_tokenizer(*_: object) -> None:
+        raise AssertionError("the tokenizer was loaded for a config")
+
+    with pytest.MonkeyPatch.context() as mp:
+        _forbid_conversion(mp)
+        mp.setattr("asymcache_core.loaders.cache.load_tokenizer", no_tokenizer)
+        assert loaders.resolve_hf_config(str(tiny)) == cold
+    # a damaged config is dropped and converted again
+    (GGUFCache(tiny).entry / "meta" / "config.json").write_text("{not json")
+    assert loaders.resolve_hf_config(str(tiny)) == cold
+    assert GGUFCache(tiny).config() == cold[0]
+
+
 def test_each_dtype_has_its_own_weights(cache: Path, tiny: Path) -> None:
     expected = _reference(tiny)
     load_model(str(tiny), CPU, torch.float32, seed=0)
