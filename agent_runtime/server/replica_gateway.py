@@ -211,8 +211,13 @@ class Gateway:
         """Every live replica's answer body to ``forwarded`` (a short one), or the first
         answer that is not a 200, or a 503 when none answered."""
         live = self._live()
-        if live is None:  # the router exists once a request went through the handle
-            warm = await self._send(forwarded)
+        if live is None:
+            # NOTE: the router exists once a request went through the handle; a health check
+            # makes it, not ``forwarded`` itself (a reset sent there too would be counted once
+            # for that replica and answer 0 the second time)
+            warm = await self._send(ForwardedRequest("GET", "/health"))
+            if isinstance(warm, _Relay):
+                warm.rest.cancel()
             if warm.status_code != 200:
                 return warm
             live = self._live() or ()

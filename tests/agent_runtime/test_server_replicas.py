@@ -240,6 +240,59 @@ def test_no_live_replica_is_an_openai_503():
     assert b'"code":"no_replica"' in response.body and b'"type":"server_error"' in response.body
 
 
+class _FakeStream:
+    """A replica's streamed answer as the handle gives it: a JSON 200, one body message."""
+
+    def __init__(self, body: bytes) -> None:
+        self.messages = [{"type": "http.response.start", "status": 200, "headers": []},
+                         {"type": "http.response.body", "body": body, "more_body": False}]
+
+    def __aiter__(self) -> _FakeStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if not self.messages:
+            raise StopAsyncIteration
+        return self.messages.pop(0)
+
+    def cancel(self) -> None:
+        self.messages = []
+
+
+class _FakeHandle:
+    """The engine deployment's handle: records what it forwards (and to which replica)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, str | None]] = []
+
+    def options(self, **_: Any) -> _FakeHandle:
+        return self
+
+    @property
+    def forward(self) -> _FakeHandle:
+        return self
+
+    def remote(self, forwarded: Any, **routing: Any) -> _FakeStream:
+        self.sent.append((forwarded.method, forwarded.path, routing.get("replica")))
+        return _FakeStream(b'{"success": true, "device_blocks": 3, "host_blocks": 1}')
+
+
+def test_a_reset_through_a_fresh_gateway_reaches_each_replica_once():
+    # NOTE: the router knows no replica until a request went through the handle: the gateway
+    # sends a health check first, never the reset itself (which would run twice on a replica)
+    import asyncio
+
+    from agent_runtime.server.replicas import ForwardedRequest
+
+    handle = _FakeHandle()
+    gateway = Gateway(engine=handle, live_replicas=lambda: ("r1", "r2") if handle.sent else None)  # type: ignore[arg-type]
+    response = asyncio.run(gateway._reset(ForwardedRequest("POST", "/reset_prefix_cache")))
+    assert response.status_code == 200
+    assert json.loads(response.body) == {"success": True, "replicas": 2, "device_blocks": 6, "host_blocks": 2}
+    assert handle.sent == [("GET", "/health", None), ("POST", "/reset_prefix_cache", "r1"),
+                           ("POST", "/reset_prefix_cache", "r2")]
+
+
 def test_expositions_merge_with_a_replica_label():
     one = "# HELP x_total Things.\n# TYPE x_total counter\nx_total{model=\"m\"} 2.0\n"
     two = "# HELP x_total Things.\n# TYPE x_total counter\nx_total{model=\"m\"} 5.0\n"
