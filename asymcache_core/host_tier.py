@@ -156,7 +156,7 @@ class HostTier:
         if self._queued.pop(block.block_id, None) is not None:
             assert block.block_hash is not None
             self._evicted.append(
-                _Snapshot(block.block_id, block.block_hash, block.position, block.job_id, frozenset(block.jobs))
+                _Snapshot(block.block_id, block.block_hash, block.position, block.job_id, block.jobs)
             )
 
     def on_uncache(self, block_id: int) -> None:
@@ -250,7 +250,7 @@ class HostTier:
         self._wait_for = None
         offloads: list[tuple[int, int]] = []
         snapshots = self._evicted + [
-            _Snapshot(b.block_id, b.block_hash, b.position, b.job_id, frozenset(b.jobs))  # type: ignore[arg-type]
+            _Snapshot(b.block_id, b.block_hash, b.position, b.job_id, b.jobs)  # type: ignore[arg-type]
             for b in self._queued.values()
         ]
         self._evicted, self._queued = [], {}
@@ -262,7 +262,7 @@ class HostTier:
                 continue
             slot = self.pool.allocate(1, snap.job_id)[0]
             host_block = self.pool.blocks[slot]
-            host_block.jobs = set(snap.jobs)
+            host_block.jobs = snap.jobs
             self.pool.cache_block(slot, snap.block_hash, snap.position)
             self.pool.free([slot])
             offloads.append((snap.block_id, slot))

@@ -194,7 +194,7 @@ def _full_key(terms: tuple[int, float, float, float], block: KVBlock) -> tuple:
 
 def _group_key(block: KVBlock) -> _GroupKey:
     """Candidates with the same jobs (and last job) share every per-job term."""
-    return (frozenset(block.jobs), block.job_id)
+    return (block.jobs, block.job_id)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from asymcache_core import Engine, EngineConfig, SamplingParams
@@ -166,6 +168,18 @@ def test_bad_requests_raise_and_leave_engine_usable(smollm, chat_prompts, kwargs
     with pytest.raises(ValueError, match=field):
         engine.add_request(**kwargs)
     assert engine.generate([chat_prompts[0]], SamplingParams(max_tokens=3))[0].token_ids
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "bad"),
+    [([1, 2, 2.0, 3], "2.0"), ([1, "7", 2], "'7'"), ([3, 4, 10**9], str(10**9)), ([5, -2, 6], "-2"), ([1, None], "None")],
+)
+def test_a_bad_prompt_id_is_named_in_the_error(prompt, bad):
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, block_size=4))
+    with pytest.raises(ValueError, match=rf"^prompt: token id {re.escape(bad)} is outside the vocabulary"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
     engine.check_integrity()
 
 
