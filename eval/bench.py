@@ -100,6 +100,8 @@ class BenchConfig:
         slo: goodput targets, ``jct:S,ttft:MS,tpot:MS`` (:class:`eval.results.SLO`).
         cpu_offload_gb: every variant's host KV tier (GiB; :mod:`asymcache_core.host_tier`).
         num_host_kv_blocks: the host tier in blocks (overrides ``cpu_offload_gb``).
+        plots: draw the report's PNG plots (``False``: the report says where each would be;
+            ``asymcache report`` draws them later).
     """
 
     workload: str = "swe"
@@ -138,6 +140,7 @@ class BenchConfig:
     slo: str | None = None
     cpu_offload_gb: float = 0.0
     num_host_kv_blocks: int | None = None
+    plots: bool = True
     command: str = field(default_factory=lambda: " ".join(shlex.quote(a) for a in sys.argv))
 
 
@@ -499,5 +502,5 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
         policies=results_policies,
     )
     save_results(results, run_dir)
-    write_report(results, run_dir)
+    write_report(results, run_dir, plots=cfg.plots)
     return results, run_dir

@@ -82,6 +82,10 @@ def bench(
     step_log: bool = typer.Option(
         False, "--step-log", help="Also write every engine step to steps/<policy>.jsonl and every request to requests/<policy>.jsonl."
     ),
+    plots: bool = typer.Option(
+        True, "--plots/--no-plots",
+        help="Draw the reports' PNG plots (about a second a run or sweep point; `asymcache report RUN_DIR` draws them later).",
+    ),
     repeats: int = typer.Option(
         1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report shows each mean as "
         "[min, max] over the runs. The sim backend is deterministic, so there run r uses seed + r.",
@@ -131,7 +135,7 @@ def bench(
     cfg = BenchConfig(
         policies=policy_names, url=url, workload=first.workload, seed=first.seed, rate=first.rate,
         concurrency=first.concurrency or 1, kv_fraction=kv_fraction, out=out, step_log=step_log,
-        repeats=repeats, slo=slo, **options,
+        repeats=repeats, slo=slo, plots=plots, **options,
     )
     with no_empty_run_folders(out):
         _run_bench_or_sweep(cfg, points, workers)

@@ -486,13 +486,14 @@ def _render_html(
 
 
 
-def write_report(results: Results, run_dir: str | Path) -> list[Path]:
+def write_report(results: Results, run_dir: str | Path, *, plots: bool = True) -> list[Path]:
     """Write ``report.md``, ``report.html`` and the PNG plots of a run.
 
     Args:
         results: The run's results.
         run_dir: The folder to write into (created if missing); usually the run folder that
             holds ``results.json``.
+        plots: ``False`` draws no plot (the report says so where each would be).
 
     Returns:
         The written files: ``report.md``, ``report.html``, then the PNGs that had data
@@ -503,13 +504,13 @@ def write_report(results: Results, run_dir: str | Path) -> list[Path]:
     baseline = pick_baseline(list(results.policies))
     tables = _tables(results, baseline)
     headlines = _headlines(results, baseline)
-    plots = write_plots(results, run_dir)
+    drawn = write_plots(results, run_dir, draw=plots)
 
     md_path = run_dir / REPORT_MD
     html_path = run_dir / REPORT_HTML
-    atomic_write_text(md_path, _render_markdown(results, tables, headlines, plots))
-    atomic_write_text(html_path, _render_html(results, tables, headlines, plots))
-    return [md_path, html_path, *(p.path for p in plots if p.path is not None)]
+    atomic_write_text(md_path, _render_markdown(results, tables, headlines, drawn))
+    atomic_write_text(html_path, _render_html(results, tables, headlines, drawn))
+    return [md_path, html_path, *(p.path for p in drawn if p.path is not None)]
 
 
 def rebuild_report(run_dir: str | Path) -> list[Path]:

@@ -75,8 +75,19 @@ def _save_figure(fig: Figure, path: Path) -> None:
     fig.savefig(path, format="png", dpi=100)
 
 
-def write_plots(results: Results, run_dir: Path) -> tuple[Plot, ...]:
-    """Write the four PNG plots; a plot without data is skipped (and a stale file removed)."""
+#: The placeholder of a plot a run did not draw (``asymcache bench --no-plots``).
+NOT_DRAWN = "not drawn (--no-plots); `asymcache report RUN_DIR` draws it."
+
+
+def write_plots(results: Results, run_dir: Path, *, draw: bool = True) -> tuple[Plot, ...]:
+    """Write the four PNG plots; a plot without data is skipped (and a stale file removed).
+
+    Args:
+        results: the run's results.
+        run_dir: the folder the PNGs go to.
+        draw: ``False`` draws none (each gets the :data:`NOT_DRAWN` placeholder): a run's
+            plots take about a second, longer than a small simulated run.
+    """
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
@@ -93,14 +104,14 @@ def write_plots(results: Results, run_dir: Path) -> tuple[Plot, ...]:
         if fig is None:
             # Don't leave a plot from an earlier rendering next to a report that says "skipped".
             path.unlink(missing_ok=True)
-            plots.append(Plot(plot_id, filename, title, alt, None, f"{title}: {why_not}"))
+            plots.append(Plot(plot_id, filename, title, alt, None, f"{title}: {why_not if draw else NOT_DRAWN}"))
             return
         _save_figure(fig, path)
         plots.append(Plot(plot_id, filename, title, alt, path, ""))
 
     # 1. JCT CDF: one empirical CDF per policy.
     fig = None
-    if any(pols[n].series.jct for n in names):
+    if draw and any(pols[n].series.jct for n in names):
         fig = Figure(figsize=(10, 4.5), layout="constrained")
         ax = fig.add_subplot()
         for n in names:
@@ -127,7 +138,7 @@ def write_plots(results: Results, run_dir: Path) -> tuple[Plot, ...]:
 
     # 2. TTFT and TPOT bars: mean and p99 per policy, each panel in the unit its values fit.
     fig = None
-    if any(pols[n].ttft.count or pols[n].tpot.count for n in names):
+    if draw and any(pols[n].ttft.count or pols[n].tpot.count for n in names):
         fig = Figure(figsize=(10, 4.5), layout="constrained")
         axes = fig.subplots(1, 2)
         width = 0.38
@@ -166,7 +177,7 @@ def write_plots(results: Results, run_dir: Path) -> tuple[Plot, ...]:
 
     # 3. Hit rate and recomputed tokens per policy.
     fig = None
-    if names:
+    if draw and names:
         fig = Figure(figsize=(10, 4.5), layout="constrained")
         ax_hit, ax_rec = fig.subplots(1, 2)
         xs = list(range(len(names)))
@@ -207,7 +218,7 @@ def write_plots(results: Results, run_dir: Path) -> tuple[Plot, ...]:
 
     # 4. KV blocks in use over time.
     fig = None
-    if any(pols[n].series.blocks_in_use for n in names):
+    if draw and any(pols[n].series.blocks_in_use for n in names):
         fig = Figure(figsize=(10, 4.5), layout="constrained")
         ax = fig.add_subplot()
         for n in names:

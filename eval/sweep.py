@@ -211,7 +211,7 @@ def run_sweep(
         points=sweep_points_,
     )
     save_sweep(sweep, run_dir)
-    write_sweep_report(sweep, run_dir)
+    write_sweep_report(sweep, run_dir, plots=cfg.plots)
     return sweep, run_dir
 
 

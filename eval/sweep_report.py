@@ -132,6 +132,8 @@ def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
                 lines.append("")
     lines += _job_time_section(sweep, names)
     lines += ["## Plots", ""] + [f"![{title}]({path.name})" for title, path in plots]
+    if not plots:
+        lines.append("_Not drawn (--no-plots); `asymcache report SWEEP_DIR` draws them._")
     return "\n".join(lines) + "\n"
 
 
@@ -242,14 +244,19 @@ def _html(markdown: str, plots: list[tuple[str, Path]]) -> str:
     )
 
 
-def write_sweep_report(sweep: SweepResults, run_dir: str | Path) -> list[Path]:
+def write_sweep_report(sweep: SweepResults, run_dir: str | Path, *, plots: bool = True) -> list[Path]:
     """Writes ``sweep.md``, ``sweep.html`` and the plots.
+
+    Args:
+        sweep: the sweep's results.
+        run_dir: the sweep folder.
+        plots: ``False`` draws no plot (``sweep.md`` says so).
 
     Returns:
         The written files.
     """
     run_dir = Path(run_dir)
-    plots = _plots(sweep, run_dir)
+    plots = _plots(sweep, run_dir) if plots else []
     markdown = _markdown(sweep, plots)
     atomic_write_text(run_dir / SWEEP_MD, markdown)
     atomic_write_text(run_dir / SWEEP_HTML, _html(markdown, plots))

@@ -217,9 +217,9 @@ def test_cli_bench_repeats_reports_each_run(tmp_path):
         run_bench(small("sim", ("lru",), tmp_path / "bad", repeats=0))
 
 
-def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path, no_plots):
+def test_unbounded_ablation_is_the_ceiling_of_eviction(tmp_path):
     # a pool of 20 blocks thrashes; the same policy with the whole working set evicts nothing
-    results, _ = run_bench(small("sim", ("vllm-apc", "asymcache", "vllm-apc/unbounded"), tmp_path / "u"))
+    results, _ = run_bench(small("sim", ("vllm-apc", "asymcache", "vllm-apc/unbounded"), tmp_path / "u", plots=False))
     ceiling = results.policies["vllm-apc/unbounded"]
     assert ceiling.evictions == 0 and ceiling.recomputed_tokens.total == 0
     assert results.policies["vllm-apc"].evictions > 0
@@ -270,11 +270,11 @@ def gpu_longchat_sim(policies: tuple[str, ...], out: Path) -> BenchConfig:
         workload=f"trace:{traces / 'gpu_longchat.jsonl'}", jobs=20, concurrency=10, time_scale=0.05,
         kv_fraction=0.35, max_model_len=65536, model="dummy:llama-3.1-8b", backend="sim",
         latency_profile=str(traces / "profile_h200_llama8b_live.json"), max_num_batched_tokens=2048,
-        policies=policies, out=out, check_lossless=False,
+        policies=policies, out=out, check_lossless=False, plots=False,
     )
 
 
-def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path, no_plots):
+def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path):
     # The long-chat grid again (BENCHMARKS.md): under FCFS, returning turns whose
     # context is cached wait behind long prefills while vLLM's order evicts their blocks; with
     # the least work first they run before that happens.
@@ -288,7 +288,7 @@ def test_least_work_first_keeps_returning_turns_from_losing_their_cache(tmp_path
     assert least_work.computed_tokens < 0.8 * fcfs.computed_tokens
 
 
-def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path, no_plots):
+def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path):
     # The long-chat grid at pool 25%, vLLM's 8,192-token budget, the whole system (BENCHMARKS.md): the least work first alone leaves long cold prompts waiting behind streams of
     # returning turns (p99 15.8 s here, up to 24 s on the H200); a patience of 4 bounds that wait.
     traces = Path(__file__).resolve().parents[2] / "bench_traces"
@@ -305,7 +305,7 @@ def test_least_work_patience_shortens_the_ttft_tail_under_pressure(tmp_path, no_
     assert patient.ttft.p99 < 0.85 * pure.ttft.p99
 
 
-def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path, no_plots):
+def test_long_context_chat_trace_favours_position_aware_eviction(tmp_path):
     # The GPU grid's long-chat trace (BENCHMARKS.md, eviction on the GPU), simulated with the H200
     # profile: with contexts up to 64k a token's attention costs as much as its linear layers,
     # so evicting shallow blocks (refilled as holes) beats vLLM's tail-first order.
@@ -344,7 +344,7 @@ def test_ablation_suffixes_combine():
             BenchVariant.parse(bad)
 
 
-def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path, no_plots):
+def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path):
     # One run sweeps adaptive targets side by side (BENCHMARKS.md): the tighter
     # target must give smaller steps, so lower TPOT, whatever the run's --tpot-slo-ms says.
     from dataclasses import replace
@@ -357,14 +357,14 @@ def test_slo_suffix_gives_each_policy_its_own_tpot_target(tmp_path, no_plots):
     assert tight.tpot.p99 < 0.8 * loose.tpot.p99
 
 
-def test_a_host_tier_shows_in_the_results_and_the_report(tmp_path, no_plots):
+def test_a_host_tier_shows_in_the_results_and_the_report(tmp_path):
     # a bench with --num-host-kv-blocks: every variant's results carry the tier's counters
     # (the unbounded ceiling has no tier), the copies replace recomputation, and the report has
     # the tier's table
     cfg = BenchConfig(
         workload="swe", jobs=30, concurrency=12, backend="sim", model="dummy:tiny", num_kv_blocks=120,
         num_host_kv_blocks=600, policies=("vllm-apc", "asymcache+continuum", "vllm-apc/unbounded"),
-        out=tmp_path / "run", check_lossless=False, time_scale=0.05, token_scale=0.05,
+        out=tmp_path / "run", check_lossless=False, time_scale=0.05, token_scale=0.05, plots=False,
     )
     results, folder = run_bench(cfg)
     tiered = results.policies["vllm-apc"].host_tier
@@ -439,7 +439,7 @@ def test_each_request_feeds_t_queue_once_when_first_admitted():
     assert sorted(samples) == pytest.approx(expected)
 
 
-def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path, no_plots):
+def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path):
     from eval.variants import BenchVariant
 
     # SWE agents on a pool that binds: the default serves clients that send no job ids as it
@@ -447,7 +447,7 @@ def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path, n
     names = ("vllm-apc", "asymcache+continuum", "asymcache+continuum/anonymous",
              "asymcache+continuum/anonymous/no-implicit-jobs")
     results, _ = run_bench(small("sim", names, tmp_path / "a", workload="swe", jobs=16, concurrency=8,
-                                 token_scale=0.2, time_scale=0.05, num_kv_blocks=200, max_model_len=2048))
+                                 token_scale=0.2, time_scale=0.05, num_kv_blocks=200, max_model_len=2048, plots=False))
     jct = {name: results.policies[name].jct.mean for name in names}
     computed = {name: results.policies[name].computed_tokens for name in names}
     assert jct["asymcache+continuum/anonymous"] == pytest.approx(jct["asymcache+continuum"], rel=0.02)

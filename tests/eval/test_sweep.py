@@ -74,11 +74,11 @@ SIM = [
 ]
 
 
-def test_cli_sweep_writes_every_point_and_the_capacity(tmp_path, no_plots):
+def test_cli_sweep_writes_every_point_and_the_capacity(tmp_path):
     out = tmp_path / "sweep"
     result = runner.invoke(
         app, [*SIM, "--workload", "swe", "--concurrency", "2,8", "--seeds", "1,2", "--slo", "jct:400,ttft:3000",
-              "--policies", "vllm-apc,asymcache+continuum,vllm-apc/unbounded", "--out", str(out)],
+              "--policies", "vllm-apc,asymcache+continuum,vllm-apc/unbounded", "--out", str(out), "--no-plots"],
     )
     assert result.exit_code == 0, result.output
     sweep = load_sweep(out)
@@ -107,18 +107,25 @@ def test_cli_sweep_writes_every_point_and_the_capacity(tmp_path, no_plots):
     assert "## Where the job time goes" in md and "difference to `vllm-apc/unbounded`" in md
     rows = [line for line in md.splitlines() if line.startswith("| vllm-apc | 8 |")]
     assert len(rows) == 1 and rows[0].count("(") == 5, rows  # four parts and the JCT, each with its delta
-    assert (out / "sweep_swe.png").stat().st_size > 1000 and "data:image/png;base64," in (out / "sweep.html").read_text()
     assert "capacity within the JCT p90 target" in result.output
-    # rebuilt from sweep.json alone
+    # --no-plots: neither the sweep nor a point drew a plot, and their reports say so
+    assert not list(out.rglob("*.png")) and "data:image/png" not in (out / "sweep.html").read_text()
+    assert md.rstrip().endswith("_Not drawn (--no-plots); `asymcache report SWEEP_DIR` draws them._")
+    point_md = (out / sweep.points[0].run_dir / "report.md").read_text()
+    assert point_md.count("not drawn (--no-plots)") == 4
+    # rebuilt from sweep.json alone, with its plot
     (out / "sweep.md").unlink()
     again = runner.invoke(app, ["report", str(out)])
-    assert again.exit_code == 0 and (out / "sweep.md").read_text() == md
+    assert again.exit_code == 0
+    rebuilt = (out / "sweep.md").read_text()
+    assert rebuilt.split("## Plots")[0] == md.split("## Plots")[0] and "![swe: JCT p90 and goodput against load](sweep_swe.png)" in rebuilt
+    assert (out / "sweep_swe.png").stat().st_size > 1000 and "data:image/png;base64," in (out / "sweep.html").read_text()
 
 
-def test_cli_rate_points(tmp_path, no_plots):
+def test_cli_rate_points(tmp_path):
     out = tmp_path / "rates"
     result = runner.invoke(app, [*SIM, "--workload", "toolloop", "--rate", "0.5,2", "--policies", "vllm-apc",
-                                 "--out", str(out)])
+                                 "--out", str(out), "--no-plots"])
     assert result.exit_code == 0, result.output
     sweep = load_sweep(out)
     assert [(p.concurrency, p.rate) for p in sweep.points] == [(None, 0.5), (None, 2.0)]
@@ -130,7 +137,7 @@ def test_cli_rate_points(tmp_path, no_plots):
 
     shutil.rmtree(out / sweep.points[1].run_dir)
     again = runner.invoke(app, [*SIM, "--workload", "toolloop", "--rate", "0.5,2", "--policies", "vllm-apc",
-                                "--out", str(out)])
+                                "--out", str(out), "--no-plots"])
     assert again.exit_code == 0, again.output
     assert kept.stat().st_mtime_ns == before and (out / sweep.points[1].run_dir / "results.json").is_file()
     assert "[2/2] toolloop-s0-r2 done" in again.output and "r0.5 done" not in again.output
