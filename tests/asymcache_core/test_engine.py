@@ -99,7 +99,8 @@ def test_preemption_under_tiny_pool_finishes_everything(smollm, chat_prompts, lo
     engine = make_engine(smollm, num_kv_blocks=blocks)
     outs = engine.generate(chat_prompts, LONG)
     assert [o.token_ids for o in outs] == long_reference
-    assert engine.stats().preemptions_total > 0 or max(s.num_seqs for s in engine.step_log) == 1
+    # the pressure the test is for: two requests ran together and one lost its blocks
+    assert engine.stats().preemptions_total > 0 and max(s.num_seqs for s in engine.step_log) == 2
     engine.check_integrity()
     assert engine.stats().kv_blocks_in_use == 0
 
