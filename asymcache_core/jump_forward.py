@@ -10,7 +10,13 @@ step each (``EngineConfig.jump_forward``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
 from asymcache_core.request import Request
+from asymcache_core.token_masks import keep_only
 
 #: Most tokens one jump appends (a long forced text is computed over a few steps, each a chunk
 #: the step budget takes like a prompt's).
@@ -47,4 +53,40 @@ def forced_tokens(request: Request, max_model_len: int | None) -> list[int]:
     return list(ask(request.output_token_ids, limit))[:limit] if limit > 0 else []
 
 
-__all__ = ["MAX_JUMP_FORWARD", "forced_tokens"]
+class PositionForcing(ABC):
+    """A logits processor that keeps one fixed token alone at the output positions a rule
+    names (:meth:`forced_at`) and leaves the others free; it answers ``forced_tokens``, so
+    jump-forward appends each run of fixed tokens at once.
+
+    The three methods are what a constraint gives the engine: ``__call__`` masks a row's
+    logits, ``keep_words`` the same mask for the batched sampler, ``forced_tokens`` the run
+    that follows. Benchmarks and tests build forced runs on it (a tool call's fixed text
+    between its free values); a grammar gives its own (``GrammarLogitsProcessor``).
+    """
+
+    @abstractmethod
+    def forced_at(self, position: int) -> int | None:
+        """The token output position ``position`` must be, or ``None`` where it is free."""
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        token = self.forced_at(len(output_token_ids))
+        if token is not None:
+            kept = logits[token].clone()
+            logits.fill_(float("-inf"))
+            logits[token] = kept
+        return logits
+
+    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray | None:
+        token = self.forced_at(len(output_token_ids))
+        return None if token is None else keep_only([token], vocab)
+
+    def forced_tokens(self, output_token_ids: list[int], limit: int) -> list[int]:
+        forced: list[int] = []
+        position = len(output_token_ids)
+        while len(forced) < limit and (token := self.forced_at(position)) is not None:
+            forced.append(token)
+            position += 1
+        return forced
+
+
+__all__ = ["MAX_JUMP_FORWARD", "PositionForcing", "forced_tokens"]

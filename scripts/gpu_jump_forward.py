@@ -26,16 +26,15 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 from asymcache_core import Engine, SamplingParams
-from asymcache_core.token_masks import keep_only
+from asymcache_core.jump_forward import PositionForcing
 
 SETTINGS = ("off", "on")
 
 
-class PeriodicForcing:
+class PeriodicForcing(PositionForcing):
     """Samples ``free`` tokens, then forces ``forced`` fixed ones; repeats.
 
     The forced ids depend only on the position, so the outputs of two runs agree exactly where
@@ -50,29 +49,9 @@ class PeriodicForcing:
     def __init__(self, free: int, forced: int, vocab: int) -> None:
         self.free, self.forced, self.vocab = free, forced, vocab
 
-    def _forced_at(self, position: int) -> int | None:
+    def forced_at(self, position: int) -> int | None:
         offset = position % (self.free + self.forced)
         return None if offset < self.free else (7 * position + 11) % self.vocab
-
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        token = self._forced_at(len(output_token_ids))
-        if token is None:
-            return logits
-        masked = torch.full_like(logits, float("-inf"))
-        masked[token] = logits[token]
-        return masked
-
-    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray | None:
-        token = self._forced_at(len(output_token_ids))
-        return None if token is None else keep_only([token], vocab)
-
-    def forced_tokens(self, output_token_ids: list[int], limit: int) -> list[int]:
-        out: list[int] = []
-        position = len(output_token_ids)
-        while len(out) < limit and (token := self._forced_at(position)) is not None:
-            out.append(token)
-            position += 1
-        return out
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:

@@ -4,46 +4,25 @@ are those of sampling them one decode step each, under every cache state and pol
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from asymcache_core import EngineConfig, SamplingParams
-from asymcache_core.token_masks import keep_only
+from asymcache_core.jump_forward import PositionForcing
 from tests.conftest import StepClock, make_engine
 
 PROMPTS = [list(range(300 + 7 * i, 340 + 9 * i)) for i in range(4)]
 
 
-class ForcedEvery:
+class ForcedEvery(PositionForcing):
     """Forces output position ``i`` to token ``base + i`` where ``i % period`` is in ``forced``
     (a grammar's fixed text between choices); every other position is free."""
 
     def __init__(self, base: int = 1000, period: int = 5, forced: tuple[int, ...] = (1, 2, 3)) -> None:
         self.base, self.period, self.forced = base, period, forced
 
-    def _token(self, position: int) -> int | None:
+    def forced_at(self, position: int) -> int | None:
         return self.base + position if position % self.period in self.forced else None
-
-    def keep_words(self, output_token_ids: list[int], vocab: int) -> np.ndarray | None:
-        token = self._token(len(output_token_ids))
-        return None if token is None else keep_only([token], vocab)
-
-    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        token = self._token(len(output_token_ids))
-        if token is not None:
-            kept = logits[token].clone()
-            logits.fill_(float("-inf"))
-            logits[token] = kept
-        return logits
-
-    def forced_tokens(self, output_token_ids: list[int], limit: int) -> list[int]:
-        forced: list[int] = []
-        position = len(output_token_ids)
-        while len(forced) < limit and (token := self._token(position)) is not None:
-            forced.append(token)
-            position += 1
-        return forced
 
 
 class Plain(ForcedEvery):
