@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from asymcache_core.loaders.gguf_file import GGUFFile
+
 logger = logging.getLogger("asymcache_core.loaders")
 
 _LAYER_NAMES = {
@@ -29,53 +31,44 @@ _GLOBAL_NAMES = {
 }
 
 
-def _reader(path: Path) -> Any:
-    import gguf
-
+def _reader(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ValueError(f"model: GGUF file {str(path)!r} does not exist")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises many types on corrupt files
+        return GGUFFile(path)
+    except (ValueError, OSError) as exc:
         raise ValueError(f"model: {str(path)!r} is not a readable GGUF file ({exc})") from None
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def open_gguf(path: Path) -> Any:
+def open_gguf(path: Path) -> GGUFFile:
     """Parses a GGUF file once (metadata and tensor index; the payload stays memory-mapped)."""
     return _reader(path)
 
 
-def gguf_hf_config(path: Path, reader: Any = None) -> dict[str, Any]:
+def gguf_hf_config(path: Path, reader: GGUFFile | None = None) -> dict[str, Any]:
     """Translates a llama-architecture GGUF's metadata into an HF ``config.json`` dict."""
     reader = reader if reader is not None else _reader(path)
-    arch = _field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"architectures: GGUF architecture {arch!r} is not supported")
     p = f"{arch}."
-    heads = int(_field(reader, p + "attention.head_count"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    heads = int(reader.field(p + "attention.head_count"))
+    tokens = reader.field("tokenizer.ggml.tokens") or []
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     return {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
-        "vocab_size": int(_field(reader, p + "vocab_size", len(tokens))),
-        "hidden_size": int(_field(reader, p + "embedding_length")),
-        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "vocab_size": int(reader.field(p + "vocab_size", len(tokens))),
+        "hidden_size": int(reader.field(p + "embedding_length")),
+        "intermediate_size": int(reader.field(p + "feed_forward_length")),
+        "num_hidden_layers": int(reader.field(p + "block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
-        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, p + "context_length", 8192)),
+        "num_key_value_heads": int(reader.field(p + "attention.head_count_kv", heads)),
+        "rms_norm_eps": float(reader.field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(reader.field(p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(reader.field(p + "context_length", 8192)),
         "tie_word_embeddings": not has_output,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": reader.field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.field("tokenizer.ggml.eos_token_id"),
     }
 
 
@@ -85,7 +78,7 @@ def _reverse_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: Any = None) -> dict[str, torch.Tensor]:
+def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: GGUFFile | None = None) -> dict[str, torch.Tensor]:
     """Dequantizes every tensor into HF names and layouts (float32).
 
     Raises:
@@ -115,7 +108,7 @@ def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: Any = None) -> dict
             array = dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
             raise ValueError(f"model: tensor {tensor.name!r} of {str(path)!r} is corrupt ({exc})") from None
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shape = tuple(reversed(tensor.shape))
         weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)
         if is_llama and parts[0] == "blk" and parts[2] == "attn_q":
             weight = _reverse_permute(weight, cfg["num_attention_heads"])
