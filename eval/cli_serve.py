@@ -19,6 +19,7 @@ from eval.cli_app import (
     engine_options,
     json_object,
     memory_sized_pool,
+    option_given,
 )
 
 
@@ -139,6 +140,9 @@ class StartupLine(logging.Handler):
 @engine_options(exclude={"kv_memory_fraction"}, defaults={"num_kv_blocks": 2048, "max_step_log": 10_000})
 def serve(
     ctx: typer.Context,
+    model_tag: str = typer.Argument(
+        None, metavar="[MODEL]", show_default=False,
+        help="The model, as `vllm serve MODEL` takes it (the same as --model)."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=1, max=65535),
     api_key: str = typer.Option(None, help="Require this bearer token."),
@@ -169,12 +173,46 @@ def serve(
     enable_auto_tool_choice: bool = typer.Option(
         True, "--enable-auto-tool-choice", help="vLLM's flag, accepted: tool calls are parsed under "
         "tool_choice auto whether it is given or not."),
+    uvicorn_log_level: str = typer.Option(
+        "info", help="uvicorn's log level (vLLM's flag): critical, error, warning, info, debug or trace."),
+    disable_uvicorn_access_log: bool = typer.Option(
+        False, "--disable-uvicorn-access-log", help="No access-log line per HTTP request (vLLM's flag)."),
+    enable_prefix_caching: bool = typer.Option(
+        True, "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="vLLM's flag, accepted: the KV cache is always reused across requests (what the cache policies "
+        "manage); turning it off is an error."),
+    enable_chunked_prefill: bool = typer.Option(
+        True, "--enable-chunked-prefill/--no-enable-chunked-prefill",
+        help="vLLM's flag, accepted: prompts are always computed in chunks of the step budget "
+        "(--admit-full-prompt reserves a prompt's blocks whole); turning it off is an error."),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="vLLM's flag, accepted: no model code is ever loaded from a model's files."),
+    disable_log_requests: bool = typer.Option(
+        False, "--disable-log-requests", help="vLLM's flag, accepted: requests are not logged."),
+    disable_log_stats: bool = typer.Option(
+        False, "--disable-log-stats", help="vLLM's flag, accepted: the engine logs no periodic stats "
+        "(they are on /metrics)."),
     *,
     engine_args: dict[str, Any],
 ) -> None:
-    """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics)."""
+    """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics).
+
+    ``asymcache serve MODEL`` takes a model as ``vllm serve MODEL`` does, and vLLM's launch flags
+    that describe what this server always does are accepted, so a vLLM launch line runs as it is.
+    """
     from agent_runtime.commands import run_serve
 
+    if not enable_prefix_caching:
+        raise ValueError("enable_prefix_caching: cannot be turned off: the KV cache policies manage the reused "
+                         "cache (--policy vllm-apc is vLLM's own prefix caching)")
+    if not enable_chunked_prefill:
+        raise ValueError("enable_chunked_prefill: cannot be turned off: prompts are computed in chunks of "
+                         "--max-num-batched-tokens (--admit-full-prompt reserves a prompt's blocks whole, as "
+                         "vLLM does without chunking)")
+    if model_tag is not None:
+        if option_given(ctx, "model") and engine_args["model"] != model_tag:
+            raise ValueError(f"model: given twice, as MODEL ({model_tag!r}) and --model ({engine_args['model']!r})")
+        engine_args["model"] = model_tag
     memory_sized_pool(ctx, engine_args)
     template_kwargs = json_object("default_chat_template_kwargs", default_chat_template_kwargs)
     from eval.cli_progress import showing_model_loads
@@ -185,7 +223,8 @@ def serve(
                   served_model_name=served_model_name, chat_template=chat_template,
                   default_chat_template_kwargs=template_kwargs,
                   trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
-                  reasoning_parser=reasoning_parser, responses_store_size=responses_store_size, **engine_args)
+                  reasoning_parser=reasoning_parser, responses_store_size=responses_store_size,
+                  log_level=uvicorn_log_level, access_log=not disable_uvicorn_access_log, **engine_args)
 
 
 @app.command()

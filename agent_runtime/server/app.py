@@ -220,7 +220,9 @@ class ServeOptions:
             ``reasoning_content`` (vLLM's ``--reasoning-parser``: ``deepseek_r1``, ``qwen3``).
         responses_store_size: Responses API responses kept for ``previous_response_id``
             (0: none).
-        log_level: uvicorn's log level.
+        log_level: uvicorn's log level (vLLM's ``--uvicorn-log-level``).
+        access_log: uvicorn's access-log line per request (off: vLLM's
+            ``--disable-uvicorn-access-log``).
         max_request_body_bytes: request bodies beyond this are a 413.
         max_queue_len: completions waiting beyond the running batch before new ones are a 429
             (None: unbounded).
@@ -249,6 +251,7 @@ class ServeOptions:
     reasoning_parser: str | None = None
     responses_store_size: int = DEFAULT_STORE_SIZE
     log_level: str = "info"
+    access_log: bool = True
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -263,6 +266,8 @@ class ServeOptions:
             raise ValueError("api_key: must not be empty when given")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name: must not be empty when given")
+        if not isinstance(self.access_log, bool):
+            raise ValueError(f"access_log: must be a bool, got {self.access_log!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         body = self.max_request_body_bytes
@@ -349,7 +354,7 @@ def serve(options: ServeOptions) -> None:
     app = options.build_app(lambda: runtime)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
-                    timeout_graceful_shutdown=float(options.shutdown_timeout))
+                    access_log=options.access_log, timeout_graceful_shutdown=float(options.shutdown_timeout))
     finally:
         runtime.close_sync()
 

@@ -303,7 +303,8 @@ def serve_replicas(options: ServeOptions, num_replicas: int, settings: ReplicaSe
     try:
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(build_app(options, settings), name=APP_NAME, route_prefix="/",
-                  logging_config={"log_level": _SERVE_LOG_LEVELS[options.log_level]})
+                  logging_config={"log_level": _SERVE_LOG_LEVELS[options.log_level],
+                                  "enable_access_log": options.access_log})
         logger.warning("serving %d replicas of %s at http://%s:%d", num_replicas, options.model,
                        options.host, options.port)
         with contextlib.suppress(KeyboardInterrupt):

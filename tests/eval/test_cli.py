@@ -113,7 +113,8 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     # everything handed on is an EngineConfig field, or the command's own argument
     own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout",
                      "replicas", "served_model_name", "chat_template", "default_chat_template_kwargs",
-                     "trust_request_chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size"},
+                     "trust_request_chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size",
+                     "log_level", "access_log"},
            "chat": {"policy"},
            "agent": {"task", "workdir", "max_turns", "policy", "tool_choice"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}
@@ -150,6 +151,47 @@ def test_serve_defaults_and_bad_values(monkeypatch):
         assert result.exit_code == 2 and result.output.startswith(f"error: {field}:"), result.output
         assert result.output.strip().count("\n") == 0
     assert len(calls) == 1
+
+
+def test_serve_runs_a_vllm_launch_line(monkeypatch):
+    # `vllm serve MODEL` with the flags launch scripts carry: the model as an argument, uvicorn's
+    # log settings passed on, the flags that name what this server always does accepted
+    import types
+
+    import agent_runtime.server as server
+    import agent_runtime.server.app as server_app
+
+    calls: list[server.ServeOptions] = []
+    monkeypatch.setattr(server, "serve", calls.append)
+    line = ["serve", "dummy:tiny", "--enable-prefix-caching", "--enable-chunked-prefill", "--trust-remote-code",
+            "--disable-log-requests", "--disable-log-stats", "--enable-auto-tool-choice", "--uvicorn-log-level",
+            "warning", "--disable-uvicorn-access-log", "--max-model-len", "64"]
+    result = runner.invoke(app, line)
+    assert result.exit_code == 0, result.output
+    options = calls[-1]
+    assert (options.model, options.log_level, options.access_log, options.max_model_len) == ("dummy:tiny", "warning", False, 64)
+    result = runner.invoke(app, ["serve", "--model", "dummy:tiny"])
+    assert result.exit_code == 0 and (calls[-1].model, calls[-1].log_level, calls[-1].access_log) == ("dummy:tiny", "info", True)
+    result = runner.invoke(app, ["serve", "dummy:tiny", "--model", "dummy:tiny"])
+    assert result.exit_code == 0 and calls[-1].model == "dummy:tiny"
+    count = len(calls)
+    for bad, message in (
+        (["dummy:tiny", "--model", "smollm2-135m"], "model: given twice, as MODEL ('dummy:tiny') and --model"),
+        (["--no-enable-prefix-caching"], "enable_prefix_caching: cannot be turned off"),
+        (["--no-enable-chunked-prefill"], "enable_chunked_prefill: cannot be turned off"),
+        (["--uvicorn-log-level", "loud"], "log_level: must be one of"),
+    ):
+        result = runner.invoke(app, ["serve", *bad])
+        assert result.exit_code == 2 and result.output.startswith(f"error: {message}"), result.output
+        assert result.output.strip().count("\n") == 0
+    assert len(calls) == count
+    # and uvicorn gets them
+    ran: list[dict[str, Any]] = []
+    monkeypatch.setattr(server_app.ServeOptions, "build_runtime", lambda self: types.SimpleNamespace(close_sync=lambda: None))
+    monkeypatch.setattr(server_app.ServeOptions, "build_app", lambda self, source: "app")
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: ran.append(kw))
+    server_app.serve(options)
+    assert ran[-1]["log_level"] == "warning" and ran[-1]["access_log"] is False
 
 
 def test_bench_and_profile_show_vllm_names():
