@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +27,7 @@ from asymcache_core.engine_outputs import (
     detokenize_step,
     flush_text,
     generate_blocking,
+    render_conversations,
     request_output,
 )
 from asymcache_core.engine_setup import (
@@ -518,6 +519,29 @@ class Engine(AsyncSteps, JobControl):
     ) -> list[GenerationOutput]:
         """Runs prompts to completion; one output per prompt, in order (``job_ids``: each one's
         job, see :meth:`add_request`)."""
+        return generate_blocking(self, prompts, params, job_ids)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        job_ids: Sequence[str | None] | None = None,
+    ) -> list[GenerationOutput]:
+        """vLLM's ``LLM.chat``: renders one conversation (a list of ``{"role", "content"}``
+        messages) or a list of them with the model's chat template, then :meth:`generate`.
+        The arguments after ``params`` are vLLM's; the texts are the model's raw replies (tool
+        calls unparsed: the agent runtime and the server parse them)."""
+        prompts = render_conversations(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         return generate_blocking(self, prompts, params, job_ids)
 
     # -- checks and stats ----------------------------------------------------------------------

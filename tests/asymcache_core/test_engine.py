@@ -352,3 +352,48 @@ def test_idle_until_leaves_a_real_clock_alone_and_expires_pins():
     now[0] = 1.5  # the caller waited
     engine.idle_until(100.0)
     assert engine.stats().pinned_blocks == 0 and engine.stats().pins_expired_total == 1
+
+
+def test_chat_renders_conversations_as_vllms_llm_chat(smollm):
+    engine = make_engine(smollm, num_kv_blocks=64)
+    tok = smollm.tokenizer
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    started = [*question, {"role": "assistant", "content": "Paris is"}]
+    outs = engine.chat([question, started], SamplingParams(max_tokens=3, ignore_eos=True),
+                       add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(outs[1].prompt_token_ids).endswith("Paris is")  # no end-of-turn after it
+    (alone,) = engine.chat(question, GREEDY)
+    rendered = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    (reference,) = engine.generate([rendered], GREEDY)
+    assert alone.prompt_token_ids == reference.prompt_token_ids and alone.token_ids == reference.token_ids
+    # without the generation prompt the question's rendering stops before the assistant's header
+    head = outs[0].prompt_token_ids
+    assert len(head) < len(reference.prompt_token_ids) and reference.prompt_token_ids[: len(head)] == head
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "message"),
+    [
+        ([], {}, "^messages: a conversation"),
+        ("hello", {}, "^messages: a conversation"),
+        ([{"content": "no role"}], {}, r"^messages\[0\]: a non-empty list"),
+        ([[{"role": "user", "content": "a"}], []], {}, r"^messages\[1\]: a non-empty list"),
+        ([{"role": "user", "content": "a"}], {"continue_final_message": True}, "^continue_final_message: "),
+        ([{"role": "user", "content": "a"}], {"chat_template": "{{ raise_exception('no system turns') }}"},
+         r"^messages\[0\]: the chat template failed on it \(.*no system turns"),
+        ([{"role": "user", "content": "a"}], {"chat_template_kwargs": ["x"]}, "^chat_template_kwargs: "),
+    ],
+)
+def test_chat_rejects_bad_conversations_naming_the_argument(smollm, messages, kwargs, message):
+    engine = make_engine(smollm, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=message):
+        engine.chat(messages, GREEDY, **kwargs)
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+
+
+def test_chat_needs_a_tokenizer():
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, block_size=4))
+    with pytest.raises(ValueError, match="^messages: this model has no tokenizer"):
+        engine.chat([{"role": "user", "content": "hi"}])
