@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from asymcache_core.async_steps import AsyncSteps, InFlight
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
+from asymcache_core.engine_blocking import BlockingCalls
 from asymcache_core.engine_checks import check_engine_integrity, truncated_prompt, validate_request
 from asymcache_core.engine_jobs import JobControl
 from asymcache_core.engine_outputs import (
@@ -26,8 +27,6 @@ from asymcache_core.engine_outputs import (
     attach_prompt_logprobs,
     detokenize_step,
     flush_text,
-    generate_blocking,
-    render_conversations,
     request_output,
 )
 from asymcache_core.engine_setup import (
@@ -44,7 +43,6 @@ from asymcache_core.engine_stats import (
     CacheReset,
     EngineCounters,
     EngineStats,
-    GenerationOutput,
     StepStats,
     collect_stats,
 )
@@ -71,7 +69,7 @@ if TYPE_CHECKING:
     from asymcache_core.tensor_parallel import TensorParallelWorkers
 
 
-class Engine(AsyncSteps, JobControl):
+class Engine(AsyncSteps, JobControl, BlockingCalls):
     """Embedded inference engine.
 
     Args:
@@ -509,40 +507,6 @@ class Engine(AsyncSteps, JobControl):
         self.step_log.append(
             StepStats.of_plan(plan, start, end, schedule_s, predicted, self.pool.num_in_use, recomputed)
         )
-
-    # -- blocking API ------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        job_ids: Sequence[str | None] | None = None,
-    ) -> list[GenerationOutput]:
-        """Runs prompts to completion; one output per prompt, in order (``job_ids``: each one's
-        job, see :meth:`add_request`)."""
-        return generate_blocking(self, prompts, params, job_ids)
-
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        job_ids: Sequence[str | None] | None = None,
-    ) -> list[GenerationOutput]:
-        """vLLM's ``LLM.chat``: renders one conversation (a list of ``{"role", "content"}``
-        messages) or a list of them with the model's chat template, then :meth:`generate`.
-        The arguments after ``params`` are vLLM's; the texts are the model's raw replies (tool
-        calls unparsed: the agent runtime and the server parse them)."""
-        prompts = render_conversations(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        return generate_blocking(self, prompts, params, job_ids)
 
     # -- checks and stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:
