@@ -11,6 +11,7 @@ llama.cpp writes on every platform it runs on).
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
+#: ggml's tensors have at most four dimensions; more is a damaged index
+MAX_DIMS = 4
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
@@ -89,8 +92,11 @@ class GGUFFile:
                     raise ValueError(f"metadata key {key!r} appears twice")
                 self.fields[key] = self._value(self._unpack("<I"))
             infos = [self._tensor_info() for _ in range(n_tensors)]
-        except (struct.error, UnicodeDecodeError, IndexError) as exc:
+        except (struct.error, UnicodeDecodeError, IndexError, RecursionError) as exc:
             raise ValueError(f"the metadata is corrupt or cut short at byte {self._pos} ({exc})") from None
+        names = [info[0] for info in infos]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tensor {next(n for n in names if names.count(n) > 1)!r} appears twice")
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment must be a power of two, got {alignment!r}")
@@ -157,6 +163,8 @@ class GGUFFile:
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string()
         n_dims = self._unpack("<I")
+        if n_dims > MAX_DIMS:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions (at most {MAX_DIMS})")
         shape = struct.unpack_from(f"<{n_dims}Q", self._buf, self._pos)
         self._pos += 8 * n_dims
         tensor_type, offset = struct.unpack_from("<IQ", self._buf, self._pos)
@@ -168,22 +176,24 @@ class GGUFFile:
         from gguf.quants import quant_shape_to_byte_shape
 
         torch_order = tuple(reversed(shape))
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # Python ints: a damaged dimension cannot overflow
         start = data_start + offset
         plain = _PLAIN_TENSORS.get(kind)
-        try:
-            if plain is not None:
-                dtype = np.dtype(plain)
-                nbytes = count * dtype.itemsize
-                view_shape = torch_order
-            else:
+        if plain is not None:
+            dtype = np.dtype(plain)
+            nbytes = count * dtype.itemsize
+            view_shape = torch_order
+        else:
+            try:
                 quant = GGMLQuantizationType(kind)
                 block, block_bytes = GGML_QUANT_SIZES[quant]
-                nbytes = count // block * block_bytes
-                dtype = np.dtype(np.uint8)
-                view_shape = quant_shape_to_byte_shape(torch_order, quant)
-        except (ValueError, KeyError):
-            raise ValueError(f"tensor {name!r} has an unknown type {kind}") from None
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name!r} has an unknown type {kind}") from None
+            if not shape or shape[0] % block:
+                raise ValueError(f"tensor {name!r}: its rows of {shape[0] if shape else 0} are not whole blocks of {block}")
+            nbytes = count // block * block_bytes
+            dtype = np.dtype(np.uint8)
+            view_shape = quant_shape_to_byte_shape(torch_order, quant)
         if start + nbytes > payload.size:
             raise ValueError(f"tensor {name!r} runs past the end of the file (the file is cut short)")
         data = payload[start : start + nbytes].view(dtype).reshape(view_shape)

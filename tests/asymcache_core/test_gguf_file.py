@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asymcache_core.loaders.gguf_file import GGUFFile
 from tests.tiny_gguf import write_tiny_gguf
@@ -108,3 +110,27 @@ def test_a_damaged_file_is_a_value_error_naming_it(tmp_path, damage, message):
         GGUFFile(bad)
     with pytest.raises(ValueError, match=rf"^model: '{bad}' is not a readable GGUF file \("):
         load_model(str(bad), torch.device("cpu"), torch.float32, seed=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_cut_or_flipped_file_parses_or_is_a_value_error(tmp_path_factory, data):
+    # whatever the damage: the same parse, another one, or a ValueError (never another exception)
+    folder = tmp_path_factory.mktemp("fuzz")
+    source = write_tiny_gguf(folder / "tiny.gguf").read_bytes()
+    damaged = bytearray(source)
+    if data.draw(st.booleans(), label="cut"):
+        damaged = damaged[: data.draw(st.integers(0, len(source) - 1), label="size")]
+    else:
+        # the header and index, where a flipped byte changes what is parsed
+        for _ in range(data.draw(st.integers(1, 4), label="flips")):
+            at = data.draw(st.integers(0, min(len(source), 3000) - 1), label="at")
+            damaged[at] ^= data.draw(st.integers(1, 255), label="mask")
+    path = folder / "damaged.gguf"
+    path.write_bytes(bytes(damaged))
+    try:
+        parsed = GGUFFile(path)
+    except ValueError:
+        return
+    # parsed: every tensor's payload lies inside the file (a cut past the last one is harmless)
+    assert sum(t.data.nbytes for t in parsed.tensors) <= len(damaged)
