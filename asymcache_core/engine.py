@@ -478,11 +478,8 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
         """The scheduler's finish hook: runs before the request's blocks are freed."""
         self._remember_conversation(request)
         if request.job_id is not None:
-            held = [
-                (b, self.pool.blocks[b].block_hash)
-                for b in self.kv.held_blocks(request)
-                if self.pool.blocks[b].block_hash is not None
-            ]
+            blocks = self.pool.blocks
+            held = [(b, h) for b in self.kv.held_blocks(request) if (h := blocks[b].block_hash) is not None]
             self.pins.remember(request.job_id, held)  # type: ignore[arg-type]
             self.job_stats.on_finish(request.job_id, now, request.is_last_step, request.num_tokens)
             if request.is_last_step:
