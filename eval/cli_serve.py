@@ -141,7 +141,7 @@ class StartupLine(logging.Handler):
 def serve(
     ctx: typer.Context,
     model_tag: str = typer.Argument(
-        None, metavar="[MODEL]", show_default=False,
+        None, metavar="MODEL", show_default=False,
         help="The model, as `vllm serve MODEL` takes it (the same as --model)."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=1, max=65535),
@@ -197,8 +197,8 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /metrics).
 
-    ``asymcache serve MODEL`` takes a model as ``vllm serve MODEL`` does, and vLLM's launch flags
-    that describe what this server always does are accepted, so a vLLM launch line runs as it is.
+    MODEL is taken as vllm serve takes it, and vLLM's launch flags that describe what this
+    server always does are accepted, so a vLLM launch line runs as it is.
     """
     from agent_runtime.commands import run_serve
 
