@@ -213,14 +213,56 @@ def memory_sized_pool(ctx: typer.Context, engine_args: dict[str, Any]) -> None:
         engine_args["num_kv_blocks"] = None
 
 
+def read_config_file(ctx: typer.Context, param: Any, value: str | None) -> str | None:
+    """``--config FILE``'s callback (vLLM's option): the file's options become the command's
+    defaults, so the command line still wins over it.
+
+    The file is YAML (JSON is YAML too): a mapping of option names as the command line spells
+    them, with or without the leading dashes, dashes or underscores (``max-num-seqs: 32``,
+    ``enforce_eager: true``).
+
+    Raises:
+        typer.BadParameter: an unreadable file, one that is not a mapping, or an option the
+            command does not have (the CLI prints it on one line, exit code 2).
+    """
+    if value is None or ctx.resilient_parsing:
+        return value
+    import yaml
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise typer.BadParameter(f"cannot read {value!r}: {exc}".replace("\n", " ")) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{value!r} must hold a mapping of option names to values")
+    # NOTE: every spelling of an option (its aliases too), not its --no- form
+    names = {
+        opt.lstrip("-").replace("-", "_"): p.name
+        for p in ctx.command.params if p.param_type_name == "option" and p.name != param.name
+        for opt in p.opts
+    }
+    defaults: dict[str, Any] = {}
+    for key, item in data.items():
+        name = names.get(str(key).lstrip("-").replace("-", "_"))
+        if name is None:
+            raise typer.BadParameter(f"{value!r}: {key!r} is not an option of this command")
+        defaults[name] = item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
 def option_given(ctx: typer.Context, name: str) -> bool:
-    """Whether option ``name`` was set on the command line (not a default).
+    """Whether option ``name`` was set by the user (the command line, its environment variable
+    or a ``--config`` file), not left at its default.
 
     NOTE: compared by name: typer ships its own copy of click, whose ``ParameterSource`` is
     not ``click.core``'s.
     """
     source = ctx.get_parameter_source(name)
-    return source is not None and source.name == "COMMANDLINE"
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "DEFAULT_MAP")
 
 
 def number_list(name: str, text: str | None, kind: type) -> list[Any]:

@@ -20,6 +20,7 @@ from eval.cli_app import (
     json_object,
     memory_sized_pool,
     option_given,
+    read_config_file,
 )
 
 
@@ -143,9 +144,15 @@ def serve(
     model_tag: str = typer.Argument(
         None, metavar="MODEL", show_default=False,
         help="The model, as `vllm serve MODEL` takes it (the same as --model)."),
+    config: str = typer.Option(
+        None, "--config", is_eager=True, callback=read_config_file, metavar="FILE",
+        help="Options from a YAML file (vLLM's --config: names as on the command line, which wins over it)."),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000, min=1, max=65535),
-    api_key: str = typer.Option(None, help="Require this bearer token."),
+    api_key: str = typer.Option(
+        None, envvar=["ASYMCACHE_API_KEY", "VLLM_API_KEY"], show_envvar=True,
+        help="Require this bearer token (or from the environment: a key on the command line shows in the "
+        "process list)."),
     policy: str = typer.Option("asymcache+continuum", help="Serving preset (vllm-apc, asymcache, continuum, ...)."),
     max_request_body_bytes: int = typer.Option(8 << 20, help="Request bodies beyond this are a 413."),
     max_queue_len: int = typer.Option(256, help="Completions waiting beyond the running batch before new ones get a 429 (one of n choices counts n)."),

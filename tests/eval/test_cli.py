@@ -194,6 +194,42 @@ def test_serve_runs_a_vllm_launch_line(monkeypatch):
     assert ran[-1]["log_level"] == "warning" and ran[-1]["access_log"] is False
 
 
+def test_serve_reads_a_vllm_config_file_and_the_key_from_the_environment(monkeypatch, tmp_path):
+    import agent_runtime.server as server
+
+    calls: list[server.ServeOptions] = []
+    monkeypatch.setattr(server, "serve", calls.append)
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: dummy:tiny\nport: 8124\nmax-num-seqs: 8\n--enforce-eager: true\n"
+                      "served_model_name: from-file\nkv-blocks: 64\nenable-prefix-caching: true\n")
+    result = runner.invoke(app, ["serve", "--config", str(config), "--max-num-seqs", "4"])
+    assert result.exit_code == 0, result.output
+    options = calls[-1]
+    assert (options.model, options.port, options.served_model_name, options.num_kv_blocks) == ("dummy:tiny", 8124, "from-file", 64)
+    settings = options.engine_settings
+    assert settings["max_num_seqs"] == 4 and settings["enforce_eager"] is True  # the command line wins
+    # a pool size in the file counts as given: --gpu-memory-utilization does not replace it
+    result = runner.invoke(app, ["serve", "--config", str(config), "--gpu-memory-utilization", "0.5"])
+    assert result.exit_code == 0 and calls[-1].num_kv_blocks == 64
+    count = len(calls)
+    for text, message in (("bogus: 1\n", "'bogus' is not an option"), ("[1, 2]\n", "must hold a mapping"),
+                          ("port: [\n", "cannot read"), ("max-num-seqs: 0\n", "max_num_seqs:"),
+                          ("no-enable-prefix-caching: true\n", "'no-enable-prefix-caching' is not an option")):
+        config.write_text(text)
+        result = runner.invoke(app, ["serve", "--config", str(config)])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert result.output.startswith("error: ") and result.output.strip().count("\n") == 0, result.output
+    result = runner.invoke(app, ["serve", "--config", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2 and "cannot read" in result.output
+    assert len(calls) == count
+    # the API key from the environment (a key on the command line shows in the process list)
+    for variable in ("ASYMCACHE_API_KEY", "VLLM_API_KEY"):
+        result = runner.invoke(app, ["serve"], env={variable: "sekret"})
+        assert result.exit_code == 0 and calls[-1].api_key == "sekret"
+    result = runner.invoke(app, ["serve", "--api-key", "given"], env={"ASYMCACHE_API_KEY": "sekret"})
+    assert result.exit_code == 0 and calls[-1].api_key == "given"
+
+
 def test_bench_and_profile_show_vllm_names():
     bench = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
     assert bench.exit_code == 0
