@@ -19,7 +19,6 @@ from eval.cli_app import (
     engine_options,
     json_object,
     memory_sized_pool,
-    option_given,
     read_config_file,
 )
 
@@ -217,7 +216,9 @@ def serve(
                          "--max-num-batched-tokens (--admit-full-prompt reserves a prompt's blocks whole, as "
                          "vLLM does without chunking)")
     if model_tag is not None:
-        if option_given(ctx, "model") and engine_args["model"] != model_tag:
+        # NOTE: a --config file's model gives way to MODEL, as the file's options give way to flags
+        on_command_line = getattr(ctx.get_parameter_source("model"), "name", None) == "COMMANDLINE"
+        if on_command_line and engine_args["model"] != model_tag:
             raise ValueError(f"model: given twice, as MODEL ({model_tag!r}) and --model ({engine_args['model']!r})")
         engine_args["model"] = model_tag
     memory_sized_pool(ctx, engine_args)

@@ -208,6 +208,8 @@ def test_serve_reads_a_vllm_config_file_and_the_key_from_the_environment(monkeyp
     assert (options.model, options.port, options.served_model_name, options.num_kv_blocks) == ("dummy:tiny", 8124, "from-file", 64)
     settings = options.engine_settings
     assert settings["max_num_seqs"] == 4 and settings["enforce_eager"] is True  # the command line wins
+    result = runner.invoke(app, ["serve", "dummy:llama-3.1-8b", "--config", str(config)])
+    assert result.exit_code == 0 and calls[-1].model == "dummy:llama-3.1-8b"  # MODEL wins over the file's
     # a pool size in the file counts as given: --gpu-memory-utilization does not replace it
     result = runner.invoke(app, ["serve", "--config", str(config), "--gpu-memory-utilization", "0.5"])
     assert result.exit_code == 0 and calls[-1].num_kv_blocks == 64
