@@ -138,12 +138,11 @@ class EngineConfig:
             decoding, at the token level: the tokens are those sampling would pick, so outputs
             are unchanged). Not for rows with log probabilities or stop strings. With async
             scheduling the step in flight sampled the position the first forced token takes;
-            its token is dropped. ``None`` (the default): on for the CPU, where a step runs
-            eagerly whatever its rows (agent jobs with forced tool calls 1.15x faster with one
-            in flight, 1.08x at 8: BENCHMARKS.md, "Jump-forward"); off on CUDA devices, not
-            measured there: a jump makes its step a mixed one, whose piecewise graphs take
-            ~1.5x a decode graph's time at 8 decodes on the H200. The resolved bool is what
-            the field then holds.
+            its token is dropped. ``None`` (the default) is on: on the CPU agent jobs with
+            forced tool calls ran 1.15x faster with one in flight, 1.08x at 8; on an H100
+            (dummy Llama-3.1-8B bf16, CUDA graphs, a fifth of the tokens forced) 1.17-1.20x at
+            batch 1, 1.11-1.15x at 8, 1.07-1.08x at 32, though each jump makes its step a mixed
+            one (BENCHMARKS.md, "Jump-forward"). The resolved bool is what the field then holds.
         async_scheduling: plan and launch each step while the one before it still runs on the
             device (vLLM's ``--async-scheduling``): the host's scheduling, packing and output
             work leave the device's critical path. A decode's input token is taken on the
@@ -258,7 +257,7 @@ class EngineConfig:
     jump_forward: bool | None = field(default=None, metadata=_flag(
         "--jump-forward", "Append the tokens a grammar forces (a forced tool call's fixed text) at once, "
         "computed together in the next step, instead of one decode step each; the tokens are unchanged "
-        "(default: on for the CPU, off on CUDA devices)."))
+        "(default: on)."))
     mixed_graph_max_tokens: int = field(default=1024, metadata=_flag(
         "--mixed-graph-max-tokens", "Largest step (tokens) replayed as piecewise CUDA graphs; 0 runs every "
         "step with prefill tokens eagerly."))
@@ -347,10 +346,11 @@ class EngineConfig:
         if not isinstance(self.fused_kernels, bool):
             raise ValueError(f"fused_kernels: must be a bool, got {self.fused_kernels!r}")
         if self.jump_forward is None:
-            # NOTE: resolved here, once, so every reader sees a bool. Off on CUDA until measured
-            # there: a jump makes its step a mixed one, which replays piecewise graphs, ~1.5x a
-            # decode graph's time at 8 decodes on the H200 (BENCHMARKS.md, "Mixed steps")
-            object.__setattr__(self, "jump_forward", device.type != "cuda")
+            # NOTE: resolved here, once, so every reader sees a bool. On for CUDA too: a jump
+            # makes its step a mixed one (piecewise graphs, ~1.5x a decode graph at 8 decodes),
+            # yet measured on an H100 forced runs finished 1.07-1.20x sooner at batch 1-32
+            # (scripts/gpu_jump_forward.py; BENCHMARKS.md, "Jump-forward")
+            object.__setattr__(self, "jump_forward", True)
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward: must be a bool or None, got {self.jump_forward!r}")
         if self.batch_invariant is None:

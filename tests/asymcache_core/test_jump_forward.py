@@ -127,7 +127,7 @@ def test_the_default_is_on_for_the_cpu_and_a_bad_value_names_the_field():
 
 
 @pytest.mark.gpu
-def test_the_default_is_off_on_cuda():
+def test_the_default_is_on_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    assert EngineConfig(model="dummy:tiny", device="cuda").jump_forward is False
+    assert EngineConfig(model="dummy:tiny", device="cuda").jump_forward is True
