@@ -177,9 +177,6 @@ def generate_blocking(
     return results
 
 
-__all__ = ["attach_logprobs", "attach_prompt_logprobs", "detokenize_step", "flush_text", "generate_blocking", "request_output"]
-
-
 def render_conversations(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
@@ -225,3 +222,9 @@ def render_conversations(
             raise ValueError(f"messages[{i}]: the chat template failed on it ({type(exc).__name__}: {exc})") from None
         rendered.append(text)
     return rendered
+
+
+__all__ = [
+    "attach_logprobs", "attach_prompt_logprobs", "detokenize_step", "flush_text", "generate_blocking",
+    "render_conversations", "request_output",
+]

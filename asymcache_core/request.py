@@ -23,10 +23,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        # NOTE: identity tests: asked for every running request on every step (an enum's
-        # ``in`` on a tuple hashes nothing but compares through ``__eq__``, ~3x slower)
-        return self is RequestStatus.FINISHED_STOPPED or self is RequestStatus.FINISHED_LENGTH or (
-            self is RequestStatus.FINISHED_ABORTED
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
         )
 
 

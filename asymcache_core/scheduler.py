@@ -293,11 +293,8 @@ class Scheduler:
                 # step's token is part of its context.
                 idx += 1
                 continue
-            if gate is not None and request.job_id is not None and (
-                len(request.block_hashes) < request.num_tokens // self.block_size
-            ):
-                # NOTE: the gate finds a new job's shared prefix by its block hashes (the test
-                # first: a held request is asked again on every step, its hashes long complete)
+            if gate is not None and request.job_id is not None:
+                # NOTE: the gate finds a new job's shared prefix by its block hashes
                 self.kv.ensure_hashes(request)
             if gate is not None and not gate.admits(request, now, engine_idle=not self.running):
                 # NOTE: its job waits between turns for older jobs to finish; the ones behind

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eval.results import Results
 
@@ -88,12 +88,15 @@ def write_plots(results: Results, run_dir: Path, *, draw: bool = True) -> tuple[
         draw: ``False`` draws none (each gets the :data:`NOT_DRAWN` placeholder): a run's
             plots take about a second, longer than a small simulated run.
     """
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
-
     names = list(results.policies)
-    cmap = colormaps["tab10"]
-    colors = {n: cmap(i % 10) for i, n in enumerate(names)}
+    colors: dict[str, Any] = {}
+    if draw:
+        # NOTE: matplotlib is imported only where something is drawn
+        from matplotlib import colormaps
+        from matplotlib.figure import Figure
+
+        cmap = colormaps["tab10"]
+        colors = {n: cmap(i % 10) for i, n in enumerate(names)}
     pols = results.policies
     plots: list[Plot] = []
 
