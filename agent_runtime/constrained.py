@@ -13,7 +13,7 @@ grammar, and the literal closing tag, concatenated (``Grammar.concat``, availabl
 named tool and an ``anyOf`` of those for "required". JSON is generated without free whitespace
 (``any_whitespace=False``: separators ``", "`` and ``": "``, exactly what ``json.dumps`` writes),
 so a small model cannot wander into whitespace runs, and the text equals what
-:func:`agent_runtime.tool_parsing.render_hermes_tool_calls` renders for the next turn.
+:func:`asymcache_core.tool_parsing.render_hermes_tool_calls` renders for the next turn.
 
 This module builds the grammars (uncompiled) and checks a request's schemas and patterns;
 :class:`~agent_runtime.grammar_cache.GrammarCache` (owned by the caller, e.g. the runtime)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agent_runtime.reasoning import split_reasoning
-from agent_runtime.tool_parsing import ParsedMessage, ToolCallFormat, parse_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent, TurnMetrics
 from asymcache_core.continuum.controller import ContinuumController, PinDecision
 from asymcache_core.request import RequestOutput
+from asymcache_core.tool_parsing import ParsedMessage, ToolCallFormat, parse_tool_calls
 
 if TYPE_CHECKING:
     from agent_runtime.engine_client import RequestStream

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
-from agent_runtime.chat_template import TEXT_PART_KEYS
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
 from agent_runtime.tool_schema import validate_tool_schema
 from agent_runtime.tools import Tool, ToolRegistry
+from asymcache_core.chat_template import TEXT_PART_KEYS
 from asymcache_core.engine_checks import truncated_prompt
 from asymcache_core.sampling_params import SamplingParams
 

@@ -20,8 +20,6 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agent_runtime.chat_template import ChatRenderer, ChatTemplates
-from agent_runtime.chat_template_options import check_template_source
 from agent_runtime.engine_client import AsyncEngine, RequestStream
 from agent_runtime.job import Job
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
@@ -34,10 +32,12 @@ from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.rendered_turns import RenderedTurns
 from agent_runtime.runtime_chat import ChatTurns
 from agent_runtime.structured_outputs import normalize_structured_outputs
-from agent_runtime.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 from asymcache_core import Engine
+from asymcache_core.chat_template import ChatRenderer, ChatTemplates
+from asymcache_core.chat_template_options import check_template_source
 from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 
 if TYPE_CHECKING:
     from asymcache_core.loaders import LoadedModel
@@ -64,7 +64,7 @@ class AgentRuntime(ChatTurns):
         controller: a Continuum controller to use (default: a fresh one over ``engine``).
         idle_poll_s: how often the idle engine thread wakes to expire pins.
         chat_template: the chat template's source instead of the tokenizer's (vLLM's
-            ``--chat-template``; :func:`~agent_runtime.chat_template_options.load_chat_template`
+            ``--chat-template``; :func:`~asymcache_core.chat_template_options.load_chat_template`
             reads a file).
         chat_template_kwargs: template variables every chat gets unless it sets its own
             (vLLM's ``--default-chat-template-kwargs``, e.g. ``{"enable_thinking": False}``).

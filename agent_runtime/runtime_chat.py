@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Unpack
 
-from agent_runtime.chat_template import ChatTemplates
-from agent_runtime.chat_template_options import check_documents
 from agent_runtime.engine_client import AsyncEngine, RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import (
@@ -30,10 +28,12 @@ from agent_runtime.protocol import (
 from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
 from agent_runtime.structured_outputs import normalize_structured_outputs
 from agent_runtime.thinking_budget import check_thinking_budget, thinking_budget_processor
-from agent_runtime.tool_parsing import ToolCallFormat
 from agent_runtime.types import AssistantTurn
 from asymcache_core import Engine
+from asymcache_core.chat_template import ChatTemplates
+from asymcache_core.chat_template_options import check_documents
 from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.tool_parsing import ToolCallFormat
 
 #: :meth:`ChatTurns.start_chat`'s keywords that :meth:`ChatTurns.start_chat_choices` takes.
 _CHAT_OPTIONS = frozenset({

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agent_runtime.tool_parsing import ParsedMessage, ParsedToolCall
 from agent_runtime.tools import ToolResult
 from asymcache_core.continuum.controller import PinDecision
 from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.request import RequestOutput
+from asymcache_core.tool_parsing import ParsedMessage, ParsedToolCall
 
 
 @dataclass(frozen=True)

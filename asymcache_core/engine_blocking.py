@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from asymcache_core.engine_outputs import generate_blocking, render_conversations
+from asymcache_core.chat_template import ChatRenderer, ChatTemplates
+from asymcache_core.chat_template_options import check_template_kwargs, check_template_source
+from asymcache_core.engine_outputs import generate_blocking
 from asymcache_core.engine_stats import GenerationOutput
 from asymcache_core.sampling_params import SamplingParams
 
@@ -20,6 +22,7 @@ class BlockingCalls:
     their requests finish, so no other caller may step it meanwhile)."""
 
     tokenizer: Any
+    _chat_templates: ChatTemplates | None = None
 
     def generate(
         self,
@@ -43,13 +46,80 @@ class BlockingCalls:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         job_ids: Sequence[str | None] | None = None,
     ) -> list[GenerationOutput]:
-        """vLLM's ``LLM.chat``: renders one conversation (a list of ``{"role", "content"}``
-        messages) or a list of them with the model's chat template, then :meth:`generate`.
-        The arguments after ``params`` are vLLM's; the texts are the model's raw replies (tool
-        calls unparsed: the agent runtime and the server parse them)."""
-        prompts = render_conversations(
-            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
+        """vLLM's ``LLM.chat``: renders one conversation (a list of OpenAI chat messages) or a
+        list of them with the model's chat template, then :meth:`generate`.
+
+        The rendering is the server's (:class:`~asymcache_core.chat_template.ChatRenderer`), so
+        a conversation gives the same prompt tokens here as through ``/v1/chat/completions``:
+        ``tools`` reach a template without a tool section as a Hermes tools section in the
+        system message (vLLM's ``LLM.chat`` drops them there), assistant ``tool_calls`` and
+        ``tool`` results are rendered as the model writes and reads them, content parts are
+        joined, and caller text that spells a special token stays text. The arguments after
+        ``params`` are vLLM's; the texts are the model's raw replies (tool calls unparsed: the
+        agent runtime and the server parse them).
+
+        Raises:
+            ValueError: naming the argument: no tokenizer, a conversation that is not a
+                non-empty list of messages with a ``role``, both ``add_generation_prompt`` and
+                ``continue_final_message``, bad ``chat_template`` or ``chat_template_kwargs``,
+                or a template that fails on a conversation (``messages[i]: ...``).
+        """
+        prompts = self.render_chats(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tools=tools, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
         )
         return generate_blocking(cast("Engine", self), prompts, params, job_ids)
+
+    def render_chats(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[str | list[int]]:
+        """:meth:`chat`'s prompts: each conversation's text, or its token ids where caller text
+        spells a special token (:meth:`ChatRenderer.prompt
+        <asymcache_core.chat_template.ChatRenderer.prompt>`). Arguments and errors as :meth:`chat`.
+        """
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer (and so no chat template); use generate() with token ids")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message: not with add_generation_prompt (set it False to continue the last message)")
+        if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages: a conversation (a list of messages) or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        for i, conversation in enumerate(conversations):
+            if (
+                isinstance(conversation, str | Mapping) or not isinstance(conversation, Sequence) or not conversation
+                or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in conversation)
+            ):
+                raise ValueError(f"messages[{i}]: a non-empty list of messages, each a dict with a 'role'")
+        if tools is not None and (
+            isinstance(tools, str | Mapping) or not isinstance(tools, Sequence)
+            or not all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise ValueError("tools: a list of OpenAI tool schemas (dicts)")
+        templates = self._chat_templates
+        if templates is None and getattr(self.tokenizer, "chat_template", None):
+            # NOTE: kept: a renderer probes its template for a tool section when it is made.
+            templates = self._chat_templates = ChatTemplates(self.tokenizer)
+        if templates is not None:
+            renderer = templates.renderer(chat_template)
+        elif chat_template is not None:
+            renderer = ChatRenderer(self.tokenizer, check_template_source(chat_template))
+        else:
+            raise ValueError("chat_template: the model's tokenizer has none; pass the template's source")
+        variables = check_template_kwargs(chat_template_kwargs)
+        prompts: list[str | list[int]] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(renderer.prompt(
+                    cast("Sequence[Mapping[str, Any]]", conversation), tools, add_generation_prompt,
+                    continue_final_message, variables,
+                ))
+            except ValueError as exc:
+                raise ValueError(f"messages[{i}]: {exc}") from None
+        return prompts

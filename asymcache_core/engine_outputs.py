@@ -1,7 +1,6 @@
 """The engine's output path: a request's text from its tokens, stop strings, the
 :class:`~asymcache_core.request.RequestOutput` a step returns for it, and the blocking
-:meth:`Engine.generate <asymcache_core.engine.Engine.generate>` that collects them (and
-:meth:`Engine.chat <asymcache_core.engine.Engine.chat>`, which renders conversations first)."""
+:meth:`Engine.generate <asymcache_core.engine.Engine.generate>` that collects them."""
 
 from __future__ import annotations
 
@@ -177,54 +176,7 @@ def generate_blocking(
     return results
 
 
-def render_conversations(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-    *,
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    tools: Sequence[Mapping[str, Any]] | None,
-    chat_template: str | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
-) -> list[str]:
-    """:meth:`Engine.chat <asymcache_core.engine.Engine.chat>`'s prompts: each conversation
-    rendered with the model's chat template (or ``chat_template``).
-
-    Raises:
-        ValueError: naming the argument: no tokenizer, a conversation that is not a non-empty
-            list of messages with a ``role``, both ``add_generation_prompt`` and
-            ``continue_final_message``, or a template that fails on them.
-    """
-    if tokenizer is None:
-        raise ValueError("messages: this model has no tokenizer (and so no chat template); use generate() with token ids")
-    if add_generation_prompt and continue_final_message:
-        raise ValueError("continue_final_message: not with add_generation_prompt (set it False to continue the last message)")
-    if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages: a conversation (a list of messages) or a list of conversations")
-    conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
-    for i, conversation in enumerate(conversations):
-        if (
-            isinstance(conversation, str | Mapping) or not isinstance(conversation, Sequence) or not conversation
-            or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in conversation)
-        ):
-            raise ValueError(f"messages[{i}]: a non-empty list of messages, each a dict with a 'role'")
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
-        raise ValueError("chat_template_kwargs: a dict of template variables")
-    rendered = []
-    for i, conversation in enumerate(conversations):
-        try:
-            text = tokenizer.apply_chat_template(
-                [dict(m) for m in conversation], tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=list(tools) if tools else None,
-                chat_template=chat_template, **dict(chat_template_kwargs or {}),
-            )
-        except Exception as exc:  # jinja's errors, a template's raise_exception, a missing variable
-            raise ValueError(f"messages[{i}]: the chat template failed on it ({type(exc).__name__}: {exc})") from None
-        rendered.append(text)
-    return rendered
-
-
 __all__ = [
     "attach_logprobs", "attach_prompt_logprobs", "detokenize_step", "flush_text", "generate_blocking",
-    "render_conversations", "request_output",
+    "request_output",
 ]

@@ -16,7 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from agent_runtime.chat_template_options import check_template_kwargs, load_chat_template
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import admin, anthropic_messages, openai_responses, serving
@@ -34,6 +33,7 @@ from agent_runtime.server.requests import (
 )
 from agent_runtime.server.response_store import DEFAULT_STORE_SIZE, ResponseStore
 from agent_runtime.server.state import AppState, RuntimeSource, app_state
+from asymcache_core.chat_template_options import check_template_kwargs, load_chat_template
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from agent_runtime.server.responses import (
     DeltaMessage,
     ToolCallDelta,
 )
-from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
+from asymcache_core.tool_parsing import to_openai_tool_calls
 
 #: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
 SEED_SPAN = SEED_MAX + 1

@@ -72,9 +72,9 @@ from agent_runtime.server.responses_input import (
 )
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.server.state import app_state
-from agent_runtime.tool_parsing import to_openai_tool_calls
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.tool_parsing import to_openai_tool_calls
 
 PATH = "/v1/responses"
 

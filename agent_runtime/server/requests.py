@@ -23,11 +23,6 @@ from pydantic import (
     model_validator,
 )
 
-from agent_runtime.chat_template_options import (
-    check_documents,
-    check_template_kwargs,
-    check_template_source,
-)
 from agent_runtime.protocol import (
     MAX_JOB_ID_CHARS,
     MAX_STOP_STRINGS,
@@ -35,6 +30,11 @@ from agent_runtime.protocol import (
 )
 from agent_runtime.server.body_parsing import completion_prompts, lift_vllm_xargs
 from agent_runtime.structured_outputs import lift_guided_fields, normalize_structured_outputs
+from asymcache_core.chat_template_options import (
+    check_documents,
+    check_template_kwargs,
+    check_template_source,
+)
 from asymcache_core.logprobs import MAX_LOGPROBS
 from asymcache_core.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 

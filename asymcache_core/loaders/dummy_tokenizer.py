@@ -16,7 +16,7 @@ that the default model loads from):
   ``</tool_call>`` among them as plain added tokens, as Qwen has them);
 * a chat template in the family's format: Llama 3's header/``<|eot_id|>`` turns after a
   ``<|begin_of_text|>``, or ChatML. Neither renders tools itself: the runtime's chat renderer
-  then injects its Hermes tools section (:mod:`agent_runtime.chat_template`);
+  then injects its Hermes tools section (:mod:`asymcache_core.chat_template`);
 * bos, eos and pad are the tokens at the config's ``bos_token_id``, ``eos_token_id`` (the
   family's end-of-turn token when the config lists it) and ``pad_token_id``.
 

@@ -11,13 +11,13 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from agent_runtime.chat_template import render_chat  # noqa: E402
 from agent_runtime.constrained import needs_constraint, tool_call_json_schema  # noqa: E402
 from agent_runtime.grammar_cache import GrammarCache, make_tool_call_processor  # noqa: E402
 from agent_runtime.grammar_processor import GrammarLogitsProcessor  # noqa: E402
-from agent_runtime.tool_parsing import parse_hermes  # noqa: E402
 from agent_runtime.tools import Tool  # noqa: E402
+from asymcache_core.chat_template import render_chat  # noqa: E402
 from asymcache_core.sampling_params import LogitsProcessor  # noqa: E402
+from asymcache_core.tool_parsing import parse_hermes  # noqa: E402
 
 VOCAB = 49152
 

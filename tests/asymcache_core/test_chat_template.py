@@ -10,13 +10,13 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from agent_runtime.chat_template import (
+from asymcache_core.chat_template import (
     ChatRenderer,
     detect_tools_support,
     render_chat,
     tools_system_prompt,
 )
-from agent_runtime.tool_parsing import parse_hermes
+from asymcache_core.tool_parsing import parse_hermes
 
 WEATHER = {
     "type": "function",

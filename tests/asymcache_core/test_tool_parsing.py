@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_runtime.tool_parsing import (
+from asymcache_core.tool_parsing import (
     ParsedMessage,
     ParsedToolCall,
     from_openai_tool_calls,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent_runtime.chat_template import ChatRenderer
+from asymcache_core.chat_template import ChatRenderer
 
 
 def _ids(tok, text):

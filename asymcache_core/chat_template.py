@@ -19,7 +19,7 @@ Rendering is transformers' ``tokenizer.apply_chat_template(..., tokenize=False)`
 
 Templates take vLLM's extras: variables of the caller's own (``chat_template_kwargs``, such as
 ``enable_thinking``; :func:`check_template_kwargs`), ``documents`` for retrieval templates, and
-a template other than the tokenizer's (:mod:`agent_runtime.chat_template_options`).
+a template other than the tokenizer's (:mod:`asymcache_core.chat_template_options`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 
 import jinja2
 
-from agent_runtime.chat_template_options import check_template_kwargs, check_template_source
-from agent_runtime.tool_parsing import from_openai_tool_calls, render_hermes_tool_calls
+from asymcache_core.chat_template_options import check_template_kwargs, check_template_source
+from asymcache_core.tool_parsing import from_openai_tool_calls, render_hermes_tool_calls
 
 _TOOLS_PREAMBLE = (
     "# Tools\n\n"

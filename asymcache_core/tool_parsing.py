@@ -3,7 +3,7 @@
 Formats:
 
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes, Qwen, and
-  what :mod:`agent_runtime.chat_template` asks a model without native tool support to emit);
+  what :mod:`asymcache_core.chat_template` asks a model without native tool support to emit);
   several per message. A final unclosed ``<tool_call>`` (the model stopped on the closing tag
   or ran out of tokens right after the JSON) is accepted when its JSON is complete. A tag whose
   JSON does not parse, or lacks a name, is not a call: it stays in the content.

@@ -1,6 +1,6 @@
 """vLLM's chat-template options, checked: a caller's template variables
 (``chat_template_kwargs``), retrieval ``documents``, and a template given as a file or as text
-(``--chat-template``, a request's ``chat_template``). :mod:`agent_runtime.chat_template` renders
+(``--chat-template``, a request's ``chat_template``). :mod:`asymcache_core.chat_template` renders
 with them.
 """
 
