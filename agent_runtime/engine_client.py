@@ -34,6 +34,7 @@ from agent_runtime.types import StreamEvent
 from asymcache_core import Engine
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import RequestOutput
+from asymcache_core.sampler import NOTHING_ALLOWED
 from asymcache_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,12 @@ T = TypeVar("T")
 
 class RequestFailed(RuntimeError):
     """One request failed on its own inside the engine (the others go on); raised by its stream."""
+
+
+class RequestConstraintsUnsatisfiable(RequestFailed, ValueError):
+    """A request failed because its own constraints allow no token at some point (the sampler's
+    :data:`~asymcache_core.sampler.NOTHING_ALLOWED`): bad input, so also a ``ValueError``
+    (the server answers it with a 400)."""
 
 
 class PromptEncoder:
@@ -457,7 +464,8 @@ class AsyncEngine:
             return
         del self._active[out.request_id]
         if out.error is not None:
-            active.submit.sink.put(RequestFailed(out.error))
+            failed = RequestConstraintsUnsatisfiable if out.error == NOTHING_ALLOWED else RequestFailed
+            active.submit.sink.put(failed(out.error))
             return
         try:
             event = self.processor.finalize(active.submit.options, active.prompt_ids, out)

@@ -22,6 +22,7 @@ from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core.chat_template import TEXT_PART_KEYS
 from asymcache_core.engine_checks import truncated_prompt
 from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.tool_parsing import from_openai_tool_calls
 
 ToolChoice = str | Mapping[str, Any] | None
 ToolsArg = ToolRegistry | Sequence[Mapping[str, Any]] | Sequence[Tool] | None
@@ -93,6 +94,10 @@ def check_fits_context(prompt_ids: list[int], params: SamplingParams, max_model_
 # ----------------------------------------------------------------------------------------------
 
 
+#: A message's fields that hold text when present (OpenAI's and vLLM's).
+_STRING_FIELDS = ("name", "tool_call_id", "reasoning_content", "reasoning", "refusal")
+
+
 def validate_messages(messages: Any) -> None:
     """Check the shape of an OpenAI ``messages`` list.
 
@@ -111,12 +116,30 @@ def validate_messages(messages: Any) -> None:
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role: must be one of {sorted(ROLES)}, got {role!r}")
         content = m.get("content")
+        if content is None and role != "assistant":
+            # NOTE: only an assistant turn may be empty (its tool calls say what it did); a
+            # template would print another role's null as the text "None"
+            raise ValueError(f"messages[{i}].content: a {role} message needs content (a string or a list of parts)")
         if content is not None and not isinstance(content, str | list):
             raise ValueError(f"messages[{i}].content: must be a string, a list of parts, or null")
         for j, part in enumerate(content if isinstance(content, list) else ()):
             _check_content_part(part, f"messages[{i}].content[{j}]")
-        if m.get("tool_calls") is not None and not isinstance(m.get("tool_calls"), list):
-            raise ValueError(f"messages[{i}].tool_calls: must be a list")
+        for key in _STRING_FIELDS:
+            if m.get(key) is not None and not isinstance(m.get(key), str):
+                raise ValueError(f"messages[{i}].{key}: must be a string")
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant":
+                raise ValueError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+            if not isinstance(tool_calls, list):
+                raise ValueError(f"messages[{i}].tool_calls: must be a list")
+            for j, call in enumerate(tool_calls):
+                if isinstance(call, Mapping) and call.get("id") is not None and not isinstance(call["id"], str):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}].id: must be a string")
+            try:
+                from_openai_tool_calls(tool_calls)
+            except ValueError as e:
+                raise ValueError(f"messages[{i}].{e}") from None
 
 
 def _check_content_part(part: Any, where: str) -> None:

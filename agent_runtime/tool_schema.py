@@ -103,6 +103,8 @@ def validate_tool_schema(schema: Mapping[str, Any]) -> None:
     desc = fn.get("description", "")
     if not isinstance(desc, str):
         raise ValueError("function.description: must be a string")
+    if fn.get("strict") is not None and not isinstance(fn.get("strict"), bool):
+        raise ValueError("function.strict: must be a boolean")
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, Mapping):
         raise ValueError("function.parameters: must be an object")

@@ -35,6 +35,13 @@ logger = logging.getLogger(__name__)
 FAILED = -1
 #: The error of a row with nothing to draw (no logit above ``-inf``, NaNs aside).
 NON_FINITE = "sampling failed: every token has a non-finite logit"
+#: The error of such a row of a request whose constraints mask tokens: they exclude every one
+#: (``allowed_token_ids`` outside a grammar's choices, ``min_tokens`` where a grammar allows
+#: only the end): the request's fault, not the model's.
+NOTHING_ALLOWED = (
+    "sampling failed: the request's constraints allow no token here (allowed_token_ids, the "
+    "structured output or tool-call grammar, min_tokens and bad_words exclude every token)"
+)
 
 
 class MinTokensMask:
@@ -207,6 +214,9 @@ class Sampler:
         self._prompts: dict[str, torch.Tensor] = {}
         self.failures: dict[str, str] = {}
         self.logprobs: dict[str, TokenLogprob] = {}
+        #: requests whose rows were masked or rewritten by their processors (until forgotten):
+        #: a row of theirs with nothing to draw fails with :data:`NOTHING_ALLOWED`
+        self._constrained: set[str] = set()
 
     @staticmethod
     def on_device(params: SamplingParams) -> bool:
@@ -222,6 +232,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self._constrained.discard(request_id)
 
     def _prompt_ids(self, request_id: str, prompt: list[int], logits: torch.Tensor) -> torch.Tensor:
         """A request's distinct prompt ids on the logits' device, built at its first draw with
@@ -290,13 +301,17 @@ class Sampler:
         """
         model_logits = logits
         logits = self._penalized(logits, request_ids, params, outputs, prompts, pending)
+        masked_out = None
         if keep is not None:
             # NOTE: the model's logits stay as they are: log probabilities read them
             logits = apply_keep(logits.clone() if logits is model_logits else logits, *keep)
+            self._constrained.update(request_ids[i] for i in keep[0])
+            # NOTE: argmax of a row masked whole would pick token 0: such rows fail instead
+            masked_out = torch.isneginf(logits.amax(dim=-1))
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if not rand:
-            # NOTE: argmax cannot fail: no marks to compute or copy back
-            return SampledRows(logits.argmax(dim=-1), None)
+            # NOTE: argmax cannot fail otherwise: no marks to compute or copy back
+            return SampledRows(logits.argmax(dim=-1), masked_out)
         settings = RowSettings(
             [params[i] for i in rand], [self.row_seed(request_ids[i], params[i]) for i in rand], [draws[i] for i in rand]
         )
@@ -305,6 +320,8 @@ class Sampler:
         index = torch.tensor(rand, dtype=torch.int64).to(logits.device, non_blocking=True)
         drawn = sample_rows(logits.index_select(0, index), settings)
         failed = torch.zeros(len(params), dtype=torch.bool, device=logits.device).index_copy(0, index, drawn.failed)
+        if masked_out is not None:
+            failed |= masked_out
         return SampledRows(logits.argmax(dim=-1).index_copy(0, index, drawn.tokens), failed)
 
     def _penalized(
@@ -421,7 +438,7 @@ class Sampler:
         out: dict[str, int] = {}
         for rid, token, bad in zip(request_ids, drawn_tokens, failed, strict=True):
             if bad:
-                self.failures[rid] = NON_FINITE
+                self.failures[rid] = NOTHING_ALLOWED if rid in self._constrained else NON_FINITE
             else:
                 out[rid] = token
         return out
@@ -466,7 +483,11 @@ class Sampler:
             except Exception as exc:  # noqa: BLE001 - the row's request fails, not the batch
                 self.record_failure(request_ids[i], exc)
                 continue
+            self._constrained.add(request_ids[i])
             if p.greedy:
+                if bool(torch.isneginf(row.max())):
+                    self.failures[request_ids[i]] = NOTHING_ALLOWED  # argmax would pick token 0
+                    continue
                 tokens[i] = int(row.argmax())
             else:
                 rand.append(i)

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import MAX_STOP_STRINGS, ContextLengthError
+from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
 from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.metrics import ServerMetrics
@@ -54,8 +55,8 @@ from agent_runtime.thinking_budget import anthropic_thinking_budget
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
 
-PATH = "/v1/messages"
-COUNT_PATH = "/v1/messages/count_tokens"
+PATH = MESSAGES_PATH
+COUNT_PATH = MESSAGES_COUNT_PATH
 #: Anthropic's error type for each status (its ``error.type``).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

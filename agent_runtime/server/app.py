@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.runtime import AgentRuntime
@@ -55,6 +56,23 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     if anthropic_messages.is_messages_path(request.url.path):
         return anthropic_messages.error_response(exc)
     return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (no such route: 404, a route without this method: 405) in the
+    error body of the route's API, as OpenAI answers an unknown URL."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+        message = f"Method not allowed ({request.method} {request.url.path})"
+    else:
+        message = str(exc.detail)
+    error = APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
+    response = (anthropic_messages.error_response(error) if anthropic_messages.is_messages_path(request.url.path)
+                else error.response())
+    response.headers.update(exc.headers or {})  # 405's Allow
+    return response
 
 
 def create_app(
@@ -103,6 +121,7 @@ def create_app(
     app = FastAPI(title="AsymCache OpenAI-compatible server", lifespan=_lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/health", serving.health, methods=["GET"])
     # vLLM's (SageMaker's liveness route): the health check under another name
     app.add_api_route("/ping", serving.health, methods=["GET", "POST"])

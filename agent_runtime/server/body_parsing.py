@@ -218,8 +218,9 @@ def lift_vllm_xargs(data: Any, hints: Sequence[str] = _XARGS_HINTS) -> Any:
         The body, lifted (unchanged when it carries none of them).
 
     Raises:
-        ValueError: ``vllm_xargs.pin_ttl_s`` (an explicit TTL, not served here), or an
-            ``is_last_step`` that is no truth value.
+        ValueError: ``vllm_xargs.pin_ttl_s`` (an explicit TTL, not served here), an
+            ``is_last_step`` that is no truth value, or a ``job_id`` neither a string nor an
+            integer.
     """
     if not isinstance(data, Mapping):
         return data
@@ -234,10 +235,13 @@ def lift_vllm_xargs(data: Any, hints: Sequence[str] = _XARGS_HINTS) -> Any:
         if "is_last_step" in lifted:
             flag = lifted["is_last_step"]
             flag = flag.strip().lower() if isinstance(flag, str) else flag
-            if flag not in _XARGS_TRUE and flag not in _XARGS_FALSE:
+            # NOTE: the type first: a list or an object cannot be looked up in the sets.
+            if not isinstance(flag, str | int | float) or (flag not in _XARGS_TRUE and flag not in _XARGS_FALSE):
                 raise ValueError(f"vllm_xargs.is_last_step: 1/0 or true/false, got {lifted['is_last_step']!r}")
             lifted["is_last_step"] = flag in _XARGS_TRUE
         if "job_id" in lifted and not isinstance(lifted["job_id"], str):
+            if isinstance(lifted["job_id"], bool) or not isinstance(lifted["job_id"], int):
+                raise ValueError(f"vllm_xargs.job_id: a string or an integer, got {lifted['job_id']!r}")
             lifted["job_id"] = str(lifted["job_id"])
     if "job_id" in hints and data.get("job_id") is None and "job_id" not in lifted \
             and isinstance(data.get("session_id"), str) and data["session_id"]:

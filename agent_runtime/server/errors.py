@@ -6,6 +6,7 @@ import json
 
 from fastapi.responses import JSONResponse
 
+from agent_runtime.engine_client import RequestConstraintsUnsatisfiable
 from agent_runtime.protocol import RequestError
 from agent_runtime.server.responses import ErrorInfo, ErrorResponse
 
@@ -83,6 +84,22 @@ def from_value_error(exc: ValueError, prompt_param: str) -> APIError:
     return APIError(400, text, param=param, code=code)
 
 
+def failed_request_error(exc: BaseException) -> APIError:
+    """The API error of a request that failed while it ran: a 400 where its own constraints
+    allow no token (:class:`~agent_runtime.engine_client.RequestConstraintsUnsatisfiable`),
+    else a 500.
+
+    Args:
+        exc: what ended the request.
+
+    Returns:
+        The API error.
+    """
+    if isinstance(exc, RequestConstraintsUnsatisfiable):
+        return APIError(400, str(exc), code="constraints_unsatisfiable")
+    return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="request_failed")
+
+
 def stream_error_frame(exc: BaseException) -> str:
     """The SSE frame that tells a streaming client its request failed (``[DONE]`` follows).
 
@@ -92,8 +109,8 @@ def stream_error_frame(exc: BaseException) -> str:
     Returns:
         ``data: {"error": {...}}`` with a blank line.
     """
-    err = APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="request_failed")
+    err = failed_request_error(exc)
     return f"data: {json.dumps(err.body().model_dump(), ensure_ascii=False)}\n\n"
 
 
-__all__ = ["APIError", "from_value_error", "stream_error_frame"]
+__all__ = ["APIError", "failed_request_error", "from_value_error", "stream_error_frame"]

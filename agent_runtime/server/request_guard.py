@@ -8,14 +8,15 @@ it, which makes uvicorn drop the keep-alive connection without ``Connection: clo
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from agent_runtime.engine_client import RequestConstraintsUnsatisfiable
 from agent_runtime.server import anthropic_messages
-from agent_runtime.server.errors import APIError
+from agent_runtime.server.auth import authorized
+from agent_runtime.server.errors import APIError, failed_request_error
 from agent_runtime.server.requests import MAX_BATCH_SEQUENCES, MAX_CHOICES
 from agent_runtime.server.state import AppState
 from asymcache_core.errors import EngineDeadError
@@ -35,22 +36,6 @@ DEFAULT_MAX_QUEUE_LEN = 256
 #: The only route that answers without the API key (load balancers probe it).
 OPEN_PATHS = frozenset({"/health"})
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
-
-
-def key_matches(header: bytes | None, api_key: str) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <api_key>`` (constant time).
-
-    Compared as bytes, so a header that is not ASCII is a mismatch, not an error.
-
-    Args:
-        header: the raw header value, if any.
-        api_key: the server's key.
-
-    Returns:
-        True on a match.
-    """
-    scheme, _, token = (header or b"").partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode("utf-8"))
 
 
 class RequestGuard:
@@ -80,15 +65,6 @@ class RequestGuard:
         # NOTE: one request is always let in, however many choices it asks for
         return self.in_flight > 0 and self.in_flight + weight > running + self.max_queue_len
 
-    @staticmethod
-    def _authorized(path: str, headers: Mapping[bytes, bytes], key: str) -> bool:
-        """``Authorization: Bearer <key>``, or on Anthropic's routes its ``x-api-key: <key>``."""
-        if key_matches(headers.get(b"authorization"), key):
-            return True
-        sent = headers.get(b"x-api-key")
-        return (anthropic_messages.is_messages_path(path) and sent is not None
-                and hmac.compare_digest(sent, key.encode("utf-8")))
-
     async def _reject(self, send: Send, path: str, error: APIError, close: bool = False,
                       headers: dict[str, str] | None = None) -> None:
         self.state.metrics.count(path, error.status)
@@ -111,7 +87,7 @@ class RequestGuard:
         path: str = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
         key = self.state.api_key
-        if key is not None and path not in OPEN_PATHS and not self._authorized(path, headers, key):
+        if key is not None and path not in OPEN_PATHS and not authorized(path, headers, key):
             await self._reject(send, path, APIError(
                 401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key"))
             return
@@ -169,6 +145,9 @@ class RequestGuard:
             if not started:
                 await self._reject(send, path, APIError(
                     503, f"The engine is not running: {exc}", type="server_error", code="engine_unavailable"))
+        except RequestConstraintsUnsatisfiable as exc:
+            if not started:
+                await self._reject(send, path, failed_request_error(exc))
         except Exception as exc:  # noqa: BLE001 - one request's bug must not cost the connection
             logger.exception("request to %s failed", path)
             if not started:
@@ -194,4 +173,4 @@ def _choices(body: bytes) -> int:
     return min(n * batch, MAX_BATCH_SEQUENCES)
 
 
-__all__ = ["COMPLETION_PATHS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE_LEN", "OPEN_PATHS", "RequestGuard", "key_matches"]
+__all__ = ["COMPLETION_PATHS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE_LEN", "OPEN_PATHS", "RequestGuard"]

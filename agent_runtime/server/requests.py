@@ -95,6 +95,8 @@ class _GenerationRequest(BaseModel):
         return lift_guided_fields(lift_vllm_xargs(data))
 
     model: StrictStr | None = None
+    #: OpenAI's end-user id: not used here, but one of another type is a client's error
+    user: StrictStr | None = None
     max_tokens: PositiveInt | None = None
     n: StrictInt | None = 1
     temperature: Temperature | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from fastapi import Request
 
 from agent_runtime.presets import ServingPreset
 from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server.auth import authorized
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
@@ -152,7 +152,8 @@ class AppState:
         return rt
 
     def check_auth(self, request: Request) -> None:
-        """Require ``Authorization: Bearer <api_key>`` when a key is set.
+        """Require the API key when one is set: ``Authorization: Bearer <api_key>``, or
+        ``x-api-key`` on Anthropic's routes (:func:`~agent_runtime.server.auth.authorized`).
 
         Args:
             request: the request.
@@ -162,10 +163,8 @@ class AppState:
         """
         if self.api_key is None:
             return
-        # NOTE: bytes, so that a non-ASCII header is a mismatch rather than a TypeError.
-        header = request.headers.get("authorization", "").encode("latin-1", "replace")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key.encode("utf-8")):
+        headers = {name.lower(): value for name, value in request.scope.get("headers", ())}
+        if not authorized(request.url.path, headers, self.api_key):
             raise APIError(401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key")
 
     def check_model(self, model: Any) -> None:

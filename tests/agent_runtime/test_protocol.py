@@ -157,10 +157,22 @@ def test_parse_json_body():
 
 def test_conversation_validators():
     validate_messages(USER)
+    validate_messages([*USER, {"role": "assistant", "content": None, "tool_calls": [  # an empty turn that calls a tool
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "ok"}])
     for bad, prefix in (([], "messages:"), ("hi", "messages:"), ([1], "messages[0]:"),
                         ([{"role": "robot"}], "messages[0].role:"),
                         ([{"role": "user", "content": 3}], "messages[0].content:"),
-                        ([{"role": "assistant", "tool_calls": {}}], "messages[0].tool_calls:")):
+                        ([{"role": "assistant", "tool_calls": {}}], "messages[0].tool_calls:"),
+                        ([*USER, {"role": "user", "content": None}], "messages[1].content: a user message needs"),
+                        ([{"role": "tool", "tool_call_id": 5, "content": "x"}], "messages[0].tool_call_id: must be a string"),
+                        ([{"role": "user", "name": 5, "content": "x"}], "messages[0].name:"),
+                        ([{"role": "assistant", "content": "x", "reasoning_content": 5}], "messages[0].reasoning_content:"),
+                        ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls: only an assistant"),
+                        ([*USER, {"role": "assistant", "content": None, "tool_calls": [{"id": 5, "function": {
+                            "name": "f", "arguments": "{}"}}]}], "messages[1].tool_calls[0].id: must be a string"),
+                        ([*USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {
+                            "name": "f", "arguments": "{oops"}}]}], "messages[1].tool_calls[0].function.arguments: invalid JSON")):
         with pytest.raises(ValueError) as info:
             validate_messages(bad)
         assert str(info.value).startswith(prefix), bad

@@ -367,6 +367,16 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("bad include_usage", chat, {"model": MODEL, "messages": user, "stream": True,
                                      "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage", None),
         ("message not an object", chat, {"model": MODEL, "messages": [user[0], "hi"]}, 400, "messages[1]", None),
+        ("null user content", chat, {"model": MODEL, "messages": [{"role": "user", "content": None}]},
+         400, "messages[0].content", None),
+        ("tool_call_id not a string", chat, {"model": MODEL, "messages": [
+            *user, {"role": "tool", "tool_call_id": 5, "content": "x"}]}, 400, "messages[1].tool_call_id", None),
+        ("bad tool call in history", chat, {"model": MODEL, "messages": [*user, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+         400, "messages[1].tool_calls[0].function.arguments", None),
+        ("user not a string", chat, {"model": MODEL, "messages": user, "user": 5}, 400, "user", None),
+        ("tool strict not a boolean", chat, {"model": MODEL, "messages": user, "tools": [
+            {"type": "function", "function": {"name": "f", "strict": "x"}}]}, 400, "tools[0].function.strict", None),
         ("tools not a list", chat, {"model": MODEL, "messages": user, "tools": TOOLS[0]}, 400, "tools", None),
         ("mixed prompt batch", "/v1/completions", {"model": MODEL, "prompt": ["a", [1, 2]]}, 400, "prompt", None),
         ("empty prompt in a batch", "/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt[1]", None),

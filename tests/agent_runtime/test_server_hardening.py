@@ -18,7 +18,8 @@ import uvicorn
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
-from agent_runtime.server.request_guard import RequestGuard, key_matches
+from agent_runtime.server.auth import key_matches
+from agent_runtime.server.request_guard import RequestGuard
 from agent_runtime.server.state import AppState
 from asymcache_core.batched_sampling import SampledRows
 from asymcache_core.sampler import NON_FINITE

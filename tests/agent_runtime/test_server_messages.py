@@ -145,7 +145,18 @@ def test_anthropic_errors_keys_and_models(smollm):
         with serving(create_app(runtime, MODEL, "sekret")) as base:
             client = anthropic.Anthropic(base_url=base, api_key="sekret", max_retries=0, timeout=60)
             ok = client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
-            assert ok.usage.output_tokens == 2  # x-api-key accepted
+            assert ok.usage.output_tokens == 2
+            # Anthropic's own header alone, as Claude Code sends it (this SDK sends a Bearer too)
+            only_x = {"x-api-key": "sekret", "anthropic-version": "2023-06-01"}
+            r = httpx.post(f"{base}/v1/messages", headers=only_x, timeout=60, json={
+                "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2, r.text
+            r = httpx.post(f"{base}/v1/messages/count_tokens", headers=only_x, timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+            r = httpx.post(f"{base}/v1/messages", headers={"x-api-key": "wrong"}, timeout=60, json={
+                "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             with pytest.raises(anthropic.AuthenticationError) as bad_key:
                 anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
                     model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])

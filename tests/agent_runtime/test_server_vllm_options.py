@@ -200,9 +200,14 @@ def test_job_hints_in_vllm_xargs_as_the_plugin_reads_them(live):  # noqa: F811
     _post(live, "/v1/completions", {**body, "vllm_xargs": {"job_id": 42}, "tool_name": "ls"})
     assert decisions()[-1].job_id == "42"
     for xargs, param in (({"job_id": "j", "is_last_step": "maybe"}, "vllm_xargs.is_last_step"),
+                         ({"job_id": "j", "is_last_step": [1]}, "vllm_xargs.is_last_step"),
+                         ({"job_id": "j", "is_last_step": {"a": 1}}, "vllm_xargs.is_last_step"),
+                         ({"job_id": {"a": 1}}, "vllm_xargs.job_id"),
+                         ({"job_id": True}, "vllm_xargs.job_id"),
                          ({"job_id": "j", "pin_ttl_s": 30}, "vllm_xargs.pin_ttl_s")):
-        r = _post(live, "/v1/completions", {**body, "vllm_xargs": xargs})
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        for path, fields in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            r = _post(live, path, {**body, **fields, "vllm_xargs": xargs})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     chat = _post(live, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                                 "max_tokens": 2, "vllm_xargs": {"job_id": "cj", "is_last_step": 1}})
     assert chat.status_code == 200, chat.text
@@ -313,4 +318,35 @@ def test_reset_prefix_cache_drops_what_no_request_holds(live):  # noqa: F811
         bad = httpx.post(f"{live.base}/reset_prefix_cache?{query}", timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
     assert httpx.get(f"{live.base}/reset_prefix_cache", timeout=30).status_code == 405
+    live.check()
+
+
+def test_unknown_routes_and_methods_answer_in_the_apis_error_body(live):  # noqa: F811
+    for method, path, status in (("POST", "/v1/chat/completion", 404), ("GET", "/v2/models", 404),
+                                 ("GET", "/v1/chat/completions", 405), ("POST", "/health", 405)):
+        r = httpx.request(method, f"{live.base}{path}", timeout=30)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and path in error["message"], r.text
+    assert "POST" in httpx.get(f"{live.base}/v1/chat/completions", timeout=30).headers["allow"]
+    r = httpx.get(f"{live.base}/v1/messages", timeout=30)  # Anthropic's route: Anthropic's body
+    assert r.status_code == 405 and r.json()["type"] == "error", r.text
+    live.check()
+
+
+def test_constraints_that_allow_no_token_are_a_400_not_token_0(live):  # noqa: F811
+    """allowed_token_ids holding only the end of text, which min_tokens forbids: once a 200
+    with token 0 repeated; now the request fails alone, a 400 (an error event when streamed),
+    and the engine keeps nothing of it."""
+    eos = live.engine(lambda e: e.tokenizer.eos_token_id)
+    body = {"model": MODEL, "prompt": "Say yes or no:", "max_tokens": 4, "allowed_token_ids": [eos], "min_tokens": 3}
+    for path, fields in (("/v1/completions", {}),
+                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "yes or no?"}]})):
+        r = _post(live, path, {**body, **fields})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "constraints_unsatisfiable", r.text
+        events = _sse(live, path, {**body, **fields})
+        assert events[-1]["error"]["code"] == "constraints_unsatisfiable", events
+        assert not any(0 in (c.get("token_ids") or []) for e in events for c in e.get("choices", []))
     live.check()

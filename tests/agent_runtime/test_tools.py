@@ -78,6 +78,7 @@ def test_explicit_args_model_and_name() -> None:
         (lambda s: s.update(type="tool"), "type"),
         (lambda s: s["function"].update(name="bad name!"), "function.name"),
         (lambda s: s["function"].update(description=3), "function.description"),
+        (lambda s: s["function"].update(strict="x"), "function.strict"),
         (lambda s: s["function"].update(parameters={"type": "array"}), "function.parameters.type"),
         (
             lambda s: s["function"]["parameters"]["properties"].update(x={"type": "strin"}),

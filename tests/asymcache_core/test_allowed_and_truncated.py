@@ -86,3 +86,39 @@ def test_bad_words_are_never_generated(smollm):
     with pytest.raises(ValueError, match="^bad_words:"):
         SamplingParams(bad_words=("ok", "  "))
     engine.check_integrity()
+
+
+def _mask_all(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """A processor that rewrites the row (so it runs on the host) and leaves nothing."""
+    return torch.full_like(logits, float("-inf"))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("constraint", ["allowed-vs-min-tokens", "processor"])
+def test_constraints_that_allow_no_token_fail_their_request_alone(smollm, async_scheduling, temperature, constraint):
+    """Greedy picked token 0 from a row masked whole (argmax of -inf everywhere), against every
+    constraint the request stated: such a row fails its request with NOTHING_ALLOWED, at
+    random as greedy, and the request beside it runs as it runs alone."""
+    from asymcache_core.sampler import NOTHING_ALLOWED
+
+    engine = make_engine(smollm, num_kv_blocks=64, async_scheduling=async_scheduling)
+    eos = smollm.tokenizer.eos_token_id
+    common = {"max_tokens": 6, "temperature": temperature, "seed": 3}
+    if constraint == "processor":
+        bad = SamplingParams(**common, logits_processors=(_mask_all,))
+    else:  # the one allowed token ends the request, which min_tokens forbids
+        bad = SamplingParams(**common, allowed_token_ids=(eos,), min_tokens=3)
+    good = SamplingParams(**common, ignore_eos=True)
+    (alone,) = engine.generate([PROMPT[::-1]], good)
+    ids = [engine.add_request(PROMPT, bad), engine.add_request(PROMPT[::-1], good)]
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert 0 not in out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    failed, ran = finals[ids[0]], finals[ids[1]]
+    assert failed.error == NOTHING_ALLOWED and failed.token_ids == []
+    assert ran.error is None and ran.token_ids == alone.token_ids
+    engine.check_integrity()

@@ -1,0 +1,48 @@
+"""The server's API key: which headers carry it on which routes (one rule for the request
+guard in front of the app and the handlers' own check)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+
+#: Anthropic's Messages routes: their clients send the key as ``x-api-key``.
+MESSAGES_PATH = "/v1/messages"
+MESSAGES_COUNT_PATH = "/v1/messages/count_tokens"
+
+
+def key_matches(header: bytes | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <api_key>`` (constant time).
+
+    Compared as bytes, so a header that is not ASCII is a mismatch, not an error.
+
+    Args:
+        header: the raw header value, if any.
+        api_key: the server's key.
+
+    Returns:
+        True on a match.
+    """
+    scheme, _, token = (header or b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode("utf-8"))
+
+
+def authorized(path: str, headers: Mapping[bytes, bytes], api_key: str) -> bool:
+    """``Authorization: Bearer <key>``, or on Anthropic's routes its ``x-api-key: <key>``.
+
+    Args:
+        path: the request's path.
+        headers: its headers, lower-case names to raw values.
+        api_key: the server's key.
+
+    Returns:
+        True when the request carries the key.
+    """
+    if key_matches(headers.get(b"authorization"), api_key):
+        return True
+    sent = headers.get(b"x-api-key")
+    return (path in (MESSAGES_PATH, MESSAGES_COUNT_PATH) and sent is not None
+            and hmac.compare_digest(sent, api_key.encode("utf-8")))
+
+
+__all__ = ["MESSAGES_COUNT_PATH", "MESSAGES_PATH", "authorized", "key_matches"]
