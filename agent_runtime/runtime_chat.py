@@ -153,8 +153,10 @@ class ChatTurns:
             ValueError: neither or both of ``prompt`` and ``messages``, bad messages or tools,
                 a model without a tokenizer, or a text too long for ``max_model_len``.
         """
-        if (prompt is None) == (messages is None):
-            raise ValueError("prompt: give a prompt or messages, not both")
+        if prompt is None and messages is None:
+            raise ValueError("prompt: give a prompt or messages")
+        if prompt is not None and messages is not None:
+            raise ValueError("messages: give a prompt or messages, not both")
         encoder = self._client.encoder
         if messages is not None:
             rendered = self.render_chat(

@@ -40,7 +40,7 @@ ENGINE_FIELDS: tuple[str, ...] = (
     "model", "device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
     "latency_profile", "tpot_slo_ms", "ttft_slo_ms", "attention_backend", "batch_invariant", "enforce_eager",
     "mixed_graph_max_tokens", "seed", "gpu_memory_utilization", "device_memory_gib", "cpu_offload_gb",
-    "num_host_kv_blocks", "async_scheduling",
+    "num_host_kv_blocks", "async_scheduling", "jump_forward",
 )
 
 
@@ -90,6 +90,8 @@ class BenchConfig:
         enforce_eager: never capture CUDA graphs.
         async_scheduling: plan each step while the previous one runs (``None``: the engine's
             default, on for the real backend on one CUDA device).
+        jump_forward: append the tokens a request's grammar forces at once (``None``: the
+            engine's default, on).
         mixed_graph_max_tokens: largest step replayed as piecewise CUDA graphs.
         step_log: also write every engine step (``StepStats``, with the latency model's
             prediction) to ``steps/<variant>.jsonl`` in the run folder.
@@ -134,6 +136,7 @@ class BenchConfig:
     batch_invariant: bool | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
+    jump_forward: bool | None = None
     mixed_graph_max_tokens: int = 1024
     step_log: bool = False
     repeats: int = 1

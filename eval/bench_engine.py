@@ -14,8 +14,11 @@ range of the paired ratios: on a shared 2-core machine one run's figures swing b
 
 from __future__ import annotations
 
+import contextlib
+import io
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -145,6 +148,7 @@ def run(
         sampling: ``greedy``, or ``random`` (temperature 0.7, top-p 0.9 in both engines).
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from asymcache_core.loaders import load_model, packaged_smollm2_path
 
@@ -164,7 +168,19 @@ def run(
     loaded = load_model("smollm2-135m", torch.device("cpu"), torch.float32, seed)
     done()
     path = packaged_smollm2_path()
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    # NOTE: transformers draws its own bars while it reads the GGUF file (one of them a bare
+    # tqdm that no flag turns off); the command shows its progress itself, one line per task
+    # in a log, so in a log they are left out
+    quiet = not sys.stderr.isatty()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
     done()
     summaries: list[SpeedSummary] = []
     for batch in batches:

@@ -71,8 +71,8 @@ def bench(
     time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and arrivals."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
     kv_fraction: float = typer.Option(
-        None, help="Pool as a fraction of the whole workload's working set (ablations; default 0.5, at least the "
-        "largest job). With many jobs that pool may never fill: --num-kv-blocks puts it under pressure.",
+        None, help="Pool as a fraction of the whole workload's working set (ablations; default 0.5, raised to "
+        "hold the largest job; a fraction given that cannot hold it is an error). With many jobs that pool may never fill: --num-kv-blocks puts it under pressure.",
     ),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
     lossless_check: bool = typer.Option(
@@ -87,8 +87,8 @@ def bench(
         help="Draw the reports' PNG plots (about a second a run or sweep point; `asymcache report RUN_DIR` draws them later).",
     ),
     repeats: int = typer.Option(
-        1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report shows each mean as "
-        "[min, max] over the runs. The sim backend is deterministic, so there run r uses seed + r.",
+        1, min=1, help="Runs of each policy, in rounds (order rotated each round); the report shows each mean with "
+        "the least and the greatest of the runs. The sim backend is deterministic, so there run r uses seed + r.",
     ),
     *,
     engine_args: dict[str, Any],
@@ -221,7 +221,11 @@ def print_results_table(results: Any) -> None:
 
     run = results.run
     runs = max((len(r.runs) for r in results.policies.values()), default=0)
-    title = f"{run.workload} x {run.num_jobs} jobs, {run.backend}, {run.model}, pool {run.kv_blocks} blocks"
+    if run.backend == "http":
+        pool = ""  # NOTE: the server's pool, unknown here
+    else:
+        pool = f", pool {run.kv_blocks} blocks" if run.kv_blocks is not None else ", pool unbounded"
+    title = f"{run.workload} x {run.num_jobs} jobs, {run.backend}, {run.model}{pool}"
     if runs > 1:
         title += f", {runs} runs each (means: mean [min, max] over the runs)"
     table = Table(title=escape(title))

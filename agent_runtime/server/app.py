@@ -148,16 +148,42 @@ def create_app(
 
 
 #: What a chat message looks like, for the OpenAPI document (the runtime checks it in depth).
-_MESSAGE_SCHEMA: dict[str, Any] = {
+_TOOL_CALL_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["role"],
+    "required": ["function"],
     "properties": {
-        "role": {"enum": ["system", "user", "assistant", "tool"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-        "tool_calls": {"type": "array", "items": {"type": "object"}},
-        "tool_call_id": {"type": "string"},
-        "name": {"type": "string"},
+        "id": {"type": "string"},
+        "type": {"enum": ["function"]},
+        # NOTE: ``arguments`` is JSON text of an object, which a schema can only call a string
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}},
     },
+}
+#: A chat message as :func:`~agent_runtime.protocol.validate_messages` takes it: content is
+#: required but on an assistant turn, which alone makes tool calls.
+_MESSAGE_SCHEMA: dict[str, Any] = {
+    "oneOf": [
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"enum": ["system", "developer", "user", "tool"]},
+                "content": {"type": "string"},
+                "tool_call_id": {"type": "string"},
+                "name": {"type": "string"},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {"enum": ["assistant"]},
+                "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "tool_calls": {"type": "array", "items": _TOOL_CALL_SCHEMA},
+                "name": {"type": "string"},
+            },
+        },
+    ],
 }
 
 

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from asymcache_core.sampler import FAILED, AllowedTokensMask, BadWordsMask, MinTokensMask, Sampler
+from asymcache_core.sampler import (
+    FAILED,
+    NOTHING_ALLOWED,
+    AllowedTokensMask,
+    BadWordsMask,
+    MinTokensMask,
+    Sampler,
+)
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.token_masks import (
     all_words,
@@ -160,3 +167,27 @@ def test_single_token_finds_the_one_kept_token_or_none():
         assert single_token(keep_only([token], VOCAB)) == token
     for tokens in ([], [3, 5], [31, 32], [0, VOCAB - 1]):
         assert single_token(keep_only(tokens, VOCAB)) is None
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]),
+])
+def test_a_row_masked_whole_fails_greedy_or_random_on_either_path(device):
+    """argmax over a row of -inf picks token 0: a row whose masks leave nothing fails instead
+    (NOTHING_ALLOWED), on the device path and the host path, greedy and at random, alone."""
+    logits = (torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4)) * 3).to(device)
+    nothing = AllowedTokensMask((5,))
+    forbid_5 = MinTokensMask(8, frozenset({5}))  # the one allowed token is the one min_tokens bans
+    rows = [
+        SamplingParams(logits_processors=(nothing, forbid_5)),
+        SamplingParams(temperature=0.8, seed=1, logits_processors=(nothing, forbid_5)),
+        SamplingParams(logits_processors=(nothing,)),
+        SamplingParams(temperature=0.8, seed=2),
+    ]
+    host = [SamplingParams(**{**p.__dict__, "logits_processors": tuple(_HostOnly(q) for q in p.logits_processors)})
+            for p in rows]
+    for params in (rows, host):
+        sampler = Sampler(0)
+        got = sampler.sample(logits, ["a", "b", "c", "d"], params, [[], [], [], []])
+        assert got[:3] == [FAILED, FAILED, 5] and got[3] != FAILED
+        assert sampler.take_failures() == {"a": NOTHING_ALLOWED, "b": NOTHING_ALLOWED}

@@ -232,6 +232,21 @@ def test_serve_reads_a_vllm_config_file_and_the_key_from_the_environment(monkeyp
     assert result.exit_code == 0 and calls[-1].api_key == "given"
 
 
+def test_bench_takes_every_engine_flag_but_those_its_policies_and_workload_set():
+    """README: ``bench`` takes all the engine options but those its suffixes set, the pool's
+    fraction and the serving ones (``--jump-forward`` was once missing)."""
+    from asymcache_core.config import cli_flags
+    from eval.bench import ENGINE_FIELDS
+
+    set_by_suffixes = {"chunking", "admit_full_prompt", "least_work_first", "least_work_patience", "implicit_jobs"}
+    serving_only = {"tensor_parallel_size", "kv_events_config", "max_step_log"}
+    read_by_the_bench = {"num_kv_blocks", "max_model_len", "kv_memory_fraction"}
+    missing = set(cli_flags()) - set(ENGINE_FIELDS) - set_by_suffixes - serving_only - read_by_the_bench
+    assert not missing, f"bench lacks {sorted(missing)}"
+    help_text = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output
+    assert "--no-jump-forward" in help_text and "the least and the greatest of the runs" in help_text
+
+
 def test_bench_and_profile_show_vllm_names():
     bench = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
     assert bench.exit_code == 0

@@ -149,6 +149,13 @@ def test_cli_table_shows_intervals_and_warnings(capsys: pytest.CaptureFixture[st
     assert "10.10 s [9.80, 10.50]" in out and "8.17 s [8.00, 8.40]" in out
     assert "3 runs each (means: mean [min, max] over the runs)" in out
     assert "warning: the pool never filled: at most 847 of 4,582 blocks" in out
+    assert "pool 4582 blocks" in out
+    # an http run's pool is the server's: not "pool None blocks"
+    http = _results()
+    http = http.model_copy(update={"run": http.run.model_copy(update={"backend": "http", "kv_blocks": None})})
+    print_results_table(http)
+    out = capsys.readouterr().out
+    assert "pool" not in out.split("\n")[0] + out.split("\n")[1] and "None" not in out
 
 
 def test_sim_repeats_draw_fresh_workloads(tmp_path: Path) -> None:
