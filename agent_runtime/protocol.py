@@ -343,7 +343,7 @@ def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
         max_tokens=sampling.get("max_tokens", 256),
         temperature=sampling.get("temperature", 0.0),
         seed=sampling.get("seed"),
-        stop=tuple(sampling.get("stop", ())),
+        stop=sampling.get("stop", ()),  # one string is one stop string, as SamplingParams takes it
         logprobs=sampling.get("logprobs"),
     )
 

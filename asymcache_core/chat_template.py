@@ -30,8 +30,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jinja2
-
 from asymcache_core.chat_template_options import check_template_kwargs, check_template_source
 from asymcache_core.tool_parsing import from_openai_tool_calls, render_hermes_tool_calls
 
@@ -84,7 +82,7 @@ def detect_tools_support(tokenizer: Any, template: str | None = None) -> bool:
             tokenize=False,
             add_generation_prompt=True,
         )
-    except (ValueError, TypeError, jinja2.TemplateError):
+    except Exception:  # noqa: BLE001 - a template failing on the probe has no usable tool section
         return False
     return isinstance(text, str) and _PROBE_TOOL_NAME in text
 
@@ -403,9 +401,10 @@ class ChatRenderer:
                 continue_final_message=continue_final_message,
                 **variables,
             )
-        except (jinja2.TemplateError, TypeError, AttributeError, KeyError, IndexError) as e:
-            # NOTE: a template's ``raise_exception`` (roles out of order, a variable it refuses)
-            # or its operations on a caller's variable of another type: the chat's fault
+        except Exception as e:  # noqa: BLE001 - see the note
+            # NOTE: a template's ``raise_exception`` (roles out of order, a variable it refuses),
+            # its operations on a caller's variable of another type, or a request's own
+            # template dividing by zero, recursing or overflowing ``range``: the chat's fault
             raise ValueError(f"chat_template: the template failed on this chat: {e}") from None
 
 

@@ -20,7 +20,12 @@ from asymcache_core.async_steps import AsyncSteps, InFlight
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
 from asymcache_core.engine_blocking import BlockingCalls
-from asymcache_core.engine_checks import check_engine_integrity, truncated_prompt, validate_request
+from asymcache_core.engine_checks import (
+    check_engine_integrity,
+    check_request_fields,
+    truncated_prompt,
+    validate_request,
+)
 from asymcache_core.engine_jobs import JobControl
 from asymcache_core.engine_outputs import (
     attach_logprobs,
@@ -283,9 +288,11 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
             The request id.
 
         Raises:
-            ValueError: empty prompt, ids out of vocabulary, too long for ``max_model_len`` or
-                for the KV pool, or a duplicate request id.
+            ValueError: naming the argument: empty prompt, ids out of vocabulary, too long for
+                ``max_model_len`` or for the KV pool, a duplicate request id, or an argument of
+                the wrong type.
         """
+        check_request_fields(prompt, request_id, job_id, is_last_step, priority, continues_job)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
@@ -296,7 +303,10 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
         ids = truncated_prompt(self.encode(prompt), params, self.max_model_len)
         validate_request(ids, params, self.model_config.vocab_size, self.max_model_len, self.block_size, self.num_blocks)
         if request_id is None:
+            # NOTE: a caller's own id may have taken the next one: skip ids in use
             request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
         elif request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         now = self.clock()

@@ -3,6 +3,7 @@ engine's parts (:meth:`Engine.check_integrity <asymcache_core.engine.Engine.chec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,30 @@ def truncated_prompt(ids: list[int], params: SamplingParams, max_model_len: int)
     if keep is None:
         return ids
     return ids[-(max_model_len - 1 if keep == -1 else keep) :]
+
+
+def check_request_fields(
+    prompt: object, request_id: object, job_id: object, is_last_step: object, priority: object,
+    continues_job: object,
+) -> None:
+    """Rejects :meth:`Engine.add_request <asymcache_core.engine.Engine.add_request>`'s
+    arguments of the wrong type before anything is queued (a priority that is no number would
+    break the scheduler's sort of every later step, not this request alone).
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if not isinstance(prompt, str) and (
+        not isinstance(prompt, Sequence) or isinstance(prompt, bytes | bytearray)
+    ):
+        raise ValueError(f"prompt: a string or a list of token ids, got {type(prompt).__name__}")
+    for name, value in (("request_id", request_id), ("job_id", job_id), ("continues_job", continues_job)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{name}: a non-empty string or None, got {value!r}")
+    if not isinstance(is_last_step, bool):
+        raise ValueError(f"is_last_step: True or False, got {is_last_step!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int | float) or not math.isfinite(priority):
+        raise ValueError(f"priority: a finite number, got {priority!r}")
 
 
 def validate_request(
@@ -45,8 +70,9 @@ def validate_request(
     # NOTE: agent contexts run to ~100k ids a turn; the types, min and max are walked in C and
     # the Python scan that names the bad id runs only when one exists (a per-id generator was
     # ~5% of a simulated SWE run).
-    if not all(issubclass(kind, int) for kind in set(map(type, ids))) or min(ids) < 0 or max(ids) >= vocab_size:
-        bad = next(t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size)
+    kinds = set(map(type, ids))
+    if bool in kinds or not all(issubclass(kind, int) for kind in kinds) or min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size)
         raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
     for name, token_ids in (
         ("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),

@@ -4,6 +4,8 @@ requests that name none, and the sweep that keeps per-job state bounded (a mixin
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -56,6 +58,7 @@ class JobControl:
         idle engine owes. Either way, pins whose TTL has passed by now expire (inside
         :meth:`step` they expire at the start of every step).
         """
+        _check_seconds("when", when, allow_negative=True)
         if isinstance(self.clock, VirtualClock):
             self.clock.advance_to(when)
         self.pins.expire(self.clock())
@@ -92,7 +95,13 @@ class JobControl:
 
         Returns:
             Blocks pinned (0 when the pin was refused or nothing was cached).
+
+        Raises:
+            ValueError: a job id that is no non-empty string, or a TTL that is no finite
+                number of seconds >= 0 (an infinite one would never expire).
         """
+        _check_job_id(job_id)
+        _check_seconds("ttl_s", ttl_s)
         return self.pins.pin(job_id, ttl_s, self.clock())
 
     def unpin_job(self, job_id: str) -> bool:
@@ -139,14 +148,40 @@ class JobControl:
 
         Args:
             job_id: the job.
+
+        Raises:
+            ValueError: a job id that is no non-empty string.
         """
+        _check_job_id(job_id)
         if self.job_admission is not None:
             self.job_admission.end_job(job_id)
         self.pins.forget(job_id)
 
     def hint_job(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
-        """Passes the runtime's reuse hints (tool-pause estimate, job done) to the policies."""
+        """Passes the runtime's reuse hints (tool-pause estimate, job done) to the policies.
+
+        Raises:
+            ValueError: a job id that is no non-empty string, a gap that is no finite number of
+                seconds >= 0, or ``finished`` that is no boolean.
+        """
+        _check_job_id(job_id)
+        if expected_gap_s is not None:
+            _check_seconds("expected_gap_s", expected_gap_s)
+        if finished is not None and not isinstance(finished, bool):
+            raise ValueError(f"finished: True, False or None, got {finished!r}")
         self.continuum.hint(job_id, expected_gap_s, finished)
+
+
+def _check_job_id(job_id: object) -> None:
+    if not isinstance(job_id, str) or not job_id:
+        raise ValueError(f"job_id: a non-empty string, got {job_id!r}")
+
+
+def _check_seconds(name: str, value: object, *, allow_negative: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}: a finite number of seconds, got {value!r}")
+    if value < 0 and not allow_negative:
+        raise ValueError(f"{name}: must be >= 0, got {value!r}")
 
 
 __all__ = ["JOB_IDLE_S", "JOB_SWEEP_INTERVAL_S", "MAX_TRACKED_JOBS", "JobControl"]

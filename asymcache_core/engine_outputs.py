@@ -136,6 +136,8 @@ def generate_blocking(
 ) -> list[GenerationOutput]:
     """:meth:`Engine.generate <asymcache_core.engine.Engine.generate>`: queues every prompt
     (none if one is rejected), steps until all are finished, returns their outputs in order."""
+    if not isinstance(prompts, str | Sequence) or isinstance(prompts, bytes | bytearray):
+        raise ValueError(f"prompts: a prompt (a string or token ids) or a list of them, got {type(prompts).__name__}")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]  # type: ignore[list-item]
     prompts = list(prompts)  # type: ignore[arg-type]
@@ -145,19 +147,23 @@ def generate_blocking(
         params_list = list(params)
         if len(params_list) != len(prompts):
             raise ValueError("params: one SamplingParams per prompt, or a single one")
+    if job_ids is not None and (isinstance(job_ids, str) or len(job_ids) != len(prompts)):
+        raise ValueError(f"job_ids: one job id (or None) per prompt: {len(prompts)}")
     ids: list[str] = []
     prompt_ids: dict[str, list[int]] = {}
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             job_id = job_ids[i] if job_ids else None
-            encoded = engine.encode(prompt)  # type: ignore[arg-type]
-            rid = engine.add_request(encoded, p, job_id=job_id)
+            rid = engine.add_request(prompt, p, job_id=job_id)
             ids.append(rid)
             # NOTE: the request's own ids: ``truncate_prompt_tokens`` may have cut the encoded ones
             prompt_ids[rid] = engine.requests[rid].prompt_token_ids
-    except ValueError:
+    except Exception as exc:
+        # NOTE: none queued if one is rejected, whatever the error
         for rid in ids:
             engine.abort(rid, emit=False)
+        if isinstance(exc, ValueError) and len(prompts) > 1 and str(exc).startswith("prompt:"):
+            raise ValueError(f"prompts[{len(ids)}]: {str(exc).removeprefix('prompt: ')}") from None
         raise
     finals: dict[str, RequestOutput] = {}
     while len(finals) < len(ids):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -64,11 +64,23 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _items(name: str, value: Any) -> tuple[Any, ...]:
+    """A list field's items (``None``: none, as vLLM takes it), or a ``ValueError`` naming it."""
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise ValueError(f"{name}: must be a list, got {value!r}")
+    return tuple(value)
+
+
 def _real(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
     """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name}: must be a number, got {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past a float's range
+        v = math.inf
     if not math.isfinite(v):
         raise ValueError(f"{name}: must be finite, got {value!r}")
     if v < lo or v > hi or (lo_open and v == lo):
@@ -175,25 +187,28 @@ class SamplingParams:
         )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
-        stop_ids = tuple(self.stop_token_ids)
+        stop_ids = _items("stop_token_ids", self.stop_token_ids)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids: must be up to {MAX_STOP_TOKEN_IDS} non-negative integers")
         object.__setattr__(self, "stop_token_ids", stop_ids)
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stop = (self.stop,) if isinstance(self.stop, str) else _items("stop", self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop: stop strings must be non-empty")
         if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        processors = _items("logits_processors", self.logits_processors)
+        if any(not callable(p) for p in processors):
+            raise ValueError("logits_processors: each must be callable as (output_token_ids, logits) -> logits")
+        object.__setattr__(self, "logits_processors", processors)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens: must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output: must be a boolean, got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
-        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else _items("bad_words", self.bad_words)
         if len(words) > MAX_STOP_STRINGS or any(
             not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_CHARS for w in words
         ):
@@ -204,7 +219,11 @@ class SamplingParams:
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens: must be a boolean, got {self.skip_special_tokens!r}")
         if self.allowed_token_ids is not None:
-            allowed = tuple(self.allowed_token_ids) if not isinstance(self.allowed_token_ids, str | bytes) else ()
+            allowed = (
+                tuple(self.allowed_token_ids)
+                if isinstance(self.allowed_token_ids, Iterable) and not isinstance(self.allowed_token_ids, str | bytes)
+                else ()
+            )
             if not allowed or len(allowed) > MAX_ALLOWED_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in allowed):
                 raise ValueError(
                     f"allowed_token_ids: must be 1 to {MAX_ALLOWED_TOKEN_IDS} non-negative token ids, or None"

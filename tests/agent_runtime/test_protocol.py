@@ -243,5 +243,10 @@ def test_chat_sampling_params_defaults_and_unknown_keys():
     assert (params.max_tokens, params.temperature, params.seed, params.stop) == (256, 0.0, None, ())
     params = chat_sampling_params({"max_tokens": 3, "stop": ["x"], "seed": 1})
     assert (params.max_tokens, params.stop, params.seed) == (3, ("x",), 1)
+    # one string is one stop string (it was split into its characters: "xe" stopped at "x")
+    assert chat_sampling_params({"stop": "xe"}).stop == ("xe",)
+    assert chat_sampling_params({"stop": None}).stop == ()
+    with pytest.raises(ValueError, match="^stop: "):
+        chat_sampling_params({"stop": 5})
     with pytest.raises(TypeError, match="'top_p'"):
         chat_sampling_params({"top_p": 0.5})  # type: ignore[typeddict-unknown-key]

@@ -184,6 +184,67 @@ def test_a_bad_prompt_id_is_named_in_the_error(prompt, bad):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": None}, "^prompt: a string or a list of token ids"),
+        ({"prompt": b"ab"}, "^prompt: a string or a list of token ids"),
+        ({"prompt": [True, False]}, "^prompt: token id True is outside"),
+        ({"priority": "high"}, "^priority: a finite number"),
+        ({"priority": None}, "^priority: a finite number"),
+        ({"priority": float("nan")}, "^priority: a finite number"),
+        ({"request_id": ["r"]}, "^request_id: a non-empty string"),
+        ({"job_id": 5}, "^job_id: a non-empty string"),
+        ({"job_id": ""}, "^job_id: a non-empty string"),
+        ({"continues_job": 5}, "^continues_job: a non-empty string"),
+        ({"is_last_step": "no"}, "^is_last_step: True or False"),
+    ],
+)
+def test_add_request_arguments_of_the_wrong_type_are_value_errors(kwargs, message):
+    """A priority that is no number once queued and broke every later step's sort (a
+    TypeError for every request); the others slipped through or raised deep inside."""
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, block_size=4))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(**{"prompt": [4, 5, 6], "params": SamplingParams(max_tokens=2), **kwargs})
+    engine.add_request([7, 8, 9], SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
+def test_engine_ids_skip_a_callers_id_they_would_repeat():
+    """A caller's ``req-1`` and the engine's next id once collided: the second overwrote the
+    first, which stayed running with its block and every later step raised a KeyError."""
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, block_size=4))
+    ids = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="req-1"),
+           engine.add_request([4, 5, 6], SamplingParams(max_tokens=2)),
+           engine.add_request([7, 8, 9], SamplingParams(max_tokens=2))]
+    assert len(set(ids)) == 3 and ids[0] == "req-1"
+    finished = set()
+    while engine.has_unfinished():
+        finished |= {out.request_id for out in engine.step() if out.finished}
+    assert finished == set(ids)
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([[1, 2], [3, 4]], None, ["a"]), r"^job_ids: one job id \(or None\) per prompt"),
+        (([[1, 2], None],), r"^prompts\[1\]: a string or a list of token ids"),
+        ((None,), "^prompts: a prompt"),
+        ((5,), "^prompts: a prompt"),
+    ],
+)
+def test_generate_rejects_a_bad_batch_and_queues_none_of_it(args, message):
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, block_size=4))
+    with pytest.raises(ValueError, match=message):
+        engine.generate(*args)
+    assert not engine.has_unfinished() and engine.step() == []
+    engine.check_integrity()
+
+
 def test_a_rejected_batch_leaves_no_request_and_no_output_behind():
     # generate() queues nothing of a batch with a bad prompt: the prompts before it are
     # aborted without an output of their own (the caller gets the ValueError instead)
@@ -205,6 +266,19 @@ def test_bad_sampling_params():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+    # once TypeErrors and OverflowErrors from deep inside, or accepted and failing at a step
+    for kwargs, field in (({"stop": 5}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids"),
+                          ({"bad_words": 5}, "bad_words"), ({"allowed_token_ids": 5}, "allowed_token_ids"),
+                          ({"logits_processors": 5}, "logits_processors"),
+                          ({"logits_processors": [5]}, "logits_processors"),
+                          ({"temperature": 10**400}, "temperature"), ({"top_p": 10**400}, "top_p"),
+                          ({"logit_bias": {"1": 10**400}}, r"logit_bias\[1\]")):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            SamplingParams(**kwargs)
+    # None is no items, as vLLM takes it; one string is one stop string
+    none = SamplingParams(stop=None, stop_token_ids=None, bad_words=None, logits_processors=None)
+    assert none.stop == () and none.stop_token_ids == () and none.bad_words == () and none.logits_processors == ()
+    assert SamplingParams(stop="xe").stop == ("xe",)
 
 
 @pytest.mark.parametrize(
@@ -383,6 +457,13 @@ def test_chat_renders_conversations_as_vllms_llm_chat(smollm):
         ([{"role": "user", "content": "a"}], {"chat_template": "{{ raise_exception('no system turns') }}"},
          r"^messages\[0\]: chat_template: the template failed on this chat: no system turns"),
         ([{"role": "user", "content": "a"}], {"chat_template_kwargs": ["x"]}, "^chat_template_kwargs: "),
+        # a template's own arithmetic and recursion errors (once ZeroDivisionError, RecursionError)
+        ([{"role": "user", "content": "a"}], {"chat_template": "{{ 1 / 0 }}"},
+         r"^messages\[0\]: chat_template: the template failed on this chat: division by zero"),
+        ([{"role": "user", "content": "a"}], {"chat_template": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"},
+         r"^messages\[0\]: chat_template: the template failed on this chat"),
+        ([{"role": "user", "content": "a"}], {"chat_template": "{% for i in range(10**9) %}{% endfor %}"},
+         r"^messages\[0\]: chat_template: the template failed on this chat"),
     ],
 )
 def test_chat_rejects_bad_conversations_naming_the_argument(smollm, messages, kwargs, message):
@@ -397,3 +478,27 @@ def test_chat_needs_a_tokenizer():
     engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, block_size=4))
     with pytest.raises(ValueError, match="^messages: this model has no tokenizer"):
         engine.chat([{"role": "user", "content": "hi"}])
+
+
+def test_job_calls_reject_bad_ids_and_seconds():
+    """A NaN or infinite TTL pinned blocks that never expired; other bad values raised
+    TypeErrors from deep inside or were taken silently."""
+    engine = Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=32, block_size=4))
+    engine.generate([list(range(3, 40))], SamplingParams(max_tokens=1, ignore_eos=True), job_ids=["j"])
+    for call, message in ((lambda: engine.pin_job("j", float("nan")), "^ttl_s: a finite number"),
+                          (lambda: engine.pin_job("j", float("inf")), "^ttl_s: a finite number"),
+                          (lambda: engine.pin_job("j", "1"), "^ttl_s: a finite number"),
+                          (lambda: engine.pin_job("j", -1.0), "^ttl_s: must be >= 0"),
+                          (lambda: engine.pin_job([], 1.0), "^job_id: a non-empty string"),
+                          (lambda: engine.end_job([]), "^job_id: a non-empty string"),
+                          (lambda: engine.hint_job("j", expected_gap_s="x"), "^expected_gap_s: a finite number"),
+                          (lambda: engine.hint_job("j", expected_gap_s=-1), "^expected_gap_s: must be >= 0"),
+                          (lambda: engine.hint_job("j", finished="yes"), "^finished: "),
+                          (lambda: engine.idle_until(float("nan")), "^when: a finite number")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert engine.stats().pinned_blocks == 0
+    assert engine.pin_job("j", 1.0) > 0
+    engine.idle_until(engine.clock() + 2.0)
+    assert engine.stats().pinned_blocks == 0
+    engine.check_integrity()
