@@ -38,6 +38,7 @@ from asymcache_core.engine_setup import (
     Runner,
     build_model_runner,
     build_scheduler,
+    check_pool_fits,
     eos_token_ids,
     load_engine_model,
     log_ready,
@@ -153,6 +154,8 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
             self.latency = LatencyModel.analytic(mc, device.type, dtype_bytes, config.model)
         self.job_stats = JobStats()
         self.block_bytes = mc.kv_bytes_per_token(dtype_bytes) * config.block_size
+        if runner_factory is None:
+            check_pool_fits(config, mc, self.tp_workers, self.num_blocks, dtype_bytes)
         stack = build_kv_stack(
             config, num_blocks=self.num_blocks, block_bytes=self.block_bytes, latency=self.latency,
             job_stats=self.job_stats, clock=self.clock, check_host_memory=runner_factory is None,

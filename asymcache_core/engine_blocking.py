@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from asymcache_core.chat_messages import validate_messages
 from asymcache_core.chat_template import ChatRenderer, ChatTemplates
 from asymcache_core.chat_template_options import check_template_kwargs, check_template_source
 from asymcache_core.engine_outputs import generate_blocking
@@ -86,6 +87,10 @@ class BlockingCalls:
         """
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer (and so no chat template); use generate() with token ids")
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: True or False, got {flag!r}")
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message: not with add_generation_prompt (set it False to continue the last message)")
         if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
@@ -97,6 +102,14 @@ class BlockingCalls:
                 or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in conversation)
             ):
                 raise ValueError(f"messages[{i}]: a non-empty list of messages, each a dict with a 'role'")
+            try:
+                validate_messages(conversation)
+            except ValueError as exc:
+                # NOTE: one conversation's errors name its messages as the server does
+                # (``messages[j].content``); a batch's name the conversation first
+                if conversation is messages:
+                    raise
+                raise ValueError(f"messages[{i}]{str(exc).removeprefix('messages')}") from None
         if tools is not None and (
             isinstance(tools, str | Mapping) or not isinstance(tools, Sequence)
             or not all(isinstance(t, Mapping) for t in tools)

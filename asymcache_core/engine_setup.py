@@ -17,7 +17,7 @@ import torch
 
 from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
-from asymcache_core.memory_budget import GIB, KVPoolPlan, plan_for_device
+from asymcache_core.memory_budget import GIB, KVPoolPlan, check_device_pool_fits, plan_for_device
 from asymcache_core.scheduler import Scheduler, fcfs_key
 
 if TYPE_CHECKING:
@@ -96,6 +96,16 @@ def rank_model_config(model_config: Any, tp_workers: TensorParallelWorkers | Non
     if tp_workers is None:
         return model_config
     return dataclasses.replace(model_config, num_key_value_heads=tp_workers.shards[0].num_kv_heads)
+
+
+def check_pool_fits(
+    config: EngineConfig, model_config: Any, tp_workers: TensorParallelWorkers | None, num_blocks: int,
+    dtype_bytes: int,
+) -> None:
+    """Raises ``ValueError`` naming ``num_kv_blocks`` when a pool of ``num_blocks`` cannot fit
+    one rank's device at all (:func:`~asymcache_core.memory_budget.check_device_pool_fits`)."""
+    per_block = rank_model_config(model_config, tp_workers).kv_bytes_per_token(dtype_bytes) * config.block_size
+    check_device_pool_fits(num_blocks * per_block, config.torch_device)
 
 
 def pool_blocks(

@@ -196,6 +196,28 @@ def plan_for_device(
     )
 
 
+def check_device_pool_fits(pool_bytes: int, device: torch.device) -> None:
+    """Raises ``ValueError`` naming ``num_kv_blocks`` when a KV pool of ``pool_bytes`` exceeds
+    the device's whole memory (the host's on the CPU): allocating it would fail deep inside,
+    or on the CPU swap the machine until the kernel kills the process.
+
+    Args:
+        pool_bytes: the pool's size.
+        device: where it would live.
+    """
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    elif device.type == "cpu":
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        return
+    if pool_bytes > total:
+        raise ValueError(
+            f"num_kv_blocks: a KV pool of {pool_bytes / GIB:.1f} GiB does not fit the {total / GIB:.1f} GiB "
+            f"of {'the device' if device.type == 'cuda' else 'this machine'}"
+        )
+
+
 def check_host_tier_fits(tier_bytes: int, field_name: str) -> None:
     """Raises ``ValueError`` naming ``field_name`` when a host KV tier of ``tier_bytes`` exceeds
     this machine's physical memory.

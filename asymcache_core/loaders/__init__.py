@@ -233,7 +233,9 @@ def load_model(
     else:
         hf_cfg, kind = resolve_hf_config(spec)
     cfg = ModelConfig.from_hf(hf_cfg)
-    max_len = max_len or cfg.max_position_embeddings
+    # NOTE: the engine runs at most the model's positions: a longer max_len would only size
+    # tables (the rotary cache) for positions never used
+    max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     if kind == "dummy":
         # NOTE: only rank 0 tokenizes: tensor-parallel workers run the steps it packs.
         if tensor_parallel is None or tensor_parallel.shard.rank == 0:

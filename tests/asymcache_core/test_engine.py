@@ -301,6 +301,22 @@ def test_bad_config_names_the_field(kwargs, field):
         EngineConfig(**kwargs)
 
 
+def test_a_pool_past_the_machines_memory_is_refused_and_positions_past_the_models_are_not_built(monkeypatch):
+    """``num_kv_blocks=10**12`` once allocated until the kernel killed the process; a
+    ``max_model_len`` past the model's limit was clamped by the engine but sized the rotary
+    table first (a 32 GB allocation at 10**9)."""
+    import asymcache_core.memory_budget as memory_budget
+
+    with monkeypatch.context() as patched:  # a machine of 1 MiB: no real allocation is risked
+        patched.setattr(memory_budget.os, "sysconf", lambda name: {"SC_PHYS_PAGES": 256, "SC_PAGE_SIZE": 4096}[name])
+        with pytest.raises(ValueError, match="^num_kv_blocks: a KV pool of .* GiB does not fit the 0.0 GiB"):
+            Engine("dummy:tiny", num_kv_blocks=1024)
+    engine = Engine("dummy:tiny", num_kv_blocks=8, max_model_len=10**9)
+    assert engine.max_model_len == engine.model_config.max_position_embeddings
+    rotary = [b for n, b in engine.loaded.model.named_buffers() if "cos" in n or "sin" in n]
+    assert rotary and all(b.shape[0] <= engine.max_model_len for b in rotary)
+
+
 def test_unknown_model_and_architecture(tmp_path):
     with pytest.raises(ValueError, match="model"):
         Engine(model="no-such-model")
@@ -457,6 +473,14 @@ def test_chat_renders_conversations_as_vllms_llm_chat(smollm):
         ([{"role": "user", "content": "a"}], {"chat_template": "{{ raise_exception('no system turns') }}"},
          r"^messages\[0\]: chat_template: the template failed on this chat: no system turns"),
         ([{"role": "user", "content": "a"}], {"chat_template_kwargs": ["x"]}, "^chat_template_kwargs: "),
+        # checked as the server checks them (once rendered as they were)
+        ([{"role": "alien", "content": "a"}], {}, r"^messages\[0\]\.role: "),
+        ([{"role": "user", "content": 5}], {}, r"^messages\[0\]\.content: "),
+        ([{"role": "user"}], {}, r"^messages\[0\]\.content: a user message needs content"),
+        ([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}, {"role": "alien", "content": "c"}]],
+         {}, r"^messages\[1\]\[1\]\.role: "),
+        ([{"role": "user", "content": "a"}], {"add_generation_prompt": "x"}, "^add_generation_prompt: True or False"),
+        ([{"role": "user", "content": "a"}], {"tools": [5]}, "^tools: a list of OpenAI tool schemas"),
         # a template's own arithmetic and recursion errors (once ZeroDivisionError, RecursionError)
         ([{"role": "user", "content": "a"}], {"chat_template": "{{ 1 / 0 }}"},
          r"^messages\[0\]: chat_template: the template failed on this chat: division by zero"),
