@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -294,26 +295,25 @@ class EngineConfig:
             raise ValueError(f"device: {self.device!r} is not a device; use cpu, cuda or cuda:N") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device: only cpu and cuda are supported, got {self.device!r}")
+        if device.type == "cpu" and device.index not in (None, 0):
+            raise ValueError(f"device: the CPU is one device ('cpu'), got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {self.dtype!r}")
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError(f"kv_memory_fraction: must be in (0, 1], got {self.kv_memory_fraction}")
+        if not _number(self.kv_memory_fraction) or not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction: must be a number in (0, 1], got {self.kv_memory_fraction!r}")
         if self.gpu_memory_utilization is not None and not (
-            isinstance(self.gpu_memory_utilization, int | float) and 0.0 < self.gpu_memory_utilization <= 1.0
+            _number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0
         ):
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.device_memory_gib is not None and not (
-            isinstance(self.device_memory_gib, int | float) and math.isfinite(self.device_memory_gib)
-            and self.device_memory_gib > 0
-        ):
-            raise ValueError(f"device_memory_gib: must be a positive number, got {self.device_memory_gib}")
+            raise ValueError(f"gpu_memory_utilization: must be a number in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.device_memory_gib is not None and not (_number(self.device_memory_gib) and self.device_memory_gib > 0):
+            raise ValueError(f"device_memory_gib: must be a positive number, got {self.device_memory_gib!r}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:
@@ -326,8 +326,8 @@ class EngineConfig:
                 f"registered: {', '.join(registered_policies())}"
             )
         self.chunk_budget()  # validates `chunking`
-        if self.tpot_slo_ms <= 0:
-            raise ValueError(f"tpot_slo_ms: must be > 0, got {self.tpot_slo_ms}")
+        if not _number(self.tpot_slo_ms) or self.tpot_slo_ms <= 0:
+            raise ValueError(f"tpot_slo_ms: must be a positive number of milliseconds, got {self.tpot_slo_ms!r}")
         if self.ttft_slo_ms is not None and not (
             isinstance(self.ttft_slo_ms, int | float) and not isinstance(self.ttft_slo_ms, bool)
             and math.isfinite(self.ttft_slo_ms) and self.ttft_slo_ms > 0
@@ -400,8 +400,12 @@ class EngineConfig:
                 f"host_eviction_policy: unknown policy {self.host_eviction_policy!r}; "
                 f"registered: {', '.join(registered_policies())}"
             )
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValueError(f"seed: must be an integer that fits 64 bits, got {self.seed!r}")
+        if self.hole_reuse is not None and not isinstance(self.hole_reuse, bool):
+            raise ValueError(f"hole_reuse: must be a bool or None, got {self.hole_reuse!r}")
+        if self.latency_profile is not None and not isinstance(self.latency_profile, str | os.PathLike):
+            raise ValueError(f"latency_profile: a path to a latency profile (JSON) or None, got {self.latency_profile!r}")
         if self.kv_events_config is not None:
             from asymcache_core.kv_events import KVEventsConfig
 
@@ -409,15 +413,15 @@ class EngineConfig:
 
     def chunk_budget(self) -> int | None:
         """Fixed per-step token budget, or ``None`` when chunking is adaptive."""
+        if not isinstance(self.chunking, str):
+            raise ValueError(f"chunking: 'adaptive', 'adaptive:slack', 'fixed' or 'fixed:N', got {self.chunking!r}")
         if self.chunking in ("adaptive", "adaptive:slack"):
             return None
         if self.chunking == "fixed":
             return self.max_num_batched_tokens
         if self.chunking.startswith("fixed:"):
-            try:
-                value = int(self.chunking.split(":", 1)[1])
-            except ValueError:
-                value = 0
+            digits = self.chunking.split(":", 1)[1]
+            value = int(digits) if digits.isdigit() else 0
             if value >= 1:
                 return value
         raise ValueError(
@@ -434,6 +438,11 @@ class EngineConfig:
         if dtype is None:
             return torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16
         return dtype
+
+
+def _number(value: object) -> bool:
+    """Whether ``value`` is a finite real number (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -294,10 +294,24 @@ def test_bad_sampling_params():
         ({"device": "tpu"}, "device"),
         ({"priority": "random"}, "priority"),
         ({"attention_backend": "cudnn"}, "attention_backend"),
+        # once TypeErrors or AttributeErrors from inside, or taken as they were
+        ({"kv_memory_fraction": "0.5"}, "kv_memory_fraction"),
+        ({"tpot_slo_ms": None}, "tpot_slo_ms"),
+        ({"tpot_slo_ms": float("inf")}, "tpot_slo_ms"),
+        ({"chunking": 5}, "chunking"),
+        ({"chunking": "fixed: 8"}, "chunking"),
+        ({"dtype": ["x"]}, "dtype"),
+        ({"hole_reuse": "yes"}, "hole_reuse"),
+        ({"latency_profile": 5}, "latency_profile"),
+        ({"seed": True}, "seed"),
+        ({"seed": 2**70}, "seed"),
+        ({"gpu_memory_utilization": True}, "gpu_memory_utilization"),
+        ({"device_memory_gib": True}, "device_memory_gib"),
+        ({"device": "cpu:1"}, "device"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
         EngineConfig(**kwargs)
 
 
