@@ -26,6 +26,8 @@ def _as_registry(tools: Any) -> ToolRegistry | None:
         return None
     if isinstance(tools, ToolRegistry):
         return tools
+    if isinstance(tools, str | Mapping) or not isinstance(tools, Iterable):
+        raise ValueError(f"tools: a ToolRegistry, or a list of tools, functions or OpenAI schemas, got {tools!r}")
     items = list(tools)
     if not items or all(isinstance(t, Mapping) for t in items):
         return None
@@ -155,14 +157,18 @@ class Job:
         """
         if not isinstance(task, str) or not task.strip():
             raise ValueError("task: must be a non-empty string")
-        if not isinstance(max_turns, int) or max_turns < 1:
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns: must be an integer >= 1, got {max_turns!r}")
         registry = _as_registry(tools) if tools is not None else self.registry
         if registry is None or not len(registry):
             raise ValueError("tools: Job.run needs executable tools (a ToolRegistry, Tools or functions)")
         schemas = registry.openai_schemas()
         choices = _per_turn_choices(tool_choice, max_turns)
+        if on_turn is not None and not callable(on_turn):
+            raise ValueError(f"on_turn: a callable taking each turn's record, got {on_turn!r}")
         system = system_prompt if system_prompt is not None else self.system_prompt
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"system_prompt: a string or None, got {system!r}")
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": task})
         records: list[TurnRecord] = []
@@ -204,6 +210,8 @@ class Job:
 def _per_turn_choices(tool_choice: Any, max_turns: int) -> list[ToolChoice]:
     if isinstance(tool_choice, str | Mapping) or tool_choice is None:
         return [tool_choice] * max_turns
+    if not isinstance(tool_choice, Sequence):
+        raise ValueError(f"tool_choice: a choice, or a list of one per turn, got {tool_choice!r}")
     given = list(tool_choice)
     return (given + ["auto"] * max_turns)[:max_turns]
 

@@ -14,12 +14,13 @@ Every error is a :class:`ValueError` whose text starts with the field (``"max_to
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, TypedDict, get_args
 
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
 from agent_runtime.tool_schema import validate_tool_schema
 from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core.chat_messages import ROLES, validate_messages
+from asymcache_core.continuum.ttl import TTLRule
 from asymcache_core.engine_checks import truncated_prompt
 from asymcache_core.sampling_params import SamplingParams
 
@@ -90,6 +91,23 @@ def check_fits_context(prompt_ids: list[int], params: SamplingParams, max_model_
 # ----------------------------------------------------------------------------------------------
 # Conversation inputs (shared with the runtime's Python API)
 # ----------------------------------------------------------------------------------------------
+
+
+def check_request_options(job_id: object, is_last_step: object, pinning: object, ttl_rule: object) -> None:
+    """A request's job options, checked before it is queued (once taken as given: a truthy
+    ``is_last_step="no"`` ended its job, an unknown ``ttl_rule`` ran as ``continuum``).
+
+    Raises:
+        ValueError: naming the option.
+    """
+    if job_id is not None and (not isinstance(job_id, str) or not job_id):
+        raise ValueError(f"job_id: a non-empty string or None, got {job_id!r}")
+    if not isinstance(is_last_step, bool):
+        raise ValueError(f"is_last_step: True or False, got {is_last_step!r}")
+    if pinning is not None and not isinstance(pinning, bool):
+        raise ValueError(f"pinning: True, False or None, got {pinning!r}")
+    if ttl_rule is not None and ttl_rule not in get_args(TTLRule):
+        raise ValueError(f"ttl_rule: one of {', '.join(get_args(TTLRule))} or None, got {ttl_rule!r}")
 
 
 def normalize_tools(tools: ToolsArg | Iterable[Callable[..., Any]]) -> list[dict[str, Any]]:
@@ -280,6 +298,7 @@ def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:
 
 __all__ = [
     "chat_sampling_params",
+    "check_request_options",
     "ChatSampling",
     "check_fits_context",
     "ContextLengthError",

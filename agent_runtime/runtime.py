@@ -27,6 +27,7 @@ from agent_runtime.presets import ServingPreset, preset_for_engine, resolve_pres
 from agent_runtime.protocol import (
     ToolChoice,
     ToolsArg,
+    check_request_options,
 )
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.rendered_turns import RenderedTurns
@@ -91,6 +92,8 @@ class AgentRuntime(ChatTurns):
         chat_template_kwargs: Mapping[str, Any] | None = None,
         reasoning_parser: str | None = None,
     ) -> None:
+        if not isinstance(engine, Engine):
+            raise ValueError(f"engine: an asymcache_core.Engine, got {type(engine).__name__}")
         if policy is None:
             spec = preset_for_engine(engine.config)
         else:
@@ -321,6 +324,7 @@ class AgentRuntime(ChatTurns):
             ValueError: rejected by the engine or by the grammar builder (message names the field).
             RuntimeError: the runtime is closed.
         """
+        check_request_options(job_id, is_last_step, pinning, ttl_rule)
         constraint = normalize_structured_outputs(structured_outputs, tool_choice)
         if constraint is not None:
             if response_format is not None:
@@ -343,7 +347,15 @@ class AgentRuntime(ChatTurns):
         Args:
             job_id: the job.
             num_turns: its LLM calls (default: what the controller counted).
+
+        Raises:
+            ValueError: a job id that is no non-empty string, or ``num_turns`` no integer >= 1.
         """
+        check_request_options(job_id, False, None, None)
+        if job_id is None:
+            raise ValueError("job_id: the job to finish")
+        if num_turns is not None and (isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1):
+            raise ValueError(f"num_turns: an integer >= 1 or None, got {num_turns!r}")
         await self.call(lambda _engine: self._processor.finish_job(job_id, num_turns))
 
     def job(

@@ -202,6 +202,11 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
             "prompt": dict(messages=[{"role": "user", "content": "word " * 400}]),
             "max_tokens": dict(messages=user, max_tokens=0),
             "logprobs": dict(messages=user, logprobs=99),
+            # once taken as given: "no" ended the job, an unknown rule ran as continuum
+            "is_last_step": dict(messages=user, is_last_step="no"),
+            "pinning": dict(messages=user, pinning="x"),
+            "ttl_rule": dict(messages=user, ttl_rule="x"),
+            "job_id": dict(messages=user, job_id=["j"]),
         }
         try:
             for key, kw in cases.items():
@@ -213,8 +218,22 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
                 await job.run("task")
             with pytest.raises(ValueError, match="^task:"):
                 await runtime.job(tools=tools).run("  ", tools=[Tool.from_function(lambda: "x", name="noop")])
+            noop = [Tool.from_function(lambda: "x", name="noop")]
+            # once TypeErrors, some only after a turn had run; max_turns=True ran one turn
+            for kwargs, field in (({"tool_choice": 5}, "tool_choice"), ({"on_turn": 5}, "on_turn"),
+                                  ({"max_turns": True}, "max_turns"), ({"system_prompt": 5}, "system_prompt")):
+                with pytest.raises(ValueError, match=f"^{field}: "):
+                    await runtime.job(tools=noop).run("task", **kwargs)
+            with pytest.raises(ValueError, match="^tools: a ToolRegistry"):
+                runtime.job(tools=5)
             with pytest.raises(ValueError, match="^policy:"):
                 runtime.job(policy="bogus")
+            with pytest.raises(ValueError, match="^num_turns:"):
+                await runtime.finish_job("j", num_turns="x")
+            with pytest.raises(ValueError, match="^job_id:"):
+                await runtime.finish_job([])
+            with pytest.raises(ValueError, match="^engine: an asymcache_core.Engine"):
+                AgentRuntime(5)
             with pytest.raises(TypeError, match="bogus"):
                 await runtime.start_chat_choices(user, [SamplingParams()], bogus=1)
             with pytest.raises(ValueError, match="^request_id:"):
