@@ -171,11 +171,16 @@ class AgentRuntime(ChatTurns):
             The runtime.
 
         Raises:
-            ValueError: bad policy, engine settings or template options.
+            ValueError: bad policy, engine settings (or one the policy sets otherwise) or
+                template options.
         """
         spec = resolve_preset(policy)
         if chat_template is not None:
             check_template_source(chat_template)  # before the model loads
+        for key, want in spec.engine_overrides.items():
+            if key in engine_kwargs and engine_kwargs[key] != want:
+                raise ValueError(f"{key}: the policy {spec.name!r} sets it to {want!r}; "
+                                 f"got {engine_kwargs[key]!r} (pick a policy, or leave {key} out)")
         kwargs = {**engine_kwargs, **spec.engine_overrides}
         engine = Engine(model=model, loaded=loaded, clock=clock, **kwargs)
         try:

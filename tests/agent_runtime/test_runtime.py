@@ -267,6 +267,9 @@ def test_runtime_rejects_policy_engine_mismatch(smollm):
         runtime.close_sync()
     with pytest.raises(ValueError, match="^policy: no preset has eviction_policy='asymcache' and priority='program'"):
         AgentRuntime(make_engine(smollm, priority="program"))
+    # a setting the policy sets otherwise was silently replaced by the policy's
+    with pytest.raises(ValueError, match="^eviction_policy: the policy 'asymcache\\+continuum' sets it to 'asymcache'"):
+        AgentRuntime.from_model("smollm2-135m", "asymcache+continuum", loaded=smollm, eviction_policy="lru")
 
 
 def test_commands(smollm, tmp_path, capsys):
