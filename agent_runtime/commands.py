@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
@@ -72,6 +73,26 @@ def _build_runtime(model: str, policy: str, loaded: Any = None, **engine_kwargs:
         raise ValueError(f"model: cannot load {model!r}: {e}") from None
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """Fails before the model loads where the server could not listen (uvicorn would exit with
+    code 3 after the load, its reason in a log line).
+
+    Raises:
+        ValueError: ``host`` that does not resolve, or a ``port`` that is taken or not allowed.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"host: cannot resolve {host!r} ({exc})") from None
+    with socket.socket(family, kind, proto) as probe:
+        # NOTE: as uvicorn binds: a port left in TIME_WAIT is free, one with a listener is not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ValueError(f"port: cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
 def run_serve(replicas: int = 1, **options: Any) -> None:
     """``asymcache serve``: the OpenAI-compatible server (blocks until interrupted).
 
@@ -100,6 +121,7 @@ def run_serve(replicas: int = 1, **options: Any) -> None:
     opts = ServeOptions.from_kwargs(options)
     settings = _check_engine(opts.model, opts.policy, opts.num_kv_blocks, opts.max_model_len,
                              dict(opts.engine_settings))
+    check_listen_address(opts.host, opts.port)
     try:
         if replicas > 1:
             from agent_runtime.server.replicas import serve_replicas

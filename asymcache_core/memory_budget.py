@@ -218,6 +218,29 @@ def check_device_pool_fits(pool_bytes: int, device: torch.device) -> None:
         )
 
 
+#: Host bytes of one block's bookkeeping in the pools (its Python object and table entries;
+#: ~240 measured for a million blocks of a simulated engine), rounded up.
+BLOCK_TABLE_BYTES = 256
+
+
+def check_block_tables_fit(num_blocks: int, num_host_blocks: int, host_field: str = "cpu_offload_gb") -> None:
+    """Raises ``ValueError`` naming the setting when the pools' block tables alone would not fit
+    this machine's memory (:data:`BLOCK_TABLE_BYTES` a block, device and host tier).
+
+    Args:
+        num_blocks: blocks of the device pool.
+        num_host_blocks: blocks of the host tier.
+        host_field: the setting that sized the tier.
+    """
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for name, count in (("num_kv_blocks", num_blocks), (host_field, num_host_blocks)):
+        if count * BLOCK_TABLE_BYTES > total:
+            raise ValueError(
+                f"{name}: {count:,} blocks need {count * BLOCK_TABLE_BYTES / GIB:.1f} GiB of tables alone, "
+                f"more than this machine's {total / GIB:.1f} GiB"
+            )
+
+
 def check_host_tier_fits(tier_bytes: int, field_name: str) -> None:
     """Raises ``ValueError`` naming ``field_name`` when a host KV tier of ``tier_bytes`` exceeds
     this machine's physical memory.

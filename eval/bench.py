@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import json
+import math
 import shlex
 import sys
 import time
@@ -237,6 +238,8 @@ def load_workload(cfg: BenchConfig) -> Any:
         trace = load_trace(cfg.workload, num_jobs=cfg.jobs, seed=cfg.seed, **options)
     except ValueError as exc:
         raise BenchError(f"workload: {exc}") from None
+    if not trace.jobs:
+        raise BenchError(f"workload: {cfg.workload} holds no jobs")
     if cfg.rate is not None:
         trace = apply_arrivals(trace, f"poisson:{cfg.rate}", cfg.seed)
     if cfg.max_model_len is not None:
@@ -343,6 +346,31 @@ def pool_blocks(cfg: BenchConfig, trace: Any, plan: KVPoolPlan | None = None) ->
     return blocks
 
 
+#: Bounds on a run's sizes: past them a bench would run for days or exhaust memory (a trace of
+#: 10**23 jobs was once generated until killed) rather than measure anything.
+MAX_JOBS = 1_000_000
+MAX_REPEATS = 1_000
+MAX_SCALE = 1_000.0
+
+
+def check_bench_sizes(cfg: BenchConfig) -> None:
+    """Rejects sizes no run could finish, before anything is built.
+
+    Raises:
+        BenchError: naming the field: ``jobs``, ``repeats``, ``time_scale``, ``token_scale``,
+            ``kv_fraction`` or ``rate`` out of range or not finite.
+    """
+    for name, value, bound in (("jobs", cfg.jobs, MAX_JOBS), ("repeats", cfg.repeats, MAX_REPEATS)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise BenchError(f"{name}: must be an integer in [1, {bound:,}], got {value!r}")
+    for name, number in (("time_scale", cfg.time_scale), ("token_scale", cfg.token_scale),
+                         ("kv_fraction", cfg.kv_fraction)):
+        if number is not None and not (math.isfinite(number) and 0 <= number <= MAX_SCALE):
+            raise BenchError(f"{name}: must be a number in [0, {MAX_SCALE:g}], got {number!r}")
+    if cfg.rate is not None and not (math.isfinite(cfg.rate) and cfg.rate > 0):
+        raise BenchError(f"rate: must be a finite number of jobs/s > 0, got {cfg.rate!r}")
+
+
 def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
     """Runs every variant on the same workload and writes ``results.json`` and the report.
 
@@ -357,8 +385,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
     from eval.report import write_report
     from kernels.dispatch import compiled_kernel_count
 
-    if cfg.repeats < 1:
-        raise BenchError(f"repeats: must be >= 1, got {cfg.repeats}")
+    check_bench_sizes(cfg)
     if cfg.backend not in ("real", "sim", "http"):
         raise BenchError(f"backend: one of real, sim, http; got {cfg.backend!r}")
     if cfg.max_model_len is not None and (
@@ -376,11 +403,17 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             raise BenchError(str(exc)) from None
     if cfg.backend != "http":
         from asymcache_core.loaders import resolve_hf_config
+        from asymcache_core.models import ModelConfig
 
         try:
-            resolve_hf_config(cfg.model)
+            model_config = ModelConfig.from_hf(resolve_hf_config(cfg.model)[0])
         except ValueError as exc:
             raise BenchError(str(exc)) from None
+        if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position_embeddings:
+            # NOTE: jobs are cut to max_model_len, but the engine runs at most the model's
+            # positions: a longer job would fail in the middle of the run
+            raise BenchError(f"max_model_len: {cfg.max_model_len} is past {cfg.model}'s "
+                             f"{model_config.max_position_embeddings} positions")
     try:
         slo = SLO.parse(cfg.slo) if cfg.slo else None
     except ValueError as exc:

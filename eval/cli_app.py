@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import sys
 import typing
@@ -127,6 +128,8 @@ def clean_errors(fn: F) -> F:
             message = one_line(str(exc)) or type(exc).__name__
         except OSError as exc:
             message = one_line(str(exc)) or type(exc).__name__
+        except MemoryError:
+            message = "out of memory: a size given (jobs, pool, tier, trace) is too large for this machine"
         except KeyboardInterrupt:
             typer.echo("error: interrupted", err=True)
             raise typer.Exit(130) from None
@@ -232,7 +235,7 @@ def read_config_file(ctx: typer.Context, param: Any, value: str | None) -> str |
     try:
         with open(value, encoding="utf-8") as f:
             data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise typer.BadParameter(f"cannot read {value!r}: {exc}".replace("\n", " ")) from None
     if data is None:
         data = {}
@@ -270,11 +273,32 @@ def number_list(name: str, text: str | None, kind: type) -> list[Any]:
     the option."""
     if text is None:
         return []
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    items = [t.strip() for t in str(text).split(",")]
     try:
-        return [kind(t) for t in items]
+        # NOTE: an empty item ("1,,2", ",") is a typo, not a list one shorter
+        if not all(items):
+            raise ValueError
+        values = [kind(t) for t in items]
     except ValueError:
         raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
+    if any(not math.isfinite(v) for v in values):
+        raise ValueError(f"{name}: every number must be finite, got {text!r}")
+    return values
+
+
+def name_list(name: str, text: str) -> list[str]:
+    """A comma-separated list of names (workloads, policies), no item empty or repeated.
+
+    Raises:
+        ValueError: naming the option.
+    """
+    items = [t.strip() for t in str(text).split(",")]
+    if not all(items):
+        raise ValueError(f"{name}: an empty item in {text!r}")
+    repeated = next((t for i, t in enumerate(items) if t in items[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"{name}: {repeated!r} is listed twice (use --repeats to run it again)")
+    return items
 
 
 def torch_device_type(device: str) -> str:

@@ -18,6 +18,7 @@ from eval.cli_app import (
     app,
     clean_errors,
     engine_options,
+    name_list,
     number_list,
     option_given,
     torch_device_type,
@@ -114,7 +115,7 @@ def bench(
         for key, value in SUITES[suite].items():
             if key not in given:
                 options[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
-    workloads = [w.strip() for w in str(options.pop("workload")).split(",") if w.strip()]
+    workloads = name_list("workload", options.pop("workload"))
     seed = options.pop("seed")
     seed_list = number_list("seeds", options.pop("seeds"), int) or [seed]
     rates = number_list("rate", options.pop("rate"), float)
@@ -125,11 +126,7 @@ def bench(
         raise ValueError(f"concurrency: must be >= 1, got {loads}")
     if any(not r > 0 for r in rates):
         raise ValueError(f"rate: must be > 0, got {rates}")
-    policy_names = tuple(p.strip() for p in str(options.pop("policies")).split(",") if p.strip())
-    if not policy_names:
-        raise ValueError("policies: give at least one policy")
-    if not workloads:
-        raise ValueError("workload: give at least one workload")
+    policy_names = tuple(name_list("policies", options.pop("policies")))
     points = sweep_points(workloads, seed_list, loads, rates)
     first = points[0]  # a single run; a sweep sets each point's own
     cfg = BenchConfig(

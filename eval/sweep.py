@@ -25,7 +25,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from eval.bench import BenchConfig, BenchError, run_bench
+from eval.bench import BenchConfig, BenchError, check_bench_sizes, load_workload, run_bench
 from eval.results import RESULTS_FILE, SLO, load_results
 from eval.sweep_results import SweepPoint, SweepResults, point_figures, save_sweep
 
@@ -160,6 +160,13 @@ def run_sweep(
                 out=run_dir / "points" / p.label)
         for p in points
     ]
+    # NOTE: every point's sizes and every workload are checked before the first point runs: a
+    # bad trace path in the sweep's last workload would otherwise fail after hours of points
+    first_of_workload = {c.workload: c for c in reversed(configs)}
+    for c in configs:
+        check_bench_sizes(c)
+    for c in first_of_workload.values():
+        load_workload(c)
     t0 = time.perf_counter()
     done: dict[int, Path] = {}
     # NOTE: a sweep folder resumes: a point whose results.json is there (an interrupted or

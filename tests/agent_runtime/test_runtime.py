@@ -338,6 +338,8 @@ def test_serve_passes_least_work_first_to_the_engine(monkeypatch, smollm):
                                              num_kv_blocks=options.num_kv_blocks, **options.engine_settings))
 
     monkeypatch.setattr(server, "serve", fake_serve)
+    # NOTE: no real port is probed: the test serves nothing
+    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
     for args, want in (([], False), (["--least-work-first"], True)):
         result = CliRunner().invoke(app, ["serve", "--kv-blocks", "64", *args])
         assert result.exit_code == 0, result.output

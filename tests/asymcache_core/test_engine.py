@@ -540,3 +540,14 @@ def test_job_calls_reject_bad_ids_and_seconds():
     engine.idle_until(engine.clock() + 2.0)
     assert engine.stats().pinned_blocks == 0
     engine.check_integrity()
+
+
+def test_block_tables_past_the_machines_memory_are_refused_before_they_are_built():
+    """A simulated pool of 10**14 blocks once built a Python object a block until the kernel
+    killed the process (16 GB in); a host tier of 1e30 GB raised an empty MemoryError."""
+    with pytest.raises(ValueError, match="^num_kv_blocks: 99,999,999,999,999 blocks need .* GiB of tables alone"):
+        Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=99_999_999_999_999))
+    with pytest.raises(ValueError, match="^cpu_offload_gb: .* blocks need"):
+        Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, cpu_offload_gb=1e30))
+    with pytest.raises(ValueError, match="^num_host_kv_blocks: .* blocks need"):
+        Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, num_host_kv_blocks=10**14))

@@ -130,6 +130,8 @@ def test_serve_defaults_and_bad_values(monkeypatch):
 
     calls: list[server.ServeOptions] = []
     monkeypatch.setattr(server, "serve", calls.append)
+    # NOTE: no real port is probed: the test serves nothing
+    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
     result = runner.invoke(app, ["serve"])
     assert result.exit_code == 0, result.output
     options = calls[-1]
@@ -163,6 +165,8 @@ def test_serve_runs_a_vllm_launch_line(monkeypatch):
 
     calls: list[server.ServeOptions] = []
     monkeypatch.setattr(server, "serve", calls.append)
+    # NOTE: no real port is probed: the test serves nothing
+    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
     line = ["serve", "dummy:tiny", "--enable-prefix-caching", "--enable-chunked-prefill", "--trust-remote-code",
             "--disable-log-requests", "--disable-log-stats", "--enable-auto-tool-choice", "--uvicorn-log-level",
             "warning", "--disable-uvicorn-access-log", "--max-model-len", "64"]
@@ -199,6 +203,8 @@ def test_serve_reads_a_vllm_config_file_and_the_key_from_the_environment(monkeyp
 
     calls: list[server.ServeOptions] = []
     monkeypatch.setattr(server, "serve", calls.append)
+    # NOTE: no real port is probed: the test serves nothing
+    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
     config = tmp_path / "serve.yaml"
     config.write_text("model: dummy:tiny\nport: 8124\nmax-num-seqs: 8\n--enforce-eager: true\n"
                       "served_model_name: from-file\nkv-blocks: 64\nenable-prefix-caching: true\n")
@@ -261,6 +267,8 @@ def test_serve_takes_vllms_template_and_name_options(monkeypatch, tmp_path):
 
     calls: list[server.ServeOptions] = []
     monkeypatch.setattr(server, "serve", calls.append)
+    # NOTE: no real port is probed: the test serves nothing
+    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
     result = runner.invoke(app, ["serve", "--served-model-name", "my-model", "--chat-template", str(template),
@@ -285,3 +293,26 @@ def test_serve_takes_vllms_template_and_name_options(monkeypatch, tmp_path):
         assert result.exit_code == 2 and result.output.startswith(f"error: {field}:"), result.output
         assert result.output.strip().count("\n") == 0
     assert len(calls) == 1
+
+
+def test_serve_fails_before_the_model_loads_where_it_could_not_listen(tmp_path):
+    """A port in use or a host that does not resolve once surfaced after the model load, as
+    uvicorn's exit code 3 and a log line; a config file that is not UTF-8 as a traceback."""
+    import socket
+
+    from agent_runtime.commands import check_listen_address
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"^port: cannot listen on 127.0.0.1:{port}"):
+            check_listen_address("127.0.0.1", port)
+        result = runner.invoke(app, ["serve", "dummy:tiny", "--host", "127.0.0.1", "--port", str(port)])
+        assert result.exit_code == 2 and result.output.startswith("error: port: "), result.output
+    with pytest.raises(ValueError, match="^host: cannot resolve '999.1.1.1'"):
+        check_listen_address("999.1.1.1", 8000)
+    config = tmp_path / "binary.yaml"
+    config.write_bytes(b"\x00\xff\xfe")
+    result = runner.invoke(app, ["serve", "--config", str(config)])
+    assert result.exit_code == 2 and "cannot read" in result.output and "Traceback" not in result.output

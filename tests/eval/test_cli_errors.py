@@ -181,6 +181,18 @@ def test_a_failed_bench_leaves_no_empty_run_folder(tmp_path: Path, monkeypatch: 
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["old"]
 
 
+def test_running_out_of_memory_is_one_line_saying_so() -> None:
+    probe = typer.Typer()
+
+    @probe.command()
+    @clean_errors
+    def grow() -> None:
+        raise MemoryError
+
+    result = runner.invoke(probe, [])
+    assert result.exit_code == 2 and result.stderr.startswith("error: out of memory: a size given")
+
+
 def test_an_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     probe = typer.Typer()
 
@@ -195,3 +207,39 @@ def test_an_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("ASYMCACHE_DEBUG", "1")
     result = runner.invoke(probe, [])
     assert isinstance(result.exception, RuntimeError)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--concurrency", "1,,2"], "error: concurrency: expected comma-separated numbers, got '1,,2'"),
+    (["--concurrency", ","], "error: concurrency: expected comma-separated numbers, got ','"),
+    (["--seeds", ","], "error: seeds: expected comma-separated numbers, got ','"),
+    (["--rate", "inf"], "error: rate: every number must be finite, got 'inf'"),
+    (["--time-scale", "inf"], "error: time_scale: must be a number in [0, 1000], got inf"),
+    (["--token-scale", "1e308"], "error: token_scale: must be a number in [0, 1000], got 1e+308"),
+    (["--kv-fraction", "inf"], "error: kv_fraction: must be a number in [0, 1000], got inf"),
+    (["--jobs", str(10**23)], f"error: jobs: must be an integer in [1, 1,000,000], got {10**23}"),
+    (["--repeats", str(10**20)], f"error: repeats: must be an integer in [1, 1,000], got {10**20}"),
+    (["--policies", "asymcache,asymcache"], "error: policies: 'asymcache' is listed twice (use --repeats to run it again)"),
+    (["--workload", "swe,,chat"], "error: workload: an empty item in 'swe,,chat'"),
+    (["--model", "dummy:tiny", "--max-model-len", "100000"], "error: max_model_len: 100000 is past dummy:tiny's 2048 positions"),
+    (["--model", "dummy:tiny", "--num-kv-blocks", str(10**14)], "error: num_kv_blocks: 100,000,000,000,000 blocks need"),
+])
+def test_bench_sizes_and_lists_fail_before_anything_runs(tmp_path: Path, args: list[str], message: str) -> None:
+    """Once: empty list items dropped or an IndexError, infinities run to a late failure,
+    sizes that hung or were killed for memory, a policy listed twice merged into one."""
+    out = tmp_path / "run"
+    argv = ["bench", "--backend", "sim", "--jobs", "4", "--no-plots", "--out", str(out), *args]
+    line = _assert_one_error_line(runner.invoke(app, argv), argv)
+    assert line.startswith(message), line
+    assert not out.exists()
+
+
+def test_a_sweep_reads_every_workload_before_its_first_point(tmp_path: Path) -> None:
+    """A bad trace in the sweep's second workload once failed after the first had run,
+    leaving its point's files and no sweep."""
+    out = tmp_path / "sweep"
+    argv = ["bench", "--backend", "sim", "--jobs", "2", "--no-plots", "--workload", "swe,trace:/nonexistent",
+            "--out", str(out)]
+    line = _assert_one_error_line(runner.invoke(app, argv), argv)
+    assert line.startswith("error: workload: /nonexistent: cannot read trace"), line
+    assert not out.exists()

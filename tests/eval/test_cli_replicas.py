@@ -27,6 +27,8 @@ def test_one_replica_is_the_single_server(monkeypatch: pytest.MonkeyPatch) -> No
 
     calls: list[Any] = []
     monkeypatch.setattr(server, "serve", calls.append)
+    # NOTE: no real port is probed: the test serves nothing
+    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
     assert runner.invoke(app, ["serve", "--replicas", "1"]).exit_code == 0
     assert len(calls) == 1 and calls[0].port == 8000
 
@@ -36,6 +38,8 @@ def test_bad_replica_counts_are_one_line(value: str, monkeypatch: pytest.MonkeyP
     import agent_runtime.server as server
 
     monkeypatch.setattr(server, "serve", lambda options: pytest.fail("served"))
+    # NOTE: no real port is probed: the test serves nothing
+    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
     line = _one_error_line(["serve", "--replicas", value])
     assert line == f"error: replicas: must be an integer >= 1, got {value}"
     assert _one_error_line(["serve", "--replicas", "two"]).startswith("error: Invalid value for '--replicas'")

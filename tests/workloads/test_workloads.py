@@ -537,6 +537,17 @@ def test_mooncake_import(tmp_path: Path) -> None:
     cut.write_text(json.dumps(rows[0]) + "\n" + '{"timestamp": 5, "inp')
     with pytest.raises(TraceError, match=r"cut\.jsonl:2"):
         load_trace(f"mooncake:{cut}")
+    # counts that are not integers: once an OverflowError (1e400), or cut (5.9) or True read as 1
+    for value in ("1e400", "5.9", "true"):
+        bad.write_text(json.dumps(rows[0]) + "\n" + f'{{"timestamp": 5, "input_length": {value}, "output_length": 3}}\n')
+        with pytest.raises(TraceError, match=r"bad\.jsonl:2: field 'input_length' is not an integer"):
+            import_mooncake(bad)
+    deep = tmp_path / "deep.jsonl"
+    for text, where in (('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}\n", ":1"),  # a line of JSONL
+                        ("[" * 100_000 + "]" * 100_000 + "\n", "")):  # a JSON array
+        deep.write_text(text)
+        with pytest.raises(TraceError, match=rf"deep\.jsonl{where}: JSON nested too deeply"):
+            import_mooncake(deep)
 
 
 def test_bailian_import(tmp_path: Path) -> None:

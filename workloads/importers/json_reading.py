@@ -93,6 +93,8 @@ class JsonStream:
                 continue
             try:
                 obj = json.loads(text)
+            except RecursionError:
+                raise TraceError(f"{self.path}:{lineno}: JSON nested too deeply") from None
             except json.JSONDecodeError as e:
                 # A bad *last* line is a cut download; anything after it makes it corruption.
                 at_end = all(not rest.strip() for rest in f)
@@ -156,6 +158,8 @@ class JsonStream:
             start = pos
             try:
                 obj, end = decoder.raw_decode(buf, pos)
+            except RecursionError:
+                raise TraceError(f"{self.path}: JSON nested too deeply") from None
             except json.JSONDecodeError as e:
                 # Near the end of the buffer, or a string that never closes: the element is
                 # incomplete. Read more; at end of file the array was cut off.
@@ -206,6 +210,10 @@ def first_field(
 
 def as_int(value: Any, name: str, path: Path, lineno: int) -> int:
     """Field ``name`` as a non-negative integer; TraceError naming the line otherwise."""
+    # NOTE: a count is an integer: not a bool (True is 1 to int()), not a fraction (5.9 was
+    # cut to 5), not an infinity (an OverflowError)
+    if isinstance(value, bool) or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+        raise TraceError(f"{path}:{lineno}: field {name!r} is not an integer: {value!r}")
     try:
         out = int(value)
     except (TypeError, ValueError) as e:
