@@ -542,6 +542,13 @@ def test_mooncake_import(tmp_path: Path) -> None:
         bad.write_text(json.dumps(rows[0]) + "\n" + f'{{"timestamp": 5, "input_length": {value}, "output_length": 3}}\n')
         with pytest.raises(TraceError, match=r"bad\.jsonl:2: field 'input_length' is not an integer"):
             import_mooncake(bad)
+    bad.write_text(json.dumps({**rows[0], "hash_ids": [1.7, 2]}) + "\n")
+    with pytest.raises(TraceError, match=r"bad\.jsonl:1: hash_ids must be integers"):
+        import_mooncake(bad)
+    # one JSON array on one line: its records once shared a job id (their line's)
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(rows))
+    assert [j.job_id for j in import_mooncake(array).jobs] == ["mooncake-2", "mooncake-1", "mooncake-3"]
     deep = tmp_path / "deep.jsonl"
     for text, where in (('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}\n", ":1"),  # a line of JSONL
                         ("[" * 100_000 + "]" * 100_000 + "\n", "")):  # a JSON array

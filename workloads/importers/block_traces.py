@@ -49,7 +49,9 @@ def import_mooncake(
     require_file(path)
     factor = _time_factor(timestamp_unit)
     rows: list[tuple[float, int, Job]] = []
-    for lineno, obj in read_jsonl_records(path):
+    # NOTE: jobs are numbered by record, not by line: a file that is one JSON array holds every
+    # record on one line
+    for index, (lineno, obj) in enumerate(read_jsonl_records(path), start=1):
         if max_jobs is not None and len(rows) >= max_jobs:
             break
         ts = as_float(
@@ -71,7 +73,7 @@ def import_mooncake(
             raise TraceError(f"{path}:{lineno}: input_length must be >= 1")
         hashes = hash_id_list(obj.get("hash_ids"), path, lineno)
         job = Job(
-            job_id=f"mooncake-{lineno}",
+            job_id=f"mooncake-{index}",
             turns=[Turn(input_tokens=inp, output_tokens=max(1, out))],
             kind="imported",
             block_hash_ids=hashes or None,

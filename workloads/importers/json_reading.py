@@ -240,10 +240,9 @@ def hash_id_list(value: Any, path: Path, lineno: int) -> list[int] | None:
         return None
     if not isinstance(value, list):
         raise TraceError(f"{path}:{lineno}: hash_ids must be a list")
-    try:
-        return [int(h) for h in value]
-    except (TypeError, ValueError) as e:
-        raise TraceError(f"{path}:{lineno}: hash_ids must be integers") from e
+    if any(isinstance(h, bool) or not isinstance(h, int) for h in value):
+        raise TraceError(f"{path}:{lineno}: hash_ids must be integers")
+    return list(value)
 
 
 def require_file(path: Path) -> None:
