@@ -511,6 +511,14 @@ def test_bfcl_import(tmp_path: Path) -> None:
     bad.write_text(json.dumps(entries[1]) + "\n" + '{"id": "z"}\n')
     with pytest.raises(TraceError, match=r"bad\.json:2.*question"):
         import_bfcl(bad)
+    # a class named by a string was split into its letters; a path of an object a KeyError,
+    # reported through load_trace as "bad options"
+    for field, value in (("involved_classes", "MathAPI"), ("path", {"a": 1}), ("path", 5)):
+        bad.write_text(json.dumps({**entries[1], field: value}) + "\n")
+        with pytest.raises(TraceError, match=rf"bad\.json:1: '{field}' must be a list"):
+            load_trace(f"bfcl:{bad}")
+    with pytest.raises(ValueError, match="^bad options for bfcl importer"):
+        load_trace(f"bfcl:{qpath}", bogus=1)
 
 
 def test_mooncake_import(tmp_path: Path) -> None:

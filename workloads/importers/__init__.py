@@ -31,6 +31,7 @@ the 1-based line number.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -96,7 +97,10 @@ def load_trace(spec: str, num_jobs: int | None = None, seed: int = 0, **options:
         )
     if kind in ("sharegpt", "bfcl"):
         options.setdefault("seed", seed)
+    # NOTE: options are checked against the importer's signature, so a TypeError from the data
+    # inside it is not reported as bad options
     try:
-        return IMPORTERS[kind](rest, max_jobs=num_jobs, **options)
+        inspect.signature(IMPORTERS[kind]).bind(rest, max_jobs=num_jobs, **options)
     except TypeError as e:
         raise ValueError(f"bad options for {kind} importer: {e}") from e
+    return IMPORTERS[kind](rest, max_jobs=num_jobs, **options)

@@ -164,8 +164,12 @@ def import_bfcl(
         gt = entry.get("ground_truth", answers.get(entry_id))
         if gt is not None and (not isinstance(gt, list) or len(gt) != len(questions)):
             gt = None  # answers that do not line up with the questions are ignored
-        classes = sorted(str(c) for c in entry.get("involved_classes") or [])
-        fallback_tool = entry.get("path") or []
+        classes_field, fallback_tool = entry.get("involved_classes") or [], entry.get("path") or []
+        for name, value in (("involved_classes", classes_field), ("path", fallback_tool)):
+            # NOTE: a string was read as its characters (7 classes of "MathAPI")
+            if not isinstance(value, list):
+                raise TraceError(f"{path}:{lineno}: {name!r} must be a list")
+        classes = sorted(str(c) for c in classes_field)
         rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0xBFC1, index)))
 
         turns: list[Turn] = []
