@@ -22,6 +22,7 @@ analytic default derives them from the model's FLOPs and bytes and the device's 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -173,9 +174,24 @@ class LatencyModel:
         """
         try:
             data = json.loads(Path(path).read_text())
-            return cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
-        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            model = cls(**{k: data[k] for k in data if k in cls.__dataclass_fields__})
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"latency_profile: cannot read {str(path)!r} ({exc})") from None
+        # NOTE: a profile's times price every simulated step: a NaN or a negative floor would
+        # fail a run in its middle (the clock cannot move by NaN) or run it backwards
+        for name in ("floor_s", "per_token_s", "per_attn_s", "decode_floor_s", "per_decode_kv_s", "host_gap_s",
+                     "copy_slowdown", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+            value = getattr(model, name)
+            if value is None and name in ("decode_floor_s", "h2d_bytes_per_s", "d2h_bytes_per_s"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (
+                value < 0 and name != "per_decode_kv_s"
+            ):
+                raise ValueError(f"latency_profile: {str(path)!r}: {name} must be a finite number >= 0, got {value!r}")
+        if isinstance(model.knee_tokens, bool) or not isinstance(model.knee_tokens, int) or model.knee_tokens < 0:
+            raise ValueError(f"latency_profile: {str(path)!r}: knee_tokens must be an integer >= 0, "
+                             f"got {model.knee_tokens!r}")
+        return model
 
     @classmethod
     def analytic(cls, cfg: ModelConfig, device_type: str, dtype_bytes: int, name: str = "") -> LatencyModel:

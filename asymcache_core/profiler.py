@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -282,6 +283,10 @@ def calibrate(latency: LatencyModel, steps: list[dict], source: str = "calibrate
         ])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"steps: each record needs num_tokens, attn_pairs, decode_only, duration_s ({exc})") from None
+    bad = next((i for i, d in enumerate(measured) if not (math.isfinite(d) and d >= 0)), None)
+    if bad is not None:
+        # NOTE: a NaN would be fitted into the profile's floors, and every run priced with it fail
+        raise ValueError(f"steps: record {bad + 1}'s duration_s must be a finite number >= 0, got {measured[bad]!r}")
 
     def predict(model: LatencyModel) -> np.ndarray:
         return np.array([

@@ -204,3 +204,16 @@ def test_calibrate_command(tmp_path):
     bad.write_text("not json\n")
     result = CliRunner().invoke(app, ["calibrate", str(bad), "--latency-profile", str(base), "--out", str(out)])
     assert result.exit_code == 2 and result.output.startswith("error: steps:")
+    # a NaN, infinite or negative step time was fitted into a profile of NaN floors, and a
+    # profile with a NaN or negative floor loaded; a floor of another type was a TypeError
+    steps = _live_steps(replace(profile, floor_s=0.014))
+    for value in (float("nan"), float("inf"), -1.0):
+        bad.write_text("".join(json.dumps({**s, "duration_s": value if i == 2 else s["duration_s"]}) + "\n"
+                               for i, s in enumerate(steps)))
+        result = CliRunner().invoke(app, ["calibrate", str(bad), "--latency-profile", str(base), "--out", str(out)])
+        assert result.exit_code == 2 and result.output.startswith("error: steps: record 3's duration_s"), result.output
+    for floor in ("NaN", "-1", '"x"'):
+        broken = tmp_path / "broken.json"
+        broken.write_text(base.read_text().replace('"floor_s": 0.01', f'"floor_s": {floor}'))
+        with pytest.raises(ValueError, match="^latency_profile: .*floor_s must be a finite number >= 0"):
+            LatencyModel.from_json(broken)
