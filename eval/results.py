@@ -153,10 +153,14 @@ class SLO(_Model):
         """
         values: dict[str, float] = {}
         keys = {"jct": "jct_s", "ttft": "ttft_ms", "tpot": "tpot_ms"}
-        for part in (p.strip() for p in text.split(",") if p.strip()):
+        for part in (p.strip() for p in text.split(",")):
             key, _, raw = part.partition(":")
+            if not part:
+                raise ValueError(f"slo: an empty item in {text!r}")
             if key not in keys:
                 raise ValueError(f"slo: unknown target {key!r} in {text!r}; known: jct:S, ttft:MS, tpot:MS")
+            if keys[key] in values:
+                raise ValueError(f"slo: {key} is given twice in {text!r}")
             try:
                 value = float(raw)
             except ValueError:

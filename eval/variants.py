@@ -110,7 +110,12 @@ class BenchVariant:
             elif suffix.startswith("least-work:"):
                 overrides.update(least_work_first=True, least_work_patience=_suffix_number(suffix, name))
             elif suffix in SUFFIXES:
-                overrides.update(SUFFIXES[suffix])
+                for key, value in SUFFIXES[suffix].items():
+                    # NOTE: a suffix that undoes another (job-admission/no-job-admission) is a
+                    # contradiction, not "the last one wins"
+                    if key in overrides and overrides[key] != value and key not in preset.engine_overrides:
+                        raise ValueError(f"policy: {suffix!r} contradicts another suffix in {name!r}")
+                    overrides[key] = value
             else:
                 raise ValueError(f"policy: unknown ablation {suffix!r} in {name!r}; known: {', '.join(SUFFIX_SPELLINGS)}")
         if "tpot_slo_ms" in overrides and not overrides.get("chunking", "").startswith("adaptive"):

@@ -136,6 +136,11 @@ def test_policies_help_offers_only_what_parses() -> None:
         BenchVariant.parse(spec)
     with pytest.raises(ValueError, match="known: .*least-work:P, adaptive, adaptive:slack, fixed:N, slo:MS"):
         BenchVariant.parse("asymcache/fixed")
+    # suffixes that undo each other were taken as "the last one wins"; a preset's own setting
+    # may still be replaced (continuum/fcfs)
+    with pytest.raises(ValueError, match="^policy: 'no-job-admission' contradicts another suffix"):
+        BenchVariant.parse("asymcache/job-admission/no-job-admission")
+    assert BenchVariant.parse("continuum/fcfs").engine_overrides["priority"] == "fcfs"
 
 
 def test_report_takes_the_results_file_or_its_folder(tmp_path: Path) -> None:

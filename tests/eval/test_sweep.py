@@ -21,7 +21,8 @@ def test_slo_parse_and_errors():
     assert SLO.parse("jct:300,ttft:2000") == SLO(jct_s=300.0, ttft_ms=2000.0)
     assert SLO.parse(" tpot:50 ") == SLO(tpot_ms=50.0)
     for bad, match in (("jct:-1", "jct needs a positive number"), ("latency:3", "unknown target 'latency'"),
-                       ("ttft:x", "ttft needs a positive number"), (",", "no target")):
+                       ("ttft:x", "ttft needs a positive number"), (",", "an empty item"),
+                       ("jct:1,jct:2", "jct is given twice"), ("jct:1,", "an empty item")):
         with pytest.raises(ValueError, match=f"^slo: {match}"):
             SLO.parse(bad)
 
