@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 SCHEMA_VERSION = 1
 """Version written into the JSONL header; bump on incompatible schema changes."""
@@ -68,10 +68,10 @@ class Turn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input_tokens: int = Field(ge=0)
+    input_tokens: StrictInt = Field(ge=0)
     input_text: str | None = None
     input_token_ids: list[int] | None = None
-    output_tokens: int = Field(ge=1)
+    output_tokens: StrictInt = Field(ge=1)
     tool: str | None = None
     tool_duration_s: float = Field(default=0.0, ge=0.0)
     think_time_s: float = Field(default=0.0, ge=0.0)
@@ -114,10 +114,10 @@ class Job(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     job_id: str = Field(min_length=1)
-    arrival_s: float = Field(default=0.0, ge=0.0)
+    arrival_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     shared_prefix_id: str | None = None
-    shared_prefix_tokens: int = Field(default=0, ge=0)
-    system_tokens: int = Field(default=0, ge=0)
+    shared_prefix_tokens: StrictInt = Field(default=0, ge=0)
+    system_tokens: StrictInt = Field(default=0, ge=0)
     turns: list[Turn] = Field(min_length=1)
     kind: JobKind = "imported"
     metadata: dict[str, Any] = Field(default_factory=dict)

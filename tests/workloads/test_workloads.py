@@ -198,6 +198,11 @@ def test_jsonl_without_header_and_with_text(tmp_path: Path) -> None:
             "last turn",
         ),
         ("[1, 2]", "expected a JSON object"),
+        # counts that are no integers were coerced ("20", 1.5 cut, true as 1); an infinite arrival taken
+        ('{"job_id": "x", "turns": [{"input_tokens": "20", "output_tokens": 1}]}', "invalid job"),
+        ('{"job_id": "x", "turns": [{"input_tokens": 1.5, "output_tokens": 1}]}', "invalid job"),
+        ('{"job_id": "x", "turns": [{"input_tokens": 1, "output_tokens": true}]}', "invalid job"),
+        ('{"job_id": "x", "arrival_s": 1e400, "turns": [{"input_tokens": 1, "output_tokens": 1}]}', "invalid job"),
     ],
 )
 def test_malformed_trace_names_line(tmp_path: Path, bad: str, needle: str) -> None:
