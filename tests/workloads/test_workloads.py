@@ -638,6 +638,17 @@ def test_bailian_import(tmp_path: Path) -> None:
     dup.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[0]) + "\n")
     with pytest.raises(TraceError, match=r"dup\.jsonl:2.*duplicate"):
         import_bailian(dup)
+    # a parent named as 1.0 is chat 1 (it started a chain of its own)
+    floats = tmp_path / "floats.jsonl"
+    floats.write_text("\n".join(json.dumps({**r, "parent_chat_id": float(r["parent_chat_id"])} if r["parent_chat_id"] != -1 else r)
+                                for r in rows) + "\n")
+    assert [len(j.turns) for j in import_bailian(floats).jobs] == [len(j.turns) for j in t.jobs]
+    # records whose parent links loop reach no root: they were dropped unseen
+    loop = tmp_path / "loop.jsonl"
+    loop.write_text("\n".join(json.dumps(r) for r in [rows[0], {**rows[1], "chat_id": 7, "parent_chat_id": 8},
+                                                       {**rows[2], "chat_id": 8, "parent_chat_id": 7}]) + "\n")
+    with pytest.raises(TraceError, match=r"loop\.jsonl:2: chat_id '7' is in a cycle of parent_chat_id links"):
+        import_bailian(loop)
 
 
 def test_load_trace_specs(tmp_path: Path) -> None:

@@ -93,6 +93,13 @@ def import_mooncake(
     )
 
 
+def _chat_id(value: Any) -> str:
+    """A chat id as text, an integral float as its integer (a parent 1.0 is chat 1)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def import_bailian(
     path: str | Path,
     *,
@@ -130,13 +137,13 @@ def import_bailian(
     recs: dict[str, dict[str, Any]] = {}
     order: list[str] = []
     for lineno, obj in read_jsonl_records(path):
-        cid = str(first_field(obj, ("chat_id", "id"), path, lineno))
+        cid = _chat_id(first_field(obj, ("chat_id", "id"), path, lineno))
         if cid in recs:
             raise TraceError(f"{path}:{lineno}: duplicate chat_id {cid!r}")
         parent = obj.get("parent_chat_id")
         recs[cid] = {
             "line": lineno,
-            "parent": None if parent in (None, "", -1, "-1") else str(parent),
+            "parent": None if parent in (None, "", -1, "-1") else _chat_id(parent),
             "ts": factor
             * as_float(
                 first_field(obj, ("timestamp", "ts"), path, lineno, 0.0), "timestamp", path, lineno
@@ -168,6 +175,17 @@ def import_bailian(
             roots.append(cid)
     for kids in children.values():
         kids.sort(key=lambda c: (recs[c]["ts"], recs[c]["line"]))
+    # NOTE: records whose parent links loop never reach a root: they were dropped unseen
+    reachable: set[str] = set()
+    stack = list(roots)
+    while stack:
+        cid = stack.pop()
+        if cid not in reachable:
+            reachable.add(cid)
+            stack.extend(children.get(cid, []))
+    looped = next((cid for cid in order if cid not in reachable), None)
+    if looped is not None:
+        raise TraceError(f"{path}:{recs[looped]['line']}: chat_id {looped!r} is in a cycle of parent_chat_id links")
     roots.sort(key=lambda c: (recs[c]["ts"], recs[c]["line"]))
     t0 = recs[roots[0]]["ts"] if roots else 0.0
     jobs: list[Job] = []
