@@ -21,7 +21,7 @@ from agent_runtime.tool_schema import validate_tool_schema
 from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core.chat_messages import ROLES, validate_messages
 from asymcache_core.continuum.ttl import TTLRule
-from asymcache_core.engine_checks import truncated_prompt
+from asymcache_core.engine_checks import check_id, truncated_prompt
 from asymcache_core.sampling_params import SamplingParams
 
 ToolChoice = str | Mapping[str, Any] | None
@@ -100,8 +100,7 @@ def check_request_options(job_id: object, is_last_step: object, pinning: object,
     Raises:
         ValueError: naming the option.
     """
-    if job_id is not None and (not isinstance(job_id, str) or not job_id):
-        raise ValueError(f"job_id: a non-empty string or None, got {job_id!r}")
+    check_id("job_id", job_id, optional=True)
     if not isinstance(is_last_step, bool):
         raise ValueError(f"is_last_step: True or False, got {is_last_step!r}")
     if pinning is not None and not isinstance(pinning, bool):

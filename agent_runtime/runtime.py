@@ -37,6 +37,7 @@ from asymcache_core import Engine
 from asymcache_core.chat_template import ChatRenderer, ChatTemplates
 from asymcache_core.chat_template_options import check_template_source
 from asymcache_core.continuum.controller import ContinuumController
+from asymcache_core.engine_checks import check_id
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.tool_parsing import TOOL_CALL_FORMATS, ToolCallFormat
 
@@ -356,9 +357,7 @@ class AgentRuntime(ChatTurns):
         Raises:
             ValueError: a job id that is no non-empty string, or ``num_turns`` no integer >= 1.
         """
-        check_request_options(job_id, False, None, None)
-        if job_id is None:
-            raise ValueError("job_id: the job to finish")
+        check_id("job_id", job_id)
         if num_turns is not None and (isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1):
             raise ValueError(f"num_turns: an integer >= 1 or None, got {num_turns!r}")
         await self.call(lambda _engine: self._processor.finish_job(job_id, num_turns))

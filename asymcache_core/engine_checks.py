@@ -23,6 +23,17 @@ def truncated_prompt(ids: list[int], params: SamplingParams, max_model_len: int)
     return ids[-(max_model_len - 1 if keep == -1 else keep) :]
 
 
+def check_id(name: str, value: object, *, optional: bool = False) -> None:
+    """Rejects an id (a request's, a job's) that is not a non-empty string (``None`` too,
+    unless ``optional``).
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if (value is not None or not optional) and (not isinstance(value, str) or not value):
+        raise ValueError(f"{name}: a non-empty string{' or None' if optional else ''}, got {value!r}")
+
+
 def check_request_fields(
     prompt: object, request_id: object, job_id: object, is_last_step: object, priority: object,
     continues_job: object,
@@ -39,8 +50,7 @@ def check_request_fields(
     ):
         raise ValueError(f"prompt: a string or a list of token ids, got {type(prompt).__name__}")
     for name, value in (("request_id", request_id), ("job_id", job_id), ("continues_job", continues_job)):
-        if value is not None and (not isinstance(value, str) or not value):
-            raise ValueError(f"{name}: a non-empty string or None, got {value!r}")
+        check_id(name, value, optional=True)
     if not isinstance(is_last_step, bool):
         raise ValueError(f"is_last_step: True or False, got {is_last_step!r}")
     if isinstance(priority, bool) or not isinstance(priority, int | float) or not math.isfinite(priority):

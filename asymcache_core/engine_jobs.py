@@ -9,6 +9,7 @@ import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from asymcache_core.engine_checks import check_id
 from asymcache_core.implicit_jobs import ImplicitJobs
 from asymcache_core.request import Request, RequestStatus
 from asymcache_core.sim_runner import VirtualClock
@@ -100,7 +101,7 @@ class JobControl:
             ValueError: a job id that is no non-empty string, or a TTL that is no finite
                 number of seconds >= 0 (an infinite one would never expire).
         """
-        _check_job_id(job_id)
+        check_id("job_id", job_id)
         _check_seconds("ttl_s", ttl_s)
         return self.pins.pin(job_id, ttl_s, self.clock())
 
@@ -152,7 +153,7 @@ class JobControl:
         Raises:
             ValueError: a job id that is no non-empty string.
         """
-        _check_job_id(job_id)
+        check_id("job_id", job_id)
         if self.job_admission is not None:
             self.job_admission.end_job(job_id)
         self.pins.forget(job_id)
@@ -164,17 +165,12 @@ class JobControl:
             ValueError: a job id that is no non-empty string, a gap that is no finite number of
                 seconds >= 0, or ``finished`` that is no boolean.
         """
-        _check_job_id(job_id)
+        check_id("job_id", job_id)
         if expected_gap_s is not None:
             _check_seconds("expected_gap_s", expected_gap_s)
         if finished is not None and not isinstance(finished, bool):
             raise ValueError(f"finished: True, False or None, got {finished!r}")
         self.continuum.hint(job_id, expected_gap_s, finished)
-
-
-def _check_job_id(job_id: object) -> None:
-    if not isinstance(job_id, str) or not job_id:
-        raise ValueError(f"job_id: a non-empty string, got {job_id!r}")
 
 
 def _check_seconds(name: str, value: object, *, allow_negative: bool = False) -> None:
