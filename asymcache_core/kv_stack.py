@@ -80,16 +80,16 @@ def build_kv_stack(
     num_host_blocks = config.num_host_kv_blocks
     if num_host_blocks is None:
         num_host_blocks = int(config.cpu_offload_gb * GIB // block_bytes)
-    # NOTE: before any table is built: each block is a Python object of the pools' bookkeeping
-    # (a simulated engine's whole cost), and a count past the machine's memory would only be
-    # found when the process is killed
     host_field = "cpu_offload_gb" if config.num_host_kv_blocks is None else "num_host_kv_blocks"
-    check_block_tables_fit(num_blocks, num_host_blocks, host_field)
-    pool = BlockPool(num_blocks, policy, clock)
     if check_host_memory and num_host_blocks > 0:
         # NOTE: checked before the tier's block table is built: a tier larger than the
         # machine can never be allocated, and building its table alone would take minutes.
         check_host_tier_fits(num_host_blocks * block_bytes, host_field)
+    # NOTE: before any table is built: each block is a Python object of the pools' bookkeeping
+    # (a simulated engine's whole cost), and a count past the machine's memory would only be
+    # found when the process is killed
+    check_block_tables_fit(num_blocks, num_host_blocks, host_field)
+    pool = BlockPool(num_blocks, policy, clock)
     host_tier = None
     if num_host_blocks > 0:
         host_policy = create_policy(config.host_eviction_policy or config.eviction_policy, context)

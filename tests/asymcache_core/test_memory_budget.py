@@ -48,7 +48,7 @@ def test_no_room_is_an_error_naming_the_field():
     with pytest.raises(ValueError, match=r"^gpu_memory_utilization: 0.1 of 140.0 GiB leaves no room"):
         plan_kv_pool(llama8b(), gpu_memory_utilization=0.1, total_bytes=140 * GIB, block_size=16, dtype_bytes=2,
                      max_num_batched_tokens=8192, max_num_seqs=256)
-    with pytest.raises(ValueError, match="^gpu_memory_utilization: must be in"):
+    with pytest.raises(ValueError, match="^gpu_memory_utilization: must be a number in"):
         EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="^device_memory_gib: must be a positive number"):
         EngineConfig(device_memory_gib=-1.0)
