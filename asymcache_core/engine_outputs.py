@@ -23,14 +23,35 @@ def request_output(request: Request, new: list[int]) -> RequestOutput:
     """The output of ``request`` after a step that appended ``new`` tokens to it."""
     # NOTE: detokenize_step keeps request.text current (decoded incrementally, cut at a stop).
     reason = request.status.value if request.finished else None
+    text = request.text
+    params = request.params
+    if params.stop and not request.finished and not params.include_stop_str_in_output:
+        # NOTE: text that may be the start of a stop string is held back until the next tokens
+        # tell: a stream must never show part of a stop string (vLLM's and OpenAI's rule)
+        text = text[: len(text) - stop_prefix_length(text, params.stop)]
     return RequestOutput(
-        request.request_id, new, list(request.output_token_ids), request.text, request.finished,
+        request.request_id, new, list(request.output_token_ids), text, request.finished,
         reason, request.metrics, request.num_prompt_tokens, request.error,
         list(request.logprobs) if request.logprobs is not None else None,
         # NOTE: a tuple once every prompt entry is computed (a list before: not reported yet)
         request.prompt_logprobs if isinstance(request.prompt_logprobs, tuple) else None,
         _stop_reason(request),
     )
+
+
+def stop_prefix_length(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``stops`` (0: none).
+
+    The text before it can never be part of a stop string, whatever tokens come next, so
+    what a stream shows grows only (a later stop string starts at or after it).
+    """
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
 
 
 def _stop_reason(request: Request) -> int | str | None:
@@ -184,5 +205,5 @@ def generate_blocking(
 
 __all__ = [
     "attach_logprobs", "attach_prompt_logprobs", "detokenize_step", "flush_text", "generate_blocking",
-    "request_output",
+    "request_output", "stop_prefix_length",
 ]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asymcache_core import Engine, EngineConfig, SamplingParams
+from asymcache_core.engine_outputs import stop_prefix_length
 from tests.conftest import make_engine
 
 # NOTE: 6 tokens: past the prompt, every step of a test costs about the same on the CPU
@@ -131,6 +135,36 @@ def test_text_stop_strings_and_eos(smollm, chat_prompts):
     cut = engine.generate([chat_prompts[0]], SamplingParams(max_tokens=30, stop=("France",)))[0]
     assert cut.text == "The capital of "
     assert cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stop", ["of France", "capital of Fr", "France is Paris!"])
+def test_a_stream_never_shows_part_of_a_stop_string(smollm, chat_prompts, stop):
+    """Streamed texts once ended in the first characters of a stop string ("...capital of")
+    that the final text then cut away: what a stream shows only grows, and is the final text's
+    start (a stop string that never completes, the last case, is held back only while it might)."""
+    engine = make_engine(smollm)
+    params = SamplingParams(max_tokens=30, stop=(stop, "zzz-never"))
+    rid = engine.add_request(chat_prompts[0], params)
+    texts = []
+    while engine.has_unfinished():
+        texts += [out.text for out in engine.step() if out.request_id == rid]
+    final = texts[-1]
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
+    assert stop not in final
+    (alone,) = engine.generate([chat_prompts[0]], params)
+    assert alone.text == final
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab", max_size=12), st.lists(st.text(alphabet="ab", min_size=1, max_size=4), min_size=1, max_size=3))
+def test_the_held_back_end_of_a_text_is_the_longest_start_of_a_stop_string(text, stops):
+    held = stop_prefix_length(text, stops)
+    assert held == max((n for s in stops for n in range(len(s)) if text.endswith(s[:n]) and n <= len(text)), default=0)
+    # whatever comes next, a stop string found later begins at or after what was shown
+    for more in ("a", "b", "ab", "ba", "bb"):
+        longer = text + more
+        found = [longer.find(s) for s in stops if s in longer and s not in text]
+        assert all(i >= len(text) - held for i in found)
 
 
 def test_random_sampling_is_seeded(smollm, chat_prompts):
