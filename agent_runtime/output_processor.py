@@ -233,7 +233,9 @@ def build_turn(stream: RequestStream, final: StreamEvent) -> AssistantTurn:
         The turn.
     """
     out = final.output
-    parsed = final.parsed if final.parsed is not None else ParsedMessage(out.text.strip(), [])
+    # NOTE: the text as generated, as vLLM and OpenAI return it (once stripped: a non-streamed
+    # reply then differed from its stream's text by its last space)
+    parsed = final.parsed if final.parsed is not None else ParsedMessage(out.text, [])
     message = parsed.to_openai_message()
     reason = "tool_calls" if parsed.tool_calls else (out.finish_reason or "stop")
     metrics = final.metrics

@@ -212,7 +212,9 @@ def parse_hermes(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedM
             calls.extend(decoded)
             rest = rest[:open_at]
     parts.append(rest)
-    return ParsedMessage(_tidy(parts), calls)
+    # NOTE: a reply without a call is returned as written (vLLM's hermes parser does the
+    # same), so a non-streamed reply equals its stream's text
+    return ParsedMessage(_tidy(parts) if calls else text, calls)
 
 
 def parse_llama3_json(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedMessage:

@@ -151,9 +151,12 @@ class ChatChunks(Chunks):
         self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
         call_format: str = "hermes", reasoning_parser: str | None = None, return_ids: bool = False,
-        include_reasoning: bool = True,
+        include_reasoning: bool = True, named_tool: bool = False,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
+        #: a named ``tool_choice`` forced the call: its reason is ``stop``, as OpenAI's and
+        #: vLLM's (``tool_calls`` is for calls the model chose to make)
+        self.named_tool = named_tool
         #: what of the reply went out: its thinking (``reasoning_content``) and its content
         self.text = StreamedText(tools_possible, call_format, reasoning_parser)
         #: the body's content is the text as generated, not stripped: it continues a message
@@ -212,13 +215,16 @@ class ChatChunks(Chunks):
             calls = to_openai_tool_calls(turn.parsed.tool_calls)
             deltas.append(DeltaMessage(tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)]))
         out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
-        out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=turn.finish_reason,
+        out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=self._reason(turn),
                                               stop_reason=event.output.stop_reason))
         pending = self.take_logprobs(event)
         if pending:
             out[0] = out[0].model_copy(update={"logprobs": self._logprobs(pending)})
         out[0] = out[0].model_copy(update=self._ids_update(event))
         return out
+
+    def _reason(self, turn: AssistantTurn) -> str:
+        return "stop" if self.named_tool and turn.finish_reason == "tool_calls" else turn.finish_reason
 
     def _ids_update(self, event: StreamEvent) -> dict[str, Any]:
         ids = self._take_ids(event)
@@ -232,7 +238,7 @@ class ChatChunks(Chunks):
         if self.raw_content and not turn.parsed.tool_calls:
             message["content"] = self.text.split(final.output.text, True)[1]
         return ChatCompletionChoice(
-            index=self.index, message=ChatMessage.model_validate(message), finish_reason=turn.finish_reason,
+            index=self.index, message=ChatMessage.model_validate(message), finish_reason=self._reason(turn),
             logprobs=self._logprobs(final.output.logprobs or []), stop_reason=final.output.stop_reason,
             **({"token_ids": list(final.output.token_ids)} if self.return_ids else {}),
         )

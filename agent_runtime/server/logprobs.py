@@ -137,6 +137,9 @@ def completion_logprobs(
         for token_id, logprob in entry.top:
             # NOTE: two ids may read as the same text (pieces of characters): the likelier stays
             top.setdefault(texts(token_id)[0], logprob)
+        # NOTE: the token taken is always among them, as OpenAI's legacy API and vLLM give it
+        # (up to logprobs + 1 entries): a sampled token outside the most likely was missing
+        top.setdefault(text, entry.logprob)
         top_logprobs.append(top if num_top else None)
         text_offset.append(offset)
         offset += len(text)

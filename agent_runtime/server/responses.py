@@ -103,8 +103,11 @@ class ChatMessage(_Body):
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    #: OpenAI's (null: the model refused nothing); vLLM's ``tool_calls`` is a list, empty
+    #: when the reply calls no tool
+    refusal: str | None = None
     reasoning_content: str | None = _OMIT
-    tool_calls: list[ToolCall] | None = _OMIT
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(_Body):
@@ -208,6 +211,8 @@ class _Envelope(_Body):
     object: str
     created: int
     model: str
+    #: OpenAI's backend configuration id; null here, as vLLM's
+    system_fingerprint: str | None = None
 
 
 class _Completion(_Envelope, Generic[ChoiceT]):
@@ -274,6 +279,10 @@ class ModelCard(_Body):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "asymcache"
+    #: vLLM's: the model the name serves, its base (null: none) and its context limit
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(_Body):

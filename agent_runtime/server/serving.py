@@ -86,7 +86,7 @@ async def models(request: Request) -> JSONResponse:
     state = app_state(request)
     state.check_auth(request)
     state.metrics.count("/v1/models", 200)
-    return JSONResponse(ModelList(data=[ModelCard(id=state.model_name, created=state.created)]).model_dump())
+    return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
 
 
 async def model(request: Request, model_id: str) -> JSONResponse:
@@ -95,7 +95,14 @@ async def model(request: Request, model_id: str) -> JSONResponse:
     state.check_auth(request)
     state.check_model(model_id)
     state.metrics.count("/v1/models/{model}", 200)
-    return JSONResponse(ModelCard(id=state.model_name, created=state.created).model_dump())
+    return JSONResponse(_model_card(state).model_dump())
+
+
+def _model_card(state: AppState) -> ModelCard:
+    """The served model's card: its name, and as vLLM's the engine's model and context limit."""
+    runtime = state.runtime
+    return ModelCard(id=state.model_name, created=state.created,
+                     root=getattr(runtime, "model_name", None), max_model_len=getattr(runtime, "max_model_len", None))
 
 
 async def version(request: Request) -> dict[str, str]:
@@ -187,7 +194,7 @@ async def chat_completions(request: Request) -> Response:
         ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None,
                    raw_content=bool(req.continue_final_message), call_format=rt.tool_call_format,
                    reasoning_parser=rt.reasoning_parser, return_ids=req.return_token_ids is True,
-                   include_reasoning=req.include_reasoning is not False)
+                   include_reasoning=req.include_reasoning is not False, named_tool=choice == "named")
         for i, s in enumerate(streams)
     ]
     return await _respond(request, state, req, chunks, _CHAT, base_id)

@@ -108,6 +108,8 @@ def test_models_health_metrics(live, oa):
     assert [m.id for m in oa.models.list().data] == [MODEL]
     # OpenAI's retrieve, and vLLM's version route
     assert oa.models.retrieve(MODEL).id == MODEL
+    card = httpx.get(f"{live.base}/v1/models", timeout=10).json()["data"][0]
+    assert card["max_model_len"] == live.runtime.max_model_len and card["root"] == live.runtime.model_name
     with pytest.raises(openai.NotFoundError) as missing:
         oa.models.retrieve("org/other-model")
     assert missing.value.body["code"] == "model_not_found"
@@ -247,7 +249,8 @@ def test_tool_loop_through_openai_client(live, oa):
         max_tokens=40, extra_body={"job_id": "job-http"},
     )
     choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "stop"  # a named tool_choice forced the call: OpenAI's and vLLM's reason
+    assert choice.message.refusal is None and first.system_fingerprint is None
     call = choice.message.tool_calls[0]
     assert call.function.name == "read_file" and json.loads(call.function.arguments)["path"] in ("notes.txt", "todo.md")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -260,6 +263,9 @@ def test_tool_loop_through_openai_client(live, oa):
         extra_body={"job_id": "job-http", "is_last_step": True},
     )
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    raw = httpx.post(f"{live.base}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages[:1], "max_tokens": 2}).json()["choices"][0]["message"]
+    assert raw["tool_calls"] == [] and raw["refusal"] is None  # vLLM's keys, present when empty
     usage = second.usage
     # the first turn's prompt and generated call come from the cache
     prev = first.usage.prompt_tokens + first.usage.completion_tokens
@@ -575,7 +581,7 @@ def test_chat_logprobs_through_openai_client_streamed_and_not(live, oa):
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
         assert entry.token == entry.top_logprobs[0].token and entry.logprob == entry.top_logprobs[0].logprob  # greedy
     # the tokens' exact bytes join into the reply's text, multi-byte characters included
-    assert bytes(b for e in content for b in e.bytes).decode("utf-8").strip() == choice.message.content
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8") == choice.message.content  # as generated
     # streamed: the same entries, spread over the chunks
     chunks = _sse(live, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
                                                  "logprobs": True, "top_logprobs": 3, "ignore_eos": True})
@@ -613,6 +619,12 @@ def test_completion_logprobs_legacy_shape_streamed_and_not(live, oa):
     # logprobs=0: the sampled tokens' log probabilities alone
     zero = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=0).choices[0].logprobs
     assert len(zero.token_logprobs) == 3 and zero.top_logprobs == [None] * 3
+    # sampled at random, a token outside the most likely is among its alternatives too (once missing)
+    hot = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=1, temperature=2.0, seed=3,
+                                extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert all(top[token] == logprob for token, logprob, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs,
+                                                                      strict=True))
+    assert any(len(top) == 2 for top in hot.top_logprobs)
     live.check()
 
 
