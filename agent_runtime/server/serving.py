@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -313,6 +314,10 @@ _CHAT = _Endpoint("/v1/chat/completions", "chatcmpl", ChatCompletionResponse, Ch
 _COMPLETION = _Endpoint("/v1/completions", "cmpl", CompletionResponse, CompletionChunk)
 
 
+#: The characters an id keeps as they are in a response header: visible ASCII.
+_HEADER_SAFE = "".join(map(chr, range(0x21, 0x7F)))
+
+
 async def _respond(
     request: Request,
     state: AppState,
@@ -325,7 +330,9 @@ async def _respond(
     choice finished, or the SSE stream; either with ``base_id`` (:func:`~agent_runtime.server.body_parsing.base_request_id`) in
     ``X-Request-Id``."""
     rid = f"{endpoint.id_prefix}-{base_id}"
-    id_header = {REQUEST_ID_HEADER: base_id}
+    # NOTE: a header is latin-1 text: an id with other characters (a body's request_id may hold
+    # any) is sent percent-encoded, never a 500
+    id_header = {REQUEST_ID_HEADER: urllib.parse.quote(base_id, safe=_HEADER_SAFE)}
     model, metrics = state.model_name, state.metrics
     if not req.streaming:
         finals = await await_finals(request, [c.stream for c in chunks])

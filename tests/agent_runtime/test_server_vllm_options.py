@@ -228,6 +228,10 @@ def test_request_id_names_the_response_and_ping_answers(live):  # noqa: F811
     for bad in ("", 7):
         r = _post(live, "/v1/chat/completions", {**chat, "request_id": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+    # an id a header cannot carry (not latin-1) was a 500: it comes back percent-encoded there
+    wide = _post(live, "/v1/chat/completions", {**chat, "request_id": "job \u0100-1"})
+    assert wide.status_code == 200 and wide.json()["id"] == "chatcmpl-job \u0100-1", wide.text
+    assert wide.headers["x-request-id"] == "job%20%C4%80-1"
     # vLLM's X-Request-Id header names the completion over the body's field, and comes back
     headed = httpx.post(f"{live.base}/v1/chat/completions", json={**chat, "request_id": "body-1"},
                         headers={"X-Request-Id": "hdr-1"}, timeout=120)
