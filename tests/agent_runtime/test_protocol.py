@@ -204,14 +204,16 @@ def test_response_models_keep_nulls_openai_sends_and_omit_unset_extras():
     )
     # key order is the wire's: the JSON text is what clients (and the tests) compare
     assert json.dumps(body.model_dump(), separators=(",", ":")) == (
-        '{"id":"chatcmpl-x","object":"chat.completion","created":7,"model":"m","choices":[{"index":0,'
-        '"message":{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function",'
+        '{"id":"chatcmpl-x","object":"chat.completion","created":7,"model":"m","system_fingerprint":null,'
+        '"choices":[{"index":0,'
+        '"message":{"role":"assistant","content":null,"refusal":null,"tool_calls":[{"id":"call_1","type":"function",'
         '"function":{"name":"f","arguments":"{}"}}]},"finish_reason":"tool_calls","logprobs":null,"stop_reason":null}],'
         '"usage":{"prompt_tokens":10,"completion_tokens":3,"total_tokens":13,'
         '"prompt_tokens_details":{"cached_tokens":8}}}'
     )
+    # OpenAI's refusal and vLLM's tool_calls are there when empty: clients read them as keys
     assert ChatMessage.model_validate({"role": "assistant", "content": "hi"}).model_dump() == {
-        "role": "assistant", "content": "hi",
+        "role": "assistant", "content": "hi", "refusal": None, "tool_calls": [],
     }
     # chunks: unset delta fields and the usage are left out; finish_reason and logprobs stay null
     chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[
@@ -219,7 +221,8 @@ def test_response_models_keep_nulls_openai_sends_and_omit_unset_extras():
         ChatCompletionStreamChoice(delta=DeltaMessage(tool_calls=[ToolCallDelta(index=0, **call)])),
         ChatCompletionStreamChoice(delta=DeltaMessage(), finish_reason="stop"),
     ])
-    assert chunk.model_dump() == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+    assert chunk.model_dump() == {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                  "system_fingerprint": None, "choices": [
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None,
          "stop_reason": None},
         {"index": 0, "delta": {"tool_calls": [{"index": 0, **call}]}, "finish_reason": None, "logprobs": None,
