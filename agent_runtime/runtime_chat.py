@@ -23,7 +23,6 @@ from agent_runtime.protocol import (
     normalize_response_format,
     normalize_tool_choice,
     normalize_tools,
-    validate_messages,
 )
 from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
 from agent_runtime.structured_outputs import normalize_structured_outputs
@@ -31,7 +30,6 @@ from agent_runtime.thinking_budget import check_thinking_budget, thinking_budget
 from agent_runtime.types import AssistantTurn
 from asymcache_core import Engine
 from asymcache_core.chat_template import ChatTemplates
-from asymcache_core.chat_template_options import check_documents
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.tool_parsing import ToolCallFormat
 
@@ -43,7 +41,8 @@ _CHAT_OPTIONS = frozenset({
 })
 
 #: Errors of the chat's rendering that name a field of their own (the rest name ``messages``).
-_TEMPLATE_FIELDS = ("chat_template", "documents", "default_chat_template_kwargs")
+_NAMED_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "documents",
+                 "default_chat_template_kwargs")
 
 
 class ChatTurns:
@@ -102,19 +101,13 @@ class ChatTurns:
             loaded = getattr(self.engine, "loaded", None)
             why = f" ({loaded.tokenizer_source})" if loaded is not None else ""
             raise ValueError(f"messages: this model has no tokenizer/chat template{why}")
-        validate_messages(messages)
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message: not with add_generation_prompt (send add_generation_prompt=false)")
-        renderer = self.templates.renderer(chat_template)
-        variables = self.templates.variables(chat_template_kwargs)
         try:
-            return renderer.prompt(
-                messages, tools or None, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, template_kwargs=variables,
-                documents=check_documents(documents),
+            return self.templates.prompt(
+                messages, tools, add_generation_prompt, continue_final_message, chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs, documents=documents,
             )
         except ValueError as e:
-            if str(e).startswith(_TEMPLATE_FIELDS):
+            if str(e).startswith(_NAMED_FIELDS):
                 raise
             raise ValueError(f"messages: {e}") from None
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asymcache_core.chat_template import TEXT_PART_KEYS
 from asymcache_core.tool_parsing import from_openai_tool_calls
+
+#: The content-part types that are text, with the key of their text: OpenAI's ``text`` (and an
+#: assistant's ``refusal``), and the Responses API's ``input_text`` / ``output_text``, which
+#: clients converting between the two APIs send in chat messages too (vLLM reads them all).
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 #: The roles a chat message may have.
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -81,4 +85,4 @@ def _check_content_part(part: Any, where: str) -> None:
         raise ValueError(f"{where}.{key}: must be a string")
 
 
-__all__ = ["ROLES", "validate_messages"]
+__all__ = ["ROLES", "TEXT_PART_KEYS", "validate_messages"]

@@ -30,7 +30,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asymcache_core.chat_template_options import check_template_kwargs, check_template_source
+from asymcache_core.chat_messages import TEXT_PART_KEYS, validate_messages
+from asymcache_core.chat_template_options import (
+    check_documents,
+    check_template_kwargs,
+    check_template_source,
+)
 from asymcache_core.tool_parsing import from_openai_tool_calls, render_hermes_tool_calls
 
 _TOOLS_PREAMBLE = (
@@ -98,12 +103,6 @@ def tools_system_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
     """
     lines = [json.dumps(dict(t), ensure_ascii=False) for t in tools]
     return _TOOLS_PREAMBLE + "\n" + "\n".join(lines) + "\n" + _TOOLS_INSTRUCTION
-
-
-#: The content-part types that are text, with the key of their text: OpenAI's ``text`` (and an
-#: assistant's ``refusal``), and the Responses API's ``input_text`` / ``output_text``, which
-#: clients converting between the two APIs send in chat messages too (vLLM reads them all).
-TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 def _content_text(content: Any) -> str:
@@ -458,6 +457,39 @@ class ChatTemplates:
         while len(self._requested) > self.max_request_templates:
             del self._requested[next(iter(self._requested))]
         return found
+
+    def prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Any = None,
+    ) -> str | list[int]:
+        """A chat's prompt as the server, the runtime and ``Engine.chat`` render it: messages
+        checked (:func:`~asymcache_core.chat_messages.validate_messages`), ``chat_template``'s
+        renderer (None: the default), the default variables under the chat's own.
+
+        Returns:
+            The text, or its token ids (:meth:`ChatRenderer.prompt`).
+
+        Raises:
+            ValueError: naming the field (``messages[i]...``, ``chat_template...``,
+                ``documents...``, ``continue_final_message``).
+        """
+        validate_messages(messages)
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: True or False, got {flag!r}")
+        return self.renderer(chat_template).prompt(
+            messages, tools or None, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=self.variables(chat_template_kwargs),
+            documents=check_documents(documents),
+        )
 
     def variables(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         """The template variables of a chat: the defaults, then its own.

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from asymcache_core.chat_messages import validate_messages
-from asymcache_core.chat_template import ChatRenderer, ChatTemplates
-from asymcache_core.chat_template_options import check_template_kwargs, check_template_source
+from asymcache_core.chat_template import ChatTemplates
+from asymcache_core.chat_template_options import check_template_source
 from asymcache_core.engine_outputs import generate_blocking
 from asymcache_core.engine_stats import GenerationOutput
 from asymcache_core.sampling_params import SamplingParams
@@ -87,52 +86,36 @@ class BlockingCalls:
         """
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer (and so no chat template); use generate() with token ids")
-        for name, flag in (("add_generation_prompt", add_generation_prompt),
-                           ("continue_final_message", continue_final_message)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name}: True or False, got {flag!r}")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message: not with add_generation_prompt (set it False to continue the last message)")
         if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages: a conversation (a list of messages) or a list of conversations")
-        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        for i, conversation in enumerate(conversations):
-            if (
-                isinstance(conversation, str | Mapping) or not isinstance(conversation, Sequence) or not conversation
-                or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in conversation)
-            ):
-                raise ValueError(f"messages[{i}]: a non-empty list of messages, each a dict with a 'role'")
-            try:
-                validate_messages(conversation)
-            except ValueError as exc:
-                # NOTE: one conversation's errors name its messages as the server does
-                # (``messages[j].content``); a batch's name the conversation first
-                if conversation is messages:
-                    raise
-                raise ValueError(f"messages[{i}]{str(exc).removeprefix('messages')}") from None
         if tools is not None and (
             isinstance(tools, str | Mapping) or not isinstance(tools, Sequence)
             or not all(isinstance(t, Mapping) for t in tools)
         ):
             raise ValueError("tools: a list of OpenAI tool schemas (dicts)")
         templates = self._chat_templates
-        if templates is None and getattr(self.tokenizer, "chat_template", None):
-            # NOTE: kept: a renderer probes its template for a tool section when it is made.
-            templates = self._chat_templates = ChatTemplates(self.tokenizer)
-        if templates is not None:
-            renderer = templates.renderer(chat_template)
-        elif chat_template is not None:
-            renderer = ChatRenderer(self.tokenizer, check_template_source(chat_template))
-        else:
-            raise ValueError("chat_template: the model's tokenizer has none; pass the template's source")
-        variables = check_template_kwargs(chat_template_kwargs)
+        if templates is None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                if chat_template is None:
+                    raise ValueError("chat_template: the model's tokenizer has none; pass the template's source")
+                templates = ChatTemplates(self.tokenizer, check_template_source(chat_template))
+            else:
+                # NOTE: kept: a renderer probes its template for a tool section when it is made
+                templates = self._chat_templates = ChatTemplates(self.tokenizer)
+        single = isinstance(messages[0], Mapping)
         prompts: list[str | list[int]] = []
-        for i, conversation in enumerate(conversations):
+        for i, conversation in enumerate([messages] if single else messages):
             try:
-                prompts.append(renderer.prompt(
+                prompts.append(templates.prompt(
                     cast("Sequence[Mapping[str, Any]]", conversation), tools, add_generation_prompt,
-                    continue_final_message, variables,
+                    continue_final_message, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                 ))
             except ValueError as exc:
-                raise ValueError(f"messages[{i}]: {exc}") from None
+                # NOTE: one conversation's errors are the server's (``messages[j].content``);
+                # a batch's name the conversation first
+                if single:
+                    raise
+                text = str(exc)
+                raise ValueError(f"messages[{i}]{text.removeprefix('messages')}" if text.startswith("messages")
+                                 else f"messages[{i}]: {text}") from None
         return prompts

@@ -4,6 +4,7 @@ engine's parts (:meth:`Engine.check_integrity <asymcache_core.engine.Engine.chec
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,19 @@ def check_id(name: str, value: object, *, optional: bool = False) -> None:
     """
     if (value is not None or not optional) and (not isinstance(value, str) or not value):
         raise ValueError(f"{name}: a non-empty string{' or None' if optional else ''}, got {value!r}")
+
+
+def check_seconds(name: str, value: object, *, allow_negative: bool = False) -> None:
+    """Rejects a time that is not a finite number of seconds (or is negative, unless
+    ``allow_negative``: an engine time may be).
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name}: a finite number of seconds, got {value!r}")
+    if value < 0 and not allow_negative:
+        raise ValueError(f"{name}: must be >= 0, got {value!r}")
 
 
 def check_request_fields(

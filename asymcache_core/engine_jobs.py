@@ -4,12 +4,10 @@ requests that name none, and the sweep that keeps per-job state bounded (a mixin
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from asymcache_core.engine_checks import check_id
+from asymcache_core.engine_checks import check_id, check_seconds
 from asymcache_core.implicit_jobs import ImplicitJobs
 from asymcache_core.request import Request, RequestStatus
 from asymcache_core.sim_runner import VirtualClock
@@ -59,7 +57,7 @@ class JobControl:
         idle engine owes. Either way, pins whose TTL has passed by now expire (inside
         :meth:`step` they expire at the start of every step).
         """
-        _check_seconds("when", when, allow_negative=True)
+        check_seconds("when", when, allow_negative=True)
         if isinstance(self.clock, VirtualClock):
             self.clock.advance_to(when)
         self.pins.expire(self.clock())
@@ -102,7 +100,7 @@ class JobControl:
                 number of seconds >= 0 (an infinite one would never expire).
         """
         check_id("job_id", job_id)
-        _check_seconds("ttl_s", ttl_s)
+        check_seconds("ttl_s", ttl_s)
         return self.pins.pin(job_id, ttl_s, self.clock())
 
     def unpin_job(self, job_id: str) -> bool:
@@ -167,17 +165,10 @@ class JobControl:
         """
         check_id("job_id", job_id)
         if expected_gap_s is not None:
-            _check_seconds("expected_gap_s", expected_gap_s)
+            check_seconds("expected_gap_s", expected_gap_s)
         if finished is not None and not isinstance(finished, bool):
             raise ValueError(f"finished: True, False or None, got {finished!r}")
         self.continuum.hint(job_id, expected_gap_s, finished)
-
-
-def _check_seconds(name: str, value: object, *, allow_negative: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name}: a finite number of seconds, got {value!r}")
-    if value < 0 and not allow_negative:
-        raise ValueError(f"{name}: must be >= 0, got {value!r}")
 
 
 __all__ = ["JOB_IDLE_S", "JOB_SWEEP_INTERVAL_S", "MAX_TRACKED_JOBS", "JobControl"]

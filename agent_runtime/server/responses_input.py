@@ -26,7 +26,7 @@ from agent_runtime.server.requests import (
     TopP,
     lift_vllm_xargs,
 )
-from asymcache_core.chat_template import TEXT_PART_KEYS
+from asymcache_core.chat_messages import TEXT_PART_KEYS
 from asymcache_core.sampling_params import SamplingParams
 
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -100,7 +100,7 @@ class ResponsesRequest(BaseModel):
 
 def _text_of(content: Any, where: str) -> str:
     """A message's or a tool output's text: a string, or a list of text parts (the chat's kinds:
-    :data:`asymcache_core.chat_template.TEXT_PART_KEYS`)."""
+    :data:`asymcache_core.chat_messages.TEXT_PART_KEYS`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):

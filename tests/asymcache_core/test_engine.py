@@ -515,11 +515,11 @@ def test_chat_renders_conversations_as_vllms_llm_chat(smollm):
     [
         ([], {}, "^messages: a conversation"),
         ("hello", {}, "^messages: a conversation"),
-        ([{"content": "no role"}], {}, r"^messages\[0\]: a non-empty list"),
-        ([[{"role": "user", "content": "a"}], []], {}, r"^messages\[1\]: a non-empty list"),
+        ([{"content": "no role"}], {}, r"^messages\[0\]\.role: must be one of"),
+        ([[{"role": "user", "content": "a"}], []], {}, r"^messages\[1\]: must be a non-empty list of messages"),
         ([{"role": "user", "content": "a"}], {"continue_final_message": True}, "^continue_final_message: "),
         ([{"role": "user", "content": "a"}], {"chat_template": "{{ raise_exception('no system turns') }}"},
-         r"^messages\[0\]: chat_template: the template failed on this chat: no system turns"),
+         r"^chat_template: the template failed on this chat: no system turns"),
         ([{"role": "user", "content": "a"}], {"chat_template_kwargs": ["x"]}, "^chat_template_kwargs: "),
         # checked as the server checks them (once rendered as they were)
         ([{"role": "alien", "content": "a"}], {}, r"^messages\[0\]\.role: "),
@@ -531,11 +531,11 @@ def test_chat_renders_conversations_as_vllms_llm_chat(smollm):
         ([{"role": "user", "content": "a"}], {"tools": [5]}, "^tools: a list of OpenAI tool schemas"),
         # a template's own arithmetic and recursion errors (once ZeroDivisionError, RecursionError)
         ([{"role": "user", "content": "a"}], {"chat_template": "{{ 1 / 0 }}"},
-         r"^messages\[0\]: chat_template: the template failed on this chat: division by zero"),
+         r"^chat_template: the template failed on this chat: division by zero"),
         ([{"role": "user", "content": "a"}], {"chat_template": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"},
-         r"^messages\[0\]: chat_template: the template failed on this chat"),
+         r"^chat_template: the template failed on this chat"),
         ([{"role": "user", "content": "a"}], {"chat_template": "{% for i in range(10**9) %}{% endfor %}"},
-         r"^messages\[0\]: chat_template: the template failed on this chat"),
+         r"^chat_template: the template failed on this chat"),
     ],
 )
 def test_chat_rejects_bad_conversations_naming_the_argument(smollm, messages, kwargs, message):
