@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import gc
 import json
-import math
 import shlex
 import sys
 import time
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from eval.bench_checks import BenchError, check_bench_sizes
 from eval.harness import (
     drive,
     largest_request_blocks,
@@ -223,10 +223,6 @@ def write_request_log(outcome: Any, path: Path) -> Path:
     return path
 
 
-class BenchError(ValueError):
-    """A bad option or an impossible setup (the CLI prints it on one line, exit code 2)."""
-
-
 def load_workload(cfg: BenchConfig) -> Any:
     """The trace, with arrivals and with jobs cut to ``max_model_len``."""
     from workloads import apply_arrivals, load_trace
@@ -344,31 +340,6 @@ def pool_blocks(cfg: BenchConfig, trace: Any, plan: KVPoolPlan | None = None) ->
             f"({need} blocks of {cfg.block_size}); raise --num-kv-blocks, --gpu-memory-utilization or --kv-fraction"
         )
     return blocks
-
-
-#: Bounds on a run's sizes: past them a bench would run for days or exhaust memory (a trace of
-#: 10**23 jobs was once generated until killed) rather than measure anything.
-MAX_JOBS = 1_000_000
-MAX_REPEATS = 1_000
-MAX_SCALE = 1_000.0
-
-
-def check_bench_sizes(cfg: BenchConfig) -> None:
-    """Rejects sizes no run could finish, before anything is built.
-
-    Raises:
-        BenchError: naming the field: ``jobs``, ``repeats``, ``time_scale``, ``token_scale``,
-            ``kv_fraction`` or ``rate`` out of range or not finite.
-    """
-    for name, value, bound in (("jobs", cfg.jobs, MAX_JOBS), ("repeats", cfg.repeats, MAX_REPEATS)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
-            raise BenchError(f"{name}: must be an integer in [1, {bound:,}], got {value!r}")
-    for name, number in (("time_scale", cfg.time_scale), ("token_scale", cfg.token_scale),
-                         ("kv_fraction", cfg.kv_fraction)):
-        if number is not None and not (math.isfinite(number) and 0 <= number <= MAX_SCALE):
-            raise BenchError(f"{name}: must be a number in [0, {MAX_SCALE:g}], got {number!r}")
-    if cfg.rate is not None and not (math.isfinite(cfg.rate) and cfg.rate > 0):
-        raise BenchError(f"rate: must be a finite number of jobs/s > 0, got {cfg.rate!r}")
 
 
 def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
