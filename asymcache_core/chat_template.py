@@ -30,6 +30,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from asymcache_core.chat_escaping import escape_tree, unescape
 from asymcache_core.chat_messages import TEXT_PART_KEYS, validate_messages
 from asymcache_core.chat_template_options import (
     check_documents,
@@ -202,50 +203,6 @@ def _injected_messages(
     return out
 
 
-#: Private-use characters that stand for special-token text while a template renders.
-_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
-
-
-def _marker(index: int) -> str:
-    return f"{_MARK_OPEN}{index}{_MARK_CLOSE}"
-
-
-def _escape_tree(node: Any, pattern: re.Pattern[str], specials: Sequence[str], found: set[str]) -> Any:
-    """A copy of ``node`` whose strings have special-token text (and marker characters)
-    replaced by markers; ``found`` collects what was replaced."""
-    if isinstance(node, str):
-        if _MARK_OPEN in node:
-            found.add(_MARK_OPEN)
-            node = node.replace(_MARK_OPEN, _marker(len(specials)))
-        if pattern.search(node) is None:
-            return node
-        index = {tok: i for i, tok in enumerate(specials)}
-
-        def swap(m: re.Match[str]) -> str:
-            found.add(m.group(0))
-            return _marker(index[m.group(0)])
-
-        return pattern.sub(swap, node)
-    if isinstance(node, Mapping):
-        return {k: _escape_tree(v, pattern, specials, found) for k, v in node.items()}
-    if isinstance(node, list | tuple):
-        return [_escape_tree(v, pattern, specials, found) for v in node]
-    return node
-
-
-def _unescape(text: str, specials: Sequence[str]) -> str:
-    """The caller's text back from markers (raw, or JSON-escaped by a ``tojson`` filter)."""
-    if _MARK_OPEN not in text and "\\ue000" not in text:
-        return text
-    originals = [*specials, _MARK_OPEN]
-
-    def restore(m: re.Match[str]) -> str:
-        return originals[int(m.group(1))]
-
-    text = re.sub(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}", restore, text)
-    return re.sub(r"\\ue000(\d+)\\ue001", lambda m: json.dumps(restore(m))[1:-1], text)
-
-
 class ChatRenderer:
     """A tokenizer's chat template rendering OpenAI chats to prompt text.
 
@@ -313,7 +270,7 @@ class ChatRenderer:
         found: set[str] = set()
 
         def escaped(node: Any) -> Any:
-            return _escape_tree(node, self._special_re, self.special_tokens, found) if node else node
+            return escape_tree(node, self._special_re, self.special_tokens, found) if node else node
 
         caller = (escaped(messages), escaped(tools), escaped(template_kwargs), escaped(documents))
         if not found:
@@ -344,7 +301,7 @@ class ChatRenderer:
         for m in [*matches, None]:
             end = m.start() if m is not None else len(text)
             if end > pos:
-                piece = _unescape(text[pos:end], self.special_tokens)
+                piece = unescape(text[pos:end], self.special_tokens)
                 ids.extend(self._plain.encode(piece, add_special_tokens=False, split_special_tokens=True))
             if m is not None:
                 ids.append(int(self.tokenizer.convert_tokens_to_ids(m.group(0))))
