@@ -58,6 +58,14 @@ from asymcache_core.sampling_params import SamplingParams
 
 PATH = MESSAGES_PATH
 COUNT_PATH = MESSAGES_COUNT_PATH
+
+#: The chat form's field names in an error, and what the Messages body calls them.
+_ANTHROPIC_FIELDS = (
+    (re.compile(r"^(tools\[\d+\])\.function\.parameters"), r"\1.input_schema"),
+    (re.compile(r"^(tools\[\d+\])\.function\.(name|description)"), r"\1.\2"),
+    (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
+)
+
 #: Anthropic's error type for each status (its ``error.type``).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -354,7 +362,7 @@ async def create_message(request: Request) -> Response:
                        f"{e.max_tokens} > {e.max_model_len}, decrease input length or `max_tokens` and try again",
                        param="max_tokens", code=e.code) from None
     except ValueError as e:
-        raise from_value_error(anthropic_field_names(e), "messages") from None
+        raise from_value_error(e, "messages", _ANTHROPIC_FIELDS) from None
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     stream = streams[0]
     if not req.stream:
@@ -371,32 +379,6 @@ async def create_message(request: Request) -> Response:
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-#: The chat form's field names in an error, and what the Messages body calls them.
-_ANTHROPIC_FIELDS = (
-    (re.compile(r"^(tools\[\d+\])\.function\.parameters"), r"\1.input_schema"),
-    (re.compile(r"^(tools\[\d+\])\.function\.(name|description)"), r"\1.\2"),
-    (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
-)
-
-
-def anthropic_field_names(error: ValueError) -> ValueError:
-    """``error`` with the field it names spelled as the Messages body spells it
-    (``tools[0].input_schema``, not the chat form's ``tools[0].function.parameters``).
-
-    Args:
-        error: a ``"field: message"`` error of the chat layer.
-
-    Returns:
-        The error, renamed where its field has another name here.
-    """
-    text = str(error)
-    for pattern, name in _ANTHROPIC_FIELDS:
-        renamed = pattern.sub(name, text, count=1)
-        if renamed != text:
-            return ValueError(renamed)
-    return error
-
-
 async def count_tokens(request: Request) -> JSONResponse:
     """``POST /v1/messages/count_tokens``: the prompt's tokens, as the messages route renders it."""
     state, req = await parse_body(request, CountTokensRequest)
@@ -406,7 +388,7 @@ async def count_tokens(request: Request) -> JSONResponse:
         ids = await rt.tokenize(messages=messages, tools=tools, add_generation_prompt=not req.prefilled,
                                 continue_final_message=req.prefilled)
     except ValueError as e:
-        raise from_value_error(anthropic_field_names(e), "messages") from None
+        raise from_value_error(e, "messages", _ANTHROPIC_FIELDS) from None
     state.metrics.count(COUNT_PATH, 200)
     return JSONResponse({"input_tokens": len(ids)})
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
 
@@ -54,7 +56,9 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status)
 
 
-def from_value_error(exc: ValueError, prompt_param: str) -> APIError:
+def from_value_error(
+    exc: ValueError, prompt_param: str, field_names: Sequence[tuple[re.Pattern[str], str]] = ()
+) -> APIError:
     """The 400 of a client error raised by the protocol, the runtime, the engine or SamplingParams.
 
     A :class:`RequestError` carries its ``param`` and ``code``; any other ValueError is read as
@@ -65,11 +69,18 @@ def from_value_error(exc: ValueError, prompt_param: str) -> APIError:
     Args:
         exc: the error.
         prompt_param: the request field the engine's ``prompt`` stands for.
+        field_names: the route's own names of the chat form's fields, ``(pattern of the chat
+            form's name at the start, replacement)``; the first that matches renames the field.
 
     Returns:
         The API error.
     """
     text = str(exc)
+    for pattern, name in field_names:
+        renamed = pattern.sub(name, text, count=1)
+        if renamed != text:
+            text = renamed
+            break
     if isinstance(exc, RequestError):
         return APIError(400, text, param=exc.param, code=exc.code)
     head = text.split(":", 1)[0].strip() if ":" in text else ""
