@@ -10,7 +10,9 @@ output is forced into the shape the parser and the chat template use::
 then EOS. The grammar is one xgrammar ``Grammar``: the literal opening tag, a JSON-schema
 grammar, and the literal closing tag, concatenated (``Grammar.concat``, available in xgrammar
 0.2.9). The JSON schema is ``{"name": const, "arguments": <the tool's parameters>}`` for a
-named tool and an ``anyOf`` of those for "required". JSON is generated without free whitespace
+named tool and an ``anyOf`` of those for "required", where (OpenAI's ``parallel_tool_calls``, on by
+default) one call or more may be made, joined as :func:`~asymcache_core.tool_parsing.render_hermes_tool_calls`
+joins them. JSON is generated without free whitespace
 (``any_whitespace=False``: separators ``", "`` and ``": "``, exactly what ``json.dumps`` writes),
 so a small model cannot wander into whitespace runs, and the text equals what
 :func:`asymcache_core.tool_parsing.render_hermes_tool_calls` renders for the next turn.
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
 
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
+#: what joins Llama's parallel calls (:func:`asymcache_core.tool_parsing.render_llama3_json_tool_calls`)
+LLAMA3_CALL_SEPARATOR = "; "
 
 ToolChoice = str | Mapping[str, Any] | None
 
@@ -267,13 +271,17 @@ def tool_call_json_schema(
     return schema
 
 
-def tool_call_grammar(schema: Mapping[str, Any], call_format: str = "hermes") -> xgr.Grammar:
+def tool_call_grammar(schema: Mapping[str, Any], call_format: str = "hermes", parallel: bool = False) -> xgr.Grammar:
     """Grammar of ``<tool_call>\\n{json matching schema}\\n</tool_call>`` (``hermes``), or of
-    the bare call object (``llama3_json``: Llama writes its calls untagged).
+    the bare call object (``llama3_json``: Llama writes its calls untagged); with ``parallel``,
+    of one or more such calls, joined as the parser reads them (a newline between Hermes tags,
+    ``"; "`` between Llama's objects).
 
     Args:
         schema: the call-object schema (see :func:`tool_call_json_schema`).
         call_format: the runtime's tool-call format.
+        parallel: one call or more (OpenAI's ``parallel_tool_calls`` under ``"required"``);
+            False: exactly one.
 
     Returns:
         The (uncompiled) grammar.
@@ -283,13 +291,26 @@ def tool_call_grammar(schema: Mapping[str, Any], call_format: str = "hermes") ->
     """
     xgr = load_xgrammar("tool_choice")
     body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    if call_format == "llama3_json":
-        return body
-    return xgr.Grammar.concat(
-        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN)}"),
-        body,
-        xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_CLOSE)}"),
-    )
+    if not parallel:
+        if call_format == "llama3_json":
+            return body
+        return xgr.Grammar.concat(
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN)}"),
+            body,
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_CLOSE)}"),
+        )
+    # NOTE: a structural tag repeats the call: xgrammar renames the JSON grammar's rules into
+    # it, which a hand-joined EBNF text would have to do itself (rule names may also appear
+    # inside the schema's string literals)
+    call: dict[str, Any] = {"type": "grammar", "grammar": str(body)}
+    if call_format != "llama3_json":
+        call = {"type": "sequence", "elements": [
+            {"type": "const_string", "value": TOOL_CALL_OPEN}, call,
+            {"type": "const_string", "value": TOOL_CALL_CLOSE}]}
+    separator = {"type": "const_string", "value": LLAMA3_CALL_SEPARATOR if call_format == "llama3_json" else "\n"}
+    calls = {"type": "sequence", "elements": [
+        call, {"type": "star", "content": {"type": "sequence", "elements": [separator, call]}}]}
+    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))
 
 
 def _json_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
@@ -341,14 +362,15 @@ def text_constraint_grammar(constraint: Mapping[str, Any]) -> xgr.Grammar:
 
 
 def json_or_tool_call_grammar(
-    schema: Mapping[str, Any], call_schema: Mapping[str, Any], call_format: str = "hermes"
+    schema: Mapping[str, Any], call_schema: Mapping[str, Any], call_format: str = "hermes", parallel: bool = False
 ) -> xgr.Grammar:
-    """Grammar of a JSON reply matching ``schema``, or of one tagged tool call.
+    """Grammar of a JSON reply matching ``schema``, or of tagged tool calls.
 
     Args:
         schema: the reply's JSON schema.
         call_schema: the call-object schema (see :func:`tool_call_json_schema`).
         call_format: the runtime's tool-call format.
+        parallel: one call or more may be made (False: one).
 
     Returns:
         The (uncompiled) grammar.
@@ -357,7 +379,7 @@ def json_or_tool_call_grammar(
         ValueError: xgrammar is not installed.
     """
     xgr = load_xgrammar("response_format")
-    return xgr.Grammar.union(_json_grammar(schema), tool_call_grammar(call_schema, call_format))
+    return xgr.Grammar.union(_json_grammar(schema), tool_call_grammar(call_schema, call_format, parallel))
 
 
 def args_key(call_format: str) -> str:

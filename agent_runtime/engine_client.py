@@ -429,7 +429,7 @@ class AsyncEngine:
                 processor = make_request_processor(
                     self._grammars, engine.tokenizer, cmd.tools or [], cmd.tool_choice,
                     cmd.response_format, vocab_size=engine.model_config.vocab_size,
-                    call_format=opts.parse_format or "hermes",
+                    call_format=opts.parse_format or "hermes", parallel=opts.max_tool_calls != 1,
                 )
                 if processor is not None:
                     params = replace(params, logits_processors=(*params.logits_processors, processor))

@@ -24,6 +24,7 @@ from agent_runtime.constrained import (
     text_constraint_grammar,
     tool_call_grammar,
     tool_call_json_schema,
+    tool_choice_name,
 )
 from agent_runtime.grammar_processor import GrammarLogitsProcessor
 
@@ -80,25 +81,26 @@ class GrammarCache:
         return self._entry(tokenizer, vocab_size, "tool_choice").info
 
     def _compiled(
-        self, tokenizer: Any, vocab_size: int | None, kind: str, schema: Mapping[str, Any], call_format: str = "hermes"
+        self, tokenizer: Any, vocab_size: int | None, kind: str, schema: Mapping[str, Any], call_format: str = "hermes",
+        parallel: bool = False,
     ) -> xgr.CompiledGrammar:
         field = {"tool_call": "tool_choice", "text": "structured_outputs"}.get(kind, "response_format")
         entry = self._entry(tokenizer, vocab_size, field)
         schema_key = json.dumps(schema, sort_keys=True)
-        key = (id(tokenizer), vocab_size, f"{kind}:{call_format}", schema_key)
+        key = (id(tokenizer), vocab_size, f"{kind}:{call_format}:{'many' if parallel else 'one'}", schema_key)
         compiled = self._grammars.get(key)
         if compiled is None:
             if kind == "tool_call":
-                compiled = entry.compiler.compile_grammar(tool_call_grammar(schema, call_format))
+                compiled = entry.compiler.compile_grammar(tool_call_grammar(schema, call_format, parallel))
             elif kind == "json_or_tool_call":
                 compiled = entry.compiler.compile_grammar(
-                    json_or_tool_call_grammar(schema["json"], schema["tool_call"], call_format)
+                    json_or_tool_call_grammar(schema["json"], schema["tool_call"], call_format, parallel)
                 )
             elif kind == "text":
                 grammar = text_constraint_grammar(schema["reply"])
                 if schema.get("tool_call") is not None:
                     grammar = load_xgrammar("structured_outputs").Grammar.union(
-                        grammar, tool_call_grammar(schema["tool_call"], call_format))
+                        grammar, tool_call_grammar(schema["tool_call"], call_format, parallel))
                 compiled = entry.compiler.compile_grammar(grammar)
             else:
                 compiled = entry.compiler.compile_json_schema(schema_key, any_whitespace=False)
@@ -114,8 +116,10 @@ class GrammarCache:
         tool_choice: ToolChoice = "required",
         vocab_size: int | None = None,
         call_format: str = "hermes",
+        parallel: bool = False,
     ) -> xgr.CompiledGrammar:
-        """Compiled grammar forcing one call of the given tools, in the runtime's format.
+        """Compiled grammar forcing a call of the given tools, in the runtime's format: one, or
+        with ``parallel`` under ``"required"`` one or more.
 
         Args:
             tokenizer: HF tokenizer.
@@ -124,6 +128,7 @@ class GrammarCache:
             vocab_size: the model's vocabulary size.
             call_format: ``hermes`` (a tagged call) or ``llama3_json`` (a bare
                 ``{"name", "parameters"}`` object).
+            parallel: OpenAI's ``parallel_tool_calls``; a named function is called once.
 
         Returns:
             The compiled grammar (cached).
@@ -132,7 +137,8 @@ class GrammarCache:
             ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
         """
         schema = tool_call_json_schema(tools, tool_choice, args_key(call_format))
-        return self._compiled(tokenizer, vocab_size, "tool_call", schema, call_format)
+        many = parallel and tool_choice_name(tool_choice) is None
+        return self._compiled(tokenizer, vocab_size, "tool_call", schema, call_format, many)
 
     def json_schema_grammar(
         self, tokenizer: Any, schema: Mapping[str, Any], vocab_size: int | None = None
@@ -159,8 +165,10 @@ class GrammarCache:
         tools: Sequence[Mapping[str, Any]],
         vocab_size: int | None = None,
         call_format: str = "hermes",
+        parallel: bool = False,
     ) -> xgr.CompiledGrammar:
-        """Compiled grammar of a JSON reply matching ``schema`` or one call of ``tools``.
+        """Compiled grammar of a JSON reply matching ``schema`` or calls of ``tools`` (one, or
+        with ``parallel`` one or more).
 
         Args:
             tokenizer: HF tokenizer.
@@ -168,6 +176,7 @@ class GrammarCache:
             tools: OpenAI tool schemas (any of them may be called).
             vocab_size: the model's vocabulary size.
             call_format: the runtime's tool-call format.
+            parallel: OpenAI's ``parallel_tool_calls``.
 
         Returns:
             The compiled grammar (cached).
@@ -176,7 +185,7 @@ class GrammarCache:
             ValueError: see :func:`tool_call_json_schema`; xgrammar is not installed.
         """
         both = {"json": dict(schema), "tool_call": tool_call_json_schema(tools, "required", args_key(call_format))}
-        return self._compiled(tokenizer, vocab_size, "json_or_tool_call", both, call_format)
+        return self._compiled(tokenizer, vocab_size, "json_or_tool_call", both, call_format, parallel)
 
     def text_constraint_grammar(
         self,
@@ -185,9 +194,11 @@ class GrammarCache:
         tools: Sequence[Mapping[str, Any]] = (),
         vocab_size: int | None = None,
         call_format: str = "hermes",
+        parallel: bool = False,
     ) -> xgr.CompiledGrammar:
         """Compiled grammar of a reply matching a regular expression, one of a list of strings
-        or an EBNF grammar (see :func:`text_constraint_grammar`), or of one call of ``tools``.
+        or an EBNF grammar (see :func:`text_constraint_grammar`), or of calls of ``tools`` (one,
+        or with ``parallel`` one or more).
 
         Args:
             tokenizer: HF tokenizer.
@@ -195,6 +206,7 @@ class GrammarCache:
             tools: OpenAI tool schemas any of which may be called instead (none: the reply only).
             vocab_size: the model's vocabulary size.
             call_format: the runtime's tool-call format.
+            parallel: OpenAI's ``parallel_tool_calls``.
 
         Returns:
             The compiled grammar (cached).
@@ -204,7 +216,7 @@ class GrammarCache:
         """
         call = tool_call_json_schema(tools, "required", args_key(call_format)) if tools else None
         return self._compiled(tokenizer, vocab_size, "text", {"reply": dict(constraint), "tool_call": call},
-                              call_format)
+                              call_format, parallel)
 
     def __len__(self) -> int:
         return len(self._grammars)
@@ -217,6 +229,7 @@ def make_tool_call_processor(
     tool_choice: ToolChoice,
     vocab_size: int | None = None,
     call_format: str = "hermes",
+    parallel: bool = False,
 ) -> GrammarLogitsProcessor | None:
     """A fresh processor forcing a tool call, or None when ``tool_choice`` does not force one.
 
@@ -227,6 +240,8 @@ def make_tool_call_processor(
         tool_choice: OpenAI ``tool_choice`` (``"auto"``/``"none"``/None -> None).
         vocab_size: the model's vocabulary size (logit row length).
         call_format: the runtime's tool-call format (``hermes`` or ``llama3_json``).
+        parallel: OpenAI's ``parallel_tool_calls``: ``"required"`` makes one call or more
+            (False: exactly one; a named function is called once).
 
     Returns:
         The processor, or None.
@@ -238,7 +253,7 @@ def make_tool_call_processor(
     if not needs_constraint(tool_choice):
         return None
     try:
-        compiled = cache.tool_call_grammar(tokenizer, tools, tool_choice, vocab_size, call_format)
+        compiled = cache.tool_call_grammar(tokenizer, tools, tool_choice, vocab_size, call_format, parallel)
     except RuntimeError as exc:
         # NOTE: xgrammar raises RuntimeError for schemas it cannot compile: a client error.
         raise ValueError(f"tools: constrained decoding cannot use these schemas: {str(exc)[:300]}") from None
@@ -253,6 +268,7 @@ def make_request_processor(
     response_format: Mapping[str, Any] | None,
     vocab_size: int | None = None,
     call_format: str = "hermes",
+    parallel: bool = False,
 ) -> GrammarLogitsProcessor | None:
     """A fresh processor for what a request constrains: a forced tool call, a reply (JSON, or
     ``structured_outputs``' regex, choice or grammar), or (tools offered under ``"auto"`` and a
@@ -267,6 +283,8 @@ def make_request_processor(
             constraint (:mod:`agent_runtime.structured_outputs`; None: free text).
         vocab_size: the model's vocabulary size (logit row length).
         call_format: the runtime's tool-call format (``hermes`` or ``llama3_json``).
+        parallel: OpenAI's ``parallel_tool_calls``: calls may come several at a time (False:
+            one).
 
     Returns:
         The processor, or None when nothing is constrained.
@@ -277,7 +295,7 @@ def make_request_processor(
             installed.
     """
     if response_format is None:
-        return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size, call_format)
+        return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size, call_format, parallel)
     if response_format.get("type") in TEXT_CONSTRAINTS:
         if needs_constraint(tool_choice):
             raise ValueError("structured_outputs: a constrained reply cannot be combined with a tool_choice that "
@@ -285,7 +303,7 @@ def make_request_processor(
         callable_tools = tools if tools and tool_choice != "none" else ()
         try:
             compiled = cache.text_constraint_grammar(tokenizer, response_format, callable_tools, vocab_size,
-                                                     call_format)
+                                                     call_format, parallel)
         except RuntimeError as exc:
             raise ValueError(f"structured_outputs: constrained decoding cannot use this constraint: "
                              f"{str(exc)[:300]}") from None
@@ -295,7 +313,7 @@ def make_request_processor(
     schema = response_json_schema(response_format)
     try:
         if tools and tool_choice != "none":
-            compiled = cache.json_or_tool_call_grammar(tokenizer, schema, tools, vocab_size, call_format)
+            compiled = cache.json_or_tool_call_grammar(tokenizer, schema, tools, vocab_size, call_format, parallel)
         else:
             compiled = cache.json_schema_grammar(tokenizer, schema, vocab_size)
     except RuntimeError as exc:

@@ -276,3 +276,43 @@ def test_forced_tokens_are_those_the_grammar_allows_alone(tokenizer: Any, cache:
     # the grammar complete: EOS is the one token left, and it is never jumped over
     done = make_tool_call_processor(cache, tokenizer, SCHEMAS, choice, vocab_size=VOCAB)
     assert done.forced_tokens(toks, 64) == []
+
+
+def test_required_with_parallel_calls_takes_one_or_more(tokenizer: Any, cache: GrammarCache) -> None:
+    """OpenAI's ``parallel_tool_calls`` (on by default) under ``"required"``: one call or more,
+    joined as the parser reads them; off, or for a named function, exactly one."""
+    one = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    many = cache.tool_call_grammar(tokenizer, SCHEMAS, "required", VOCAB, parallel=True)
+    single = cache.tool_call_grammar(tokenizer, SCHEMAS, "required", VOCAB)
+    named = cache.tool_call_grammar(tokenizer, SCHEMAS, {"type": "function", "function": {"name": "add"}}, VOCAB,
+                                    parallel=True)
+    assert named is not many and single is not many
+
+    def accepts(compiled: Any, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts(many, one) and accepts(many, two) and accepts(many, two + "\n" + one)
+    assert len(parse_hermes(two).tool_calls) == 2
+    assert accepts(single, one) and not accepts(single, two)
+    assert accepts(named, one) and not accepts(named, one + "\n" + one)
+    for wrong in ("", one + "\n", one + "\n\n" + one, one + " " + one, one + "\nhello"):
+        assert not accepts(many, wrong), wrong
+    # Free whitespace stays out of the repeated calls too (the text the parser renders back).
+    assert not accepts(many, one + '\n<tool_call>\n{"name":"add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    # Llama's bare objects, joined by "; " as render_llama3_json_tool_calls writes them.
+    llama = cache.tool_call_grammar(tokenizer, SCHEMAS, "required", VOCAB, call_format="llama3_json",
+                                    parallel=True)
+    call = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    assert accepts(llama, call) and accepts(llama, call + "; " + call) and not accepts(llama, call + ";" + call)
+
+    # The processor: after a finished call, EOS and the separator's first token are allowed.
+    proc = make_tool_call_processor(cache, tokenizer, SCHEMAS, "required", vocab_size=VOCAB, parallel=True)
+    assert proc is not None
+    toks = tokenizer.encode(one, add_special_tokens=False)
+    allowed = set(_allowed(proc, toks).nonzero().flatten().tolist())
+    assert tokenizer.eos_token_id in allowed and len(allowed) > 1
+    strict = make_tool_call_processor(cache, tokenizer, SCHEMAS, "required", vocab_size=VOCAB)
+    assert strict is not None
+    assert _allowed(strict, toks).nonzero().flatten().tolist() == [tokenizer.eos_token_id]

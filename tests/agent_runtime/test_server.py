@@ -290,6 +290,25 @@ def test_streaming_chat_with_required_tool_call(live, oa):
     live.check()
 
 
+def test_required_tool_choice_may_call_several_tools(live, oa):
+    """``parallel_tool_calls`` is on by default: "required" forces one call or more (OpenAI's and
+    vLLM's rule); each is a whole, valid call, and the streamed calls are the reply's."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Read notes.txt and todo.md."}], tools=TOOLS,
+                  tool_choice="required", max_tokens=120, temperature=0)
+    reply = oa.chat.completions.create(**kwargs)
+    calls = reply.choices[0].message.tool_calls
+    assert calls and reply.choices[0].finish_reason == "tool_calls", reply
+    for call in calls:
+        assert call.function.name in ("list_files", "read_file")
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "list_files" or args["path"] in ("notes.txt", "todo.md")
+    chunks = list(oa.chat.completions.create(**kwargs, stream=True))
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in streamed if tc.function.name] == [
+        (i, c.function.name) for i, c in enumerate(calls)]
+    live.check()
+
+
 def test_streaming_completions_raw_sse_and_our_client(live):
     body = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 4, "stream": True, "ignore_eos": True,
             "return_token_ids": True, "job_id": "cjob", "tool_name": "sleep"}
