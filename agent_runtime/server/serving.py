@@ -412,7 +412,7 @@ async def _sse_events(
     endpoint: _Endpoint,
     rid: str,
     model: str,
-    usage: _UsageReport,
+    report: _UsageReport,
     metrics: ServerMetrics,
     generated: bool = True,
 ) -> AsyncIterator[str]:
@@ -422,12 +422,16 @@ async def _sse_events(
     streams = [c.stream for c in chunks]
 
     def frame(choices: list[Any], usage: Usage | None = None, **fields: Any) -> str:
-        chunk = endpoint.chunk_model(id=rid, created=created, model=model, choices=choices, usage=usage, **fields)
-        return f"data: {json.dumps(chunk.model_dump(), ensure_ascii=False)}\n\n"
+        body = endpoint.chunk_model(
+            id=rid, created=created, model=model, choices=choices, usage=usage, **fields).model_dump()
+        if report.final:
+            # NOTE: OpenAI's ``include_usage``: every other chunk carries ``"usage": null``
+            body.setdefault("usage", None)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def so_far(stream: RequestStream, event: StreamEvent | None) -> Usage | None:
         # NOTE: vLLM's continuous usage: the choice's prompt and its tokens so far
-        if not usage.continuous:
+        if not report.continuous:
             return None
         if event is None:
             return Usage.of(len(stream.prompt_token_ids), 0, 0)
@@ -449,8 +453,8 @@ async def _sse_events(
             yield "data: [DONE]\n\n"
             return
         finals = [stream.final for stream in streams]
-        if usage.final:
-            yield frame([], usage=_usage(finals, usage.choices_per_prompt, generated))  # type: ignore[arg-type]
+        if report.final:
+            yield frame([], usage=_usage(finals, report.choices_per_prompt, generated))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"
     finally:
         # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:

@@ -158,12 +158,17 @@ def test_completion_stream_usage_and_token_counters(live):
     usage = events[-1]
     assert usage["choices"] == [] and usage["object"] == "text_completion"
     assert usage["usage"]["prompt_tokens"] == 20 and usage["usage"]["completion_tokens"] == 3
+    # OpenAI's include_usage: every other chunk says "usage": null; without it, no chunk has the key
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
     assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("cmpl-")
     after = counters()
     for ours, theirs, want in (("asymcache_completion_tokens_total", "vllm:generation_tokens_total", 3),
                                ("asymcache_prompt_tokens_total", "vllm:prompt_tokens_total", 20)):
         assert after[ours] - before[ours] == after[theirs] - before[theirs] == want
+    with httpx.stream("POST", f"{live.base}/v1/completions", json={**body, "stream_options": None}, timeout=60) as r:
+        plain = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    assert plain and all("usage" not in e for e in plain)
     live.check()
 
 
