@@ -217,8 +217,8 @@ def _parse(text: str, options: OutputOptions) -> ParsedMessage | None:
     if options.reasoning_parser is None:
         return parse_tool_calls(text, options.parse_format) if options.parse_format else None
     reasoning, content = split_reasoning(text, options.reasoning_parser)
-    parsed = parse_tool_calls(content, options.parse_format) if options.parse_format else ParsedMessage(
-        content.strip(), [])
+    # NOTE: the content as generated, as the stream sends it (and vLLM's parsers return it)
+    parsed = parse_tool_calls(content, options.parse_format) if options.parse_format else ParsedMessage(content, [])
     return dataclasses.replace(parsed, reasoning=reasoning)
 
 

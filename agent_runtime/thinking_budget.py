@@ -17,7 +17,7 @@ tokens are those of the same request without one, and no row of logits is copied
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,35 +40,58 @@ def check_thinking_budget(budget: object, field: str = "thinking_token_budget") 
     return budget
 
 
-def anthropic_thinking_budget(thinking: Mapping[str, Any] | None, max_tokens: int,
-                              reasoning_parser: str | None) -> int | None:
-    """The budget Anthropic's ``thinking`` settings ask for (None: none).
+class AnthropicThinking(NamedTuple):
+    """What Anthropic's ``thinking`` settings ask of a chat.
+
+    Attributes:
+        budget: the thinking-token budget (None: none).
+        template_kwargs: the template's ``enable_thinking`` (None: the template's default).
+    """
+
+    budget: int | None
+    template_kwargs: dict[str, Any] | None
+
+
+def anthropic_thinking(thinking: Mapping[str, Any] | None, max_tokens: int, reasoning_parser: str | None,
+                       forced_tool: bool = False) -> AnthropicThinking:
+    """What Anthropic's ``thinking`` settings ask for.
+
+    ``disabled`` turns the template's ``enable_thinking`` off (Qwen3 and its kind think by
+    default, and an Anthropic client cannot send ``chat_template_kwargs``), ``enabled`` and
+    ``adaptive`` turn it on; without the field the template decides. Without a reasoning parser
+    nothing can be returned as thinking: the reply is all text (what vLLM does) and a budget
+    is not applied.
 
     Args:
         thinking: the request's ``thinking`` (``enabled`` with ``budget_tokens``, ``adaptive``:
             the model decides, ``disabled``), or None.
         max_tokens: the request's ``max_tokens`` (the budget must be below it, Anthropic's rule).
-        reasoning_parser: the runtime's reasoning parser (thinking needs one).
+        reasoning_parser: the runtime's reasoning parser.
+        forced_tool: ``tool_choice`` is ``any`` or ``tool`` (Anthropic refuses thinking then).
+
+    Returns:
+        The budget and the template variable.
 
     Raises:
-        ValueError: a malformed setting, a budget not below ``max_tokens``, or thinking asked of
-            a runtime without a reasoning parser (naming the ``thinking`` field).
+        ValueError: a malformed setting, a budget not below ``max_tokens``, or thinking with a
+            forced tool (naming the ``thinking`` field).
     """
     kind = None if thinking is None else thinking.get("type")
-    if kind in (None, "disabled"):
-        return None
+    if kind is None:
+        return AnthropicThinking(None, None)
+    if kind == "disabled":
+        return AnthropicThinking(None, {"enable_thinking": False})
     if kind not in ("enabled", "adaptive"):
         raise ValueError(f"thinking.type: one of enabled, adaptive, disabled; got {kind!r}")
-    if reasoning_parser is None:
-        raise ValueError("thinking: this server has no reasoning parser (serve --reasoning-parser) "
-                         "to return thinking with; send {'type': 'disabled'} or leave it out")
-    if kind == "adaptive":
-        return None
-    assert thinking is not None
-    budget = check_thinking_budget(thinking.get("budget_tokens"), "thinking.budget_tokens")
-    if budget >= max_tokens:
-        raise ValueError(f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}")
-    return budget
+    if forced_tool:
+        raise ValueError("thinking: not with tool_choice any or tool (Anthropic's rule); use auto or none")
+    budget = None
+    if kind == "enabled":
+        assert thinking is not None
+        budget = check_thinking_budget(thinking.get("budget_tokens"), "thinking.budget_tokens")
+        if budget >= max_tokens:
+            raise ValueError(f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got {budget}")
+    return AnthropicThinking(budget if reasoning_parser is not None else None, {"enable_thinking": True})
 
 
 class ThinkingBudget:
@@ -172,6 +195,6 @@ def thinking_budget_processor(budget: int, parser: str, tokenizer: object) -> Th
 
 
 __all__ = [
-    "FORCED_CLOSE", "ThinkingBudget", "anthropic_thinking_budget", "check_thinking_budget",
+    "FORCED_CLOSE", "AnthropicThinking", "ThinkingBudget", "anthropic_thinking", "check_thinking_budget",
     "thinking_budget_processor",
 ]

@@ -14,6 +14,11 @@ from asymcache_core.tool_parsing import from_openai_tool_calls
 #: clients converting between the two APIs send in chat messages too (vLLM reads them all).
 TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
+#: What joins a message's text parts (or an Anthropic message's text blocks) into the one string
+#: a chat template renders: a newline, vLLM's join, so parts such as a reminder and the request
+#: after it do not run together ("...</system-reminder>Fix the bug").
+TEXT_PART_SEPARATOR = "\n"
+
 #: The roles a chat message may have.
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

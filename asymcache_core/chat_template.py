@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asymcache_core.chat_escaping import escape_tree, unescape
-from asymcache_core.chat_messages import TEXT_PART_KEYS, validate_messages
+from asymcache_core.chat_messages import TEXT_PART_KEYS, TEXT_PART_SEPARATOR, validate_messages
 from asymcache_core.chat_template_options import (
     check_documents,
     check_template_kwargs,
@@ -113,7 +113,7 @@ def _content_text(content: Any) -> str:
         content: message content.
 
     Returns:
-        The text parts joined (others, refused by the protocol's checks, dropped).
+        The text parts joined by newlines (others, refused by the protocol's checks, dropped).
     """
     if content is None:
         return ""
@@ -127,7 +127,7 @@ def _content_text(content: Any) -> str:
                 texts.append(str(part.get(key, "")))
             elif isinstance(part, str):
                 texts.append(part)
-        return "".join(texts)
+        return TEXT_PART_SEPARATOR.join(texts)
     return str(content)
 
 

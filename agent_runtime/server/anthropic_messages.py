@@ -20,14 +20,17 @@ With a reasoning parser (``serve --reasoning-parser``) a reasoning model's think
 a ``thinking`` block (streamed as ``thinking_delta``s; its ``signature`` is empty: nothing is
 signed here), and the ``thinking`` blocks of an assistant message go back into its
 ``reasoning_content``, as the chat route takes them. The request's ``thinking`` settings are
-Anthropic's: ``{"type": "enabled", "budget_tokens": N}`` closes the block once it holds N
-tokens (N below ``max_tokens``; :mod:`agent_runtime.thinking_budget`, with ``tool_choice``
-``auto`` or ``none`` only, as Anthropic's rule is), ``adaptive`` leaves its length to the model,
-``disabled`` changes nothing (the template decides; ``enable_thinking`` is its variable).
+Anthropic's (:func:`~agent_runtime.thinking_budget.anthropic_thinking`): ``{"type": "enabled",
+"budget_tokens": N}`` closes the block once it holds N tokens (N below ``max_tokens``), ``adaptive``
+leaves its length to the model, both turn the template's ``enable_thinking`` on and are refused
+with ``tool_choice`` ``any`` or ``tool`` (Anthropic's rule); ``disabled`` turns it off (Qwen3 and
+its kind think unless told not to); without the field the template decides. Without a reasoning
+parser the reply is all text, as vLLM serves it. A prefill's continuation is text: it continues
+the answer. A text block is sent only when it has text or is the reply's only block (Anthropic
+refuses an empty one sent back); several text blocks of a message are joined by newlines.
 
-Not served (a 400 naming the field, never ignored): ``thinking`` other than ``disabled``
-without a reasoning parser, ``redacted_thinking``, image and document blocks, server tools
-(``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
+Not served (a 400 naming the field, never ignored): ``redacted_thinking``, image and document
+blocks, server tools (``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
 from agent_runtime.server.responses import SSE_HEADERS
 from agent_runtime.server.serving import finish_one, parse_body
-from agent_runtime.thinking_budget import anthropic_thinking_budget
+from agent_runtime.thinking_budget import AnthropicThinking, anthropic_thinking
 from agent_runtime.types import AssistantTurn, StreamEvent
+from asymcache_core.chat_messages import TEXT_PART_SEPARATOR
 from asymcache_core.sampling_params import SamplingParams
 
 PATH = MESSAGES_PATH
@@ -105,7 +109,20 @@ class _MessagesFields(BaseModel):
             ValueError: a block, tool or choice the server does not serve (naming it).
         """
         choice, parallel = chat_tool_choice(self.tool_choice)
+        if choice not in ("auto", "none") and not self.tools:
+            raise ValueError(f"tool_choice: type {self.tool_choice.get('type')!r} needs at least one tool in 'tools'"
+                             if self.tool_choice else "tool_choice: needs at least one tool in 'tools'")
         return chat_messages(self.messages, self.system), chat_tools(self.tools), choice, parallel
+
+    def thinking_settings(self, max_tokens: int, reasoning_parser: str | None) -> AnthropicThinking:
+        """The budget and template variable of the request's ``thinking`` (see
+        :func:`~agent_runtime.thinking_budget.anthropic_thinking`).
+
+        Raises:
+            ValueError: a malformed setting, or thinking with a forced tool.
+        """
+        forced = isinstance(self.tool_choice, Mapping) and self.tool_choice.get("type") in ("any", "tool")
+        return anthropic_thinking(self.thinking, max_tokens, reasoning_parser, forced)
 
     @property
     def prefilled(self) -> bool:
@@ -179,7 +196,7 @@ def _tool_result_text(content: Any, where: str) -> str:
     """A ``tool_result``'s content: a string or text blocks."""
     if content is None:
         return ""
-    return "".join(_text(b, f"{where}[{j}]") if b.get("type") == "text" else _unserved(b, f"{where}[{j}]")
+    return TEXT_PART_SEPARATOR.join(_text(b, f"{where}[{j}]") if b.get("type") == "text" else _unserved(b, f"{where}[{j}]")
                    for j, b in enumerate(_blocks(content, where)))
 
 
@@ -204,7 +221,7 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict
     """
     out: list[dict[str, Any]] = []
     if system:
-        text = system if isinstance(system, str) else "".join(
+        text = system if isinstance(system, str) else TEXT_PART_SEPARATOR.join(
             _text(b, f"system[{j}]") if b.get("type") == "text" else _unserved(b, f"system[{j}]")
             for j, b in enumerate(_blocks(system, "system")))
         out.append({"role": "system", "content": text})
@@ -240,12 +257,12 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict
             else:
                 raise ValueError(f"{at}.type: not served by this server in a {role} message: {kind!r}")
         if role == "assistant":
-            reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            reply: dict[str, Any] = {"role": "assistant", "content": TEXT_PART_SEPARATOR.join(texts) or None}
             if thoughts:
-                reply["reasoning_content"] = "".join(thoughts)
+                reply["reasoning_content"] = TEXT_PART_SEPARATOR.join(thoughts)
             out.append({**reply, **({"tool_calls": calls} if calls else {})})
         elif texts or not any(m["role"] == "tool" for m in out[-1:]):
-            out.append({"role": "user", "content": "".join(texts)})
+            out.append({"role": "user", "content": TEXT_PART_SEPARATOR.join(texts)})
     if not any(m["role"] != "system" for m in out):
         raise ValueError("messages: must hold at least one message")
     return out
@@ -283,7 +300,10 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> tuple[Any, bool]:
     if choice is None:
         return "auto", True
     kind = choice.get("type")
-    parallel = not choice.get("disable_parallel_tool_use", False)
+    disable = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(disable, bool):
+        raise ValueError(f"tool_choice.disable_parallel_tool_use: must be a boolean, got {disable!r}")
+    parallel = not disable
     if kind in ("auto", "none"):
         return kind, parallel
     if kind == "any":
@@ -315,12 +335,19 @@ def thinking_block(thinking: str) -> dict[str, Any]:
     return {"type": "thinking", "thinking": thinking, "signature": ""}
 
 
-def content_blocks(turn: AssistantTurn, text: str) -> list[dict[str, Any]]:
+def content_blocks(turn: AssistantTurn, text: str, thinking: bool = True) -> list[dict[str, Any]]:
     """A finished turn's content: its thinking (with a reasoning parser), its text (when there is
-    any, or nothing else), then one ``tool_use`` block per call."""
+    any, or no other block: Anthropic refuses an empty text block sent back), then one
+    ``tool_use`` block per call.
+
+    Args:
+        turn: the turn.
+        text: its text.
+        thinking: a thinking block may come first (False: a prefill's continuation is all text).
+    """
     calls = [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in turn.parsed.tool_calls]
-    thinking = [thinking_block(turn.parsed.reasoning)] if turn.parsed.reasoning is not None else []
-    return thinking + ([{"type": "text", "text": text}] if text or not calls else []) + calls
+    thought = [thinking_block(turn.parsed.reasoning)] if thinking and turn.parsed.reasoning is not None else []
+    return thought + ([{"type": "text", "text": text}] if text or not (calls or thought) else []) + calls
 
 
 def usage(final: StreamEvent) -> dict[str, int]:
@@ -349,11 +376,12 @@ async def create_message(request: Request) -> Response:
     try:
         params = req.sampling_params()
         messages, tools, choice, parallel = req.chat()
+        thinking = req.thinking_settings(req.max_tokens, rt.reasoning_parser)
         streams, choice = await rt.start_chat_choices(
             messages, [params], tools=tools, tool_choice=choice, job_id=req.job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=parallel,
             add_generation_prompt=not req.prefilled, continue_final_message=req.prefilled,
-            thinking_token_budget=anthropic_thinking_budget(req.thinking, req.max_tokens, rt.reasoning_parser),
+            thinking_token_budget=thinking.budget, chat_template_kwargs=thinking.template_kwargs,
             strict_max_tokens=True,
         )
     except ContextLengthError as e:
@@ -367,15 +395,17 @@ async def create_message(request: Request) -> Response:
     stream = streams[0]
     if not req.stream:
         final, turn = await finish_one(request, state, stream, PATH)
-        # NOTE: a prefill's continuation is returned as generated: its first character may be
-        # the space after the prefill's last word
+        # NOTE: a prefill's continuation is returned as generated (its first character may be
+        # the space after the prefill's last word), and as text: it continues the answer, not
+        # a thinking block
         text = final.output.text if req.prefilled and not turn.parsed.tool_calls else turn.message.get("content")
-        body = _message(mid, state.model_name, content_blocks(turn, text or ""), stop_reason(turn, final),
-                        usage(final))
+        body = _message(mid, state.model_name, content_blocks(turn, text or "", thinking=not req.prefilled),
+                        stop_reason(turn, final), usage(final))
         return JSONResponse(body)
     state.metrics.count(PATH, 200)
-    events = _events(stream, mid, state.model_name, StreamedText(bool(tools) and choice != "none", rt.tool_call_format, rt.reasoning_parser),
-                     state.metrics)
+    parser = None if req.prefilled else rt.reasoning_parser
+    events = _events(stream, mid, state.model_name,
+                     StreamedText(bool(tools) and choice != "none", rt.tool_call_format, parser), state.metrics)
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -385,8 +415,10 @@ async def count_tokens(request: Request) -> JSONResponse:
     rt = state.require_runtime()
     try:
         messages, tools, _, _ = req.chat()
+        # NOTE: max_tokens is not sent here: any budget passes; the template variable counts
+        thinking = req.thinking_settings(1 << 62, rt.reasoning_parser)
         ids = await rt.tokenize(messages=messages, tools=tools, add_generation_prompt=not req.prefilled,
-                                continue_final_message=req.prefilled)
+                                continue_final_message=req.prefilled, chat_template_kwargs=thinking.template_kwargs)
     except ValueError as e:
         raise from_value_error(e, "messages", _ANTHROPIC_FIELDS) from None
     state.metrics.count(COUNT_PATH, 200)
@@ -464,7 +496,7 @@ async def _events(
         frames = stream_piece("thinking", thought) if thought else []
         if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
             frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block
-        if text.sent or not calls:
+        if text.sent or rest or not (calls or index or open_kind):
             frames += stream_piece("text", rest)
         frames += close()
         for frame in frames:

@@ -1,4 +1,4 @@
-"""The server's API key: which headers carry it on which routes (one rule for the request
+"""The server's API key: which headers carry it (one rule for the request
 guard in front of the app and the handlers' own check)."""
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ def key_matches(header: bytes | None, api_key: str) -> bool:
 
 
 def authorized(path: str, headers: Mapping[bytes, bytes], api_key: str) -> bool:
-    """``Authorization: Bearer <key>``, or on Anthropic's routes its ``x-api-key: <key>``.
+    """``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``.
+
+    NOTE: ``x-api-key`` is taken on every route, not only the Messages ones: Anthropic's
+    clients (Claude Code, the TypeScript SDK) send only it, on ``/v1/models`` too.
 
     Args:
-        path: the request's path.
+        path: the request's path (every route takes both headers).
         headers: its headers, lower-case names to raw values.
         api_key: the server's key.
 
@@ -41,8 +44,7 @@ def authorized(path: str, headers: Mapping[bytes, bytes], api_key: str) -> bool:
     if key_matches(headers.get(b"authorization"), api_key):
         return True
     sent = headers.get(b"x-api-key")
-    return (path in (MESSAGES_PATH, MESSAGES_COUNT_PATH) and sent is not None
-            and hmac.compare_digest(sent, api_key.encode("utf-8")))
+    return sent is not None and hmac.compare_digest(sent, api_key.encode("utf-8"))
 
 
 __all__ = ["MESSAGES_COUNT_PATH", "MESSAGES_PATH", "authorized", "key_matches"]

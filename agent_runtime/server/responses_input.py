@@ -26,7 +26,7 @@ from agent_runtime.server.requests import (
     TopP,
     lift_vllm_xargs,
 )
-from asymcache_core.chat_messages import TEXT_PART_KEYS
+from asymcache_core.chat_messages import TEXT_PART_KEYS, TEXT_PART_SEPARATOR
 from asymcache_core.sampling_params import SamplingParams
 
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -113,7 +113,7 @@ def _text_of(content: Any, where: str) -> str:
             raise ValueError(f"{where}[{j}].type: only text parts are served ({', '.join(TEXT_PART_KEYS)}), "
                              f"got {kind!r}")
         texts.append(part[key])
-    return "".join(texts)
+    return TEXT_PART_SEPARATOR.join(texts)
 
 
 def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str | None = None) -> list[dict[str, Any]]:
@@ -194,7 +194,7 @@ def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
         if not isinstance(part, Mapping) or not isinstance(part.get("text"), str):
             raise ValueError(f"{where}.content[{j}]: a reasoning part needs its text")
         texts.append(part["text"])
-    return "".join(texts)
+    return TEXT_PART_SEPARATOR.join(texts)
 
 
 def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

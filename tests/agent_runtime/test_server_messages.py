@@ -115,7 +115,10 @@ def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
 
 
 @pytest.mark.parametrize(("fields", "where"), [
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "adaptive"}, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+      "tool_choice": {"type": "any"}}, "thinking"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
@@ -168,10 +171,16 @@ def test_anthropic_errors_keys_and_models(smollm):
             with pytest.raises(anthropic.NotFoundError) as bad_model:
                 client.messages.create(model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
             assert bad_model.value.body["type"] == "error"
-            # the OpenAI routes keep OpenAI's errors, and their Bearer key only
-            r = httpx.post(f"{base}/v1/chat/completions", headers={"x-api-key": "sekret"},
-                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            # x-api-key is the key on every route (Claude Code lists the models with it alone);
+            # the OpenAI routes keep OpenAI's error body
+            r = httpx.get(f"{base}/v1/models", headers=only_x, timeout=30)
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, r.text
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            r = httpx.post(f"{base}/v1/chat/completions", headers={"x-api-key": "sekret"}, json=chat, timeout=30)
+            assert r.status_code == 200, r.text
+            r = httpx.post(f"{base}/v1/chat/completions", headers={"x-api-key": "wrong"}, json=chat, timeout=30)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert "type" not in r.json()  # OpenAI's body, not Anthropic's
     finally:
         runtime.close_sync()
         runtime.engine.close()
@@ -189,3 +198,24 @@ def test_a_prefilled_assistant_message_is_continued(live, ac):  # noqa: F811
     with ac.messages.stream(model=MODEL, max_tokens=8, messages=convo) as s:
         assert s.get_final_message().content[0].text == msg.content[0].text
     live.check()
+
+
+def test_text_blocks_are_joined_by_newlines_and_flags_are_strict():
+    """Several text blocks (Claude Code's reminder, then the request; a system prompt of
+    blocks; a tool result of blocks) are joined by a newline, vLLM's join, never run together."""
+    from agent_runtime.server.anthropic_messages import chat_messages, chat_tool_choice
+
+    out = chat_messages(
+        [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>Use tabs.</system-reminder>"},
+                                      {"type": "text", "text": "Fix the bug"}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "Reading."},
+                                           {"type": "tool_use", "id": "t1", "name": "read", "input": {}}]},
+         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                       "content": [{"type": "text", "text": "line1"}, {"type": "text", "text": "line2"}]}]}],
+        system=[{"type": "text", "text": "You are Claude Code."}, {"type": "text", "text": "Be concise."}])
+    assert [m["content"] for m in out] == [
+        "You are Claude Code.\nBe concise.", "<system-reminder>Use tabs.</system-reminder>\nFix the bug", "Reading.",
+        "line1\nline2"]
+    assert chat_tool_choice({"type": "any", "disable_parallel_tool_use": True}) == ("required", False)
+    with pytest.raises(ValueError, match="^tool_choice.disable_parallel_tool_use: must be a boolean"):
+        chat_tool_choice({"type": "any", "disable_parallel_tool_use": "false"})

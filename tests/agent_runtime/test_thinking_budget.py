@@ -6,6 +6,7 @@ the Python API, chat completions (vLLM's ``thinking_token_budget``) and Anthropi
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import numpy as np
@@ -155,7 +156,8 @@ def test_smollm2s_thinking_is_capped_everywhere(smollm):
     assert chat["choices"][0]["message"]["reasoning_content"] == capped.parsed.reasoning
     assert [b["type"] for b in message["content"]] == ["thinking", "text"]
     assert message["content"][1]["text"] == capped.parsed.content
-    assert [b["type"] for b in adaptive["content"]] == ["thinking", "text"] and not adaptive["content"][1]["text"]
+    # thinking all the way: no empty text block after it (Anthropic refuses one sent back)
+    assert [b["type"] for b in adaptive["content"]] == ["thinking"]
     assert errors["forced call"]["param"] == "thinking_token_budget"
     assert errors["negative"]["message"].startswith("thinking_token_budget")
     assert errors["over max_tokens"]["message"].startswith("thinking.budget_tokens: must be less than max_tokens")
@@ -175,3 +177,67 @@ def test_a_budget_needs_a_reasoning_parser(smollm):
         runtime.close_sync()
         runtime.engine.close()
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("thinking.type:")
+
+
+def test_anthropic_thinking_settings_reach_the_template(smollm):
+    """``thinking: disabled`` turns the template's ``enable_thinking`` off (an Anthropic client
+    cannot send template variables), ``enabled`` on; count_tokens renders the same prompt.
+    Without a reasoning parser ``enabled`` is served as text (vLLM's way); with a forced tool it
+    is refused (Anthropic's rule)."""
+    from tests.agent_runtime.test_chat_template_options import THINKING_TEMPLATE
+
+    ask = [{"role": "user", "content": "hi"}]
+    seen: dict[str, tuple[list[int], dict]] = {}
+    for parser in ("qwen3", None):
+        runtime = AgentRuntime(make_engine(smollm, max_model_len=1024), chat_template=THINKING_TEMPLATE,
+                               reasoning_parser=parser)
+        try:
+            with serving(create_app(runtime, MODEL)) as base:
+                for kind in ("disabled", "enabled", None):
+                    body: dict = {"model": MODEL, "messages": ask, "max_tokens": 6}
+                    if kind is not None:
+                        body["thinking"] = {"type": kind, **({"budget_tokens": 2} if kind == "enabled" else {})}
+                    reply = httpx.post(f"{base}/v1/messages", timeout=60, json=body)
+                    counted = httpx.post(f"{base}/v1/messages/count_tokens", timeout=60,
+                                         json={k: v for k, v in body.items() if k != "max_tokens"})
+                    assert reply.status_code == 200 and counted.status_code == 200, (parser, kind, reply.text)
+                    seen[f"{parser}:{kind}"] = (counted.json()["input_tokens"], reply.json())
+                forced = httpx.post(f"{base}/v1/messages", timeout=60, json={
+                    "model": MODEL, "messages": ask, "max_tokens": 6, "thinking": {"type": "adaptive"},
+                    "tools": [{"name": "t", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}})
+        finally:
+            runtime.close_sync()
+            runtime.engine.close()
+        assert forced.status_code == 400 and forced.json()["error"]["message"].startswith("thinking:")
+    prompt = runtime.engine.tokenizer.encode
+    off, on, default = (seen[f"qwen3:{k}"][0] for k in ("disabled", "enabled", None))
+    # the empty think block of enable_thinking=False is in the prompt, and only there
+    assert off == default + len(prompt("<think>\n\n</think>\n\n")) and on == default
+    # disabled: the reply opens after the closed block: text only; no empty text block anywhere
+    for key, (_, message) in seen.items():
+        kinds = [b["type"] for b in message["content"]]
+        assert all(b["text"] for b in message["content"] if b["type"] == "text") or kinds == ["text"], (key, kinds)
+    assert [b["type"] for b in seen["qwen3:disabled"][1]["content"]] == ["text"]
+    # no parser: enabled is served, all text (the budget has nothing to cap)
+    assert [b["type"] for b in seen["None:enabled"][1]["content"]] == ["text"]
+
+
+def test_a_prefill_continues_as_text_under_a_reasoning_parser(smollm):
+    """A prefilled assistant message is continued as its answer: the continuation is one text
+    block, once, streamed or not (not thinking, and not thinking and text both)."""
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=1024), chat_template=THINKING_PROMPT_TEMPLATE,
+                           reasoning_parser="deepseek_r1")
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the answer"}]
+    try:
+        with serving(create_app(runtime, MODEL)) as base:
+            body = {"model": MODEL, "messages": convo, "max_tokens": 6}
+            whole = httpx.post(f"{base}/v1/messages", timeout=60, json=body).json()
+            with httpx.stream("POST", f"{base}/v1/messages", timeout=60, json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
+    assert [b["type"] for b in whole["content"]] == ["text"] and whole["content"][0]["text"]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    streamed = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert starts == ["text"] and streamed == whole["content"][0]["text"]
