@@ -133,7 +133,9 @@ class AgentRuntime(ChatTurns):
             raise ValueError("tool_call_format: llama3_json needs a chat template that renders tools itself "
                              "(Llama 3.1 and later); this one does not: use hermes")
         # NOTE: jobs for clients that name none: this runtime ends one whose reply calls no tool
-        engine.use_implicit_jobs()
+        #: whether the engine gives requests that name no job their conversation's (where job
+        #: admission is on)
+        self.implicit_jobs: bool = bool(engine.use_implicit_jobs())
         #: the jobs the engine gave chat turns, by rendered prompt (templates that drop thinking)
         self.rendered_turns = RenderedTurns()
         self._processor = OutputProcessor(self.controller, engine.block_size, end_job=engine.end_job)

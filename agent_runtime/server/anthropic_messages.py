@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
@@ -101,6 +101,14 @@ class _MessagesFields(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_shape(cls, value: Any) -> Any:
+        # NOTE: checked before the union, whose error would name a member (``system.str``)
+        if value is not None and not isinstance(value, (str, list)):
+            raise ValueError(f"system: must be a string or a list of text blocks, got {type(value).__name__}")
+        return value
 
     def chat(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any, bool]:
         """The chat form: ``(messages, tools, tool_choice, parallel_tool_calls)``.

@@ -15,9 +15,11 @@ streamed, as the API's typed events (``response.created`` ... ``response.output_
 Stored responses (:mod:`agent_runtime.server.response_store`): a response is kept unless the
 request says ``store: false`` (OpenAI's default), a request may continue one
 (``previous_response_id``: its chain's items come first; its ``instructions`` are not carried
-over), and ``GET`` / ``DELETE /v1/responses/{id}`` read and forget one. A chain is one agent job
-(the first response's id, unless the request names a ``job_id``), so its KV is pinned across the
-tool calls between its turns.
+over), ``GET`` / ``DELETE /v1/responses/{id}`` read and forget one, and ``GET
+/v1/responses/{id}/input_items`` lists its input items. A chain is one agent job, its KV pinned
+across the tool calls between its turns: the ``job_id`` its first request named; else, where the
+engine gives implicit jobs (job admission on), the implicit job a chat client naming none gets,
+which an answer without a tool call ends; else its first response's id.
 
 With a reasoning parser (``serve --reasoning-parser``), the thinking comes first as a
 ``reasoning`` item (``reasoning_text`` content, streamed as ``response.reasoning_text.delta``);
@@ -60,7 +62,9 @@ from agent_runtime.server.response_store import (
     StoredResponse,
     chain_digest,
     chain_items,
+    input_items_page,
     new_response_id,
+    with_item_ids,
 )
 from agent_runtime.server.responses import SSE_HEADERS
 from agent_runtime.server.responses_input import (
@@ -160,15 +164,19 @@ class _Envelope:
         body = {**self.fields, "status": status, "output": output, "usage": use}
         if reason == "length":
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+            if output and output[-1]["type"] in ("message", "reasoning"):
+                # NOTE: the text cut off is the last item's: it is incomplete too (the spec's
+                # item status)
+                output[-1]["status"] = "incomplete"
         return body
 
 
 def final_output(turn: AssistantTurn) -> list[dict[str, Any]]:
     """The output items of a finished turn: its thinking (with a reasoning parser), its text (if
-    any), then its calls."""
+    any, or when no other item is), then its calls."""
     text = turn.message.get("content") or ""
     items = [reasoning_item(_new_id("rs"), turn.parsed.reasoning)] if turn.parsed.reasoning is not None else []
-    if text or not turn.parsed.tool_calls:
+    if text or not (turn.parsed.tool_calls or items):
         items.append(message_item(_new_id("msg"), text))
     return items + call_items(turn)
 
@@ -180,7 +188,7 @@ def final_output(turn: AssistantTurn) -> list[dict[str, Any]]:
 
 #: The chat's field names, as the Responses body spells them.
 _CHAT_PARAMS = (("messages", "input"), ("response_format.json_schema", "text.format"),
-                ("response_format", "text.format"))
+                ("response_format", "text.format"), ("tool_choice.function", "tool_choice"))
 _FUNCTION_PARAM = re.compile(r"^tools\[(\d+)\]\.function(\.|$)")
 
 
@@ -196,6 +204,10 @@ def _as_responses_error(error: APIError) -> APIError:
             param = ours if chat == "messages" else ours + param[len(chat):]
             break
     param = _FUNCTION_PARAM.sub(lambda m: f"tools[{m.group(1)}]{m.group(2)}", param)
+    if param != "input" and error.message.startswith(f"{error.param}:"):
+        # NOTE: the message names the field as the param does (a chat message's index is kept:
+        # it says which rendered message)
+        error.message = param + error.message[len(error.param):]
     error.param = param
     return error
 
@@ -211,9 +223,8 @@ class _Chain:
 
     def keep(self, body: dict[str, Any]) -> None:
         """Store the finished response ``body`` (if the request asked to)."""
-        if self.store is not None and self.job_id is not None:
-            items = (*self.items, *body["output"])
-            self.store.put(StoredResponse(body, items, self.job_id))
+        if self.store is not None:
+            self.store.put(StoredResponse(body, (*with_item_ids(self.items), *body["output"]), self.job_id))
 
 
 def _decoder(rt: AgentRuntime) -> Callable[[Sequence[int]], str] | None:
@@ -236,8 +247,12 @@ async def create_response(request: Request) -> Response:
               chain_digest(routing_key({"job_id": req.job_id, "input": req.input, "instructions": req.instructions})))
     assert digest is not None, "a stored response's id is this server's"
     response_id = new_response_id(digest)
-    # NOTE: a chain is a job: its KV is pinned across the tool calls between its turns
-    job_id = req.job_id or (previous.job_id if previous is not None else response_id if stored else None)
+    # NOTE: a chain is a job: the one its client named; else where the engine gives implicit
+    # jobs, theirs (an answer ends it: an id of the server's own, which nothing ends, would hold
+    # the job gate's reservation until its idle timeout); else its first response's id, so
+    # Continuum's pins still hold its KV across its tool calls
+    job_id = req.job_id or (previous.job_id if previous is not None else
+                            None if rt.implicit_jobs or not stored else response_id)
     try:
         params = req.sampling_params(state.default_max_tokens)
         input_messages(req.input)  # NOTE: its own items first, so that an error names input[i] as sent
@@ -280,6 +295,20 @@ async def get_response(request: Request) -> Response:
     found = state.responses.require(request.path_params["response_id"])
     state.metrics.count(PATH, 200)
     return JSONResponse(dict(found.body))
+
+
+async def list_input_items(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}/input_items``: the input items of a stored response
+    (``limit``, ``order``, ``after``: OpenAI's paging)."""
+    state = app_state(request)
+    found = state.responses.require(request.path_params["response_id"])
+    query = request.query_params
+    limit = query.get("limit", "20")
+    if not limit.isdigit():
+        raise APIError(400, f"limit: must be an integer from 1 to 100, got {limit!r}", param="limit")
+    page = input_items_page(found, int(limit), query.get("order", "desc"), query.get("after"))
+    state.metrics.count(PATH, 200)
+    return JSONResponse(page)
 
 
 async def delete_response(request: Request) -> Response:
@@ -330,9 +359,10 @@ class _ItemStream:
         self.open = item
         frames = [self.event("response.output_item.added", output_index=len(self.output),
                              item={**item, "status": "in_progress", "content": []})]
-        if item["type"] == "message":
-            frames.append(self.event("response.content_part.added", **self._where(), part={**item["content"][0],
-                                                                                         "text": ""}))
+        # NOTE: a reasoning item's part is announced too (the spec's ``reasoning_text`` part):
+        # its deltas name content_index 0
+        frames.append(self.event("response.content_part.added", **self._where(), part={**item["content"][0],
+                                                                                     "text": ""}))
         return frames
 
     def text(self, kind: str, piece: str) -> list[str]:
@@ -352,17 +382,19 @@ class _ItemStream:
             frames.append(self.event(delta, **self._where(), delta=piece, **extra))
         return frames
 
-    def close(self) -> list[str]:
-        """Frames that end the open item (none when none is open)."""
+    def close(self, status: str = "completed") -> list[str]:
+        """Frames that end the open item (none when none is open), with its ``status``
+        (``incomplete``: the reply was cut off in it)."""
         item, frames = self.open, []
         if item is None:
             return frames
+        item["status"] = status
         where, part = self._where(), item["content"][0]
         if item["type"] == "reasoning":
             frames.append(self.event("response.reasoning_text.done", **where, text=part["text"]))
         else:
             frames.append(self.event("response.output_text.done", **where, text=part["text"], logprobs=[]))
-            frames.append(self.event("response.content_part.done", **where, part=part))
+        frames.append(self.event("response.content_part.done", **where, part=part))
         frames.append(self.event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
         self.open = None
@@ -412,9 +444,9 @@ async def _events(
         frames = items.text("reasoning", thought) if thought else []
         if turn.parsed.reasoning is not None and items.open is None and not items.output:
             frames += items.text("reasoning", "")  # NOTE: an empty thinking block is still an item
-        if text.sent or not calls:
+        if text.sent or content or not (calls or items.output or items.open):
             frames += items.text("message", content)
-        frames += items.close()
+        frames += items.close("incomplete" if turn.finish_reason == "length" else "completed")
         for call in calls:
             frames += items.call(call)
         for frame in frames:
@@ -431,5 +463,5 @@ async def _events(
 
 __all__ = [
     "PATH", "ResponsesRequest", "chat_response_format", "chat_tool_choice", "chat_tools", "create_response",
-    "delete_response", "error_event", "get_response", "input_messages",
+    "delete_response", "error_event", "get_response", "input_messages", "list_input_items",
 ]

@@ -3,10 +3,11 @@ response retrieved or deleted by id.
 
 A stored response keeps the input items of its whole chain and its own output items, so a
 request that names it as ``previous_response_id`` is served exactly as if the client had sent
-every item itself (the same prompt, so the chain's KV blocks are hits). The chain is one agent
-job: a request that names no ``job_id`` takes its chain's (the first response's id), so
-Continuum's pins hold its KV across the tool calls between its turns, as they do for chat
-clients that send job ids.
+every item itself (the same prompt, so the chain's KV blocks are hits). A chain is one agent
+job, kept with its responses for the requests that continue it: the ``job_id`` its first request
+named, or its first response's id; or none, where the engine's implicit jobs follow it as they
+follow chat clients that name no job (an answer without a tool call ends those: an id of the
+server's own, which nothing ends, would hold the job gate's reservation until its idle timeout).
 
 The store is in memory, per server process, and bounded: the least recently used responses go
 first (a chain's newest response is used, and kept, by the turn that continues it).
@@ -66,12 +67,12 @@ class StoredResponse:
         body: the response object as it was returned.
         items: the input items of the whole chain through this response, its output items
             last (what a client keeping the conversation itself would send next).
-        job_id: the chain's job.
+        job_id: the chain's job (None: the engine's implicit jobs follow it).
     """
 
     body: Mapping[str, Any]
     items: tuple[Mapping[str, Any], ...]
-    job_id: str
+    job_id: str | None = None
 
     @property
     def id(self) -> str:
@@ -129,15 +130,84 @@ class ResponseStore:
         ``previous_response_id``), reads or deletes.
 
         Raises:
-            APIError: 404 naming ``param`` when it is not stored (never was, deleted, dropped
-                for room, or kept by another server).
+            APIError: naming ``param`` when it is not stored (never was, deleted, dropped for
+                room, or kept by another server): OpenAI's 400 for a body's
+                ``previous_response_id``, a 404 for the path's response.
         """
         found = self.get(response_id)
         if found is None:
-            what = "Previous response" if param == "previous_response_id" else "Response"
-            raise APIError(404, f"{what} with id {response_id!r} not found", param=param,
+            previous = param == "previous_response_id"
+            what = "Previous response" if previous else "Response"
+            raise APIError(400 if previous else 404, f"{what} with id {response_id!r} not found", param=param,
                            code=f"{param.removesuffix('_id')}_not_found")
         return found
+
+
+#: The id prefix of each kind of input item (OpenAI's).
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def with_item_ids(items: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], ...]:
+    """``items`` each with an ``id`` (the ones without get a new one; the others are the same
+    objects), as they are stored: ``GET /v1/responses/{id}/input_items`` names them, and the
+    responses that continue the chain share them, ids included.
+
+    Args:
+        items: input items.
+
+    Returns:
+        The items.
+    """
+    return tuple(item if isinstance(item.get("id"), str) else
+                 {**item, "id": f"{_ITEM_ID_PREFIXES.get(str(item.get('type', 'message')), 'item')}_"
+                                f"{uuid.uuid4().hex[:24]}"}
+                 for item in items)
+
+
+def _listed_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    """An input item as the list returns it: a message with its type, status and content parts."""
+    if item.get("type", "message") != "message":
+        return dict(item)
+    content = item.get("content")
+    if isinstance(content, str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = [{"type": kind, "text": content}]
+    return {**item, "type": "message", "status": item.get("status", "completed"), "content": content}
+
+
+def input_items_page(stored: StoredResponse, limit: int = 20, order: str = "desc", after: str | None = None
+                     ) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of the items a stored response stood for
+    (its chain's, then its own input; not its output), OpenAI's list object.
+
+    Args:
+        stored: the response.
+        limit: items per page, 1 to 100.
+        order: ``desc`` (newest first, OpenAI's default) or ``asc``.
+        after: the id of the item the page starts after (the previous page's ``last_id``).
+
+    Returns:
+        ``{"object": "list", "data", "first_id", "last_id", "has_more"}``.
+
+    Raises:
+        APIError: 400 naming ``limit``, ``order`` or ``after``.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100:
+        raise APIError(400, f"limit: must be an integer from 1 to 100, got {limit!r}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: must be asc or desc, got {order!r}", param="order")
+    items = list(stored.items[: len(stored.items) - len(stored.body.get("output", ()))])
+    if order == "desc":
+        items.reverse()
+    start = 0
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise APIError(400, f"after: no input item {after!r} in this response", param="after")
+        start = ids.index(after) + 1
+    page = [_listed_item(item) for item in items[start : start + limit]]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
 
 def chain_items(previous: StoredResponse | None, input_items: str | Sequence[Mapping[str, Any]]
@@ -158,6 +228,7 @@ def chain_items(previous: StoredResponse | None, input_items: str | Sequence[Map
 
 
 __all__ = [
-    "DEFAULT_STORE_SIZE", "ResponseStore", "StoredResponse", "chain_digest", "chain_items", "new_response_id",
+    "DEFAULT_STORE_SIZE", "ResponseStore", "StoredResponse", "chain_digest", "chain_items", "input_items_page",
+    "new_response_id", "with_item_ids",
     "response_digest",
 ]

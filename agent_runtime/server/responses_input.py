@@ -14,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from agent_runtime.server.requests import (
     CacheSalt,
@@ -85,6 +93,14 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _hints_in_xargs(cls, data: Any) -> Any:
         return lift_vllm_xargs(data, ("job_id", "is_last_step"))
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        # NOTE: checked before the union, whose error would name a member (``input.str``)
+        if not isinstance(value, (str, list)):
+            raise ValueError(f"input: must be a string or a list of input items, got {type(value).__name__}")
+        return value
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (greedy unless ``temperature`` says otherwise)."""
@@ -194,7 +210,8 @@ def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
         if not isinstance(part, Mapping) or not isinstance(part.get("text"), str):
             raise ValueError(f"{where}.content[{j}]: a reasoning part needs its text")
         texts.append(part["text"])
-    return TEXT_PART_SEPARATOR.join(texts)
+    # NOTE: one thinking, cut into parts: joined as it was generated, not as separate texts
+    return "".join(texts)
 
 
 def chat_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -245,7 +245,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 TOOL_CHAT = [
-    {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}, {"type": "text", "text": " Brief."}]},
+    {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}, {"type": "text", "text": "Brief."}]},
     {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
     {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
@@ -257,7 +257,7 @@ def test_engine_chat_gives_the_runtimes_prompt_tokens(smollm):
     """Engine.chat (vLLM's LLM.chat) and the server's path (the runtime's /tokenize) give one
     prompt for a chat: SmolLM2's template has no tool section, so the tools, the assistant's
     tool call and the tool result are injected as Hermes text by both; content parts are
-    joined; text that spells a special token stays text."""
+    joined by newlines (vLLM's join); text that spells a special token stays text."""
     engine = make_engine(smollm, num_kv_blocks=64)
     tokenizer = smollm.tokenizer
     params = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -275,7 +275,7 @@ def test_engine_chat_gives_the_runtimes_prompt_tokens(smollm):
     text = tokenizer.decode(with_tools.prompt_token_ids)
     assert "<tools>" in text and '"get_weather"' in text  # vLLM's LLM.chat drops them on this template
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
-    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text and "Weather in Paris? Brief." in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text and "Weather in Paris?\nBrief." in text
     # the tools are the chat's: the same chat without them has none
     (plain,) = engine.chat(TOOL_CHAT[:1], params)
     assert "<tools>" not in tokenizer.decode(plain.prompt_token_ids)

@@ -121,7 +121,8 @@ def test_the_server_returns_reasoning_content(smollm, parser):
         assert message["reasoning_content"] == raw and message["content"] is None
         assert streamed_reasoning == raw and streamed_content == ""
     else:  # qwen3 wants the reply itself to open the block: all of it is content
-        assert "reasoning_content" not in message and message["content"] == raw.strip()
+        # the content as generated: the body's is the stream's
+        assert "reasoning_content" not in message and message["content"] == raw
         assert streamed_reasoning == "" and streamed_content == raw
 
 
@@ -164,19 +165,26 @@ def test_responses_and_messages_return_the_thinking_as_their_own_items(smollm, p
                        if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta"]
     if parser == "deepseek_r1":  # all of the reply is thinking
         assert thought
-        assert [i["type"] for i in resp["output"]] == ["reasoning", "message"]
+        # no empty message item after the thinking (nor an empty text block): it was cut off
+        assert [i["type"] for i in resp["output"]] == ["reasoning"]
         assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": thought}]
-        assert resp["output"][1]["content"][0]["text"] == ""
+        assert resp["output"][0]["status"] == "incomplete"
         assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == generated == resp["usage"]["output_tokens"]
         assert streamed == thought
         final = resp_events[-1]["response"]
-        assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+        assert [i["type"] for i in final["output"]] == ["reasoning"]
         assert final["output"][0]["content"][0]["text"] == thought
-        assert [e["output_index"] for e in resp_events if e["type"] == "response.output_item.done"] == [0, 1]
+        assert [e["output_index"] for e in resp_events if e["type"] == "response.output_item.done"] == [0]
+        # the reasoning item's part is announced and ended around its deltas (content_index 0)
+        kinds = [e["type"] for e in resp_events]
+        assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+        assert resp_events[3]["part"] == {"type": "reasoning_text", "text": ""}
+        assert kinds[-4:] == ["response.reasoning_text.done", "response.content_part.done",
+                              "response.output_item.done", "response.incomplete"]
         assert msg["content"][0] == {"type": "thinking", "thinking": thought, "signature": ""}
         assert "".join(thinking_deltas) == thought
         starts = [e["content_block"]["type"] for e in msg_events if e["type"] == "content_block_start"]
-        assert starts == ["thinking", "text"]
+        assert starts == ["thinking"] and [b["type"] for b in msg["content"]] == ["thinking"]
         # the thinking block ends with its (empty) signature, then stops
         kinds = [(e["type"], e.get("delta", {}).get("type")) for e in msg_events]
         assert kinds.index(("content_block_delta", "signature_delta")) + 1 == kinds.index(("content_block_stop", None))

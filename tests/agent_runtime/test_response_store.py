@@ -34,7 +34,7 @@ def test_the_store_drops_the_least_recently_used_first():
     assert store.delete(a.id) and not store.delete(a.id) and len(store) == 1
     with pytest.raises(APIError) as missing:
         store.require(a.id, "previous_response_id")
-    assert missing.value.status == 404 and missing.value.param == "previous_response_id"
+    assert missing.value.status == 400 and missing.value.param == "previous_response_id"
     assert missing.value.code == "previous_response_not_found"
     with pytest.raises(APIError) as unread:
         store.require(a.id)

@@ -37,7 +37,12 @@ def test_text_reply_equals_the_chat_completion(live, oa):  # noqa: F811
         assert resp.status == "completed" and resp.incomplete_details is None
     short = oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.", max_output_tokens=1)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.output[-1].status == "incomplete"  # the item cut off is incomplete too
     assert short.usage.input_tokens_details.cached_tokens > 0  # the same prompt's blocks, cached
+    streamed = list(oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.",
+                                        max_output_tokens=1, stream=True))
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert [i.status for i in done] == ["incomplete"] and streamed[-1].response.output[-1].status == "incomplete"
     live.check()
 
 
@@ -112,6 +117,9 @@ def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
     ({"input": []}, "input"),
+    ({"input": 5}, "input"),  # not "input.str", a member of the field's union
+    ({"input": None}, "input"),
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
@@ -122,6 +130,7 @@ def test_bad_bodies_are_400s_naming_the_field(live, fields, param):  # noqa: F81
     r = httpx.post(f"{live.base}/v1/responses", json={"model": MODEL, "input": "hi", **fields}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(f"{param}:"), r.text
     assert live.engine(lambda e: e.has_unfinished()) is False
 
 
@@ -169,9 +178,10 @@ def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):  # 
     assert first.store is True and first.previous_response_id is None
     call = first.output[-1]
     assert call.type == "function_call"
-    # a stored response's chain is a job: its call's pause was Continuum's to decide, under its id
+    # a stored response's chain is a job (its first response's id: this engine gives no implicit
+    # jobs, having no job admission): its call's pause was Continuum's to decide, under that id
     decision = live.engine(lambda e: live.runtime.controller.decisions[-1])
-    assert decision.job_id == first.id and decision.tool == "read_file"
+    assert decision.job_id == first.id and decision.tool == "read_file" and not live.runtime.implicit_jobs
     result = [{"type": "function_call_output", "call_id": call.call_id, "output": "Buy milk."}]
     # NOTE: the two replies below are compared token for token: 6 tokens do that as 16 did
     second = oa.responses.create(model=MODEL, previous_response_id=first.id, input=result,
@@ -209,8 +219,80 @@ def test_stored_responses_are_read_and_deleted(live, oa):  # noqa: F811
         assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found", r.text
     r = httpx.post(f"{live.base}/v1/responses", timeout=60,
                    json={"model": MODEL, "input": "hi", "previous_response_id": resp.id})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+    assert r.json()["error"]["code"] == "previous_response_not_found"
     unstored = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, store=False)
     assert httpx.get(f"{live.base}/v1/responses/{unstored.id}", timeout=60).status_code == 404
     assert live.engine(lambda e: e.has_unfinished()) is False
     live.check()
+
+
+def test_a_stored_responses_input_items_are_listed(live, oa):  # noqa: F811
+    """``GET /v1/responses/{id}/input_items`` (the SDK's ``responses.input_items.list``): the
+    chain's items and the request's own input, not its output, with ids that stay the same along
+    the chain; OpenAI's paging (newest first by default, ``limit``, ``after``, ``order``)."""
+    ask = [{"role": "user", "content": "What is in notes.txt?"}]
+    first = oa.responses.create(model=MODEL, input=ask, tools=FLAT_TOOLS, max_output_tokens=48,
+                                tool_choice={"type": "function", "name": "read_file"})
+    call = first.output[-1]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Buy milk."}
+    second = oa.responses.create(model=MODEL, previous_response_id=first.id, input=[result], tools=FLAT_TOOLS,
+                                 tool_choice="none", max_output_tokens=2)
+    mine = list(oa.responses.input_items.list(first.id, order="asc"))
+    assert [(i.type, i.role) for i in mine] == [("message", "user")]
+    assert mine[0].content[0].type == "input_text" and mine[0].content[0].text == ask[0]["content"]
+    chain = list(oa.responses.input_items.list(second.id, order="asc"))
+    assert [i.type for i in chain] == ["message", *[o.type for o in first.output], "function_call_output"]
+    assert chain[0].id == mine[0].id and chain[-1].call_id == call.call_id and chain[-1].id.startswith("fco_")
+    assert len({i.id for i in chain}) == len(chain)
+    newest = httpx.get(f"{live.base}/v1/responses/{second.id}/input_items", params={"limit": 1}, timeout=60).json()
+    assert newest["object"] == "list" and newest["has_more"] is True
+    assert [i["id"] for i in newest["data"]] == [chain[-1].id] == [newest["first_id"]] == [newest["last_id"]]
+    rest = httpx.get(f"{live.base}/v1/responses/{second.id}/input_items", timeout=60,
+                     params={"limit": 100, "after": newest["last_id"]}).json()
+    assert [i["id"] for i in rest["data"]] == [i.id for i in reversed(chain[:-1])] and rest["has_more"] is False
+    for params, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_nope"}, "after")):
+        r = httpx.get(f"{live.base}/v1/responses/{second.id}/input_items", params=params, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.get(f"{live.base}/v1/responses/resp_nope/input_items", timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
+    live.check()
+
+
+def test_stored_turns_that_name_no_job_leave_no_job_behind(smollm):
+    """Where the engine gives implicit jobs (job admission on), a Responses client naming no job
+    is followed by them, as a chat client is: one that re-sends its whole history each turn
+    (store on, OpenAI's default, no ``previous_response_id``) continues one job, whose answers
+    end it, so the job gate does not pile up jobs nothing ends; a chain through
+    ``previous_response_id`` continues it too."""
+    import openai
+
+    from agent_runtime.presets import resolve_preset
+    from agent_runtime.runtime import AgentRuntime
+    from agent_runtime.server import create_app
+    from tests.agent_runtime.test_server import serving
+    from tests.conftest import make_engine
+
+    preset = resolve_preset("asymcache+continuum")
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=1024, **preset.engine_overrides), policy=preset)
+    history = [{"role": "user", "content": "Name a colour."}]
+    try:
+        assert runtime.implicit_jobs
+        with serving(create_app(runtime, MODEL)) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+            for turn in range(3):
+                resp = client.responses.create(model=MODEL, input=history, max_output_tokens=3)
+                assert resp.store is True
+                history += [resp.output[-1].model_dump(exclude_none=True),
+                            {"role": "user", "content": f"Another ({turn})."}]
+            chained = client.responses.create(model=MODEL, previous_response_id=resp.id, input="And one more.",
+                                              max_output_tokens=3)
+            assert chained.previous_response_id == resp.id
+            stats = runtime.call_threadsafe(lambda e: e.stats()).result(timeout=30)
+            gate = runtime.call_threadsafe(lambda e: set(e.job_admission.jobs)).result(timeout=30)
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
+    assert (stats.implicit_jobs_started_total, stats.implicit_jobs_matched_total) == (1, 3)
+    assert gate == set() and stats.jobs_admitted == 0

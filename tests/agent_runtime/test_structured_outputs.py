@@ -165,12 +165,13 @@ def test_the_python_api_takes_structured_outputs(runtime: AgentRuntime) -> None:
 def test_text_parts_of_every_kind_render_as_their_text(client: TestClient) -> None:
     """OpenAI's ``text`` parts, an assistant's ``refusal`` and the Responses API's
     ``input_text`` / ``output_text`` (which converting clients send in chat messages) are text:
-    the reply is the one to the same chat written as strings."""
-    as_strings = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "I can't."},
-                  {"role": "user", "content": "Please say hi"}]
-    as_parts = [{"role": "user", "content": [{"type": "input_text", "text": "Say"}, {"type": "text", "text": " hi"}]},
+    the reply is the one to the same chat written as strings, the parts joined by newlines
+    (vLLM's join)."""
+    as_strings = [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": "I can't."},
+                  {"role": "user", "content": "Please\nsay hi"}]
+    as_parts = [{"role": "user", "content": [{"type": "input_text", "text": "Say"}, {"type": "text", "text": "hi"}]},
                 {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
-                {"role": "user", "content": [{"type": "text", "text": "Please "}, "say hi"]}]
+                {"role": "user", "content": [{"type": "text", "text": "Please"}, "say hi"]}]
     assert _chat(client, 6, as_parts)["message"] == _chat(client, 6, as_strings)["message"]
     r = client.post("/tokenize", json={"model": MODEL, "messages": as_parts})
     assert r.json()["tokens"] == client.post("/tokenize", json={"model": MODEL, "messages": as_strings}).json()["tokens"]
