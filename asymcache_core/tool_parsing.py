@@ -21,6 +21,7 @@ Nothing here raises on model text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -50,6 +51,66 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+#: The head of a Hermes call object up to its arguments' opening brace (name first, as models
+#: and the constrained grammar write it): group 1 is the name's JSON string body.
+CALL_HEADER_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+def arguments_span(text: str, start: int) -> int | None:
+    """Where the JSON object starting at ``text[start]`` ends.
+
+    Args:
+        text: the text.
+        start: the index of the object's ``{``.
+
+    Returns:
+        The index just past its closing brace, or None while it is not closed.
+    """
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def raw_arguments(payload: str, arguments: Mapping[str, Any]) -> str | None:
+    """The arguments' JSON text as a call object ``{"name": ..., "arguments": {...}}`` wrote it,
+    when it holds exactly ``arguments`` and nothing follows it but the object's end.
+
+    Args:
+        payload: the call object's text.
+        arguments: its decoded arguments.
+
+    Returns:
+        The text, or None (another key order, keys after the arguments, not these arguments).
+    """
+    head = CALL_HEADER_RE.match(payload)
+    if head is None:
+        return None
+    end = arguments_span(payload, head.end())
+    if end is None or payload[end:].strip() != "}":
+        return None
+    raw = payload[head.end() : end]
+    try:
+        return raw if json.loads(raw) == arguments else None
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
 @dataclass(frozen=True)
 class ParsedToolCall:
     """One tool call.
@@ -58,19 +119,25 @@ class ParsedToolCall:
         id: call id (OpenAI ``tool_call_id`` that the tool message answers).
         name: function name.
         arguments: the arguments object.
+        raw_arguments: the arguments' JSON text as the model wrote it, when it was read from a
+            Hermes call (None: written out again): what the call's stream sent, so a reply and
+            its stream carry the same string.
     """
 
     id: str
     name: str
     arguments: dict[str, Any]
+    raw_arguments: str | None = field(default=None, compare=False)
 
     def arguments_json(self) -> str:
-        """The arguments as compact JSON text (OpenAI carries them as a string).
+        """The arguments as JSON text (OpenAI carries them as a string): as the model wrote them
+        where known, else compact.
 
         Returns:
             The JSON text.
         """
-        return json.dumps(self.arguments, ensure_ascii=False)
+        return self.raw_arguments if self.raw_arguments is not None else json.dumps(
+            self.arguments, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -166,7 +233,12 @@ def _decode_calls(payload: str, make_id: Callable[[], str]) -> list[ParsedToolCa
     calls = [_call_from_obj(o, make_id) for o in objs]
     if not calls or any(c is None for c in calls):
         return None
-    return [c for c in calls if c is not None]
+    found = [c for c in calls if c is not None]
+    if len(found) == 1 and not isinstance(obj, list):
+        raw = raw_arguments(payload, found[0].arguments)
+        if raw is not None:
+            found = [dataclasses.replace(found[0], raw_arguments=raw)]
+    return found
 
 
 def _tidy(parts: Sequence[str]) -> str:

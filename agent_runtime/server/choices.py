@@ -30,12 +30,13 @@ from agent_runtime.server.responses import (
     CompletionChoice,
     CompletionLogprobs,
     DeltaMessage,
+    FunctionCallDelta,
     ToolCallDelta,
 )
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
-from asymcache_core.tool_parsing import to_openai_tool_calls
+from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
 
 #: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
 SEED_SPAN = SEED_MAX + 1
@@ -151,9 +152,12 @@ class ChatChunks(Chunks):
         self, stream: RequestStream, index: int, texts: TokenTexts | None, tools_possible: bool,
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
         call_format: str = "hermes", reasoning_parser: str | None = None, return_ids: bool = False,
-        include_reasoning: bool = True, named_tool: bool = False,
+        include_reasoning: bool = True, named_tool: bool = False, max_tool_calls: int | None = None,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
+        #: Hermes calls streamed as they are written (their arguments piece by piece, vLLM's
+        #: streaming tool parser); other formats send their calls whole at the end
+        self.calls = HermesCallStream(max_tool_calls) if tools_possible and call_format == "hermes" else None
         #: a named ``tool_choice`` forced the call: its reason is ``stop``, as OpenAI's and
         #: vLLM's (``tool_calls`` is for calls the model chose to make)
         self.named_tool = named_tool
@@ -196,13 +200,16 @@ class ChatChunks(Chunks):
     def opening(self) -> list[ChatCompletionStreamChoice]:
         return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
 
-    def _deltas(self, reasoning: str, content: str) -> list[DeltaMessage]:
+    def _deltas(self, reasoning: str, content: str, calls: list[CallPiece] | None = None) -> list[DeltaMessage]:
         return ([DeltaMessage(reasoning_content=reasoning)] if reasoning and self.include_reasoning else []) + (
-            [DeltaMessage(content=content)] if content else [])
+            [DeltaMessage(content=content)] if content else []) + (
+            [DeltaMessage(tool_calls=[_call_delta(c) for c in calls])] if calls else [])
 
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
         if not event.output.finished:
-            deltas = self._deltas(*self.text.pieces(event))
+            thought, piece = self.text.pieces(event)
+            calls = None if self.calls is None else self.calls.feed(self.text.split(event.output.text, False)[1])
+            deltas = self._deltas(thought, piece, calls)
             if not deltas:
                 return []
             out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
@@ -210,10 +217,10 @@ class ChatChunks(Chunks):
                                                **self._ids_update(event)})
             return out
         turn = build_turn(self.stream, event)
-        deltas = self._deltas(*self.text.rest(turn, event))
-        if turn.parsed.tool_calls:
-            calls = to_openai_tool_calls(turn.parsed.tool_calls)
-            deltas.append(DeltaMessage(tool_calls=[ToolCallDelta(index=i, **c) for i, c in enumerate(calls)]))
+        calls = turn.parsed.tool_calls
+        owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if self.calls is None else (
+            self.calls.finish(self.text.split(event.output.text, True)[1], calls) if calls else [])
+        deltas = self._deltas(*self.text.rest(turn, event), owed)
         out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
         out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=self._reason(turn),
                                               stop_reason=event.output.stop_reason))
@@ -242,6 +249,14 @@ class ChatChunks(Chunks):
             logprobs=self._logprobs(final.output.logprobs or []), stop_reason=final.output.stop_reason,
             **({"token_ids": list(final.output.token_ids)} if self.return_ids else {}),
         )
+
+
+def _call_delta(piece: CallPiece) -> ToolCallDelta:
+    """A tool call's streamed piece as OpenAI's delta (its id, type and name on its first)."""
+    if piece.id is None:
+        return ToolCallDelta(index=piece.index, function=FunctionCallDelta(arguments=piece.arguments))
+    return ToolCallDelta(index=piece.index, id=piece.id, type="function",
+                         function=FunctionCallDelta(name=piece.name, arguments=piece.arguments))
 
 
 class CompletionChunks(Chunks):

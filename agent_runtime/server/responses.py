@@ -89,13 +89,22 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+class FunctionCallDelta(_Body):
+    """A streamed piece of a called function: its name on the call's first piece, then more of
+    its arguments' JSON text."""
+
+    name: str | None = _OMIT
+    arguments: str
+
+
 class ToolCallDelta(_Body):
-    """A tool call in a streamed delta: a :class:`ToolCall` with its ``index`` first."""
+    """A tool call in a streamed delta: its ``index``; its ``id`` and ``type`` on its first piece
+    (OpenAI's and vLLM's shape: the pieces' arguments, joined, are the call's)."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = _OMIT
+    type: Literal["function"] | None = _OMIT
+    function: FunctionCallDelta
 
 
 class ChatMessage(_Body):

@@ -229,6 +229,9 @@ def test_response_models_keep_nulls_openai_sends_and_omit_unset_extras():
          "stop_reason": None},
         {"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None, "stop_reason": None},
     ]}
+    # a call's later pieces carry more of its arguments only (OpenAI's shape)
+    piece = ToolCallDelta(index=1, function={"arguments": '{"a": '})
+    assert piece.model_dump() == {"index": 1, "function": {"arguments": '{"a": '}}
     last = CompletionChunk(id="c", created=1, model="m", choices=[], usage=usage).model_dump()
     assert last["object"] == "text_completion" and last["choices"] == [] and last["usage"]["total_tokens"] == 13
     # vLLM's token ids: only when asked for, and an empty list is still sent

@@ -75,7 +75,8 @@ def test_streamed_chat_sends_the_thinking_as_reasoning_content():
     with_call = _deltas(["<think>look</think>\n" + call[:12], "<think>look</think>\n" + call], "qwen3", "hermes")
     assert "".join(d.get("reasoning_content") or "" for d in with_call) == "look"
     calls = [tc for d in with_call for tc in d.get("tool_calls") or []]
-    assert [c["function"]["name"] for c in calls] == ["read_file"]
+    assert [c["function"]["name"] for c in calls if "name" in c["function"]] == ["read_file"]
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"path": "a"}
     assert not "".join(d.get("content") or "" for d in with_call).strip()
 
 

@@ -287,9 +287,17 @@ def test_streaming_chat_with_required_tool_call(live, oa):
         parallel_tool_calls=False,
     )
     chunks = list(stream)
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name in ("list_files", "read_file")
-    json.loads(calls[0].function.arguments)
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    # the call streams as it is written (vLLM's streaming tool parser): its id, type and name
+    # first, then its arguments piece by piece, which join to the non-streamed reply's
+    assert pieces[0].id and pieces[0].type == "function" and pieces[0].function.name in ("list_files", "read_file")
+    assert len(pieces) >= 2 and all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    arguments = "".join(p.function.arguments for p in pieces)
+    whole = oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Show me the files."}], tools=TOOLS,
+        tool_choice="required", max_tokens=40, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in whole] == [(pieces[0].function.name, arguments)]
+    json.loads(arguments)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     live.check()
