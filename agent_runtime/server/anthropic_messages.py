@@ -38,27 +38,33 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator
 
-from agent_runtime.engine_client import RequestStream
-from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import MAX_STOP_STRINGS, ContextLengthError
+from agent_runtime.server.anthropic_replies import (
+    content_blocks,
+    error_event,
+    message_body,
+    message_events,
+    stop_reason,
+    thinking_block,
+    usage,
+)
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
 from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.errors import APIError, from_value_error
-from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
 from agent_runtime.server.responses import SSE_HEADERS
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.thinking_budget import AnthropicThinking, anthropic_thinking
-from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.chat_messages import TEXT_PART_SEPARATOR
 from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.tool_call_stream import HermesCallStream
 
 PATH = MESSAGES_PATH
 COUNT_PATH = MESSAGES_COUNT_PATH
@@ -322,57 +328,6 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> tuple[Any, bool]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The reply as content blocks
-# ----------------------------------------------------------------------------------------------
-
-
-def stop_reason(turn: AssistantTurn, final: StreamEvent) -> tuple[str, str | None]:
-    """Anthropic's ``(stop_reason, stop_sequence)`` of a finished turn."""
-    if turn.parsed.tool_calls:
-        return "tool_use", None
-    if turn.finish_reason == "length":
-        return "max_tokens", None
-    sequence = final.output.stop_reason
-    if isinstance(sequence, str):
-        return "stop_sequence", sequence
-    return "end_turn", None
-
-
-def thinking_block(thinking: str) -> dict[str, Any]:
-    """A ``thinking`` content block (unsigned: its signature is empty)."""
-    return {"type": "thinking", "thinking": thinking, "signature": ""}
-
-
-def content_blocks(turn: AssistantTurn, text: str, thinking: bool = True) -> list[dict[str, Any]]:
-    """A finished turn's content: its thinking (with a reasoning parser), its text (when there is
-    any, or no other block: Anthropic refuses an empty text block sent back), then one
-    ``tool_use`` block per call.
-
-    Args:
-        turn: the turn.
-        text: its text.
-        thinking: a thinking block may come first (False: a prefill's continuation is all text).
-    """
-    calls = [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in turn.parsed.tool_calls]
-    thought = [thinking_block(turn.parsed.reasoning)] if thinking and turn.parsed.reasoning is not None else []
-    return thought + ([{"type": "text", "text": text}] if text or not (calls or thought) else []) + calls
-
-
-def usage(final: StreamEvent) -> dict[str, int]:
-    """Anthropic's ``usage``: the prompt's cached tokens apart from the rest."""
-    out = final.output
-    cached = out.metrics.cached_tokens
-    return {"input_tokens": out.num_prompt_tokens - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, "output_tokens": len(out.token_ids)}
-
-
-def _message(mid: str, model: str, content: list[dict[str, Any]], reason: tuple[str | None, str | None],
-             use: dict[str, int]) -> dict[str, Any]:
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason[0], "stop_sequence": reason[1], "usage": use}
-
-
-# ----------------------------------------------------------------------------------------------
 # The routes
 # ----------------------------------------------------------------------------------------------
 
@@ -407,13 +362,15 @@ async def create_message(request: Request) -> Response:
         # the space after the prefill's last word), and as text: it continues the answer, not
         # a thinking block
         text = final.output.text if req.prefilled and not turn.parsed.tool_calls else turn.message.get("content")
-        body = _message(mid, state.model_name, content_blocks(turn, text or "", thinking=not req.prefilled),
+        body = message_body(mid, state.model_name, content_blocks(turn, text or "", thinking=not req.prefilled),
                         stop_reason(turn, final), usage(final))
         return JSONResponse(body)
     state.metrics.count(PATH, 200)
     parser = None if req.prefilled else rt.reasoning_parser
-    events = _events(stream, mid, state.model_name,
-                     StreamedText(bool(tools) and choice != "none", rt.tool_call_format, parser), state.metrics)
+    tools_possible = bool(tools) and choice != "none"
+    calls = HermesCallStream(None if parallel else 1) if tools_possible and rt.tool_call_format == "hermes" else None
+    events = message_events(stream, mid, state.model_name, StreamedText(tools_possible, rt.tool_call_format, parser),
+                     state.metrics, calls)
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -431,104 +388,6 @@ async def count_tokens(request: Request) -> JSONResponse:
         raise from_value_error(e, "messages", _ANTHROPIC_FIELDS) from None
     state.metrics.count(COUNT_PATH, 200)
     return JSONResponse({"input_tokens": len(ids)})
-
-
-async def _events(
-    stream: RequestStream, mid: str, model: str, text: StreamedText, metrics: ServerMetrics
-) -> AsyncIterator[str]:
-    """The SSE events of one streamed message; aborts the request if the client goes away."""
-
-    def event(kind: str, **fields: Any) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
-
-    def start(ev: StreamEvent | None) -> list[str]:
-        # NOTE: sent with the first event, once the prompt's cached share is known
-        use = {**usage(ev), "output_tokens": 0} if ev is not None else {
-            "input_tokens": len(stream.prompt_token_ids), "cache_read_input_tokens": 0,
-            "cache_creation_input_tokens": 0, "output_tokens": 0}
-        return [event("message_start", message=_message(mid, model, [], (None, None), use)), event("ping")]
-
-    index = 0  # the block being streamed, or the next one
-    open_kind: str | None = None  # "thinking" or "text" while a block is open
-
-    def close() -> list[str]:
-        nonlocal index, open_kind
-        if open_kind is None:
-            return []
-        frames = [event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": ""})
-                  ] if open_kind == "thinking" else []
-        frames.append(event("content_block_stop", index=index))
-        index, open_kind = index + 1, None
-        return frames
-
-    def stream_piece(kind: str, piece: str) -> list[str]:
-        nonlocal open_kind
-        frames = close() if open_kind not in (None, kind) else []
-        if open_kind is None:
-            block = thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
-            frames.append(event("content_block_start", index=index, content_block=block))
-            open_kind = kind
-        if piece:
-            delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else {
-                "type": "text_delta", "text": piece}
-            frames.append(event("content_block_delta", index=index, delta=delta))
-        return frames
-
-    started = False
-    try:
-        try:
-            async for ev in stream:
-                if not started:
-                    started = True
-                    for frame in start(ev):
-                        yield frame
-                if ev.output.finished:
-                    metrics.observe(ev)
-                    break
-                thought, piece = text.pieces(ev)
-                for kind, part in (("thinking", thought), ("text", piece)):
-                    if part:
-                        for frame in stream_piece(kind, part):
-                            yield frame
-        except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
-            if not started:
-                for frame in start(None):
-                    yield frame
-            yield error_event(exc)
-            return
-        final = stream.final
-        assert final is not None
-        turn = build_turn(stream, final)
-        calls = turn.parsed.tool_calls
-        thought, rest = text.rest(turn, final)
-        frames = stream_piece("thinking", thought) if thought else []
-        if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
-            frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block
-        if text.sent or rest or not (calls or index or open_kind):
-            frames += stream_piece("text", rest)
-        frames += close()
-        for frame in frames:
-            yield frame
-        for call in calls:
-            yield event("content_block_start", index=index,
-                        content_block={"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
-            yield event("content_block_delta", index=index,
-                        delta={"type": "input_json_delta", "partial_json": call.arguments_json()})
-            yield event("content_block_stop", index=index)
-            index += 1
-        reason, sequence = stop_reason(turn, final)
-        yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage(final))
-        yield event("message_stop")
-    finally:
-        if stream.final is None:
-            metrics.count_abort()
-            stream.abort()
-
-
-def error_event(exc: BaseException) -> str:
-    """The ``error`` event that ends a stream whose request failed."""
-    data = {"type": "error", "error": {"type": "api_error", "message": str(exc) or type(exc).__name__}}
-    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def error_response(error: APIError) -> JSONResponse:

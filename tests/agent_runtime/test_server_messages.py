@@ -99,12 +99,18 @@ def test_streamed_events_add_up_to_the_message(live, ac):  # noqa: F811
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
     assert text.strip() == want.content[0].text and final.content[0].text == text
     assert final.stop_reason == want.stop_reason and final.usage.output_tokens == want.usage.output_tokens
-    # a forced call streams as a tool_use block
-    with ac.messages.stream(model=MODEL, max_tokens=48, messages=[{"role": "user", "content": "Read todo.md."}],
-                            tools=CLIENT_TOOLS, tool_choice={"type": "tool", "name": "read_file"}) as s:
+    # a forced call streams as a tool_use block, its input as it is written (input_json_delta
+    # pieces that join to the non-streamed message's input)
+    forced = dict(model=MODEL, max_tokens=48, messages=[{"role": "user", "content": "Read todo.md."}],
+                  tools=CLIENT_TOOLS, tool_choice={"type": "tool", "name": "read_file"})
+    with ac.messages.stream(**forced) as s:
+        events = list(s)
         final = s.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
     assert final.content[-1].name == "read_file" and final.content[-1].input["path"]
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == final.content[-1].input
+    assert final.content[-1].input == ac.messages.create(**forced).content[-1].input
     live.check()
 
 
