@@ -97,6 +97,15 @@ def test_streamed_events_add_up_to_the_response(live, oa):  # noqa: F811
     final = events[-1].response
     assert events[-1].type == "response.completed" and final.output[-1].type == "function_call"
     assert final.output[-1].arguments == done[0].arguments
+    # the call streams as it is written: its item announced with its name, then its arguments
+    # piece by piece, which join to the non-streamed response's
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert added[-1].type == "function_call" and added[-1].name == "read_file" and added[-1].arguments == ""
+    assert len(deltas) > 1 and "".join(deltas) == done[0].arguments
+    whole = oa.responses.create(model=MODEL, input="Read todo.md.", tools=FLAT_TOOLS, max_output_tokens=48,
+                                tool_choice={"type": "function", "name": "read_file"})
+    assert whole.output[-1].arguments == done[0].arguments and added[-1].call_id == final.output[-1].call_id
     live.check()
 
 
