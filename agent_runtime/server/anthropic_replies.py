@@ -159,6 +159,10 @@ async def message_events(
         assert final is not None
         turn = build_turn(stream, final)
         calls = turn.parsed.tool_calls
+        owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if (
+            calls_stream is None) else calls_stream.finish(text.split(final.output.text, True)[1], calls)
+        # NOTE: calls streamed as they were written (a call cut off included): their text is
+        # not text too
         streamed = calls_stream is not None and bool(calls_stream.calls)
         thought, rest = text.rest(turn, final)
         frames = stream_piece("thinking", thought) if thought else []
@@ -166,8 +170,6 @@ async def message_events(
             frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block
         if not streamed and (text.sent or rest or not (calls or index or open_kind)):
             frames += stream_piece("text", rest)
-        owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if (
-            calls_stream is None) else calls_stream.finish(text.split(final.output.text, True)[1], calls)
         for call in owed:
             frames += call_piece(call)
         frames += close()

@@ -219,8 +219,13 @@ class ChatChunks(Chunks):
         turn = build_turn(self.stream, event)
         calls = turn.parsed.tool_calls
         owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if self.calls is None else (
-            self.calls.finish(self.text.split(event.output.text, True)[1], calls) if calls else [])
-        deltas = self._deltas(*self.text.rest(turn, event), owed)
+            self.calls.finish(self.text.split(event.output.text, True)[1], calls))
+        thought, content = self.text.rest(turn, event)
+        if self.calls is not None and self.calls.calls and not calls:
+            # NOTE: a call cut off (or malformed) went out as tool-call pieces: its text is not
+            # content too
+            content = ""
+        deltas = self._deltas(thought, content, owed)
         out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
         out.append(ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(), finish_reason=self._reason(turn),
                                               stop_reason=event.output.stop_reason))

@@ -259,6 +259,10 @@ async def response_events(
         assert final is not None
         turn = build_turn(stream, final)
         calls = turn.parsed.tool_calls
+        owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if (
+            calls_stream is None) else calls_stream.finish(text.split(final.output.text, True)[1], calls)
+        # NOTE: calls streamed as they were written (a call cut off included): their text is
+        # not a message too
         streamed = calls_stream is not None and bool(calls_stream.calls)
         thought, content = text.rest(turn, final)
         frames = items.text("reasoning", thought) if thought else []
@@ -266,8 +270,6 @@ async def response_events(
             frames += items.text("reasoning", "")  # NOTE: an empty thinking block is still an item
         if not streamed and (text.sent or content or not (calls or items.output or items.open)):
             frames += items.text("message", content)
-        owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if (
-            calls_stream is None) else calls_stream.finish(text.split(final.output.text, True)[1], calls)
         for call in owed:
             frames += items.call_piece(call)
         frames += items.close("incomplete" if turn.finish_reason == "length" else "completed")

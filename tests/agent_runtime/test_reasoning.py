@@ -78,6 +78,12 @@ def test_streamed_chat_sends_the_thinking_as_reasoning_content():
     assert [c["function"]["name"] for c in calls if "name" in c["function"]] == ["read_file"]
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"path": "a"}
     assert not "".join(d.get("content") or "" for d in with_call).strip()
+    # a call cut off by the length limit went out as tool-call pieces, and only so
+    cut = _deltas(["Sure. " + call[:40], "Sure. " + call[:60]], None, "hermes")
+    assert "".join(d.get("content") or "" for d in cut) == "Sure. "
+    pieces = [tc for d in cut for tc in d.get("tool_calls") or []]
+    assert pieces[0]["function"]["name"] == "read_file"
+    assert "".join(p["function"]["arguments"] for p in pieces) == call[call.index("{\"path"):60]
 
 
 #: SmolLM2's turns, the assistant's opened with a thinking block (as DeepSeek-R1's template does).
