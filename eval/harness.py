@@ -421,14 +421,38 @@ def policy_result(
     )
 
 
+#: The ``serving`` keys that are counts or rates of one run: per-run means under ``--repeats``.
+PER_RUN_SERVING_KEYS = (
+    "completed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+    "output_throughput", "total_token_throughput", "completed_jobs", "job_throughput",
+    "request_goodput", "job_goodput",
+)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def repeated_result(
     outcomes: list[RunOutcome], reference: dict[tuple[str, int], list[int]] | None, slo: SLO | None = None
 ) -> PolicyResult:
     """Summarises one or more runs of the same policy (``--repeats``).
 
-    Latency summaries pool the requests and jobs of every run; counters (tokens, evictions) and
-    the run time are per-run means; lossless agreement is the mean of each run's; ``runs``
-    holds each run's own means, so the run-to-run spread stays visible.
+    Latency summaries pool the requests and jobs of every run; counters (tokens, evictions,
+    requests, jobs), throughputs and the run time are per-run means; lossless agreement is the
+    mean of each run's; ``runs`` holds each run's own means, so the run-to-run spread stays
+    visible.
+
+    Args:
+        outcomes: the runs of one policy.
+        reference: the lossless reference outputs (``None``: not checked).
+        slo: the goodput targets (``None``: no goodput).
+
+    Returns:
+        The policy's result; that of the run itself for a single run.
+
+    Raises:
+        ValueError: ``outcomes`` is empty.
     """
     if not outcomes:
         raise ValueError("outcomes: no run to summarise")
@@ -454,10 +478,11 @@ def repeated_result(
     ]
     goodputs = [r.goodput_jobs_per_hour for r in single if r.goodput_jobs_per_hour is not None]
     serving = dict(pooled.serving)
-    if goodputs:
-        # NOTE: per run, then averaged: the pooled records repeat every job id once per run.
-        serving["job_goodput"] = sum(r.serving["job_goodput"] for r in single) / len(single)
-        serving["request_goodput"] = sum(r.serving["request_goodput"] for r in single) / len(single)
+    # NOTE: per run, then averaged: the pooled records hold every run's requests and jobs, but
+    # the pooled duration is one run's (the mean), so pooled counts over it are N times too high.
+    for key in PER_RUN_SERVING_KEYS:
+        if key in serving:
+            serving[key] = _mean([r.serving[key] for r in single])
     # NOTE: per run, then weighted by jobs: the pooled records repeat every job id once per run.
     times = [(r.job_time, r.num_jobs) for r in single if r.job_time is not None]
     jobs = sum(n for _, n in times)
@@ -471,7 +496,10 @@ def repeated_result(
             "goodput_jobs_per_hour": sum(goodputs) / len(goodputs) if goodputs else None,
             "serving": serving,
             "lossless_agreement": sum(agreements) / len(agreements) if agreements else None,
-            "num_jobs": single[0].num_jobs,
+            "num_jobs": round(_mean([r.num_jobs for r in single])),
+            "num_requests": round(_mean([r.num_requests for r in single])),
+            "jobs_per_hour": _mean([r.jobs_per_hour for r in single]),
+            "throughput_tok_s": _mean([r.throughput_tok_s for r in single]),
             "runs": runs,
         }
     )
