@@ -165,7 +165,6 @@ def drive(
         pending_jobs = []
     running: dict[str, str] = {}  # request id -> job id
     engine_jobs: dict[str, str | None] = {}  # trace job id -> the job the engine has it under
-    arrivals: dict[str, float] = {}
     records: list[RequestRecord] = []
     jct: dict[str, float] = {}
     pinned_peak = 0
@@ -173,6 +172,7 @@ def drive(
     itls: dict[str, list[float]] = {}
 
     def submit(job_id: str, now: float) -> None:
+        """Queues the job's next turn, which arrived (was due) at ``now``."""
         st = states[job_id]
         turn = st.job.turns[st.turn]
         st.context = st.context + st.inputs[st.turn]
@@ -187,19 +187,21 @@ def drive(
             job_id=None if policy.anonymous else job_id,
             request_id=f"{job_id}/{st.turn}",
             is_last_step=last and not policy.anonymous,
+            arrival_time=now,
         )
         engine_jobs[job_id] = engine.requests[rid].job_id
         known = engine_jobs[job_id]
         if policy.anonymous and known is not None:
             controller.on_request_arrival(known, now)
         running[rid] = job_id
-        arrivals[rid] = now
 
     while events or running:
         now = clock()
         while events and events[0][0] <= now:
-            _, _, job_id = heapq.heappop(events)
-            submit(job_id, now)
+            due, _, job_id = heapq.heappop(events)
+            # NOTE: a turn due while a step ran reaches the engine at the step's end, but its
+            # client sent it when due: its TTFT, queueing and its job's JCT count from then.
+            submit(job_id, due)
         if running:
             for out in engine.step():
                 if out.new_token_ids:

@@ -486,3 +486,31 @@ def test_clients_without_job_ids_get_the_jobs_of_their_conversations(tmp_path):
     assert computed["asymcache+continuum/anonymous"] <= computed["asymcache+continuum"] * 1.02
     assert computed["asymcache+continuum/anonymous/no-implicit-jobs"] > computed["asymcache+continuum"] * 1.1
     assert BenchVariant.parse("asymcache/anonymous").anonymous and not BenchVariant.parse("asymcache").anonymous
+
+
+def test_a_turn_due_mid_step_counts_its_latencies_from_when_it_was_due():
+    from asymcache_core import EngineConfig, SamplingParams
+    from eval.harness import drive, make_engine
+    from eval.variants import BenchVariant
+    from workloads import Job, Trace, Turn
+
+    # job a's long prompt makes a first step of seconds; job b is due 1 ms into it
+    trace = Trace(name="t", jobs=[
+        Job(job_id="a", arrival_s=0.0, turns=[Turn(input_tokens=2000, output_tokens=4)]),
+        Job(job_id="b", arrival_s=0.001, turns=[Turn(input_tokens=8, output_tokens=4)]),
+    ])
+    engine = make_engine(EngineConfig(num_kv_blocks=400, max_model_len=4096), "sim")
+    outcome = drive(engine, trace, BenchVariant.parse("vllm-apc"), time_scale=1.0, seed=0, concurrency=None,
+                    sleep=None)
+    b = next(r for r in outcome.records if r.job_id == "b")
+    due = outcome.start + 0.001
+    assert b.first_scheduled is not None and b.first_token is not None and b.ttft is not None
+    assert b.first_scheduled - outcome.start > 0.5  # it reached the engine after the long step
+    assert b.arrival == pytest.approx(due)
+    assert b.ttft == pytest.approx(b.first_token - due)
+    assert outcome.jct["b"] == pytest.approx(b.finish - due)
+    # the engine takes a past arrival, not a future one
+    with pytest.raises(ValueError, match="arrival_time"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=1), arrival_time=engine.clock() + 1.0)
+    with pytest.raises(ValueError, match="arrival_time"):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=1), arrival_time=float("nan"))
