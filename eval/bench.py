@@ -61,7 +61,8 @@ class BenchConfig:
         jobs: jobs in the workload.
         rate: Poisson arrivals (jobs/s); ``None`` runs a closed loop.
         concurrency: jobs in flight in the closed loop.
-        time_scale: multiplies tool pauses and arrivals.
+        time_scale: multiplies tool pauses and think times; ``rate``'s arrivals are not scaled
+            (jobs per second of the run).
         token_scale: multiplies the generators' token lengths (small models, CPU runs).
         num_kv_blocks: pool size in blocks (overrides ``kv_fraction``).
         gpu_memory_utilization: size the pool the way a server does, from the device's memory
@@ -505,6 +506,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             duration_s=time.perf_counter() - t_start, command=cfg.command,
             machine=machine_description(cfg.device), notes=notes,
             concurrency=None if cfg.rate is not None else cfg.concurrency, rate=cfg.rate, slo=slo,
+            time_scale=cfg.time_scale,
         ),
         policies=results_policies,
     )

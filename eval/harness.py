@@ -138,7 +138,8 @@ def drive(
         engine: a fresh engine (its clock is the run's clock).
         trace: the workload.
         policy: pins and TTL rule (the engine already has the policy's overrides).
-        time_scale: multiplies arrivals and tool pauses.
+        time_scale: multiplies tool pauses (and think times). Arrivals are not scaled: a job's
+            ``arrival_s`` is seconds of the run, so ``--rate`` is jobs per second of the run.
         seed: token streams' seed.
         concurrency: closed loop with this many jobs in flight (None: the trace's arrivals).
         sleep: waits for real time to pass; ``None`` for an engine on a virtual clock
@@ -161,7 +162,7 @@ def drive(
         pending_jobs = pending_jobs[concurrency:]
     else:
         for job in pending_jobs:
-            heapq.heappush(events, (t0 + job.arrival_s * time_scale, next(order), job.job_id))
+            heapq.heappush(events, (t0 + job.arrival_s, next(order), job.job_id))
         pending_jobs = []
     running: dict[str, str] = {}  # request id -> job id
     engine_jobs: dict[str, str | None] = {}  # trace job id -> the job the engine has it under

@@ -70,7 +70,8 @@ async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int, anony
     async def run_job(job: Any, client: Any) -> None:
         async with limit:
             if cfg.rate is not None:
-                await asyncio.sleep(max(0.0, t0 + job.arrival_s * cfg.time_scale - time.monotonic()))
+                # NOTE: arrivals are seconds of the run (--rate is jobs/s); only pauses are scaled
+                await asyncio.sleep(max(0.0, t0 + job.arrival_s - time.monotonic()))
             inputs = job_token_stream(job, vocab, cfg.seed)
             context: list[int] = []
             start = time.monotonic()

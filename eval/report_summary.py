@@ -214,6 +214,8 @@ def what_this_shows(results: Results) -> str:
         f"a KV pool of {run.kv_blocks:,} blocks ({run.kv_blocks * run.block_size:,} tokens)"
     )
     parts = [f"{run.num_jobs:,} {run.workload} jobs{load} ran on {where} with {pool}."]
+    if run.time_scale is not None and run.time_scale != 1.0:
+        parts.append(f"Tool pauses and think times ran at {run.time_scale:g}x their workload length.")
     share = peak_share(results)
     filled = pool_filled(results)
     if share is not None:

@@ -272,7 +272,12 @@ class RunInfo(_Model):
     machine: str = Field(description="Host description (CPU/GPU, OS, Python, torch).")
     notes: list[str] = Field(default_factory=list)
     concurrency: int | None = Field(default=None, description="Jobs in flight (closed loop); None with --rate.")
-    rate: float | None = Field(default=None, description="Poisson job arrivals (jobs/s); None: closed loop.")
+    rate: float | None = Field(
+        default=None, description="Poisson job arrivals (jobs per second of the run, not scaled); None: closed loop."
+    )
+    time_scale: float | None = Field(
+        default=None, ge=0.0, description="Multiplier of the tool pauses and think times; None: not recorded."
+    )
     slo: SLO | None = Field(default=None, description="The targets goodput counts against.")
 
 
