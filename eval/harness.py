@@ -337,7 +337,8 @@ def serving_metrics(outcome: RunOutcome, slo: SLO | None) -> tuple[dict[str, flo
     serving |= serving_latency_keys("jct", list(outcome.jct.values()))
     if slo is None:
         return serving, None
-    request_good = [slo.request_ok(r.ttft, r.tpot) for r in records]
+    # NOTE: a one-token reply has no TPOT and nothing to miss it by (vLLM counts it as 0)
+    request_good = [slo.request_ok(r.ttft, 0.0 if r.tpot is None and len(r.output) <= 1 else r.tpot) for r in records]
     serving["request_goodput"] = sum(request_good) / duration
     bad_jobs = {r.job_id for r, ok in zip(records, request_good, strict=True) if not ok}
     good_jobs = sum(
@@ -350,13 +351,14 @@ def serving_metrics(outcome: RunOutcome, slo: SLO | None) -> tuple[dict[str, flo
 
 def job_time(outcome: RunOutcome) -> JobTime | None:
     """Where the mean job's completion time goes (:class:`~eval.results.JobTime`), over the
-    jobs that completed; ``None`` when none did.
+    jobs that completed; ``None`` when none did or no request has a scheduling time.
 
     NOTE: per request, its time before its first scheduling is queueing, from there to its
     first token prefill (a request preempted before its first token counts its wait again as
     prefill), and the rest decode; whatever of the job's time no request covers is a pause.
     """
-    if not outcome.jct:
+    if not outcome.jct or all(r.first_scheduled is None for r in outcome.records):
+        # NOTE: without scheduling times (a client of an HTTP server) the split is unknown
         return None
     spans: dict[str, list[float]] = {job: [0.0, 0.0, 0.0] for job in outcome.jct}
     for r in outcome.records:

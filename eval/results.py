@@ -173,10 +173,21 @@ class SLO(_Model):
         return cls(**values)
 
     def request_ok(self, ttft_s: float | None, tpot_s: float | None) -> bool:
-        """Whether one request meets the TTFT and TPOT targets."""
-        if self.ttft_ms is not None and ttft_s is not None and ttft_s * 1e3 > self.ttft_ms:
-            return False
-        return not (self.tpot_ms is not None and tpot_s is not None and tpot_s * 1e3 > self.tpot_ms)
+        """Whether one request meets the TTFT and TPOT targets.
+
+        Args:
+            ttft_s: its time to first token (``None``: not measured, e.g. no token came).
+            tpot_s: its time per output token (``None``: not measured; a caller passes 0 for
+                a reply of one token, which has no time between tokens, as vLLM does).
+
+        Returns:
+            False when a set target is missed or its figure is missing (NOTE: a request whose
+            latency is unknown cannot be shown to meet a target, so it is not good).
+        """
+        for target, value in ((self.ttft_ms, ttft_s), (self.tpot_ms, tpot_s)):
+            if target is not None and (value is None or value * 1e3 > target):
+                return False
+        return True
 
 
 class HostTierResult(_Model):
