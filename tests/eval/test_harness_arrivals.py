@@ -35,3 +35,39 @@ def test_the_run_records_its_rate_and_time_scale(tmp_path):
     assert results.run.rate == 3.0 and results.run.time_scale == 0.25 and results.run.concurrency is None
     report = (run_dir / "report.md").read_text()
     assert "Poisson process at 3 jobs/s" in report and "0.25x" in report
+
+
+def test_jobs_cut_to_max_model_len_are_counted_noted_and_warned(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eval.bench_workload import cut_jobs
+    from eval.cli import app
+    from eval.results import load_results
+    from workloads import load_trace
+
+    trace_path = tmp_path / "t.jsonl"
+    jobs = [
+        {"job_id": "long", "turns": [{"input_tokens": 150, "output_tokens": 4}]},  # dropped
+        {"job_id": "two", "turns": [{"input_tokens": 40, "output_tokens": 4, "tool": "t", "tool_duration_s": 1.0},
+                                    {"input_tokens": 80, "output_tokens": 4}]},  # shortened to one turn
+        {"job_id": "fits", "turns": [{"input_tokens": 30, "output_tokens": 4}]},
+    ]
+    trace_path.write_text("".join(json.dumps(j) + "\n" for j in jobs))
+    cut, cuts = cut_jobs(load_trace(f"trace:{trace_path}"), 100)
+    assert (cuts.jobs, cuts.dropped, cuts.shortened) == (3, 1, 1)
+    assert [j.job_id for j in cut.jobs] == ["two", "fits"] and len(cut.jobs[0].turns) == 1
+    assert cut_jobs(load_trace(f"trace:{trace_path}"), 1000)[1].note() is None  # nothing cut, nothing said
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["bench", "--backend", "sim", "--workload", f"trace:{trace_path}",
+                                      "--max-model-len", "100", "--policies", "vllm-apc", "--no-plots",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    warning = "warning: jobs cut to --max-model-len 100: 1 of 3 jobs dropped"
+    assert any(line.startswith(warning) and "1 shortened" in line for line in result.output.splitlines())
+    results = load_results(out)
+    assert results.run.num_jobs == 2 and results.policies["vllm-apc"].num_jobs == 2
+    assert any(note.startswith("jobs cut to --max-model-len 100") for note in results.run.notes)
+    assert "1 of 3 jobs dropped" in (out / "report.md").read_text()
