@@ -90,6 +90,9 @@ class RunOutcome:
     budgets: list[int] = field(default_factory=list)
     pinned_peak: int = 0
     start: float = 0.0
+    #: ``jct`` key -> the job id its records carry, where they differ (pooled runs key each
+    #: run's job apart). NOTE: a map, not a suffix to cut off: a job id may hold any character.
+    job_keys: dict[str, str] = field(default_factory=dict)
 
     def outputs(self) -> dict[tuple[str, int], list[int]]:
         return {(r.job_id, r.turn): r.output for r in self.records}
@@ -342,8 +345,8 @@ def serving_metrics(outcome: RunOutcome, slo: SLO | None) -> tuple[dict[str, flo
     serving["request_goodput"] = sum(request_good) / duration
     bad_jobs = {r.job_id for r, ok in zip(records, request_good, strict=True) if not ok}
     good_jobs = sum(
-        1 for job, t in outcome.jct.items()
-        if job.split("#", 1)[0] not in bad_jobs and (slo.jct_s is None or t <= slo.jct_s)
+        1 for key, t in outcome.jct.items()
+        if outcome.job_keys.get(key, key) not in bad_jobs and (slo.jct_s is None or t <= slo.jct_s)
     )
     serving["job_goodput"] = good_jobs / duration
     return serving, good_jobs / duration * 3600.0
@@ -465,15 +468,17 @@ def repeated_result(
     if len(outcomes) == 1:
         return single[0]
     stats = {k: round(sum(o.engine_stats[k] for o in outcomes) / len(outcomes)) for k in outcomes[0].engine_stats}
+    keys = {(i, job): f"{job}#{i}" for i, o in enumerate(outcomes) for job in o.jct}
     merged = RunOutcome(
         outcomes[0].policy,
         [r for o in outcomes for r in o.records],
-        {f"{job}#{i}": t for i, o in enumerate(outcomes) for job, t in o.jct.items()},
+        {keys[i, job]: t for i, o in enumerate(outcomes) for job, t in o.jct.items()},
         sum(o.duration_s for o in outcomes) / len(outcomes),
         stats,
         outcomes[0].blocks_in_use,
         outcomes[0].budgets,
         max(o.pinned_peak for o in outcomes),
+        job_keys={key: job for (_, job), key in keys.items()},
     )
     pooled = policy_result(merged, None, slo)
     agreements = [r.lossless_agreement for r in single if r.lossless_agreement is not None]

@@ -129,3 +129,4 @@ def test_a_request_without_a_measured_latency_does_not_meet_the_slo():
     serving, goodput = serving_metrics(RunOutcome("p", records, {j: 1.0 for j in "abcd"}, 1.0, {}), slo)
     # a and the one-token reply b are good; c (no TTFT) and d (no TPOT for 4 tokens) are not
     assert serving["request_goodput"] == pytest.approx(2.0) and goodput == pytest.approx(2 * 3600.0)
+

@@ -176,3 +176,27 @@ def test_suite_sets_its_settings_and_the_command_line_wins(tmp_path):
     assert run.latency_profile.endswith("bench_traces/profile_h200_llama8b_live_async_2026_12_03.json")
     # the suite's pool: 90% of the 139 GiB given, after bf16 weights: tens of thousands of blocks
     assert any("--gpu-memory-utilization 0.9" in n for n in run.notes) and run.kv_blocks > 40_000
+
+
+def test_job_goodput_keeps_job_ids_holding_a_hash():
+    from eval.harness import RequestRecord, RunOutcome, repeated_result, serving_metrics
+
+    slo = SLO(ttft_ms=1000.0)
+
+    def outcome(bad_ttft: float) -> RunOutcome:
+        # job "a#1" has a request past the TTFT target; jobs "a" and "b#x#2" meet it
+        records = [RequestRecord(job, 0, 0.0, 0.0, ttft, 1.0, 10, 0, [1, 2], ttft, 0.01)
+                   for job, ttft in (("a#1", bad_ttft), ("a", 0.1), ("b#x#2", 0.2))]
+        return RunOutcome("p", records, {r.job_id: 1.0 for r in records}, 1.0, {})
+
+    serving, goodput = serving_metrics(outcome(5.0), slo)
+    assert serving["job_goodput"] == pytest.approx(2.0) and goodput == pytest.approx(2 * 3600.0)
+    assert serving_metrics(outcome(0.5), slo)[0]["job_goodput"] == pytest.approx(3.0)
+    stats = {k: 0 for k in ("prompt_tokens", "hit_tokens", "hole_tokens", "suffix_recomputed_tokens",
+                            "preempted_tokens", "computed_tokens", "generated_tokens", "evictions",
+                            "peak_blocks_in_use", "num_preemptions")}
+    runs = [outcome(5.0), outcome(5.0)]
+    for run in runs:
+        run.engine_stats = stats
+    pooled = repeated_result(runs, None, slo)
+    assert pooled.serving["job_goodput"] == pytest.approx(2.0) and pooled.jct.count == 6
