@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from eval.results import SLO, Results, _Model, atomic_write_text
+from eval.results import SLO, Results, _format_validation_error, _Model, atomic_write_text
 
 SWEEP_FILE = "sweep.json"
 SWEEP_SCHEMA_VERSION = 1
@@ -104,9 +104,16 @@ def load_sweep(path_or_dir: str | Path) -> SweepResults:
     if not path.is_file():
         raise ValueError(f"{path}: sweep file not found")
     try:
-        sweep = SweepResults.model_validate_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValidationError) as exc:
-        raise ValueError(f"{path}: not a sweep document ({str(exc).splitlines()[0]})") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read sweep file: {exc}") from None
+    try:
+        sweep = SweepResults.model_validate_json(text)
+    except ValidationError as exc:
+        # NOTE: each problem with its field's JSON location, as load_results says them
+        raise ValueError(
+            f"{path}: not a sweep document, {exc.error_count()} problem(s):\n" + _format_validation_error(exc)
+        ) from None
     if sweep.schema_version != SWEEP_SCHEMA_VERSION:
         raise ValueError(f"{path}: sweep schema_version {sweep.schema_version} is not supported")
     return sweep
