@@ -39,7 +39,7 @@ from typing import Any
 from workloads.generators import WORKLOADS, generate
 from workloads.importers.bfcl import import_bfcl
 from workloads.importers.block_traces import import_bailian, import_mooncake
-from workloads.importers.json_reading import JsonStream, TokenCounter, estimate_tokens
+from workloads.importers.json_reading import JsonStream, TokenCounter, check_count, estimate_tokens
 from workloads.importers.sharegpt import import_sharegpt
 from workloads.schema import Trace
 
@@ -73,9 +73,10 @@ def load_trace(spec: str, num_jobs: int | None = None, seed: int = 0, **options:
         The trace. For ``trace:PATH`` with ``num_jobs`` set, its first ``num_jobs`` jobs.
 
     Raises:
-        ValueError: Unknown spec or bad options.
+        ValueError: Unknown spec or bad options (a negative ``num_jobs`` names it).
         TraceError: Unreadable or malformed file (a ValueError too).
     """
+    check_count("num_jobs", num_jobs)
     kind, sep, rest = spec.partition(":")
     if not sep:
         if kind in WORKLOADS:

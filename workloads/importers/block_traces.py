@@ -9,6 +9,7 @@ from typing import Any
 from workloads.importers.json_reading import (
     as_float,
     as_int,
+    check_count,
     first_field,
     hash_id_list,
     read_jsonl_records,
@@ -20,7 +21,7 @@ from workloads.schema import ArrivalInfo, Job, Trace, TraceError, Turn
 def _time_factor(unit: str) -> float:
     factors = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
     if unit not in factors:
-        raise ValueError(f"timestamp_unit must be one of {sorted(factors)}, got {unit!r}")
+        raise ValueError(f"timestamp_unit: must be one of {sorted(factors)}, got {unit!r}")
     return factors[unit]
 
 
@@ -43,8 +44,12 @@ def import_mooncake(
         A trace with ``arrival.kind == "trace"``; arrivals are relative to the earliest one.
 
     Raises:
+        ValueError: naming the option: ``max_jobs`` below 0, ``block_size`` below 1, an unknown
+            ``timestamp_unit``.
         TraceError: Unreadable file, malformed line, or missing fields (path:line).
     """
+    check_count("max_jobs", max_jobs)
+    check_count("block_size", block_size, 1)
     path = Path(path)
     require_file(path)
     factor = _time_factor(timestamp_unit)
@@ -129,8 +134,12 @@ def import_bailian(
         A trace with ``arrival.kind == "trace"``, jobs ordered by arrival.
 
     Raises:
+        ValueError: naming the option: ``max_jobs`` below 0, ``block_size`` below 1, an unknown
+            ``timestamp_unit``.
         TraceError: Unreadable file, malformed line, missing fields, duplicate chat ids.
     """
+    check_count("max_jobs", max_jobs)
+    check_count("block_size", block_size, 1)
     path = Path(path)
     require_file(path)
     factor = _time_factor(timestamp_unit)
