@@ -8,7 +8,8 @@ that rebuilding a sweep report is fast.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +216,62 @@ def default_jct_slo(sweep: SweepResults, workload: str, rates: bool = False) -> 
 def ceiling_variant(names: list[str]) -> str | None:
     """The sweep's unbounded-pool ceiling: the first ``.../unbounded`` variant, if any."""
     return next((n for n in names if "unbounded" in n.split("/")), None)
+
+
+def _slug_parts(spec: str) -> tuple[str, list[str]]:
+    """A workload spec's kind (``trace``, ``bfcl``, ``""`` for a generator) and the path's
+    parts, the file's stem last."""
+    kind, sep, rest = spec.partition(":")
+    if not sep:
+        kind, rest = "", spec
+    parts = [p for p in rest.split("/") if p not in ("", ".")] or [rest]
+    parts[-1] = parts[-1].split(".", 1)[0] or parts[-1]
+    return kind, parts
+
+
+def workload_slugs(workloads: Sequence[str]) -> dict[str, str]:
+    """Short names of a sweep's workloads, distinct and safe in file names: the file's stem
+    (``swe``, ``x`` for ``bfcl:traces/x.jsonl``); where stems collide, as many parent folders
+    as tell them apart (``A-w``, ``B-w``), then the format (``bfcl-x``), then a number.
+
+    Args:
+        workloads: the workload specs (repeats are one workload).
+
+    Returns:
+        Spec -> name.
+    """
+    specs = list(dict.fromkeys(workloads))
+    split = {s: _slug_parts(s) for s in specs}
+    depth = dict.fromkeys(specs, 1)
+
+    def name(spec: str) -> str:
+        kind, parts = split[spec]
+        d = depth[spec]
+        if d <= len(parts):
+            return "-".join(parts[-d:])
+        return "-".join([kind or "gen", *parts])
+
+    while True:
+        groups: dict[str, list[str]] = {}
+        for spec in specs:
+            groups.setdefault(name(spec), []).append(spec)
+        grow = [s for group in groups.values() if len(group) > 1 for s in group if depth[s] <= len(split[s][1])]
+        if not grow:
+            break
+        for spec in grow:
+            depth[spec] += 1
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for spec in specs:
+        # NOTE: only characters safe in a folder or file name on every OS
+        base = re.sub(r"[^A-Za-z0-9._+-]", "_", name(spec)) or "workload"
+        slug, k = base, 1
+        while slug in used:
+            k += 1
+            slug = f"{base}-{k}"
+        used.add(slug)
+        out[spec] = slug
+    return out
 
 
 def workloads_of(sweep: SweepResults) -> list[str]:

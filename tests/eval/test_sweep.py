@@ -200,3 +200,40 @@ def test_job_goodput_keeps_job_ids_holding_a_hash():
         run.engine_stats = stats
     pooled = repeated_result(runs, None, slo)
     assert pooled.serving["job_goodput"] == pytest.approx(2.0) and pooled.jct.count == 6
+
+
+def test_workloads_sharing_a_stem_get_their_own_points_and_plots(tmp_path):
+    from eval.sweep_results import workload_slugs
+
+    paths = []
+    for folder, tokens in (("A", 40), ("B", 90)):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "w.jsonl"
+        path.write_text("".join(json.dumps({"job_id": f"{folder}{i}", "turns": [
+            {"input_tokens": tokens, "output_tokens": 4, "tool": "t", "tool_duration_s": 0.5},
+            {"input_tokens": 10, "output_tokens": 4}]}) + "\n" for i in range(4)))
+        paths.append(f"trace:{path}")
+    assert list(workload_slugs([*paths, "swe"]).values()) == ["A-w", "B-w", "swe"]
+    assert sweep_points(paths, [0], [2], [])[1].label == "B-w-s0-c2"
+    out = tmp_path / "sw"
+    args = ["bench", "--backend", "sim", "--workload", ",".join(paths), "--concurrency", "1,2", "--policies",
+            "vllm-apc", "--out", str(out), "--max-model-len", "4096"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    sweep = load_sweep(out)
+    assert len({p.run_dir for p in sweep.points}) == 4
+    for point in sweep.points:
+        assert load_results(out / point.run_dir).run.workload == point.workload
+    prompts = {p.workload: p.policies["vllm-apc"].computed_tokens for p in sweep.points if p.concurrency == 1}
+    assert prompts[paths[0]] < prompts[paths[1]]  # each point ran its own file
+    assert (out / "sweep_A-w.png").is_file() and (out / "sweep_B-w.png").is_file()
+    md = (out / "sweep.md").read_text()
+    assert "**A-w**" in md and "**B-w**" in md
+
+    # a point folder holding another point's run is not read back as this one's
+    (out / "points" / "A-w-s0-c1").rename(out / "points" / "keep")
+    (out / "points" / "B-w-s0-c1").rename(out / "points" / "A-w-s0-c1")
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2
+    line = [x for x in again.output.splitlines() if x.strip()][-1]
+    assert line.startswith("error: out: ") and "A-w-s0-c1 holds the results of another point: workload" in line
