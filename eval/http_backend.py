@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from eval.harness import RequestRecord, RunOutcome
+from eval.outcomes import RequestRecord, RunOutcome
 from workloads import Trace, job_token_stream
 
 if TYPE_CHECKING:
