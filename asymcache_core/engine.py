@@ -23,6 +23,7 @@ from asymcache_core.engine_blocking import BlockingCalls
 from asymcache_core.engine_checks import (
     check_engine_integrity,
     check_request_fields,
+    check_seconds,
     truncated_prompt,
     validate_request,
 )
@@ -268,6 +269,7 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
         priority: float = 0.0,
         joins_conversation: bool = True,
         continues_job: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Queues a request.
 
@@ -286,16 +288,23 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
             continues_job: with ``joins_conversation``, the job of the turn the caller found
                 the request continues (a chat runtime, by the rendered messages), for templates
                 that render earlier replies otherwise (a reasoning model's dropped thinking).
+            arrival_time: when the request arrived, on the engine clock, if before now (a
+                client whose request was due while a step ran); ``None``: now. TTFT, queueing
+                time and the job's arrival count from it.
 
         Returns:
             The request id.
 
         Raises:
             ValueError: naming the argument: empty prompt, ids out of vocabulary, too long for
-                ``max_model_len`` or for the KV pool, a duplicate request id, or an argument of
-                the wrong type.
+                ``max_model_len`` or for the KV pool, a duplicate request id, an ``arrival_time``
+                after now, or an argument of the wrong type.
         """
         check_request_fields(prompt, request_id, job_id, is_last_step, priority, continues_job)
+        if arrival_time is not None:
+            check_seconds("arrival_time", arrival_time, allow_negative=True)
+            if arrival_time > self.clock():
+                raise ValueError(f"arrival_time: {arrival_time!r} is after the engine clock's now ({self.clock()!r})")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
@@ -312,7 +321,7 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
                 request_id = f"req-{next(self._ids)}"
         elif request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        now = self.clock()
+        now = self.clock() if arrival_time is None else arrival_time
         request = Request(
             request_id, ids, params, now, job_id=job_id,
             priority=priority, is_last_step=is_last_step,

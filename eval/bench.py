@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eval.bench_checks import BenchError, check_bench_sizes
+from eval.bench_workload import load_workload as load_workload  # NOTE: re-exported, its old home
+from eval.bench_workload import load_workload_cut
 from eval.harness import (
     drive,
     largest_request_blocks,
@@ -61,7 +63,8 @@ class BenchConfig:
         jobs: jobs in the workload.
         rate: Poisson arrivals (jobs/s); ``None`` runs a closed loop.
         concurrency: jobs in flight in the closed loop.
-        time_scale: multiplies tool pauses and arrivals.
+        time_scale: multiplies tool pauses and think times; ``rate``'s arrivals are not scaled
+            (jobs per second of the run).
         token_scale: multiplies the generators' token lengths (small models, CPU runs).
         num_kv_blocks: pool size in blocks (overrides ``kv_fraction``).
         gpu_memory_utilization: size the pool the way a server does, from the device's memory
@@ -223,44 +226,6 @@ def write_request_log(outcome: Any, path: Path) -> Path:
     return path
 
 
-def load_workload(cfg: BenchConfig) -> Any:
-    """The trace, with arrivals and with jobs cut to ``max_model_len``."""
-    from workloads import apply_arrivals, load_trace
-
-    options: dict[str, Any] = {}
-    if ":" not in cfg.workload:
-        options["token_scale"] = cfg.token_scale
-    try:
-        trace = load_trace(cfg.workload, num_jobs=cfg.jobs, seed=cfg.seed, **options)
-    except ValueError as exc:
-        raise BenchError(f"workload: {exc}") from None
-    if not trace.jobs:
-        raise BenchError(f"workload: {cfg.workload} holds no jobs")
-    if cfg.rate is not None:
-        trace = apply_arrivals(trace, f"poisson:{cfg.rate}", cfg.seed)
-    if cfg.max_model_len is not None:
-        trace = _cut_jobs(trace, cfg.max_model_len)
-    return trace
-
-
-def _cut_jobs(trace: Any, max_model_len: int) -> Any:
-    jobs = []
-    for job in trace.jobs:
-        turns = []
-        for k in range(len(job.turns)):
-            candidate = job.model_copy(update={"turns": job.turns[: k + 1]})
-            if candidate.total_tokens > max_model_len:
-                break
-            turns.append(job.turns[k])
-        if not turns:
-            continue
-        last = turns[-1].model_copy(update={"tool": None, "tool_duration_s": 0.0, "think_time_s": 0.0})
-        jobs.append(job.model_copy(update={"turns": [*turns[:-1], last]}))
-    if not jobs:
-        raise BenchError(f"max_model_len: no job's first turn fits {max_model_len} tokens")
-    return trace.model_copy(update={"jobs": jobs})
-
-
 def engine_dtype(cfg: BenchConfig) -> str:
     """The engines' dtype: ``cfg.dtype``, except that a ``sim`` run with a CUDA latency profile
     and ``auto`` holds bfloat16 KV, as the engine would on that device (block bytes size the
@@ -389,15 +354,22 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
         slo = SLO.parse(cfg.slo) if cfg.slo else None
     except ValueError as exc:
         raise BenchError(str(exc)) from None
-    trace = load_workload(cfg)
-    traces = {
-        r: trace if repeat_seed(cfg, r) == cfg.seed else load_workload(replace(cfg, seed=repeat_seed(cfg, r)))
-        for r in range(cfg.repeats)
-    }
+    trace, cuts = load_workload_cut(cfg)
+    seeds = {r: repeat_seed(cfg, r) for r in range(cfg.repeats)}
+    several = len(set(seeds.values()) | {cfg.seed}) > 1  # NOTE: sim repeats: one workload per seed
+    cut_notes = [cuts.note(cfg.seed if several else None)] if cuts is not None else []
+    traces = {}
+    for r, seed in seeds.items():
+        if seed == cfg.seed:
+            traces[r] = trace
+            continue
+        traces[r], cuts = load_workload_cut(replace(cfg, seed=seed))
+        cut_notes.append(cuts.note(seed) if cuts is not None else None)
     started = dt.datetime.now(dt.UTC)
     run_dir = cfg.out or Path("runs") / started.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    notes: list[str] = []
+    # NOTE: the run goes on without the jobs that do not fit, but says so (notes, warnings)
+    notes: list[str] = [note for note in cut_notes if note is not None]
     t_start = time.perf_counter()
     blocks = None
     if cfg.backend == "http":
@@ -505,6 +477,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             duration_s=time.perf_counter() - t_start, command=cfg.command,
             machine=machine_description(cfg.device), notes=notes,
             concurrency=None if cfg.rate is not None else cfg.concurrency, rate=cfg.rate, slo=slo,
+            time_scale=cfg.time_scale,
         ),
         policies=results_policies,
     )

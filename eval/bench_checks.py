@@ -24,10 +24,12 @@ def check_bench_sizes(cfg: BenchConfig) -> None:
     """Rejects sizes no run could finish, before anything is built.
 
     Raises:
-        BenchError: naming the field: ``jobs``, ``repeats``, ``time_scale``, ``token_scale``,
-            ``kv_fraction`` or ``rate`` out of range or not finite.
+        BenchError: naming the field: ``jobs``, ``repeats``, ``concurrency``, ``time_scale``,
+            ``token_scale``, ``kv_fraction`` or ``rate`` out of range or not finite.
     """
-    for name, value, bound in (("jobs", cfg.jobs, MAX_JOBS), ("repeats", cfg.repeats, MAX_REPEATS)):
+    # NOTE: concurrency 0 or less admitted no job (a run of nothing), or sliced the job list
+    sizes = (("jobs", cfg.jobs, MAX_JOBS), ("repeats", cfg.repeats, MAX_REPEATS), ("concurrency", cfg.concurrency, MAX_JOBS))
+    for name, value, bound in sizes:
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
             raise BenchError(f"{name}: must be an integer in [1, {bound:,}], got {value!r}")
     for name, number in (("time_scale", cfg.time_scale), ("token_scale", cfg.token_scale),

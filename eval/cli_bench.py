@@ -69,7 +69,7 @@ def bench(
                               "options given on the command line win."),
     slo: str = typer.Option(None, help="Goodput targets: jct:S,ttft:MS,tpot:MS (any subset)."),
     workers: int = typer.Option(1, min=1, help="Sweep points run at once (sim backend; one process each)."),
-    time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and arrivals."),
+    time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and think times (not --rate's arrivals: jobs/s of the run)."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
     kv_fraction: float = typer.Option(
         None, help="Pool as a fraction of the whole workload's working set (ablations; default 0.5, raised to "

@@ -13,26 +13,60 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from eval.harness import RequestRecord, RunOutcome
+from eval.outcomes import RequestRecord, RunOutcome
 from workloads import Trace, job_token_stream
 
 if TYPE_CHECKING:
     from eval.variants import BenchVariant
 
 
-async def _one_call(client: Any, url: str, body: dict[str, Any]) -> tuple[list[int], float | None, list[float], int, int]:
-    """Streams one completion; returns (token ids, first-token time, chunk times, prompt, cached)."""
-    first: float | None = None
-    times: list[float] = []
-    token_ids: list[int] = []
-    prompt_tokens = len(body["prompt"])
-    cached = 0
+@dataclass
+class _Streamed:
+    """What one streamed completion gave: its tokens and when they came."""
+
+    token_ids: list[int] = field(default_factory=list)
+    first: float | None = None  # when its first token came
+    last: float | None = None  # when its last token came
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int | None = None  # the server's usage count, when it sent one
+
+
+def _stream_error(chunk: dict[str, Any]) -> str | None:
+    """The message of an error chunk (``data: {"error": ...}``, vLLM's and OpenAI's in-stream
+    error), or ``None`` for an ordinary chunk."""
+    error = chunk.get("error")
+    if error is None:
+        return None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
+
+
+async def _one_call(client: Any, url: str, body: dict[str, Any], where: str) -> _Streamed:
+    """Streams one completion.
+
+    Args:
+        client: an ``httpx.AsyncClient``.
+        url: the completions endpoint.
+        body: the request body (``prompt`` holds token ids).
+        where: the job and turn, for error messages.
+
+    Returns:
+        The tokens and their times.
+
+    Raises:
+        ValueError: naming ``url``: an error status, an error chunk in the stream, or a stream
+            that carried no token (a failed request must not count as a served one).
+    """
+    out = _Streamed(prompt_tokens=len(body["prompt"]))
     async with client.stream("POST", url, json=body) as response:
         if response.status_code >= 400:
             detail = (await response.aread()).decode(errors="replace")[:300]
-            raise ValueError(f"url: server answered {response.status_code}: {detail}")
+            raise ValueError(f"url: server answered {response.status_code} for {where}: {detail}")
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -40,22 +74,40 @@ async def _one_call(client: Any, url: str, body: dict[str, Any]) -> tuple[list[i
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
+            error = _stream_error(chunk)
+            if error is not None:
+                raise ValueError(f"url: the server's stream for {where} ended in an error: {error[:300]}")
             usage = chunk.get("usage")
             if usage:
-                prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
+                out.prompt_tokens = usage.get("prompt_tokens", out.prompt_tokens)
                 details = usage.get("prompt_tokens_details") or {}
-                cached = int(details.get("cached_tokens") or 0)
+                out.cached_tokens = int(details.get("cached_tokens") or 0)
+                if usage.get("completion_tokens") is not None:
+                    out.completion_tokens = int(usage["completion_tokens"])
             for choice in chunk.get("choices") or []:
                 ids = choice.get("token_ids")
-                text = choice.get("text")
-                if ids or text:
+                if ids or choice.get("text"):
                     now = time.monotonic()
-                    if first is None:
-                        first = now
-                    times.append(now)
+                    out.first = now if out.first is None else out.first
+                    out.last = now
                 if ids:
-                    token_ids.extend(int(t) for t in ids)
-    return token_ids, first, times, prompt_tokens, cached
+                    out.token_ids.extend(int(t) for t in ids)
+    if out.first is None:
+        raise ValueError(f"url: the server's stream for {where} carried no token")
+    return out
+
+
+def _tpot(streamed: _Streamed) -> float | None:
+    """Time per output token after the first: the first token to the last over the tokens
+    after the first (vLLM `bench serve`'s), not per chunk (a chunk may carry many tokens).
+
+    Returns:
+        Seconds, or ``None`` with fewer than two tokens (or no count of them).
+    """
+    tokens = streamed.completion_tokens if streamed.completion_tokens is not None else len(streamed.token_ids)
+    if tokens < 2 or streamed.first is None or streamed.last is None:
+        return None
+    return (streamed.last - streamed.first) / (tokens - 1)
 
 
 async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int, anonymous: bool = False) -> RunOutcome:
@@ -70,7 +122,8 @@ async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int, anony
     async def run_job(job: Any, client: Any) -> None:
         async with limit:
             if cfg.rate is not None:
-                await asyncio.sleep(max(0.0, t0 + job.arrival_s * cfg.time_scale - time.monotonic()))
+                # NOTE: arrivals are seconds of the run (--rate is jobs/s); only pauses are scaled
+                await asyncio.sleep(max(0.0, t0 + job.arrival_s - time.monotonic()))
             inputs = job_token_stream(job, vocab, cfg.seed)
             context: list[int] = []
             start = time.monotonic()
@@ -87,14 +140,19 @@ async def _run(cfg: Any, trace: Trace, label: str, model: str, vocab: int, anony
                     body.update({"job_id": job.job_id, "is_last_step": last,
                                  "vllm_xargs": {"job_id": job.job_id, "is_last_step": int(last)}})
                 arrival = time.monotonic()
-                ids, first, times, prompt_tokens, cached = await _one_call(client, url, body)
+                streamed = await _one_call(client, url, body, f"job {job.job_id!r} turn {k}")
                 end = time.monotonic()
+                ids = streamed.token_ids
                 if not ids:  # NOTE: stand-ins keep the prefix structure when ids are not returned
-                    ids = [100 + ((len(context) + i) * 7919) % max(1, vocab - 200) for i in range(turn.output_tokens)]
-                tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+                    count = streamed.completion_tokens or turn.output_tokens
+                    ids = [100 + ((len(context) + i) * 7919) % max(1, vocab - 200) for i in range(count)]
+                    streamed.completion_tokens = count
+                # NOTE: first_scheduled None: a client cannot see when the server first scheduled
+                # the request, so queueing is unknown (n/a), not equal to the TTFT.
+                first = streamed.first
                 records.append(RequestRecord(
-                    job.job_id, k, arrival, first, first, end, prompt_tokens, cached, ids,
-                    None if first is None else first - arrival, tpot,
+                    job.job_id, k, arrival, None, first, end, streamed.prompt_tokens, streamed.cached_tokens,
+                    ids, None if first is None else first - arrival, _tpot(streamed),
                 ))
                 context = context + ids
                 if not last:

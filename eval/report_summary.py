@@ -152,14 +152,18 @@ def overlapping(results: Results, baseline: str | None = None) -> list[tuple[str
     return out
 
 
+#: How a run note about jobs cut to ``--max-model-len`` starts (such a note is also a warning).
+CUT_JOBS_NOTE = "jobs cut to --max-model-len"
+
+
 def run_warnings(results: Results) -> list[str]:
     """What a reader must know before trusting the comparison, one sentence each.
 
     Returns:
-        Warnings (empty when the pool filled, every policy ran at least twice and no compared
-        interval overlaps the baseline's).
+        Warnings (empty when no job was cut to ``--max-model-len``, the pool filled, every
+        policy ran at least twice and no compared interval overlaps the baseline's).
     """
-    out = []
+    out = [note for note in results.run.notes if note.startswith(CUT_JOBS_NOTE)]
     share = peak_share(results)
     if share is not None and share[1] < FILLED_SHARE:
         peak, fraction = share
@@ -214,6 +218,8 @@ def what_this_shows(results: Results) -> str:
         f"a KV pool of {run.kv_blocks:,} blocks ({run.kv_blocks * run.block_size:,} tokens)"
     )
     parts = [f"{run.num_jobs:,} {run.workload} jobs{load} ran on {where} with {pool}."]
+    if run.time_scale is not None and run.time_scale != 1.0:
+        parts.append(f"Tool pauses and think times ran at {run.time_scale:g}x their workload length.")
     share = peak_share(results)
     filled = pool_filled(results)
     if share is not None:

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    ValidationError,
+    model_validator,
+)
 
 #: The schema version this module writes and reads. Bump it on an incompatible change.
 SCHEMA_VERSION = 2
@@ -36,16 +43,28 @@ SCHEMA_FILE = "results.schema.json"
 
 
 class _Model(BaseModel):
-    """Base of every schema model: unknown fields are errors, so typos in a writer show up."""
+    """Base of every schema model: unknown fields are errors, so typos in a writer show up; NaN
+    and infinities are errors too (JSON has no spelling for them; a reader would get null)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+#: Slack of the percentile order check: numpy's interpolation may put equal percentiles an
+#: ulp or so apart.
+_ORDER_SLACK = 1e-9
+
+
+def _ordered(low: float, high: float) -> bool:
+    """Whether ``low <= high`` up to float noise."""
+    return high >= low - _ORDER_SLACK * max(1.0, abs(low))
 
 
 class Summary(_Model):
     """Distribution summary of one latency metric, in seconds.
 
     Percentiles use numpy's default (linear interpolation). When ``count`` is 0 the statistics
-    are ``None``; when ``count`` is positive they must all be present.
+    are ``None``; when ``count`` is positive they must all be present, none negative, and the
+    percentiles in order (p50 <= p90 <= p95 <= p99, up to float noise).
     """
 
     mean: float | None = Field(description="Arithmetic mean (s); None when count == 0.")
@@ -62,6 +81,16 @@ class Summary(_Model):
             raise ValueError(f"count is {self.count} but some statistics are null")
         if self.count == 0 and any(v is not None for v in stats):
             raise ValueError("count is 0 but some statistics are set")
+        if self.count == 0:
+            return self
+        named = {"mean": self.mean, "p50": self.p50, "p90": self.p90, "p95": self.p95, "p99": self.p99}
+        for name, value in named.items():
+            if value is not None and value < 0:
+                raise ValueError(f"{name} is negative ({value}); latencies are >= 0")
+        order = ("p50", "p90", "p95", "p99")
+        for low, high in zip(order, order[1:], strict=False):
+            if not _ordered(named[low] or 0.0, named[high] or 0.0):
+                raise ValueError(f"{high} ({named[high]}) is below {low} ({named[low]}); percentiles must rise")
         return self
 
 
@@ -92,11 +121,11 @@ class Recompute(_Model):
 class Series(_Model):
     """Raw per-job / per-request / per-step data behind the summaries and the plots."""
 
-    jct: list[float] = Field(default_factory=list, description="Job completion time per job (s).")
-    ttft: list[float] = Field(
+    jct: list[NonNegativeFloat] = Field(default_factory=list, description="Job completion time per job (s).")
+    ttft: list[NonNegativeFloat] = Field(
         default_factory=list, description="Time to first token per request (s)."
     )
-    tpot: list[float] = Field(
+    tpot: list[NonNegativeFloat] = Field(
         default_factory=list, description="Time per output token per request (s)."
     )
     blocks_in_use: list[tuple[float, int]] = Field(
@@ -173,10 +202,21 @@ class SLO(_Model):
         return cls(**values)
 
     def request_ok(self, ttft_s: float | None, tpot_s: float | None) -> bool:
-        """Whether one request meets the TTFT and TPOT targets."""
-        if self.ttft_ms is not None and ttft_s is not None and ttft_s * 1e3 > self.ttft_ms:
-            return False
-        return not (self.tpot_ms is not None and tpot_s is not None and tpot_s * 1e3 > self.tpot_ms)
+        """Whether one request meets the TTFT and TPOT targets.
+
+        Args:
+            ttft_s: its time to first token (``None``: not measured, e.g. no token came).
+            tpot_s: its time per output token (``None``: not measured; a caller passes 0 for
+                a reply of one token, which has no time between tokens, as vLLM does).
+
+        Returns:
+            False when a set target is missed or its figure is missing (NOTE: a request whose
+            latency is unknown cannot be shown to meet a target, so it is not good).
+        """
+        for target, value in ((self.ttft_ms, ttft_s), (self.tpot_ms, tpot_s)):
+            if target is not None and (value is None or value * 1e3 > target):
+                return False
+        return True
 
 
 class HostTierResult(_Model):
@@ -253,6 +293,15 @@ class PolicyResult(_Model):
         default_factory=list, description="Each run's means when the policy ran more than once."
     )
 
+    @model_validator(mode="after")
+    def _hits_within_prompts(self) -> PolicyResult:
+        if self.hit_tokens > self.prompt_tokens:
+            raise ValueError(f"hit_tokens ({self.hit_tokens}) exceed prompt_tokens ({self.prompt_tokens})")
+        negative = sorted(k for k, v in self.serving.items() if v < 0)
+        if negative:
+            raise ValueError(f"serving.{negative[0]} is negative ({self.serving[negative[0]]})")
+        return self
+
 
 class RunInfo(_Model):
     """What was run, where and how: enough to reproduce the run and to label the report."""
@@ -272,7 +321,12 @@ class RunInfo(_Model):
     machine: str = Field(description="Host description (CPU/GPU, OS, Python, torch).")
     notes: list[str] = Field(default_factory=list)
     concurrency: int | None = Field(default=None, description="Jobs in flight (closed loop); None with --rate.")
-    rate: float | None = Field(default=None, description="Poisson job arrivals (jobs/s); None: closed loop.")
+    rate: float | None = Field(
+        default=None, description="Poisson job arrivals (jobs per second of the run, not scaled); None: closed loop."
+    )
+    time_scale: float | None = Field(
+        default=None, ge=0.0, description="Multiplier of the tool pauses and think times; None: not recorded."
+    )
     slo: SLO | None = Field(default=None, description="The targets goodput counts against.")
 
 

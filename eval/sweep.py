@@ -20,14 +20,14 @@ import datetime as dt
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 from eval.bench import BenchConfig, BenchError, check_bench_sizes, load_workload, run_bench
 from eval.results import RESULTS_FILE, SLO, load_results
-from eval.sweep_results import SweepPoint, SweepResults, point_figures, save_sweep
+from eval.sweep_results import SweepPoint, SweepResults, point_figures, save_sweep, workload_slugs
 
 # NOTE: the suites' files live in the project's bench_traces/, found from here, so that a suite
 # runs from any working directory.
@@ -73,12 +73,15 @@ class LoadPoint:
         seed: the generator (and engine) seed.
         concurrency: jobs in flight (closed loop), or ``None``.
         rate: Poisson arrivals in jobs/s, or ``None``.
+        name: the workload's short name in the sweep (:func:`~eval.sweep_results.workload_slugs`:
+            distinct where two files share a stem); ``None``: the file's stem.
     """
 
     workload: str
     seed: int
     concurrency: int | None = None
     rate: float | None = None
+    name: str | None = field(default=None, compare=False)
 
     @property
     def load(self) -> float:
@@ -88,7 +91,7 @@ class LoadPoint:
     @property
     def label(self) -> str:
         """A folder name: ``swe-s1-c64``, ``chat-s2-r0.5``."""
-        name = self.workload.split(":", 1)[-1].rsplit("/", 1)[-1].split(".", 1)[0]
+        name = self.name or workload_slugs([self.workload])[self.workload]
         load = f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate:g}"
         return f"{name}-s{self.seed}-{load}"
 
@@ -108,7 +111,38 @@ def sweep_points(
         The points.
     """
     loads = [(c, None) for c in sorted(set(concurrency))] + [(None, r) for r in sorted(set(rates))]
-    return [LoadPoint(w, s, c, r) for w in workloads for s in seeds for c, r in loads]
+    names = workload_slugs(workloads)
+    return [LoadPoint(w, s, c, r, names[w]) for w in workloads for s in seeds for c, r in loads]
+
+
+def _check_reusable(cfg: BenchConfig, point: LoadPoint) -> bool:
+    """Whether the point's folder holds a finished run of this very point (its workload, seed
+    and load), to read back instead of running it again.
+
+    Returns:
+        False when the folder holds no ``results.json``.
+
+    Raises:
+        BenchError: naming ``out``: the folder's run is another point's (a sweep over other
+            settings, or an older sweep whose labels collided), or cannot be read.
+    """
+    assert cfg.out is not None
+    if not (cfg.out / RESULTS_FILE).is_file():
+        return False
+    try:
+        run = load_results(cfg.out).run
+    except ValueError as exc:
+        raise BenchError(f"out: {cfg.out} holds a results.json that cannot be reused: {exc}") from None
+    want = {"workload": point.workload, "seed": point.seed, "concurrency": point.concurrency, "rate": point.rate}
+    have = {"workload": run.workload, "seed": run.seed, "concurrency": run.concurrency, "rate": run.rate}
+    if point.concurrency is None:
+        have["concurrency"] = None  # NOTE: an open-loop point records no concurrency either way
+    if have != want:
+        diff = ", ".join(f"{k} {have[k]!r} (not {want[k]!r})" for k in want if have[k] != want[k])
+        raise BenchError(
+            f"out: {cfg.out} holds the results of another point: {diff}; give the sweep a new --out or remove that folder"
+        )
+    return True
 
 
 def _run_point(cfg: BenchConfig) -> Path:
@@ -155,6 +189,9 @@ def run_sweep(
     started = dt.datetime.now(dt.UTC)
     run_dir = cfg.out or Path("runs") / started.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    # NOTE: the sweep names its workloads apart (two files with one stem must not share folders)
+    names = workload_slugs([p.workload for p in points])
+    points = [replace(p, name=names[p.workload]) for p in points]
     configs = [
         replace(cfg, workload=p.workload, seed=p.seed, concurrency=p.concurrency or cfg.concurrency, rate=p.rate,
                 out=run_dir / "points" / p.label)
@@ -174,7 +211,7 @@ def run_sweep(
     todo = []
     for i, c in enumerate(configs):
         assert c.out is not None
-        if (c.out / RESULTS_FILE).is_file():
+        if _check_reusable(c, points[i]):
             done[i] = c.out
         else:
             todo.append(i)

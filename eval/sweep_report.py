@@ -21,6 +21,7 @@ from eval.sweep_results import (
     curve,
     default_jct_slo,
     load_sweep,
+    workload_slugs,
     workloads_of,
 )
 
@@ -29,8 +30,10 @@ SWEEP_HTML = "sweep.html"
 PEERS = ("vllm-apc", "continuum")
 
 
-def _slug(workload: str) -> str:
-    return workload.split(":", 1)[-1].rsplit("/", 1)[-1].split(".", 1)[0]
+def _slug(sweep: SweepResults, workload: str) -> str:
+    """The workload's name in the sweep's tables and plot files (distinct among its workloads,
+    :func:`~eval.sweep_results.workload_slugs`)."""
+    return workload_slugs(workloads_of(sweep))[workload]
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -105,7 +108,7 @@ def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
             base = caps.get((workload, peer)) if peer is not None else None
             ratios.append("-" if cap is None or not base else f"{cap / base:.2f}x")
         lines.append(
-            f"| {_slug(workload)} | {name} | {target:.1f} | {format_capacity(cap, at_end)} | {ratios[0]} | {ratios[1]} |"
+            f"| {_slug(sweep, workload)} | {name} | {target:.1f} | {format_capacity(cap, at_end)} | {ratios[0]} | {ratios[1]} |"
         )
     for figure, title, digits in (
         ("jct_mean", "Mean JCT (s)", 1), ("jct_p90", "JCT p90 (s)", 1), ("ttft_p99", "TTFT p99 (s)", 2),
@@ -117,7 +120,7 @@ def _markdown(sweep: SweepResults, plots: list[tuple[str, Path]]) -> str:
                 loads = curve(sweep, workload, names[0], figure, rates).loads
                 unit = "jobs/s" if rates else "agents"
                 lines += [
-                    f"**{_slug(workload)}** ({unit})",
+                    f"**{_slug(sweep, workload)}** ({unit})",
                     "",
                     "| variant | " + " | ".join(f"{x:g}" for x in loads) + " |",
                     "|:---|" + "---:|" * len(loads),
@@ -167,7 +170,7 @@ def _job_time_section(sweep: SweepResults, names: list[str]) -> list[str]:
             found = True
             unit = "jobs/s" if rates else "agents"
             lines += [
-                f"**{_slug(workload)}**",
+                f"**{_slug(sweep, workload)}**",
                 "",
                 f"| variant | {unit} | " + " | ".join(title for _, title in JOB_TIME_PARTS) + " | JCT |",
                 "|:---|---:|" + "---:|" * (len(JOB_TIME_PARTS) + 1),
@@ -212,17 +215,17 @@ def _plots(sweep: SweepResults, run_dir: Path) -> list[tuple[str, Path]]:
                     ax.plot(c.loads, c.mean, marker="o", color=cmap(i % 10), label=name, lw=2)
                     ax.fill_between(c.loads, c.low, c.high, color=cmap(i % 10), alpha=0.15)
             unit = "Poisson rate (jobs/s)" if rates else "agents in flight"
-            axes[0].set(xlabel=unit, ylabel="JCT p90 (s)", title=f"{_slug(workload)}: JCT p90")
-            axes[1].set(xlabel=unit, ylabel="jobs/hour within SLO", title=f"{_slug(workload)}: goodput")
+            axes[0].set(xlabel=unit, ylabel="JCT p90 (s)", title=f"{_slug(sweep, workload)}: JCT p90")
+            axes[1].set(xlabel=unit, ylabel="jobs/hour within SLO", title=f"{_slug(sweep, workload)}: goodput")
             for ax in axes:
                 ax.grid(alpha=0.3)
                 if not rates:
                     ax.set_xscale("log", base=2)
             axes[0].legend(fontsize=8)
-            path = run_dir / f"sweep_{_slug(workload)}{'_rate' if rates else ''}.png"
+            path = run_dir / f"sweep_{_slug(sweep, workload)}{'_rate' if rates else ''}.png"
             FigureCanvasAgg(fig)
             fig.savefig(path, format="png", dpi=90)
-            out.append((f"{_slug(workload)}: JCT p90 and goodput against load", path))
+            out.append((f"{_slug(sweep, workload)}: JCT p90 and goodput against load", path))
     return out
 
 

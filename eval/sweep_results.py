@@ -8,13 +8,14 @@ that rebuilding a sweep report is fast.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
 
-from eval.results import SLO, Results, _Model, atomic_write_text
+from eval.results import SLO, Results, _format_validation_error, _Model, atomic_write_text
 
 SWEEP_FILE = "sweep.json"
 SWEEP_SCHEMA_VERSION = 1
@@ -104,9 +105,16 @@ def load_sweep(path_or_dir: str | Path) -> SweepResults:
     if not path.is_file():
         raise ValueError(f"{path}: sweep file not found")
     try:
-        sweep = SweepResults.model_validate_json(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValidationError) as exc:
-        raise ValueError(f"{path}: not a sweep document ({str(exc).splitlines()[0]})") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read sweep file: {exc}") from None
+    try:
+        sweep = SweepResults.model_validate_json(text)
+    except ValidationError as exc:
+        # NOTE: each problem with its field's JSON location, as load_results says them
+        raise ValueError(
+            f"{path}: not a sweep document, {exc.error_count()} problem(s):\n" + _format_validation_error(exc)
+        ) from None
     if sweep.schema_version != SWEEP_SCHEMA_VERSION:
         raise ValueError(f"{path}: sweep schema_version {sweep.schema_version} is not supported")
     return sweep
@@ -208,6 +216,62 @@ def default_jct_slo(sweep: SweepResults, workload: str, rates: bool = False) -> 
 def ceiling_variant(names: list[str]) -> str | None:
     """The sweep's unbounded-pool ceiling: the first ``.../unbounded`` variant, if any."""
     return next((n for n in names if "unbounded" in n.split("/")), None)
+
+
+def _slug_parts(spec: str) -> tuple[str, list[str]]:
+    """A workload spec's kind (``trace``, ``bfcl``, ``""`` for a generator) and the path's
+    parts, the file's stem last."""
+    kind, sep, rest = spec.partition(":")
+    if not sep:
+        kind, rest = "", spec
+    parts = [p for p in rest.split("/") if p not in ("", ".")] or [rest]
+    parts[-1] = parts[-1].split(".", 1)[0] or parts[-1]
+    return kind, parts
+
+
+def workload_slugs(workloads: Sequence[str]) -> dict[str, str]:
+    """Short names of a sweep's workloads, distinct and safe in file names: the file's stem
+    (``swe``, ``x`` for ``bfcl:traces/x.jsonl``); where stems collide, as many parent folders
+    as tell them apart (``A-w``, ``B-w``), then the format (``bfcl-x``), then a number.
+
+    Args:
+        workloads: the workload specs (repeats are one workload).
+
+    Returns:
+        Spec -> name.
+    """
+    specs = list(dict.fromkeys(workloads))
+    split = {s: _slug_parts(s) for s in specs}
+    depth = dict.fromkeys(specs, 1)
+
+    def name(spec: str) -> str:
+        kind, parts = split[spec]
+        d = depth[spec]
+        if d <= len(parts):
+            return "-".join(parts[-d:])
+        return "-".join([kind or "gen", *parts])
+
+    while True:
+        groups: dict[str, list[str]] = {}
+        for spec in specs:
+            groups.setdefault(name(spec), []).append(spec)
+        grow = [s for group in groups.values() if len(group) > 1 for s in group if depth[s] <= len(split[s][1])]
+        if not grow:
+            break
+        for spec in grow:
+            depth[spec] += 1
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    for spec in specs:
+        # NOTE: only characters safe in a folder or file name on every OS
+        base = re.sub(r"[^A-Za-z0-9._+-]", "_", name(spec)) or "workload"
+        slug, k = base, 1
+        while slug in used:
+            k += 1
+            slug = f"{base}-{k}"
+        used.add(slug)
+        out[spec] = slug
+    return out
 
 
 def workloads_of(sweep: SweepResults) -> list[str]:

@@ -248,3 +248,12 @@ def test_a_sweep_reads_every_workload_before_its_first_point(tmp_path: Path) -> 
     line = _assert_one_error_line(runner.invoke(app, argv), argv)
     assert line.startswith("error: workload: /nonexistent: cannot read trace"), line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_bench_api_refuses_concurrency_below_one(tmp_path: Path, bad: int) -> None:
+    from eval.bench import BenchConfig, BenchError, run_bench
+
+    with pytest.raises(BenchError, match=r"^concurrency: must be an integer in \[1, "):
+        run_bench(BenchConfig(backend="sim", jobs=2, concurrency=bad, out=tmp_path / "x"))
+    assert not (tmp_path / "x").exists()

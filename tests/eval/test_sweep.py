@@ -176,3 +176,64 @@ def test_suite_sets_its_settings_and_the_command_line_wins(tmp_path):
     assert run.latency_profile.endswith("bench_traces/profile_h200_llama8b_live_async_2026_12_03.json")
     # the suite's pool: 90% of the 139 GiB given, after bf16 weights: tens of thousands of blocks
     assert any("--gpu-memory-utilization 0.9" in n for n in run.notes) and run.kv_blocks > 40_000
+
+
+def test_job_goodput_keeps_job_ids_holding_a_hash():
+    from eval.harness import RequestRecord, RunOutcome, repeated_result, serving_metrics
+
+    slo = SLO(ttft_ms=1000.0)
+
+    def outcome(bad_ttft: float) -> RunOutcome:
+        # job "a#1" has a request past the TTFT target; jobs "a" and "b#x#2" meet it
+        records = [RequestRecord(job, 0, 0.0, 0.0, ttft, 1.0, 10, 0, [1, 2], ttft, 0.01)
+                   for job, ttft in (("a#1", bad_ttft), ("a", 0.1), ("b#x#2", 0.2))]
+        return RunOutcome("p", records, {r.job_id: 1.0 for r in records}, 1.0, {})
+
+    serving, goodput = serving_metrics(outcome(5.0), slo)
+    assert serving["job_goodput"] == pytest.approx(2.0) and goodput == pytest.approx(2 * 3600.0)
+    assert serving_metrics(outcome(0.5), slo)[0]["job_goodput"] == pytest.approx(3.0)
+    stats = {k: 0 for k in ("prompt_tokens", "hit_tokens", "hole_tokens", "suffix_recomputed_tokens",
+                            "preempted_tokens", "computed_tokens", "generated_tokens", "evictions",
+                            "peak_blocks_in_use", "num_preemptions")}
+    runs = [outcome(5.0), outcome(5.0)]
+    for run in runs:
+        run.engine_stats = stats
+    pooled = repeated_result(runs, None, slo)
+    assert pooled.serving["job_goodput"] == pytest.approx(2.0) and pooled.jct.count == 6
+
+
+def test_workloads_sharing_a_stem_get_their_own_points_and_plots(tmp_path):
+    from eval.sweep_results import workload_slugs
+
+    paths = []
+    for folder, tokens in (("A", 40), ("B", 90)):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "w.jsonl"
+        path.write_text("".join(json.dumps({"job_id": f"{folder}{i}", "turns": [
+            {"input_tokens": tokens, "output_tokens": 4, "tool": "t", "tool_duration_s": 0.5},
+            {"input_tokens": 10, "output_tokens": 4}]}) + "\n" for i in range(4)))
+        paths.append(f"trace:{path}")
+    assert list(workload_slugs([*paths, "swe"]).values()) == ["A-w", "B-w", "swe"]
+    assert sweep_points(paths, [0], [2], [])[1].label == "B-w-s0-c2"
+    out = tmp_path / "sw"
+    args = ["bench", "--backend", "sim", "--workload", ",".join(paths), "--concurrency", "1,2", "--policies",
+            "vllm-apc", "--out", str(out), "--max-model-len", "4096"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    sweep = load_sweep(out)
+    assert len({p.run_dir for p in sweep.points}) == 4
+    for point in sweep.points:
+        assert load_results(out / point.run_dir).run.workload == point.workload
+    prompts = {p.workload: p.policies["vllm-apc"].computed_tokens for p in sweep.points if p.concurrency == 1}
+    assert prompts[paths[0]] < prompts[paths[1]]  # each point ran its own file
+    assert (out / "sweep_A-w.png").is_file() and (out / "sweep_B-w.png").is_file()
+    md = (out / "sweep.md").read_text()
+    assert "**A-w**" in md and "**B-w**" in md
+
+    # a point folder holding another point's run is not read back as this one's
+    (out / "points" / "A-w-s0-c1").rename(out / "points" / "keep")
+    (out / "points" / "B-w-s0-c1").rename(out / "points" / "A-w-s0-c1")
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2
+    line = [x for x in again.output.splitlines() if x.strip()][-1]
+    assert line.startswith("error: out: ") and "A-w-s0-c1 holds the results of another point: workload" in line

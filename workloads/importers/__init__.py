@@ -18,11 +18,14 @@ Formats:
   tool-calling LLM turns plus one answering turn; the function docs of the involved API
   classes form a prefix shared by entries with the same classes.
 * **Mooncake** (``import_mooncake``): JSONL of ``timestamp`` (ms), ``input_length``,
-  ``output_length``, ``hash_ids`` (512-token blocks). One single-turn job per request; leading
+  ``output_length``, ``hash_ids`` (512-token blocks, one per block of the prompt, give or take
+  one). One single-turn job per request; leading
   equal hash ids become exactly shared token blocks (``Job.block_hash_ids``).
 * **Alibaba Bailian** (``import_bailian``): JSONL of ``chat_id, parent_chat_id, timestamp,
   input_length, output_length, type, turn, hash_ids`` (16-token blocks). Requests chained by
-  ``parent_chat_id`` become multi-turn jobs.
+  ``parent_chat_id`` become multi-turn jobs (a chat that branches is an error).
+
+Both block-trace formats require every record's ``timestamp``.
 
 Token counts come from a pluggable counter ``Callable[[str], int]``; the default estimates about
 4 characters per token. Unreadable or malformed files raise ``TraceError`` naming the file and
@@ -39,7 +42,7 @@ from typing import Any
 from workloads.generators import WORKLOADS, generate
 from workloads.importers.bfcl import import_bfcl
 from workloads.importers.block_traces import import_bailian, import_mooncake
-from workloads.importers.json_reading import JsonStream, TokenCounter, estimate_tokens
+from workloads.importers.json_reading import JsonStream, TokenCounter, check_count, estimate_tokens
 from workloads.importers.sharegpt import import_sharegpt
 from workloads.schema import Trace
 
@@ -73,9 +76,10 @@ def load_trace(spec: str, num_jobs: int | None = None, seed: int = 0, **options:
         The trace. For ``trace:PATH`` with ``num_jobs`` set, its first ``num_jobs`` jobs.
 
     Raises:
-        ValueError: Unknown spec or bad options.
+        ValueError: Unknown spec or bad options (a negative ``num_jobs`` names it).
         TraceError: Unreadable or malformed file (a ValueError too).
     """
+    check_count("num_jobs", num_jobs)
     kind, sep, rest = spec.partition(":")
     if not sep:
         if kind in WORKLOADS:

@@ -13,6 +13,7 @@ import numpy as np
 
 from workloads.importers.json_reading import (
     TokenCounter,
+    check_count,
     estimate_tokens,
     first_field,
     read_jsonl_records,
@@ -128,8 +129,11 @@ def import_bfcl(
         A trace of kind "imported" jobs, all arriving at 0.
 
     Raises:
-        TraceError: Unreadable or malformed files (path and line in the message).
+        ValueError: ``max_jobs`` below 0 (naming it).
+        TraceError: Unreadable or malformed files, or an id given twice (path and line in the
+            message).
     """
+    check_count("max_jobs", max_jobs)
     path = Path(path)
     require_file(path)
     count = tokenizer or estimate_tokens
@@ -154,6 +158,7 @@ def import_bfcl(
         return doc_tokens[cls]
 
     jobs: list[Job] = []
+    seen: dict[str, int] = {}  # entry id -> its line
     for index, (lineno, entry) in enumerate(read_jsonl_records(path)):
         if max_jobs is not None and len(jobs) >= max_jobs:
             break
@@ -161,6 +166,10 @@ def import_bfcl(
         if not isinstance(questions, list) or not questions:
             raise TraceError(f"{path}:{lineno}: 'question' must be a non-empty list")
         entry_id = str(entry.get("id", f"{path.stem}-{index}"))
+        if entry_id in seen:
+            # NOTE: ids name the jobs: a second one would fail the trace's check, far from its line
+            raise TraceError(f"{path}:{lineno}: duplicate id {entry_id!r} (first on line {seen[entry_id]})")
+        seen[entry_id] = lineno
         gt = entry.get("ground_truth", answers.get(entry_id))
         if gt is not None and (not isinstance(gt, list) or len(gt) != len(questions)):
             gt = None  # answers that do not line up with the questions are ignored

@@ -9,6 +9,7 @@ from typing import Any
 from workloads.importers.json_reading import (
     as_float,
     as_int,
+    check_count,
     first_field,
     hash_id_list,
     read_jsonl_records,
@@ -20,7 +21,7 @@ from workloads.schema import ArrivalInfo, Job, Trace, TraceError, Turn
 def _time_factor(unit: str) -> float:
     factors = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
     if unit not in factors:
-        raise ValueError(f"timestamp_unit must be one of {sorted(factors)}, got {unit!r}")
+        raise ValueError(f"timestamp_unit: must be one of {sorted(factors)}, got {unit!r}")
     return factors[unit]
 
 
@@ -43,8 +44,14 @@ def import_mooncake(
         A trace with ``arrival.kind == "trace"``; arrivals are relative to the earliest one.
 
     Raises:
-        TraceError: Unreadable file, malformed line, or missing fields (path:line).
+        ValueError: naming the option: ``max_jobs`` below 0, ``block_size`` below 1, an unknown
+            ``timestamp_unit``.
+        TraceError: Unreadable file, malformed line, missing fields (``timestamp`` included),
+            or ``hash_ids`` whose count is not ``input_length / block_size`` within one block
+            (path:line).
     """
+    check_count("max_jobs", max_jobs)
+    check_count("block_size", block_size, 1)
     path = Path(path)
     require_file(path)
     factor = _time_factor(timestamp_unit)
@@ -54,9 +61,8 @@ def import_mooncake(
     for index, (lineno, obj) in enumerate(read_jsonl_records(path), start=1):
         if max_jobs is not None and len(rows) >= max_jobs:
             break
-        ts = as_float(
-            first_field(obj, ("timestamp", "ts"), path, lineno, 0.0), "timestamp", path, lineno
-        )
+        # NOTE: required: a missing one read as 0 moved the request to the trace's start
+        ts = as_float(first_field(obj, ("timestamp", "ts"), path, lineno), "timestamp", path, lineno)
         inp = as_int(
             first_field(obj, ("input_length", "input_len", "prompt_tokens"), path, lineno),
             "input_length",
@@ -72,6 +78,15 @@ def import_mooncake(
         if inp < 1:
             raise TraceError(f"{path}:{lineno}: input_length must be >= 1")
         hashes = hash_id_list(obj.get("hash_ids"), path, lineno)
+        if hashes:
+            # NOTE: each hash id is one block of the prompt; a count off by more than the last
+            # (partial) block is another block size or a broken record, not this prompt's blocks
+            blocks = -(-inp // block_size)
+            if abs(len(hashes) - blocks) > 1:
+                raise TraceError(
+                    f"{path}:{lineno}: hash_ids holds {len(hashes)} blocks but input_length {inp} is "
+                    f"{blocks} blocks of {block_size} tokens (block_size={block_size}?)"
+                )
         job = Job(
             job_id=f"mooncake-{index}",
             turns=[Turn(input_tokens=inp, output_tokens=max(1, out))],
@@ -110,8 +125,9 @@ def import_bailian(
     """Import an Alibaba Bailian-style trace, chaining requests into multi-turn jobs.
 
     Requests whose ``parent_chat_id`` is another request of the file continue that request's
-    conversation; the others (parent -1, empty, or outside the file) start a job. A job lists
-    its requests depth-first, children in timestamp order. Turn ``k > 0`` adds
+    conversation; the others (parent -1, empty, or outside the file) start a job. A request
+    continues at most one conversation line: two requests with the same parent (a branch) are
+    an error. Turn ``k > 0`` adds
     ``input_length_k - (input_length_{k-1} + output_length_{k-1})`` new tokens (at least 1: the
     prompt grew by the previous answer plus the new message), and the pause after turn ``k-1``
     is the gap between the two requests' timestamps, recorded as think time (an upper bound: it
@@ -129,8 +145,13 @@ def import_bailian(
         A trace with ``arrival.kind == "trace"``, jobs ordered by arrival.
 
     Raises:
-        TraceError: Unreadable file, malformed line, missing fields, duplicate chat ids.
+        ValueError: naming the option: ``max_jobs`` below 0, ``block_size`` below 1, an unknown
+            ``timestamp_unit``.
+        TraceError: Unreadable file, malformed line, missing fields (``timestamp`` included),
+            duplicate chat ids, a branching conversation (two requests with one parent).
     """
+    check_count("max_jobs", max_jobs)
+    check_count("block_size", block_size, 1)
     path = Path(path)
     require_file(path)
     factor = _time_factor(timestamp_unit)
@@ -145,9 +166,7 @@ def import_bailian(
             "line": lineno,
             "parent": None if parent in (None, "", -1, "-1") else _chat_id(parent),
             "ts": factor
-            * as_float(
-                first_field(obj, ("timestamp", "ts"), path, lineno, 0.0), "timestamp", path, lineno
-            ),
+            * as_float(first_field(obj, ("timestamp", "ts"), path, lineno), "timestamp", path, lineno),
             "in": as_int(
                 first_field(obj, ("input_length", "input_len"), path, lineno),
                 "input_length",
@@ -173,8 +192,17 @@ def import_bailian(
             children.setdefault(parent, []).append(cid)
         else:
             roots.append(cid)
-    for kids in children.values():
+    for parent, kids in children.items():
         kids.sort(key=lambda c: (recs[c]["ts"], recs[c]["line"]))
+        if len(kids) > 1:
+            # NOTE: a job is one linear conversation, each turn extending the one before; a
+            # second child would be flattened after the first one's turns and its new tokens
+            # counted against the wrong request
+            first, other = kids[0], kids[1]
+            raise TraceError(
+                f"{path}:{recs[other]['line']}: chat_id {other!r} branches from chat_id {parent!r}, which chat_id "
+                f"{first!r} (line {recs[first]['line']}) already continues; branching conversations are not supported"
+            )
     # NOTE: records whose parent links loop never reach a root: they were dropped unseen
     reachable: set[str] = set()
     stack = list(roots)

@@ -245,6 +245,26 @@ def hash_id_list(value: Any, path: Path, lineno: int) -> list[int] | None:
     return list(value)
 
 
+def check_count(name: str, value: object, minimum: int = 0) -> None:
+    """Rejects a size option that is no integer >= ``minimum`` (``None``, "no limit", passes).
+
+    NOTE: a negative count was read as a Python slice or an empty loop (``max_jobs=-1`` kept
+    every job but the last, or none): a caller's mistake must not become another workload.
+
+    Args:
+        name: the option, named in the error.
+        value: its value.
+        minimum: the smallest valid value.
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum} (or None), got {value!r}")
+
+
 def require_file(path: Path) -> None:
     """TraceError unless ``path`` is a file."""
     if not path.is_file():

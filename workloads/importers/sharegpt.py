@@ -9,7 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from workloads.importers.json_reading import JsonStream, TokenCounter, estimate_tokens, require_file
+from workloads.importers.json_reading import (
+    JsonStream,
+    TokenCounter,
+    check_count,
+    estimate_tokens,
+    require_file,
+)
 from workloads.schema import ArrivalInfo, Job, Trace, Turn
 
 _USER_ROLES = frozenset({"human", "user"})
@@ -60,8 +66,13 @@ def import_sharegpt(
         and ``skipped`` (conversations without a complete user/assistant exchange).
 
     Raises:
+        ValueError: naming the option: ``max_jobs``, ``min_turns`` or ``shared_prefix_tokens``
+            below 0, ``max_turns`` below 1.
         TraceError: Unreadable file or malformed JSON (not a clean truncation).
     """
+    for name, value, minimum in (("max_jobs", max_jobs, 0), ("max_turns", max_turns, 1), ("min_turns", min_turns, 0),
+                                 ("shared_prefix_tokens", shared_prefix_tokens, 0)):
+        check_count(name, value, minimum)
     path = Path(path)
     require_file(path)
     count = tokenizer or estimate_tokens
