@@ -83,7 +83,24 @@ class JobStats:
         return drop
 
     def on_arrival(self, job_id: str, now: float, new_tokens: int) -> None:
+        """A request of ``job_id`` arrived at ``now`` with ``new_tokens`` new tokens.
+
+        A job that had ended (its last step, :attr:`JobState.finished`) is live again: the id
+        came back (vLLM's ``session_id`` is a conversation's stable id, and a client may start
+        a new task under an old job id).
+
+        Args:
+            job_id: the job.
+            now: arrival time.
+            new_tokens: the turn's new tokens (the size of the step that rebuilds its blocks).
+        """
         state = self.state(job_id)
+        if state.finished:
+            # NOTE: without this the job's blocks score P(reuse) = 0 for as long as the id lives,
+            # even while its new request runs. The pause since its last step is not a pause of
+            # the job (it said it was done): not a gap sample, which would inflate its gaps.
+            state.finished = False
+            state.last_finish = None
         if state.last_finish is not None and state.running == 0:
             gap = max(0.0, now - state.last_finish)
             state.gaps = (state.gaps + [gap])[-self.history :]

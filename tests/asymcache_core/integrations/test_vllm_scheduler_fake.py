@@ -1,0 +1,49 @@
+"""The plugin's scheduler mixin (``scheduler.py``) over a fake vLLM (no vLLM needed).
+
+``vllm_plugin_fakes`` stands in for the vLLM modules ``scheduler.py`` imports; the real
+scheduler mixin, free queue, pins, controller and job statistics run on top of it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+from vllm_plugin_fakes import Clock, Request, RequestStatus, load_scheduler_module, vllm_config
+
+
+@pytest.fixture
+def sched_mod(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    monkeypatch.delenv("ASYMCACHE_VLLM_OPTIONS", raising=False)
+    return load_scheduler_module(monkeypatch)
+
+
+def make(sched_mod: types.ModuleType, options: dict[str, Any] | None = None, num_blocks: int = 32) -> Any:
+    opts = {"implicit_jobs": False, **(options or {})}
+    sched = sched_mod.AsymCacheScheduler(vllm_config(opts), num_blocks=num_blocks)
+    clock = Clock()
+    sched.asymcache_clock = clock
+    sched.asymcache_controller.clock = clock
+    sched.asymcache_queue.clock = clock
+    return sched
+
+
+def run(sched: Any, req: Request, status: Any = RequestStatus.FINISHED_STOPPED) -> None:
+    sched.add_request(req)
+    sched.schedule()
+    sched.asymcache_clock.t += 1.0
+    sched.finish_requests(req.request_id, status)
+
+
+def test_a_job_id_back_after_its_last_step_is_scored_as_live(sched_mod: types.ModuleType) -> None:
+    sched = make(sched_mod, {"pinning": False})
+    stats = sched.asymcache_job_stats
+    run(sched, Request("t1", ["c0", "c1"], session_id="chat-1", extra_args={"is_last_step": 1}))
+    assert stats.reuse_probability("chat-1", sched.asymcache_clock()) == 0.0
+    run(sched, Request("t2", ["c0", "c1", "c2"], session_id="chat-1"))
+    now = sched.asymcache_clock()
+    assert stats.reuse_probability("chat-1", now) > 0.0
+    # its blocks are worth keeping again (a finished job's score 0 made them go first)
+    block = sched.kv_cache_manager.block_pool.cached["c2"]
+    assert sched.asymcache_scorer.score(block, now) > 0.0
