@@ -6,8 +6,7 @@ A job is whatever shares a ``job_id``: an agent's turns or a chat's messages.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 
@@ -203,7 +202,7 @@ class JobStats:
         overstay = max(0.0, idle - 1.5 * scale)
         return base * math.exp(-overstay / scale)
 
-    def block_reuse_probability(self, jobs: AbstractSet[str], job_id: str | None, now: float) -> float:
+    def block_reuse_probability(self, jobs: Collection[str], job_id: str | None, now: float) -> float:
         """A block shared by several jobs is reused if any of them comes back."""
         if not jobs:
             return self.reuse_probability(job_id, now)

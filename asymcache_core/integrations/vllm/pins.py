@@ -19,7 +19,7 @@ releases it (latest-expiring first). The pinned share of the pool is capped.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +128,9 @@ class PinSet:
         self._count: dict[int, int] = {}
         self._last: dict[str, tuple[int, ...]] = {}
         self.stats = PinStats()
+        #: Called with a block id that gained its first pin or lost its last one (the free queue
+        #: keeps pinned blocks out of its candidates with it).
+        self.listener: Callable[[int], None] | None = None
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -172,7 +175,10 @@ class PinSet:
             return 0
         self.pins[job_id] = Pin(job_id, ids, now, now + ttl_s)
         for block_id in ids:
-            self._count[block_id] = self._count.get(block_id, 0) + 1
+            count = self._count.get(block_id, 0)
+            self._count[block_id] = count + 1
+            if count == 0 and self.listener is not None:
+                self.listener(block_id)
         self.stats.pins += 1
         while self.pins and self.num_pinned_blocks > self.capacity_blocks:
             latest, _ = self.pressure_order()[0]
@@ -246,3 +252,5 @@ class PinSet:
                 self._count[block_id] = left
             else:
                 del self._count[block_id]
+                if self.listener is not None:
+                    self.listener(block_id)

@@ -223,8 +223,8 @@ def install_pool_hooks(
     def reset_prefix_cache() -> bool:
         ok = bool(orig_reset())
         if ok:
+            scorer.clear()  # NOTE: first: the forest's reset re-files blocks by their info
             forest.clear()
-            scorer.info.clear()
             queue.refile_all()
         return ok
 
