@@ -105,38 +105,74 @@ class AsymCacheOptions:
             The options.
 
         Raises:
-            ValueError: unknown option names or bad JSON.
+            ValueError: unknown option names, JSON that is not an object, or a value of the
+                wrong type or out of range (the message names the option).
         """
         raw: dict[str, Any] = {}
         extra = getattr(vllm_config, "additional_config", None)
-        if isinstance(extra, dict) and isinstance(extra.get("asymcache"), dict):
+        if isinstance(extra, dict) and "asymcache" in extra:
+            if not isinstance(extra["asymcache"], dict):
+                raise ValueError(f"additional_config.asymcache: must be an object, got {extra['asymcache']!r}")
             raw.update(extra["asymcache"])
         env = os.environ.get(OPTIONS_ENV)
         if env:
             try:
-                raw.update(json.loads(env))
+                parsed = json.loads(env)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{OPTIONS_ENV}: not JSON ({exc})") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"{OPTIONS_ENV}: must be a JSON object, got {env!r}")
+            raw.update(parsed)
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - names)
         if unknown:
             raise ValueError(f"asymcache options: unknown {unknown}; known: {sorted(names)}")
+        for name, value in raw.items():
+            _check_option(name, value)
         opts = cls(**raw)
-        if opts.eviction not in ("asymcache", "lru"):
-            raise ValueError(f"asymcache options: eviction must be asymcache or lru, got {opts.eviction!r}")
-        if opts.order not in ("fcfs", "least-work"):
-            raise ValueError(f"asymcache options: order must be fcfs or least-work, got {opts.order!r}")
-        patience = opts.least_work_patience
-        if patience is not None:
-            if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not 0 < patience < math.inf:
-                raise ValueError(f"asymcache options: least_work_patience must be a positive number, got {patience!r}")
-            if opts.order != "least-work":
-                raise ValueError("asymcache options: least_work_patience needs order least-work")
-        if not isinstance(opts.implicit_jobs, bool):
-            raise ValueError(f"asymcache options: implicit_jobs must be true or false, got {opts.implicit_jobs!r}")
-        if not 0.0 <= opts.max_pinned_fraction <= 1.0:
-            raise ValueError(f"asymcache options: max_pinned_fraction must be in [0, 1], got {opts.max_pinned_fraction}")
+        if opts.least_work_patience is not None and opts.order != "least-work":
+            raise ValueError("asymcache options: least_work_patience needs order least-work")
         return opts
+
+
+#: Allowed values of the options that name a choice.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "eviction": ("asymcache", "lru"),
+    "ttl_rule": ("continuum", "preview"),
+    "order": ("fcfs", "least-work"),
+}
+
+
+def _check_option(name: str, value: Any) -> None:
+    """Type- and range-checks one option (a bad one must fail at startup, not at the first
+    eviction: ``prior_reuse: "0.2"`` used to pass and crash the scheduler then).
+
+    Args:
+        name: the option's name (a field of :class:`AsymCacheOptions`).
+        value: its value, as parsed from JSON.
+
+    Raises:
+        ValueError: naming the option, when the value is of the wrong type or out of range.
+    """
+    bad = f"asymcache options: {name}"
+    if name in _CHOICES:
+        if value not in _CHOICES[name] or not isinstance(value, str):
+            raise ValueError(f"{bad} must be {' or '.join(_CHOICES[name])}, got {value!r}")
+    elif name in ("pinning", "implicit_jobs"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{bad} must be true or false, got {value!r}")
+    elif name == "latency_profile":
+        if value is not None and not (isinstance(value, str) and value):
+            raise ValueError(f"{bad} must be a file path or null, got {value!r}")
+    elif name in ("max_pinned_fraction", "prior_reuse"):
+        # NOTE: bool is an int subclass; JSON's true is no fraction.
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{bad} must be a number in [0, 1], got {value!r}")
+    elif name == "least_work_patience":
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf
+        ):
+            raise ValueError(f"{bad} must be a positive number, got {value!r}")
 
 
 def build_latency_model(vllm_config: Any, opts: AsymCacheOptions) -> LatencyModel:

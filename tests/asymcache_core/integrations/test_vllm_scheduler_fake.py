@@ -47,3 +47,48 @@ def test_a_job_id_back_after_its_last_step_is_scored_as_live(sched_mod: types.Mo
     # its blocks are worth keeping again (a finished job's score 0 made them go first)
     block = sched.kv_cache_manager.block_pool.cached["c2"]
     assert sched.asymcache_scorer.score(block, now) > 0.0
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "field"),
+    [
+        ({"prior_reuse": "0.2"}, None, "prior_reuse"),
+        ({"prior_reuse": 7}, None, "prior_reuse"),
+        ({"prior_reuse": True}, None, "prior_reuse"),
+        ({"max_pinned_fraction": "0.3"}, None, "max_pinned_fraction"),
+        ({"max_pinned_fraction": float("nan")}, None, "max_pinned_fraction"),
+        ({"pinning": "false"}, None, "pinning"),
+        ({"implicit_jobs": 1}, None, "implicit_jobs"),
+        ({"ttl_rule": "Preview"}, None, "ttl_rule"),
+        ({"eviction": "LRU"}, None, "eviction"),
+        ({"order": ["fcfs"]}, None, "order"),
+        ({"latency_profile": 3}, None, "latency_profile"),
+        ({"order": "least-work", "least_work_patience": -1}, None, "least_work_patience"),
+        (None, "null", "ASYMCACHE_VLLM_OPTIONS"),
+        (None, "[1, 2]", "ASYMCACHE_VLLM_OPTIONS"),
+        (None, '"x"', "ASYMCACHE_VLLM_OPTIONS"),
+        (None, "{bad", "ASYMCACHE_VLLM_OPTIONS"),
+        (None, '{"prior_reuse": -0.1}', "prior_reuse"),
+    ],
+)
+def test_bad_options_fail_at_startup_naming_the_field(
+    sched_mod: types.ModuleType, monkeypatch: pytest.MonkeyPatch, options: Any, env: str | None, field: str
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("ASYMCACHE_VLLM_OPTIONS", env)
+    with pytest.raises(ValueError, match=field):
+        sched_mod.AsymCacheOptions.from_vllm_config(vllm_config(options))
+
+
+def test_good_options_pass_and_a_non_object_section_is_refused(
+    sched_mod: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opts = sched_mod.AsymCacheOptions.from_vllm_config(vllm_config(
+        {"prior_reuse": 0, "max_pinned_fraction": 1, "pinning": False, "ttl_rule": "preview",
+         "order": "least-work", "least_work_patience": 2, "latency_profile": None}))
+    assert (opts.prior_reuse, opts.max_pinned_fraction, opts.ttl_rule, opts.least_work_patience) == (0, 1, "preview", 2)
+    monkeypatch.setenv("ASYMCACHE_VLLM_OPTIONS", '{"prior_reuse": 0.25}')
+    assert sched_mod.AsymCacheOptions.from_vllm_config(vllm_config({"prior_reuse": 0.9})).prior_reuse == 0.25
+    config = types.SimpleNamespace(additional_config={"asymcache": "fast"})
+    with pytest.raises(ValueError, match="additional_config.asymcache"):
+        sched_mod.AsymCacheOptions.from_vllm_config(config)
