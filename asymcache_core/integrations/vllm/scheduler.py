@@ -479,13 +479,16 @@ class _AsymCacheMixin:
         if last:
             controller.on_job_finished(job)
             return
+        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            # NOTE: an aborted (client gone) or failed turn did not end in a tool call: no pin,
+            # and no tool pause for the duration estimator to learn from.
+            return
         if hints.implicit:
             implicit = self.asymcache_implicit_jobs
             assert implicit is not None
-            # NOTE: not an aborted turn's keys: nothing continues it (the embedded engine's rule)
-            if request.status != RequestStatus.FINISHED_ABORTED:
-                implicit.on_finished(job, request.all_token_ids, int(request.num_prompt_tokens),
-                                     request.block_hashes)
+            # NOTE: aborted turns returned above: nothing continues them (the embedded rule)
+            implicit.on_finished(job, request.all_token_ids, int(request.num_prompt_tokens),
+                                 request.block_hashes)
             if not self.asymcache_job_stats.state(job).gaps:
                 return  # a first turn: nothing yet says the conversation comes back
         if controller.pinning:

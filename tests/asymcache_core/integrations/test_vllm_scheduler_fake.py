@@ -92,3 +92,18 @@ def test_good_options_pass_and_a_non_object_section_is_refused(
     config = types.SimpleNamespace(additional_config={"asymcache": "fast"})
     with pytest.raises(ValueError, match="additional_config.asymcache"):
         sched_mod.AsymCacheOptions.from_vllm_config(config)
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
+def test_an_aborted_or_failed_turn_is_neither_pinned_nor_a_tool_pause(
+    sched_mod: types.ModuleType, status: RequestStatus
+) -> None:
+    sched = make(sched_mod)
+    run(sched, Request("r1", ["a0", "a1"], extra_args={"job_id": "j", "pin_ttl_s": 60}), status)
+    assert not sched.asymcache_pins.is_pinned("j") and sched.asymcache_pins.stats.pins == 0
+    assert sched.asymcache_controller.paused_jobs() == []
+    # the job's next request records no tool duration
+    run(sched, Request("r2", ["a0", "a1", "a2"], extra_args={"job_id": "j", "pin_ttl_s": 60}))
+    assert sched.asymcache_controller.durations.samples("tool") == []
+    # a turn that stopped normally is pinned
+    assert sched.asymcache_pins.is_pinned("j")
