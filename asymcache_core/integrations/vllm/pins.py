@@ -212,6 +212,40 @@ class PinSet:
             self._drop(job_id)
             self.stats.released_other += 1
 
+    def discard_recorded(self, job_id: str) -> None:
+        """Drops the blocks :meth:`remember` recorded for ``job_id`` that no pin used (vLLM may
+        give those block ids other content later).
+
+        Args:
+            job_id: the job.
+        """
+        self._last.pop(job_id, None)
+
+    def drop_block(self, block_id: int) -> None:
+        """``block_id`` lost its content (vLLM's ``evict_blocks``, a connector): no pin holds it
+        any longer, so its id, once reused for other content, is not protected.
+
+        Args:
+            block_id: the block.
+        """
+        if block_id not in self._count:
+            return
+        for job_id, pin in list(self.pins.items()):
+            if block_id in pin.block_ids:
+                rest = tuple(b for b in pin.block_ids if b != block_id)
+                self.pins[job_id] = Pin(job_id, rest, pin.pinned_at, pin.expires_at)
+        del self._count[block_id]
+        if self.listener is not None:
+            self.listener(block_id)
+
+    def clear(self) -> None:
+        """Drops every pin and every recorded block (vLLM's ``reset_prefix_cache``: no block
+        holds its content any longer)."""
+        self._last.clear()
+        for job_id in list(self.pins):
+            self._drop(job_id)
+            self.stats.released_other += 1
+
     def expire(self, now: float) -> list[str]:
         """Releases every pin whose TTL has passed.
 

@@ -201,7 +201,8 @@ def build_latency_model(vllm_config: Any, opts: AsymCacheOptions) -> LatencyMode
 
 
 def install_pool_hooks(
-    pool: Any, forest: CachedForest, queue: ExpectedLatencyFreeQueue, scorer: BlockScorer
+    pool: Any, forest: CachedForest, queue: ExpectedLatencyFreeQueue, scorer: BlockScorer,
+    pins: PinSet | None = None,
 ) -> None:
     """Wraps a vLLM ``BlockPool``'s cache bookkeeping on the instance to feed ``forest``.
 
@@ -210,6 +211,7 @@ def install_pool_hooks(
         forest: the cached-block forest the queue consults.
         queue: the pool's new free queue.
         scorer: the block scorer (forgets blocks that lost their content).
+        pins: the pins (a block that lost its content leaves them; a reset drops them all).
     """
     orig_cache_full: Callable[..., Any] = pool.cache_full_blocks
     orig_insert: Callable[..., Any] = pool._insert_block_hash
@@ -252,6 +254,10 @@ def install_pool_hooks(
         if block.block_hash is None:
             forest.remove(block.block_id)
             scorer.forget(block.block_id)
+            if pins is not None:
+                # NOTE: vLLM's evict_blocks (a connector) may drop a pinned block's content; its
+                # id, reused for other content, must not stay protected by the old pin.
+                pins.drop_block(block.block_id)
             if block.ref_cnt == 0 and block in queue:
                 queue.note_hash_change(block)
         return removed
@@ -260,6 +266,8 @@ def install_pool_hooks(
         ok = bool(orig_reset())
         if ok:
             scorer.clear()  # NOTE: first: the forest's reset re-files blocks by their info
+            if pins is not None:
+                pins.clear()  # NOTE: the pinned content is gone; the ids will hold other content
             forest.clear()
             queue.refile_all()
         return ok
@@ -328,7 +336,7 @@ class _AsymCacheMixin:
                 # NOTE: vLLM's linked-list pointers are meaningless once its queue is gone.
                 block.prev_free_block = block.next_free_block = None
             pool.free_block_queue = queue
-            install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer)
+            install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer, self.asymcache_pins)
             self.asymcache_queue = queue
         # NOTE: the keys are the prefix cache's block hashes: without caching there are none
         self.asymcache_implicit_jobs = (
@@ -498,6 +506,9 @@ class _AsymCacheMixin:
         decision = controller.on_tool_call(
             job, [hints.tool_name or DEFAULT_TOOL], context, ended_at=now, ttl_s=hints.pin_ttl_s
         )
+        # NOTE: blocks recorded but not pinned (TTL 0) must not wait for a later pin: vLLM may
+        # give their ids other content meanwhile.
+        self.asymcache_pins.discard_recorded(job)
         if decision.ttl_s > 0:
             logger.info("asymcache: pinned job %s: %d blocks for %.2f s", job, decision.blocks_pinned, decision.ttl_s)
 

@@ -107,3 +107,27 @@ def test_an_aborted_or_failed_turn_is_neither_pinned_nor_a_tool_pause(
     assert sched.asymcache_controller.durations.samples("tool") == []
     # a turn that stopped normally is pinned
     assert sched.asymcache_pins.is_pinned("j")
+
+
+def test_a_prefix_cache_reset_drops_every_pin(sched_mod: types.ModuleType) -> None:
+    sched = make(sched_mod, num_blocks=8)
+    pool = sched.kv_cache_manager.block_pool
+    run(sched, Request("a", ["a0", "a1", "a2"], extra_args={"job_id": "j1", "pin_ttl_s": 600}))
+    assert sched.asymcache_pins.num_pinned_blocks == 3
+    assert pool.reset_prefix_cache()
+    assert sched.asymcache_pins.pins == {} and sched.asymcache_pins.num_pinned_blocks == 0
+    # the old ids hold other content now: all of it can be evicted, no pin is released for it
+    run(sched, Request("b", ["b0", "b1", "b2", "b3", "b4", "b5", "b6"]))
+    run(sched, Request("c", ["c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7"]))
+    assert sched.asymcache_queue.stats.pressure_unpins == 0
+
+
+def test_a_block_evicted_by_vllm_leaves_its_pin(sched_mod: types.ModuleType) -> None:
+    sched = make(sched_mod, num_blocks=8)
+    pool = sched.kv_cache_manager.block_pool
+    run(sched, Request("a", ["a0", "a1", "a2"], extra_args={"job_id": "j1", "pin_ttl_s": 600}))
+    leaf = pool.cached["a2"].block_id
+    pool.evict_blocks({leaf})  # a KV connector dropped it
+    pins = sched.asymcache_pins
+    assert not pins.holds_block(leaf) and leaf not in pins.pins["j1"].block_ids
+    assert pins.num_pinned_blocks == 2 and pins.is_pinned("j1")
