@@ -16,7 +16,7 @@ class CachedForest:
 
     Keys are vLLM's hash keys (block hash + group id). A key's parent is the key of the block
     before it in the same request's chain; the chain is a pure function of the tokens, so a key
-    always has the same parent and the relation, once learned, never changes.
+    always has the same parent. A link is kept while the key has copies or cached children.
 
     Attributes:
         watcher: called with every key whose :meth:`evictable` answer may have changed (and
@@ -83,6 +83,7 @@ class CachedForest:
             self._copies.pop(key, None)
         self._changed(key)
         parent = self._parent.get(key)
+        self._prune(key)
         if parent is None:
             return None
         kids = self._children.get(parent, 0) - 1
@@ -91,10 +92,22 @@ class CachedForest:
         else:
             self._children.pop(parent, None)
         self._changed(parent)
+        self._prune(parent)
         return parent
 
+    def _prune(self, key: Hashable) -> None:
+        """Forgets ``key``'s parent link once nothing counts on it (no copy, no cached child).
+
+        NOTE: otherwise the links grow by one per hash ever cached, for as long as the server
+        runs; a key cached again relearns its link (``learn_chain`` runs before the inserts).
+        """
+        if key not in self._copies and key not in self._children:
+            self._parent.pop(key, None)
+
     def clear(self) -> None:
-        """Every cached block lost its content (prefix-cache reset); links stay valid."""
+        """Every cached block lost its content (prefix-cache reset): counts and links go (a
+        key cached again relearns its link)."""
+        self._parent.clear()
         self._copies.clear()
         self._children.clear()
         self._key_of.clear()
@@ -123,7 +136,7 @@ class CachedForest:
     def copy(self) -> CachedForest:
         """A copy whose counts can be changed without touching this one (and unwatched)."""
         twin = CachedForest()
-        twin._parent = self._parent  # NOTE: links are immutable facts; sharing them is safe.
+        twin._parent = dict(self._parent)  # NOTE: not shared: remove() prunes links
         twin._copies = dict(self._copies)
         twin._children = dict(self._children)
         twin._key_of = dict(self._key_of)

@@ -132,3 +132,23 @@ def test_a_dry_run_reads_only_what_is_taken() -> None:
     pool.queue.remove(pool.blocks[full[0]])
     with pytest.raises(RuntimeError):
         next(walk)  # the queue changed under the walk
+
+
+def test_forest_links_stay_bounded_under_churn() -> None:
+    pool = FakePool(16)
+    sizes = []
+    for n in range(300):
+        keys = chain(f"conv{n}_", 3)  # every conversation new: its hashes never come back
+        pool.run(f"r{n}", ["sys0", *keys], job=f"j{n % 7}")
+        pool.finish(f"r{n}", job=f"j{n % 7}")
+        sizes.append(len(pool.forest._parent))
+        # a link is kept exactly while its key is cached or has a cached child
+        for key in pool.forest._parent:
+            assert pool.forest.copies(key) or pool.forest.children(key)
+    assert max(sizes) <= 16 + 1 and pool.reachable_violations() == []
+    # links come back when a pruned chain is cached again: its parent counts its children
+    pool.run("again", ["sys0", *chain("conv0_", 3)], job="j0")
+    assert pool.forest.parent("conv0_0") == "sys0" and pool.forest.children("conv0_1") == 1
+    pool.finish("again", job="j0")
+    pool.forest.clear()
+    assert pool.forest._parent == {}
