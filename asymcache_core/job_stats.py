@@ -6,8 +6,7 @@ A job is whatever shares a ``job_id``: an agent's turns or a chat's messages.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 
@@ -83,7 +82,24 @@ class JobStats:
         return drop
 
     def on_arrival(self, job_id: str, now: float, new_tokens: int) -> None:
+        """A request of ``job_id`` arrived at ``now`` with ``new_tokens`` new tokens.
+
+        A job that had ended (its last step, :attr:`JobState.finished`) is live again: the id
+        came back (vLLM's ``session_id`` is a conversation's stable id, and a client may start
+        a new task under an old job id).
+
+        Args:
+            job_id: the job.
+            now: arrival time.
+            new_tokens: the turn's new tokens (the size of the step that rebuilds its blocks).
+        """
         state = self.state(job_id)
+        if state.finished:
+            # NOTE: without this the job's blocks score P(reuse) = 0 for as long as the id lives,
+            # even while its new request runs. The pause since its last step is not a pause of
+            # the job (it said it was done): not a gap sample, which would inflate its gaps.
+            state.finished = False
+            state.last_finish = None
         if state.last_finish is not None and state.running == 0:
             gap = max(0.0, now - state.last_finish)
             state.gaps = (state.gaps + [gap])[-self.history :]
@@ -186,7 +202,7 @@ class JobStats:
         overstay = max(0.0, idle - 1.5 * scale)
         return base * math.exp(-overstay / scale)
 
-    def block_reuse_probability(self, jobs: AbstractSet[str], job_id: str | None, now: float) -> float:
+    def block_reuse_probability(self, jobs: Collection[str], job_id: str | None, now: float) -> float:
         """A block shared by several jobs is reused if any of them comes back."""
         if not jobs:
             return self.reuse_probability(job_id, now)

@@ -7,14 +7,10 @@ order, the cached-block forest, pins and job hints) is plain Python, testable wi
 
 from __future__ import annotations
 
-from asymcache_core.integrations.vllm.free_queue import (
-    BlockInfo,
-    BlockScorer,
-    CachedForest,
-    ExpectedLatencyFreeQueue,
-    QueueStats,
-)
+from asymcache_core.integrations.vllm.forest import CachedForest, ForestOverlay
+from asymcache_core.integrations.vllm.free_queue import ExpectedLatencyFreeQueue, QueueStats
 from asymcache_core.integrations.vllm.pins import JobHints, PinSet, parse_job_hints
+from asymcache_core.integrations.vllm.scoring import BlockInfo, BlockScorer
 
 #: The ``--scheduler-cls`` value (synchronous scheduler).
 SCHEDULER_CLS = "asymcache_core.integrations.vllm.scheduler.AsymCacheScheduler"
@@ -28,6 +24,7 @@ __all__ = [
     "BlockScorer",
     "CachedForest",
     "ExpectedLatencyFreeQueue",
+    "ForestOverlay",
     "JobHints",
     "PinSet",
     "QueueStats",

@@ -23,11 +23,18 @@ tracks the cached hash chains (copies per hash, cached children per hash); the l
 forest, and hashes held by more than one block, are the candidates. Evicting a leaf may turn its
 parent into a leaf within the same allocation.
 
-An eviction does not scan the free blocks: the queue indexes them by forest key and keeps the
-set of keys that are evictable now (the forest reports every count change), so a plan scores
-only the current leaves and wakes a parent's blocks when its last child goes. A dry run
-(:meth:`ExpectedLatencyFreeQueue.get_all_free_blocks`) scans everything on a copy of the forest:
-the reference the indexed plan is tested against.
+An eviction neither scans nor scores every free block. The queue keeps the *candidates* (free,
+cached, evictable key, not pinned) filed by score group (:meth:`BlockScorer.group_of`: blocks
+used by the same jobs share every term of the score but their position), each group in two
+heaps, by position and by recency; the forest, the pins and the scorer report every change that
+moves a block in or out. A plan prices each group once (:meth:`BlockScorer.group_terms`),
+merges the groups' heads and walks a copy-on-write view of the forest
+(:class:`~asymcache_core.integrations.vllm.forest.ForestOverlay`) that wakes a parent's blocks
+when its last child goes: O(groups + victims x log groups) per allocation, not O(free blocks).
+The order is the full scan's (:func:`~asymcache_core.integrations.vllm.reference.reference_plan`,
+every block scored, which tests compare against); a dry run
+(:meth:`ExpectedLatencyFreeQueue.get_all_free_blocks`, :meth:`~ExpectedLatencyFreeQueue.iter_blocks_after`)
+is the same walk, lazily.
 
 Everything here is plain Python over duck-typed blocks (``block_id``, ``block_hash``,
 ``ref_cnt``): the vLLM scheduler (``scheduler.py``) wires it to real ``KVCacheBlock`` objects
@@ -39,219 +46,32 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from asymcache_core.eviction.asymcache import expected_latency_cost
-from asymcache_core.job_stats import JobStats
-from asymcache_core.latency_model import LatencyModel
+from asymcache_core.integrations.vllm.forest import CachedForest, ForestOverlay
+from asymcache_core.integrations.vllm.reference import reference_plan
+from asymcache_core.integrations.vllm.scoring import (
+    BlockInfo,
+    BlockScorer,
+    FreeBlock,
+    GroupTerms,
+)
 
+__all__ = [
+    "BlockInfo",
+    "BlockScorer",
+    "CachedForest",
+    "ExpectedLatencyFreeQueue",
+    "FreeBlock",
+    "QueueStats",
+]
 
-class FreeBlock(Protocol):
-    """What the queue reads of a block (vLLM's ``KVCacheBlock`` has all of it)."""
-
-    block_id: int
-    ref_cnt: int
-
-    @property
-    def block_hash(self) -> Hashable | None: ...
-
-
-class CachedForest:
-    """The forest of cached hash chains: which hashes are cached, and by how many blocks.
-
-    Keys are vLLM's hash keys (block hash + group id). A key's parent is the key of the block
-    before it in the same request's chain; the chain is a pure function of the tokens, so a key
-    always has the same parent and the relation, once learned, never changes.
-
-    Attributes:
-        watcher: called with every key whose :meth:`evictable` answer may have changed (and
-            with ``None`` when every key's may have: :meth:`clear`); the free queue keeps its
-            index of evictable keys current with it.
-    """
-
-    def __init__(self) -> None:
-        self._parent: dict[Hashable, Hashable | None] = {}
-        self._copies: dict[Hashable, int] = {}
-        self._children: dict[Hashable, int] = {}
-        self._key_of: dict[int, Hashable] = {}
-        self.watcher: Callable[[Hashable | None], None] | None = None
-
-    def _changed(self, key: Hashable | None) -> None:
-        if self.watcher is not None:
-            self.watcher(key)
-
-    def learn_chain(self, keys: Sequence[Hashable], start: int = 0) -> None:
-        """Records parent links of a request's chain of keys.
-
-        Args:
-            keys: the request's keys in order (key ``i``'s parent is key ``i - 1``).
-            start: first index whose parent link to record.
-        """
-        for i in range(max(0, start), len(keys)):
-            key = keys[i]
-            if key in self._parent:
-                continue
-            parent = keys[i - 1] if i > 0 else None
-            self._parent[key] = parent
-            # NOTE: a key cached before its link was learned already has copies; count them.
-            copies = self._copies.get(key, 0)
-            if parent is not None and copies:
-                self._children[parent] = self._children.get(parent, 0) + copies
-                self._changed(parent)
-
-    def add(self, block_id: int, key: Hashable) -> None:
-        """Block ``block_id`` now caches ``key`` (its primary hash)."""
-        if self._key_of.get(block_id) == key:
-            return
-        self.remove(block_id)
-        self._key_of[block_id] = key
-        self._copies[key] = self._copies.get(key, 0) + 1
-        self._changed(key)
-        parent = self._parent.get(key)
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
-            self._changed(parent)
-
-    def remove(self, block_id: int) -> Hashable | None:
-        """Block ``block_id`` lost its cached content (idempotent).
-
-        Returns:
-            The parent key whose child count fell, or ``None``.
-        """
-        key = self._key_of.pop(block_id, None)
-        if key is None:
-            return None
-        left = self._copies.get(key, 0) - 1
-        if left > 0:
-            self._copies[key] = left
-        else:
-            self._copies.pop(key, None)
-        self._changed(key)
-        parent = self._parent.get(key)
-        if parent is None:
-            return None
-        kids = self._children.get(parent, 0) - 1
-        if kids > 0:
-            self._children[parent] = kids
-        else:
-            self._children.pop(parent, None)
-        self._changed(parent)
-        return parent
-
-    def clear(self) -> None:
-        """Every cached block lost its content (prefix-cache reset); links stay valid."""
-        self._copies.clear()
-        self._children.clear()
-        self._key_of.clear()
-        self._changed(None)
-
-    def key_of(self, block_id: int) -> Hashable | None:
-        """The key ``block_id`` is counted under, or ``None``."""
-        return self._key_of.get(block_id)
-
-    def parent(self, key: Hashable) -> Hashable | None:
-        """The parent key of ``key`` (``None``: a root or unknown)."""
-        return self._parent.get(key)
-
-    def copies(self, key: Hashable) -> int:
-        """Blocks caching ``key``."""
-        return self._copies.get(key, 0)
-
-    def children(self, key: Hashable) -> int:
-        """Cached blocks whose parent key is ``key``."""
-        return self._children.get(key, 0)
-
-    def evictable(self, key: Hashable) -> bool:
-        """Whether losing one block of ``key`` leaves every cached block reachable."""
-        return self._copies.get(key, 0) > 1 or self._children.get(key, 0) == 0
-
-    def copy(self) -> CachedForest:
-        """A copy whose counts can be changed without touching this one (and unwatched)."""
-        twin = CachedForest()
-        twin._parent = self._parent  # NOTE: links are immutable facts; sharing them is safe.
-        twin._copies = dict(self._copies)
-        twin._children = dict(self._children)
-        twin._key_of = dict(self._key_of)
-        return twin
-
-    def __len__(self) -> int:
-        return len(self._key_of)
-
-
-@dataclass
-class BlockInfo:
-    """What the scorer knows of a cached block's content.
-
-    Attributes:
-        position: logical block index in its sequence (depth in the hash chain).
-        job_id: the job that last freed it (``None``: no job id).
-        jobs: every job that used it (a shared prefix is reused if any comes back).
-    """
-
-    position: int = 0
-    job_id: str | None = None
-    jobs: set[str] = field(default_factory=set)
-
-
-class BlockScorer:
-    """AsymCache's score of a vLLM block: the embedded policy's ``expected_latency_cost``.
-
-    Args:
-        job_stats: per-job reuse statistics (P(reuse), next turn size).
-        latency: step-latency model of the served model.
-        block_size: tokens per block.
-    """
-
-    def __init__(self, job_stats: JobStats, latency: LatencyModel, block_size: int) -> None:
-        self.job_stats = job_stats
-        self.latency = latency
-        self.block_size = block_size
-        self.info: dict[int, BlockInfo] = {}
-
-    def annotate(self, block_ids: Sequence[int], job_id: str | None) -> None:
-        """Records a request's blocks (in sequence order) as used by ``job_id``.
-
-        Args:
-            block_ids: the request's block ids, block ``i`` at logical index ``i``.
-            job_id: its job id, or ``None``.
-        """
-        for position, block_id in enumerate(block_ids):
-            info = self.info.get(block_id)
-            if info is None or info.position != position:
-                info = self.info[block_id] = BlockInfo(position=position)
-            info.job_id = job_id
-            if job_id is not None:
-                info.jobs.add(job_id)
-
-    def forget(self, block_id: int) -> None:
-        """The block's content is gone."""
-        self.info.pop(block_id, None)
-
-    def position(self, block_id: int) -> int:
-        """Logical index of the block's content (0 when unknown)."""
-        info = self.info.get(block_id)
-        return 0 if info is None else info.position
-
-    def score(self, block: FreeBlock, now: float) -> float:
-        """Expected latency (seconds) that evicting ``block`` now adds to the future.
-
-        Args:
-            block: a free cached block.
-            now: the clock of the job statistics.
-
-        Returns:
-            ``P(reuse) x marginal rebuild latency``; a block never annotated counts as a
-            no-job block at position 0 (the job prior).
-        """
-        info = self.info.get(block.block_id)
-        if info is None:
-            p_reuse = self.job_stats.reuse_probability(None, now)
-            return expected_latency_cost(p_reuse, 0, self.block_size, 0, self.latency)
-        p_reuse = self.job_stats.block_reuse_probability(info.jobs, info.job_id, now)
-        base = self.job_stats.expected_next_tokens(info.job_id)
-        return expected_latency_cost(p_reuse, info.position, self.block_size, base, self.latency)
+#: Group of cached free blocks whose hash vanished without notice: they hold nothing (score -1).
+_HASHLESS: Hashable = ("<hashless>",)
+#: The one group of a queue whose score is an opaque callable: every block is scored.
+_OPAQUE: Hashable = ("<opaque>",)
 
 
 @dataclass
@@ -272,7 +92,9 @@ class QueueStats:
 
 
 class _PinView(Protocol):
-    """What the queue needs of a pin registry (:class:`~.pins.PinSet`)."""
+    """What the queue needs of a pin registry (:class:`~.pins.PinSet`; one with a ``listener``
+    attribute also reports blocks that gain or lose their pins, so pinned blocks are never
+    candidates)."""
 
     def holds_block(self, block_id: int) -> bool: ...
 
@@ -283,12 +105,24 @@ class _PinView(Protocol):
     def release(self, job_id: str) -> bool: ...
 
 
+@dataclass
+class _Group:
+    """One score group's candidates, in two heaps with lazy deletion (a row is live while the
+    block's filing stamp matches). Rows end with ``(block_id, stamp)``."""
+
+    by_position: list[tuple[int, int, int, int]] = field(default_factory=list)
+    by_tick: list[tuple[int, int, int]] = field(default_factory=list)
+    live: int = 0
+
+
 class ExpectedLatencyFreeQueue:
     """Drop-in replacement for vLLM's ``FreeKVCacheBlockQueue`` with AsymCache's order.
 
     Args:
         blocks: the free blocks, in vLLM's current order.
-        score: ``score(block, now)``, expected latency lost by evicting a cached block.
+        score: ``score(block, now)``, expected latency lost by evicting a cached block. A
+            :class:`BlockScorer`'s own ``score`` is priced per group (same order); any other
+            callable is called for every candidate at every eviction.
         clock: the time source of ``score`` and of pin expiry.
         forest: the cached hash chains (shared with the pool hooks that keep it current).
         pins: the pin registry, or ``None`` for no pins.
@@ -307,18 +141,29 @@ class ExpectedLatencyFreeQueue:
         self.forest = forest if forest is not None else CachedForest()
         self.pins = pins
         self.stats = QueueStats()
+        owner = getattr(score, "__self__", None)
+        is_scorer = isinstance(owner, BlockScorer) and getattr(score, "__func__", None) is BlockScorer.score
+        self._scorer: BlockScorer | None = owner if is_scorer else None
         self._uncached: OrderedDict[int, FreeBlock] = OrderedDict()
         self._cached: dict[int, tuple[int, FreeBlock]] = {}
-        # Index of the cached free blocks by forest key, and the keys that are evictable now:
-        # a plan starts from these instead of scanning every free block (vLLM pools hold tens of
-        # thousands); the forest reports every key whose evictability may change.
+        # Forest key of every cached free block, and the blocks of each key.
         self._key_blocks: dict[Hashable, set[int]] = {}
         self._index_key: dict[int, Hashable] = {}
-        self._evictable_keys: set[Hashable] = set()
-        self.forest.watcher = self._on_forest_change
+        # The candidates: block -> (group, filing stamp); groups by key.
+        self._cand: dict[int, tuple[Hashable, int]] = {}
+        self._groups: dict[Hashable, _Group] = {}
+        self._stamp = itertools.count()
+        # NOTE: bumped by every change; a walk (a lazy dry run) refuses to go on after one.
+        self._version = 0
         self._tick = itertools.count()
         # NOTE: blocks prepended as "evict first" get ticks below every appended block.
         self._front_tick = itertools.count(-1, -1)
+        self.forest.watcher = self._on_forest_change
+        if self._scorer is not None:
+            self._scorer.listener = self._on_info_change
+        self._pin_aware = pins is not None and hasattr(pins, "listener")
+        if self._pin_aware:
+            pins.listener = self._on_pin_change  # type: ignore[union-attr]
         for block in blocks:
             self._add(block, front=False)
 
@@ -356,14 +201,31 @@ class ExpectedLatencyFreeQueue:
         while self._uncached and len(out) < n:
             _, block = self._uncached.popitem(last=False)
             out.append(block)
+        self._version += 1
         if len(out) < n:
             now = self.clock()
             if self.pins is not None:
                 self.pins.expire(now)
-            chosen, released, forced = self._plan(n - len(out), now, self.forest, mutate=True)
+            chosen: list[int] = []
+            released: list[str] = []
+            forced = 0
+            walk = self._walk(now)
+            for block_id, job, orphan in walk:
+                if block_id is None:
+                    released.append(job or "")
+                    continue
+                chosen.append(block_id)
+                forced += orphan
+                if len(chosen) == n - len(out):
+                    break
+            walk.close()
+            # NOTE: the walk only pretended; now its pin releases and removals happen for real.
+            for job in released:
+                self.pins.release(job)  # type: ignore[union-attr]
             for block_id in chosen:
                 out.append(self._pop_cached(block_id))
-            self.stats.pressure_unpins += released
+                self.forest.remove(block_id)
+            self.stats.pressure_unpins += len(released)
             self.stats.forced_orphans += forced
             self.stats.evicted_cached += len(chosen)
         self.stats.popped += len(out)
@@ -377,6 +239,7 @@ class ExpectedLatencyFreeQueue:
         """
         block_id = block.block_id
         if self._uncached.pop(block_id, None) is not None:
+            self._version += 1
             return
         if block_id in self._cached:
             self._pop_cached(block_id)
@@ -399,20 +262,24 @@ class ExpectedLatencyFreeQueue:
 
     def get_all_free_blocks(self) -> list[FreeBlock]:
         """Every free block in the order they would be popped now (a dry run)."""
-        order = list(self._uncached.values())
-        if self._cached:
-            chosen, _, _ = self._plan(len(self._cached), self.clock(), self.forest.copy(), mutate=False)
-            order.extend(self._cached[block_id][1] for block_id in chosen)
-        return order
+        return list(self._order())
 
     def iter_blocks_after(self, cursor: FreeBlock | None) -> Iterator[FreeBlock]:
-        """Free blocks in eviction order after ``cursor`` (all of them when ``None``)."""
-        order = self.get_all_free_blocks()
-        if cursor is not None:
-            ids = [b.block_id for b in order]
-            start = ids.index(cursor.block_id) + 1 if cursor.block_id in ids else len(order)
-            order = order[start:]
-        return iter(order)
+        """Free blocks in eviction order after ``cursor`` (all of them when ``None``), lazily:
+        a caller that stops after m blocks pays for the walk up to the cursor and those m, not
+        for a plan of the whole pool (vLLM's offload connector walks ``target_free`` blocks a
+        step). Nothing when the cursor is not free. The queue must not change meanwhile.
+        """
+        if cursor is not None and cursor not in self:
+            return iter(())
+        order = self._order()
+        if cursor is None:
+            return order
+        target = cursor.block_id
+        for block in order:
+            if block.block_id == target:
+                break
+        return order
 
     # ---- hooks the pool wrapper calls ---------------------------------------------------------
 
@@ -440,12 +307,13 @@ class ExpectedLatencyFreeQueue:
     def __len__(self) -> int:
         return self.num_free_blocks
 
-    # ---- internals ----------------------------------------------------------------------------
+    # ---- filing -------------------------------------------------------------------------------
 
     def _add(self, block: FreeBlock, front: bool) -> None:
         block_id = block.block_id
         if block_id in self._uncached or block_id in self._cached:
             raise RuntimeError(f"block {block_id} is already free")
+        self._version += 1
         if block.block_hash is None:
             self._uncached[block_id] = block
             if front:
@@ -456,152 +324,269 @@ class ExpectedLatencyFreeQueue:
             self._index(block)
 
     def _pop_cached(self, block_id: int) -> FreeBlock:
-        """Takes a cached block out of the free set and the index."""
+        """Takes a cached block out of the free set, the index and the candidates."""
+        self._version += 1
         _, block = self._cached.pop(block_id)
         key = self._index_key.pop(block_id)
         ids = self._key_blocks[key]
         ids.discard(block_id)
         if not ids:
             del self._key_blocks[key]
-        self._refresh(key)
+        if block_id in self._cand:
+            self._unfile(block_id)
         return block
 
     def _index(self, block: FreeBlock) -> None:
         key = self.forest.key_of(block.block_id) or block.block_hash
         self._index_key[block.block_id] = key
         self._key_blocks.setdefault(key, set()).add(block.block_id)
-        self._refresh(key)
+        self._recheck(block.block_id)
 
-    def _refresh(self, key: Hashable) -> None:
-        """Files ``key`` as evictable or not, by the forest's current counts."""
-        if key in self._key_blocks and self.forest.evictable(key):
-            self._evictable_keys.add(key)
-        else:
-            self._evictable_keys.discard(key)
+    def _group_key(self, block_id: int) -> Hashable:
+        if self._cached[block_id][1].block_hash is None:
+            return _HASHLESS
+        if self._scorer is None:
+            return _OPAQUE
+        return self._scorer.group_of(block_id)
+
+    def _recheck(self, block_id: int) -> None:
+        """Files ``block_id`` as a candidate or not: free, cached, evictable key, not pinned."""
+        entry = self._cached.get(block_id)
+        want = entry is not None and not (self._pin_aware and self.pins.holds_block(block_id))  # type: ignore[union-attr]
+        if want and entry is not None and entry[1].block_hash is not None:
+            want = self.forest.evictable(self._index_key[block_id])
+        filed = self._cand.get(block_id)
+        if not want:
+            if filed is not None:
+                self._unfile(block_id)
+            return
+        group = self._group_key(block_id)
+        if filed is not None:
+            if filed[0] == group:
+                return
+            self._unfile(block_id)
+        stamp = next(self._stamp)
+        self._cand[block_id] = (group, stamp)
+        tick = self._cached[block_id][0]
+        position = self._scorer.position(block_id) if self._scorer is not None else 0
+        rows = self._groups.get(group)
+        if rows is None:
+            rows = self._groups[group] = _Group()
+        heapq.heappush(rows.by_position, (position, tick, block_id, stamp))
+        heapq.heappush(rows.by_tick, (tick, block_id, stamp))
+        rows.live += 1
+
+    def _unfile(self, block_id: int) -> None:
+        group, _ = self._cand.pop(block_id)
+        rows = self._groups[group]
+        rows.live -= 1
+        if rows.live == 0:
+            del self._groups[group]
+            return
+        # NOTE: victims leave from the heads: drop those rows now, so walks start on live ones.
+        for heap in (rows.by_position, rows.by_tick):
+            while heap and not self._live_row(heap[0]):
+                heapq.heappop(heap)
+        if len(rows.by_position) > 4 * rows.live + 64:
+            # NOTE: rows of blocks that left elsewhere stay until they surface; bound them.
+            rows.by_position = [r for r in rows.by_position if self._live_row(r)]
+            rows.by_tick = [r for r in rows.by_tick if self._live_row(r)]
+            heapq.heapify(rows.by_position)
+            heapq.heapify(rows.by_tick)
+
+    def _live_row(self, row: tuple[int, ...]) -> bool:
+        filed = self._cand.get(row[-2])
+        return filed is not None and filed[1] == row[-1]
 
     def _on_forest_change(self, key: Hashable | None) -> None:
+        self._version += 1
         if key is not None:
-            self._refresh(key)
+            for block_id in list(self._key_blocks.get(key, ())):
+                self._recheck(block_id)
             return
-        # Every count changed (a reset): re-key every cached free block.
-        blocks = [block for _, block in self._cached.values()]
+        # Every count changed (a reset): re-key and re-file every cached free block.
         self._key_blocks.clear()
         self._index_key.clear()
-        self._evictable_keys.clear()
-        for block in blocks:
+        self._cand.clear()
+        self._groups.clear()
+        for _, block in list(self._cached.values()):
             self._index(block)
 
-    def _plan(
-        self, k: int, now: float, forest: CachedForest, mutate: bool
-    ) -> tuple[list[int], int, int]:
-        """Chooses ``k`` cached free blocks to evict, keeping ``forest`` current as it goes.
+    def _on_pin_change(self, block_id: int) -> None:
+        self._version += 1
+        if block_id in self._cached:
+            self._recheck(block_id)
 
-        Args:
-            k: victims wanted (at most the cached free blocks).
-            now: scoring time.
-            forest: the forest to consult and update (a copy for a dry run).
-            mutate: release pins for real (False: only pretend, for a dry run).
+    def _on_info_change(self, block_id: int) -> None:
+        self._version += 1
+        if block_id in self._cand:
+            self._unfile(block_id)  # NOTE: its position may have changed, not only its group
+        if block_id in self._cached:
+            self._recheck(block_id)
 
-        Returns:
-            (victim block ids in order, pins released under pressure, forced orphans).
+    # ---- the plan ----------------------------------------------------------------------------
+
+    def _order(self) -> Iterator[FreeBlock]:
+        """Every free block in eviction order, lazily (uncached first, then the walk)."""
+        yield from list(self._uncached.values())
+        if self._cached:
+            for block_id, _, _ in self._walk(self.clock()):
+                if block_id is not None:
+                    yield self._cached[block_id][1]
+
+    def _plan(self, k: int, now: float, forest: CachedForest, mutate: bool = False) -> tuple[list[int], int, int]:
+        """The full-scan reference plan (:func:`~.reference.reference_plan`) on ``forest``, a
+        copy of this queue's (``scripts/bench_free_queue.py`` times it against the walk)."""
+        if mutate:
+            raise ValueError("the reference plan is a dry run")
+        return reference_plan(self, k, now, forest)
+
+    def _walk(self, now: float) -> Iterator[tuple[int | None, str | None, bool]]:
+        """The eviction order at ``now``, lazily, changing nothing (the caller commits).
+
+        Yields:
+            ``(block_id, None, forced)`` per victim (``forced``: a last-resort orphan), and
+            ``(None, job_id, False)`` where the order releases ``job_id``'s pin under pressure.
+
+        Raises:
+            RuntimeError: the queue changed during the walk.
         """
-        # NOTE: a live plan (the queue's own forest, pins released for real) starts from the
-        # index of evictable keys and wakes parked keys from it; a dry run, on a copy of the
-        # forest, scans every free block (the reference the live plan is tested against).
-        live = mutate and forest is self.forest
-        pressure = list(self.pins.pressure_order()) if self.pins is not None else []
-        pinned: set[int] = set()
-        for _, block_ids in pressure:
-            pinned.update(b for b in block_ids if b in self._cached)
-        if self.pins is not None and not live:
-            # NOTE: pressure_order covers every pin; re-check in case a registry filters it.
-            pinned.update(b for b in self._cached if self.pins.holds_block(b))
+        version = self._version
+        view = ForestOverlay(self.forest)
+        scorer = self._scorer
+        cached = self._cached
+        memo: dict[Hashable, GroupTerms] = {}
+        opaque: dict[int, float] = {}
 
-        scores: dict[int, float] = {}
+        def terms(group: Hashable) -> GroupTerms:
+            got = memo.get(group)
+            if got is None:
+                got = memo[group] = scorer.group_terms(group, now)  # type: ignore[union-attr, arg-type]
+            return got
 
-        def entry(block_id: int) -> tuple[float, int, int]:
-            tick, block = self._cached[block_id]
-            if block_id not in scores:
-                # NOTE: a block whose hash vanished while free holds nothing: it costs 0.
-                scores[block_id] = -1.0 if block.block_hash is None else self.score(block, now)
-            return (scores[block_id], tick, block_id)
+        def score(block_id: int, group: Hashable) -> float:
+            if group is _HASHLESS:
+                return -1.0  # NOTE: a block whose hash vanished while free holds nothing.
+            if scorer is None:
+                got = opaque.get(block_id)
+                if got is None:
+                    got = opaque[block_id] = self.score(cached[block_id][1], now)
+                return got
+            return scorer.score_at(terms(group), scorer.position(block_id))
 
-        chosen: list[int] = []
+        def explore(group: Hashable, rows: _Group) -> Iterator[tuple[float, int, int]]:
+            """A group's live candidates as ``(score, tick, block_id)``, in order."""
+            order = "flat" if group is _HASHLESS else "exact" if scorer is None else terms(group).order
+            if order == "exact":
+                # NOTE: the score's order by position is not certain: score every block.
+                live = [(score(r[1], group), r[0], r[1]) for r in rows.by_tick if self._live_row(r)]
+                yield from sorted(live)
+                return
+            heap: list = rows.by_position if order == "strict" else rows.by_tick
+            # NOTE: a heap read in order without popping (the walk must not change it): a
+            # second heap of (row, index) grows from the root by children.
+            front = [(heap[0], 0)] if heap else []
+            while front:
+                row, i = heapq.heappop(front)
+                for child in (2 * i + 1, 2 * i + 2):
+                    if child < len(heap):
+                        heapq.heappush(front, (heap[child], child))
+                if self._live_row(row):
+                    block_id = row[-2]
+                    yield (score(block_id, group), cached[block_id][0], block_id)
+
+        # (score, tick, block_id, sequence, source): the next candidate of each group (source:
+        # the group's reader, or the group itself while only its head was read), and blocks
+        # considered one by one (source None).
+        frontier: list[tuple[float, int, int, int, object]] = []
+        seq = itertools.count()
+
+        def advance(source: Iterator[tuple[float, int, int]]) -> None:
+            got = next(source, None)
+            if got is not None:
+                heapq.heappush(frontier, (*got, next(seq), source))
+
+        for group, rows in self._groups.items():
+            order = "flat" if group is _HASHLESS else "exact" if scorer is None else terms(group).order
+            heap: list = rows.by_position if order == "strict" else rows.by_tick
+            if order != "exact" and heap and self._live_row(heap[0]):
+                # NOTE: a group's head is its heap's top (leaving candidates trim the tops): no
+                # reader until the head goes, so a walk costs one push per group.
+                block_id = heap[0][-2]
+                heapq.heappush(frontier, (score(block_id, group), cached[block_id][0], block_id, next(seq), (group, rows)))
+            else:
+                advance(explore(group, rows))
+
         taken: set[int] = set()
-        released = forced = 0
-        # Free cached blocks waiting for their key to become evictable, by key.
         waiting: dict[Hashable, list[int]] = {}
-        heap: list[tuple[float, int, int]] = []
+        pressure: list[tuple[str, tuple[int, ...]]] | None = None
+        still_pinned: set[int] | None = None
+
+        def pinned(block_id: int) -> bool:
+            if self.pins is None:
+                return False
+            return self.pins.holds_block(block_id) if still_pinned is None else block_id in still_pinned
 
         def consider(block_id: int) -> None:
-            if block_id in taken or block_id in pinned:
+            if block_id in taken or block_id not in cached or pinned(block_id):
                 return
-            if live and self.pins is not None and self.pins.holds_block(block_id):
-                return
-            block = self._cached[block_id][1]
-            key = block.block_hash
-            if key is None or forest.evictable(forest.key_of(block_id) or key):
-                heapq.heappush(heap, entry(block_id))
+            tick, block = cached[block_id]
+            key = self._index_key[block_id]
+            if block.block_hash is None or view.evictable(key):
+                group = self._group_key(block_id)
+                heapq.heappush(frontier, (score(block_id, group), tick, block_id, next(seq), None))
             else:
-                waiting.setdefault(forest.key_of(block_id) or key, []).append(block_id)
+                waiting.setdefault(key, []).append(block_id)
 
-        if live:
-            for key in list(self._evictable_keys):
-                for block_id in list(self._key_blocks[key]):
-                    consider(block_id)
-        else:
-            for block_id in self._cached:
-                consider(block_id)
-
-        def parked(key: Hashable) -> list[int]:
-            """Free blocks of ``key`` not yet in the heap (it just became evictable)."""
-            ids = waiting.pop(key, [])
-            if live:
-                ids += [b for b in self._key_blocks.get(key, ()) if b not in taken]
-            return ids
-
-        def take(block_id: int) -> None:
-            chosen.append(block_id)
-            taken.add(block_id)
-            parent = forest.remove(block_id)
-            if parent is not None and forest.evictable(parent):
-                for other in parked(parent):
+        def wake(block_id: int) -> None:
+            """``block_id`` went: its parent's blocks may be candidates now."""
+            parent = view.remove(block_id)
+            if parent is not None and view.evictable(parent):
+                ids = waiting.pop(parent, []) + [b for b in self._key_blocks.get(parent, ()) if b not in taken]
+                for other in ids:
                     consider(other)
 
-        while len(chosen) < k:
-            if heap:
-                _, _, block_id = heapq.heappop(heap)
-                if block_id in taken:
-                    continue
-                key = forest.key_of(block_id)
-                if key is not None and not forest.evictable(key):
-                    # NOTE: a copy of its key went earlier in this plan; wait for the children.
+        while len(taken) < len(cached):
+            if self._version != version:
+                raise RuntimeError("the free queue changed during a walk of its order")
+            if frontier:
+                _, _, block_id, _, source = heapq.heappop(frontier)
+                if isinstance(source, tuple):
+                    source = explore(*source)
+                    next(source)  # NOTE: the head just popped
+                if source is not None:
+                    advance(source)  # type: ignore[arg-type]
+                if block_id in taken or (source is not None and pinned(block_id)):
+                    continue  # NOTE: a pinned row (pins without a listener) comes back with its pin
+                key = view.key_of(block_id)
+                if key is not None and not view.evictable(key):
+                    # NOTE: a copy of its key went earlier in this walk; wait for the children.
                     waiting.setdefault(key, []).append(block_id)
                     continue
-                take(block_id)
+                taken.add(block_id)
+                yield (block_id, None, False)
+                wake(block_id)
                 continue
+            if pressure is None:
+                pressure = list(self.pins.pressure_order()) if self.pins is not None else []
             if pressure:
                 job_id, block_ids = pressure.pop(0)
-                if mutate and self.pins is not None:
-                    self.pins.release(job_id)
-                released += 1
-                still = {b for _, ids in pressure for b in ids}
+                yield (None, job_id, False)
+                still_pinned = {b for _, ids in pressure for b in ids}
                 for block_id in block_ids:
-                    if block_id in pinned and block_id not in still:
-                        pinned.discard(block_id)
-                        consider(block_id)
+                    consider(block_id)
                 continue
             # Last resort: nothing evictable is left; the deepest, cheapest block goes.
-            rest = [b for b in self._cached if b not in taken]
-            victim = min(rest, key=lambda b: (-self._depth(forest, b), entry(b)))
+            rest = [b for b in cached if b not in taken]
+            victim = min(rest, key=lambda b: (-self._depth(view, b), score(b, self._group_key(b)), cached[b][0], b))
             for ids in waiting.values():
                 if victim in ids:
                     ids.remove(victim)
-            forced += 1
-            take(victim)
-        return chosen, released, forced
+            taken.add(victim)
+            yield (victim, None, True)
+            wake(victim)
 
-    def _depth(self, forest: CachedForest, block_id: int) -> int:
+    def _depth(self, forest: CachedForest | ForestOverlay, block_id: int) -> int:
         """Chain depth of a block's key (0 for roots and unknown keys)."""
         depth = 0
         key = forest.key_of(block_id)

@@ -19,7 +19,7 @@ releases it (latest-expiring first). The pinned share of the pool is capped.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +128,9 @@ class PinSet:
         self._count: dict[int, int] = {}
         self._last: dict[str, tuple[int, ...]] = {}
         self.stats = PinStats()
+        #: Called with a block id that gained its first pin or lost its last one (the free queue
+        #: keeps pinned blocks out of its candidates with it).
+        self.listener: Callable[[int], None] | None = None
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -172,7 +175,10 @@ class PinSet:
             return 0
         self.pins[job_id] = Pin(job_id, ids, now, now + ttl_s)
         for block_id in ids:
-            self._count[block_id] = self._count.get(block_id, 0) + 1
+            count = self._count.get(block_id, 0)
+            self._count[block_id] = count + 1
+            if count == 0 and self.listener is not None:
+                self.listener(block_id)
         self.stats.pins += 1
         while self.pins and self.num_pinned_blocks > self.capacity_blocks:
             latest, _ = self.pressure_order()[0]
@@ -203,6 +209,40 @@ class PinSet:
         """
         self._last.pop(job_id, None)
         if job_id in self.pins:
+            self._drop(job_id)
+            self.stats.released_other += 1
+
+    def discard_recorded(self, job_id: str) -> None:
+        """Drops the blocks :meth:`remember` recorded for ``job_id`` that no pin used (vLLM may
+        give those block ids other content later).
+
+        Args:
+            job_id: the job.
+        """
+        self._last.pop(job_id, None)
+
+    def drop_block(self, block_id: int) -> None:
+        """``block_id`` lost its content (vLLM's ``evict_blocks``, a connector): no pin holds it
+        any longer, so its id, once reused for other content, is not protected.
+
+        Args:
+            block_id: the block.
+        """
+        if block_id not in self._count:
+            return
+        for job_id, pin in list(self.pins.items()):
+            if block_id in pin.block_ids:
+                rest = tuple(b for b in pin.block_ids if b != block_id)
+                self.pins[job_id] = Pin(job_id, rest, pin.pinned_at, pin.expires_at)
+        del self._count[block_id]
+        if self.listener is not None:
+            self.listener(block_id)
+
+    def clear(self) -> None:
+        """Drops every pin and every recorded block (vLLM's ``reset_prefix_cache``: no block
+        holds its content any longer)."""
+        self._last.clear()
+        for job_id in list(self.pins):
             self._drop(job_id)
             self.stats.released_other += 1
 
@@ -246,3 +286,5 @@ class PinSet:
                 self._count[block_id] = left
             else:
                 del self._count[block_id]
+                if self.listener is not None:
+                    self.listener(block_id)

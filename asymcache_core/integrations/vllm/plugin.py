@@ -7,9 +7,11 @@ Declared in ``pyproject.toml`` as::
 
 vLLM calls :func:`register` in every process it starts, the engine-core process included,
 before that process builds its scheduler. The plugin does nothing unless the environment
-variable ``ASYMCACHE_VLLM_SCHEDULER`` is set (``1``/``sync``: :class:`AsymCacheScheduler`;
-``async``: :class:`AsymCacheAsyncScheduler`): then a config that names no scheduler class gets
-ours. An explicit ``--scheduler-cls`` always wins.
+variable ``ASYMCACHE_VLLM_SCHEDULER`` is set: then a config that names no scheduler class gets
+ours. ``1`` (or ``auto``, ``on``, ``true``, ``yes``) follows vLLM's ``async_scheduling``:
+:class:`AsymCacheAsyncScheduler` when it is on (vLLM 0.32's default on CUDA),
+:class:`AsymCacheScheduler` when it is off (the CPU platform forces it off); ``sync`` and
+``async`` force one class. An explicit ``--scheduler-cls`` always wins.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ def chosen_scheduler(value: str | None, async_scheduling: bool | None) -> str | 
     """The scheduler class path the plugin picks for an env value.
 
     Args:
-        value: the value of ``$ASYMCACHE_VLLM_SCHEDULER`` (``None``/empty/``0``: off).
-        async_scheduling: vLLM's ``scheduler_config.async_scheduling``.
+        value: the value of ``$ASYMCACHE_VLLM_SCHEDULER`` (``None``/empty/``0``: off;
+            ``sync``/``async``: that class; any other value: the class that matches
+            ``async_scheduling``).
+        async_scheduling: vLLM's ``scheduler_config.async_scheduling`` (``None``: not known
+            yet, treated as off).
 
     Returns:
         A qualified class name, or ``None`` when the plugin is off.
@@ -39,7 +44,12 @@ def chosen_scheduler(value: str | None, async_scheduling: bool | None) -> str | 
     choice = (value or "").strip().lower()
     if choice in ("", "0", "false", "off", "no"):
         return None
-    if choice == "async" or (choice == "auto" and async_scheduling):
+    if choice == "sync":
+        return SCHEDULER_CLS
+    # NOTE: with async scheduling on, vLLM's engine core keeps a batch queue two deep and
+    # schedules step N+1 before step N's output is back; the synchronous class has nothing to
+    # schedule then, so every other step is empty. Only ``sync`` forces it.
+    if choice == "async" or async_scheduling:
         return ASYNC_SCHEDULER_CLS
     return SCHEDULER_CLS
 

@@ -105,38 +105,74 @@ class AsymCacheOptions:
             The options.
 
         Raises:
-            ValueError: unknown option names or bad JSON.
+            ValueError: unknown option names, JSON that is not an object, or a value of the
+                wrong type or out of range (the message names the option).
         """
         raw: dict[str, Any] = {}
         extra = getattr(vllm_config, "additional_config", None)
-        if isinstance(extra, dict) and isinstance(extra.get("asymcache"), dict):
+        if isinstance(extra, dict) and "asymcache" in extra:
+            if not isinstance(extra["asymcache"], dict):
+                raise ValueError(f"additional_config.asymcache: must be an object, got {extra['asymcache']!r}")
             raw.update(extra["asymcache"])
         env = os.environ.get(OPTIONS_ENV)
         if env:
             try:
-                raw.update(json.loads(env))
+                parsed = json.loads(env)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{OPTIONS_ENV}: not JSON ({exc})") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"{OPTIONS_ENV}: must be a JSON object, got {env!r}")
+            raw.update(parsed)
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - names)
         if unknown:
             raise ValueError(f"asymcache options: unknown {unknown}; known: {sorted(names)}")
+        for name, value in raw.items():
+            _check_option(name, value)
         opts = cls(**raw)
-        if opts.eviction not in ("asymcache", "lru"):
-            raise ValueError(f"asymcache options: eviction must be asymcache or lru, got {opts.eviction!r}")
-        if opts.order not in ("fcfs", "least-work"):
-            raise ValueError(f"asymcache options: order must be fcfs or least-work, got {opts.order!r}")
-        patience = opts.least_work_patience
-        if patience is not None:
-            if isinstance(patience, bool) or not isinstance(patience, (int, float)) or not 0 < patience < math.inf:
-                raise ValueError(f"asymcache options: least_work_patience must be a positive number, got {patience!r}")
-            if opts.order != "least-work":
-                raise ValueError("asymcache options: least_work_patience needs order least-work")
-        if not isinstance(opts.implicit_jobs, bool):
-            raise ValueError(f"asymcache options: implicit_jobs must be true or false, got {opts.implicit_jobs!r}")
-        if not 0.0 <= opts.max_pinned_fraction <= 1.0:
-            raise ValueError(f"asymcache options: max_pinned_fraction must be in [0, 1], got {opts.max_pinned_fraction}")
+        if opts.least_work_patience is not None and opts.order != "least-work":
+            raise ValueError("asymcache options: least_work_patience needs order least-work")
         return opts
+
+
+#: Allowed values of the options that name a choice.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "eviction": ("asymcache", "lru"),
+    "ttl_rule": ("continuum", "preview"),
+    "order": ("fcfs", "least-work"),
+}
+
+
+def _check_option(name: str, value: Any) -> None:
+    """Type- and range-checks one option (a bad one must fail at startup, not at the first
+    eviction: ``prior_reuse: "0.2"`` used to pass and crash the scheduler then).
+
+    Args:
+        name: the option's name (a field of :class:`AsymCacheOptions`).
+        value: its value, as parsed from JSON.
+
+    Raises:
+        ValueError: naming the option, when the value is of the wrong type or out of range.
+    """
+    bad = f"asymcache options: {name}"
+    if name in _CHOICES:
+        if value not in _CHOICES[name] or not isinstance(value, str):
+            raise ValueError(f"{bad} must be {' or '.join(_CHOICES[name])}, got {value!r}")
+    elif name in ("pinning", "implicit_jobs"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{bad} must be true or false, got {value!r}")
+    elif name == "latency_profile":
+        if value is not None and not (isinstance(value, str) and value):
+            raise ValueError(f"{bad} must be a file path or null, got {value!r}")
+    elif name in ("max_pinned_fraction", "prior_reuse"):
+        # NOTE: bool is an int subclass; JSON's true is no fraction.
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{bad} must be a number in [0, 1], got {value!r}")
+    elif name == "least_work_patience":
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf
+        ):
+            raise ValueError(f"{bad} must be a positive number, got {value!r}")
 
 
 def build_latency_model(vllm_config: Any, opts: AsymCacheOptions) -> LatencyModel:
@@ -165,7 +201,8 @@ def build_latency_model(vllm_config: Any, opts: AsymCacheOptions) -> LatencyMode
 
 
 def install_pool_hooks(
-    pool: Any, forest: CachedForest, queue: ExpectedLatencyFreeQueue, scorer: BlockScorer
+    pool: Any, forest: CachedForest, queue: ExpectedLatencyFreeQueue, scorer: BlockScorer,
+    pins: PinSet | None = None,
 ) -> None:
     """Wraps a vLLM ``BlockPool``'s cache bookkeeping on the instance to feed ``forest``.
 
@@ -174,6 +211,7 @@ def install_pool_hooks(
         forest: the cached-block forest the queue consults.
         queue: the pool's new free queue.
         scorer: the block scorer (forgets blocks that lost their content).
+        pins: the pins (a block that lost its content leaves them; a reset drops them all).
     """
     orig_cache_full: Callable[..., Any] = pool.cache_full_blocks
     orig_insert: Callable[..., Any] = pool._insert_block_hash
@@ -216,6 +254,10 @@ def install_pool_hooks(
         if block.block_hash is None:
             forest.remove(block.block_id)
             scorer.forget(block.block_id)
+            if pins is not None:
+                # NOTE: vLLM's evict_blocks (a connector) may drop a pinned block's content; its
+                # id, reused for other content, must not stay protected by the old pin.
+                pins.drop_block(block.block_id)
             if block.ref_cnt == 0 and block in queue:
                 queue.note_hash_change(block)
         return removed
@@ -223,8 +265,10 @@ def install_pool_hooks(
     def reset_prefix_cache() -> bool:
         ok = bool(orig_reset())
         if ok:
+            scorer.clear()  # NOTE: first: the forest's reset re-files blocks by their info
+            if pins is not None:
+                pins.clear()  # NOTE: the pinned content is gone; the ids will hold other content
             forest.clear()
-            scorer.info.clear()
             queue.refile_all()
         return ok
 
@@ -292,7 +336,7 @@ class _AsymCacheMixin:
                 # NOTE: vLLM's linked-list pointers are meaningless once its queue is gone.
                 block.prev_free_block = block.next_free_block = None
             pool.free_block_queue = queue
-            install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer)
+            install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer, self.asymcache_pins)
             self.asymcache_queue = queue
         # NOTE: the keys are the prefix cache's block hashes: without caching there are none
         self.asymcache_implicit_jobs = (
@@ -443,13 +487,16 @@ class _AsymCacheMixin:
         if last:
             controller.on_job_finished(job)
             return
+        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            # NOTE: an aborted (client gone) or failed turn did not end in a tool call: no pin,
+            # and no tool pause for the duration estimator to learn from.
+            return
         if hints.implicit:
             implicit = self.asymcache_implicit_jobs
             assert implicit is not None
-            # NOTE: not an aborted turn's keys: nothing continues it (the embedded engine's rule)
-            if request.status != RequestStatus.FINISHED_ABORTED:
-                implicit.on_finished(job, request.all_token_ids, int(request.num_prompt_tokens),
-                                     request.block_hashes)
+            # NOTE: aborted turns returned above: nothing continues them (the embedded rule)
+            implicit.on_finished(job, request.all_token_ids, int(request.num_prompt_tokens),
+                                 request.block_hashes)
             if not self.asymcache_job_stats.state(job).gaps:
                 return  # a first turn: nothing yet says the conversation comes back
         if controller.pinning:
@@ -459,6 +506,9 @@ class _AsymCacheMixin:
         decision = controller.on_tool_call(
             job, [hints.tool_name or DEFAULT_TOOL], context, ended_at=now, ttl_s=hints.pin_ttl_s
         )
+        # NOTE: blocks recorded but not pinned (TTL 0) must not wait for a later pin: vLLM may
+        # give their ids other content meanwhile.
+        self.asymcache_pins.discard_recorded(job)
         if decision.ttl_s > 0:
             logger.info("asymcache: pinned job %s: %d blocks for %.2f s", job, decision.blocks_pinned, decision.ttl_s)
 

@@ -442,7 +442,14 @@ def test_entry_point_choice_is_opt_in() -> None:
 
     assert chosen_scheduler(None, True) is None
     assert chosen_scheduler("0", False) is None
-    assert chosen_scheduler("1", True) == SCHEDULER_CLS
-    assert chosen_scheduler("async", False) == ASYNC_SCHEDULER_CLS
+    assert chosen_scheduler(" off ", True) is None
+    # "1" follows vLLM's async_scheduling (on by default on CUDA): the sync class under a
+    # two-deep batch queue would leave every other step empty
+    assert chosen_scheduler("1", True) == ASYNC_SCHEDULER_CLS
+    assert chosen_scheduler("1", False) == SCHEDULER_CLS
+    assert chosen_scheduler("1", None) == SCHEDULER_CLS
     assert chosen_scheduler("auto", True) == ASYNC_SCHEDULER_CLS
     assert chosen_scheduler("auto", False) == SCHEDULER_CLS
+    # explicit choices win over the config
+    assert chosen_scheduler("async", False) == ASYNC_SCHEDULER_CLS
+    assert chosen_scheduler("Sync", True) == SCHEDULER_CLS
