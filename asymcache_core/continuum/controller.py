@@ -44,6 +44,9 @@ from asymcache_core.request import Request
 
 #: Tool name of a pause whose tool is not known.
 UNKNOWN_TOOL = "unknown"
+#: The longest TTL a client may ask for (``pin_ttl_s``): a pin past it would keep a share of the
+#: pool from every other job for as long as the client likes (the rule's TTLs are seconds).
+MAX_CLIENT_TTL_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,8 @@ class ContinuumController:
             ended_at: end of the LLM call (default: now); the pause and the TTL run from it.
             pinning: override of :attr:`pinning` for this turn.
             ttl_rule: override of :attr:`ttl_rule` for this turn.
-            ttl_s: an explicit TTL (the client's) instead of the rule's; negatives mean 0.
+            ttl_s: an explicit TTL (the client's) instead of the rule's; negatives mean 0, and
+                it is capped at :data:`MAX_CLIENT_TTL_S`.
 
         Returns:
             The decision (also appended to :attr:`decisions`).
@@ -214,7 +218,7 @@ class ContinuumController:
         expected = self.durations.mean(tool)
         benefit = pin_benefit_s(context_tokens, self.reload_cost, self.queue.mean(now), self.memoryfulness.eta())
         if ttl_s is not None:
-            ttl = max(0.0, ttl_s)
+            ttl = min(max(0.0, ttl_s), MAX_CLIENT_TTL_S)
             p = self.durations.cdf(tool, ttl) if ttl > 0 else 0.0
             decision = TTLDecision(ttl, p, benefit, p * benefit - ttl)
         else:

@@ -174,6 +174,12 @@ def test_decision_follows_the_rule_and_the_overrides() -> None:
     assert ctl.configure(pinning=True) is ctl and ctl.pinning and ctl.ttl_rule == "continuum"
     explicit = ctl.on_tool_call("j", ["t"], 100, ttl_s=-1.0)
     assert explicit.ttl_s == 0.0 and explicit.blocks_pinned == 0 and explicit.p_return == 0.0
+    # a client's TTL is capped: a pin may not hold its blocks from everyone for years
+    from asymcache_core.continuum.controller import MAX_CLIENT_TTL_S
+
+    pins.remember("j", [1, 2])
+    forever = ctl.on_tool_call("j", ["t"], 100, ttl_s=1e12)
+    assert forever.ttl_s == MAX_CLIENT_TTL_S and forever.blocks_pinned == 2
 
 
 # -- pins --------------------------------------------------------------------------------------
