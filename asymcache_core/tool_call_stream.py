@@ -136,4 +136,20 @@ class HermesCallStream:
         return [call.id for call in self.calls]
 
 
-__all__ = ["CallPiece", "HermesCallStream"]
+def final_pieces(stream: HermesCallStream | None, text: str, parsed: Sequence[ParsedToolCall]) -> list[CallPiece]:
+    """What a finished reply's stream still owes of its calls.
+
+    Args:
+        stream: the reply's call stream (None: its calls were not streamed as written).
+        text: the whole reply (past any thinking).
+        parsed: its calls as the finished reply's parse found them.
+
+    Returns:
+        :meth:`HermesCallStream.finish`'s pieces, or without a stream every call whole.
+    """
+    if stream is None:
+        return [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(parsed)]
+    return stream.finish(text, parsed)
+
+
+__all__ = ["CallPiece", "HermesCallStream", "final_pieces"]

@@ -15,7 +15,7 @@ from agent_runtime.output_processor import build_turn
 from agent_runtime.server.choices import StreamedText
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.types import AssistantTurn, StreamEvent
-from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
+from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
 
 
 def stop_reason(turn: AssistantTurn, final: StreamEvent) -> tuple[str, str | None]:
@@ -159,8 +159,7 @@ async def message_events(
         assert final is not None
         turn = build_turn(stream, final)
         calls = turn.parsed.tool_calls
-        owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if (
-            calls_stream is None) else calls_stream.finish(text.split(final.output.text, True)[1], calls)
+        owed = final_pieces(calls_stream, text.split(final.output.text, True)[1], calls)
         # NOTE: calls streamed as they were written (a call cut off included): their text is
         # not text too
         streamed = calls_stream is not None and bool(calls_stream.calls)

@@ -2,7 +2,8 @@
 
 :class:`ChatChunks` and :class:`CompletionChunks` turn a request's stream into the choices of
 SSE chunks (text pieces held back while they may be part of a character or a ``<tool_call>``
-tag, tool calls at the end, log probabilities with the chunk after their token) and into the
+tag, a Hermes tool call as it is written (:mod:`asymcache_core.tool_call_stream`), other calls at
+the end, log probabilities with the chunk after their token) and into the
 choice of the non-streamed body; one instance per choice (OpenAI's ``n``), carrying its index.
 """
 
@@ -36,7 +37,7 @@ from agent_runtime.server.responses import (
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
-from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
+from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
 
 #: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
 SEED_SPAN = SEED_MAX + 1
@@ -115,7 +116,8 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
 
     Holds back a trailing replacement character (an incomplete UTF-8 sequence the next token
     completes) and, when tool calls are possible, everything from a ``<tool_call>`` tag on (or
-    a trailing piece that may become one), which is sent as ``tool_calls`` at the end instead.
+    a trailing piece that may become one), which goes out as ``tool_calls`` instead (a Hermes call
+    as it is written, others at the end).
     In Llama's ``llama3_json`` format a call is the whole reply, so a reply that starts (past
     blanks) with ``{``, ``[`` or ``<|python_tag|>``, or has not started yet, is held whole.
 
@@ -218,8 +220,7 @@ class ChatChunks(Chunks):
             return out
         turn = build_turn(self.stream, event)
         calls = turn.parsed.tool_calls
-        owed = [CallPiece(i, c.id, c.name, c.arguments_json()) for i, c in enumerate(calls)] if self.calls is None else (
-            self.calls.finish(self.text.split(event.output.text, True)[1], calls))
+        owed = final_pieces(self.calls, self.text.split(event.output.text, True)[1], calls)
         thought, content = self.text.rest(turn, event)
         if self.calls is not None and self.calls.calls and not calls:
             # NOTE: a call cut off (or malformed) went out as tool-call pieces: its text is not
