@@ -144,6 +144,7 @@ def run_agent(
     tool_choice: Sequence[str] | None = None,
     max_tokens: int = 256,
     tools: Sequence[str] | None = None,
+    parallel_tool_calls: bool = False,
     print_fn: Callable[[str], None] = print,
     loaded: Any = None,
     num_kv_blocks: int | None = None,
@@ -169,6 +170,9 @@ def run_agent(
             tool's name (that call is forced); later turns are ``auto``.
         max_tokens: generated tokens per turn.
         tools: restrict to these built-in tool names (default: all four).
+        parallel_tool_calls: a reply may make several calls, all run; off by default: one
+            action a turn, as mini-swe-agent takes them (a small model forced to call tools and
+            free to call several keeps calling them).
         print_fn: where each turn is printed.
         loaded: an already loaded model to share (tests).
         num_kv_blocks: KV pool size (None: from memory).
@@ -195,6 +199,8 @@ def run_agent(
         raise ValueError(f"forced_tool_turns: must be an integer >= 0, got {forced_tool_turns!r}")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"max_tokens: must be an integer >= 1, got {max_tokens!r}")
+    if not isinstance(parallel_tool_calls, bool):
+        raise ValueError(f"parallel_tool_calls: must be true or false, got {parallel_tool_calls!r}")
     settings = _check_engine(model, policy, num_kv_blocks, max_model_len, engine_settings)
     registry = builtin_registry(wd.resolve())
     if tools is not None:
@@ -233,7 +239,7 @@ def run_agent(
             job = runtime.job(tools=registry, system_prompt=DEFAULT_AGENT_SYSTEM_PROMPT)
             result = await job.run(
                 task, max_turns=max_turns, tool_choice=choices,
-                max_tokens=max_tokens, on_turn=show,
+                max_tokens=max_tokens, on_turn=show, parallel_tool_calls=parallel_tool_calls,
             )
         finally:
             await runtime.close()

@@ -131,6 +131,7 @@ class Job:
         max_tokens: int = 256,
         system_prompt: str | None = None,
         on_turn: Callable[[TurnRecord], None] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> JobResult:
         """The agent loop: generate -> parse tool calls -> run them -> append results -> repeat.
 
@@ -148,6 +149,8 @@ class Job:
             max_tokens: generated tokens per turn.
             system_prompt: first system message (default: the job's).
             on_turn: called after each turn with its record (e.g. to print it).
+            parallel_tool_calls: a reply may make several calls, all run (OpenAI's default; a
+                forced ``"required"`` turn makes one or more); False: one call a turn.
 
         Returns:
             The job's result and metrics.
@@ -180,7 +183,8 @@ class Job:
                 choice = choices[i]
                 last = i == max_turns - 1 or choice == "none"
                 turn = await self.chat(
-                    messages, tools=schemas, tool_choice=choice, max_tokens=max_tokens, is_last_step=last
+                    messages, tools=schemas, tool_choice=choice, max_tokens=max_tokens, is_last_step=last,
+                    parallel_tool_calls=parallel_tool_calls,
                 )
                 messages.append(turn.message)
                 calls: list[ToolCallRecord] = []

@@ -256,6 +256,8 @@ class ChatSampling(TypedDict, total=False):
         documents: the template's ``documents`` (retrieval templates); left to the caller.
         thinking_token_budget: with a reasoning parser, close the reply's thinking block once
             it holds this many tokens (vLLM's field); left to the caller.
+        parallel_tool_calls: OpenAI's flag (default True): a reply may make several calls
+            (under ``"required"`` one or more); False keeps one; left to the caller.
     """
 
     max_tokens: int
@@ -268,6 +270,7 @@ class ChatSampling(TypedDict, total=False):
     chat_template_kwargs: Mapping[str, Any] | None
     documents: Sequence[Mapping[str, Any]] | None
     thinking_token_budget: int | None
+    parallel_tool_calls: bool
 
 
 def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:

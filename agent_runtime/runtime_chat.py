@@ -384,7 +384,8 @@ class ChatTurns:
             ttl_rule: per-request TTL rule override.
             **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``, ``logprobs``,
                 ``response_format``, ``structured_outputs``, ``chat_template_kwargs``,
-                ``documents`` (:class:`~agent_runtime.protocol.ChatSampling`).
+                ``documents``, ``thinking_token_budget``, ``parallel_tool_calls``
+                (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
             The assistant turn.
@@ -399,6 +400,7 @@ class ChatTurns:
             structured_outputs=sampling.get("structured_outputs"), params=params, job_id=job_id, is_last_step=is_last_step, pinning=pinning, ttl_rule=ttl_rule,
             chat_template_kwargs=sampling.get("chat_template_kwargs"), documents=sampling.get("documents"),
             thinking_token_budget=sampling.get("thinking_token_budget"),
+            parallel_tool_calls=_flag(sampling.get("parallel_tool_calls", True), "parallel_tool_calls"),
         )
         try:
             final = await stream.result()
@@ -408,4 +410,16 @@ class ChatTurns:
         return build_turn(stream, final)
 
 
+def _flag(value: object, field: str) -> bool:
+    """``value`` as a boolean option.
+
+    Raises:
+        ValueError: not a bool (naming ``field``).
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}: must be true or false, got {value!r}")
+    return value
+
+
 __all__ = ["ChatTurns"]
+

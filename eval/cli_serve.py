@@ -266,6 +266,10 @@ def agent_run(
         "required", help="Per-turn tool choice, comma-separated: auto, none, required or a tool name (that "
         "call is forced, constrained decoding); later turns are auto. Small models need the tools named."
     ),
+    parallel_tool_calls: bool = typer.Option(
+        False, "--parallel-tool-calls/--no-parallel-tool-calls",
+        help="Let a reply make several tool calls, all run (OpenAI's parallel_tool_calls); off: one call a turn.",
+    ),
     *,
     engine_args: dict[str, Any],
 ) -> None:
@@ -279,5 +283,6 @@ def agent_run(
 
     with showing_model_loads():
         run_agent(
-            task=task, workdir=workdir, max_turns=max_turns, policy=policy, tool_choice=choices, **engine_args
+            task=task, workdir=workdir, max_turns=max_turns, policy=policy, tool_choice=choices,
+            parallel_tool_calls=parallel_tool_calls, **engine_args
         )

@@ -315,6 +315,18 @@ def test_commands(smollm, tmp_path, capsys):
         loaded=smollm, num_kv_blocks=128, print_fn=lines.append, policy="asymcache+continuum",
     )
     assert [t.turn.parsed.tool_calls[0].name for t in result.turns] == ["list_files", "read_file"]
+    # the loop takes one action a turn by default; with parallel calls a forced turn may make
+    # several, and all of them run
+    one = run_agent("List the files and read notes.", root, max_turns=1, tool_choice=["required"], max_tokens=120,
+                    loaded=smollm, num_kv_blocks=128, print_fn=lines.append, policy="asymcache+continuum")
+    assert len(one.turns[0].turn.parsed.tool_calls) == 1
+    many = run_agent("List the files and read notes.", root, max_turns=2, tool_choice=["required"], max_tokens=120,
+                     loaded=smollm, num_kv_blocks=128, print_fn=lines.append, policy="asymcache+continuum",
+                     parallel_tool_calls=True)
+    calls = many.turns[0].turn.parsed.tool_calls
+    assert len(calls) >= 1 and len(many.turns[0].tool_calls) == len(calls)
+    with pytest.raises(ValueError, match="^parallel_tool_calls:"):
+        run_agent("task", root, parallel_tool_calls="yes")
 
     inputs = iter(["Hello!", "", "/exit", "never read"])
     out: list[str] = []
