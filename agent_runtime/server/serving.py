@@ -2,22 +2,19 @@
 
 Both completions endpoints validate their body (:mod:`agent_runtime.protocol`), submit through
 the runtime, and then answer with :func:`_respond`: a JSON body once the request finished, or
-the one SSE path of :func:`_sse_events` (chunks from an endpoint-specific encoder, then the
-optional usage chunk and ``[DONE]``; a client that goes away has its request aborted, so its KV
-blocks are freed). Only the body models (:data:`_CHAT`, :data:`_COMPLETION`) and the choices
-(:class:`ChatChunks`, :class:`CompletionChunks`) differ between the endpoints; every body is a
-response model of :mod:`agent_runtime.protocol`, and its ``model_dump()`` is what goes on the wire.
+the one SSE path of :mod:`agent_runtime.server.completion_stream` (chunks from an
+endpoint-specific encoder, then the optional usage chunk and ``[DONE]``; a client that goes
+away has its request aborted, so its KV blocks are freed). Only the body models (``CHAT``,
+``COMPLETION`` there) and the choices (:class:`ChatChunks`, :class:`CompletionChunks`) differ
+between the endpoints; every body is a response model of :mod:`agent_runtime.protocol`, and its
+``model_dump()`` is what goes on the wire.
 """
-
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,9 +35,17 @@ from agent_runtime.server.choices import (
     choice_sampling_params,
     safe_text_len,
 )
-from agent_runtime.server.errors import APIError, from_value_error, stream_error_frame
+from agent_runtime.server.completion_stream import (
+    CHAT,
+    COMPLETION,
+    Endpoint,
+    UsageReport,
+    sse_events,
+    usage_of,
+)
+from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.logprobs import TokenTexts
-from agent_runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from agent_runtime.server.metrics import CONTENT_TYPE
 from agent_runtime.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,15 +56,10 @@ from agent_runtime.server.requests import (
 )
 from agent_runtime.server.responses import (
     SSE_HEADERS,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    CompletionChunk,
-    CompletionResponse,
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeResponse,
-    Usage,
 )
 from agent_runtime.server.state import AppState, app_state
 from agent_runtime.types import AssistantTurn, StreamEvent
@@ -67,7 +67,7 @@ from asymcache_core import EngineStats
 from asymcache_core.sampling_params import SamplingParams
 
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
-_COMPLETION_DEFAULT_MAX_TOKENS = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 
@@ -199,7 +199,7 @@ async def chat_completions(request: Request) -> Response:
                    max_tool_calls=None if req.parallel_tool_calls is not False else 1)
         for i, s in enumerate(streams)
     ]
-    return await _respond(request, state, req, chunks, _CHAT, base_id)
+    return await _respond(request, state, req, chunks, CHAT, base_id)
 
 
 async def completions(request: Request) -> Response:
@@ -207,7 +207,7 @@ async def completions(request: Request) -> Response:
     state, req = await parse_body(request, CompletionRequest)
     base_id = base_request_id(request.headers, req.request_id)
     rt = state.require_runtime()
-    params = _sampling_params(req, min(_COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
+    params = _sampling_params(req, min(COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
     chunks: list[Chunks] = []
     n = req.num_choices
@@ -250,7 +250,7 @@ async def completions(request: Request) -> Response:
         # NOTE: the client left (cancelled) between two submits: no choice may run on alone
         _abort_all(chunks)
         raise
-    return await _respond(request, state, req, chunks, _COMPLETION, base_id)
+    return await _respond(request, state, req, chunks, COMPLETION, base_id)
 
 
 def _token_texts(state: AppState, params: SamplingParams, as_ids: bool | None) -> TokenTexts | None:
@@ -294,27 +294,6 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Endpoint:
-    """A completions endpoint's path and body models.
-
-    Attributes:
-        path: the route (the requests counter's ``endpoint`` label).
-        id_prefix: its response ids' prefix.
-        response_model: the non-streamed body.
-        chunk_model: one SSE chunk.
-    """
-
-    path: str
-    id_prefix: str
-    response_model: type[ChatCompletionResponse] | type[CompletionResponse]
-    chunk_model: type[ChatCompletionChunk] | type[CompletionChunk]
-
-
-_CHAT = _Endpoint("/v1/chat/completions", "chatcmpl", ChatCompletionResponse, ChatCompletionChunk)
-_COMPLETION = _Endpoint("/v1/completions", "cmpl", CompletionResponse, CompletionChunk)
-
-
 #: The characters an id keeps as they are in a response header: visible ASCII.
 _HEADER_SAFE = "".join(map(chr, range(0x21, 0x7F)))
 
@@ -324,7 +303,7 @@ async def _respond(
     state: AppState,
     req: ChatCompletionRequest | CompletionRequest,
     chunks: list[Chunks],
-    endpoint: _Endpoint,
+    endpoint: Endpoint,
     base_id: str,
 ) -> Response:
     """The response of a submitted completion (one stream per choice): one JSON body once every
@@ -342,128 +321,19 @@ async def _respond(
         body = endpoint.response_model(
             id=rid, created=int(time.time()), model=model,
             choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)],
-            usage=_usage(finals, req.num_choices, generated=not getattr(req, "echo_only", False)),
+            usage=usage_of(finals, req.num_choices, generated=not getattr(req, "echo_only", False)),
             **chunks[0].response_fields(finals[0]),
         )
         metrics.count(endpoint.path, 200)
         return JSONResponse(body.model_dump(), headers=id_header)
     metrics.count(endpoint.path, 200)
     return StreamingResponse(
-        _sse_events(chunks, endpoint, rid, model, _UsageReport(req.include_usage, req.continuous_usage, req.num_choices),
+        sse_events(chunks, endpoint, rid, model, UsageReport(req.include_usage, req.continuous_usage, req.num_choices),
                     metrics, not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
         headers={**SSE_HEADERS, **id_header},
     )
 
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """The events of several streams as they come, each with its stream's index.
-
-    Raises:
-        Exception: the first error of any stream (the others are left to the caller to abort).
-    """
-    if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
-        return
-    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for event in stream:
-                queue.put_nowait((index, event))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((index, exc))
-            return
-        queue.put_nowait((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        open_streams = len(streams)
-        while open_streams:
-            index, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-class _UsageReport(NamedTuple):
-    """Where a streamed response reports usage.
-
-    Attributes:
-        final: a last chunk with the whole response's usage (``include_usage``).
-        continuous: every chunk with its choice's usage so far (vLLM's ``continuous_usage_stats``).
-        choices_per_prompt: ``n`` (each prompt's usage is counted once).
-    """
-
-    final: bool
-    continuous: bool
-    choices_per_prompt: int
-
-
-async def _sse_events(
-    chunks: list[Chunks],
-    endpoint: _Endpoint,
-    rid: str,
-    model: str,
-    report: _UsageReport,
-    metrics: ServerMetrics,
-    generated: bool = True,
-) -> AsyncIterator[str]:
-    """The SSE frames of one streamed completion, its choices interleaved as their tokens come;
-    aborts every choice's request if the client goes away."""
-    created = int(time.time())
-    streams = [c.stream for c in chunks]
-
-    def frame(choices: list[Any], usage: Usage | None = None, **fields: Any) -> str:
-        body = endpoint.chunk_model(
-            id=rid, created=created, model=model, choices=choices, usage=usage, **fields).model_dump()
-        if report.final:
-            # NOTE: OpenAI's ``include_usage``: every other chunk carries ``"usage": null``
-            body.setdefault("usage", None)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    def so_far(stream: RequestStream, event: StreamEvent | None) -> Usage | None:
-        # NOTE: vLLM's continuous usage: the choice's prompt and its tokens so far
-        if not report.continuous:
-            return None
-        if event is None:
-            return Usage.of(len(stream.prompt_token_ids), 0, 0)
-        out = event.output
-        return Usage.of(out.num_prompt_tokens, len(out.token_ids) if generated else 0, out.metrics.cached_tokens)
-
-    try:
-        for chunk in chunks:
-            for choice in chunk.opening():
-                yield frame([choice], so_far(chunk.stream, None), **chunk.opening_fields())
-        try:
-            async for index, event in _merged(streams):
-                if event.output.finished:
-                    metrics.observe(event)
-                for choice in chunks[index].on_event(event):
-                    yield frame([choice], so_far(streams[index], event))
-        except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
-            yield stream_error_frame(exc)
-            yield "data: [DONE]\n\n"
-            return
-        finals = [stream.final for stream in streams]
-        if report.final:
-            yield frame([], usage=_usage(finals, report.choices_per_prompt, generated))  # type: ignore[arg-type]
-        yield "data: [DONE]\n\n"
-    finally:
-        # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:
-        # free the KV of every choice still running.
-        for stream in streams:
-            if stream.final is None:
-                metrics.count_abort()
-                stream.abort()
 
 
 async def await_finals(request: Request, streams: list[RequestStream]) -> list[StreamEvent]:
@@ -493,15 +363,6 @@ async def finish_one(request: Request, state: AppState, stream: RequestStream, p
     state.metrics.observe(final)
     state.metrics.count(path, 200)
     return final, build_turn(stream, final)
-
-
-def _usage(finals: list[StreamEvent], choices_per_prompt: int, generated: bool = True) -> Usage:
-    """Usage of a response: each prompt once (its ``n`` choices, consecutive, share it), the
-    choices' tokens summed (none where nothing generated is returned: ``echo`` with
-    ``max_tokens: 0``)."""
-    firsts = [f.output for f in finals[::choices_per_prompt]]
-    completion = sum(len(f.output.token_ids) for f in finals) if generated else 0
-    return Usage.of(sum(o.num_prompt_tokens for o in firsts), completion, sum(o.metrics.cached_tokens for o in firsts))
 
 
 __all__ = [
