@@ -56,7 +56,7 @@ from agent_runtime.server.anthropic_replies import (
     usage,
 )
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
-from agent_runtime.server.choices import StreamedText
+from agent_runtime.server.choices import StreamedText, without_cut_off_call
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
 from agent_runtime.server.responses import SSE_HEADERS
@@ -362,7 +362,8 @@ async def create_message(request: Request) -> Response:
         # the space after the prefill's last word), and as text: it continues the answer, not
         # a thinking block
         text = final.output.text if req.prefilled and not turn.parsed.tool_calls else turn.message.get("content")
-        body = message_body(mid, state.model_name, content_blocks(turn, text or "", thinking=not req.prefilled),
+        text = without_cut_off_call(text or "", turn, bool(tools) and choice != "none", rt.tool_call_format)
+        body = message_body(mid, state.model_name, content_blocks(turn, text, thinking=not req.prefilled),
                         stop_reason(turn, final), usage(final))
         return JSONResponse(body)
     state.metrics.count(PATH, 200)

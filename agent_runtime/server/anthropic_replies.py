@@ -163,7 +163,7 @@ async def message_events(
         # NOTE: calls streamed as they were written (a call cut off included): their text is
         # not text too
         streamed = calls_stream is not None and bool(calls_stream.calls)
-        thought, rest = text.rest(turn, final)
+        thought, rest = text.rest_without_cut_off_call(turn, final)
         frames = stream_piece("thinking", thought) if thought else []
         if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
             frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block

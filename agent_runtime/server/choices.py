@@ -146,6 +146,25 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
     return end
 
 
+def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes") -> str:
+    """A finished reply's text less a tool call the length limit cut off: the text its stream
+    sent (the call itself went out as call pieces, or not at all), for the routes whose calls
+    are blocks or items of their own (Messages, Responses).
+
+    Args:
+        text: the reply's text (past any thinking).
+        turn: the finished turn.
+        tools_possible: tool calls were possible in the reply.
+        call_format: the runtime's tool-call format.
+
+    Returns:
+        The text, cut before an unfinished call.
+    """
+    if not tools_possible or turn.parsed.tool_calls or turn.finish_reason != "length":
+        return text
+    return text[: safe_text_len(text, True, call_format)]
+
+
 class ChatChunks(Chunks):
     """Chat payloads: a role delta, reasoning deltas (with a reasoning parser), content deltas,
     then tool calls or the rest, then the reason."""
@@ -406,6 +425,16 @@ class StreamedText:
         if turn.parsed.tool_calls:
             return self.sent if self.sent else (turn.parsed.content or "")
         return self.split(final.output.text, True)[1]
+
+    def rest_without_cut_off_call(self, turn: AssistantTurn, final: StreamEvent) -> tuple[str, str]:
+        """:meth:`rest`, less a tool call the length limit cut off (see
+        :func:`without_cut_off_call`: the Messages and Responses routes)."""
+        before = self.sent
+        thought, rest = self.rest(turn, final)
+        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format)
+        rest = kept[len(before) :] if kept.startswith(before) else ""
+        self.sent = before + rest
+        return thought, rest
 
     def rest(self, turn: AssistantTurn, final: StreamEvent) -> tuple[str, str]:
         """``(thinking, content)`` the finished reply still owes (marked sent)."""

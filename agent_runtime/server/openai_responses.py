@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agent_runtime.protocol import ContextLengthError
 from agent_runtime.reasoning import reasoning_tokens
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server.choices import StreamedText
+from agent_runtime.server.choices import StreamedText, without_cut_off_call
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.job_router import response_digest, routing_key
 from agent_runtime.server.requests import (
@@ -180,7 +180,9 @@ async def create_response(request: Request) -> Response:
     stream = streams[0]
     if not req.stream:
         final, turn = await finish_one(request, state, stream, PATH)
-        body = envelope.body("completed", final_output(turn), final, turn.finish_reason)
+        text = without_cut_off_call(turn.message.get("content") or "", turn, bool(tools) and choice != "none",
+                                    rt.tool_call_format)
+        body = envelope.body("completed", final_output(turn, text), final, turn.finish_reason)
         chain.keep(body)
         return JSONResponse(body)
     state.metrics.count(PATH, 200)

@@ -107,10 +107,15 @@ class ResponseEnvelope:
         return body
 
 
-def final_output(turn: AssistantTurn) -> list[dict[str, Any]]:
+def final_output(turn: AssistantTurn, text: str | None = None) -> list[dict[str, Any]]:
     """The output items of a finished turn: its thinking (with a reasoning parser), its text (if
-    any, or when no other item is), then its calls."""
-    text = turn.message.get("content") or ""
+    any, or when no other item is), then its calls.
+
+    Args:
+        turn: the turn.
+        text: its text, if not the message's content (a tool call cut off taken out).
+    """
+    text = (turn.message.get("content") or "") if text is None else text
     items = [reasoning_item(_new_id("rs"), turn.parsed.reasoning)] if turn.parsed.reasoning is not None else []
     if text or not (turn.parsed.tool_calls or items):
         items.append(message_item(_new_id("msg"), text))
@@ -263,7 +268,7 @@ async def response_events(
         # NOTE: calls streamed as they were written (a call cut off included): their text is
         # not a message too
         streamed = calls_stream is not None and bool(calls_stream.calls)
-        thought, content = text.rest(turn, final)
+        thought, content = text.rest_without_cut_off_call(turn, final)
         frames = items.text("reasoning", thought) if thought else []
         if turn.parsed.reasoning is not None and items.open is None and not items.output:
             frames += items.text("reasoning", "")  # NOTE: an empty thinking block is still an item

@@ -225,3 +225,23 @@ def test_text_blocks_are_joined_by_newlines_and_flags_are_strict():
     assert chat_tool_choice({"type": "any", "disable_parallel_tool_use": True}) == ("required", False)
     with pytest.raises(ValueError, match="^tool_choice.disable_parallel_tool_use: must be a boolean"):
         chat_tool_choice({"type": "any", "disable_parallel_tool_use": "false"})
+
+
+def test_a_call_cut_off_is_no_text(live, ac, oa):  # noqa: F811
+    """A forced call the length limit cuts off is not returned as its markup in a text block (the
+    Messages and Responses routes carry calls as blocks and items of their own); its stream sent
+    it as call pieces, and their text before it agrees."""
+    forced = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Read todo.md."}],
+                  tools=CLIENT_TOOLS, tool_choice={"type": "tool", "name": "read_file"})
+    message = ac.messages.create(**forced)
+    assert message.stop_reason == "max_tokens"
+    assert not any("<tool_call>" in getattr(b, "text", "") for b in message.content), message.content
+    with ac.messages.stream(**forced) as s:
+        events = list(s)
+    texts = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert texts == "".join(b.text for b in message.content if b.type == "text")
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = oa.responses.create(model=MODEL, input="Read todo.md.", tools=flat, max_output_tokens=6,
+                               tool_choice={"type": "function", "name": "read_file"})
+    assert resp.status == "incomplete" and "<tool_call>" not in resp.output_text
+    live.check()
