@@ -16,6 +16,7 @@ from typing import Any
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.server.choices import StreamedText
+from agent_runtime.server.errors import failed_request_error
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.responses_input import ResponsesRequest
 from agent_runtime.types import AssistantTurn, StreamEvent
@@ -133,7 +134,10 @@ def error_event(exc: BaseException, sequence_number: int = 0) -> str:
     Returns:
         The SSE event.
     """
-    data = {"type": "error", "sequence_number": sequence_number, "code": "server_error",
+    err = failed_request_error(exc)
+    # NOTE: a client error (the request's own constraints allow no token) keeps its code
+    code = err.code if err.status < 500 and err.code else "server_error"
+    data = {"type": "error", "sequence_number": sequence_number, "code": code,
             "message": str(exc) or type(exc).__name__, "param": None}
     return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -259,6 +263,14 @@ async def response_events(
                             yield frame
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
             yield error_event(exc, items.seq)
+            items.seq += 1
+            # NOTE: and the response's own end, status failed with its error (the spec's
+            # response.failed), which clients that wait for a terminal response event read
+            err = failed_request_error(exc)
+            body = envelope.body("failed", items.output)
+            body["error"] = {"code": err.code if err.status < 500 and err.code else "server_error",
+                             "message": str(exc) or type(exc).__name__}
+            yield items.event("response.failed", response=body)
             return
         final = stream.final
         assert final is not None

@@ -484,6 +484,33 @@ def test_an_exception_in_the_model_step_fails_only_its_culprit_and_serving_goes_
     assert _post(srv, {"model": MODEL, "messages": USER, "max_tokens": 2}).status_code == 200
 
 
+def test_a_responses_stream_that_fails_ends_with_response_failed(srv):
+    """A Responses stream whose request fails in a step: an ``error`` event, then the spec's
+    terminal ``response.failed`` with status failed and the error; nothing is left running."""
+    runner = srv.runtime.engine.runner
+    original = runner.execute
+
+    def flaky(plan):
+        if any(item.request.params.max_tokens == 27 for item in plan.scheduled):
+            raise RuntimeError("injected forward-pass fault")
+        return original(plan)
+
+    srv.engine(lambda e: setattr(e.runner, "execute", flaky))
+    try:
+        with httpx.stream("POST", f"{srv.base}/v1/responses", timeout=120, json={
+                "model": MODEL, "input": "Count to ten.", "max_output_tokens": 27, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        srv.engine(lambda e: setattr(e.runner, "execute", original))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"], kinds
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "injected forward-pass fault" in failed["error"]["message"]
+    assert failed["error"]["code"] == "server_error"
+    srv.clean()
+
+
 def test_a_batch_whose_later_prompt_is_refused_leaves_none_running(srv):
     # NOTE: the first prompt's choices are submitted (and running) when the second is refused
     too_long = list(range(300, 300 + srv.runtime.max_model_len + 5))
