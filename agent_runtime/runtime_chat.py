@@ -301,6 +301,9 @@ class ChatTurns:
             documents=options.get("documents"),
         )
         parse = self.tool_call_format if schemas and choice != "none" else None
+        # NOTE: a reply that continues the final message (a prefill) is that message's content,
+        # not a thinking block: the reasoning parser would take it all for thinking
+        thinking = None if options.get("continue_final_message", False) else self.reasoning_parser
         # NOTE: several choices without a job: the client goes on with one of them at most, so
         # none joins a conversation's job (an implicit job's pin or gate reservation would
         # outlive the choices it drops)
@@ -317,7 +320,7 @@ class ChatTurns:
                     response_format=fmt, parse_format=parse, pinning=options.get("pinning"),
                     ttl_rule=options.get("ttl_rule"),
                     max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
-                    reasoning_parser=self.reasoning_parser, joins_conversation=joins, continues_job=continues,
+                    reasoning_parser=thinking, joins_conversation=joins, continues_job=continues,
                     strict_max_tokens=options.get("strict_max_tokens", False),
                 ))
         except BaseException:

@@ -5,9 +5,12 @@ A call is announced (its index, a fresh id and its name) once its head is comple
 (``<tool_call>`` then ``{"name": "...", "arguments": {``); its arguments' text then streams as
 the model writes it, up to the arguments object's closing brace (:func:`arguments_span`), so
 what was sent is exactly the text the finished reply's parse keeps
-(:attr:`~asymcache_core.tool_parsing.ParsedToolCall.raw_arguments`): a stream and the
-non-streamed reply carry the same string. A call written otherwise (arguments first, a list of
-calls) stops the incremental stream: it and the calls after it are sent whole at the end.
+(:attr:`~asymcache_core.tool_parsing.ParsedToolCall.raw_arguments`; the parse reads calls by the
+same rule, :func:`~asymcache_core.tool_parsing.parse_hermes`): a stream and the non-streamed
+reply carry the same string. A call written otherwise (arguments first, a list of calls) stops
+the incremental stream: it and the calls after it are sent whole at the end. A call whose head
+was announced but whose object the parse refuses (malformed, cut off) cannot be taken back: it
+stays as sent, and the parsed calls after it follow at the next indexes.
 """
 
 from __future__ import annotations
@@ -122,14 +125,40 @@ class HermesCallStream:
             parsed: its calls as the finished reply's parse found them.
 
         Returns:
-            The rest of each streamed call's arguments, then the calls not streamed, whole.
+            The rest of each streamed call's arguments, then the parsed calls the stream did not
+            send (whole, at the next free indexes).
         """
         pieces = self.feed(text)
-        for index, call in enumerate(parsed):
-            if index < len(self.calls):
-                continue  # NOTE: streamed: its text is the parse's raw_arguments
-            pieces.append(CallPiece(index, call.id, call.name, call.arguments_json()))
+        index = len(self.calls)
+        for call, streamed in zip(parsed, self._match(parsed), strict=True):
+            if streamed is None:
+                pieces.append(CallPiece(index, call.id, call.name, call.arguments_json()))
+                index += 1
         return pieces
+
+    def refused_ids(self, parsed: Sequence[ParsedToolCall]) -> set[str]:
+        """The ids of the streamed calls the finished reply's parse has no call for (a malformed
+        object, a call cut off): sent, and not calls a client can run."""
+        matched = {k for k in self._match(parsed) if k is not None}
+        return {call.id for k, call in enumerate(self.calls) if k not in matched}
+
+    def _match(self, parsed: Sequence[ParsedToolCall]) -> list[int | None]:
+        """The streamed call each parsed call is, in order (None: not streamed)."""
+        # NOTE: a parsed call is the streamed one it matches in order (its name, and its
+        # arguments' text as sent); a streamed call the parse refused (a malformed object the
+        # head had announced) matches none, and cannot be taken back
+        out: list[int | None] = []
+        nxt = 0
+        for call in parsed:
+            found = next((k for k in range(nxt, len(self.calls)) if self._sent_as(self.calls[k], call)), None)
+            if found is not None:
+                nxt = found + 1
+            out.append(found)
+        return out
+
+    @staticmethod
+    def _sent_as(sent: _OpenCall, call: ParsedToolCall) -> bool:
+        return sent.closed and sent.name == call.name and sent.sent == call.arguments_json()
 
     def streamed_ids(self) -> list[str]:
         """The ids the stream gave its calls, in order."""

@@ -34,10 +34,9 @@ ToolCallFormat = Literal["hermes", "llama3_json", "bash_block", "auto"]
 TOOL_CALL_FORMATS: tuple[str, ...] = ("hermes", "llama3_json", "bash_block", "auto")
 _PYTHON_TAG = "<|python_tag|>"
 
-# The payload may not contain another opening tag: "<tool_call>junk <tool_call>{ok}</tool_call>"
-# then yields the good call and leaves "<tool_call>junk" in the content.
-_TOOL_CALL_RE = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
 _OPEN_TAG = "<tool_call>"
+_CLOSE_TAG = "</tool_call>"
+_BLANKS = re.compile(r"\s*")
 # mini-swe-agent's own pattern: ```bash, a newline, the command, a newline, ```.
 _BASH_BLOCK_RE = re.compile(r"```bash\s*\n(.*?)\n```", re.DOTALL)
 
@@ -89,20 +88,20 @@ def arguments_span(text: str, start: int) -> int | None:
 
 def raw_arguments(payload: str, arguments: Mapping[str, Any]) -> str | None:
     """The arguments' JSON text as a call object ``{"name": ..., "arguments": {...}}`` wrote it,
-    when it holds exactly ``arguments`` and nothing follows it but the object's end.
+    when it holds exactly ``arguments`` (keys after it, such as an ``id``, are the object's).
 
     Args:
         payload: the call object's text.
         arguments: its decoded arguments.
 
     Returns:
-        The text, or None (another key order, keys after the arguments, not these arguments).
+        The text, or None (another key order, not these arguments).
     """
     head = CALL_HEADER_RE.match(payload)
     if head is None:
         return None
     end = arguments_span(payload, head.end())
-    if end is None or payload[end:].strip() != "}":
+    if end is None:
         return None
     raw = payload[head.end() : end]
     try:
@@ -257,33 +256,45 @@ def _tidy(parts: Sequence[str]) -> str:
 def parse_hermes(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedMessage:
     """Parse ``<tool_call>{json}</tool_call>`` calls.
 
+    A call is the JSON value right after an opening tag (an object, or a list of them), read as
+    JSON reads it (a tag inside one of its strings is text: arguments may hold the markup), then
+    its closing tag; where the reply ends, the closing tag may be missing or cut (generation
+    stopped at it), and before the next opening tag it may be missing (a model that left it
+    out). :class:`~asymcache_core.tool_call_stream.HermesCallStream` reads a streamed reply's
+    calls by the same rule (:func:`arguments_span`).
+
     Args:
         text: model output.
         make_id: id factory for calls without an ``id``.
 
     Returns:
-        The message; malformed tags stay in ``content``.
+        The message; a tag whose value is not a call, or is followed by anything else, stays in
+        ``content``.
     """
     parts: list[str] = []
     calls: list[ParsedToolCall] = []
-    pos = 0
-    for m in _TOOL_CALL_RE.finditer(text):
-        decoded = _decode_calls(m.group(1), make_id)
-        if decoded is None:
-            continue  # not a call: the tag text stays in the content
-        parts.append(text[pos : m.start()])
+    pos = search = 0
+    while (at := text.find(_OPEN_TAG, search)) >= 0:
+        start = at + len(_OPEN_TAG)
+        value = _BLANKS.match(text, start).end()  # type: ignore[union-attr]
+        end = arguments_span(text, value) if text[value : value + 1] in ("{", "[") else None
+        after = None if end is None else _BLANKS.match(text, end).end()  # type: ignore[union-attr]
+        decoded = None
+        if after is not None:
+            tail = text[after:]
+            if tail.startswith(_CLOSE_TAG):
+                after += len(_CLOSE_TAG)
+            elif not (tail.startswith(_OPEN_TAG) or _CLOSE_TAG.startswith(tail)):
+                after = None  # something else follows the value: not a call
+            if after is not None:
+                decoded = _decode_calls(text[start:end], make_id)
+        if decoded is None or after is None:
+            search = start
+            continue
+        parts.append(text[pos:at])
         calls.extend(decoded)
-        pos = m.end()
-    rest = text[pos:]
-    # A trailing unclosed tag: generation stopped at "</tool_call>" (a stop string) or right
-    # after the JSON. Accept it only if what follows the tag is a complete call.
-    open_at = rest.rfind(_OPEN_TAG)
-    if open_at >= 0 and "</tool_call>" not in rest[open_at:]:
-        decoded = _decode_calls(rest[open_at + len(_OPEN_TAG) :], make_id)
-        if decoded is not None:
-            calls.extend(decoded)
-            rest = rest[:open_at]
-    parts.append(rest)
+        pos = search = after
+    parts.append(text[pos:])
     # NOTE: a reply without a call is returned as written (vLLM's hermes parser does the
     # same), so a non-streamed reply equals its stream's text
     return ParsedMessage(_tidy(parts) if calls else text, calls)

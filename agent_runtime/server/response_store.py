@@ -224,7 +224,11 @@ def chain_items(previous: StoredResponse | None, input_items: str | Sequence[Map
     """
     own = [{"type": "message", "role": "user", "content": input_items}] if isinstance(input_items, str) else list(
         input_items)
-    return [*(previous.items if previous else ()), *own]
+    # NOTE: a streamed call the reply's parse refused (cut off, malformed: its arguments may not
+    # be JSON) is stored incomplete; it is no call the conversation goes on from
+    chain = [item for item in (previous.items if previous else ())
+             if not (item.get("type") == "function_call" and item.get("status") == "incomplete")]
+    return [*chain, *own]
 
 
 __all__ = [

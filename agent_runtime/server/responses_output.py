@@ -194,7 +194,8 @@ class _ItemStream:
             return frames
         index = len(self.output)
         if item["type"] == "function_call":
-            item["status"] = "completed"
+            # NOTE: a streamed call the reply's parse refused stays incomplete (see below)
+            item["status"] = "incomplete" if item.get("status") == "incomplete" else "completed"
             frames.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                      name=item["name"], arguments=item["arguments"]))
         else:
@@ -288,6 +289,12 @@ async def response_events(
             frames += items.text("message", content)
         for call in owed:
             frames += items.call_piece(call)
+        refused = calls_stream.refused_ids(calls) if calls_stream is not None else set()
+        for item in [*items.output, *([items.open] if items.open else [])]:
+            if item["type"] == "function_call" and item["call_id"] in refused:
+                # NOTE: sent as a call, but no call the reply made (cut off, malformed): the
+                # response says so, and its store leaves it out (its arguments may not be JSON)
+                item["status"] = "incomplete"
         frames += items.close("incomplete" if turn.finish_reason == "length" else "completed")
         for frame in frames:
             yield frame

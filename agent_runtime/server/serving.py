@@ -194,7 +194,8 @@ async def chat_completions(request: Request) -> Response:
     chunks: list[Chunks] = [
         ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None,
                    raw_content=bool(req.continue_final_message), call_format=rt.tool_call_format,
-                   reasoning_parser=rt.reasoning_parser, return_ids=req.return_token_ids is True,
+                   reasoning_parser=None if req.continue_final_message else rt.reasoning_parser,
+                   return_ids=req.return_token_ids is True,
                    include_reasoning=req.include_reasoning is not False, named_tool=choice == "named",
                    max_tool_calls=None if req.parallel_tool_calls is not False else 1)
         for i, s in enumerate(streams)

@@ -305,3 +305,26 @@ def test_stored_turns_that_name_no_job_leave_no_job_behind(smollm):
         runtime.engine.close()
     assert (stats.implicit_jobs_started_total, stats.implicit_jobs_matched_total) == (1, 3)
     assert gate == set() and stats.jobs_admitted == 0
+
+
+def test_a_streamed_call_cut_off_is_incomplete_and_not_continued(live, oa):  # noqa: F811
+    """A forced call the length limit cuts off mid-arguments: its stream announced it (the call
+    streams as written), the response marks it incomplete, and a turn that continues the
+    response is served (the cut-off call, whose arguments are no JSON, is not in its chain)."""
+    for limit in range(10, 20):
+        events = list(oa.responses.create(model=MODEL, input="Read todo.md.", tools=FLAT_TOOLS, stream=True,
+                                          tool_choice={"type": "function", "name": "read_file"},
+                                          max_output_tokens=limit))
+        final = events[-1].response
+        calls = [i for i in final.output if i.type == "function_call"]
+        if calls and calls[0].arguments not in ("", "{"):
+            break
+    assert final.status == "incomplete" and calls[0].status == "incomplete", final.output
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(calls[0].arguments)
+    assert not any("<tool_call>" in getattr(i, "content", [None])[0].text for i in final.output if i.type == "message")
+    nxt = oa.responses.create(model=MODEL, previous_response_id=final.id, input="Never mind.", max_output_tokens=2)
+    assert nxt.status in ("completed", "incomplete")
+    items = list(oa.responses.input_items.list(nxt.id, order="asc"))
+    assert [i.type for i in items] == ["message", "message"]
+    live.check()

@@ -91,3 +91,36 @@ def test_a_call_cut_off_keeps_what_was_sent() -> None:
     pieces, stream = _stream(text, list(range(1, len(text) + 1)))
     assert parse_hermes(text).tool_calls == [] and len(stream.calls) == 1
     assert _joined(pieces)[0][2] == text[text.index('"arguments": ') + len('"arguments": '):]
+
+
+@pytest.mark.parametrize("text", [
+    # the markup inside an argument's string is text, to the stream and the parse alike
+    '<tool_call>\n{"name": "write", "arguments": {"text": "use <tool_call> tags </tool_call>"}}\n</tool_call>',
+    # a model that left a closing tag out: the next call opens
+    '<tool_call>\n{"name": "f", "arguments": {"p": 1}}\n' + CALL_B,
+    # generation stopped inside the closing tag
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_',
+    # keys after the arguments are the call object's: the arguments' text is as written
+    '<tool_call>\n{"name": "f", "arguments": {"a":1,"s":"\\u00e9"}, "id": "call_9"}\n</tool_call>',
+])
+def test_the_stream_and_the_parse_read_calls_alike(text: str) -> None:
+    parsed = parse_hermes(text).tool_calls
+    assert parsed and "<tool_call>" not in parse_hermes(text).content
+    for cuts in ([len(text)], list(range(1, len(text) + 1))):
+        calls = _joined(_stream(text, cuts)[0])
+        assert [(calls[i][1], calls[i][2]) for i in range(len(calls))] == [
+            (c.name, c.arguments_json()) for c in parsed]
+
+
+def test_a_call_the_parse_refuses_shifts_none_of_the_others() -> None:
+    """A head announced, then an object the parse refuses: it stays as sent, and the parsed calls
+    come at the next indexes, whole (never a parsed call taken for the refused one)."""
+    bad = '<tool_call>\n{"name": "bad", "arguments": {"a": 1}, }\n</tool_call>\n'
+    good = '<tool_call>\n{"name": "g", "arguments": {"b": "x"}}\n</tool_call>'
+    text = bad + good
+    pieces, stream = _stream(text, list(range(1, len(text) + 1)))
+    calls = _joined(pieces)
+    assert [c.name for c in parse_hermes(text).tool_calls] == ["g"]
+    assert calls[0][1] == "bad" and (calls[1][1], calls[1][2]) == ("g", '{"b": "x"}')
+    one, _ = _stream(text, list(range(1, len(text) + 1)), max_calls=1)
+    assert [(c[1], c[2]) for c in _joined(one).values()] == [("bad", '{"a": 1}'), ("g", '{"b": "x"}')]
