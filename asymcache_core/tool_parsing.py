@@ -284,7 +284,9 @@ def parse_hermes(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedM
             tail = text[after:]
             if tail.startswith(_CLOSE_TAG):
                 after += len(_CLOSE_TAG)
-            elif not (tail.startswith(_OPEN_TAG) or _CLOSE_TAG.startswith(tail)):
+            elif _CLOSE_TAG.startswith(tail):
+                after = len(text)  # the reply ends in the closing tag, cut (or without it)
+            elif not tail.startswith(_OPEN_TAG):
                 after = None  # something else follows the value: not a call
             if after is not None:
                 decoded = _decode_calls(text[start:end], make_id)
