@@ -73,12 +73,12 @@ def routing_key(body: bytes | Mapping[str, Any]) -> str | None:
     if isinstance(body, bytes | bytearray):
         try:
             body = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return None
     if not isinstance(body, Mapping):
         return None
-    job = body.get("job_id")
-    if isinstance(job, str) and job:
+    job = _job_of(body)
+    if job is not None:
         return f"job:{job}"
     previous = response_digest(body.get("previous_response_id"))
     if previous is not None:
@@ -88,12 +88,14 @@ def routing_key(body: bytes | Mapping[str, Any]) -> str | None:
     items = body.get("input")  # the Responses API's
     head: Any
     if isinstance(messages, list) and messages:
-        head = [_message_head(m) for m in messages[:PREFIX_MESSAGES]]
+        # NOTE: the system prompt (a Messages body's own field, or the first messages) and the
+        # first user turn: a conversation's turns keep them, where its first messages, an
+        # assistant reply among them from the second turn on, would move it
+        head = [body.get("system"), *[_message_head(m) for m in _opening(messages)]]
     elif isinstance(items, list | str) and items:
         # NOTE: the instructions are the conversation's first message, as a chat's system one
         instructions = body.get("instructions")
-        first = PREFIX_MESSAGES - (1 if instructions else 0)
-        head = [instructions, items if isinstance(items, str) else [_message_head(m) for m in items[:first]]]
+        head = [instructions, items if isinstance(items, str) else [_message_head(m) for m in _opening(items)]]
     elif isinstance(prompt, str) and prompt:
         head = prompt[:PREFIX_CHARS]
     elif isinstance(prompt, list) and prompt:
@@ -147,10 +149,35 @@ def needs_home(method: str, path: str, body: bytes | Mapping[str, Any] | None) -
     if isinstance(body, bytes | bytearray):
         try:
             body = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return None
     digest = response_digest(body.get("previous_response_id")) if isinstance(body, Mapping) else None
     return RESPONSE_KEY + digest if digest else None
+
+
+def _job_of(body: Mapping[str, Any]) -> str | None:
+    """The job a body names, as a replica reads it: its ``job_id``, else its ``vllm_xargs``'
+    (a string or an integer), else vLLM's ``session_id``
+    (:func:`~agent_runtime.server.body_parsing.lift_vllm_xargs`)."""
+    job = body.get("job_id")
+    if job is None and isinstance(body.get("vllm_xargs"), Mapping):
+        job = body["vllm_xargs"].get("job_id")
+        job = str(job) if isinstance(job, int) and not isinstance(job, bool) else job
+    if job is None:
+        job = body.get("session_id")
+    return job if isinstance(job, str) and job else None
+
+
+def _opening(messages: list[Any]) -> list[Any]:
+    """A conversation's opening messages: its system (and developer) messages, then its first
+    user message (at most :data:`PREFIX_MESSAGES` in all)."""
+    head = []
+    for message in messages:
+        head.append(message)
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if role not in ("system", "developer") or len(head) >= PREFIX_MESSAGES:
+            break
+    return head
 
 
 def _message_head(message: Any) -> Any:

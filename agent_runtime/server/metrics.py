@@ -128,6 +128,40 @@ class EngineCollector(Collector):
         yield preemptions
 
 
+#: The routes whose path is their own label; others are their template or ``other``.
+_STATIC_ROUTES = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/models", "/tokenize", "/detokenize", "/health", "/ping", "/metrics", "/version", "/reset_prefix_cache",
+    "/flush_cache", "/openapi.json", "/docs",
+})
+#: Routes with an id in their path, by prefix: ``(prefix, suffix, template, the id may hold a
+#: slash)`` (a model's name may: ``org/model``).
+_ID_ROUTES = (
+    ("/v1/responses/", "/input_items", "/v1/responses/{response_id}/input_items", False),
+    ("/v1/responses/", "", "/v1/responses/{response_id}", False),
+    ("/v1/models/", "", "/v1/models/{model}", True),
+)
+
+
+def endpoint_label(path: str) -> str:
+    """A request's ``endpoint`` label: its route, never its raw path (a response id, a model
+    name or a stranger's path in each label would grow the series without bound).
+
+    Args:
+        path: the request's path.
+
+    Returns:
+        The path of a fixed route, an id route's template, or ``other``.
+    """
+    if path in _STATIC_ROUTES:
+        return path
+    for prefix, suffix, template, slashes in _ID_ROUTES:
+        name = path[len(prefix) : len(path) - len(suffix)] if path.startswith(prefix) and path.endswith(suffix) else ""
+        if name and (slashes or "/" not in name):
+            return template
+    return "other"
+
+
 class ServerMetrics:
     """The series of one app, in its own :class:`CollectorRegistry` (no process-global state).
 
@@ -193,10 +227,10 @@ class ServerMetrics:
         """Count one answered HTTP request.
 
         Args:
-            endpoint: the path.
+            endpoint: the path (labelled as its route: :func:`endpoint_label`).
             status: the HTTP status.
         """
-        self._requests.labels(endpoint, str(status), self.model_name).inc()
+        self._requests.labels(endpoint_label(endpoint), str(status), self.model_name).inc()
 
     def count_abort(self) -> None:
         """Count a request aborted before it finished (its client went away)."""
@@ -283,4 +317,4 @@ def merge_expositions(texts: dict[str, str], extra: Sequence[Metric] = ()) -> by
     return generate_latest(registry)
 
 
-__all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics", "merge_expositions"]
+__all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics", "endpoint_label", "merge_expositions"]

@@ -29,6 +29,7 @@ from agent_runtime.server.errors import APIError, stream_error_frame
 from agent_runtime.server.job_router import needs_home, routing_key
 from agent_runtime.server.metrics import CONTENT_TYPE, merge_expositions
 from agent_runtime.server.replica_router import JobRequestRouter, routers_of
+from agent_runtime.server.request_guard import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +135,15 @@ class Gateway:
             (default: the one this replica runs in).
         live_replicas: the live replicas' ids (default: those the handle's router knows;
             None while it knows nothing yet).
+        max_body_bytes: request bodies beyond this are a 413, refused before they are read
+            whole (the replicas' own limit, ``serve --max-request-body-bytes``).
     """
 
     def __init__(self, engine: DeploymentHandle, max_attempts: int = 3, app_name: str | None = None,
-                 live_replicas: Callable[[], tuple[str, ...] | None] | None = None) -> None:
+                 live_replicas: Callable[[], tuple[str, ...] | None] | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.max_attempts = max_attempts
         if app_name is None:
             with contextlib.suppress(RayServeException):
@@ -157,9 +162,28 @@ class Gateway:
             return None
         return tuple(sorted({uid for r in routers for uid in r.live}))
 
+    async def _read_body(self, request: Request) -> bytes | None:
+        """The request's body, or None past :attr:`max_body_bytes` (read no further: the one
+        gateway must not hold a client's gigabytes)."""
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def __call__(self, request: Request) -> Response:
         """Answer one HTTP request."""
-        body = await request.body()
+        body = await self._read_body(request)
+        if body is None:
+            error = APIError(413, f"The request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
+            if anthropic_messages.is_messages_path(request.url.path):
+                return anthropic_messages.error_response(error)
+            return error.response()
         forwarded = ForwardedRequest(
             request.method, request.url.path, request.scope.get("query_string", b""),
             tuple((bytes(k), bytes(v)) for k, v in request.scope.get("headers", [])), body,

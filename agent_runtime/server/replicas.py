@@ -268,7 +268,7 @@ def build_app(options: ServeOptions, settings: ReplicaSettings | None = None) ->
         num_replicas=1, max_ongoing_requests=MAX_ONGOING_REQUESTS * settings.num_replicas,
         ray_actor_options={"num_cpus": 0},
     )
-    return gateway.bind(engine.bind(options), settings.max_attempts)
+    return gateway.bind(engine.bind(options), settings.max_attempts, max_body_bytes=options.max_request_body_bytes)
 
 
 #: uvicorn's log levels -> Ray Serve's.

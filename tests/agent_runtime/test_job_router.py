@@ -51,6 +51,20 @@ def test_key_is_the_job_id_else_the_conversation_prefix():
                                                                                 "call_id": "c", "output": "x"}]})
     assert turn1 == turn3 != routing_key({"instructions": "Another agent.", "input": items})
     assert routing_key({"input": "fix the bug"}) != routing_key({"input": "write the docs"})
+    # a job named the vLLM ways (vllm_xargs, session_id) is the job a replica reads
+    assert routing_key({"vllm_xargs": {"job_id": "j-2"}, "messages": _conversation("a", 0)}) == "job:j-2"
+    assert routing_key({"vllm_xargs": {"job_id": 7}}) == "job:7"
+    assert routing_key({"session_id": "s-1", "messages": _conversation("a", 0)}) == "job:s-1"
+    assert routing_key({"job_id": "j-1", "vllm_xargs": {"job_id": "j-2"}, "session_id": "s"}) == "job:j-1"
+    # a conversation without a system message keeps its key once replies join it (its first user
+    # turn decides), and Anthropic's top-level system prompt counts
+    user = {"role": "user", "content": "fix the bug"}
+    turns = [[user], [user, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]]
+    assert routing_key({"messages": turns[0]}) == routing_key({"messages": turns[1]})
+    assert routing_key({"system": "A", "messages": turns[0]}) == routing_key({"system": "A", "messages": turns[1]})
+    assert routing_key({"system": "A", "messages": turns[0]}) != routing_key({"system": "B", "messages": turns[0]})
+    # a body nested past the JSON decoder's depth is no key, not an error
+    assert routing_key(b"[" * 100_000 + b"]" * 100_000) is None
     # nothing to key on
     for body in (b"not json", b"[1, 2]", {"model": "m"}, {"job_id": "", "messages": []}, {"prompt": ""}, {"input": []}):
         assert routing_key(body) is None, body

@@ -40,6 +40,9 @@ def test_ours_and_vllms_names_report_the_same_quantities():
     metrics.count("/v1/completions", 200)
     metrics.count("/v1/completions", 200)
     metrics.count("/v1/chat/completions", 400)
+    # ids and strangers' paths are no labels of their own: the series stay bounded
+    for path in ("/v1/responses/resp_1", "/v1/responses/resp_2", "/v1/models/org/model", "/random/1", "/random/2"):
+        metrics.count(path, 404)
     metrics.observe(_final(40, 3, 32, [10.5, 10.55, 10.8], recomputed=5))
     metrics.observe(_final(20, 2, 0, [11.0, 11.2]))
     metrics.observe(_final(8, 1, 0, [12.0], reason="abort"))  # counted as an abort only
@@ -53,6 +56,12 @@ def test_ours_and_vllms_names_report_the_same_quantities():
     assert s[("asymcache_requests_total", (("endpoint", "/v1/completions"), ("model", "tiny"), ("status", "200")))] == 2
     assert s[("asymcache_requests_total", (("endpoint", "/v1/chat/completions"), ("model", "tiny"),
                                            ("status", "400")))] == 1
+    assert s[("asymcache_requests_total", (("endpoint", "/v1/responses/{response_id}"), ("model", "tiny"),
+                                           ("status", "404")))] == 2
+    assert s[("asymcache_requests_total", (("endpoint", "other"), ("model", "tiny"), ("status", "404")))] == 2
+    assert s[("asymcache_requests_total", (("endpoint", "/v1/models/{model}"), ("model", "tiny"),
+                                           ("status", "404")))] == 1
+    assert not any(name == "asymcache_requests_total" and "resp_1" in str(labels) for name, labels in s)
     # token counters: ours and vLLM's agree
     assert s[("asymcache_prompt_tokens_total", ())] == s[("vllm:prompt_tokens_total", model)] == 60
     assert s[("vllm:prefix_cache_queries_total", model)] == 60

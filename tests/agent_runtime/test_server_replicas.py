@@ -240,6 +240,40 @@ def test_no_live_replica_is_an_openai_503():
     assert b'"code":"no_replica"' in response.body and b'"type":"server_error"' in response.body
 
 
+def test_a_body_past_the_limit_is_a_413_before_it_is_read_whole():
+    """The one gateway refuses a body past the replicas' limit (by its content-length, or as it
+    streams past it) in the route's error form, never holding it all."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    gateway = Gateway(engine=None, live_replicas=lambda: (), max_body_bytes=1000)  # type: ignore[arg-type]
+
+    def request(path: str, chunks: list[bytes], length: int | None) -> Request:
+        sent = iter(chunks)
+        pulled = []
+
+        async def receive() -> dict[str, Any]:
+            chunk = next(sent, None)
+            pulled.append(chunk)
+            return {"type": "http.request", "body": chunk or b"", "more_body": chunk is not None}
+
+        headers = [(b"content-length", str(length).encode())] if length is not None else []
+        req = Request({"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""},
+                      receive)
+        req.pulled = pulled  # type: ignore[attr-defined]
+        return req
+
+    declared = request("/v1/chat/completions", [b"x" * 10], 10**9)
+    response = asyncio.run(gateway(declared))
+    assert response.status_code == 413 and b'"code":"request_too_large"' in response.body
+    assert declared.pulled == []  # type: ignore[attr-defined] # refused on its header, nothing read
+    streamed = request("/v1/messages", [b"x" * 600] * 100, None)
+    response = asyncio.run(gateway(streamed))
+    assert response.status_code == 413 and json.loads(response.body)["error"]["type"] == "request_too_large"
+    assert len(streamed.pulled) == 2  # type: ignore[attr-defined] # read up to the limit, no further
+
+
 class _FakeStream:
     """A replica's streamed answer as the handle gives it: a JSON 200, one body message."""
 
