@@ -376,7 +376,9 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
         evicted = self.pool.evict_all()
         dropped = self.host_tier.clear() if host_tier and self.host_tier is not None else 0
         if self.kv_events is not None:
-            self.kv_events.flush()  # routers learn of the removals now, not at the next step
+            # NOTE: routers learn of the removals now, not at the next step; the evicted
+            # blocks' tokens stay for their host copies, which the next schedule makes
+            self.kv_events.flush(age_tokens=False)
         return CacheReset(evicted, dropped)
 
     def close(self) -> None:

@@ -403,13 +403,20 @@ class KVEventCollector:
         self._events.append(["BlockRemoved", [block_hash], medium])
 
     # -- batches -------------------------------------------------------------------------------
-    def flush(self) -> int | None:
+    def flush(self, age_tokens: bool = True) -> int | None:
         """Publishes the events gathered since the last flush as one batch.
+
+        Args:
+            age_tokens: a step's flush (the tokens of hashes gone before it are forgotten);
+                False for one between steps (a cache reset), which must not age them: the
+                blocks a reset evicts reach the host tier at the next schedule, however many
+                resets come first.
 
         Returns:
             The batch's sequence number, or ``None`` when there were no events.
         """
-        self._forget_tokens()
+        if age_tokens:
+            self._forget_tokens()
         if not self._events:
             return None
         events, self._events = self._events, []

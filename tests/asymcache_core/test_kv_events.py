@@ -184,8 +184,10 @@ def test_a_consumer_rebuilds_both_tiers_from_the_events(ctx):
         assert index.cached == _pools(engine)
         assert index.batches == engine.kv_events.batches  # one batch per step with events, at most
 
-        # a reset evicts every unheld device block: removals, and copies to the host tier
+        # a reset evicts every unheld device block: removals, and copies to the host tier (a
+        # second reset before any step must not lose the tokens those copies are stored with)
         engine.reset_prefix_cache()
+        assert engine.reset_prefix_cache().device_blocks == 0
         index.drain()
         assert index.cached["GPU"] == set(engine.pool.cached) == set()
         engine.step()  # issues the host copies of what the reset evicted
