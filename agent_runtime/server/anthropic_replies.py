@@ -167,10 +167,17 @@ async def message_events(
         frames = stream_piece("thinking", thought) if thought else []
         if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
             frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block
-        if not streamed and (text.sent or rest or not (calls or index or open_kind)):
-            frames += stream_piece("text", rest)
-        for call in owed:
-            frames += call_piece(call)
+        if streamed:
+            # NOTE: the calls streamed as written end first; text after them is a block of its own
+            for call in owed:
+                frames += call_piece(call)
+            if rest:
+                frames += stream_piece("text", rest)
+        else:
+            if text.sent or rest or not (calls or index or open_kind):
+                frames += stream_piece("text", rest)
+            for call in owed:
+                frames += call_piece(call)
         frames += close()
         for frame in frames:
             yield frame

@@ -420,10 +420,15 @@ class StreamedText:
 
     def full(self, turn: AssistantTurn, final: StreamEvent) -> str:
         """The whole content of the finished reply: the text after any thinking as generated,
-        or with tool calls the text before them (a reply that is all tags around some content
-        owes that content)."""
+        or with tool calls the parsed content (the text around them), its head as it was sent."""
         if turn.parsed.tool_calls:
-            return self.sent if self.sent else (turn.parsed.content or "")
+            content = turn.parsed.content or ""
+            # NOTE: the content is stripped; what went out before the first call may end in
+            # the blank before its tag
+            for head in (self.sent, self.sent.rstrip()):
+                if content.startswith(head):
+                    return self.sent + content[len(head) :]
+            return self.sent
         return self.split(final.output.text, True)[1]
 
     def rest_without_cut_off_call(self, turn: AssistantTurn, final: StreamEvent) -> tuple[str, str]:

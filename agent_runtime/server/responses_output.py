@@ -285,16 +285,24 @@ async def response_events(
         frames = items.text("reasoning", thought) if thought else []
         if turn.parsed.reasoning is not None and items.open is None and not items.output:
             frames += items.text("reasoning", "")  # NOTE: an empty thinking block is still an item
-        if not streamed and (text.sent or content or not (calls or items.output or items.open)):
-            frames += items.text("message", content)
-        for call in owed:
-            frames += items.call_piece(call)
-        refused = calls_stream.refused_ids(calls) if calls_stream is not None else set()
-        for item in [*items.output, *([items.open] if items.open else [])]:
-            if item["type"] == "function_call" and item["call_id"] in refused:
-                # NOTE: sent as a call, but no call the reply made (cut off, malformed): the
-                # response says so, and its store leaves it out (its arguments may not be JSON)
-                item["status"] = "incomplete"
+        if streamed:
+            # NOTE: the calls streamed as written end first; text after them is a message of
+            # its own
+            for call in owed:
+                frames += items.call_piece(call)
+            refused = calls_stream.refused_ids(calls) if calls_stream is not None else set()
+            for item in [*items.output, *([items.open] if items.open else [])]:
+                if item["type"] == "function_call" and item["call_id"] in refused:
+                    # NOTE: sent as a call, but no call the reply made (cut off, malformed): the
+                    # response says so, and its chain leaves it out (its arguments may not be JSON)
+                    item["status"] = "incomplete"
+            if content:
+                frames += items.text("message", content)
+        else:
+            if text.sent or content or not (calls or items.output or items.open):
+                frames += items.text("message", content)
+            for call in owed:
+                frames += items.call_piece(call)
         frames += items.close("incomplete" if turn.finish_reason == "length" else "completed")
         for frame in frames:
             yield frame

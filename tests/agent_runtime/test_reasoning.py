@@ -78,6 +78,11 @@ def test_streamed_chat_sends_the_thinking_as_reasoning_content():
     assert [c["function"]["name"] for c in calls if "name" in c["function"]] == ["read_file"]
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"path": "a"}
     assert not "".join(d.get("content") or "" for d in with_call).strip()
+    # text around the calls: the stream's content is the body's (the text after a call too)
+    for text in (call + "\nDone.", "Let me look. " + call + "\nDone.", "Hi " + call):
+        around = _deltas([text[:20], text], None, "hermes")
+        body = _event(text, None, "hermes", finished=True).parsed
+        assert "".join(d.get("content") or "" for d in around).strip() == body.content, text
     # a call cut off by the length limit went out as tool-call pieces, and only so
     cut = _deltas(["Sure. " + call[:40], "Sure. " + call[:60]], None, "hermes")
     assert "".join(d.get("content") or "" for d in cut) == "Sure. "
