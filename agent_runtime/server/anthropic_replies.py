@@ -11,11 +11,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agent_runtime.engine_client import RequestStream
-from agent_runtime.output_processor import build_turn
-from agent_runtime.server.choices import StreamedText
+from agent_runtime.server.choices import StreamedText, finished_reply
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.types import AssistantTurn, StreamEvent
-from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
+from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
 
 
 def stop_reason(turn: AssistantTurn, final: StreamEvent) -> tuple[str, str | None]:
@@ -157,13 +156,8 @@ async def message_events(
             return
         final = stream.final
         assert final is not None
-        turn = build_turn(stream, final)
+        turn, owed, streamed, thought, rest = finished_reply(stream, final, text, calls_stream)
         calls = turn.parsed.tool_calls
-        owed = final_pieces(calls_stream, text.split(final.output.text, True)[1], calls)
-        # NOTE: calls streamed as they were written (a call cut off included): their text is
-        # not text too
-        streamed = calls_stream is not None and bool(calls_stream.calls)
-        thought, rest = text.rest_without_cut_off_call(turn, final)
         frames = stream_piece("thinking", thought) if thought else []
         if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
             frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block

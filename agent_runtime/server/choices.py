@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
@@ -448,6 +448,44 @@ class StreamedText:
         full = self.full(turn, final)
         content, self.sent = full[len(self.sent) :] if full.startswith(self.sent) else "", full
         return thought, content
+
+
+class FinishedReply(NamedTuple):
+    """What a finished streamed reply still owes, on a route whose calls are blocks or items of
+    their own (Messages, Responses).
+
+    Attributes:
+        turn: the finished turn.
+        owed: the pieces of its calls still to send (:func:`final_pieces`).
+        streamed: its calls went out as they were written (their text is not text too).
+        thought: thinking still to send.
+        text: text still to send (a call the length limit cut off taken out).
+    """
+
+    turn: AssistantTurn
+    owed: list[CallPiece]
+    streamed: bool
+    thought: str
+    text: str
+
+
+def finished_reply(stream: RequestStream, final: StreamEvent, text: StreamedText,
+                   calls: HermesCallStream | None) -> FinishedReply:
+    """What the finished reply of ``stream`` still owes (marks it sent).
+
+    Args:
+        stream: the request's stream.
+        final: its final event.
+        text: what of its text went out.
+        calls: its calls streamed as written, if they are.
+
+    Returns:
+        The reply's rest.
+    """
+    turn = build_turn(stream, final)
+    owed = final_pieces(calls, text.split(final.output.text, True)[1], turn.parsed.tool_calls)
+    thought, rest = text.rest_without_cut_off_call(turn, final)
+    return FinishedReply(turn, owed, calls is not None and bool(calls.calls), thought, rest)
 
 
 def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:

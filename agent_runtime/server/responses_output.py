@@ -14,14 +14,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agent_runtime.engine_client import RequestStream
-from agent_runtime.output_processor import build_turn
-from agent_runtime.server.choices import StreamedText
+from agent_runtime.server.choices import StreamedText, finished_reply
 from agent_runtime.server.errors import failed_request_error
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.responses_input import ResponsesRequest
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
-from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
+from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
 from asymcache_core.tool_parsing import to_openai_tool_calls
 
 
@@ -275,13 +274,8 @@ async def response_events(
             return
         final = stream.final
         assert final is not None
-        turn = build_turn(stream, final)
+        turn, owed, streamed, thought, content = finished_reply(stream, final, text, calls_stream)
         calls = turn.parsed.tool_calls
-        owed = final_pieces(calls_stream, text.split(final.output.text, True)[1], calls)
-        # NOTE: calls streamed as they were written (a call cut off included): their text is
-        # not a message too
-        streamed = calls_stream is not None and bool(calls_stream.calls)
-        thought, content = text.rest_without_cut_off_call(turn, final)
         frames = items.text("reasoning", thought) if thought else []
         if turn.parsed.reasoning is not None and items.open is None and not items.output:
             frames += items.text("reasoning", "")  # NOTE: an empty thinking block is still an item
