@@ -56,11 +56,11 @@ from agent_runtime.server.anthropic_replies import (
     usage,
 )
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
-from agent_runtime.server.choices import StreamedText, without_cut_off_call
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
 from agent_runtime.server.responses import SSE_HEADERS
 from agent_runtime.server.serving import finish_one, parse_body
+from agent_runtime.server.streamed_text import StreamedText, without_cut_off_call
 from agent_runtime.thinking_budget import AnthropicThinking, anthropic_thinking
 from asymcache_core.chat_messages import TEXT_PART_SEPARATOR
 from asymcache_core.sampling_params import SamplingParams

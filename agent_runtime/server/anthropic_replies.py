@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agent_runtime.engine_client import RequestStream
-from agent_runtime.server.choices import StreamedText, finished_reply
 from agent_runtime.server.metrics import ServerMetrics
+from agent_runtime.server.streamed_text import StreamedText, finished_reply
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
 

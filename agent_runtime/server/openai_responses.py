@@ -45,7 +45,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agent_runtime.protocol import ContextLengthError
 from agent_runtime.reasoning import reasoning_tokens
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server.choices import StreamedText, without_cut_off_call
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.job_router import response_digest, routing_key
 from agent_runtime.server.requests import (
@@ -76,6 +75,7 @@ from agent_runtime.server.responses_output import (
 )
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.server.state import app_state
+from agent_runtime.server.streamed_text import StreamedText, without_cut_off_call
 from asymcache_core.tool_call_stream import HermesCallStream
 
 PATH = "/v1/responses"

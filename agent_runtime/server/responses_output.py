@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from agent_runtime.engine_client import RequestStream
-from agent_runtime.server.choices import StreamedText, finished_reply
 from agent_runtime.server.errors import failed_request_error
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.responses_input import ResponsesRequest
+from agent_runtime.server.streamed_text import StreamedText, finished_reply
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
