@@ -116,10 +116,13 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
                      "trust_request_chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size",
                      "log_level", "access_log"},
            "chat": {"policy"},
-           "agent": {"task", "workdir", "max_turns", "policy", "tool_choice"}}[argv[0]]
+           "agent": {"task", "workdir", "max_turns", "policy", "tool_choice", "parallel_tool_calls"}}[argv[0]]
     assert set(kw) - own <= {f.name for f in dataclasses.fields(EngineConfig)}
     if argv[0] == "agent":
         assert kw["tool_choice"] == ["required"]  # the first turn forced into some tool call
+        assert kw["parallel_tool_calls"] is False  # one call a turn unless --parallel-tool-calls
+        assert runner.invoke(app, [*argv, "--parallel-tool-calls"]).exit_code == 0
+        assert calls[-1]["parallel_tool_calls"] is True
     # a server keeps a window of its step log; the other commands keep every step
     assert kw.get("max_step_log") == (10_000 if argv[0] == "serve" else None)
 
