@@ -160,6 +160,7 @@ class RequestStream:
         prompt_token_ids: the encoded prompt.
         job_id: the request's job: the client's, or the one the engine gave it.
         final: the final event once seen.
+        last: the latest event seen (what a request cut short had done).
     """
 
     def __init__(self, client: AsyncEngine, request_id: str, prompt_ids: list[int], sink: _Sink,
@@ -170,6 +171,7 @@ class RequestStream:
         self.job_id = job_id
         self._sink = sink
         self.final: StreamEvent | None = None
+        self.last: StreamEvent | None = None
 
     def __aiter__(self) -> AsyncIterator[StreamEvent]:
         return self
@@ -180,6 +182,7 @@ class RequestStream:
         item = await self._sink.queue.get()
         if isinstance(item, BaseException):
             raise item
+        self.last = item
         if item.output.finished:
             self.final = item
         return item

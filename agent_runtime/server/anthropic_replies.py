@@ -180,7 +180,7 @@ async def message_events(
         yield event("message_stop")
     finally:
         if stream.final is None:
-            metrics.count_abort()
+            metrics.count_abort(stream.last)
             stream.abort()
 
 

@@ -152,7 +152,7 @@ async def sse_events(
         # free the KV of every choice still running.
         for stream in streams:
             if stream.final is None:
-                metrics.count_abort()
+                metrics.count_abort(stream.last)
                 stream.abort()
 
 

@@ -232,9 +232,16 @@ class ServerMetrics:
         """
         self._requests.labels(endpoint_label(endpoint), str(status), self.model_name).inc()
 
-    def count_abort(self) -> None:
-        """Count a request aborted before it finished (its client went away)."""
+    def count_abort(self, last: StreamEvent | None = None) -> None:
+        """Count a request aborted before it finished (its client went away).
+
+        Args:
+            last: its latest event, if any: the tokens it had computed and generated count, as
+                vLLM counts them step by step (None: it never ran).
+        """
         self._aborted.inc()
+        if last is not None:
+            self._count_tokens(last)
 
     def observe(self, final: StreamEvent) -> None:
         """Account for a finished request.
@@ -244,10 +251,9 @@ class ServerMetrics:
         """
         out = final.output
         if out.finish_reason == "abort":
-            self._aborted.inc()
+            self.count_abort(final)
             return
         m = out.metrics
-        completion = len(out.token_ids)
         if m.ttft is not None and math.isfinite(m.ttft):
             self._ttft.observe(m.ttft)
             self._vllm_ttft.observe(m.ttft)
@@ -259,6 +265,12 @@ class ServerMetrics:
                 self._vllm_tpot.observe(max(0.0, cur - prev))
         if m.finish_time is not None and math.isfinite(m.finish_time - m.arrival_time):
             self._vllm_e2e.observe(max(0.0, m.finish_time - m.arrival_time))
+        self._count_tokens(final)
+
+    def _count_tokens(self, event: StreamEvent) -> None:
+        """The token counters of a request's ``event`` (its last: finished or cut short)."""
+        out, m = event.output, event.output.metrics
+        completion = len(out.token_ids)
         for counter, value in (
             (self._prompt, out.num_prompt_tokens), (self._vllm_prompt, out.num_prompt_tokens),
             (self._vllm_queries, out.num_prompt_tokens),
@@ -266,8 +278,8 @@ class ServerMetrics:
             (self._completion, completion), (self._vllm_generation, completion),
         ):
             counter.inc(value)
-        if final.metrics is not None:
-            self._recomputed.inc(final.metrics.recomputed_tokens)
+        if event.metrics is not None:
+            self._recomputed.inc(event.metrics.recomputed_tokens)
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition.

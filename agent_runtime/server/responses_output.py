@@ -306,7 +306,7 @@ async def response_events(
                           response=body)
     finally:
         if stream.final is None:
-            metrics.count_abort()
+            metrics.count_abort(stream.last)
             stream.abort()
 
 

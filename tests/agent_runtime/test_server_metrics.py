@@ -45,8 +45,10 @@ def test_ours_and_vllms_names_report_the_same_quantities():
         metrics.count(path, 404)
     metrics.observe(_final(40, 3, 32, [10.5, 10.55, 10.8], recomputed=5))
     metrics.observe(_final(20, 2, 0, [11.0, 11.2]))
-    metrics.observe(_final(8, 1, 0, [12.0], reason="abort"))  # counted as an abort only
-    metrics.count_abort()
+    # aborts: their tokens count (vLLM counts them step by step), their latencies do not
+    metrics.observe(_final(8, 1, 0, [12.0], reason="abort"))
+    metrics.count_abort(_final(4, 2, 0, [12.0, 12.1]))  # a client gone mid-stream, its last event
+    metrics.count_abort()  # gone before it ran
     stats = _stats(kv_blocks_total=64, kv_blocks_in_use=16, kv_blocks_peak_in_use=40, requests_running=2,
                    requests_waiting=3, pinned_blocks=5, evictions_total=7, preemptions_total=4, requests_total=9)
     text = metrics.render(stats).decode()
@@ -63,12 +65,12 @@ def test_ours_and_vllms_names_report_the_same_quantities():
                                            ("status", "404")))] == 1
     assert not any(name == "asymcache_requests_total" and "resp_1" in str(labels) for name, labels in s)
     # token counters: ours and vLLM's agree
-    assert s[("asymcache_prompt_tokens_total", ())] == s[("vllm:prompt_tokens_total", model)] == 60
-    assert s[("vllm:prefix_cache_queries_total", model)] == 60
+    assert s[("asymcache_prompt_tokens_total", ())] == s[("vllm:prompt_tokens_total", model)] == 72
+    assert s[("vllm:prefix_cache_queries_total", model)] == 72
     assert s[("asymcache_cache_hit_tokens_total", ())] == s[("vllm:prefix_cache_hits_total", model)] == 32
-    assert s[("asymcache_completion_tokens_total", ())] == s[("vllm:generation_tokens_total", model)] == 5
+    assert s[("asymcache_completion_tokens_total", ())] == s[("vllm:generation_tokens_total", model)] == 8
     assert s[("asymcache_recomputed_tokens_total", ())] == 5
-    assert s[("asymcache_aborted_requests_total", ())] == 2
+    assert s[("asymcache_aborted_requests_total", ())] == 3
     # TTFT: one observation per finished request in both
     assert s[("asymcache_time_to_first_token_seconds_count", ())] == s[
         ("vllm:time_to_first_token_seconds_count", model)] == 2
