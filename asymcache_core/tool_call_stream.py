@@ -3,7 +3,8 @@ arguments as they come (OpenAI's ``tool_calls`` deltas, vLLM's streaming tool pa
 
 A call is announced (its index, a fresh id and its name) once its head is complete
 (``<tool_call>`` then ``{"name": "...", "arguments": {``); its arguments' text then streams as
-the model writes it, up to the arguments object's closing brace (:func:`arguments_span`), so
+the model writes it, up to the arguments object's closing brace (read once, as the text grows:
+:class:`~asymcache_core.tool_parsing.ObjectScan`), so
 what was sent is exactly the text the finished reply's parse keeps
 (:attr:`~asymcache_core.tool_parsing.ParsedToolCall.raw_arguments`; the parse reads calls by the
 same rule, :func:`~asymcache_core.tool_parsing.parse_hermes`): a stream and the non-streamed
@@ -19,7 +20,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from asymcache_core.tool_parsing import CALL_HEADER_RE, ParsedToolCall, arguments_span, new_call_id
+from asymcache_core.tool_parsing import CALL_HEADER_RE, ObjectScan, ParsedToolCall, new_call_id
 
 _OPEN_TAG = "<tool_call>"
 _CLOSE_TAG = "</tool_call>"
@@ -49,6 +50,7 @@ class _OpenCall:
     id: str
     name: str
     args_start: int  # where its arguments' text starts in the reply
+    scan: ObjectScan  # its arguments read so far (each event reads only the new text)
     sent: str = ""  # the arguments' text sent so far
     closed: bool = False  # its arguments object ended
 
@@ -83,12 +85,13 @@ class HermesCallStream:
         while not self.stopped:
             if self.calls and not self.calls[-1].closed:
                 call = self.calls[-1]
-                end = arguments_span(text, call.args_start)
-                upto = len(text) if end is None else end
                 # NOTE: a trailing replacement character is a split UTF-8 sequence: the next
-                # token completes it
-                while end is None and upto > call.args_start and text[upto - 1] == "\ufffd":
-                    upto -= 1
+                # token completes it (and may change the text's length there): read up to it
+                ready = len(text)
+                while ready > call.args_start and text[ready - 1] == "\ufffd":
+                    ready -= 1
+                end = call.scan.end(text, ready)
+                upto = ready if end is None else end
                 more = text[call.args_start + len(call.sent) : upto]
                 if more:
                     call.sent += more
@@ -101,6 +104,8 @@ class HermesCallStream:
                 break
             at = text.find(_OPEN_TAG, self._scan_from)
             if at < 0:
+                # NOTE: the text only grows: the next search starts where a tag could still begin
+                self._scan_from = max(self._scan_from, len(text) - len(_OPEN_TAG) + 1)
                 break
             head = CALL_HEADER_RE.match(text, at + len(_OPEN_TAG))
             if head is None:
@@ -113,7 +118,7 @@ class HermesCallStream:
             except json.JSONDecodeError:
                 self.stopped = True
                 break
-            self.calls.append(_OpenCall(self.make_id(), name, head.end()))
+            self.calls.append(_OpenCall(self.make_id(), name, head.end(), ObjectScan(head.end())))
             pieces.append(CallPiece(len(self.calls) - 1, self.calls[-1].id, name, ""))
         return pieces
 

@@ -55,6 +55,56 @@ def new_call_id() -> str:
 CALL_HEADER_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
+@dataclass
+class ObjectScan:
+    """A JSON value's end, found by reading its text once, as it grows: string-aware bracket
+    depth, resumed where the last read stopped (a stream reads each of its texts' new part).
+
+    Attributes:
+        pos: the next index to read (starts at the value's ``{`` or ``[``).
+        depth: brackets open.
+        in_string: inside a string.
+        escaped: after a backslash in a string.
+    """
+
+    pos: int
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def end(self, text: str, stop: int | None = None) -> int | None:
+        """Read ``text`` on from :attr:`pos` (the same text, grown), up to ``stop``.
+
+        Args:
+            text: the text.
+            stop: read no further than this index (None: its end).
+
+        Returns:
+            The index just past the value's closing bracket, or None while it is not closed.
+        """
+        stop = len(text) if stop is None else stop
+        for i in range(self.pos, stop):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = max(self.pos, stop)
+        return None
+
+
 def arguments_span(text: str, start: int) -> int | None:
     """Where the JSON object starting at ``text[start]`` ends.
 
@@ -65,25 +115,7 @@ def arguments_span(text: str, start: int) -> int | None:
     Returns:
         The index just past its closing brace, or None while it is not closed.
     """
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    return ObjectScan(start).end(text)
 
 
 def raw_arguments(payload: str, arguments: Mapping[str, Any]) -> str | None:

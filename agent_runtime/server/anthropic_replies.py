@@ -145,7 +145,7 @@ async def message_events(
                         for frame in stream_piece(kind, part):
                             yield frame
                 if calls_stream is not None:
-                    for call in calls_stream.feed(text.split(ev.output.text, False)[1]):
+                    for call in calls_stream.feed(text.content):
                         for frame in call_piece(call):
                             yield frame
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream

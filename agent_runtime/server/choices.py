@@ -171,7 +171,7 @@ class ChatChunks(Chunks):
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
         if not event.output.finished:
             thought, piece = self.text.pieces(event)
-            calls = None if self.calls is None else self.calls.feed(self.text.split(event.output.text, False)[1])
+            calls = None if self.calls is None else self.calls.feed(self.text.content)
             deltas = self._deltas(thought, piece, calls)
             if not deltas:
                 return []

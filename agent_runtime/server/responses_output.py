@@ -258,7 +258,7 @@ async def response_events(
                         for frame in items.text(kind, part):
                             yield frame
                 if calls_stream is not None:
-                    for call in calls_stream.feed(text.split(ev.output.text, False)[1]):
+                    for call in calls_stream.feed(text.content):
                         for frame in items.call_piece(call):
                             yield frame
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream

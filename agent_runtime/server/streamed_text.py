@@ -93,6 +93,8 @@ class StreamedText:
         #: the content sent so far
         self.sent = ""
         self.reasoning_sent = 0
+        #: the reply's content so far (past its thinking), as the last :meth:`pieces` read it
+        self.content = ""
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """``(thinking that may go out, content)`` of the reply so far: the content is empty
@@ -106,6 +108,7 @@ class StreamedText:
         """``(thinking, content)`` of a running reply's ``event`` safe to send now and not sent
         yet (marked sent)."""
         reasoning, text = self.split(event.output.text, False)
+        self.content = text
         thought = reasoning[self.reasoning_sent :]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         upto = safe_text_len(text, self.tools_possible, self.call_format)
