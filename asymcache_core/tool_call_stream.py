@@ -4,7 +4,7 @@ arguments as they come (OpenAI's ``tool_calls`` deltas, vLLM's streaming tool pa
 A call is announced (its index, a fresh id and its name) once its head is complete
 (``<tool_call>`` then ``{"name": "...", "arguments": {``); its arguments' text then streams as
 the model writes it, up to the arguments object's closing brace (read once, as the text grows:
-:class:`~asymcache_core.tool_parsing.ObjectScan`), so
+:class:`~asymcache_core.json_scan.ObjectScan`), so
 what was sent is exactly the text the finished reply's parse keeps
 (:attr:`~asymcache_core.tool_parsing.ParsedToolCall.raw_arguments`; the parse reads calls by the
 same rule, :func:`~asymcache_core.tool_parsing.parse_hermes`): a stream and the non-streamed
@@ -20,7 +20,8 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from asymcache_core.tool_parsing import CALL_HEADER_RE, ObjectScan, ParsedToolCall, new_call_id
+from asymcache_core.json_scan import ObjectScan
+from asymcache_core.tool_parsing import CALL_HEADER_RE, ParsedToolCall, new_call_id
 
 _OPEN_TAG = "<tool_call>"
 _CLOSE_TAG = "</tool_call>"

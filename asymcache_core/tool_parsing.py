@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from asymcache_core.json_scan import arguments_span
+
 ToolCallFormat = Literal["hermes", "llama3_json", "bash_block", "auto"]
 #: The formats a runtime parses replies with.
 TOOL_CALL_FORMATS: tuple[str, ...] = ("hermes", "llama3_json", "bash_block", "auto")
@@ -53,69 +55,6 @@ def new_call_id() -> str:
 #: The head of a Hermes call object up to its arguments' opening brace (name first, as models
 #: and the constrained grammar write it): group 1 is the name's JSON string body.
 CALL_HEADER_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
-
-
-@dataclass
-class ObjectScan:
-    """A JSON value's end, found by reading its text once, as it grows: string-aware bracket
-    depth, resumed where the last read stopped (a stream reads each of its texts' new part).
-
-    Attributes:
-        pos: the next index to read (starts at the value's ``{`` or ``[``).
-        depth: brackets open.
-        in_string: inside a string.
-        escaped: after a backslash in a string.
-    """
-
-    pos: int
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
-
-    def end(self, text: str, stop: int | None = None) -> int | None:
-        """Read ``text`` on from :attr:`pos` (the same text, grown), up to ``stop``.
-
-        Args:
-            text: the text.
-            stop: read no further than this index (None: its end).
-
-        Returns:
-            The index just past the value's closing bracket, or None while it is not closed.
-        """
-        stop = len(text) if stop is None else stop
-        for i in range(self.pos, stop):
-            ch = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.pos = i + 1
-                    return i + 1
-        self.pos = max(self.pos, stop)
-        return None
-
-
-def arguments_span(text: str, start: int) -> int | None:
-    """Where the JSON object starting at ``text[start]`` ends.
-
-    Args:
-        text: the text.
-        start: the index of the object's ``{``.
-
-    Returns:
-        The index just past its closing brace, or None while it is not closed.
-    """
-    return ObjectScan(start).end(text)
 
 
 def raw_arguments(payload: str, arguments: Mapping[str, Any]) -> str | None:
