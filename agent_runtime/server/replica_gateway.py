@@ -283,7 +283,11 @@ class Gateway:
         for router in self._routers():
             decisions.update(dict(router.decisions))
             jobs += len(router.table)
-        table = GaugeMetricFamily("asymcache_router_jobs", "Routing keys in the router's affinity table.", value=jobs)
+        table = GaugeMetricFamily(
+            "asymcache_router_jobs",
+            "Routing keys in the router's affinity table (a gone replica's too, until they move).",
+            value=jobs,
+        )
         routed = Metric("asymcache_router_decisions", "Requests with a routing key routed, by why they went where they did.", "counter")
         for reason in ("affinity", "new", "replica_gone", "overloaded", "overflow"):
             routed.add_sample("asymcache_router_decisions_total", {"reason": reason}, float(decisions[reason]))
