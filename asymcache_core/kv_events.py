@@ -406,9 +406,9 @@ class KVEventCollector:
             last[3].extend(tokens)
             last[8].append(keys)
             return
-        self._events.append(
-            ["BlockStored", [block_hash], parent, list(tokens), self.block_size, None, medium, None, [keys]]
-        )
+        event: list[Any] = ["BlockStored", [block_hash], parent, list(tokens), self.block_size]
+        event += [None, medium, None, [keys]]  # lora_id, medium, lora_name, extra_keys
+        self._events.append(event)
 
     def removed(self, medium: str, block_hash: int) -> None:
         """``block_hash`` is about to leave ``medium``."""

@@ -224,7 +224,8 @@ class Gateway:
             return error.response()
         parsed = _json_body(body) if request.method == "POST" else None
         headers = tuple((bytes(k), bytes(v)) for k, v in request.scope.get("headers", []))
-        if parsed is not None and parsed.get("request_id") is not None and proxy_request_id(headers):
+        body_names_it = parsed is not None and parsed.get("request_id") is not None
+        if body_names_it and proxy_request_id(headers):
             # NOTE: the replica reads the header over the body's request_id (vLLM's order); the
             # proxy's made-up id must not replace the one the client named the completion with
             headers = tuple((k, v) for k, v in headers if k.lower() != _REQUEST_ID_HEADER)

@@ -128,7 +128,8 @@ def test_request_ids_through_ray_serve_s_proxy(client: httpx.Client):
     assert named.status_code == 200 and named.json()["id"] == "cmpl-body-7", named.text
     assert len(named.headers.get_list("x-request-id")) == 1  # the proxy's, not a second one
     headed = client.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr-7"})
-    assert headed.json()["id"] == "cmpl-hdr-7" and headed.headers.get_list("x-request-id") == ["hdr-7"]
+    assert headed.json()["id"] == "cmpl-hdr-7"
+    assert headed.headers.get_list("x-request-id") == ["hdr-7"]
     bare = client.post("/v1/completions", json={k: v for k, v in body.items() if k != "request_id"})
     assert bare.json()["id"] == "cmpl-" + bare.headers["x-request-id"]  # the proxy's names it
 
@@ -241,7 +242,10 @@ def test_a_killed_replica_is_replaced_and_its_jobs_continue(client: httpx.Client
 
 def test_a_job_whose_replica_is_gone_is_counted_as_such(client: httpx.Client):
     gone_key = ("asymcache_router_decisions_total", (("reason", "replica_gone"),))
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Task G: name a river."}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Task G: name a river."},
+    ]
     first = _chat(client, messages, "job-g")
     assert first.status_code == 200
     victim = first.headers[REPLICA_HEADER]
