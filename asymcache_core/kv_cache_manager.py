@@ -33,6 +33,8 @@ from asymcache_core.host_tier import HostTier, KVTransfers
 from asymcache_core.request import HOLE, Request
 
 _ROOT_HASH = 0x5A17C0DE
+#: :attr:`KVCacheManager.on_commit`: ``(block hash, parent hash or None, tokens, extra keys)``
+CommitHook = Callable[[int, int | None, list[int], tuple[str, ...] | None], None]
 
 RELOAD = -2
 """Block-table entry, during admission only, of a logical block to be reloaded from the host."""
@@ -123,9 +125,11 @@ class KVCacheManager:
         self.loading: dict[int, int] = {}
         #: prefetched device blocks held until their ticket completes: (ticket, blocks)
         self._prefetch_held: list[tuple[int, list[int]]] = []
-        #: told ``(block hash, parent hash or None, tokens)`` of each block :meth:`commit`
-        #: caches (a KV event publisher: the pool knows hashes, not tokens); ``None``: nobody
-        self.on_commit: Callable[[int, int | None, list[int]], None] | None = None
+        #: told ``(block hash, parent hash or None, tokens, extra keys)`` of each block
+        #: :meth:`commit` caches (a KV event publisher: the pool knows hashes, not tokens); the
+        #: extra keys are what the hash covers besides the parent and the tokens (``(salt,)`` on
+        #: a salted chain's first block, else ``None``); ``None``: nobody
+        self.on_commit: CommitHook | None = None
 
     # -- hashing ---------------------------------------------------------------------------
     def ensure_hashes(self, request: Request) -> list[int]:
@@ -460,7 +464,12 @@ class KVCacheManager:
             if block.block_hash is None:
                 if self.on_commit is not None:
                     parent = hashes[idx - 1] if idx else None
-                    self.on_commit(hashes[idx], parent, request.all_token_ids[idx * bs : (idx + 1) * bs])
+                    salt = request.params.cache_salt
+                    # NOTE: the salt seeds the first block's hash only (the rest chain from it),
+                    # so, as in vLLM's events, only that block carries it.
+                    extra_keys = (salt,) if idx == 0 and salt is not None else None
+                    tokens = request.all_token_ids[idx * bs : (idx + 1) * bs]
+                    self.on_commit(hashes[idx], parent, tokens, extra_keys)
                 self.pool.cache_block(block_id, hashes[idx], idx)
         request.num_committed_blocks = max(request.num_committed_blocks, full)
 

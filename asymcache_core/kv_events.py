@@ -18,7 +18,12 @@ routers read this engine unchanged:
 The wire format (``docs/kv-events.md``) is msgpack with vLLM's array layout: a batch is
 ``[ts, events, data_parallel_rank]``, an event ``[tag, field, ...]`` in field order:
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
+lora_name, extra_keys]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
+``extra_keys`` is vLLM's too: one entry per block of ``block_hashes``, the keys its hash covers
+besides its parent and its tokens, untagged: ``[cache_salt]`` on a salted chain's first block,
+``nil`` on every other block (this engine has no LoRA adapters or multimodal inputs). Without
+it a router that rebuilds block identities from ``token_ids`` could not tell a salted chain from
+an unsalted one of the same tokens.
 
 pyzmq and msgpack (the ``kv-events`` extra) are imported only when a publisher is created.
 """
@@ -348,8 +353,9 @@ class KVEventCollector:
         self.publisher = publisher
         self.data_parallel_rank = data_parallel_rank
         self.pools: dict[str, BlockPool] = {}
-        # block hash -> (parent hash or None, its tokens), for the hashes some pool caches
-        self._tokens: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        # block hash -> (parent hash or None, its tokens, its extra keys or None), for the
+        # hashes some pool caches
+        self._tokens: dict[int, tuple[int | None, tuple[int, ...], tuple[str, ...] | None]] = {}
         self._gone: set[int] = set()
         self._gone_before: set[int] = set()
         self._events: list[list[Any]] = [["AllBlocksCleared"]]
@@ -366,15 +372,23 @@ class KVEventCollector:
         self.pools[medium] = pool
         pool.listeners.append(_PoolListener(self, pool, medium))
 
-    def record_tokens(self, block_hash: int, parent_hash: int | None, token_ids: list[int]) -> None:
+    def record_tokens(
+        self,
+        block_hash: int,
+        parent_hash: int | None,
+        token_ids: list[int],
+        extra_keys: tuple[str, ...] | None = None,
+    ) -> None:
         """The tokens of a block about to be cached (the cache manager's commit hook).
 
         Args:
             block_hash: its chained hash.
             parent_hash: the previous block's hash (``None`` for a sequence's first block).
             token_ids: its ``block_size`` tokens.
+            extra_keys: what else its hash covers, as vLLM publishes it (``(cache_salt,)`` on a
+                salted sequence's first block), or ``None``.
         """
-        self._tokens[block_hash] = (parent_hash, tuple(token_ids))
+        self._tokens[block_hash] = (parent_hash, tuple(token_ids), extra_keys)
 
     def stored(self, medium: str, block_hash: int) -> None:
         """``block_hash`` is now cached in ``medium``."""
@@ -384,13 +398,17 @@ class KVEventCollector:
             logger.warning("KV events: tokens of block %d unknown; its store is not published", block_hash)
             return
         self._gone.discard(block_hash)
-        parent, tokens = known
+        parent, tokens, extra_keys = known
+        keys = None if extra_keys is None else list(extra_keys)
         last = self._events[-1] if self._events else None
         if last is not None and last[0] == "BlockStored" and last[6] == medium and last[1][-1] == parent:
             last[1].append(block_hash)
             last[3].extend(tokens)
+            last[8].append(keys)
             return
-        self._events.append(["BlockStored", [block_hash], parent, list(tokens), self.block_size, None, medium, None])
+        event: list[Any] = ["BlockStored", [block_hash], parent, list(tokens), self.block_size]
+        event += [None, medium, None, [keys]]  # lora_id, medium, lora_name, extra_keys
+        self._events.append(event)
 
     def removed(self, medium: str, block_hash: int) -> None:
         """``block_hash`` is about to leave ``medium``."""

@@ -287,17 +287,23 @@ class AffinityTable:
         while len(self._homes) > self.max_jobs:
             _, gone = self._homes.popitem(last=False)
             self._per_replica[gone] -= 1
-        self._per_replica = +self._per_replica  # NOTE: drops replicas left with no keys
+        # NOTE: drops replicas left with no keys, and the negative counts of gone replicas
+        # (forget_replicas stopped counting their keys, which still leave them here)
+        self._per_replica = +self._per_replica
 
     def forget_replicas(self, alive: Iterable[str]) -> None:
-        """Drop the keys of replicas not in ``alive`` (dead or replaced ones).
+        """Stop counting the keys of replicas not in ``alive`` (dead or replaced ones) as theirs.
+
+        The keys stay, homed on the gone replica, until their next request moves them (which
+        :func:`route` then tells apart from a new key: ``replica_gone``) or the LRU bound drops
+        them; :meth:`jobs_on` no longer counts them.
 
         Args:
             alive: the ids of the replicas that run.
         """
         keep = set(alive)
-        for key in [k for k, r in self._homes.items() if r not in keep]:
-            del self._homes[key]
+        # NOTE: dropping the keys here would route their next request as "new": a move forced
+        # by a dead replica would never be counted as one.
         self._per_replica = Counter({r: n for r, n in self._per_replica.items() if r in keep})
 
     def jobs_on(self, replica: str) -> int:

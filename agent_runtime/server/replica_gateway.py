@@ -10,9 +10,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,11 @@ APP_NAME = "asymcache"
 ENGINE_DEPLOYMENT = "engine"
 #: Paths answered with the gateway's aggregation rather than by one replica (and the resets').
 _METRICS_PATH = "/metrics"
+#: vLLM's request id header (names a completion over the body's ``request_id``), which Ray
+#: Serve's HTTP proxy adds to every request that has none and to every response.
+_REQUEST_ID_HEADER = b"x-request-id"
+#: What the proxy's id looks like (``ray.serve._private.utils.generate_request_id``).
+_PROXY_ID = re.compile(rb"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,35 @@ class ForwardedRequest:
         }
 
 
+def proxy_request_id(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The ``x-request-id`` Ray Serve's HTTP proxy added to a request that came without one.
+
+    NOTE: the proxy's ``RequestIdMiddleware`` appends it after the client's headers, as a fresh
+    uuid4. A client's own header is taken for the proxy's only if it is a lone uuid4 sent last
+    too; then, as vLLM's precedence goes, it still names the completion unless the body has a
+    ``request_id`` of its own.
+
+    Args:
+        headers: the request's raw headers, in order.
+
+    Returns:
+        The id, or None when the request's ``x-request-id`` (if any) is the client's.
+    """
+    ids = [value for key, value in headers if key.lower() == _REQUEST_ID_HEADER]
+    if len(ids) != 1 or headers[-1][0].lower() != _REQUEST_ID_HEADER:
+        return None
+    return ids[0] if _PROXY_ID.match(ids[0]) else None
+
+
+def _json_body(body: bytes) -> Mapping[str, Any] | None:
+    """The body as a JSON object, or None when it is not one."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return parsed if isinstance(parsed, Mapping) else None
+
+
 def _no_replica() -> APIError:
     return APIError(503, "No engine replica is alive; retry shortly", type="server_error", code="no_replica")
 
@@ -97,11 +132,14 @@ class _Relay(Response):
     body messages of the stream (a stream that loses its replica ends with an error frame)."""
 
     def __init__(self, start: Message, rest: DeploymentResponseGenerator, path: str = "") -> None:
-        self.start = start
+        # NOTE: Ray Serve's proxy adds its own x-request-id to the response (the client's, or
+        # the one it made up); the replica's copy beside it would be a second, maybe other, id
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != _REQUEST_ID_HEADER]
+        self.start = {**start, "headers": headers}
         self.rest = rest
         self.path = path
         self.status_code = int(start.get("status", 200))
-        self.raw_headers = list(start.get("headers", []))
+        self.raw_headers = list(headers)
         self.background = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -184,18 +222,24 @@ class Gateway:
             if anthropic_messages.is_messages_path(request.url.path):
                 return anthropic_messages.error_response(error)
             return error.response()
+        parsed = _json_body(body) if request.method == "POST" else None
+        headers = tuple((bytes(k), bytes(v)) for k, v in request.scope.get("headers", []))
+        body_names_it = parsed is not None and parsed.get("request_id") is not None
+        if body_names_it and proxy_request_id(headers):
+            # NOTE: the replica reads the header over the body's request_id (vLLM's order); the
+            # proxy's made-up id must not replace the one the client named the completion with
+            headers = tuple((k, v) for k, v in headers if k.lower() != _REQUEST_ID_HEADER)
         forwarded = ForwardedRequest(
-            request.method, request.url.path, request.scope.get("query_string", b""),
-            tuple((bytes(k), bytes(v)) for k, v in request.scope.get("headers", [])), body,
+            request.method, request.url.path, request.scope.get("query_string", b""), headers, body
         )
         if forwarded.path == _METRICS_PATH:
             return await self._metrics(forwarded)
         if forwarded.path in admin.RESET_PATHS:
             return await self._reset(forwarded)
-        home = needs_home(request.method, forwarded.path, body)
+        home = needs_home(request.method, forwarded.path, parsed)
         if home is not None:
             return await self._send(forwarded, routing_key=home, home_only=True)
-        key = routing_key(body) if request.method == "POST" else None
+        key = routing_key(parsed) if parsed is not None else None
         return await self._send(forwarded, routing_key=key)
 
     async def _send(self, forwarded: ForwardedRequest, **routing: Any) -> Response:
@@ -283,7 +327,11 @@ class Gateway:
         for router in self._routers():
             decisions.update(dict(router.decisions))
             jobs += len(router.table)
-        table = GaugeMetricFamily("asymcache_router_jobs", "Routing keys in the router's affinity table.", value=jobs)
+        table = GaugeMetricFamily(
+            "asymcache_router_jobs",
+            "Routing keys in the router's affinity table (a gone replica's too, until they move).",
+            value=jobs,
+        )
         routed = Metric("asymcache_router_decisions", "Requests with a routing key routed, by why they went where they did.", "counter")
         for reason in ("affinity", "new", "replica_gone", "overloaded", "overflow"):
             routed.add_sample("asymcache_router_decisions_total", {"reason": reason}, float(decisions[reason]))
@@ -306,4 +354,12 @@ async def _bounded(gen: DeploymentResponseGenerator, timeout: float) -> AsyncIte
         gen.cancel()
 
 
-__all__ = ["APP_NAME", "ENGINE_DEPLOYMENT", "ForwardedRequest", "Gateway", "Message", "failed_stream_tail"]
+__all__ = [
+    "APP_NAME",
+    "ENGINE_DEPLOYMENT",
+    "ForwardedRequest",
+    "Gateway",
+    "Message",
+    "failed_stream_tail",
+    "proxy_request_id",
+]

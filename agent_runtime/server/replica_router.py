@@ -124,12 +124,13 @@ class JobRequestRouter(RequestRouter):
         """
         kwargs: dict[str, Any] = {}
         rid: str | None = None
+        earlier: tuple[str, str] | None = None
         if pending_request is not None:
             # NOTE: after every rank refused, back off before asking again (no busy loop).
             pending_request.routing_context.should_backoff = True
             kwargs = pending_request.kwargs
             rid = pending_request.metadata.internal_request_id
-            self._chosen.pop(rid, None)  # a retry: its earlier choice no longer counts
+            earlier = self._chosen.pop(rid, None)  # a retry: its earlier choice no longer counts
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         target = kwargs.get("replica")
         if target is not None:
@@ -142,8 +143,13 @@ class JobRequestRouter(RequestRouter):
         if not decision.order:
             return []
         first = decision.order[0]
+        reason: str = decision.reason
+        if earlier is not None and reason == "affinity" and earlier[0] == first:
+            # NOTE: the first ask claimed the key for this replica (below); that claim is what
+            # makes this ask "affinity", so the request keeps the reason it moved for.
+            reason = earlier[1]
         if rid is not None:
-            self._chosen[rid] = (first, decision.reason)
+            self._chosen[rid] = (first, reason)
             if len(self._chosen) > _MAX_CHOSEN:
                 # NOTE: a request cancelled while it was being routed is never completed;
                 # the oldest choices go so that such leftovers cannot pile up.

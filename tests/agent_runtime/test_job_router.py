@@ -123,7 +123,11 @@ def test_the_affinity_table_is_bounded_lru():
         table.assign(f"many{i}", "c")
     assert len(table) == 3 and table.jobs_on("c") == 3 and table.jobs_on("b") == 0
     table.forget_replicas(["a"])
-    assert len(table) == 0 and table.jobs_on("c") == 0
+    # the gone replica's keys stay (their next request is a "replica_gone" move), uncounted
+    assert len(table) == 3 and table.jobs_on("c") == 0 and table.get("many999") == "c"
+    assert route("many999", [ReplicaLoad("a")], table, POLICY).reason == "replica_gone"
+    table.assign("many999", "a")
+    assert (len(table), table.jobs_on("a"), table.jobs_on("c")) == (3, 1, 0)
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,20 @@ def test_routes_and_error_bodies_are_the_single_servers(client: httpx.Client):
     assert frames[-1] == "data: [DONE]" and '"completion_tokens": 5' in frames[-2]
 
 
+def test_request_ids_through_ray_serve_s_proxy(client: httpx.Client):
+    # the proxy adds an x-request-id to a request without one: it must not replace the body's
+    # request_id, while a client's header still names the completion (vLLM's order)
+    body = {"model": MODEL, "prompt": "The sky is", "max_tokens": 2, "request_id": "body-7"}
+    named = client.post("/v1/completions", json=body)
+    assert named.status_code == 200 and named.json()["id"] == "cmpl-body-7", named.text
+    assert len(named.headers.get_list("x-request-id")) == 1  # the proxy's, not a second one
+    headed = client.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr-7"})
+    assert headed.json()["id"] == "cmpl-hdr-7"
+    assert headed.headers.get_list("x-request-id") == ["hdr-7"]
+    bare = client.post("/v1/completions", json={k: v for k, v in body.items() if k != "request_id"})
+    assert bare.json()["id"] == "cmpl-" + bare.headers["x-request-id"]  # the proxy's names it
+
+
 def test_jobs_keep_their_replica_and_hit_its_cache(client: httpx.Client):
     tasks = {f"job-{i}": f"Task {i}: name a {word}." for i, word in enumerate(("color", "fruit", "planet", "tree"))}
     with ThreadPoolExecutor(max_workers=4) as pool:
@@ -224,6 +238,27 @@ def test_a_killed_replica_is_replaced_and_its_jobs_continue(client: httpx.Client
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(0.5)
     assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_a_job_whose_replica_is_gone_is_counted_as_such(client: httpx.Client):
+    gone_key = ("asymcache_router_decisions_total", (("reason", "replica_gone"),))
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Task G: name a river."},
+    ]
+    first = _chat(client, messages, "job-g")
+    assert first.status_code == 200
+    victim = first.headers[REPLICA_HEADER]
+    before = _replica_metrics(client)[gone_key]
+    _kill(victim)
+    deadline = time.monotonic() + 60
+    while victim in _per_replica(_replica_metrics(client), "vllm:num_requests_running"):
+        assert time.monotonic() < deadline, "the killed replica still answers the scrape"
+        time.sleep(0.2)
+    messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "Another."}]
+    after = _chat(client, messages, "job-g")
+    assert after.status_code == 200 and after.headers[REPLICA_HEADER] != victim
+    assert _replica_metrics(client)[gone_key] == before + 1  # the move, counted once
 
 
 # ---- the gateway's own paths, with no cluster ------------------------------------------------

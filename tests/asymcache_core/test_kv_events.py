@@ -94,9 +94,9 @@ class RouterIndex:
             if self.first_event is None:
                 self.first_event = tag
             if tag == "BlockStored":
-                _, hashes, parent, tokens, block_size, lora_id, medium, lora_name = event
+                _, hashes, parent, tokens, block_size, lora_id, medium, lora_name, keys = event
                 assert block_size == BLOCK and lora_id is None and lora_name is None
-                assert len(tokens) == block_size * len(hashes)
+                assert len(tokens) == block_size * len(hashes) and keys == [None] * len(hashes)
                 for i, block_hash in enumerate(hashes):
                     # the chain: each block's hash is its parent's and its own tokens'
                     chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
