@@ -26,12 +26,9 @@ imported only inside the two functions that read its classes; the rest is plain 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-logger = logging.getLogger("vllm.asymcache")
 
 
 @dataclass(eq=False, slots=True)
@@ -40,11 +37,13 @@ class _Chain:
 
     Invariant: ``hashes[:hit]`` are cached and ``hashes[hit]`` is not (when ``hit < len``); the
     chain is in ``PrefixHits._holders`` under each of the first ``hit`` keys (with its
-    position) and in ``PrefixHits._waiters`` under the key of ``hashes[hit]``.
+    position) and in ``PrefixHits._waiters`` under the key of ``hashes[hit]``. Holder entries
+    at positions from ``hit`` to ``held`` are stale (left by a fall back; skipped by events).
     """
 
     hashes: tuple[Hashable, ...]
     hit: int = 0
+    held: int = 0
 
     def matches(self, block_hashes: Sequence[Hashable]) -> bool:
         n = len(self.hashes)
@@ -79,6 +78,12 @@ class PrefixHits:
 
     def __len__(self) -> int:
         return len(self._chains)
+
+    @property
+    def num_entries(self) -> int:
+        """Holder entries: one per tracked chain and cached block of its hit (the memory the
+        index costs; stale ones included)."""
+        return sum(len(holding) for holding in self._holders.values())
 
     def hit_blocks(self, request_id: str, block_hashes: Sequence[Hashable]) -> int | None:
         """Leading blocks of ``block_hashes`` the cache holds (registers the chain if new).
@@ -123,7 +128,7 @@ class PrefixHits:
         """
         chain = self._chains.pop(request_id, None)
         if chain is not None and chain.hit >= 0:
-            self._unhold(chain, 0)
+            self._unhold(chain)
             self._unwait(chain)
 
     def retain(self, request_ids: Collection[str]) -> None:
@@ -155,10 +160,13 @@ class PrefixHits:
         """
         holding = self._holders.pop(key, None)
         for chain, position in (holding or {}).items():
+            if position >= chain.hit:
+                continue  # a stale entry: the chain fell back below it already
             self._unwait(chain)
-            self._unhold(chain, position + 1)
+            # NOTE: the holder entries past the new hit stay (stale, skipped above): a fall back
+            # costs O(1) per chain instead of its hit's length; forget() clears them.
             chain.hit = position
-            self._waiters.setdefault(key, set()).add(chain)
+            self._wait(key, chain)
 
     def on_reset(self) -> None:
         """The prefix cache was emptied."""
@@ -166,7 +174,7 @@ class PrefixHits:
         self._waiters.clear()
         for chain in self._chains.values():
             if chain.hit >= 0:
-                chain.hit = 0
+                chain.hit = chain.held = 0
                 self._advance(chain)
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -197,15 +205,30 @@ class PrefixHits:
         while position < len(hashes):
             key = key_of(hashes[position])
             if not is_cached(key):
-                self._waiters.setdefault(key, set()).add(chain)
+                self._wait(key, chain)
                 break
-            holders.setdefault(key, {})[chain] = position
+            # NOTE: no setdefault(key, {}): a throwaway dict per block is garbage the collector
+            # walks every container for (a waiting queue's token lists: millions of references)
+            holding = holders.get(key)
+            if holding is None:
+                holders[key] = {chain: position}
+            else:
+                holding[chain] = position
             position += 1
         chain.hit = position
+        chain.held = max(chain.held, position)
 
-    def _unhold(self, chain: _Chain, start: int) -> None:
-        """Removes ``chain`` from the holders of its keys at positions ``start`` to its hit."""
-        for position in range(start, chain.hit):
+    def _wait(self, key: Hashable, chain: _Chain) -> None:
+        """Files ``chain`` under its first missing key."""
+        waiting = self._waiters.get(key)
+        if waiting is None:
+            self._waiters[key] = {chain}
+        else:
+            waiting.add(chain)
+
+    def _unhold(self, chain: _Chain) -> None:
+        """Removes ``chain``'s holder entries (stale ones included)."""
+        for position in range(chain.held):
             key = self._key_of(chain.hashes[position])
             holding = self._holders.get(key)
             if holding is not None:
