@@ -137,7 +137,7 @@ def main() -> None:
     init_none_hash(sha256)
     print(
         "| waiting | prompt blocks | lookups pass (ms) | tracked pass (ms) | ratio | tracked first pass (ms) "
-        "| index entries | context root evicted + cached again, lookups / tracked pool (ms) |"
+        "| index entries | job's first block evicted + cached again, lookups / tracked pool (ms) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for blocks in args.blocks:
