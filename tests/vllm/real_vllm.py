@@ -30,7 +30,12 @@ def run_scenario(
     Returns:
         The scenario's JSON report.
     """
-    proc_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    # NOTE: this tree first on the path: the vLLM venv's editable install points at the checkout
+    # that built it, which from a worktree is another tree's code.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    proc_env = dict(
+        os.environ, PYTHONPATH=path, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", **(env or {})
+    )
     cmd = [sys.executable, str(HERE / "scenarios.py"), name, str(model), mode]
     if profile is not None:
         cmd.append(str(profile))
