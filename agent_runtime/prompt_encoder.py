@@ -60,4 +60,5 @@ class PromptEncoder:
         return await asyncio.wrap_future(self._pool.submit(self.tokenizer.decode, token_ids))
 
     def close(self) -> None:
+        """Stop the worker thread (encodings not yet started are cancelled)."""
         self._pool.shutdown(wait=False, cancel_futures=True)

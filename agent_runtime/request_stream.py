@@ -36,6 +36,11 @@ class EventSink:
         self.queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
 
     def put(self, item: StreamEvent | BaseException) -> None:
+        """Hand ``item`` to the loop's queue (thread-safe; dropped once the loop is closed).
+
+        Args:
+            item: an event, or the error the stream raises.
+        """
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:
