@@ -18,7 +18,7 @@ from typing import Any
 _EXPORTS: dict[str, str] = {
     "AgentRuntime": "agent_runtime.runtime",
     "AsyncEngine": "agent_runtime.engine_client",
-    "RequestStream": "agent_runtime.engine_client",
+    "RequestStream": "agent_runtime.request_stream",
     "Job": "agent_runtime.job",
     "AssistantTurn": "agent_runtime.types",
     "JobMetrics": "agent_runtime.types",

@@ -11,25 +11,36 @@ Tokenizer and grammar work (encoding prompts, building the xgrammar logits proce
 on the engine thread, because the engine decodes with the same tokenizer object. When a request
 finishes, the :class:`~agent_runtime.output_processor.OutputProcessor` turns its output into the
 final :class:`~agent_runtime.types.StreamEvent` on the engine thread too, before the next step.
+
+This module is the engine thread's side (:class:`AsyncEngine`: the command queue and the loop);
+the caller's side of a request (:class:`~agent_runtime.request_stream.RequestStream` and its
+errors) is ``request_stream.py``, and text prompts are encoded off the engine thread by
+:class:`~agent_runtime.prompt_encoder.PromptEncoder`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import itertools
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from agent_runtime.grammar_cache import GrammarCache, make_request_processor
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
+from agent_runtime.prompt_encoder import PromptEncoder
 from agent_runtime.protocol import ToolChoice, check_fits_context
+from agent_runtime.request_stream import (
+    EventSink,
+    RequestConstraintsUnsatisfiable,
+    RequestFailed,
+    RequestStream,
+)
 from agent_runtime.types import StreamEvent
 from asymcache_core import Engine
 from asymcache_core.errors import EngineDeadError
@@ -42,78 +53,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class RequestFailed(RuntimeError):
-    """One request failed on its own inside the engine (the others go on); raised by its stream."""
-
-
-class RequestConstraintsUnsatisfiable(RequestFailed, ValueError):
-    """A request failed because its own constraints allow no token at some point (the sampler's
-    :data:`~asymcache_core.sampler.NOTHING_ALLOWED`): bad input, so also a ``ValueError``
-    (the server answers it with a 400)."""
-
-
-class PromptEncoder:
-    """Encodes text prompts off the engine thread, after a length check that needs no tokenizer.
-
-    A private copy of the engine's tokenizer runs on one worker thread of its own, so a long
-    prompt never stalls the engine's steps (nor the event loop), and the copy is never used by
-    two threads at once. A prompt with more characters than ``max_model_len`` tokens could
-    cover (no token is longer than the vocabulary's longest entry) is rejected unread.
-
-    Args:
-        tokenizer: the engine's HF tokenizer.
-        max_model_len: the engine's context limit.
-    """
-
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
-        self.tokenizer = copy.deepcopy(tokenizer)
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        self.max_chars = max_model_len * max(1, longest)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asymcache-tokenize")
-
-    def check(self, text: str) -> None:
-        """Reject a prompt that cannot fit, by its length in characters.
-
-        Raises:
-            ValueError: naming ``prompt``.
-        """
-        if len(text) > self.max_chars:
-            raise ValueError(
-                f"prompt: {len(text)} characters cannot fit max_model_len (at most {self.max_chars} characters)"
-            )
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text`` (checked first; runs on the caller's thread)."""
-        self.check(text)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    async def encode_async(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """:meth:`encode` on the encoder's worker thread."""
-        self.check(text)
-        return await asyncio.wrap_future(self._pool.submit(self.encode, text, add_special_tokens))
-
-    async def decode_async(self, token_ids: list[int]) -> str:
-        """The text of ``token_ids`` (special tokens included), on the encoder's worker thread."""
-        return await asyncio.wrap_future(self._pool.submit(self.tokenizer.decode, token_ids))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _Sink:
-    """Delivers events from the engine thread into one event loop's queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[StreamEvent | BaseException] = asyncio.Queue()
-
-    def put(self, item: StreamEvent | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the consumer's loop is closed: nobody is listening any more
-
-
 @dataclass
 class _Submit:
     prompt: str | list[int]
@@ -123,7 +62,7 @@ class _Submit:
     tool_choice: ToolChoice
     response_format: dict[str, Any] | None
     options: OutputOptions
-    sink: _Sink
+    sink: EventSink
     accepted: concurrent.futures.Future[tuple[str, list[int]]]
     strict_max_tokens: bool = False
 
@@ -150,58 +89,6 @@ class _Stop:
 
 
 _Command = _Submit | _Abort | _Call | _Stop
-
-
-class RequestStream:
-    """Async iterator over one request's :class:`StreamEvent` s (ends after the final one).
-
-    Attributes:
-        request_id: the engine request id.
-        prompt_token_ids: the encoded prompt.
-        job_id: the request's job: the client's, or the one the engine gave it.
-        final: the final event once seen.
-        last: the latest event seen (what a request cut short had done).
-    """
-
-    def __init__(self, client: AsyncEngine, request_id: str, prompt_ids: list[int], sink: _Sink,
-                 job_id: str | None = None) -> None:
-        self._client = client
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_ids
-        self.job_id = job_id
-        self._sink = sink
-        self.final: StreamEvent | None = None
-        self.last: StreamEvent | None = None
-
-    def __aiter__(self) -> AsyncIterator[StreamEvent]:
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        if self.final is not None:
-            raise StopAsyncIteration
-        item = await self._sink.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        self.last = item
-        if item.output.finished:
-            self.final = item
-        return item
-
-    async def result(self) -> StreamEvent:
-        """Consume the rest of the stream.
-
-        Returns:
-            The final event.
-        """
-        async for _ in self:
-            pass
-        assert self.final is not None
-        return self.final
-
-    def abort(self) -> None:
-        """Abort the request (thread-safe, returns at once; a no-op once it finished)."""
-        if self.final is None:
-            self._client.abort_nowait(self.request_id)
 
 
 class AsyncEngine:
@@ -341,7 +228,7 @@ class AsyncEngine:
             prompt = await self.encoder.encode_async(prompt)
         loop = asyncio.get_running_loop()
         accepted: concurrent.futures.Future[tuple[str, list[int]]] = concurrent.futures.Future()
-        sink = _Sink(loop)
+        sink = EventSink(loop)
         cmd = _Submit(
             prompt if isinstance(prompt, str) else list(prompt),
             params or SamplingParams(),
@@ -508,4 +395,4 @@ class AsyncEngine:
             pass  # nothing left to flush into
 
 
-__all__ = ["AsyncEngine", "PromptEncoder", "RequestFailed", "RequestStream"]
+__all__ = ["AsyncEngine"]

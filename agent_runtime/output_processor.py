@@ -26,7 +26,7 @@ from asymcache_core.request import RequestOutput
 from asymcache_core.tool_parsing import ParsedMessage, ToolCallFormat, parse_tool_calls
 
 if TYPE_CHECKING:
-    from agent_runtime.engine_client import RequestStream
+    from agent_runtime.request_stream import RequestStream
 
 #: Jobs whose last token list is remembered (to count recomputed history); oldest dropped.
 MAX_TRACKED_JOBS = 4096

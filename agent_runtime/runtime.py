@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agent_runtime.engine_client import AsyncEngine, RequestStream
+from agent_runtime.engine_client import AsyncEngine
 from agent_runtime.job import Job
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
 from agent_runtime.presets import ServingPreset, preset_for_engine, resolve_preset
@@ -31,6 +31,7 @@ from agent_runtime.protocol import (
 )
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.rendered_turns import RenderedTurns
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.runtime_chat import ChatTurns
 from agent_runtime.structured_outputs import normalize_structured_outputs
 from asymcache_core import Engine

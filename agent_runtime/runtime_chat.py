@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Unpack
 
-from agent_runtime.engine_client import AsyncEngine, RequestStream
+from agent_runtime.engine_client import AsyncEngine
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import (
     ChatSampling,
@@ -25,6 +25,7 @@ from agent_runtime.protocol import (
     normalize_tools,
 )
 from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.structured_outputs import normalize_structured_outputs
 from agent_runtime.thinking_budget import check_thinking_budget, thinking_budget_processor
 from agent_runtime.types import AssistantTurn

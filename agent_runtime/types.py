@@ -169,7 +169,7 @@ class JobResult:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One item a :class:`~agent_runtime.engine_client.RequestStream` yields.
+    """One item a :class:`~agent_runtime.request_stream.RequestStream` yields.
 
     Attributes:
         output: the engine's output of one step for the request.

@@ -4,6 +4,12 @@ The scheduler plans the step, the runner executes it (the model, or the latency 
 virtual clock: :meth:`Engine.simulated`), the scheduler appends the sampled tokens, stops and
 frees the requests they end, and the engine turns those updates into :class:`RequestOutput`
 (detokenizing and checking stop strings on the way).
+
+This module holds the engine's construction, its request calls and the loop that orders a
+step's phases; the phases themselves (plan, execute, complete) are the
+:class:`~asymcache_core.engine_step.StepPhases` mixin, and the other mixins hold async
+scheduling (``async_steps.py``), job-level calls (``engine_jobs.py``) and the blocking
+``generate``/``chat`` (``engine_blocking.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +34,7 @@ from asymcache_core.engine_checks import (
     validate_request,
 )
 from asymcache_core.engine_jobs import JobControl
-from asymcache_core.engine_outputs import (
-    attach_logprobs,
-    attach_prompt_logprobs,
-    detokenize_step,
-    flush_text,
-    request_output,
-)
+from asymcache_core.engine_outputs import flush_text, request_output
 from asymcache_core.engine_setup import (
     Runner,
     build_model_runner,
@@ -53,6 +53,7 @@ from asymcache_core.engine_stats import (
     StepStats,
     collect_stats,
 )
+from asymcache_core.engine_step import StepPhases
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.host_tier import HostTier
 from asymcache_core.host_tier_driver import HostTierDriver
@@ -64,19 +65,14 @@ from asymcache_core.memory_budget import KVPoolPlan
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampler import with_engine_processors
 from asymcache_core.sampling_params import SamplingParams
-from asymcache_core.scheduler import (
-    RequestUpdate,
-    SchedulerOutput,
-)
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
-from asymcache_core.step_faults import StepResult, execute_isolating_faults
 from asymcache_core.step_timeline import DeviceTimeline
 
 if TYPE_CHECKING:
     from asymcache_core.tensor_parallel import TensorParallelWorkers
 
 
-class Engine(AsyncSteps, JobControl, BlockingCalls):
+class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
     """Embedded inference engine.
 
     Args:
@@ -435,99 +431,6 @@ class Engine(AsyncSteps, JobControl, BlockingCalls):
             # NOTE: after the outputs, as a live loop pays it: a step's duration does not hold it
             self.runner.between_steps()
         return outputs
-
-    def _plan(self, start: float) -> SchedulerOutput:
-        """Expires pins, prefetches from the host tier, plans the step and issues its copies."""
-        self.pins.expire(start)
-        self._sweep_jobs(start)
-        if self.host_driver is not None:
-            self.host_driver.prefetch(start, self.step_log[-1].duration_s if self.step_log else 0.0)
-        plan = self.scheduler.schedule()
-        if plan.transfers is not None and self.host_driver is not None:
-            self.host_driver.transfer(plan.transfers)
-        return plan
-
-    def _complete(self, result: StepResult, end: float) -> list[RequestOutput]:
-        """Ends a step that ran: fails its faulted requests, appends its tokens, and returns
-        its outputs."""
-        ran, sampled, faults = result
-        outputs = []
-        for request, error in faults:
-            self._fail_request(request, error, end)
-            outputs.append(request_output(request, []))
-        take_failures = getattr(self.runner, "take_failures", None)
-        for rid, error in (take_failures() if take_failures is not None else {}).items():
-            request = self.requests.get(rid)
-            if request is not None:
-                self._fail_request(request, error, end)
-                outputs.append(request_output(request, []))
-        take_prompt_logprobs = getattr(self.runner, "take_prompt_logprobs", None)
-        if take_prompt_logprobs is not None:
-            # NOTE: before the updates: a request they finish leaves ``self.requests``
-            attach_prompt_logprobs(self.requests, take_prompt_logprobs())
-        updates = self.scheduler.update_from_output(ran, sampled, end)
-        take_logprobs = getattr(self.runner, "take_logprobs", None)
-        attach_logprobs(updates, take_logprobs() if take_logprobs is not None else {})
-        self._last_end = end
-        return outputs + [self._process_output(update, end) for update in updates]
-
-    # -- step faults ---------------------------------------------------------------------------
-    def _execute(self, plan: SchedulerOutput) -> StepResult:
-        """Runs the step; a fault of the forward pass fails only the requests that cause it
-        (:func:`~asymcache_core.step_faults.execute_isolating_faults`). A dead engine (a
-        tensor-parallel rank gone) is recorded, and every later step raises."""
-        try:
-            return execute_isolating_faults(plan, self.runner, self.kv, self.pool, self.scheduler, self.block_size)
-        except EngineDeadError as exc:
-            self.dead = exc  # no request is the culprit: the engine is gone
-            raise
-
-    def _fail_request(self, request: Request, error: str, now: float) -> None:
-        """Ends one request that failed on its own (its blocks are freed; the batch goes on)."""
-        request.error = error
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED, now)
-
-    def _process_output(self, update: RequestUpdate, now: float) -> RequestOutput:
-        """Turns one scheduler update into the request's output: text, stop strings."""
-        request = update.request
-        self.counters.generated_tokens += len(update.new_token_ids)
-        if self.tokenizer is not None:
-            try:
-                detokenize_step(self.tokenizer, request, self.scheduler, now)
-            except Exception as exc:  # noqa: BLE001 - the request fails, not the step
-                self._fail_request(request, f"detokenizing failed: {type(exc).__name__}: {exc}", now)
-        return request_output(request, update.new_token_ids)
-
-    def _on_finish(self, request: Request, now: float) -> None:
-        """The scheduler's finish hook: runs before the request's blocks are freed."""
-        self._remember_conversation(request)
-        if request.job_id is not None:
-            blocks = self.pool.blocks
-            held = [(b, h) for b in self.kv.held_blocks(request) if (h := blocks[b].block_hash) is not None]
-            self.pins.remember(request.job_id, held)  # type: ignore[arg-type]
-            self.job_stats.on_finish(request.job_id, now, request.is_last_step, request.num_tokens)
-            if request.is_last_step:
-                self.pins.forget(request.job_id)
-        runner_sampler = getattr(self.runner, "sampler", None)
-        if runner_sampler is not None:
-            runner_sampler.forget(request.request_id)
-        self.counters.add_finished(request.metrics)
-        self.continuum.on_request_finished(request)
-        del self.requests[request.request_id]
-
-    def _log_step(self, plan: SchedulerOutput, start: float, end: float, schedule_s: float) -> None:
-        """Records the step that ran ``plan`` and feeds its duration to the latency feedback."""
-        predicted = self.latency.step_latency(
-            plan.num_tokens, plan.attn_pairs, plan.is_decode_only, plan.decode_kv_tokens
-        )
-        self.latency_feedback.observe(predicted, end - start, plan.is_decode_only)
-        recomputed = 0
-        if self.host_tier is not None:
-            recomputed = self.host_tier.counters.recompute_chosen - self._logged_recomputed
-            self._logged_recomputed = self.host_tier.counters.recompute_chosen
-        self.step_log.append(
-            StepStats.of_plan(plan, start, end, schedule_s, predicted, self.pool.num_in_use, recomputed)
-        )
 
     # -- checks and stats ----------------------------------------------------------------------
     def stats(self) -> EngineStats:

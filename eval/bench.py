@@ -30,7 +30,8 @@ from eval.harness import (
     warm_up,
     working_set_blocks,
 )
-from eval.results import SLO, Results, RunInfo, save_results
+from eval.results import SLO, Results, RunInfo
+from eval.results_io import save_results
 from eval.variants import DEFAULT_POLICIES, BenchVariant
 
 if TYPE_CHECKING:

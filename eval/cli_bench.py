@@ -253,7 +253,7 @@ def report(run_dir: Path = typer.Argument(..., help="A run folder holding result
     """Rebuild report.md, the plots and report.html from a run folder's results.json (a sweep
     folder: sweep.md and sweep.html from its sweep.json)."""
     from eval.report import rebuild_report
-    from eval.results import RESULTS_FILE
+    from eval.results_io import RESULTS_FILE
     from eval.sweep_results import SWEEP_FILE
 
     if run_dir.is_file():

@@ -23,7 +23,8 @@ from typing import Literal
 
 from eval.report_plots import Plot, write_plots
 from eval.report_summary import RunMetric, format_metric, run_warnings, what_this_shows
-from eval.results import PolicyResult, Results, atomic_write_text, load_results
+from eval.results import PolicyResult, Results
+from eval.results_io import atomic_write_text, load_results
 
 #: The policy used as the ratio baseline when present; otherwise the first policy is.
 BASELINE_POLICY = "vllm-apc"
@@ -523,7 +524,7 @@ def rebuild_report(run_dir: str | Path) -> list[Path]:
         The written files, as ``write_report`` returns them.
 
     Raises:
-        ValueError: If ``results.json`` is missing or invalid (see ``eval.results.load_results``).
+        ValueError: If ``results.json`` is missing or invalid (see ``eval.results_io.load_results``).
     """
     run_dir = Path(run_dir)
     return write_report(load_results(run_dir), run_dir)

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from eval.bench import BenchConfig, BenchError, check_bench_sizes, load_workload, run_bench
-from eval.results import RESULTS_FILE, SLO, load_results
+from eval.results import SLO
+from eval.results_io import RESULTS_FILE, load_results
 from eval.sweep_results import SweepPoint, SweepResults, point_figures, save_sweep, workload_slugs
 
 # NOTE: the suites' files live in the project's bench_traces/, found from here, so that a suite

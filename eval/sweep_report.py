@@ -13,7 +13,7 @@ import base64
 import math
 from pathlib import Path
 
-from eval.results import atomic_write_text
+from eval.results_io import atomic_write_text
 from eval.sweep_results import (
     SweepResults,
     capacity_at_slo,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pydantic import Field
 
-from eval.results import SLO, Results, _format_validation_error, _Model, atomic_write_text
+from eval.results import SLO, Results, _Model
+from eval.results_io import atomic_write_text, format_validation_error
 
 SWEEP_FILE = "sweep.json"
 SWEEP_SCHEMA_VERSION = 1
@@ -113,7 +114,7 @@ def load_sweep(path_or_dir: str | Path) -> SweepResults:
     except ValidationError as exc:
         # NOTE: each problem with its field's JSON location, as load_results says them
         raise ValueError(
-            f"{path}: not a sweep document, {exc.error_count()} problem(s):\n" + _format_validation_error(exc)
+            f"{path}: not a sweep document, {exc.error_count()} problem(s):\n" + format_validation_error(exc)
         ) from None
     if sweep.schema_version != SWEEP_SCHEMA_VERSION:
         raise ValueError(f"{path}: sweep schema_version {sweep.schema_version} is not supported")

@@ -47,11 +47,10 @@ from workloads.schema import (
     Job,
     Trace,
     TraceError,
-    TraceStats,
     Turn,
-    job_token_stream,
-    stable_seed,
 )
+from workloads.token_streams import job_token_stream, stable_seed
+from workloads.trace_stats import TraceStats
 
 __all__ = [
     "IMPORTERS",

@@ -15,24 +15,20 @@ trace-level fields (name, seed, source, arrival, schema_version) and every furth
 named after the file); blank lines are skipped. Any malformed line raises ``TraceError`` whose
 message names the file and the 1-based line number.
 
-``job_token_stream`` turns a job into concrete token ids deterministically, so that an engine
-fed token ids sees the prefix sharing the trace describes: jobs with the same
-``shared_prefix_id`` get byte-identical shared prefixes, jobs with equal leading
-``block_hash_ids`` (imported Mooncake / Bailian traces) get identical leading blocks, and
-everything else is private to the job.
+Turning a job into concrete token ids is :mod:`workloads.token_streams`
+(``job_token_stream``), and ``Trace.stats`` is computed by :mod:`workloads.trace_stats`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+
+from workloads.trace_stats import TraceStats, trace_stats
 
 SCHEMA_VERSION = 1
 """Version written into the JSONL header; bump on incompatible schema changes."""
@@ -222,35 +218,6 @@ class ArrivalInfo(BaseModel):
         return self
 
 
-class TraceStats(BaseModel):
-    """Summary statistics of a trace (see ``Trace.stats``). Token means are per turn."""
-
-    model_config = ConfigDict(frozen=True)
-
-    jobs: int
-    turns: int
-    mean_turns: float
-    p50_turns: float
-    p95_turns: float
-    max_turns: int
-    tool_calls: int
-    mean_tool_duration_s: float
-    p95_tool_duration_s: float
-    mean_think_time_s: float
-    mean_input_tokens: float
-    mean_output_tokens: float
-    mean_shared_prefix_tokens: float
-    mean_system_tokens: float
-    mean_job_context_tokens: float
-    max_job_context_tokens: int
-    total_input_tokens: int
-    total_output_tokens: int
-    total_tokens: int
-    shared_prefix_groups: int
-    arrival_span_s: float
-    tools: dict[str, int]
-
-
 class Trace(BaseModel):
     """A named, seeded list of jobs plus how they arrive.
 
@@ -311,64 +278,13 @@ class Trace(BaseModel):
     # ---------------------------------------------------------------- statistics
 
     def stats(self) -> TraceStats:
-        """Summary statistics: job and turn counts, tool durations, token lengths.
+        """Summary statistics: job and turn counts, tool durations, token lengths
+        (:func:`~workloads.trace_stats.trace_stats`).
 
         Returns:
             A ``TraceStats``; means over an empty set are 0.
         """
-        turns_per_job = np.array([len(j.turns) for j in self.jobs], dtype=np.float64)
-        inputs: list[int] = []
-        outputs: list[int] = []
-        tool_durs: list[float] = []
-        thinks: list[float] = []
-        tools: dict[str, int] = {}
-        for job in self.jobs:
-            last = len(job.turns) - 1
-            for i, turn in enumerate(job.turns):
-                inputs.append(turn.input_tokens)
-                outputs.append(turn.output_tokens)
-                if turn.tool is not None:
-                    tool_durs.append(turn.tool_duration_s)
-                    tools[turn.tool] = tools.get(turn.tool, 0) + 1
-                elif i < last:
-                    thinks.append(turn.think_time_s)
-        contexts = [j.total_tokens for j in self.jobs]
-        arrivals = [j.arrival_s for j in self.jobs]
-        total_in = int(sum(inputs)) + sum(
-            j.shared_prefix_tokens + j.system_tokens for j in self.jobs
-        )
-        total_out = int(sum(outputs))
-
-        def mean(xs: Sequence[float] | np.ndarray) -> float:
-            return float(np.mean(xs)) if len(xs) else 0.0
-
-        def pct(xs: Sequence[float] | np.ndarray, q: float) -> float:
-            return float(np.percentile(xs, q)) if len(xs) else 0.0
-
-        return TraceStats(
-            jobs=len(self.jobs),
-            turns=int(turns_per_job.sum()),
-            mean_turns=mean(turns_per_job),
-            p50_turns=pct(turns_per_job, 50),
-            p95_turns=pct(turns_per_job, 95),
-            max_turns=int(turns_per_job.max()) if len(turns_per_job) else 0,
-            tool_calls=len(tool_durs),
-            mean_tool_duration_s=mean(tool_durs),
-            p95_tool_duration_s=pct(tool_durs, 95),
-            mean_think_time_s=mean(thinks),
-            mean_input_tokens=mean(inputs),
-            mean_output_tokens=mean(outputs),
-            mean_shared_prefix_tokens=mean([j.shared_prefix_tokens for j in self.jobs]),
-            mean_system_tokens=mean([j.system_tokens for j in self.jobs]),
-            mean_job_context_tokens=mean(contexts),
-            max_job_context_tokens=max(contexts) if contexts else 0,
-            total_input_tokens=total_in,
-            total_output_tokens=total_out,
-            total_tokens=total_in + total_out,
-            shared_prefix_groups=len({j.shared_prefix_id for j in self.jobs if j.shared_prefix_id}),
-            arrival_span_s=(max(arrivals) - min(arrivals)) if arrivals else 0.0,
-            tools=dict(sorted(tools.items())),
-        )
+        return trace_stats(self.jobs)
 
     # ---------------------------------------------------------------- JSONL I/O
 
@@ -468,99 +384,3 @@ def _short(e: ValidationError) -> str:
         parts.append(f"{loc}: {err['msg']}")
     more = e.error_count() - len(parts)
     return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
-
-
-# -------------------------------------------------------------------- token materialisation
-
-
-def stable_seed(*parts: object) -> int:
-    """A 64-bit seed from any printable parts, stable across processes and Python versions.
-
-    Python's ``hash()`` of a str is salted per process, so it cannot seed reproducible tokens.
-
-    Args:
-        *parts: Values whose ``repr`` identifies the stream (seed, namespace, ids).
-
-    Returns:
-        A non-negative integer suitable for ``numpy.random.default_rng``.
-    """
-    digest = hashlib.blake2b(repr(parts).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def _draw(n: int, low: int, high: int, *parts: object) -> list[int]:
-    if n <= 0:
-        return []
-    rng = np.random.default_rng(stable_seed(*parts))
-    return rng.integers(low, high, size=n, dtype=np.int64).tolist()
-
-
-def job_token_stream(
-    job: Job,
-    vocab_size: int,
-    seed: int = 0,
-    *,
-    reserved: int = 16,
-    high: int | None = None,
-) -> list[list[int]]:
-    """Deterministic token ids of each turn's new input.
-
-    The first list is the whole first prompt: shared prefix, then the job-private system
-    prompt, then turn 0's input. Later lists are just each turn's new input (the engine's own
-    outputs sit between them in the context). Shared-prefix tokens depend only on
-    ``(seed, shared_prefix_id)`` so jobs with the same id see identical prefixes (a shorter
-    prefix is a prefix of a longer one); system and turn tokens depend on ``(seed, job_id)``.
-    When the job has ``block_hash_ids``, the first ``len(block_hash_ids) * block_hash_size``
-    tokens of the first prompt are drawn per block from ``(seed, hash id, position in block)``,
-    so jobs with equal leading hash ids share exactly those blocks. Explicit
-    ``Turn.input_token_ids`` are used verbatim and win over everything else.
-
-    Args:
-        job: The job.
-        vocab_size: Model vocabulary size; the default upper bound of the ids.
-        seed: Seed of the materialisation (independent of the generator seed).
-        reserved: Lowest id drawn: ids below it (special tokens: BOS/EOS/pad/chat markers) are
-            never produced.
-        high: Exclusive upper bound of drawn ids; defaults to ``vocab_size``.
-
-    Returns:
-        ``len(job.turns)`` lists of ids; list 0 has ``job.first_prompt_tokens`` ids and list
-        ``k > 0`` has ``job.turns[k].input_tokens`` ids.
-
-    Raises:
-        ValueError: The id range ``[reserved, high)`` is empty or exceeds the vocabulary.
-    """
-    hi = vocab_size if high is None else high
-    if not 0 <= reserved < hi <= vocab_size:
-        raise ValueError(
-            f"token id range [{reserved}, {hi}) is empty or outside vocab_size {vocab_size}"
-        )
-    shared = (
-        _draw(job.shared_prefix_tokens, reserved, hi, seed, "shared", job.shared_prefix_id)
-        if job.shared_prefix_id is not None
-        else []
-    )
-    system = _draw(job.system_tokens, reserved, hi, seed, "system", job.job_id)
-    streams: list[list[int]] = []
-    for k, turn in enumerate(job.turns):
-        if turn.input_token_ids is not None:
-            ids = list(turn.input_token_ids)
-        else:
-            ids = _draw(turn.input_tokens, reserved, hi, seed, "turn", job.job_id, k)
-        streams.append(ids)
-    first = shared + system + streams[0]
-    if job.block_hash_ids and job.block_hash_size:
-        fixed_from = len(shared) + len(system) if job.turns[0].input_token_ids is not None else None
-        bs = job.block_hash_size
-        for b, hid in enumerate(job.block_hash_ids):
-            start = b * bs
-            if start >= len(first):
-                break
-            end = min(start + bs, len(first))
-            if fixed_from is not None:
-                end = min(end, fixed_from)
-                if start >= end:
-                    break
-            first[start:end] = _draw(bs, reserved, hi, seed, "block", bs, hid)[: end - start]
-    streams[0] = first
-    return streams

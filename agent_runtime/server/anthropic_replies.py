@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agent_runtime.engine_client import RequestStream
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.streamed_text import StreamedText, finished_reply
 from agent_runtime.types import AssistantTurn, StreamEvent

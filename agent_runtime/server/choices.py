@@ -13,8 +13,8 @@ import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any
 
-from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.logprobs import (
     TokenTexts,
     chat_logprobs,

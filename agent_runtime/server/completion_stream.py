@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from agent_runtime.engine_client import RequestStream
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.choices import Chunks
 from agent_runtime.server.errors import stream_error_frame
 from agent_runtime.server.metrics import ServerMetrics

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
 
-from agent_runtime.engine_client import RequestConstraintsUnsatisfiable
 from agent_runtime.protocol import RequestError
+from agent_runtime.request_stream import RequestConstraintsUnsatisfiable
 from agent_runtime.server.responses import ErrorInfo, ErrorResponse
 
 
@@ -97,7 +97,7 @@ def from_value_error(
 
 def failed_request_error(exc: BaseException) -> APIError:
     """The API error of a request that failed while it ran: a 400 where its own constraints
-    allow no token (:class:`~agent_runtime.engine_client.RequestConstraintsUnsatisfiable`),
+    allow no token (:class:`~agent_runtime.request_stream.RequestConstraintsUnsatisfiable`),
     else a 500.
 
     Args:

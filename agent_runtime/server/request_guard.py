@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from agent_runtime.engine_client import RequestConstraintsUnsatisfiable
+from agent_runtime.request_stream import RequestConstraintsUnsatisfiable
 from agent_runtime.server import anthropic_messages
 from agent_runtime.server.auth import authorized
 from agent_runtime.server.errors import APIError, failed_request_error

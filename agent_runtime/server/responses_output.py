@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from agent_runtime.engine_client import RequestStream
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.errors import failed_request_error
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.responses_input import ResponsesRequest

@@ -19,9 +19,9 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import RequestError
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.body_parsing import (
     REQUEST_ID_HEADER,
     base_request_id,

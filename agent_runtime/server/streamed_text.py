@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from agent_runtime.engine_client import RequestStream
 from agent_runtime.output_processor import build_turn
 from agent_runtime.reasoning import stream_split
+from agent_runtime.request_stream import RequestStream
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
 

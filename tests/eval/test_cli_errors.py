@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from eval.cli import app, clean_errors, one_line
-from eval.results import save_results
+from eval.results_io import save_results
 from eval.variants import SUFFIX_SPELLINGS, BenchVariant
 from tests.eval.test_report import _results
 

@@ -44,7 +44,7 @@ def test_jobs_cut_to_max_model_len_are_counted_noted_and_warned(tmp_path):
 
     from eval.bench_workload import cut_jobs
     from eval.cli import app
-    from eval.results import load_results
+    from eval.results_io import load_results
     from workloads import load_trace
 
     trace_path = tmp_path / "t.jsonl"

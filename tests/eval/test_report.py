@@ -22,10 +22,9 @@ from eval.results import (
     RunInfo,
     Series,
     Summary,
-    load_results,
-    save_results,
     summarize,
 )
+from eval.results_io import load_results, save_results
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BROWSER_TIMEOUT_S = 60

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from eval.bench import BenchConfig, run_bench
 from eval.cli import app
-from eval.results import load_results
+from eval.results_io import load_results
 from eval.sweep_results import PointFigures, SweepPoint, SweepResults, load_sweep, save_sweep
 
 runner = CliRunner()

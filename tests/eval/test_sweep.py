@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from eval.cli import app
 from eval.harness import RequestRecord, RunOutcome, serving_metrics
-from eval.results import SLO, load_results
+from eval.results import SLO
+from eval.results_io import load_results
 from eval.sweep import LoadPoint, sweep_points
 from eval.sweep_results import Curve, capacity_at_slo, curve, load_sweep
 
