@@ -7,8 +7,9 @@ command queue: submitting a request, aborting one, or running a function against
 ``loop.call_soon_threadsafe`` into an :class:`asyncio.Queue`, so many jobs (and the HTTP server)
 await their tokens concurrently while the engine thread batches them into shared steps.
 
-Tokenizer and grammar work (encoding prompts, building the xgrammar logits processor) also runs
-on the engine thread, because the engine decodes with the same tokenizer object. When a request
+Grammar work (building the xgrammar logits processor) also runs on the engine thread, because
+the engine decodes with the same tokenizer object; text prompts are encoded on a thread of
+their own, with a private copy of the tokenizer (below). When a request
 finishes, the :class:`~agent_runtime.output_processor.OutputProcessor` turns its output into the
 final :class:`~agent_runtime.types.StreamEvent` on the engine thread too, before the next step.
 
