@@ -85,8 +85,9 @@ class CandidateIndex:
         self.groups: dict[Hashable, GroupRows] = {}
         #: Groups to re-price at the next walk.
         self.dirty: set[Hashable] = set()
-        #: Score of the latest victim a walk handed out (pricing picks bound horizons with it).
-        self.level = 0.0
+        #: Score of the latest victim a walk handed out (pricing picks bound horizons with it;
+        #: ``-inf`` before the first).
+        self.level = -math.inf
         self._stamp = itertools.count()
         self._bounds: list[tuple[float, float, int, Hashable]] = []
         self._expiry: list[tuple[float, int, Hashable]] = []

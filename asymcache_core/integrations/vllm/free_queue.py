@@ -23,14 +23,19 @@ tracks the cached hash chains (copies per hash, cached children per hash); the l
 forest, and hashes held by more than one block, are the candidates. Evicting a leaf may turn its
 parent into a leaf within the same allocation.
 
-An eviction neither scans nor scores every free block. The queue keeps the *candidates* (free,
-cached, evictable key, not pinned) filed by score group (:meth:`BlockScorer.group_of`: blocks
-used by the same jobs share every term of the score but their position), each group in two
-heaps, by position and by recency; the forest, the pins and the scorer report every change that
-moves a block in or out. A plan prices each group once (:meth:`BlockScorer.group_terms`),
-merges the groups' heads and walks a copy-on-write view of the forest
+An eviction neither scans nor scores every free block, nor prices every score group. The queue
+keeps the *candidates* (free, cached, evictable key, not pinned) filed by score group
+(:meth:`BlockScorer.group_of`: blocks used by the same jobs share every term of the score but
+their position), each group in two heaps, by position and by recency, and the groups in a heap
+by a lower bound of their scores that holds until a horizon
+(:mod:`~asymcache_core.integrations.vllm.candidates`, :meth:`BlockScorer.group_bound`); the
+forest, the pins, the scorer and the job statistics report every change that moves a block in or
+out or re-prices a group. A walk (:func:`~asymcache_core.integrations.vllm.walk.walk`) re-prices
+the groups that changed or whose horizon passed, reads the groups by bound, prices one only when
+its bound is not above the best candidate found so far, merges the priced groups' heads and walks
+a copy-on-write view of the forest
 (:class:`~asymcache_core.integrations.vllm.forest.ForestOverlay`) that wakes a parent's blocks
-when its last child goes: O(groups + victims x log groups) per allocation, not O(free blocks).
+when its last child goes: O((re-priced + priced groups + victims) x log groups) per allocation.
 The order is the full scan's (:func:`~asymcache_core.integrations.vllm.reference.reference_plan`,
 every block scored, which tests compare against); a dry run
 (:meth:`ExpectedLatencyFreeQueue.get_all_free_blocks`, :meth:`~ExpectedLatencyFreeQueue.iter_blocks_after`)

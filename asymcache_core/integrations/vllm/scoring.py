@@ -230,7 +230,12 @@ class BlockScorer:
         return got
 
     def group_bound(
-        self, group: GroupKey, min_position: int, now: float, level: float
+        self,
+        group: GroupKey,
+        min_position: int,
+        now: float,
+        level: float,
+        terms: GroupTerms | None = None,
     ) -> GroupBound:
         """A lower bound of the group's scores from ``now`` to a horizon, with that horizon.
 
@@ -253,19 +258,24 @@ class BlockScorer:
             group: a :meth:`group_of` key.
             min_position: the lowest position among the group's blocks.
             now: the clock of the job statistics.
-            level: the score of the latest victim (``0.0``: none yet).
+            level: the score of the latest victim (``-inf``: none yet).
+            terms: the group's :meth:`group_terms` at ``now``, when the caller has them.
 
         Returns:
             The bound; ``score`` is ``-inf`` for a latency line with a negative term (no
             monotonicity to rely on: the group is always priced).
         """
-        terms = self.group_terms(group, now)
+        if terms is None:
+            terms = self.group_terms(group, now)
         start, scale, reads_global = self._decay(group, now)
         head = self.score_at(terms, min_position)
         if scale is None or head <= 0.0:
             until = math.inf  # NOTE: no estimate reads the clock (or P(reuse) is already 0)
         else:
-            ahead = math.log(head / level) - 0.25 if level > 0.0 else _MAX_HORIZON
+            if level == -math.inf:
+                ahead = 0.0  # NOTE: no victim yet: no level to stay above, a short horizon
+            else:
+                ahead = math.log(head / level) - 0.25 if level > 0.0 else _MAX_HORIZON
             if ahead >= _MIN_HORIZON:
                 until = max(now, start) + scale * min(ahead, _MAX_HORIZON)
             elif start > now:

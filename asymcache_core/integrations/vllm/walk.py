@@ -92,7 +92,7 @@ def walk(
         if scorer is None:
             return Bound(-math.inf, -math.inf, math.inf, False, False)
         head = rows.by_position[0]
-        got = scorer.group_bound(group, head[0], at, level)  # type: ignore[arg-type]
+        got = scorer.group_bound(group, head[0], at, level, fresh.pop(group, None))  # type: ignore[arg-type]
         memo[group] = got.terms
         rows.priced = (at, got.terms)
         order = got.terms.order
@@ -105,6 +105,17 @@ def walk(
 
     if scorer is None or not scorer.watching():
         index.dirty.update(index.groups)  # NOTE: no job events reach us: price every group
+    fresh: dict[Hashable, GroupTerms] = {}
+    if index.level == -math.inf and scorer is not None and index.dirty:
+        # NOTE: no victim yet, so no level to pick horizons by: the lowest group's score now
+        # is about where the first victims will be (without it every bound would be short).
+        lowest = math.inf
+        for group in index.dirty:
+            rows = index.groups.get(group)
+            if rows is not None:
+                got = fresh[group] = scorer.group_terms(group, now)  # type: ignore[arg-type]
+                lowest = min(lowest, scorer.score_at(got, rows.by_position[0][0]))
+        index.level = lowest if lowest < math.inf else -math.inf
     index.refresh(now, price)
     version = queue._version
     view = ForestOverlay(queue.forest)
