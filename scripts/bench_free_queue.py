@@ -10,6 +10,10 @@ that cost is spread over the frees that filed the groups). By default every job 
 prior, constant in time; with ``--decay`` each job has had a pause of its own (13 different
 lengths), the clock starts where most jobs overstay theirs (their P(reuse) decays, each at its
 own rate) and moves ``--step`` seconds before every pop. CPU only; no vLLM needed.
+
+``--vllm`` (run with ``.venv-vllm``) times instead one evicting ``get_new_blocks(1)`` of a real
+vLLM ``BlockPool`` full of the same chains, with the plugin's queue and pool hooks installed as
+its scheduler installs them, against the same pool with vLLM's own LRU queue.
 """
 
 from __future__ import annotations
@@ -78,6 +82,53 @@ def build(
     return ExpectedLatencyFreeQueue(blocks, scorer.score, clock, forest), forest, clock
 
 
+def vllm_pools(num_blocks: int, chain: int, repeats: int) -> tuple[float, float]:
+    """Median ms of an evicting ``get_new_blocks(1)``: a real vLLM ``BlockPool`` with the
+    plugin's queue, and one with vLLM's own."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from vllm.v1.core.block_pool import BlockPool  # NOTE: .venv-vllm only
+
+    from asymcache_core.integrations.vllm.scheduler import install_pool_hooks
+
+    out = []
+    for plugin in (True, False):
+        pool = BlockPool(num_blocks + 1, True, 16)  # NOTE: +1: vLLM keeps a null block
+        if plugin:
+            job_stats = JobStats()
+            scorer = BlockScorer(job_stats, LatencyModel(0.007, 2e-5, 2e-9, 64), 16)
+            forest = CachedForest()
+            queue = ExpectedLatencyFreeQueue(
+                pool.free_block_queue.get_all_free_blocks(), scorer.score, lambda: 5.0, forest
+            )
+            for block in pool.blocks:
+                block.prev_free_block = block.next_free_block = None
+            pool.free_block_queue = queue
+            install_pool_hooks(pool, forest, queue, scorer)
+        for s in range(num_blocks // chain):
+            parent, hashes = b"", []
+            for i in range(chain):
+                parent = hashlib.sha256(parent + f"{s}_{i}".encode()).digest()
+                hashes.append(parent)
+            blocks = pool.get_new_blocks(chain)
+            request = SimpleNamespace(block_hashes=hashes, mm_features=[], lora_request=None)
+            pool.cache_full_blocks(request, blocks, 0, chain, 16, 0)
+            if plugin:
+                job_stats.on_arrival(f"s{s}", 0.0, 100)
+                scorer.annotate([b.block_id for b in blocks], f"s{s}")
+                job_stats.on_finish(f"s{s}", 1.0 + s * 1e-3, False, chain * 16)
+            pool.free_blocks(reversed(blocks))
+        pool.get_new_blocks(1)  # NOTE: the first eviction prices every group once
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            pool.get_new_blocks(1)
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times) * 1e3)
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[5_000, 50_000, 200_000])
@@ -89,7 +140,17 @@ def main() -> None:
     ap.add_argument(
         "--step", type=float, default=0.05, help="seconds the clock moves before each pop (--decay)"
     )
+    ap.add_argument("--vllm", action="store_true", help="a real vLLM BlockPool (.venv-vllm)")
     args = ap.parse_args()
+    if args.vllm:
+        print(
+            "| cached free blocks | chains (jobs) | plugin get_new_blocks(1) (ms) | vLLM's LRU (ms) |"
+        )
+        print("|---:|---:|---:|---:|")
+        for size in args.sizes:
+            plugin, stock = vllm_pools(size, args.chain, args.repeats)
+            print(f"| {size:,} | {size // args.chain:,} | {plugin:.3f} | {stock:.4f} |")
+        return
     print(
         "| cached free blocks | chains (jobs) | first pop of 16 (ms) | pop of 16 (ms) | full scan plan of 16 (ms) |"
     )

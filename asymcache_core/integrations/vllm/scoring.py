@@ -59,7 +59,8 @@ class GroupBound(NamedTuple):
         score: no block of the group at ``position >= min_position`` scores below it at any
             time ``t <= until`` (until an event of the group's jobs).
         until: the last time it holds (``inf``: until an event).
-        exact: the score at ``min_position`` is exactly ``score`` at every ``t <= until``.
+        exact: P(reuse) stays what it is now until ``until``: the score at ``min_position`` is
+            exactly ``score``, and the group orders its blocks as now.
         reads_global: a job of the group reads the gaps of all jobs (no gaps or hint of its
             own): a new gap of any job re-prices it.
         terms: the group's terms at the pricing time (a walk at that time reuses them).
@@ -244,9 +245,9 @@ class BlockScorer:
         ``exp``, hence the slack), and with ``fixed >= 0`` and ``slope >= 0`` the rounded
         ``p x (fixed + slope x q)`` is non-decreasing in ``p`` and in ``q``. So the score at the
         horizon ``u`` of the group's lowest position bounds every block's score at every
-        ``t <= u``. When the score at ``u`` equals the score at ``now`` to the bit, nothing
-        moved in between: the bound is exact (no slack) and ties between groups keep their
-        recency order.
+        ``t <= u``. When P(reuse) at ``u`` equals P(reuse) at ``now`` to the bit, nothing moved
+        in between: the bound is exact (no slack) and ties between groups keep their recency
+        order.
 
         The horizon only decides how soon the group is re-priced: the end of a constant phase
         (the first job's ``last_finish + 1.5 s``) for a group whose score is near ``level``
@@ -269,11 +270,11 @@ class BlockScorer:
             terms = self.group_terms(group, now)
         start, scale, reads_global = self._decay(group, now)
         head = self.score_at(terms, min_position)
-        if scale is None or head <= 0.0:
+        if scale is None or terms.p_reuse <= 0.0:
             until = math.inf  # NOTE: no estimate reads the clock (or P(reuse) is already 0)
         else:
-            if level == -math.inf:
-                ahead = 0.0  # NOTE: no victim yet: no level to stay above, a short horizon
+            if level == -math.inf or head <= 0.0:
+                ahead = 0.0  # NOTE: no victim yet (no level to stay above): a short horizon
             else:
                 ahead = math.log(head / level) - 0.25 if level > 0.0 else _MAX_HORIZON
             if ahead >= _MIN_HORIZON:
@@ -285,8 +286,15 @@ class BlockScorer:
                 until = now + scale * _MIN_HORIZON
         if terms.fixed < 0.0 or terms.slope < 0.0:
             return GroupBound(-math.inf, until, False, reads_global, terms)
-        late = head if until == now else self.score_at(self.group_terms(group, until), min_position)
-        if late == head:
+        # NOTE: no job reads the clock (the mirror says so; the randomized tests hold it to
+        # JobStats), or P(reuse) is 0 and cannot fall: the terms at the horizon are today's.
+        fixed = until == now or scale is None or terms.p_reuse <= 0.0
+        ahead_terms = terms if fixed else self.group_terms(group, until)
+        late = self.score_at(ahead_terms, min_position)
+        if ahead_terms.p_reuse == terms.p_reuse:
+            # NOTE: P(reuse) did not move (it cannot go down and back up): every block scores
+            # and orders as now until the horizon. Equal head scores alone would not do: a
+            # P(reuse) that reaches 0 turns a group flat, ordered by recency, not position.
             return GroupBound(late, until, True, reads_global, terms)
         return GroupBound(late - late * _BOUND_SLACK, until, False, reads_global, terms)
 

@@ -232,3 +232,6 @@ def test_a_bound_holds_until_its_horizon(seed: int) -> None:
                 assert got >= bound.score
                 if bound.exact and q == position:
                     assert got == bound.score
+            if bound.exact and at >= now:
+                # P(reuse) stays put: the group orders its blocks as it does now
+                assert scorer.group_terms(group, at).p_reuse == bound.terms.p_reuse  # type: ignore[arg-type]
