@@ -43,6 +43,12 @@ class JobStats:
     Args:
         prior_reuse: probability used for a job with no history.
         history: gaps and turn sizes kept per job.
+
+    Attributes:
+        watcher: called after every change of what :meth:`reuse_probability` and
+            :meth:`expected_next_tokens` read: with the job's id, or with ``None`` when the
+            gaps of all jobs changed (jobs without gaps of their own read them). The vLLM
+            plugin's free queue re-prices only the score groups of the jobs it names.
     """
 
     def __init__(self, prior_reuse: float = 0.5, history: int = 16) -> None:
@@ -50,11 +56,17 @@ class JobStats:
         self.history = history
         self.jobs: dict[str, JobState] = {}
         self.global_gaps: list[float] = []
+        self.watcher: Callable[[str | None], None] | None = None
+
+    def _changed(self, job_id: str | None) -> None:
+        if self.watcher is not None:
+            self.watcher(job_id)
 
     def state(self, job_id: str) -> JobState:
         state = self.jobs.get(job_id)
         if state is None:
             state = self.jobs[job_id] = JobState()
+            self._changed(job_id)  # NOTE: a known job's P(reuse) is no longer the prior
         return state
 
     def last_active(self, job_id: str, default: float) -> float:
@@ -70,7 +82,11 @@ class JobStats:
         Returns:
             The jobs dropped (the caller forgets them in its own tables).
         """
-        idle = sorted((st.last_active, job) for job, st in self.jobs.items() if st.running == 0 and not is_pinned(job))
+        idle = sorted(
+            (st.last_active, job)
+            for job, st in self.jobs.items()
+            if st.running == 0 and not is_pinned(job)
+        )
         drop = [job for last, job in idle if now - last > idle_s]
         if len(self.jobs) > max_jobs:
             extra = len(self.jobs) - len(drop) - int(0.9 * max_jobs)
@@ -79,6 +95,7 @@ class JobStats:
                 drop += [job for _, job in idle if job not in dropped][:extra]
         for job in drop:
             self.jobs.pop(job, None)
+            self._changed(job)
         return drop
 
     def on_arrival(self, job_id: str, now: float, new_tokens: int) -> None:
@@ -104,11 +121,13 @@ class JobStats:
             gap = max(0.0, now - state.last_finish)
             state.gaps = (state.gaps + [gap])[-self.history :]
             self.global_gaps = (self.global_gaps + [gap])[-256:]
+            self._changed(None)
         state.new_tokens = (state.new_tokens + [new_tokens])[-self.history :]
         state.running += 1
         state.last_active = now
         state.last_arrival = now
         state.expected_gap = None
+        self._changed(job_id)
 
     def turn_tokens(self, job_id: str, prompt_tokens: int) -> int:
         """New tokens of a prompt of ``prompt_tokens`` (its length beyond the context the
@@ -129,14 +148,18 @@ class JobStats:
         state.last_active = now
         if last_step:
             state.finished = True
+        self._changed(job_id)
 
-    def hint(self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None) -> None:
+    def hint(
+        self, job_id: str, expected_gap_s: float | None = None, finished: bool | None = None
+    ) -> None:
         """Runtime hints: the next request is expected in ``expected_gap_s``; or the job is done."""
         state = self.state(job_id)
         if expected_gap_s is not None:
             state.expected_gap = max(0.0, expected_gap_s)
         if finished is not None:
             state.finished = finished
+        self._changed(job_id)
 
     def expected_return(self, job_id: str) -> float | None:
         """When the job's next request is expected: its last finish plus the runtime's hint,
@@ -202,7 +225,9 @@ class JobStats:
         overstay = max(0.0, idle - 1.5 * scale)
         return base * math.exp(-overstay / scale)
 
-    def block_reuse_probability(self, jobs: Collection[str], job_id: str | None, now: float) -> float:
+    def block_reuse_probability(
+        self, jobs: Collection[str], job_id: str | None, now: float
+    ) -> float:
         """A block shared by several jobs is reused if any of them comes back."""
         if not jobs:
             return self.reuse_probability(job_id, now)

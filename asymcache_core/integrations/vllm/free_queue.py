@@ -23,14 +23,19 @@ tracks the cached hash chains (copies per hash, cached children per hash); the l
 forest, and hashes held by more than one block, are the candidates. Evicting a leaf may turn its
 parent into a leaf within the same allocation.
 
-An eviction neither scans nor scores every free block. The queue keeps the *candidates* (free,
-cached, evictable key, not pinned) filed by score group (:meth:`BlockScorer.group_of`: blocks
-used by the same jobs share every term of the score but their position), each group in two
-heaps, by position and by recency; the forest, the pins and the scorer report every change that
-moves a block in or out. A plan prices each group once (:meth:`BlockScorer.group_terms`),
-merges the groups' heads and walks a copy-on-write view of the forest
+An eviction neither scans nor scores every free block, nor prices every score group. The queue
+keeps the *candidates* (free, cached, evictable key, not pinned) filed by score group
+(:meth:`BlockScorer.group_of`: blocks used by the same jobs share every term of the score but
+their position), each group in two heaps, by position and by recency, and the groups in a heap
+by a lower bound of their scores that holds until a horizon
+(:mod:`~asymcache_core.integrations.vllm.candidates`, :meth:`BlockScorer.group_bound`); the
+forest, the pins, the scorer and the job statistics report every change that moves a block in or
+out or re-prices a group. A walk (:func:`~asymcache_core.integrations.vllm.walk.walk`) re-prices
+the groups that changed or whose horizon passed, reads the groups by bound, prices one only when
+its bound is not above the best candidate found so far, merges the priced groups' heads and walks
+a copy-on-write view of the forest
 (:class:`~asymcache_core.integrations.vllm.forest.ForestOverlay`) that wakes a parent's blocks
-when its last child goes: O(groups + victims x log groups) per allocation, not O(free blocks).
+when its last child goes: O((re-priced + priced groups + victims) x log groups) per allocation.
 The order is the full scan's (:func:`~asymcache_core.integrations.vllm.reference.reference_plan`,
 every block scored, which tests compare against); a dry run
 (:meth:`ExpectedLatencyFreeQueue.get_all_free_blocks`, :meth:`~ExpectedLatencyFreeQueue.iter_blocks_after`)
@@ -43,21 +48,17 @@ and tests drive it with fakes.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from asymcache_core.integrations.vllm.candidates import CandidateIndex
 from asymcache_core.integrations.vllm.forest import CachedForest, ForestOverlay
 from asymcache_core.integrations.vllm.reference import reference_plan
-from asymcache_core.integrations.vllm.scoring import (
-    BlockInfo,
-    BlockScorer,
-    FreeBlock,
-    GroupTerms,
-)
+from asymcache_core.integrations.vllm.scoring import BlockInfo, BlockScorer, FreeBlock
+from asymcache_core.integrations.vllm.walk import HASHLESS, OPAQUE, chain_depth, walk
 
 __all__ = [
     "BlockInfo",
@@ -67,11 +68,6 @@ __all__ = [
     "FreeBlock",
     "QueueStats",
 ]
-
-#: Group of cached free blocks whose hash vanished without notice: they hold nothing (score -1).
-_HASHLESS: Hashable = ("<hashless>",)
-#: The one group of a queue whose score is an opaque callable: every block is scored.
-_OPAQUE: Hashable = ("<opaque>",)
 
 
 @dataclass
@@ -105,16 +101,6 @@ class _PinView(Protocol):
     def release(self, job_id: str) -> bool: ...
 
 
-@dataclass
-class _Group:
-    """One score group's candidates, in two heaps with lazy deletion (a row is live while the
-    block's filing stamp matches). Rows end with ``(block_id, stamp)``."""
-
-    by_position: list[tuple[int, int, int, int]] = field(default_factory=list)
-    by_tick: list[tuple[int, int, int]] = field(default_factory=list)
-    live: int = 0
-
-
 class ExpectedLatencyFreeQueue:
     """Drop-in replacement for vLLM's ``FreeKVCacheBlockQueue`` with AsymCache's order.
 
@@ -142,17 +128,20 @@ class ExpectedLatencyFreeQueue:
         self.pins = pins
         self.stats = QueueStats()
         owner = getattr(score, "__self__", None)
-        is_scorer = isinstance(owner, BlockScorer) and getattr(score, "__func__", None) is BlockScorer.score
+        is_scorer = (
+            isinstance(owner, BlockScorer) and getattr(score, "__func__", None) is BlockScorer.score
+        )
         self._scorer: BlockScorer | None = owner if is_scorer else None
         self._uncached: OrderedDict[int, FreeBlock] = OrderedDict()
         self._cached: dict[int, tuple[int, FreeBlock]] = {}
         # Forest key of every cached free block, and the blocks of each key.
         self._key_blocks: dict[Hashable, set[int]] = {}
         self._index_key: dict[int, Hashable] = {}
-        # The candidates: block -> (group, filing stamp); groups by key.
-        self._cand: dict[int, tuple[Hashable, int]] = {}
-        self._groups: dict[Hashable, _Group] = {}
-        self._stamp = itertools.count()
+        # The candidates (free, cached, evictable key, not pinned) by score group, and the
+        # groups by a lower bound of their scores.
+        self._candidates = CandidateIndex(self._jobs_of)
+        # Groups the latest walk priced (those with a loose bound re-price after a pop).
+        self._explored: list[Hashable] = []
         # NOTE: bumped by every change; a walk (a lazy dry run) refuses to go on after one.
         self._version = 0
         self._tick = itertools.count()
@@ -161,6 +150,7 @@ class ExpectedLatencyFreeQueue:
         self.forest.watcher = self._on_forest_change
         if self._scorer is not None:
             self._scorer.listener = self._on_info_change
+            self._scorer.job_listener = self._candidates.note_job
         self._pin_aware = pins is not None and hasattr(pins, "listener")
         if self._pin_aware:
             pins.listener = self._on_pin_change  # type: ignore[union-attr]
@@ -225,6 +215,12 @@ class ExpectedLatencyFreeQueue:
             for block_id in chosen:
                 out.append(self._pop_cached(block_id))
                 self.forest.remove(block_id)
+            groups = self._candidates.groups
+            for group in self._explored:
+                rows = groups.get(group)
+                if rows is not None and rows.bound is not None and not rows.bound.exact:
+                    # NOTE: priced with a loose bound: re-price it at the new level.
+                    self._candidates.dirty.add(group)
             self.stats.pressure_unpins += len(released)
             self.stats.forced_orphans += forced
             self.stats.evicted_cached += len(chosen)
@@ -332,8 +328,8 @@ class ExpectedLatencyFreeQueue:
         ids.discard(block_id)
         if not ids:
             del self._key_blocks[key]
-        if block_id in self._cand:
-            self._unfile(block_id)
+        if block_id in self._candidates.cand:
+            self._candidates.unfile(block_id)
         return block
 
     def _index(self, block: FreeBlock) -> None:
@@ -342,12 +338,22 @@ class ExpectedLatencyFreeQueue:
         self._key_blocks.setdefault(key, set()).add(block.block_id)
         self._recheck(block.block_id)
 
+    @property
+    def _cand(self) -> dict[int, tuple[Hashable, int]]:
+        """The candidates: block -> (group, filing stamp)."""
+        return self._candidates.cand
+
     def _group_key(self, block_id: int) -> Hashable:
         if self._cached[block_id][1].block_hash is None:
-            return _HASHLESS
+            return HASHLESS
         if self._scorer is None:
-            return _OPAQUE
+            return OPAQUE
         return self._scorer.group_of(block_id)
+
+    def _jobs_of(self, group: Hashable) -> tuple[str, ...]:
+        if self._scorer is None or group is HASHLESS or group is OPAQUE:
+            return ()
+        return self._scorer.jobs_of(group)  # type: ignore[arg-type]
 
     def _recheck(self, block_id: int) -> None:
         """Files ``block_id`` as a candidate or not: free, cached, evictable key, not pinned."""
@@ -355,48 +361,19 @@ class ExpectedLatencyFreeQueue:
         want = entry is not None and not (self._pin_aware and self.pins.holds_block(block_id))  # type: ignore[union-attr]
         if want and entry is not None and entry[1].block_hash is not None:
             want = self.forest.evictable(self._index_key[block_id])
-        filed = self._cand.get(block_id)
+        index = self._candidates
+        filed = index.cand.get(block_id)
         if not want:
             if filed is not None:
-                self._unfile(block_id)
+                index.unfile(block_id)
             return
         group = self._group_key(block_id)
         if filed is not None:
             if filed[0] == group:
                 return
-            self._unfile(block_id)
-        stamp = next(self._stamp)
-        self._cand[block_id] = (group, stamp)
-        tick = self._cached[block_id][0]
+            index.unfile(block_id)
         position = self._scorer.position(block_id) if self._scorer is not None else 0
-        rows = self._groups.get(group)
-        if rows is None:
-            rows = self._groups[group] = _Group()
-        heapq.heappush(rows.by_position, (position, tick, block_id, stamp))
-        heapq.heappush(rows.by_tick, (tick, block_id, stamp))
-        rows.live += 1
-
-    def _unfile(self, block_id: int) -> None:
-        group, _ = self._cand.pop(block_id)
-        rows = self._groups[group]
-        rows.live -= 1
-        if rows.live == 0:
-            del self._groups[group]
-            return
-        # NOTE: victims leave from the heads: drop those rows now, so walks start on live ones.
-        for heap in (rows.by_position, rows.by_tick):
-            while heap and not self._live_row(heap[0]):
-                heapq.heappop(heap)
-        if len(rows.by_position) > 4 * rows.live + 64:
-            # NOTE: rows of blocks that left elsewhere stay until they surface; bound them.
-            rows.by_position = [r for r in rows.by_position if self._live_row(r)]
-            rows.by_tick = [r for r in rows.by_tick if self._live_row(r)]
-            heapq.heapify(rows.by_position)
-            heapq.heapify(rows.by_tick)
-
-    def _live_row(self, row: tuple[int, ...]) -> bool:
-        filed = self._cand.get(row[-2])
-        return filed is not None and filed[1] == row[-1]
+        index.file(block_id, group, position, self._cached[block_id][0])
 
     def _on_forest_change(self, key: Hashable | None) -> None:
         self._version += 1
@@ -407,8 +384,7 @@ class ExpectedLatencyFreeQueue:
         # Every count changed (a reset): re-key and re-file every cached free block.
         self._key_blocks.clear()
         self._index_key.clear()
-        self._cand.clear()
-        self._groups.clear()
+        self._candidates.clear()
         for _, block in list(self._cached.values()):
             self._index(block)
 
@@ -419,8 +395,10 @@ class ExpectedLatencyFreeQueue:
 
     def _on_info_change(self, block_id: int) -> None:
         self._version += 1
-        if block_id in self._cand:
-            self._unfile(block_id)  # NOTE: its position may have changed, not only its group
+        if block_id in self._candidates.cand:
+            self._candidates.unfile(
+                block_id
+            )  # NOTE: its position may have changed, not only its group
         if block_id in self._cached:
             self._recheck(block_id)
 
@@ -434,7 +412,9 @@ class ExpectedLatencyFreeQueue:
                 if block_id is not None:
                     yield self._cached[block_id][1]
 
-    def _plan(self, k: int, now: float, forest: CachedForest, mutate: bool = False) -> tuple[list[int], int, int]:
+    def _plan(
+        self, k: int, now: float, forest: CachedForest, mutate: bool = False
+    ) -> tuple[list[int], int, int]:
         """The full-scan reference plan (:func:`~.reference.reference_plan`) on ``forest``, a
         copy of this queue's (``scripts/bench_free_queue.py`` times it against the walk)."""
         if mutate:
@@ -442,155 +422,9 @@ class ExpectedLatencyFreeQueue:
         return reference_plan(self, k, now, forest)
 
     def _walk(self, now: float) -> Iterator[tuple[int | None, str | None, bool]]:
-        """The eviction order at ``now``, lazily, changing nothing (the caller commits).
-
-        Yields:
-            ``(block_id, None, forced)`` per victim (``forced``: a last-resort orphan), and
-            ``(None, job_id, False)`` where the order releases ``job_id``'s pin under pressure.
-
-        Raises:
-            RuntimeError: the queue changed during the walk.
-        """
-        version = self._version
-        view = ForestOverlay(self.forest)
-        scorer = self._scorer
-        cached = self._cached
-        memo: dict[Hashable, GroupTerms] = {}
-        opaque: dict[int, float] = {}
-
-        def terms(group: Hashable) -> GroupTerms:
-            got = memo.get(group)
-            if got is None:
-                got = memo[group] = scorer.group_terms(group, now)  # type: ignore[union-attr, arg-type]
-            return got
-
-        def score(block_id: int, group: Hashable) -> float:
-            if group is _HASHLESS:
-                return -1.0  # NOTE: a block whose hash vanished while free holds nothing.
-            if scorer is None:
-                got = opaque.get(block_id)
-                if got is None:
-                    got = opaque[block_id] = self.score(cached[block_id][1], now)
-                return got
-            return scorer.score_at(terms(group), scorer.position(block_id))
-
-        def explore(group: Hashable, rows: _Group) -> Iterator[tuple[float, int, int]]:
-            """A group's live candidates as ``(score, tick, block_id)``, in order."""
-            order = "flat" if group is _HASHLESS else "exact" if scorer is None else terms(group).order
-            if order == "exact":
-                # NOTE: the score's order by position is not certain: score every block.
-                live = [(score(r[1], group), r[0], r[1]) for r in rows.by_tick if self._live_row(r)]
-                yield from sorted(live)
-                return
-            heap: list = rows.by_position if order == "strict" else rows.by_tick
-            # NOTE: a heap read in order without popping (the walk must not change it): a
-            # second heap of (row, index) grows from the root by children.
-            front = [(heap[0], 0)] if heap else []
-            while front:
-                row, i = heapq.heappop(front)
-                for child in (2 * i + 1, 2 * i + 2):
-                    if child < len(heap):
-                        heapq.heappush(front, (heap[child], child))
-                if self._live_row(row):
-                    block_id = row[-2]
-                    yield (score(block_id, group), cached[block_id][0], block_id)
-
-        # (score, tick, block_id, sequence, source): the next candidate of each group (source:
-        # the group's reader, or the group itself while only its head was read), and blocks
-        # considered one by one (source None).
-        frontier: list[tuple[float, int, int, int, object]] = []
-        seq = itertools.count()
-
-        def advance(source: Iterator[tuple[float, int, int]]) -> None:
-            got = next(source, None)
-            if got is not None:
-                heapq.heappush(frontier, (*got, next(seq), source))
-
-        for group, rows in self._groups.items():
-            order = "flat" if group is _HASHLESS else "exact" if scorer is None else terms(group).order
-            heap: list = rows.by_position if order == "strict" else rows.by_tick
-            if order != "exact" and heap and self._live_row(heap[0]):
-                # NOTE: a group's head is its heap's top (leaving candidates trim the tops): no
-                # reader until the head goes, so a walk costs one push per group.
-                block_id = heap[0][-2]
-                heapq.heappush(frontier, (score(block_id, group), cached[block_id][0], block_id, next(seq), (group, rows)))
-            else:
-                advance(explore(group, rows))
-
-        taken: set[int] = set()
-        waiting: dict[Hashable, list[int]] = {}
-        pressure: list[tuple[str, tuple[int, ...]]] | None = None
-        still_pinned: set[int] | None = None
-
-        def pinned(block_id: int) -> bool:
-            if self.pins is None:
-                return False
-            return self.pins.holds_block(block_id) if still_pinned is None else block_id in still_pinned
-
-        def consider(block_id: int) -> None:
-            if block_id in taken or block_id not in cached or pinned(block_id):
-                return
-            tick, block = cached[block_id]
-            key = self._index_key[block_id]
-            if block.block_hash is None or view.evictable(key):
-                group = self._group_key(block_id)
-                heapq.heappush(frontier, (score(block_id, group), tick, block_id, next(seq), None))
-            else:
-                waiting.setdefault(key, []).append(block_id)
-
-        def wake(block_id: int) -> None:
-            """``block_id`` went: its parent's blocks may be candidates now."""
-            parent = view.remove(block_id)
-            if parent is not None and view.evictable(parent):
-                ids = waiting.pop(parent, []) + [b for b in self._key_blocks.get(parent, ()) if b not in taken]
-                for other in ids:
-                    consider(other)
-
-        while len(taken) < len(cached):
-            if self._version != version:
-                raise RuntimeError("the free queue changed during a walk of its order")
-            if frontier:
-                _, _, block_id, _, source = heapq.heappop(frontier)
-                if isinstance(source, tuple):
-                    source = explore(*source)
-                    next(source)  # NOTE: the head just popped
-                if source is not None:
-                    advance(source)  # type: ignore[arg-type]
-                if block_id in taken or (source is not None and pinned(block_id)):
-                    continue  # NOTE: a pinned row (pins without a listener) comes back with its pin
-                key = view.key_of(block_id)
-                if key is not None and not view.evictable(key):
-                    # NOTE: a copy of its key went earlier in this walk; wait for the children.
-                    waiting.setdefault(key, []).append(block_id)
-                    continue
-                taken.add(block_id)
-                yield (block_id, None, False)
-                wake(block_id)
-                continue
-            if pressure is None:
-                pressure = list(self.pins.pressure_order()) if self.pins is not None else []
-            if pressure:
-                job_id, block_ids = pressure.pop(0)
-                yield (None, job_id, False)
-                still_pinned = {b for _, ids in pressure for b in ids}
-                for block_id in block_ids:
-                    consider(block_id)
-                continue
-            # Last resort: nothing evictable is left; the deepest, cheapest block goes.
-            rest = [b for b in cached if b not in taken]
-            victim = min(rest, key=lambda b: (-self._depth(view, b), score(b, self._group_key(b)), cached[b][0], b))
-            for ids in waiting.values():
-                if victim in ids:
-                    ids.remove(victim)
-            taken.add(victim)
-            yield (victim, None, True)
-            wake(victim)
+        """The eviction order at ``now``, lazily, changing nothing (:func:`~.walk.walk`)."""
+        return walk(self, now)
 
     def _depth(self, forest: CachedForest | ForestOverlay, block_id: int) -> int:
-        """Chain depth of a block's key (0 for roots and unknown keys)."""
-        depth = 0
-        key = forest.key_of(block_id)
-        while key is not None and depth < 1 << 20:
-            key = forest.parent(key)
-            depth += 1 if key is not None else 0
-        return depth
+        """Chain depth of a block's key (:func:`~.walk.chain_depth`)."""
+        return chain_depth(forest, block_id)

@@ -1,0 +1,237 @@
+"""The free queue's groups ordered by bounds give the full scan's order while job statistics
+change and scores decay with time, and an evicting pop prices only the groups it needs (no
+vLLM needed)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+from test_vllm_plugin_unit import BLOCK, FakeBlock, FakePool, chain, pin
+
+from asymcache_core.integrations.vllm import BlockScorer, PinSet
+from asymcache_core.integrations.vllm.reference import reference_plan
+from asymcache_core.job_stats import JobStats
+from asymcache_core.latency_model import LatencyModel
+
+MODELS = {
+    "strict": LatencyModel(floor_s=1e-3, per_token_s=1e-5, per_attn_s=1e-8, knee_tokens=64),
+    "flat": LatencyModel(floor_s=1e-3, per_token_s=1e-5, per_attn_s=0.0, knee_tokens=0),
+    "exact": LatencyModel(floor_s=1e-3, per_token_s=1.0, per_attn_s=1e-300, knee_tokens=0),
+}
+
+
+def _checked(pool: FakePool, pins: PinSet | None, compared: dict[str, int]) -> None:
+    """Makes every pop of the pool's queue check itself against the full scan."""
+    queue = pool.queue
+    live_pop = queue.popleft_n
+
+    def popleft_n(n: int) -> list[FakeBlock]:
+        if pins is not None:
+            pins.expire(pool.clock())
+        head = [b.block_id for b in queue._uncached.values()][:n]
+        if n > len(head):
+            head += reference_plan(queue, n - len(head), pool.clock(), pool.forest.copy())[0]
+        got = live_pop(n)
+        assert [b.block_id for b in got] == head
+        compared["pops"] += 1
+        return got
+
+    queue.popleft_n = popleft_n  # type: ignore[method-assign]
+
+
+def _time_step(rng: random.Random) -> float:
+    """Mostly small steps (scores near a decay start), some of several gaps (decay), a few
+    long ones (P(reuse) below 1e-100, then 0)."""
+    roll = rng.random()
+    if roll < 0.6:
+        return rng.uniform(0.0, 0.5)
+    if roll < 0.95:
+        return rng.uniform(0.0, 6.0)
+    return rng.choice([300.0, 900.0, 3000.0]) * rng.uniform(0.5, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("model", "seed", "num_jobs", "steal"),
+    [("strict", s, 8, False) for s in range(4)]
+    # many jobs: most have no gaps of their own and read the mean of all jobs' gaps
+    + [("strict", s, 60, False) for s in range(4, 8)]
+    + [
+        ("flat", 8, 8, False),
+        ("exact", 9, 8, False),
+        ("exact", 10, 60, False),
+        ("strict", 11, 8, True),
+    ],
+)
+def test_pops_follow_the_full_scan_as_jobs_change_and_time_passes(
+    model: str, seed: int, num_jobs: int, steal: bool
+) -> None:
+    rng = random.Random(seed)
+    pins = PinSet(capacity_blocks=6)
+    pool = FakePool(36, pins)
+    pool.scorer = BlockScorer(pool.job_stats, MODELS[model], BLOCK)
+    pins.listener = None  # NOTE: FakePool's own queue lets go of the pins
+    from asymcache_core.integrations.vllm import ExpectedLatencyFreeQueue
+
+    pool.queue = ExpectedLatencyFreeQueue(
+        pool.blocks, pool.scorer.score, pool.clock, pool.forest, pins
+    )
+    compared = {"pops": 0, "orders": 0}
+    _checked(pool, pins, compared)
+    queue, stats = pool.queue, pool.job_stats
+    jobs = [f"j{i}" for i in range(num_jobs)]
+    prefixes = [chain(f"sys{i}_", rng.randint(1, 3)) for i in range(3)]
+    live: list[tuple[str, str | None]] = []
+    for step in range(260):
+        pool.clock.t += _time_step(rng)
+        now = pool.clock()
+        if steal and step == 130:
+            BlockScorer(stats, MODELS[model], BLOCK)  # takes the job statistics' watcher over
+        if step % 9 == 0 and queue._cached:
+            want = reference_plan(queue, len(queue._cached), now, pool.forest.copy())[0]
+            order = [b.block_id for b in queue.get_all_free_blocks()][len(queue._uncached) :]
+            assert order == want
+            compared["orders"] += 1
+        roll = rng.random()
+        if roll < 0.08:
+            stats.hint(rng.choice(jobs), expected_gap_s=rng.choice([0.2, 1.0, 3.0, 10.0]))
+            continue
+        if roll < 0.11:
+            stats.hint(rng.choice(jobs), finished=rng.random() < 0.5)
+            continue
+        if roll < 0.13:
+            stats.drop_idle(now, rng.uniform(0.0, 20.0), 6, pins.is_pinned)
+            continue
+        if roll < 0.15:
+            stats.state(rng.choice(jobs))  # a lookup that makes the job known
+            continue
+        if roll < 0.20 and queue.num_free_blocks >= 3:
+            taken = pool.get_new_blocks(rng.randint(1, 3))  # an allocation that caches nothing
+            pool.free(taken)
+            continue
+        if live and (roll < 0.55 or queue.num_free_blocks < 8):
+            req, job = live.pop(rng.randrange(len(live)))
+            last = rng.random() < 0.15
+            ids = [b.block_id for b in pool.tables[req] if b.block_hash is not None]
+            pool.finish(req, job=job, last_step=last)
+            if job is not None and not last and rng.random() < 0.3:
+                pin(pins, job, ids, ttl_s=rng.uniform(0.5, 3.0), now=now)
+            continue
+        job = rng.choice([*jobs, None])
+        p = rng.randrange(3)
+        keys = prefixes[p] + chain(f"{job}_{p}_{rng.randrange(3)}_", rng.randint(1, 4))
+        if len(keys) + 1 > queue.num_free_blocks:
+            continue
+        pool.run(f"r{step}", keys, job=job, partial=rng.random() < 0.5)
+        live.append((f"r{step}", job))
+    assert queue.stats.evicted_cached > 20 and compared["pops"] > 30 and compared["orders"] > 10
+
+
+def _idle_jobs(num_jobs: int, gaps: bool) -> FakePool:
+    """``num_jobs`` finished jobs of one 3-block chain each; with ``gaps``, each has had a pause
+    of its own (a different decay scale per job)."""
+    pool = FakePool(3 * num_jobs + 4)
+    for j in range(num_jobs):
+        job = f"j{j}"
+        if gaps:
+            pool.job_stats.on_arrival(job, pool.clock(), 10)
+            pool.job_stats.on_finish(job, pool.clock(), False)
+            pool.clock.t += 0.5 + (j % 7) * 0.25
+        pool.run(f"r{j}", chain(f"c{j}_", 3), job=job)
+        pool.finish(f"r{j}", job=job)
+        pool.clock.t += 0.01
+    return pool
+
+
+def _count_prices(pool: FakePool) -> dict[str, int]:
+    calls = {"n": 0}
+    terms = pool.scorer.group_terms
+
+    def counted(group: Any, now: float) -> Any:
+        calls["n"] += 1
+        return terms(group, now)
+
+    pool.scorer.group_terms = counted  # type: ignore[method-assign]
+    return calls
+
+
+def _pop(pool: FakePool, n: int, calls: dict[str, int]) -> tuple[list[int], int]:
+    """Pops ``n`` evicting, checked against the full scan; returns them and the prices paid."""
+    want = reference_plan(pool.queue, n, pool.clock(), pool.forest.copy())[0]
+    before = calls["n"]
+    got = [b.block_id for b in pool.queue.popleft_n(n)]
+    assert got == want
+    return got, calls["n"] - before
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_an_evicting_pop_prices_a_few_groups_not_every_group(gaps: bool) -> None:
+    paid = {}
+    for num_jobs in (300, 1200):
+        pool = _idle_jobs(num_jobs, gaps)
+        pool.clock.t += 30.0 if gaps else 0.0  # with gaps: every job decays, each at its own rate
+        pool.queue.popleft_n(4)  # the uncached blocks
+        calls = _count_prices(pool)
+        _, first = _pop(pool, 2, calls)
+        assert first >= num_jobs  # the first walk prices every group once (each was filed new)
+        costs = []
+        for step in range(6):
+            pool.clock.t += 0.3 * (step % 2)
+            costs.append(_pop(pool, 2, calls)[1])
+        paid[num_jobs] = max(costs)
+    # the groups the victims came from (their first block left) and those near the bottom,
+    # however many groups there are
+    assert paid[1200] <= 48 and paid[1200] <= paid[300] + 4, paid
+
+
+def test_a_job_event_re_prices_only_that_jobs_groups() -> None:
+    pool = _idle_jobs(200, gaps=False)
+    pool.queue.popleft_n(4)  # the uncached blocks
+    calls = _count_prices(pool)
+    _pop(pool, 1, calls)
+    pool.job_stats.hint("j150", finished=True)  # j150's blocks will not be reused: cheapest
+    victims, paid = _pop(pool, 3, calls)
+    assert victims == [452, 451, 450]  # j150's chain, tail first
+    assert paid <= 16
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_bound_holds_until_its_horizon(seed: int) -> None:
+    """``BlockScorer.group_bound`` never exceeds a block's score at any time up to its horizon,
+    and an exact bound is the score there to the bit."""
+    rng = random.Random(seed)
+    stats = JobStats(prior_reuse=rng.choice([0.1, 0.5]))
+    scorer = BlockScorer(stats, MODELS["strict"], BLOCK)
+    t = 0.0
+    jobs = [f"j{i}" for i in range(5)]
+    for _ in range(400):
+        t += rng.uniform(0.0, 3.0)
+        job = rng.choice(jobs)
+        roll = rng.random()
+        if roll < 0.4:
+            stats.on_arrival(job, t, rng.randint(1, 500))
+        elif roll < 0.8:
+            stats.on_finish(job, t, rng.random() < 0.1)
+        elif roll < 0.9:
+            stats.hint(job, expected_gap_s=rng.uniform(0.0, 5.0))
+        members = tuple(rng.sample(jobs, rng.randint(0, 3)))
+        group = (members, rng.choice([*jobs, None]))
+        position = rng.randrange(64)
+        now = t + rng.uniform(0.0, 10.0)
+        level = rng.choice([0.0, 1e-9, 1e-4, 1e-2])
+        bound = scorer.group_bound(group, position, now, level)  # type: ignore[arg-type]
+        assert bound.until >= now
+        span = 50.0 if math.isinf(bound.until) else bound.until - now
+        for at in [now, bound.until if not math.isinf(bound.until) else now + 1e6] + [
+            now + rng.uniform(0.0, 1.0) * span for _ in range(8)
+        ]:
+            for q in (position, position + rng.randrange(1, 64)):
+                got = scorer.score_at(scorer.group_terms(group, at), q)  # type: ignore[arg-type]
+                assert got >= bound.score
+                if bound.exact and q == position:
+                    assert got == bound.score
+            if bound.exact and at >= now:
+                # P(reuse) stays put: the group orders its blocks as it does now
+                assert scorer.group_terms(group, at).p_reuse == bound.terms.p_reuse  # type: ignore[arg-type]
