@@ -188,3 +188,28 @@ def final_pieces(stream: HermesCallStream | None, text: str, parsed: Sequence[Pa
 
 
 __all__ = ["CallPiece", "HermesCallStream", "final_pieces"]
+
+
+def merged_pieces(pieces: Sequence[CallPiece]) -> list[CallPiece]:
+    """``pieces`` with each call's pieces joined into one, in the order the calls first appear.
+
+    NOTE: an OpenAI stream chunk carries at most one entry a call (clients rebuild a call from
+    ``delta.tool_calls[i]`` by its index, and many read only the first entry of an index);
+    one event can hold a call's opening piece and the first of its arguments.
+
+    Args:
+        pieces: what :meth:`HermesCallStream.feed` or :func:`final_pieces` gave.
+
+    Returns:
+        One piece a call: its first id and name, and its arguments' pieces joined in order.
+    """
+    merged: dict[int, CallPiece] = {}
+    for piece in pieces:
+        first = merged.get(piece.index)
+        if first is None:
+            merged[piece.index] = piece
+        else:
+            merged[piece.index] = CallPiece(
+                piece.index, first.id or piece.id, first.name or piece.name, first.arguments + piece.arguments
+            )
+    return list(merged.values())

@@ -36,7 +36,7 @@ from agent_runtime.server.streamed_text import StreamedText, safe_text_len
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SEED_MAX, SamplingParams
-from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
+from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces, merged_pieces
 
 #: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
 SEED_SPAN = SEED_MAX + 1
@@ -166,7 +166,7 @@ class ChatChunks(Chunks):
     def _deltas(self, reasoning: str, content: str, calls: list[CallPiece] | None = None) -> list[DeltaMessage]:
         return ([DeltaMessage(reasoning_content=reasoning)] if reasoning and self.include_reasoning else []) + (
             [DeltaMessage(content=content)] if content else []) + (
-            [DeltaMessage(tool_calls=[_call_delta(c) for c in calls])] if calls else [])
+            [DeltaMessage(tool_calls=[_call_delta(c) for c in merged_pieces(calls)])] if calls else [])
 
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
         if not event.output.finished:

@@ -298,6 +298,11 @@ def test_streaming_chat_with_required_tool_call(live, oa):
         tool_choice="required", max_tokens=40, parallel_tool_calls=False).choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in whole] == [(pieces[0].function.name, arguments)]
     json.loads(arguments)
+    # one entry a call a chunk (OpenAI's and vLLM's): a client that reads only the first entry
+    # of each chunk rebuilds the same call
+    entries = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert all(len(e) == len({tc.index for tc in e}) for e in entries), entries
+    assert "".join(e[0].function.arguments or "" for e in entries) == arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     live.check()
@@ -317,6 +322,9 @@ def test_required_tool_choice_may_call_several_tools(live, oa):
         assert call.function.name == "list_files" or args["path"] in ("notes.txt", "todo.md")
     chunks = list(oa.chat.completions.create(**kwargs, stream=True))
     streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    for c in chunks:
+        entries = (c.choices[0].delta.tool_calls or []) if c.choices else []
+        assert len(entries) == len({tc.index for tc in entries}), entries
     assert [(tc.index, tc.function.name) for tc in streamed if tc.function.name] == [
         (i, c.function.name) for i, c in enumerate(calls)]
     live.check()

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
+from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, merged_pieces
 from asymcache_core.tool_parsing import parse_hermes
 
 CALL_A = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a \\"b\\" }{.txt", "lines": [1, 2]}}\n</tool_call>'
@@ -124,3 +124,21 @@ def test_a_call_the_parse_refuses_shifts_none_of_the_others() -> None:
     assert calls[0][1] == "bad" and (calls[1][1], calls[1][2]) == ("g", '{"b": "x"}')
     one, _ = _stream(text, list(range(1, len(text) + 1)), max_calls=1)
     assert [(c[1], c[2]) for c in _joined(one).values()] == [("bad", '{"a": 1}'), ("g", '{"b": "x"}')]
+
+
+def test_merged_pieces_join_each_calls_run_and_keep_calls_apart() -> None:
+    pieces = [
+        CallPiece(0, "call_a", "read_file", ""),
+        CallPiece(0, None, None, '{"pa'),
+        CallPiece(0, None, None, 'th": 1}'),
+        CallPiece(1, "call_b", "list_files", "{"),
+        CallPiece(1, None, None, "}"),
+    ]
+    assert merged_pieces(pieces) == [
+        CallPiece(0, "call_a", "read_file", '{"path": 1}'),
+        CallPiece(1, "call_b", "list_files", "{}"),
+    ]
+    # one entry a call even where its pieces are not next to each other
+    apart = [CallPiece(0, None, None, "x"), CallPiece(1, None, None, "y"), CallPiece(0, None, None, "z")]
+    assert merged_pieces(apart) == [CallPiece(0, None, None, "xz"), CallPiece(1, None, None, "y")]
+    assert merged_pieces([]) == []
