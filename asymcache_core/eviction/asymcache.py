@@ -169,12 +169,15 @@ class AsymCachePolicy(EvictionPolicy):
         self, frontier: list, key: _GroupKey, heap: list[tuple], terms: tuple[int, float, float, float]
     ) -> None:
         """Pushes the group's next live candidate (dropping stale heap rows) onto ``frontier``."""
-        while heap and not self._is_live(heap[0]):
+        # NOTE: :meth:`_is_live` inlined: this loop runs for every victim of every eviction
+        live = self._live
+        while heap:
+            _, _, tick, block_id = heap[0]
+            found = live.get(block_id)
+            if found is not None and found[0] == tick:
+                heapq.heappush(frontier, (_full_key(terms, found[1]), tick, key))
+                return
             heapq.heappop(heap)
-        if not heap:
-            return
-        block = self._live[heap[0][-1]][1]
-        heapq.heappush(frontier, (_full_key(terms, block), heap[0][-2], key))
 
     def candidates(self) -> Iterator[KVBlock]:
         return iter([block for _, block, _ in self._live.values()])
