@@ -139,7 +139,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         full = len(tokens) // bs
         if len(hashes) >= full:
-            return hashes  # NOTE: most calls (every commit, every gated waiting request)
+            return hashes  # NOTE: the usual case: every commit and every gated waiting request
         while len(hashes) < full:
             i = len(hashes)
             parent = hashes[-1] if hashes else salted_root(request.params.cache_salt)
