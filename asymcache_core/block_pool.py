@@ -71,6 +71,23 @@ class BlockListener(Protocol):
         """``block_id``'s content is no longer trustworthy."""
 
 
+def _with_job(
+    job_sets: dict[frozenset[str], frozenset[str]], jobs: frozenset[str], job_id: str
+) -> frozenset[str]:
+    """``jobs | {job_id}``, one object per distinct ``jobs`` of a call (``job_sets`` remembers them).
+
+    NOTE: the eviction policy keys its groups by ``(jobs, job_id)``: a dict lookup of an equal
+    set that is another object compares the sets element by element, and a shared prefix's set
+    holds every job of a run (14 us a lookup at 150 jobs, against 0.3 us for the same object).
+    The blocks one call extends now share their new set: 11% less host CPU a step in a
+    simulated SWE run at 128 agents (BENCHMARKS.md, "The engine's host work per step at scale").
+    """
+    extended = job_sets.get(jobs)
+    if extended is None:
+        extended = job_sets[jobs] = jobs | {job_id}
+    return extended
+
+
 class OutOfBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free or evictable."""
 
@@ -143,19 +160,21 @@ class BlockPool:
                 self._drop_content(block)
                 self.num_evictions += 1
                 taken.append(block.block_id)
+        job_sets: dict[frozenset[str], frozenset[str]] = {}
         for block_id in taken:
             block = self.blocks[block_id]
             block.ref_cnt = 1
             block.last_access = now
             block.job_id = job_id
             if job_id is not None and job_id not in block.jobs:
-                block.jobs = block.jobs | {job_id}
+                block.jobs = _with_job(job_sets, block.jobs, job_id)
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
         return taken
 
     def touch(self, block_ids: Iterable[int], job_id: str | None = None) -> None:
         """Takes a reference on cache hits (removing them from the candidates)."""
         now = self.clock()
+        job_sets: dict[frozenset[str], frozenset[str]] = {}
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_cnt == 0 and block.pin_cnt > 0:
@@ -167,7 +186,7 @@ class BlockPool:
             if job_id is not None:
                 block.job_id = job_id
                 if job_id not in block.jobs:
-                    block.jobs = block.jobs | {job_id}
+                    block.jobs = _with_job(job_sets, block.jobs, job_id)
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
 
     def free(self, block_ids: Iterable[int]) -> None:

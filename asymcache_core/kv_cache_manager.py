@@ -136,8 +136,10 @@ class KVCacheManager:
         """Extends ``request.block_hashes`` to every full block of its tokens."""
         bs = self.block_size
         hashes = request.block_hashes
-        full = request.num_tokens // bs
         tokens = request.all_token_ids
+        full = len(tokens) // bs
+        if len(hashes) >= full:
+            return hashes  # NOTE: the usual case: every commit and every gated waiting request
         while len(hashes) < full:
             i = len(hashes)
             parent = hashes[-1] if hashes else salted_root(request.params.cache_salt)

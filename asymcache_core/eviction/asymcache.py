@@ -71,27 +71,41 @@ class AsymCachePolicy(EvictionPolicy):
         super().__init__(ctx)
         self.job_stats: JobStats = ctx.job_stats if ctx.job_stats is not None else JobStats()
         self.latency: LatencyModel = ctx.latency_model or LatencyModel(1e-3, 1e-5, 1e-9, 64)
-        self._live: dict[int, tuple[int, KVBlock, _GroupKey]] = {}
+        # NOTE: a candidate's tick, block and group sit in three dicts, not in one tuple per
+        # candidate: a whole context is released (and becomes candidates) at every turn's end,
+        # and a tuple holding the block lives on, so every one counted towards the garbage
+        # collector's full passes over the heap.
+        self._live: dict[int, int] = {}  # block id -> tick of its live heap rows
+        self._blocks: dict[int, KVBlock] = {}
+        self._group_of: dict[int, _Group] = {}
         self._groups: dict[_GroupKey, _Group] = {}
         self._tick = itertools.count()
 
     def add(self, block: KVBlock, now: float) -> None:
         tick = next(self._tick)
+        block_id = block.block_id
         key = _group_key(block)
-        self._live[block.block_id] = (tick, block, key)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = _Group()
-        heapq.heappush(group.by_position, (block.position, block.last_access, tick, block.block_id))
-        heapq.heappush(group.by_recency, (block.last_access, -block.position, tick, block.block_id))
+            group = self._groups[key] = _Group(key)
+        self._live[block_id] = tick
+        self._blocks[block_id] = block
+        self._group_of[block_id] = group
+        heapq.heappush(group.by_position, (block.position, block.last_access, tick, block_id))
+        heapq.heappush(group.by_recency, (block.last_access, -block.position, tick, block_id))
         group.live += 1
 
+    def _forget(self, block_id: int) -> _Group:
+        """Drops a candidate from the live maps; returns its group (the caller counts it out)."""
+        del self._live[block_id]
+        del self._blocks[block_id]
+        return self._group_of.pop(block_id)
+
     def remove(self, block: KVBlock) -> None:
-        _, _, key = self._live.pop(block.block_id)
-        group = self._groups[key]
+        group = self._forget(block.block_id)
         group.live -= 1
         if group.live == 0:
-            del self._groups[key]
+            del self._groups[group.key]
         elif len(group.by_position) > 4 * group.live + 64:
             # NOTE: removed blocks stay in the heaps until they surface; bound the garbage.
             group.by_position = [e for e in group.by_position if self._is_live(e)]
@@ -100,8 +114,7 @@ class AsymCachePolicy(EvictionPolicy):
             heapq.heapify(group.by_recency)
 
     def _is_live(self, entry: tuple) -> bool:
-        live = self._live.get(entry[-1])
-        return live is not None and live[0] == entry[-2]
+        return self._live.get(entry[-1]) == entry[-2]
 
     def worth_keeping(self, block: KVBlock, now: float) -> bool:
         """Blocks no job can come back for (every job that used it is done) are not kept."""
@@ -155,9 +168,8 @@ class AsymCachePolicy(EvictionPolicy):
             _, _, key = heapq.heappop(frontier)
             heap, terms = ordered[key]
             entry = heapq.heappop(heap)
-            _, block, _ = self._live.pop(entry[-1])
-            victims.append(block)
-            group = self._groups[key]
+            victims.append(self._blocks[entry[-1]])
+            group = self._forget(entry[-1])
             group.live -= 1
             if group.live == 0:
                 del self._groups[key]
@@ -169,15 +181,17 @@ class AsymCachePolicy(EvictionPolicy):
         self, frontier: list, key: _GroupKey, heap: list[tuple], terms: tuple[int, float, float, float]
     ) -> None:
         """Pushes the group's next live candidate (dropping stale heap rows) onto ``frontier``."""
-        while heap and not self._is_live(heap[0]):
+        # NOTE: :meth:`_is_live` inlined: this loop runs for every victim of every eviction
+        live = self._live
+        while heap:
+            _, _, tick, block_id = heap[0]
+            if live.get(block_id) == tick:
+                heapq.heappush(frontier, (_full_key(terms, self._blocks[block_id]), tick, key))
+                return
             heapq.heappop(heap)
-        if not heap:
-            return
-        block = self._live[heap[0][-1]][1]
-        heapq.heappush(frontier, (_full_key(terms, block), heap[0][-2], key))
 
     def candidates(self) -> Iterator[KVBlock]:
-        return iter([block for _, block, _ in self._live.values()])
+        return iter(list(self._blocks.values()))
 
     def __len__(self) -> int:
         return len(self._live)
@@ -202,6 +216,7 @@ class _Group:
     """One group's candidates in its two possible orders (heaps with lazy deletion: rows of
     removed blocks are skipped when they surface). Rows end with ``(tick, block_id)``."""
 
+    key: _GroupKey
     by_position: list[tuple[int, float, int, int]] = field(default_factory=list)
     by_recency: list[tuple[float, int, int, int]] = field(default_factory=list)
     live: int = 0
