@@ -191,7 +191,7 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         #: issues the host tier's copies and prefetches (``None``: no tier)
         self.host_driver: HostTierDriver | None = None
         if self.host_tier is not None:
-            self.host_tier.is_complete = self.runner.transfer_complete  # type: ignore[attr-defined]
+            self.host_tier.copies_landed = self.runner.transfer_complete  # type: ignore[attr-defined]
             self.host_tier.wait = self.runner.wait_transfers  # type: ignore[attr-defined]
             self.host_driver = HostTierDriver(
                 self.host_tier, self.kv, self.scheduler, self.pins, self.job_stats, self.runner

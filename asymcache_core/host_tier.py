@@ -130,8 +130,9 @@ class HostTier:
         # device block -> ticket whose offloads copied it out (until the block is reused)
         self._copied_by: dict[int, int] = {}
         self._wait_for: int | None = None
-        #: the runner's answer to "are the copies of this ticket complete?" (set by the engine)
-        self.is_complete: Callable[[int], bool] = lambda ticket: True
+        #: the runner's answer to "have the copies of this ticket landed?" (set by the engine);
+        #: asked only of tickets already handed to it (:meth:`is_complete`)
+        self.copies_landed: Callable[[int], bool] = lambda ticket: True
         #: blocks until the copies of a ticket are complete (set by the engine)
         self.wait: Callable[[int], None] = lambda ticket: None
 
@@ -172,6 +173,16 @@ class HostTier:
     def ticket(self) -> int:
         """The ticket the copies planned now will carry."""
         return self._ticket
+
+    def is_complete(self, ticket: int) -> bool:
+        """Whether the copies of ``ticket`` have landed on the device.
+
+        NOTE: the copies planned now carry :attr:`ticket` and reach the runner only after the
+        schedule that plans them (:meth:`take_transfers`, then the step's launch); the runner
+        has no record of them yet and would call them complete, so a block still to be
+        reloaded would read as loaded to a request admitted before they land.
+        """
+        return ticket < self._ticket and self.copies_landed(ticket)
 
     def lookup(self, block_hash: int) -> int | None:
         """The host slot holding ``block_hash``, or ``None``."""
