@@ -16,6 +16,7 @@ from agent_runtime.presets import preset_names
 from eval.bench import ENGINE_FIELDS as BENCH_ENGINE_FIELDS
 from eval.cli_app import (
     app,
+    check_output_path,
     clean_errors,
     engine_options,
     name_list,
@@ -102,6 +103,7 @@ def bench(
 
     # NOTE: the settings are checked before anything loads (the bench resolves the model first).
     EngineConfig(**engine_args)
+    check_output_path("out", RUNS_DIR if out is None else out, folder=True)
 
     options: dict[str, Any] = {
         "workload": workload, "policies": policies, "backend": backend, "jobs": jobs, "rate": rate,
@@ -288,6 +290,7 @@ def profile(
 
     config = EngineConfig(**engine_args)
     model, device = config.model, config.device
+    check_output_path("out", out)
     grid = ProfileGrid.for_device(torch_device_type(device), repeats=repeats)
     if quick:
         grid = ProfileGrid(chunk_tokens=(1, 16, 64), contexts=(0, 128), decode_batches=(1, 4),
@@ -329,6 +332,7 @@ def calibrate(
     from asymcache_core.latency_model import LatencyModel
     from asymcache_core.profiler import calibrate as calibrate_profile
 
+    check_output_path("out", out)
     base = LatencyModel.from_json(latency_profile)
     records = []
     for path in steps:

@@ -257,3 +257,43 @@ def test_bench_api_refuses_concurrency_below_one(tmp_path: Path, bad: int) -> No
     with pytest.raises(BenchError, match=r"^concurrency: must be an integer in \[1, "):
         run_bench(BenchConfig(backend="sim", jobs=2, concurrency=bad, out=tmp_path / "x"))
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--backend", "sim", "--out"],
+        ["profile", "--quick", "--out"],
+        ["calibrate", "steps.jsonl", "--latency-profile", "profile.json", "--out"],
+    ],
+    ids=["bench", "profile", "calibrate"],
+)
+def test_an_output_path_that_cannot_be_written_fails_before_any_work(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asymcache_core
+
+    monkeypatch.chdir(tmp_path)
+
+    def no_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the engine was built before the output path was checked")
+
+    monkeypatch.setattr(asymcache_core, "Engine", no_engine)
+    (tmp_path / "a_file").write_text("")
+    for out, reason in (("/proc/nope/x.json", "No such file or directory"), ("a_file/x.json", "is a file")):
+        line = _assert_one_error_line(runner.invoke(app, [*argv, out]), [*argv, out])
+        assert line.startswith("error: out: ") and reason in line, line
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]  # the check leaves nothing behind
+
+
+def test_checking_an_output_path_creates_nothing(tmp_path: Path) -> None:
+    from eval.cli_app import check_output_path
+
+    check_output_path("out", tmp_path / "new" / "deeper" / "x.json")
+    check_output_path("out", tmp_path / "run" / "folder", folder=True)
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match=r"^out: .* is a file, not a folder"):
+        check_output_path("out", tmp_path / "f", folder=True)
+    with pytest.raises(ValueError, match=r"^out: .* is a folder; give a file path"):
+        check_output_path("out", tmp_path)
