@@ -74,7 +74,8 @@ class EngineConfig:
             device's total, on CPU the available RAM. A simulated engine needs it.
         max_num_batched_tokens: token budget of one step (fixed chunking).
         max_num_seqs: running requests at most.
-        max_model_len: longest prompt + output; ``None`` takes the model's own limit.
+        max_model_len: longest prompt + output; ``None`` takes the model's own limit (its
+            ``max_position_embeddings``); the engine refuses a longer one.
         eviction_policy: a registered policy name (``lru``, ``vllm-apc``, ``pensieve``, ``asymcache``).
         hole_reuse: keep cache hits after a missing block (``None``: the policy's default).
         job_admission: job-level admission (:class:`~asymcache_core.job_admission.JobAdmission`):
@@ -222,7 +223,8 @@ class EngineConfig:
         "--max-batched-tokens"))
     max_num_seqs: int = field(default=64, metadata=_flag("--max-num-seqs", "Running requests at most."))
     max_model_len: int | None = field(default=None, metadata=_flag(
-        "--max-model-len", "Longest prompt + output (default: the model's limit).", "--max-context"))
+        "--max-model-len", "Longest prompt + output (default: the model's limit; past it is an error).",
+        "--max-context"))
     eviction_policy: str = "asymcache"
     hole_reuse: bool | None = None
     job_admission: bool | None = None

@@ -297,3 +297,9 @@ def test_checking_an_output_path_creates_nothing(tmp_path: Path) -> None:
         check_output_path("out", tmp_path / "f", folder=True)
     with pytest.raises(ValueError, match=r"^out: .* is a folder; give a file path"):
         check_output_path("out", tmp_path)
+
+
+def test_a_max_model_len_past_the_models_is_one_line_naming_it() -> None:
+    argv = ["generate", "hello", "--model", "dummy:tiny", "--max-model-len", "1000000000"]
+    line = _assert_one_error_line(runner.invoke(app, argv), argv)
+    assert re.match(r"error: max_model_len: 1000000000 is past dummy:tiny's limit of \d+ tokens", line), line
