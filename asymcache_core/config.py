@@ -196,7 +196,7 @@ class EngineConfig:
             ``publisher``, ``endpoint``, ``replay_endpoint``, ``topic``, ...): the KV blocks the
             device pool and the host tier store and remove are published for KV-aware routers
             in vLLM's KV-events format (:mod:`asymcache_core.kv_events`, ``docs/kv-events.md``);
-            ``None``: off.
+            ``None``: off. A dict of those keys is taken too (kept as its JSON).
     """
 
     model: str = field(default="smollm2-135m", metadata=_flag(
@@ -408,6 +408,14 @@ class EngineConfig:
             raise ValueError(f"hole_reuse: must be a bool or None, got {self.hole_reuse!r}")
         if self.latency_profile is not None and not isinstance(self.latency_profile, str | os.PathLike):
             raise ValueError(f"latency_profile: a path to a latency profile (JSON) or None, got {self.latency_profile!r}")
+        if isinstance(self.kv_events_config, dict):
+            # NOTE: vLLM's KVEventsConfig takes its fields in Python; here the dict becomes the
+            # JSON the command line gives, so that every reader of the field sees one form.
+            try:
+                text = json.dumps(self.kv_events_config)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"kv_events_config: the dict is not JSON: {exc}") from None
+            object.__setattr__(self, "kv_events_config", text)
         if self.kv_events_config is not None:
             from asymcache_core.kv_events import KVEventsConfig
 

@@ -73,7 +73,7 @@ def bench(
     time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and think times (not --rate's arrivals: jobs/s of the run)."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
     kv_fraction: float = typer.Option(
-        None, help="Pool as a fraction of the whole workload's working set (ablations; default 0.5, raised to "
+        None, help="Pool as a share, in (0, 1], of the whole workload's working set (ablations; default 0.5, raised to "
         "hold the largest job; a fraction given that cannot hold it is an error). With many jobs that pool may never fill: --num-kv-blocks puts it under pressure.",
     ),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
@@ -124,10 +124,12 @@ def bench(
     loads = number_list("concurrency", options.pop("concurrency"), int)
     if rates and not option_given(ctx, "concurrency"):
         loads = []  # --rate alone: open-loop points only
-    if any(c < 1 for c in loads):
-        raise ValueError(f"concurrency: must be >= 1, got {loads}")
-    if any(not r > 0 for r in rates):
-        raise ValueError(f"rate: must be > 0, got {rates}")
+    bad_load = next((c for c in loads if c < 1), None)
+    if bad_load is not None:
+        raise ValueError(f"concurrency: must be >= 1, got {bad_load}")
+    bad_rate = next((r for r in rates if not r > 0), None)
+    if bad_rate is not None:
+        raise ValueError(f"rate: must be > 0, got {bad_rate:g}")
     policy_names = tuple(name_list("policies", options.pop("policies")))
     points = sweep_points(workloads, seed_list, loads, rates)
     first = points[0]  # a single run; a sweep sets each point's own
