@@ -311,11 +311,11 @@ def builtin_registry(
         The registry.
 
     Raises:
-        NotADirectoryError: ``workdir`` is not a directory.
+        ValueError: naming ``workdir``: it is not a directory.
     """
     wd = Path(workdir)
     if not wd.is_dir():
-        raise NotADirectoryError(f"workdir: {wd} is not a directory")
+        raise ValueError(f"workdir: {str(wd)!r} is not a directory")
     cfg = BuiltinToolConfig(wd, bash_timeout_s=bash_timeout_s, max_output_chars=max_output_chars)
     # The registry cut is a little above the tools' own so it rarely cuts twice.
     reg = ToolRegistry(max_output_chars=2 * max_output_chars + 200)

@@ -74,7 +74,8 @@ class EngineConfig:
             device's total, on CPU the available RAM. A simulated engine needs it.
         max_num_batched_tokens: token budget of one step (fixed chunking).
         max_num_seqs: running requests at most.
-        max_model_len: longest prompt + output; ``None`` takes the model's own limit.
+        max_model_len: longest prompt + output; ``None`` takes the model's own limit (its
+            ``max_position_embeddings``); the engine refuses a longer one.
         eviction_policy: a registered policy name (``lru``, ``vllm-apc``, ``pensieve``, ``asymcache``).
         hole_reuse: keep cache hits after a missing block (``None``: the policy's default).
         job_admission: job-level admission (:class:`~asymcache_core.job_admission.JobAdmission`):
@@ -195,7 +196,7 @@ class EngineConfig:
             ``publisher``, ``endpoint``, ``replay_endpoint``, ``topic``, ...): the KV blocks the
             device pool and the host tier store and remove are published for KV-aware routers
             in vLLM's KV-events format (:mod:`asymcache_core.kv_events`, ``docs/kv-events.md``);
-            ``None``: off.
+            ``None``: off. A dict of those keys is taken too (kept as its JSON).
     """
 
     model: str = field(default="smollm2-135m", metadata=_flag(
@@ -222,7 +223,8 @@ class EngineConfig:
         "--max-batched-tokens"))
     max_num_seqs: int = field(default=64, metadata=_flag("--max-num-seqs", "Running requests at most."))
     max_model_len: int | None = field(default=None, metadata=_flag(
-        "--max-model-len", "Longest prompt + output (default: the model's limit).", "--max-context"))
+        "--max-model-len", "Longest prompt + output (default: the model's limit; past it is an error).",
+        "--max-context"))
     eviction_policy: str = "asymcache"
     hole_reuse: bool | None = None
     job_admission: bool | None = None
@@ -406,6 +408,14 @@ class EngineConfig:
             raise ValueError(f"hole_reuse: must be a bool or None, got {self.hole_reuse!r}")
         if self.latency_profile is not None and not isinstance(self.latency_profile, str | os.PathLike):
             raise ValueError(f"latency_profile: a path to a latency profile (JSON) or None, got {self.latency_profile!r}")
+        if isinstance(self.kv_events_config, dict):
+            # NOTE: vLLM's KVEventsConfig takes its fields in Python; here the dict becomes the
+            # JSON the command line gives, so that every reader of the field sees one form.
+            try:
+                text = json.dumps(self.kv_events_config)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"kv_events_config: the dict is not JSON: {exc}") from None
+            object.__setattr__(self, "kv_events_config", text)
         if self.kv_events_config is not None:
             from asymcache_core.kv_events import KVEventsConfig
 

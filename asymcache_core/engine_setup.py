@@ -58,6 +58,28 @@ def resolve_config(config: EngineConfig | str | None, overrides: dict[str, Any])
     return dataclasses.replace(config, **overrides) if overrides else config
 
 
+def check_max_model_len(config: EngineConfig, model_config: Any) -> None:
+    """Refuses a ``max_model_len`` past the model's positions (vLLM's rule).
+
+    NOTE: the engine runs at most the model's ``max_position_embeddings``: a longer limit was
+    once kept silently in ``engine.config`` while the engine used the model's.
+
+    Args:
+        config: the engine configuration (``max_model_len`` ``None``: the model's).
+        model_config: the model's :class:`~asymcache_core.models.ModelConfig`.
+
+    Raises:
+        ValueError: naming ``max_model_len`` and the model's limit.
+    """
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} is past {config.model}'s limit of "
+            f"{limit} tokens (its max_position_embeddings); give at most {limit} or leave it "
+            "unset for the model's own"
+        )
+
+
 def load_engine_model(config: EngineConfig, loaded: Any) -> tuple[Any, TensorParallelWorkers | None]:
     """The engine's model, and its tensor-parallel workers when it is split.
 
@@ -69,17 +91,23 @@ def load_engine_model(config: EngineConfig, loaded: Any) -> tuple[Any, TensorPar
         ``(loaded model, workers or None)``.
 
     Raises:
-        ValueError: the shared model is another model, or would have to be split.
+        ValueError: the shared model is another model, or would have to be split;
+            ``max_model_len`` past the model's positions (:func:`check_max_model_len`).
     """
-    from asymcache_core.loaders import load_model
+    from asymcache_core.loaders import load_model, resolve_hf_config
+    from asymcache_core.models import ModelConfig
 
     device, dtype = config.torch_device, config.torch_dtype
     if loaded is not None:
         if loaded.name != config.model:
             raise ValueError(f"model: the shared model is {loaded.name!r}, not {config.model!r}")
+        check_max_model_len(config, loaded.config)
         if config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size: a shared, already loaded model cannot be split")
         return loaded, None
+    if config.max_model_len is not None:
+        # NOTE: from the config alone, before any weight is read or worker started
+        check_max_model_len(config, ModelConfig.from_hf(resolve_hf_config(config.model)[0]))
     if config.tensor_parallel_size > 1:
         from asymcache_core.tensor_parallel import start_workers
 

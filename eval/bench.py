@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eval.bench_checks import BenchError, check_bench_sizes
+from eval.bench_checks import BenchError, check_bench_sizes, check_kv_fraction
 from eval.bench_workload import load_workload as load_workload  # NOTE: re-exported, its old home
 from eval.bench_workload import load_workload_cut
 from eval.harness import (
@@ -287,22 +287,30 @@ def pool_blocks(cfg: BenchConfig, trace: Any, plan: KVPoolPlan | None = None) ->
     ``kv_fraction`` of the workload's working set.
 
     Raises:
-        BenchError: a pool that cannot hold the workload's largest request.
+        BenchError: a pool that cannot hold the workload's largest request, naming the option
+            that sized it.
     """
     need = largest_request_blocks(trace, cfg.block_size)
     if cfg.num_kv_blocks is not None:
-        blocks = cfg.num_kv_blocks
+        blocks, sized_by = cfg.num_kv_blocks, "num_kv_blocks"
     elif plan is not None:
-        blocks = plan.num_blocks
+        blocks, sized_by = plan.num_blocks, "gpu_memory_utilization"
     elif cfg.kv_fraction is None:
         blocks = max(need, int(0.5 * working_set_blocks(trace, cfg.block_size)))
+        sized_by = "num_kv_blocks"
     else:
-        if not 0 < cfg.kv_fraction:
-            raise BenchError(f"kv_fraction: must be > 0, got {cfg.kv_fraction}")
-        blocks = int(cfg.kv_fraction * working_set_blocks(trace, cfg.block_size))
+        check_kv_fraction(cfg.kv_fraction)
+        working_set = working_set_blocks(trace, cfg.block_size)
+        blocks = int(cfg.kv_fraction * working_set)
+        if blocks < need:
+            raise BenchError(
+                f"kv_fraction: {cfg.kv_fraction:g} of the workload's working set of {working_set} blocks is a "
+                f"pool of {blocks} blocks, which cannot hold its largest job ({need} blocks of {cfg.block_size}); "
+                "raise --kv-fraction or give --num-kv-blocks"
+            )
     if blocks < need:
         raise BenchError(
-            f"num_kv_blocks: a pool of {blocks} blocks cannot hold the workload's largest job "
+            f"{sized_by}: a pool of {blocks} blocks cannot hold the workload's largest job "
             f"({need} blocks of {cfg.block_size}); raise --num-kv-blocks, --gpu-memory-utilization or --kv-fraction"
         )
     return blocks

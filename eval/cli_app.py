@@ -5,14 +5,17 @@ and :mod:`eval.cli_serve` (serving and running the model); :mod:`eval.cli` puts 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import math
 import os
 import sys
+import tempfile
 import typing
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -314,3 +317,48 @@ def json_object(name: str, text: str | None) -> dict[str, Any] | None:
     from asymcache_core.config import json_object_text
 
     return None if text is None else json_object_text(name, text)
+
+
+def check_output_path(name: str, path: Path, *, folder: bool = False) -> None:
+    """Refuses an output path that cannot be written, before the command does any work (a
+    profile would otherwise run for minutes and then fail on its last line).
+
+    The missing folders on the way are created, a file is created in the deepest and both are
+    removed again: only trying tells (permissions, read-only mounts, ``/proc``, root).
+
+    Args:
+        name: the option (``out``), named in the message.
+        path: the file (or, with ``folder``, the folder) the command will write.
+        folder: ``path`` is a folder the command fills.
+
+    Raises:
+        ValueError: naming ``name``: the path is a folder where a file goes (or a file where a
+            folder goes), or its folder cannot be created or written.
+    """
+    if folder and path.exists() and not path.is_dir():
+        raise ValueError(f"{name}: {str(path)!r} is a file, not a folder")
+    if not folder and path.is_dir():
+        raise ValueError(f"{name}: {str(path)!r} is a folder; give a file path")
+    target = path if folder else path.parent
+    missing = []
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{name}: cannot create {str(target)!r}: {str(existing)!r} is a file")
+    created: list[Path] = []
+    try:
+        for parent in reversed(missing):
+            parent.mkdir()
+            created.append(parent)
+        fd, probe = tempfile.mkstemp(dir=target, prefix=".asymcache-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"{name}: cannot write in {str(target)!r}: {reason}") from None
+    finally:
+        for parent in reversed(created):
+            with contextlib.suppress(OSError):
+                parent.rmdir()

@@ -16,6 +16,7 @@ from agent_runtime.presets import preset_names
 from eval.bench import ENGINE_FIELDS as BENCH_ENGINE_FIELDS
 from eval.cli_app import (
     app,
+    check_output_path,
     clean_errors,
     engine_options,
     name_list,
@@ -72,7 +73,7 @@ def bench(
     time_scale: float = typer.Option(0.05, min=0.0, help="Multiplies tool pauses and think times (not --rate's arrivals: jobs/s of the run)."),
     token_scale: float = typer.Option(0.05, min=0.0001, help="Multiplies generated token lengths."),
     kv_fraction: float = typer.Option(
-        None, help="Pool as a fraction of the whole workload's working set (ablations; default 0.5, raised to "
+        None, help="Pool as a share, in (0, 1], of the whole workload's working set (ablations; default 0.5, raised to "
         "hold the largest job; a fraction given that cannot hold it is an error). With many jobs that pool may never fill: --num-kv-blocks puts it under pressure.",
     ),
     out: Path = typer.Option(None, help="Run folder (default runs/<time>)."),
@@ -102,6 +103,7 @@ def bench(
 
     # NOTE: the settings are checked before anything loads (the bench resolves the model first).
     EngineConfig(**engine_args)
+    check_output_path("out", RUNS_DIR if out is None else out, folder=True)
 
     options: dict[str, Any] = {
         "workload": workload, "policies": policies, "backend": backend, "jobs": jobs, "rate": rate,
@@ -122,10 +124,12 @@ def bench(
     loads = number_list("concurrency", options.pop("concurrency"), int)
     if rates and not option_given(ctx, "concurrency"):
         loads = []  # --rate alone: open-loop points only
-    if any(c < 1 for c in loads):
-        raise ValueError(f"concurrency: must be >= 1, got {loads}")
-    if any(not r > 0 for r in rates):
-        raise ValueError(f"rate: must be > 0, got {rates}")
+    bad_load = next((c for c in loads if c < 1), None)
+    if bad_load is not None:
+        raise ValueError(f"concurrency: must be >= 1, got {bad_load}")
+    bad_rate = next((r for r in rates if not r > 0), None)
+    if bad_rate is not None:
+        raise ValueError(f"rate: must be > 0, got {bad_rate:g}")
     policy_names = tuple(name_list("policies", options.pop("policies")))
     points = sweep_points(workloads, seed_list, loads, rates)
     first = points[0]  # a single run; a sweep sets each point's own
@@ -288,6 +292,7 @@ def profile(
 
     config = EngineConfig(**engine_args)
     model, device = config.model, config.device
+    check_output_path("out", out)
     grid = ProfileGrid.for_device(torch_device_type(device), repeats=repeats)
     if quick:
         grid = ProfileGrid(chunk_tokens=(1, 16, 64), contexts=(0, 128), decode_batches=(1, 4),
@@ -329,6 +334,7 @@ def calibrate(
     from asymcache_core.latency_model import LatencyModel
     from asymcache_core.profiler import calibrate as calibrate_profile
 
+    check_output_path("out", out)
     base = LatencyModel.from_json(latency_profile)
     records = []
     for path in steps:

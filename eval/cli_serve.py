@@ -38,6 +38,10 @@ def generate(
     from asymcache_core import Engine, SamplingParams
     from eval.cli_progress import showing_model_loads
 
+    # NOTE: before the model loads; an empty message is refused as Engine.generate([""]) and
+    # agent run "" refuse theirs
+    if not prompt.strip():
+        raise ValueError("prompt: must be a non-empty message")
     memory_sized_pool(ctx, engine_args)
     with showing_model_loads():
         engine = Engine(**engine_args)

@@ -151,6 +151,31 @@ def _run_point(cfg: BenchConfig) -> Path:
     return run_bench(cfg)[1]
 
 
+def stop_workers(pool: ProcessPoolExecutor, grace_s: float = 5.0) -> None:
+    """Cancels a pool's queued calls and ends its worker processes now, mid-call.
+
+    NOTE: ``shutdown(wait=False, cancel_futures=True)`` alone leaves a running call running:
+    its worker writes its point after the interrupt, and the interpreter's exit joins it.
+    Python 3.14 has ``terminate_workers()``; before it the processes are only reachable
+    through the pool's ``_processes`` table (read before ``shutdown`` clears it).
+
+    Args:
+        pool: the executor.
+        grace_s: how long a worker may take to end after SIGTERM before it is killed.
+    """
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def run_sweep(
     cfg: BenchConfig,
     points: Sequence[LoadPoint],
@@ -229,16 +254,18 @@ def run_sweep(
     elif todo:
         # NOTE: spawn, not fork: the parent has imported torch, whose thread pools do not
         # survive a fork.
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-            began = time.perf_counter()
-            futures = {pool.submit(_run_point, configs[i]): i for i in todo}
-            try:
-                for future in as_completed(futures):
-                    finished(futures[future], future.result(), began)
-            except BaseException:
-                # NOTE: a bad setting fails every point alike: stop the queued ones.
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+        began = time.perf_counter()
+        futures = {pool.submit(_run_point, configs[i]): i for i in todo}
+        try:
+            for future in as_completed(futures):
+                finished(futures[future], future.result(), began)
+        except BaseException:
+            # NOTE: a bad setting fails every point alike, and an interrupt must stop at once:
+            # the queued points are cancelled and the running ones ended, not waited for.
+            stop_workers(pool)
+            raise
+        pool.shutdown(wait=True)
     sweep_points_ = []
     for i, point in enumerate(points):
         results = load_results(done[i])

@@ -7,7 +7,8 @@ on the engine thread between steps (:meth:`~asymcache_core.engine.Engine.reset_p
 every cached block that no request holds and no pin protects is evicted, and with
 ``reset_external=true`` the host tier's copies go too. Running requests keep their blocks and
 go on; vLLM's ``reset_running_requests=true``, which preempts them first, is refused with a
-400 that says so. With an API key the route needs it, as every route but ``/health`` does.
+400 that says so. With an API key the route needs it, as ``/v1/*`` does
+(:func:`~agent_runtime.server.auth.needs_key`).
 """
 
 from __future__ import annotations

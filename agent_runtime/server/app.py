@@ -93,7 +93,9 @@ def create_app(
             app), an ``Engine`` (wrapped in a runtime the app owns), or a zero-argument callable
             returning either (called at startup; what it builds is closed at shutdown).
         model_name: the ``model`` clients must send (and ``/v1/models`` lists).
-        api_key: when set, every route but ``/health`` requires ``Authorization: Bearer <api_key>``.
+        api_key: when set, ``/v1/*`` and the cache resets require ``Authorization: Bearer <api_key>``
+            (or ``x-api-key``); ``/health``, ``/metrics``, ``/version`` and the others answer without it
+            (vLLM's rule, :func:`~agent_runtime.server.auth.needs_key`).
         default_max_tokens: ``max_tokens`` when a request gives none.
         max_request_body_bytes: bodies beyond this are a 413.
         max_queue_len: completions in flight beyond the engine's ``max_num_seqs`` before new
@@ -249,7 +251,8 @@ class ServeOptions:
         model: model spec (``smollm2-135m``, an HF folder, a ``.gguf`` file, ``dummy:<config>``).
         host: bind address.
         port: TCP port (0-65535).
-        api_key: require this bearer key on ``/v1/*``.
+        api_key: require this bearer key on ``/v1/*`` and the cache resets
+            (:func:`~agent_runtime.server.auth.needs_key`).
         policy: serving preset (:mod:`agent_runtime.presets`: ``vllm-apc``, ``asymcache``,
             ``continuum``, ...).
         num_kv_blocks: KV pool size in blocks (None: from memory).

@@ -1,5 +1,12 @@
-"""The server's API key: which headers carry it (one rule for the request
-guard in front of the app and the handlers' own check)."""
+"""The server's API key: which routes need it and which headers carry it (one rule for the
+request guard in front of the app and the handlers' own check).
+
+vLLM's rule: the key guards the API under ``/v1/``; ``/health``, ``/ping``, ``/metrics``,
+``/version``, ``/tokenize``, ``/detokenize`` and the docs answer without it (load balancers,
+Prometheus and the Gateway API's endpoint picker probe and scrape them with no key). The cache
+resets need it too: they change what the server holds (vLLM serves its reset only in its
+development mode).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,26 @@ from collections.abc import Mapping
 #: Anthropic's Messages routes: their clients send the key as ``x-api-key``.
 MESSAGES_PATH = "/v1/messages"
 MESSAGES_COUNT_PATH = "/v1/messages/count_tokens"
+#: Every route under this prefix needs the key.
+GUARDED_PREFIX = "/v1/"
+#: The routes outside ``/v1/`` that need it: the cache resets (``agent_runtime.server.admin``).
+GUARDED_PATHS = frozenset({"/reset_prefix_cache", "/flush_cache"})
+
+
+def needs_key(path: str) -> bool:
+    """Whether a request to ``path`` must carry the API key (when the server has one).
+
+    Args:
+        path: the request's path.
+
+    Returns:
+        True for ``/v1`` and the routes under it, and for the cache resets.
+    """
+    return (
+        path == GUARDED_PREFIX.rstrip("/")
+        or path.startswith(GUARDED_PREFIX)
+        or path in GUARDED_PATHS
+    )
 
 
 def key_matches(header: bytes | None, api_key: str) -> bool:
@@ -47,4 +74,12 @@ def authorized(path: str, headers: Mapping[bytes, bytes], api_key: str) -> bool:
     return sent is not None and hmac.compare_digest(sent, api_key.encode("utf-8"))
 
 
-__all__ = ["MESSAGES_COUNT_PATH", "MESSAGES_PATH", "authorized", "key_matches"]
+__all__ = [
+    "GUARDED_PATHS",
+    "GUARDED_PREFIX",
+    "MESSAGES_COUNT_PATH",
+    "MESSAGES_PATH",
+    "authorized",
+    "key_matches",
+    "needs_key",
+]

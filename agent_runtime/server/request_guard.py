@@ -1,7 +1,8 @@
 """The ASGI layer every request of the server passes first (:class:`RequestGuard`).
 
 It answers before any route runs, and before any body byte is parsed or tokenized: the API key
-on every route but ``/health``, the body size cap, and the bound on completions in flight. It
+on the routes that need it (``/v1/*`` and the cache resets, vLLM's rule:
+:func:`~agent_runtime.server.auth.needs_key`), the body size cap, and the bound on completions in flight. It
 also turns an exception that escapes a route into a JSON 500 (instead of Starlette re-raising
 it, which makes uvicorn drop the keep-alive connection without ``Connection: close``).
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 from agent_runtime.request_stream import RequestConstraintsUnsatisfiable
 from agent_runtime.server import anthropic_messages
-from agent_runtime.server.auth import authorized
+from agent_runtime.server.auth import authorized, needs_key
 from agent_runtime.server.errors import APIError, failed_request_error
 from agent_runtime.server.requests import MAX_BATCH_SEQUENCES, MAX_CHOICES
 from agent_runtime.server.state import AppState
@@ -33,8 +34,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 #: Completions waiting beyond the engine's running batch before new ones are a 429.
 DEFAULT_MAX_QUEUE_LEN = 256
-#: The only route that answers without the API key (load balancers probe it).
-OPEN_PATHS = frozenset({"/health"})
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 
@@ -87,7 +86,7 @@ class RequestGuard:
         path: str = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
         key = self.state.api_key
-        if key is not None and path not in OPEN_PATHS and not authorized(path, headers, key):
+        if key is not None and needs_key(path) and not authorized(path, headers, key):
             await self._reject(send, path, APIError(
                 401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key"))
             return
@@ -173,4 +172,4 @@ def _choices(body: bytes) -> int:
     return min(n * batch, MAX_BATCH_SEQUENCES)
 
 
-__all__ = ["COMPLETION_PATHS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE_LEN", "OPEN_PATHS", "RequestGuard"]
+__all__ = ["COMPLETION_PATHS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_QUEUE_LEN", "RequestGuard"]

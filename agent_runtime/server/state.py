@@ -12,7 +12,7 @@ from fastapi import Request
 
 from agent_runtime.presets import ServingPreset
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server.auth import authorized
+from agent_runtime.server.auth import authorized, needs_key
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
@@ -152,8 +152,9 @@ class AppState:
         return rt
 
     def check_auth(self, request: Request) -> None:
-        """Require the API key when one is set: ``Authorization: Bearer <api_key>``, or
-        ``x-api-key`` on Anthropic's routes (:func:`~agent_runtime.server.auth.authorized`).
+        """Require the API key when one is set and the route needs it
+        (:func:`~agent_runtime.server.auth.needs_key`): ``Authorization: Bearer <api_key>``, or
+        ``x-api-key`` (:func:`~agent_runtime.server.auth.authorized`).
 
         Args:
             request: the request.
@@ -161,7 +162,7 @@ class AppState:
         Raises:
             APIError: 401.
         """
-        if self.api_key is None:
+        if self.api_key is None or not needs_key(request.url.path):
             return
         headers = {name.lower(): value for name, value in request.scope.get("headers", ())}
         if not authorized(request.url.path, headers, self.api_key):

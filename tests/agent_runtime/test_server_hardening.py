@@ -302,23 +302,28 @@ def test_a_failing_choice_ends_its_response_and_frees_every_choice(srv):
     srv.clean()
 
 
-def test_api_key_on_every_route_but_health(srv):
+def test_api_key_guards_the_v1_routes_and_the_resets_as_vllm_does(srv):
+    # NOTE: vLLM's rule: Prometheus, the Gateway API's endpoint picker and load balancers scrape
+    # and probe /metrics, /health, /ping and /version with no key
     app = create_app(srv.runtime, MODEL, api_key="sekret")
+    open_paths = ("/metrics", "/health", "/ping", "/version", "/docs", "/openapi.json")
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            out = {p: (await c.get(p)).status_code for p in ("/metrics", "/docs", "/openapi.json", "/v1/models",
-                                                           "/health", "/nope")}
+            out = {p: (await c.get(p)).status_code for p in (*open_paths, "/v1/models", "/v1", "/nope")}
             out["post"] = (await c.post(CHAT, json={"model": MODEL, "messages": USER})).status_code
+            out["tokenize"] = (await c.post("/tokenize", json={"prompt": "hi"})).status_code
+            out["reset"] = (await c.post("/reset_prefix_cache")).status_code
             out["non-ascii"] = (await c.get("/v1/models", headers={"Authorization": "Bearer ключ".encode()})).status_code
             out["latin1"] = (await c.get("/v1/models", headers={"Authorization": b"Bearer s\xe9kret"})).status_code
-            out["keyed"] = (await c.get("/openapi.json", headers={"Authorization": "Bearer sekret"})).status_code
+            out["keyed"] = (await c.get("/v1/models", headers={"Authorization": "Bearer sekret"})).status_code
+            out["x-api-key"] = (await c.get("/v1/models", headers={"x-api-key": "sekret"})).status_code
             return out
 
     out = asyncio.run(main())
-    assert out == {"/metrics": 401, "/docs": 401, "/openapi.json": 401, "/v1/models": 401, "/health": 200,
-                   "/nope": 401, "post": 401, "non-ascii": 401, "latin1": 401, "keyed": 200}
+    assert out == {**dict.fromkeys(open_paths, 200), "/v1/models": 401, "/v1": 401, "/nope": 404, "post": 401,
+                   "tokenize": 200, "reset": 401, "non-ascii": 401, "latin1": 401, "keyed": 200, "x-api-key": 200}
     assert key_matches(b"Bearer sekret", "sekret") and key_matches(b"bearer  sekret ", "sekret")
     assert not key_matches(b"Bearer \xff\xfe", "sekret") and not key_matches(None, "sekret")
 

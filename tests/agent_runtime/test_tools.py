@@ -273,3 +273,10 @@ def test_the_builtins_are_importable_from_the_tools_module_as_before():
     assert tools.builtin_registry is builtin_registry and tools.make_builtin_tools is builtins.make_builtin_tools
     with pytest.raises(AttributeError, match="no_such_tool"):
         tools.no_such_tool  # noqa: B018
+
+
+def test_builtin_registry_names_a_workdir_that_is_not_a_folder(tmp_path):
+    (tmp_path / "f").write_text("")
+    for workdir in (tmp_path / "nope", tmp_path / "f"):
+        with pytest.raises(ValueError, match=r"^workdir: .* is not a directory"):
+            builtin_registry(workdir)

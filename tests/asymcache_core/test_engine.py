@@ -6,11 +6,13 @@ import itertools
 import re
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asymcache_core import Engine, EngineConfig, SamplingParams
 from asymcache_core.engine_outputs import stop_prefix_length
+from asymcache_core.loaders import load_model
 from tests.conftest import make_engine
 
 # NOTE: 6 tokens: past the prompt, every step of a test costs about the same on the CPU
@@ -359,10 +361,17 @@ def test_a_pool_past_the_machines_memory_is_refused_and_positions_past_the_model
         patched.setattr(memory_budget.os, "sysconf", lambda name: {"SC_PHYS_PAGES": 256, "SC_PAGE_SIZE": 4096}[name])
         with pytest.raises(ValueError, match="^num_kv_blocks: a KV pool of .* GiB does not fit the 0.0 GiB"):
             Engine("dummy:tiny", num_kv_blocks=1024)
-    engine = Engine("dummy:tiny", num_kv_blocks=8, max_model_len=10**9)
-    assert engine.max_model_len == engine.model_config.max_position_embeddings
-    rotary = [b for n, b in engine.loaded.model.named_buffers() if "cos" in n or "sin" in n]
-    assert rotary and all(b.shape[0] <= engine.max_model_len for b in rotary)
+    engine = Engine("dummy:tiny", num_kv_blocks=8)
+    limit = engine.model_config.max_position_embeddings
+    # NOTE: vLLM's rule: a limit past the model's is refused, not kept in engine.config while
+    # the engine runs the model's (a shared model is checked the same)
+    for loaded in (None, engine.loaded):
+        with pytest.raises(ValueError, match=f"^max_model_len: 1000000000 is past dummy:tiny's limit of {limit} "):
+            Engine("dummy:tiny", num_kv_blocks=8, max_model_len=10**9, loaded=loaded)
+    assert Engine("dummy:tiny", num_kv_blocks=8, max_model_len=limit).config.max_model_len == limit
+    loaded = load_model("dummy:tiny", torch.device("cpu"), torch.float32, 0, max_len=10**9)
+    rotary = [b for n, b in loaded.model.named_buffers() if "cos" in n or "sin" in n]
+    assert rotary and all(b.shape[0] <= limit for b in rotary)
 
 
 def test_unknown_model_and_architecture(tmp_path):

@@ -333,3 +333,13 @@ def test_a_busy_endpoint_fails_the_engine_start():
         with pytest.raises(ValueError, match=f"^kv_events_config: cannot open 'tcp://\\*:{port}'"):
             Engine.simulated(model="dummy:tiny", num_kv_blocks=12, kv_events_config=json.dumps(
                 {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}))
+
+
+def test_the_config_takes_a_dict_of_vllms_fields_as_its_json():
+    """The README's ``EngineConfig(kv_events_config=...)``, as vLLM's ``KVEventsConfig(...)``."""
+    fields = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "topic": "kv"}
+    assert EngineConfig(kv_events_config=fields).kv_events_config == json.dumps(fields)
+    with pytest.raises(ValueError, match="^kv_events_config: unknown key 'endpont'"):
+        EngineConfig(kv_events_config={"endpont": "tcp://*:5557"})
+    with pytest.raises(ValueError, match="^kv_events_config: the dict is not JSON"):
+        EngineConfig(kv_events_config={"topic": object()})

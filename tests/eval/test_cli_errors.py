@@ -221,7 +221,13 @@ def test_an_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
     (["--rate", "inf"], "error: rate: every number must be finite, got 'inf'"),
     (["--time-scale", "inf"], "error: time_scale: must be a number in [0, 1000], got inf"),
     (["--token-scale", "1e308"], "error: token_scale: must be a number in [0, 1000], got 1e+308"),
-    (["--kv-fraction", "inf"], "error: kv_fraction: must be a number in [0, 1000], got inf"),
+    (["--kv-fraction", "inf"], "error: kv_fraction: must be a share of the working set in (0, 1], got inf"),
+    (["--kv-fraction", "0"], "error: kv_fraction: must be a share of the working set in (0, 1], got 0.0"),
+    (["--kv-fraction", "1.5"], "error: kv_fraction: must be a share of the working set in (0, 1], got 1.5"),
+    (["--model", "dummy:tiny", "--kv-fraction", "0.01"], "error: kv_fraction: 0.01 of the workload's working set of"),
+    (["--seed", "-1"], "error: seed: must be an integer >= 0, got -1"),
+    (["--rate", "2,-1"], "error: rate: must be > 0, got -1\n"),
+    (["--concurrency", "2,0"], "error: concurrency: must be >= 1, got 0\n"),
     (["--jobs", str(10**23)], f"error: jobs: must be an integer in [1, 1,000,000], got {10**23}"),
     (["--repeats", str(10**20)], f"error: repeats: must be an integer in [1, 1,000], got {10**20}"),
     (["--policies", "asymcache,asymcache"], "error: policies: 'asymcache' is listed twice (use --repeats to run it again)"),
@@ -235,7 +241,7 @@ def test_bench_sizes_and_lists_fail_before_anything_runs(tmp_path: Path, args: l
     out = tmp_path / "run"
     argv = ["bench", "--backend", "sim", "--jobs", "4", "--no-plots", "--out", str(out), *args]
     line = _assert_one_error_line(runner.invoke(app, argv), argv)
-    assert line.startswith(message), line
+    assert f"{line}\n".startswith(message), line
     assert not out.exists()
 
 
@@ -257,3 +263,74 @@ def test_bench_api_refuses_concurrency_below_one(tmp_path: Path, bad: int) -> No
     with pytest.raises(BenchError, match=r"^concurrency: must be an integer in \[1, "):
         run_bench(BenchConfig(backend="sim", jobs=2, concurrency=bad, out=tmp_path / "x"))
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--backend", "sim", "--out"],
+        ["profile", "--quick", "--out"],
+        ["calibrate", "steps.jsonl", "--latency-profile", "profile.json", "--out"],
+    ],
+    ids=["bench", "profile", "calibrate"],
+)
+def test_an_output_path_that_cannot_be_written_fails_before_any_work(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asymcache_core
+
+    monkeypatch.chdir(tmp_path)
+
+    def no_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the engine was built before the output path was checked")
+
+    monkeypatch.setattr(asymcache_core, "Engine", no_engine)
+    (tmp_path / "a_file").write_text("")
+    for out, reason in (("/proc/nope/x.json", "No such file or directory"), ("a_file/x.json", "is a file")):
+        line = _assert_one_error_line(runner.invoke(app, [*argv, out]), [*argv, out])
+        assert line.startswith("error: out: ") and reason in line, line
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]  # the check leaves nothing behind
+
+
+def test_checking_an_output_path_creates_nothing(tmp_path: Path) -> None:
+    from eval.cli_app import check_output_path
+
+    check_output_path("out", tmp_path / "new" / "deeper" / "x.json")
+    check_output_path("out", tmp_path / "run" / "folder", folder=True)
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match=r"^out: .* is a file, not a folder"):
+        check_output_path("out", tmp_path / "f", folder=True)
+    with pytest.raises(ValueError, match=r"^out: .* is a folder; give a file path"):
+        check_output_path("out", tmp_path)
+
+
+def test_a_max_model_len_past_the_models_is_one_line_naming_it() -> None:
+    argv = ["generate", "hello", "--model", "dummy:tiny", "--max-model-len", "1000000000"]
+    line = _assert_one_error_line(runner.invoke(app, argv), argv)
+    assert re.match(r"error: max_model_len: 1000000000 is past dummy:tiny's limit of \d+ tokens", line), line
+
+
+def test_a_sharegpt_file_that_is_not_json_says_so(tmp_path: Path) -> None:
+    """It was once read as a file of no conversations ("holds no jobs")."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json {\n")
+    argv = ["bench", "--backend", "sim", "--model", "dummy:tiny", "--workload", f"sharegpt:{bad}"]
+    argv += ["--out", str(tmp_path / "run")]
+    line = _assert_one_error_line(runner.invoke(app, argv), argv)
+    assert line == f"error: workload: {bad}:1: invalid JSON: Expecting value", line
+
+
+def test_generate_refuses_an_empty_prompt_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asymcache_core
+
+    def no_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded for an empty prompt")
+
+    monkeypatch.setattr(asymcache_core, "Engine", no_engine)
+    for prompt in ("", "  \n"):
+        argv = ["generate", prompt]
+        line = _assert_one_error_line(runner.invoke(app, argv), argv)
+        assert line == "error: prompt: must be a non-empty message", line

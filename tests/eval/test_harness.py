@@ -101,7 +101,7 @@ def test_cli_sim_bench_scales(tmp_path):
         (["--model", "no-such-model", "--backend", "sim"], "model"),
         (["--kv-blocks", "3", "--backend", "sim"], "num_kv_blocks"),
         (["--num-kv-blocks", "3", "--backend", "sim"], "num_kv_blocks"),
-        (["--kv-fraction", "0.01", "--backend", "sim"], "num_kv_blocks"),
+        (["--kv-fraction", "0.01", "--backend", "sim"], "kv_fraction"),
         (["--max-model-len", "0", "--backend", "sim"], "max_model_len"),
         (["--max-num-seqs", "0", "--backend", "sim"], "max_num_seqs"),
         (["--dtype", "int8", "--backend", "sim"], "dtype"),

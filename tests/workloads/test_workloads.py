@@ -472,6 +472,11 @@ def test_sharegpt_complete_and_malformed(tmp_path: Path) -> None:
         import_sharegpt(jsonl)
     with pytest.raises(TraceError, match="no such file"):
         import_sharegpt(tmp_path / "nope.json")
+    # NOTE: a file whose only record is not JSON is no cut download: it once held "no jobs"
+    not_json = tmp_path / "not.json"
+    not_json.write_text("not json {\n")
+    with pytest.raises(TraceError, match=r"not\.json:1: invalid JSON"):
+        import_sharegpt(not_json)
 
 
 def test_bfcl_import(tmp_path: Path) -> None:

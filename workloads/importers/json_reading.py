@@ -87,6 +87,7 @@ class JsonStream:
 
     def _iter_lines(self, f: IO[str]) -> Iterator[tuple[int, Any]]:
         f.seek(0)
+        records = 0
         for lineno, line in enumerate(f, start=1):
             text = line.lstrip("\ufeff") if lineno == 1 else line
             if not text.strip():
@@ -97,11 +98,14 @@ class JsonStream:
                 raise TraceError(f"{self.path}:{lineno}: JSON nested too deeply") from None
             except json.JSONDecodeError as e:
                 # A bad *last* line is a cut download; anything after it makes it corruption.
+                # NOTE: a bad first record is no cut download but a file that is not JSON
+                # (it was once read as a file of no conversations).
                 at_end = all(not rest.strip() for rest in f)
-                if at_end and self.tolerate_truncation:
+                if at_end and records and self.tolerate_truncation:
                     self.truncated = True
                     return
                 raise TraceError(f"{self.path}:{lineno}: invalid JSON: {e.msg}") from e
+            records += 1
             yield lineno, obj
 
     def _iter_array(self, f: IO[str], head: str) -> Iterator[tuple[int, Any]]:
