@@ -368,7 +368,12 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
 
         Returns:
             The device blocks evicted and the host slots dropped.
+
+        Raises:
+            ValueError: ``host_tier`` is not a bool (nothing is reset).
         """
+        if not isinstance(host_tier, bool):
+            raise ValueError(f"host_tier: must be a bool, got {host_tier!r}")
         evicted = self.pool.evict_all()
         dropped = self.host_tier.clear() if host_tier and self.host_tier is not None else 0
         if self.kv_events is not None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from asymcache_core import CacheReset, Engine, EngineConfig, SamplingParams
 
 PROMPT = list(range(100, 140))  # ten blocks of 4 tokens
@@ -59,3 +61,12 @@ def test_a_reset_keeps_what_a_request_holds_and_without_a_tier_drops_no_host_slo
         engine.step()
     assert rid not in engine.requests and engine.reset_prefix_cache().device_blocks >= 10
     engine.check_integrity()
+
+
+def test_a_host_tier_flag_that_is_not_a_bool_is_refused_and_nothing_is_reset():
+    engine = _engine()
+    _run(engine)
+    cached = len(engine.pool.cached)
+    with pytest.raises(ValueError, match="host_tier"):
+        engine.reset_prefix_cache(host_tier="x")  # type: ignore[arg-type]
+    assert len(engine.pool.cached) == cached > 0
