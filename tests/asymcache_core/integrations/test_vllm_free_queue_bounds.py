@@ -9,7 +9,7 @@ import random
 from typing import Any
 
 import pytest
-from test_vllm_plugin_unit import BLOCK, FakeBlock, FakePool, chain, pin
+from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, pin
 
 from asymcache_core.integrations.vllm import BlockScorer, PinSet
 from asymcache_core.integrations.vllm.reference import reference_plan
@@ -21,25 +21,6 @@ MODELS = {
     "flat": LatencyModel(floor_s=1e-3, per_token_s=1e-5, per_attn_s=0.0, knee_tokens=0),
     "exact": LatencyModel(floor_s=1e-3, per_token_s=1.0, per_attn_s=1e-300, knee_tokens=0),
 }
-
-
-def _checked(pool: FakePool, pins: PinSet | None, compared: dict[str, int]) -> None:
-    """Makes every pop of the pool's queue check itself against the full scan."""
-    queue = pool.queue
-    live_pop = queue.popleft_n
-
-    def popleft_n(n: int) -> list[FakeBlock]:
-        if pins is not None:
-            pins.expire(pool.clock())
-        head = [b.block_id for b in queue._uncached.values()][:n]
-        if n > len(head):
-            head += reference_plan(queue, n - len(head), pool.clock(), pool.forest.copy())[0]
-        got = live_pop(n)
-        assert [b.block_id for b in got] == head
-        compared["pops"] += 1
-        return got
-
-    queue.popleft_n = popleft_n  # type: ignore[method-assign]
 
 
 def _time_step(rng: random.Random) -> float:
@@ -79,7 +60,7 @@ def test_pops_follow_the_full_scan_as_jobs_change_and_time_passes(
         pool.blocks, pool.scorer.score, pool.clock, pool.forest, pins
     )
     compared = {"pops": 0, "orders": 0}
-    _checked(pool, pins, compared)
+    check_every_pop(pool, pins, compared)
     queue, stats = pool.queue, pool.job_stats
     jobs = [f"j{i}" for i in range(num_jobs)]
     prefixes = [chain(f"sys{i}_", rng.randint(1, 3)) for i in range(3)]

@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 import pytest
-from test_vllm_plugin_unit import BLOCK, FakeBlock, FakePool, chain, pin
+from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, pin
 
 from asymcache_core.integrations.vllm import BlockScorer, ExpectedLatencyFreeQueue, PinSet
 from asymcache_core.integrations.vllm.reference import reference_plan
@@ -55,20 +55,8 @@ def test_every_pop_is_the_full_scan_order(model: str, opaque: bool, watched: boo
     rng = random.Random(seed)
     pool, pins = _pool(model, opaque, watched, seed)
     queue = pool.queue
-    live_pop = queue.popleft_n
     compared = {"pops": 0, "orders": 0}
-
-    def popleft_n(n: int) -> list[FakeBlock]:
-        pins.expire(pool.clock())
-        head = [b.block_id for b in queue._uncached.values()][:n]
-        if n > len(head):
-            head += reference_plan(queue, n - len(head), pool.clock(), pool.forest.copy())[0]
-        got = live_pop(n)
-        assert [b.block_id for b in got] == head
-        compared["pops"] += 1
-        return got
-
-    queue.popleft_n = popleft_n  # type: ignore[method-assign]
+    check_every_pop(pool, pins, compared)
     prefixes = [chain(f"sys{i}_", rng.randint(1, 3)) for i in range(3)]
     live: list[tuple[str, str]] = []
     for step in range(150):

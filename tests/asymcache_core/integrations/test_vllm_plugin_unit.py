@@ -25,6 +25,7 @@ from asymcache_core.integrations.vllm import (
     PinSet,
     parse_job_hints,
 )
+from asymcache_core.integrations.vllm.reference import reference_plan
 from asymcache_core.job_stats import JobStats
 from asymcache_core.latency_model import LatencyModel
 
@@ -453,3 +454,22 @@ def test_entry_point_choice_is_opt_in() -> None:
     # explicit choices win over the config
     assert chosen_scheduler("async", False) == ASYNC_SCHEDULER_CLS
     assert chosen_scheduler("Sync", True) == SCHEDULER_CLS
+
+
+def check_every_pop(pool: FakePool, pins: PinSet | None, compared: dict[str, int]) -> None:
+    """Makes every pop of the pool's queue check itself against the full scan."""
+    queue = pool.queue
+    live_pop = queue.popleft_n
+
+    def popleft_n(n: int) -> list[FakeBlock]:
+        if pins is not None:
+            pins.expire(pool.clock())
+        head = [b.block_id for b in queue._uncached.values()][:n]
+        if n > len(head):
+            head += reference_plan(queue, n - len(head), pool.clock(), pool.forest.copy())[0]
+        got = live_pop(n)
+        assert [b.block_id for b in got] == head
+        compared["pops"] += 1
+        return got
+
+    queue.popleft_n = popleft_n  # type: ignore[method-assign]
