@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
 
 import pytest
-from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, pin
+from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, count_pricings, pin
 
 from asymcache_core.integrations.vllm import BlockScorer, PinSet
 from asymcache_core.integrations.vllm.reference import reference_plan
@@ -126,18 +125,6 @@ def _idle_jobs(num_jobs: int, gaps: bool) -> FakePool:
     return pool
 
 
-def _count_prices(pool: FakePool) -> dict[str, int]:
-    calls = {"n": 0}
-    terms = pool.scorer.group_terms
-
-    def counted(group: Any, now: float) -> Any:
-        calls["n"] += 1
-        return terms(group, now)
-
-    pool.scorer.group_terms = counted  # type: ignore[method-assign]
-    return calls
-
-
 def _pop(pool: FakePool, n: int, calls: dict[str, int]) -> tuple[list[int], int]:
     """Pops ``n`` evicting, checked against the full scan; returns them and the prices paid."""
     want = reference_plan(pool.queue, n, pool.clock(), pool.forest.copy())[0]
@@ -154,7 +141,7 @@ def test_an_evicting_pop_prices_a_few_groups_not_every_group(gaps: bool) -> None
         pool = _idle_jobs(num_jobs, gaps)
         pool.clock.t += 30.0 if gaps else 0.0  # with gaps: every job decays, each at its own rate
         pool.queue.popleft_n(4)  # the uncached blocks
-        calls = _count_prices(pool)
+        calls = count_pricings(pool.scorer)
         _, first = _pop(pool, 2, calls)
         assert first >= num_jobs  # the first walk prices every group once (each was filed new)
         costs = []
@@ -170,7 +157,7 @@ def test_an_evicting_pop_prices_a_few_groups_not_every_group(gaps: bool) -> None
 def test_a_job_event_re_prices_only_that_jobs_groups() -> None:
     pool = _idle_jobs(200, gaps=False)
     pool.queue.popleft_n(4)  # the uncached blocks
-    calls = _count_prices(pool)
+    calls = count_pricings(pool.scorer)
     _pop(pool, 1, calls)
     pool.job_stats.hint("j150", finished=True)  # j150's blocks will not be reused: cheapest
     victims, paid = _pop(pool, 3, calls)

@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 import pytest
-from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, pin
+from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, count_pricings, pin
 
 from asymcache_core.integrations.vllm import BlockScorer, ExpectedLatencyFreeQueue, PinSet
 from asymcache_core.integrations.vllm.reference import reference_plan
@@ -101,14 +101,7 @@ def test_a_dry_run_reads_only_what_is_taken() -> None:
     for j in range(10):
         pool.run(f"r{j}", chain(f"c{j}_", 4), job=f"j{j}")
         pool.finish(f"r{j}", job=f"j{j}")
-    calls = {"n": 0}
-    terms = pool.scorer.group_terms
-
-    def counted(group: Any, now: float) -> Any:
-        calls["n"] += 1
-        return terms(group, now)
-
-    pool.scorer.group_terms = counted  # type: ignore[method-assign]
+    calls = count_pricings(pool.scorer)
     full = [b.block_id for b in pool.queue.get_all_free_blocks()]
     walk = pool.queue.iter_blocks_after(None)
     first = [next(walk).block_id for _ in range(3)]

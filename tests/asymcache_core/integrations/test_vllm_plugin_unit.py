@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -473,3 +474,16 @@ def check_every_pop(pool: FakePool, pins: PinSet | None, compared: dict[str, int
         return got
 
     queue.popleft_n = popleft_n  # type: ignore[method-assign]
+
+
+def count_pricings(scorer: BlockScorer) -> dict[str, int]:
+    """Counts ``scorer``'s group pricings from now on (``["n"]``)."""
+    calls = {"n": 0}
+    terms = scorer.group_terms
+
+    def counted(group: Any, now: float) -> Any:
+        calls["n"] += 1
+        return terms(group, now)
+
+    scorer.group_terms = counted  # type: ignore[method-assign]
+    return calls
