@@ -8,13 +8,13 @@ platform's device type.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from asymcache_core.config import json_object_text
 from asymcache_core.latency_model import LatencyModel
 from asymcache_core.models.config import ModelConfig
 
@@ -86,13 +86,7 @@ class AsymCacheOptions:
             raw.update(extra["asymcache"])
         env = os.environ.get(OPTIONS_ENV)
         if env:
-            try:
-                parsed = json.loads(env)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{OPTIONS_ENV}: not JSON ({exc})") from None
-            if not isinstance(parsed, dict):
-                raise ValueError(f"{OPTIONS_ENV}: must be a JSON object, got {env!r}")
-            raw.update(parsed)
+            raw.update(json_object_text(OPTIONS_ENV, env))
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - names)
         if unknown:
