@@ -7,6 +7,7 @@ route). :func:`serve` runs the app with uvicorn, as its :class:`ServeOptions` sa
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -388,6 +389,26 @@ class ServeOptions:
         )
 
 
+def freeze_startup_heap() -> int:
+    """Moves every object the garbage collector tracks now (the model, the tokenizer, the
+    imported libraries: the server's start-up heap) out of its view; a server calls it once its
+    runtime is built, and ``gc.unfreeze()`` once it is closed.
+
+    NOTE: what vLLM's engine core does after start-up, for the same reason: a full collection
+    walks every tracked object, and a server that has loaded torch, transformers and FastAPI
+    tracks ~258k of them (SmolLM2 on this project's 2-core CPU, 2026-12-07): each full pass
+    stalled every thread, the engine's steps included, for 120-136 ms; after the freeze, under
+    0.01 ms. Not in :class:`~asymcache_core.engine.Engine` itself: a process that builds many
+    engines without closing them (tests, sweeps) would keep their reference cycles forever.
+
+    Returns:
+        The objects frozen.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(options: ServeOptions) -> None:
     """Load the model, build the runtime for the options' preset and serve it with uvicorn
     (blocking).
@@ -402,11 +423,13 @@ def serve(options: ServeOptions) -> None:
 
     runtime = options.build_runtime()
     app = options.build_app(lambda: runtime)
+    freeze_startup_heap()
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
                     access_log=options.access_log, timeout_graceful_shutdown=float(options.shutdown_timeout))
     finally:
         runtime.close_sync()
+        gc.unfreeze()
 
 
-__all__ = ["LOG_LEVELS", "ServeOptions", "create_app", "serve"]
+__all__ = ["LOG_LEVELS", "ServeOptions", "create_app", "freeze_startup_heap", "serve"]

@@ -44,7 +44,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from agent_runtime.server.app import ServeOptions
+from agent_runtime.server.app import ServeOptions, freeze_startup_heap
 from agent_runtime.server.job_router import RoutingPolicy
 from agent_runtime.server.replica_gateway import (
     APP_NAME,
@@ -140,6 +140,8 @@ class EngineReplica:
         # NOTE: the app is given the runtime, so it never closes it; :meth:`__del__` does.
         self.app = options.build_app(self.runtime)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # NOTE: the replica's actor process lives as long as its runtime: see freeze_startup_heap
+        freeze_startup_heap()
 
     async def forward(self, request: ForwardedRequest, routing_key: str | None = None,
                       replica: str | None = None, home_only: bool = False) -> AsyncIterator[Message]:
