@@ -62,8 +62,8 @@ turns seen so far) leaves the ranking; if it comes back it ranks as a new job.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
+from asymcache_core.job_ranking import JobRanking, JobState
 from asymcache_core.request import Request
 
 
@@ -93,19 +93,7 @@ def gate_capacity_blocks(device_blocks: int, host_blocks: int = 0) -> int:
     return device_blocks + max(0, host_blocks - device_blocks) // 2
 
 
-@dataclass
-class _JobState:
-    tokens: int
-    in_flight: int = 0
-    last_release: float | None = None
-    #: the leading tokens its first request found cached (a prefix another job also holds,
-    #: such as a shared system prompt), and the hash of their last block: the gate counts a
-    #: shared prefix once, for the oldest ranked job that holds it
-    shared_tokens: int = 0
-    shared_key: int | None = None
-
-
-class JobAdmission:
+class JobAdmission(JobRanking):
     """Admission of whole jobs against the pool's capacity, oldest job first.
 
     Invariants (:meth:`check_integrity`):
@@ -164,7 +152,7 @@ class JobAdmission:
             raise ValueError(f"final_history: must be >= 1, got {final_history!r}")
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size!r}")
-        self.block_size = block_size
+        super().__init__(block_size)
         self.device_tokens = capacity_tokens
         self.tier_tokens = tier_tokens
         self.min_pauses = min_pauses
@@ -180,7 +168,6 @@ class JobAdmission:
         #: final contexts of the last jobs that finished (their last step released), oldest first
         self.final_tokens: deque[int] = deque(maxlen=final_history)
         self._stay_short: bool | None = None
-        self.jobs: OrderedDict[str, _JobState] = OrderedDict()
         self._gaps: deque[float] = deque(maxlen=256)
         # NOTE: jobs that idled out, with their last release: a gap longer than the timeout
         # is learned when such a job returns, so the timeout can grow past a too-short start.
@@ -188,20 +175,6 @@ class JobAdmission:
         self._max_expired = 4096
         self.num_held_back = 0  # admission attempts the gate refused
         self.num_expired = 0  # jobs that left the ranking by idling
-        # NOTE: a scheduling pass asks about every waiting request, but the ranking changes only
-        # on admissions, releases and expiries: the tokens of the jobs ranked before each job
-        # (and the expiry scan at one instant) are computed once per change, not once a request.
-        self._version = 0
-        self._older: dict[str, int] = {}
-        #: each shared prefix's key -> the oldest reserving job that keys it (it brings it in)
-        self._key_owner: dict[int, str] = {}
-        #: the jobs whose shared prefix a reserving job ranked before them brings in
-        self._prefix_from_older: set[str] = set()
-        self._older_total = 0
-        #: the same prefix sums with each shared prefix counted once
-        self._older_unique: dict[str, int] = {}
-        self._older_unique_total = 0
-        self._older_version = -1
         self._expired_scan: tuple[float, int] | None = None
 
     @property
@@ -237,15 +210,6 @@ class JobAdmission:
         ratio = self.overcount()
         return min(self.device_tokens + self.tier_tokens, int(self._capacity * ratio))
 
-    def overcount(self) -> float:
-        """The ranked jobs' contexts as the gate sums them (each shared prefix once a job) over
-        the same sum with each shared prefix once: at least 1."""
-        if self._older_version != self._version:
-            self._recount()
-        if self._older_unique_total <= 0:
-            return 1.0
-        return max(1.0, self._older_total / self._older_unique_total)
-
     def pause_share(self) -> float | None:
         """The share of the latest jobs' time spent in tool pauses, each pause and each turn
         (from its first step to its release) weighted by the context the job held; None before
@@ -263,11 +227,6 @@ class JobAdmission:
         extra = self.tier_tokens if share >= 1.0 else int(self.device_tokens * share / (1.0 - share))
         self._capacity = self.device_tokens + min(self.tier_tokens, extra)
 
-    @property
-    def num_jobs(self) -> int:
-        """Jobs in the ranking (running, between turns, or held back between turns)."""
-        return len(self.jobs)
-
     def jobs_stay_short(self) -> bool:
         """Whether the median final context of the last :attr:`final_history` finished jobs
         is at most :attr:`min_held_tokens` (False before any job finished)."""
@@ -276,20 +235,11 @@ class JobAdmission:
             self._stay_short = bool(finals) and finals[(len(finals) - 1) // 2] <= self.min_held_tokens
         return self._stay_short
 
-    def reserves(self, job: _JobState) -> bool:
+    def reserves(self, job: JobState) -> bool:
         """Whether ``job`` holds its context in the gate's sum: while it has a request in
         flight, its context is longer than :attr:`min_held_tokens`, or jobs do not stay that
         short (:meth:`jobs_stay_short`)."""
         return bool(job.in_flight) or job.tokens > self.min_held_tokens or not self.jobs_stay_short()
-
-    def reserved_tokens(self, job: _JobState) -> int:
-        """The tokens ``job`` holds in the gate's sum when it :meth:`reserves` (else none): its
-        context."""
-        return job.tokens if self.reserves(job) else 0
-
-    def ranked_tokens(self) -> int:
-        """Sum of the ranked jobs' latest context lengths."""
-        return sum(job.tokens for job in self.jobs.values())
 
     def admits(self, request: Request, now: float, *, engine_idle: bool = False) -> bool:
         """Whether ``request`` may be admitted now (it fits with every older job).
@@ -320,7 +270,7 @@ class JobAdmission:
         self.num_held_back += 1
         return False
 
-    def _fits_half_pool_unique(self, request: Request, job_id: str, job: _JobState | None, own: int) -> bool:
+    def _fits_half_pool_unique(self, request: Request, job_id: str, job: JobState | None, own: int) -> bool:
         """Whether, with each shared prefix counted once, ``request``'s job (``own`` tokens)
         and the jobs ranked before it need at most half the pool, once ``final_history`` jobs
         have finished.
@@ -337,62 +287,6 @@ class JobAdmission:
         elif job_id in self._prefix_from_older:
             own -= job.shared_tokens  # counted with the older job that brings it in
         return 2 * (older + own) <= self.capacity_tokens
-
-    def _tokens_before(self, job_id: str) -> int:
-        """Sum of what the jobs ranked before ``job_id`` reserve (all ranked jobs for a job not
-        in the ranking yet)."""
-        if self._older_version != self._version:
-            self._recount()
-        return self._older.get(job_id, self._older_total)
-
-    def _unique_before(self, job_id: str) -> int:
-        """:meth:`_tokens_before` with each shared prefix counted once."""
-        if self._older_version != self._version:
-            self._recount()
-        return self._older_unique.get(job_id, self._older_unique_total)
-
-    def _shared_with_ranked(self, request: Request) -> int:
-        """The leading tokens of a new job's ``request`` that are a prefix a reserving ranked
-        job brought in (its hashed blocks up to the last one that is such a prefix's key).
-
-        NOTE: block hashes are chained, so a request whose block at a key's position has the
-        key's hash holds the whole prefix that key ends.
-        """
-        if self._older_version != self._version:
-            self._recount()
-        hashes = request.block_hashes
-        shared = 0
-        for key, owner in self._key_owner.items():
-            tokens = self.jobs[owner].shared_tokens
-            n = tokens // self.block_size
-            if tokens > shared and len(hashes) >= n and hashes[n - 1] == key:
-                shared = tokens
-        return shared
-
-    def _recount(self) -> None:
-        """The prefix sums of :meth:`_tokens_before` and :meth:`_unique_before`, in rank order:
-        a reserving job adds what it reserves to the first; to the second the same less its
-        shared prefix, plus that prefix if no older reserving job brought it in."""
-        self._older.clear()
-        self._older_unique.clear()
-        self._key_owner.clear()
-        self._prefix_from_older.clear()
-        total = unique = 0
-        for other_id, other in self.jobs.items():
-            self._older[other_id] = total
-            self._older_unique[other_id] = unique
-            if other.shared_key in self._key_owner:
-                self._prefix_from_older.add(other_id)
-            if not self.reserves(other):
-                continue
-            total += other.tokens
-            unique += other.tokens - other.shared_tokens
-            if other.shared_key is not None and other.shared_key not in self._key_owner:
-                self._key_owner[other.shared_key] = other_id
-                unique += other.shared_tokens
-        self._older_total = total
-        self._older_unique_total = unique
-        self._older_version = self._version
 
     def on_admitted(self, request: Request, now: float, *, cached_prefix_tokens: int = 0) -> None:
         """``request`` holds its blocks now (its first admission or one after a preemption).
@@ -413,7 +307,7 @@ class JobAdmission:
             left_at = self._expired.pop(job_id, None)
             if left_at is not None:
                 self._gaps.append(max(0.0, now - left_at))
-            job = self.jobs[job_id] = _JobState(request.num_tokens)
+            job = self.jobs[job_id] = JobState(request.num_tokens)
             num_blocks = min(len(request.block_hashes), cached_prefix_tokens // self.block_size)
             if num_blocks > 0:
                 job.shared_tokens = num_blocks * self.block_size
@@ -488,24 +382,7 @@ class JobAdmission:
         """Asserts the invariants of the class docstring."""
         assert all(job.in_flight >= 0 for job in self.jobs.values()), "negative in-flight count"
         assert all(job.tokens > 0 for job in self.jobs.values()), "a ranked job with no context"
-        if self._older_version == self._version:
-            total = unique = 0
-            owners: dict[int, str] = {}
-            for job_id, job in self.jobs.items():
-                assert self._older.get(job_id) == total, f"stale prefix sum for job {job_id!r}"
-                assert self._older_unique.get(job_id) == unique, f"stale unique prefix sum for job {job_id!r}"
-                if self.reserves(job):
-                    total += self.reserved_tokens(job)
-                    unique += self.reserved_tokens(job) - job.shared_tokens
-                    if job.shared_key is not None and job.shared_key not in owners:
-                        owners[job.shared_key] = job_id
-                        unique += job.shared_tokens
-            assert self._key_owner == owners, "stale owners of the shared prefixes"
-            assert self._older_total == total, "stale total of the ranked contexts"
-            assert self._older_unique_total == unique <= total, "stale unique total of the ranked contexts"
-        for job in self.jobs.values():
-            assert 0 <= job.shared_tokens <= job.tokens, "a shared prefix longer than its context"
-            assert (job.shared_key is None) == (job.shared_tokens == 0), "a shared prefix without its key"
+        self._check_prefix_sums()
         assert not set(self.jobs) & set(self._expired), "a job both ranked and expired"
         assert len(self._expired) <= self._max_expired, "expired jobs past their bound"
         assert len(self.final_tokens) <= self.final_history, "final contexts past their bound"

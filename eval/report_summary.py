@@ -121,7 +121,7 @@ def pool_filled(results: Results) -> bool | None:
 
 
 def _baseline(results: Results) -> str | None:
-    from eval.report import pick_baseline
+    from eval.report_tables import pick_baseline
 
     return pick_baseline(list(results.policies))
 

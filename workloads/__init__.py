@@ -19,13 +19,15 @@ from workloads.arrivals import (
     poisson,
     zero,
 )
-from workloads.generators import (
-    WORKLOADS,
+from workloads.generator_params import (
     ChatParams,
     CommonParams,
     SweParams,
     ToolLoopParams,
     ToolProfile,
+)
+from workloads.generators import (
+    WORKLOADS,
     generate,
     generate_chat,
     generate_swe,

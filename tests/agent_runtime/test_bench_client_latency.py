@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_client_latency.py"
-_SPEC = importlib.util.spec_from_file_location("bench_client_latency", _PATH)
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "client_latency_metrics.py"
+_SPEC = importlib.util.spec_from_file_location("client_latency_metrics", _PATH)
 assert _SPEC is not None and _SPEC.loader is not None
 bench = importlib.util.module_from_spec(_SPEC)
 # NOTE: dataclasses look their module up in sys.modules while the class is built.

@@ -13,7 +13,7 @@ from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
 from agent_runtime.runtime import AgentRuntime
 from asymcache_core.implicit_jobs import JOB_PREFIX
 from asymcache_core.sampling_params import SamplingParams
-from tests.agent_runtime.test_server import TOOLS
+from tests.agent_runtime.live_server import TOOLS
 from tests.conftest import make_engine
 
 READ = {"type": "function", "function": {"name": "read_file"}}
@@ -70,7 +70,7 @@ def test_chat_completions_without_job_ids_join_their_conversation(smollm):
     import openai
 
     from agent_runtime.server import create_app
-    from tests.agent_runtime.test_server import MODEL, serving
+    from tests.agent_runtime.live_server import MODEL, serving
 
     preset = resolve_preset("asymcache+continuum")
     runtime = AgentRuntime(make_engine(smollm, max_model_len=2048, **preset.engine_overrides), policy=preset)

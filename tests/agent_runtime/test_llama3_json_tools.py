@@ -16,7 +16,7 @@ from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
 from agent_runtime.server.choices import safe_text_len
 from asymcache_core import SamplingParams
-from tests.agent_runtime.test_server import MODEL, TOOLS, serving
+from tests.agent_runtime.live_server import MODEL, TOOLS, serving
 from tests.conftest import make_engine
 
 #: Tools in the system turn, calls written back as Llama writes them, results in an ``ipython``

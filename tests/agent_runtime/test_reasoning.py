@@ -18,7 +18,7 @@ from agent_runtime.server import create_app
 from agent_runtime.server.choices import ChatChunks
 from agent_runtime.types import StreamEvent
 from asymcache_core.request import RequestMetrics, RequestOutput
-from tests.agent_runtime.test_server import MODEL, serving
+from tests.agent_runtime.live_server import MODEL, serving
 from tests.conftest import make_engine
 
 THOUGHT = "<think>\nThe sky scatters blue light.\n</think>\n\nBlue."

@@ -8,7 +8,7 @@ import openai
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
-from tests.agent_runtime.test_server import MODEL, serving
+from tests.agent_runtime.live_server import MODEL, serving
 from tests.conftest import make_engine
 
 #: SmolLM2's turns after a system line that names the effort (gpt-oss's template does likewise).

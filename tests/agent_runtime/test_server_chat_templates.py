@@ -12,13 +12,13 @@ import pytest
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import ServeOptions, create_app
+from tests.agent_runtime.live_server import MODEL, serving
 from tests.agent_runtime.test_chat_template_options import (
     CHAT,
     EMPTY_THINK,
     STRICT_TEMPLATE,
     THINKING_TEMPLATE,
 )
-from tests.agent_runtime.test_server import MODEL, serving
 from tests.conftest import make_engine
 
 

@@ -1,12 +1,12 @@
 """A bad request hurts only itself: caps, validation, auth on every route, error isolation,
-the bounded queue and the shutdown drain, against uvicorn over the real SmolLM2."""
+against uvicorn over the real SmolLM2 (the bounded queue and the shutdown drain:
+``test_server_queue.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,15 +14,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
 from agent_runtime.server.auth import key_matches
-from agent_runtime.server.request_guard import RequestGuard
-from agent_runtime.server.state import AppState
 from asymcache_core.batched_sampling import SampledRows
 from asymcache_core.sampler import NON_FINITE
+from tests.agent_runtime.uvicorn_server import Server
 from tests.conftest import make_engine
 
 MODEL = "smollm2-135m"
@@ -30,43 +28,6 @@ USER = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
 BODY_CAP = 64 * 1024
 FAIL_SEED = 424242
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, app, runtime: AgentRuntime, shutdown_s: float | None = None) -> None:
-        self.runtime = runtime
-        port = _free_port()
-        self.base = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=shutdown_s))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-
-    def engine(self, fn):
-        return self.runtime.call_threadsafe(fn).result(timeout=30)
-
-    def clean(self) -> None:
-        """Nothing in flight, no block held, integrity holds, and a normal request is answered."""
-        deadline = time.monotonic() + 30
-        while self.engine(lambda e: e.has_unfinished()):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        self.engine(lambda e: e.check_integrity())
-        assert self.engine(lambda e: sum(b.ref_cnt for b in e.pool.blocks)) == 0
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -326,121 +287,6 @@ def test_api_key_guards_the_v1_routes_and_the_resets_as_vllm_does(srv):
                    "tokenize": 200, "reset": 401, "non-ascii": 401, "latin1": 401, "keyed": 200, "x-api-key": 200}
     assert key_matches(b"Bearer sekret", "sekret") and key_matches(b"bearer  sekret ", "sekret")
     assert not key_matches(b"Bearer \xff\xfe", "sekret") and not key_matches(None, "sekret")
-
-
-def test_full_queue_is_a_429_with_retry_after():
-    release = asyncio.Event()
-
-    async def slow_app(scope, receive, send):
-        if scope["path"] == CHAT:
-            await release.wait()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    state = AppState("m")  # no runtime: the running batch counts 0, so max_queue_len bounds alone
-    guard = RequestGuard(slow_app, state, max_body_bytes=1024, max_queue_len=2)
-
-    async def main():
-        transport = httpx.ASGITransport(app=guard)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            first = [asyncio.create_task(c.post(CHAT, json={})) for _ in range(2)]
-            await asyncio.sleep(0.05)
-            third = await c.post(CHAT, json={})
-            health = await c.get("/health")  # not a completion: never queued
-            release.set()
-            done = await asyncio.gather(*first)
-            after = await c.post(CHAT, json={})
-            return third, health, done, after
-
-    third, health, done, after = asyncio.run(main())
-    assert third.status_code == 429 and third.headers["retry-after"] == "1"
-    assert third.json()["error"]["code"] == "queue_full" and third.json()["error"]["type"] == "rate_limit_error"
-    assert health.status_code == 200 and [r.status_code for r in done] == [200, 200]
-    assert after.status_code == 200 and guard.in_flight == 0
-
-
-def test_a_completion_of_n_choices_counts_n_in_the_queue():
-    release = asyncio.Event()
-
-    async def slow_app(scope, receive, send):
-        await release.wait()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    guard = RequestGuard(slow_app, AppState("m"), max_body_bytes=4096, max_queue_len=4)
-
-    async def main():
-        transport = httpx.ASGITransport(app=guard)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            # alone, a request of more choices than the bound still runs
-            big = asyncio.create_task(c.post(CHAT, json={"n": 16}))
-            await asyncio.sleep(0.05)
-            held = guard.in_flight
-            refused = await c.post(CHAT, json={"n": 1})
-            release.set()
-            await big
-            release.clear()
-            three = asyncio.create_task(c.post(CHAT, json={"n": 3}))
-            await asyncio.sleep(0.05)
-            two = await c.post(CHAT, json={"n": 2})  # 3 + 2 > 4
-            one = asyncio.create_task(c.post(CHAT, json={"model": "x", "n": True}))  # not a valid n: 1
-            await asyncio.sleep(0.05)
-            full = guard.in_flight
-            release.set()
-            await asyncio.gather(three, one)
-            release.clear()
-            # a batch of prompts is prompts x n engine requests (token-id prompts too)
-            batches = []
-            for prompt in (["a", "b", "c"], [[1, 2], [3]], [1, 2, 3]):
-                task = asyncio.create_task(c.post("/v1/completions", json={"prompt": prompt, "n": 2}))
-                await asyncio.sleep(0.05)
-                batches.append(guard.in_flight)
-                release.set()
-                await task
-                release.clear()
-            return held, refused, two, full, batches
-
-    held, refused, two, full, batches = asyncio.run(main())
-    assert held == 16 and refused.status_code == 429
-    assert two.status_code == 429 and full == 4 and guard.in_flight == 0
-    assert batches == [6, 4, 2]
-
-
-def test_shutdown_drains_up_to_the_timeout_then_aborts(smollm):
-    engine = make_engine(smollm, max_model_len=2048)
-    runtime = AgentRuntime(engine)
-    server = Server(create_app(runtime, MODEL), runtime, shutdown_s=1.0)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 1500,
-            "ignore_eos": True, "stream": True}
-    lines: list[str] = []
-
-    def client() -> None:
-        # NOTE: past the timeout the stream is cut (uvicorn cancels the response task).
-        with contextlib.suppress(httpx.RemoteProtocolError), \
-                httpx.stream("POST", f"{server.base}{CHAT}", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                lines.append(line)
-
-    t = threading.Thread(target=client)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not any('"content"' in x for x in lines[1:]):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    began = time.monotonic()
-    server.stop()  # what uvicorn's SIGTERM handler does: should_exit
-    elapsed = time.monotonic() - began
-    t.join(timeout=30)
-    try:
-        assert not server.thread.is_alive() and elapsed < 30  # 1500 tokens take minutes on a CPU
-        deadline = time.monotonic() + 30
-        while server.engine(lambda e: e.has_unfinished()):
-            assert time.monotonic() < deadline, "the request kept running after shutdown"
-            time.sleep(0.05)
-        assert server.engine(lambda e: sum(b.ref_cnt for b in e.pool.blocks)) == 0
-        server.engine(lambda e: e.check_integrity())
-    finally:
-        runtime.close_sync()
 
 
 def test_an_exception_in_the_model_step_fails_only_its_culprit_and_serving_goes_on(srv):

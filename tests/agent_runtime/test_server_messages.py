@@ -11,14 +11,7 @@ import pytest
 
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import create_app
-from tests.agent_runtime.test_server import (  # noqa: F401 - the fixtures
-    MODEL,
-    TOOLS,
-    leave_stream_early,
-    live,
-    oa,
-    serving,
-)
+from tests.agent_runtime.live_server import MODEL, TOOLS, leave_stream_early, serving
 from tests.conftest import make_engine
 
 anthropic = pytest.importorskip("anthropic")
@@ -30,11 +23,11 @@ QUESTION = "Name a colour of the sky."
 
 
 @pytest.fixture(scope="module")
-def ac(live):  # noqa: F811
+def ac(live):
     return anthropic.Anthropic(base_url=live.base, api_key="unused", max_retries=0, timeout=120)
 
 
-def test_text_reply_equals_the_chat_completion(live, oa, ac):  # noqa: F811
+def test_text_reply_equals_the_chat_completion(live, oa, ac):
     msg = ac.messages.create(model=MODEL, max_tokens=12, system="Answer in one word.",
                              messages=[{"role": "user", "content": QUESTION}])
     chat = oa.chat.completions.create(model=MODEL, max_tokens=12, messages=[
@@ -59,7 +52,7 @@ def test_text_reply_equals_the_chat_completion(live, oa, ac):  # noqa: F811
     live.check()
 
 
-def test_a_tool_loop_in_blocks(live, oa, ac):  # noqa: F811
+def test_a_tool_loop_in_blocks(live, oa, ac):
     ask = {"role": "user", "content": "What is in notes.txt?"}
     first = ac.messages.create(model=MODEL, max_tokens=48, messages=[ask], tools=CLIENT_TOOLS,
                                tool_choice={"type": "tool", "name": "read_file"})
@@ -85,7 +78,7 @@ def test_a_tool_loop_in_blocks(live, oa, ac):  # noqa: F811
     live.check()
 
 
-def test_streamed_events_add_up_to_the_message(live, ac):  # noqa: F811
+def test_streamed_events_add_up_to_the_message(live, ac):
     want = ac.messages.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
     with ac.messages.stream(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}]) as s:
         events = list(s)
@@ -114,7 +107,7 @@ def test_streamed_events_add_up_to_the_message(live, ac):  # noqa: F811
     live.check()
 
 
-def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
+def test_a_client_leaving_a_stream_frees_its_request(live):
     body = {"model": MODEL, "max_tokens": 400, "stream": True,
             "messages": [{"role": "user", "content": "Count from one to one hundred."}]}
     leave_stream_early(live, "/v1/messages", body, "text_delta")
@@ -142,7 +135,7 @@ def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
     ({"stop_sequences": [""]}, "stop_sequences"),
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
 ])
-def test_bad_bodies_are_anthropic_400s_naming_the_field(live, fields, where):  # noqa: F811
+def test_bad_bodies_are_anthropic_400s_naming_the_field(live, fields, where):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **fields}
     r = httpx.post(f"{live.base}/v1/messages", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -192,7 +185,7 @@ def test_anthropic_errors_keys_and_models(smollm):
         runtime.engine.close()
 
 
-def test_a_prefilled_assistant_message_is_continued(live, ac):  # noqa: F811
+def test_a_prefilled_assistant_message_is_continued(live, ac):
     convo = [{"role": "user", "content": "What is the capital of France? One sentence."},
              {"role": "assistant", "content": "The capital of France is"}]
     msg = ac.messages.create(model=MODEL, max_tokens=8, messages=convo)
@@ -227,7 +220,7 @@ def test_text_blocks_are_joined_by_newlines_and_flags_are_strict():
         chat_tool_choice({"type": "any", "disable_parallel_tool_use": "false"})
 
 
-def test_a_call_cut_off_is_no_text(live, ac, oa):  # noqa: F811
+def test_a_call_cut_off_is_no_text(live, ac, oa):
     """A forced call the length limit cuts off is not returned as its markup in a text block (the
     Messages and Responses routes carry calls as blocks and items of their own); its stream sent
     it as call pieces, and their text before it agrees."""

@@ -9,13 +9,13 @@ import httpx
 import pytest
 
 from asymcache_core import SamplingParams
-from tests.agent_runtime.test_server import MODEL, _sse, live, oa  # noqa: F401 - fixtures
+from tests.agent_runtime.live_server import MODEL, sse
 from tests.conftest import make_engine
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
-def _post(live, path: str, body: dict) -> dict:  # noqa: F811 - the fixture's value
+def _post(live, path: str, body: dict) -> dict:
     r = httpx.post(f"{live.base}{path}", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -31,7 +31,7 @@ def reference(smollm):
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
-def test_lm_eval_loglikelihood_request(live, reference, max_tokens):  # noqa: F811
+def test_lm_eval_loglikelihood_request(live, reference, max_tokens):
     ids, ref = reference
     body = _post(live, "/v1/completions", {"model": MODEL, "prompt": [ids], "max_tokens": max_tokens,
                                            "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234})
@@ -59,11 +59,11 @@ def test_lm_eval_loglikelihood_request(live, reference, max_tokens):  # noqa: F8
     live.check()
 
 
-def test_echo_streamed_equals_the_body(live, reference):  # noqa: F811
+def test_echo_streamed_equals_the_body(live, reference):
     ids, _ = reference
     request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "logprobs": 2, "echo": True, "ignore_eos": True}
     body = _post(live, "/v1/completions", request)
-    chunks = _sse(live, "/v1/completions", request)
+    chunks = sse(live, "/v1/completions", request)
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     assert choices[0]["text"].startswith(PROMPT)
     assert "".join(c["text"] for c in choices) == body["choices"][0]["text"]
@@ -78,7 +78,7 @@ def test_echo_streamed_equals_the_body(live, reference):  # noqa: F811
     live.check()
 
 
-def test_vllm_prompt_logprobs_on_completions_and_chat(live, reference):  # noqa: F811
+def test_vllm_prompt_logprobs_on_completions_and_chat(live, reference):
     ids, ref = reference
     body = _post(live, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2})
     (choice,) = body["choices"]
@@ -90,7 +90,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(live, reference):  # noqa:
         assert row[str(token)]["rank"] == entry.rank
         assert row[str(token)]["logprob"] == pytest.approx(entry.logprob, abs=1e-4)
         assert {v["rank"] for v in row.values()} >= {1, 2}  # the two likeliest, ranked
-    chunks = _sse(live, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2})
+    chunks = sse(live, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2})
     carried = [c["choices"][0].get("prompt_logprobs") for c in chunks if c["choices"]]
     assert carried[0] == rows and all(p is None for p in carried[1:])
     chat = _post(live, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "prompt_logprobs": 0,

@@ -8,18 +8,18 @@ import json
 import httpx
 import pytest
 
-from tests.agent_runtime.test_server import MODEL, TOOLS, leave_stream_early, live, oa  # noqa: F401 - the fixtures
+from tests.agent_runtime.live_server import MODEL, TOOLS, leave_stream_early
 
 #: The chat tools in the Responses API's flat form.
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 QUESTION = "Name a colour of the sky."
 
 
-def _chat(oa, messages, **kw):  # noqa: F811 - the fixture's value
+def _chat(oa, messages, **kw):
     return oa.chat.completions.create(model=MODEL, messages=messages, **kw)
 
 
-def test_text_reply_equals_the_chat_completion(live, oa):  # noqa: F811
+def test_text_reply_equals_the_chat_completion(live, oa):
     # NOTE: 6 tokens compare the two replies token for token as 12 did, at half the steps
     resp = oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.", max_output_tokens=6)
     chat = _chat(oa, [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}],
@@ -46,7 +46,7 @@ def test_text_reply_equals_the_chat_completion(live, oa):  # noqa: F811
     live.check()
 
 
-def test_a_tool_loop_in_items(live, oa):  # noqa: F811
+def test_a_tool_loop_in_items(live, oa):
     first = oa.responses.create(model=MODEL, input=[{"role": "user", "content": "What is in notes.txt?"}],
                                 tools=FLAT_TOOLS, tool_choice={"type": "function", "name": "read_file"},
                                 max_output_tokens=48)
@@ -75,7 +75,7 @@ def test_a_tool_loop_in_items(live, oa):  # noqa: F811
     live.check()
 
 
-def test_streamed_events_add_up_to_the_response(live, oa):  # noqa: F811
+def test_streamed_events_add_up_to_the_response(live, oa):
     want = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6)
     events = list(oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, stream=True))
     kinds = [e.type for e in events]
@@ -109,7 +109,7 @@ def test_streamed_events_add_up_to_the_response(live, oa):  # noqa: F811
     live.check()
 
 
-def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
+def test_a_client_leaving_a_stream_frees_its_request(live):
     body = {"model": MODEL, "input": "Count from one to one hundred.", "max_output_tokens": 400, "stream": True}
     leave_stream_early(live, "/v1/responses", body, "response.output_text.delta")
 
@@ -135,7 +135,7 @@ def test_a_client_leaving_a_stream_frees_its_request(live):  # noqa: F811
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
 ])
-def test_bad_bodies_are_400s_naming_the_field(live, fields, param):  # noqa: F811
+def test_bad_bodies_are_400s_naming_the_field(live, fields, param):
     r = httpx.post(f"{live.base}/v1/responses", json={"model": MODEL, "input": "hi", **fields}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
@@ -143,14 +143,14 @@ def test_bad_bodies_are_400s_naming_the_field(live, fields, param):  # noqa: F81
     assert live.engine(lambda e: e.has_unfinished()) is False
 
 
-def test_off_values_of_unserved_fields_are_accepted(live, oa):  # noqa: F811
+def test_off_values_of_unserved_fields_are_accepted(live, oa):
     resp = oa.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False, truncation="disabled",
                                include=["reasoning.encrypted_content"], extra_body={"reasoning": None})
     assert resp.status == "incomplete" and resp.store is False
     live.check()
 
 
-def test_a_jobs_turns_travel_in_the_body(live, oa):  # noqa: F811
+def test_a_jobs_turns_travel_in_the_body(live, oa):
     first = oa.responses.create(model=MODEL, input="List the files.", tools=FLAT_TOOLS, max_output_tokens=32,
                                 tool_choice={"type": "function", "name": "list_files"},
                                 extra_body={"job_id": "resp-job-1"})
@@ -170,7 +170,7 @@ def test_a_jobs_turns_travel_in_the_body(live, oa):  # noqa: F811
     live.check()
 
 
-def test_a_json_schema_format_constrains_the_reply(live, oa):  # noqa: F811
+def test_a_json_schema_format_constrains_the_reply(live, oa):
     pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["blue", "red"]}},
               "required": ["colour"], "additionalProperties": False}
@@ -180,7 +180,7 @@ def test_a_json_schema_format_constrains_the_reply(live, oa):  # noqa: F811
     live.check()
 
 
-def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):  # noqa: F811
+def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):
     ask = [{"role": "user", "content": "What is in notes.txt?"}]
     first = oa.responses.create(model=MODEL, input=ask, instructions="Use the tools.", tools=FLAT_TOOLS,
                                 tool_choice={"type": "function", "name": "read_file"}, max_output_tokens=48)
@@ -217,7 +217,7 @@ def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):  # 
     live.check()
 
 
-def test_stored_responses_are_read_and_deleted(live, oa):  # noqa: F811
+def test_stored_responses_are_read_and_deleted(live, oa):
     resp = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, metadata={"run": "7"})
     got = oa.responses.retrieve(resp.id)
     assert got.model_dump() == resp.model_dump()
@@ -236,7 +236,7 @@ def test_stored_responses_are_read_and_deleted(live, oa):  # noqa: F811
     live.check()
 
 
-def test_a_stored_responses_input_items_are_listed(live, oa):  # noqa: F811
+def test_a_stored_responses_input_items_are_listed(live, oa):
     """``GET /v1/responses/{id}/input_items`` (the SDK's ``responses.input_items.list``): the
     chain's items and the request's own input, not its output, with ids that stay the same along
     the chain; OpenAI's paging (newest first by default, ``limit``, ``after``, ``order``)."""
@@ -280,7 +280,7 @@ def test_stored_turns_that_name_no_job_leave_no_job_behind(smollm):
     from agent_runtime.presets import resolve_preset
     from agent_runtime.runtime import AgentRuntime
     from agent_runtime.server import create_app
-    from tests.agent_runtime.test_server import serving
+    from tests.agent_runtime.live_server import serving
     from tests.conftest import make_engine
 
     preset = resolve_preset("asymcache+continuum")
@@ -307,7 +307,7 @@ def test_stored_turns_that_name_no_job_leave_no_job_behind(smollm):
     assert gate == set() and stats.jobs_admitted == 0
 
 
-def test_a_streamed_call_cut_off_is_incomplete_and_not_continued(live, oa):  # noqa: F811
+def test_a_streamed_call_cut_off_is_incomplete_and_not_continued(live, oa):
     """A forced call the length limit cuts off mid-arguments: its stream announced it (the call
     streams as written), the response marks it incomplete, and a turn that continues the
     response is served (the cut-off call, whose arguments are no JSON, is not in its chain)."""

@@ -15,7 +15,7 @@ import pytest
 
 from agent_runtime.runtime import AgentRuntime
 from asymcache_core import SamplingParams
-from tests.agent_runtime.test_server import MODEL, _sse, live  # noqa: F401 - the fixture
+from tests.agent_runtime.live_server import MODEL, sse
 from tests.conftest import make_engine
 
 PREFIX = 'The capital of France is'
@@ -23,11 +23,11 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France? One sent
             {"role": "assistant", "content": PREFIX}]
 
 
-def _post(live, path: str, body: dict) -> httpx.Response:  # noqa: F811 - the fixture's value
+def _post(live, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{live.base}{path}", json=body, timeout=120)
 
 
-def test_continue_final_message_continues_the_assistant_prefix(live):  # noqa: F811
+def test_continue_final_message_continues_the_assistant_prefix(live):
     ids = _post(live, "/tokenize", {"messages": MESSAGES, "continue_final_message": True}).json()["tokens"]
     closed = _post(live, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()["tokens"]
     text = _post(live, "/detokenize", {"tokens": ids}).json()["prompt"]
@@ -46,7 +46,7 @@ def test_continue_final_message_continues_the_assistant_prefix(live):  # noqa: F
     live.check()
 
 
-def test_continue_final_message_with_the_generation_prompt_is_a_400(live):  # noqa: F811
+def test_continue_final_message_with_the_generation_prompt_is_a_400(live):
     for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES}), ("/tokenize", {"messages": MESSAGES})):
         r = _post(live, path, {**body, "continue_final_message": True, "add_generation_prompt": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
@@ -54,7 +54,7 @@ def test_continue_final_message_with_the_generation_prompt_is_a_400(live):  # no
     live.check()
 
 
-def test_continue_final_message_in_python(smollm, live):  # noqa: F811
+def test_continue_final_message_in_python(smollm, live):
     async def main():
         runtime = AgentRuntime(make_engine(smollm))
         try:
@@ -79,7 +79,7 @@ def test_continue_final_message_in_python(smollm, live):  # noqa: F811
     assert served["choices"][0]["message"]["content"] == final.output.text
 
 
-def test_allowed_token_ids_restrict_the_sampled_tokens(live):  # noqa: F811
+def test_allowed_token_ids_restrict_the_sampled_tokens(live):
     base = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 6, "ignore_eos": True,
             "return_token_ids": True}
     greedy = _post(live, "/v1/completions", base).json()["choices"][0]["token_ids"]
@@ -98,7 +98,7 @@ def test_allowed_token_ids_restrict_the_sampled_tokens(live):  # noqa: F811
     live.check()
 
 
-def test_truncate_prompt_tokens_keeps_the_prompts_end(live):  # noqa: F811
+def test_truncate_prompt_tokens_keeps_the_prompts_end(live):
     ids = list(range(300, 350))
     base = {"model": MODEL, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
     cut = _post(live, "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": 10}).json()
@@ -119,7 +119,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(live):  # noqa: F811
     live.check()
 
 
-def test_return_tokens_as_token_ids_in_log_probabilities(live):  # noqa: F811
+def test_return_tokens_as_token_ids_in_log_probabilities(live):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "logprobs": 2,
             "return_token_ids": True, "return_tokens_as_token_ids": True}
     choice = _post(live, "/v1/completions", body).json()["choices"][0]
@@ -131,7 +131,7 @@ def test_return_tokens_as_token_ids_in_log_probabilities(live):  # noqa: F811
     live.check()
 
 
-def test_skip_special_tokens_false_shows_them_in_the_text(live):  # noqa: F811
+def test_skip_special_tokens_false_shows_them_in_the_text(live):
     chat = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
     ids = _post(live, "/tokenize", {"messages": chat}).json()["tokens"]
     base = {"model": MODEL, "prompt": ids, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
@@ -143,7 +143,7 @@ def test_skip_special_tokens_false_shows_them_in_the_text(live):  # noqa: F811
     live.check()
 
 
-def test_bad_words_over_http(live):  # noqa: F811
+def test_bad_words_over_http(live):
     base = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "ignore_eos": True}
     free = _post(live, "/v1/completions", base).json()["choices"][0]["text"]
     clean = _post(live, "/v1/completions", {**base, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
@@ -153,12 +153,12 @@ def test_bad_words_over_http(live):  # noqa: F811
     live.check()
 
 
-def test_stop_reason_in_every_finished_choice(live):  # noqa: F811
+def test_stop_reason_in_every_finished_choice(live):
     prompt = "The capital of France is"
     comp = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "stop": ["!", "."]}
     body = _post(live, "/v1/completions", comp).json()
     assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == "."
-    chunks = _sse(live, "/v1/completions", comp)
+    chunks = sse(live, "/v1/completions", comp)
     assert [c["choices"][0]["stop_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["."]
     length = _post(live, "/v1/completions", {**comp, "max_tokens": 1, "stop": None}).json()["choices"][0]
     assert length["finish_reason"] == "length" and "stop_reason" in length and length["stop_reason"] is None
@@ -171,13 +171,13 @@ def test_stop_reason_in_every_finished_choice(live):  # noqa: F811
                                           "return_token_ids": True}).json()["choices"][0]["token_ids"]
     stopped = _post(live, "/v1/chat/completions", {**chat, "stop_token_ids": [gen[2]]}).json()["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == gen[2], stopped
-    streamed = _sse(live, "/v1/chat/completions", {**chat, "stop_token_ids": [gen[2]]})
+    streamed = sse(live, "/v1/chat/completions", {**chat, "stop_token_ids": [gen[2]]})
     assert [c["choices"][0]["stop_reason"] for c in streamed if c["choices"] and c["choices"][0]["finish_reason"]] \
         == [gen[2]]
     live.check()
 
 
-def test_job_hints_in_vllm_xargs_as_the_plugin_reads_them(live):  # noqa: F811
+def test_job_hints_in_vllm_xargs_as_the_plugin_reads_them(live):
     """A client written for a stock vLLM with the AsymCache plugin sends its hints in
     ``vllm_xargs`` (strings and numbers only): the embedded server reads them the same way."""
     decisions = lambda: live.engine(lambda e: list(live.runtime.controller.decisions))  # noqa: E731
@@ -214,14 +214,14 @@ def test_job_hints_in_vllm_xargs_as_the_plugin_reads_them(live):  # noqa: F811
     live.check()
 
 
-def test_request_id_names_the_response_and_ping_answers(live):  # noqa: F811
+def test_request_id_names_the_response_and_ping_answers(live):
     # vLLM's request_id: the response's id (each streamed chunk's too), else a fresh one per request
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     named = _post(live, "/v1/chat/completions", {**chat, "request_id": "trace-42"})
     assert named.status_code == 200 and named.json()["id"] == "chatcmpl-trace-42", named.text
     text = _post(live, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "t-7"})
     assert text.json()["id"] == "cmpl-t-7"
-    streamed = _sse(live, "/v1/chat/completions", {**chat, "request_id": "s-1"})
+    streamed = sse(live, "/v1/chat/completions", {**chat, "request_id": "s-1"})
     assert streamed and {frame["id"] for frame in streamed} == {"chatcmpl-s-1"}
     ids = {_post(live, "/v1/chat/completions", chat).json()["id"] for _ in range(2)}
     assert len(ids) == 2 and all(i.startswith("chatcmpl-") for i in ids)
@@ -250,7 +250,7 @@ def test_request_id_names_the_response_and_ping_answers(live):  # noqa: F811
     live.check()
 
 
-def test_max_tokens_past_the_context_is_a_400_and_runs_nothing(live):  # noqa: F811
+def test_max_tokens_past_the_context_is_a_400_and_runs_nothing(live):
     # NOTE: the prompt counts as the engine would run it; max_model_len is 1024. Without
     # max_tokens a reply runs up to the limit (vLLM's default); with one past it, vLLM's 400.
     prompt = list(range(300, 340))
@@ -300,7 +300,7 @@ def test_the_context_check_counts_the_prompt_the_engine_runs():
     check_fits_context(list(range(100)), SamplingParams(max_tokens=5), 100)
 
 
-def test_reset_prefix_cache_drops_what_no_request_holds(live):  # noqa: F811
+def test_reset_prefix_cache_drops_what_no_request_holds(live):
     prompt = ("The tide came in over the flats while the gulls circled the old harbour wall, and the boats "
               "that had lain on their sides all afternoon lifted, one after another, as the water reached them")
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
@@ -325,7 +325,7 @@ def test_reset_prefix_cache_drops_what_no_request_holds(live):  # noqa: F811
     live.check()
 
 
-def test_unknown_routes_and_methods_answer_in_the_apis_error_body(live):  # noqa: F811
+def test_unknown_routes_and_methods_answer_in_the_apis_error_body(live):
     for method, path, status in (("POST", "/v1/chat/completion", 404), ("GET", "/v2/models", 404),
                                  ("GET", "/v1/chat/completions", 405), ("POST", "/health", 405)):
         r = httpx.request(method, f"{live.base}{path}", timeout=30)
@@ -338,7 +338,7 @@ def test_unknown_routes_and_methods_answer_in_the_apis_error_body(live):  # noqa
     live.check()
 
 
-def test_constraints_that_allow_no_token_are_a_400_not_token_0(live):  # noqa: F811
+def test_constraints_that_allow_no_token_are_a_400_not_token_0(live):
     """allowed_token_ids holding only the end of text, which min_tokens forbids: once a 200
     with token 0 repeated; now the request fails alone, a 400 (an error event when streamed),
     and the engine keeps nothing of it."""
@@ -350,7 +350,7 @@ def test_constraints_that_allow_no_token_are_a_400_not_token_0(live):  # noqa: F
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["code"] == "constraints_unsatisfiable", r.text
-        events = _sse(live, path, {**body, **fields})
+        events = sse(live, path, {**body, **fields})
         assert events[-1]["error"]["code"] == "constraints_unsatisfiable", events
         assert not any(0 in (c.get("token_ids") or []) for e in events for c in e.get("choices", []))
     live.check()

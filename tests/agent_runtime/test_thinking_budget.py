@@ -22,8 +22,8 @@ from agent_runtime.thinking_budget import (
     thinking_budget_processor,
 )
 from asymcache_core.token_masks import masks_only
+from tests.agent_runtime.live_server import MODEL, TOOLS, serving
 from tests.agent_runtime.test_reasoning import THINKING_PROMPT_TEMPLATE
-from tests.agent_runtime.test_server import MODEL, TOOLS, serving
 from tests.conftest import make_engine
 
 VOCAB = [chr(c) for c in range(32, 127)] + ["\n"]

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from eval.cli import app, clean_errors, one_line
 from eval.results_io import save_results
 from eval.variants import SUFFIX_SPELLINGS, BenchVariant
-from tests.eval.test_report import _results
+from tests.eval.sample_results import sample_results
 
 runner = CliRunner()
 
@@ -145,7 +145,7 @@ def test_policies_help_offers_only_what_parses() -> None:
 
 def test_report_takes_the_results_file_or_its_folder(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    save_results(_results(), run)
+    save_results(sample_results(), run)
     result = runner.invoke(app, ["report", str(run / "results.json")])
     assert result.exit_code == 0, result.output
     assert (run / "report.md").is_file() and (run / "report.html").is_file()

@@ -1,8 +1,7 @@
-"""Tests of the eval report layer: the results.json schema, report files, and a real browser."""
+"""Tests of the eval report layer: report files, what the plots show, and a real browser."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,194 +18,23 @@ from eval.results import (
     PolicyResult,
     Recompute,
     Results,
-    RunInfo,
-    Series,
-    Summary,
     summarize,
 )
-from eval.results_io import load_results, save_results
+from eval.results_io import save_results
+from tests.eval.sample_results import sample_results, sample_run_info
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BROWSER_TIMEOUT_S = 60
 PLOT_IDS = ("plot-jct-cdf", "plot-ttft-tpot", "plot-hit-rate", "plot-blocks-in-use")
 
 
-def _policy(jct_mean: float, seed: int, *, hit_rate: float, throughput: float) -> PolicyResult:
-    """A synthetic policy whose JCT mean is exactly ``jct_mean`` and whose series are non-empty."""
-    rng = np.random.default_rng(seed)
-    jct = list(jct_mean + rng.normal(0.0, 0.1, size=20))
-    jct = [v - (sum(jct) / len(jct) - jct_mean) for v in jct]  # shift so the mean is exact
-    ttft = list(np.abs(rng.normal(0.2, 0.05, size=60)))
-    tpot = list(np.abs(rng.normal(0.02, 0.005, size=60)))
-    queue = list(np.abs(rng.normal(0.05, 0.01, size=60)))
-    blocks = [(0.5 * i, int(40 + 30 * np.sin(i / 5.0 + seed))) for i in range(50)]
-    return PolicyResult(
-        jct=summarize(jct),
-        ttft=summarize(ttft),
-        tpot=summarize(tpot),
-        queue=summarize(queue),
-        hit_rate=hit_rate,
-        recomputed_tokens=Recompute(
-            hole=100 * seed, suffix=50, preempted=10, total=100 * seed + 60
-        ),
-        evictions=30 + seed,
-        throughput_tok_s=throughput,
-        lossless_agreement=1.0,
-        num_jobs=20,
-        num_requests=60,
-        prompt_tokens=10_000,
-        hit_tokens=int(10_000 * hit_rate),
-        computed_tokens=10_000 - int(10_000 * hit_rate),
-        generated_tokens=3_000,
-        peak_blocks_in_use=70,
-        pinned_blocks_peak=4,
-        duration_s=25.0,
-        series=Series(jct=jct, ttft=ttft, tpot=tpot, blocks_in_use=blocks, budget=[256] * 10),
-    )
-
-
-def _run_info(**overrides: object) -> RunInfo:
-    fields: dict[str, object] = {
-        "workload": "swe-agent-mini",
-        "backend": "sim",
-        "model": "smollm2-135m",
-        "device": "cpu",
-        "seed": 0,
-        "num_jobs": 20,
-        "kv_blocks": 128,
-        "block_size": 16,
-        "latency_profile": "h200-8b",
-        "started": "2026-11-29T12:00:00+00:00",
-        "duration_s": 75.0,
-        "command": "asymcache eval --workload swe-agent-mini --policies lru,vllm-apc,asymcache",
-        "machine": "test machine",
-        "notes": ["synthetic results for tests", "<script>alert('x')</script> | pipe"],
-    }
-    fields.update(overrides)
-    return RunInfo.model_validate(fields)
-
-
-def _results() -> Results:
-    """Three policies; the baseline ``vllm-apc`` is deliberately not first."""
-    return Results(
-        run=_run_info(),
-        policies={
-            "lru": _policy(12.0, 1, hit_rate=0.40, throughput=110.0),
-            "vllm-apc": _policy(10.0, 2, hit_rate=0.50, throughput=120.0),
-            "asymcache": _policy(8.2, 3, hit_rate=0.75, throughput=150.0),
-        },
-    )
-
-
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder with results.json and a full report, written once for the module."""
     run_dir = tmp_path_factory.mktemp("run")
-    save_results(_results(), run_dir)
-    write_report(_results(), run_dir)
+    save_results(sample_results(), run_dir)
+    write_report(sample_results(), run_dir)
     return run_dir
-
-
-# ---------------------------------------------------------------------------------------------
-# Schema and helpers
-
-
-def test_summarize_known_data() -> None:
-    s = summarize([float(v) for v in range(1, 101)])  # 1..100
-    assert s.count == 100
-    assert s.mean == pytest.approx(50.5)
-    assert s.p50 == pytest.approx(50.5)
-    assert s.p95 == pytest.approx(95.05)
-    assert s.p99 == pytest.approx(99.01)
-    single = summarize([2.5])
-    assert (single.mean, single.p50, single.p95, single.p99, single.count) == (
-        2.5,
-        2.5,
-        2.5,
-        2.5,
-        1,
-    )
-
-
-def test_summarize_empty_and_non_finite() -> None:
-    empty = summarize([])
-    assert empty.count == 0
-    assert empty.mean is None and empty.p50 is None and empty.p95 is None and empty.p99 is None
-    with pytest.raises(ValueError, match="NaN or infinite"):
-        summarize([1.0, float("nan")])
-
-
-def test_summary_rejects_inconsistent_count() -> None:
-    with pytest.raises(ValueError, match="null"):
-        Summary(mean=None, p50=None, p90=None, p95=None, p99=None, count=3)
-    with pytest.raises(ValueError, match="total"):
-        Recompute(hole=5, suffix=5, preempted=0, total=3)
-
-
-def test_round_trip(tmp_path: Path) -> None:
-    results = _results()
-    path = save_results(results, tmp_path / "run")
-    assert path == tmp_path / "run" / "results.json"
-    loaded = load_results(path)
-    assert loaded == results
-    assert load_results(path.parent) == results  # a folder works too
-    assert list(loaded.policies) == ["lru", "vllm-apc", "asymcache"]  # display order kept
-    assert loaded.policies["asymcache"].series.blocks_in_use[0] == (
-        0.0,
-        results.policies["asymcache"].series.blocks_in_use[0][1],
-    )
-    schema = json.loads((path.parent / "results.schema.json").read_text())
-    assert schema == Results.model_json_schema()
-    assert {"schema_version", "run", "policies"} <= set(schema["properties"])
-
-
-def test_save_refuses_non_finite(tmp_path: Path) -> None:
-    results = _results()
-    results.policies["lru"].series.jct.append(float("inf"))
-    with pytest.raises(ValueError, match=r"series\.jct\[20\]"):
-        save_results(results, tmp_path)
-
-
-def test_load_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "results.json"))) as err:
-        load_results(tmp_path)
-    assert "not found" in str(err.value)
-
-
-def test_load_malformed_json(tmp_path: Path) -> None:
-    path = tmp_path / "results.json"
-    path.write_text('{"schema_version": 1, "run": ')
-    with pytest.raises(ValueError, match=re.escape(str(path))) as err:
-        load_results(path)
-    assert "not valid JSON" in str(err.value) and "line 1" in str(err.value)
-
-
-def test_load_wrong_fields(tmp_path: Path) -> None:
-    data = json.loads(_results().model_dump_json())
-    data["run"]["backend"] = "quantum"
-    del data["policies"]["lru"]["hit_rate"]
-    data["policies"]["lru"]["hit_ratio"] = 0.4  # a typo must not pass silently
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ValueError) as err:
-        load_results(path)
-    msg = str(err.value)
-    assert str(path) in msg and "does not match the results schema" in msg
-    assert "run.backend" in msg
-    assert "policies.lru.hit_rate" in msg
-    assert "policies.lru.hit_ratio" in msg
-
-
-def test_load_wrong_version_and_top_level(tmp_path: Path) -> None:
-    data = json.loads(_results().model_dump_json())
-    data["schema_version"] = 99
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="schema_version 99"):
-        load_results(path)
-    path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match="JSON object"):
-        load_results(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +119,7 @@ def test_report_with_empty_data(tmp_path: Path) -> None:
         duration_s=0.0,
     )
     (tmp_path / "jct_cdf.png").write_bytes(PNG_MAGIC)  # stale plot from an earlier rendering
-    results = Results(run=_run_info(kv_blocks=None), policies={"lru": empty, "other": empty})
+    results = Results(run=sample_run_info(kv_blocks=None), policies={"lru": empty, "other": empty})
     written = write_report(results, tmp_path)
     assert {p.name for p in written} == {"report.md", "report.html", "hit_rate.png"}
     assert not (tmp_path / "jct_cdf.png").exists()
@@ -303,7 +131,7 @@ def test_report_with_empty_data(tmp_path: Path) -> None:
 
 
 def test_rebuild_report(tmp_path: Path) -> None:
-    save_results(_results(), tmp_path)
+    save_results(sample_results(), tmp_path)
     written = rebuild_report(tmp_path)
     assert (tmp_path / "report.html") in written and (tmp_path / "report.md") in written
     with pytest.raises(ValueError, match="not found"):
@@ -466,18 +294,18 @@ def test_seconds_unit_fits_the_values() -> None:
 
 
 def test_ttft_panel_switches_to_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    figs = _figures(monkeypatch, _with_ttft(_results(), [5.0, 20.0, 45.0]), tmp_path)
+    figs = _figures(monkeypatch, _with_ttft(sample_results(), [5.0, 20.0, 45.0]), tmp_path)
     ttft, tpot = figs["ttft_tpot.png"].axes
     assert (ttft.get_ylabel(), tpot.get_ylabel()) == ("s", "ms")
     assert max(bar.get_height() for bar in ttft.patches) == pytest.approx(45.0, rel=0.05)
-    figs = _figures(monkeypatch, _with_ttft(_results(), [0.05, 0.2]), tmp_path)
+    figs = _figures(monkeypatch, _with_ttft(sample_results(), [0.05, 0.2]), tmp_path)
     assert figs["ttft_tpot.png"].axes[0].get_ylabel() == "ms"
 
 
 def test_colours_mean_policies_in_every_panel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from matplotlib.colors import to_rgb
 
-    results = _results()
+    results = sample_results()
     figs = _figures(monkeypatch, results, tmp_path)
     hit, rec = figs["hit_rate.png"].axes
     names = list(results.policies)
@@ -500,7 +328,7 @@ def test_colours_mean_policies_in_every_panel(tmp_path: Path, monkeypatch: pytes
 
 @pytest.mark.parametrize("name", ["jct_cdf.png", "hit_rate.png", "blocks_in_use.png"])
 def test_legends_sit_off_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    figs = _figures(monkeypatch, _results(), tmp_path)
+    figs = _figures(monkeypatch, sample_results(), tmp_path)
     fig = figs[name]
     renderer = fig.canvas.get_renderer()
     for ax in fig.axes:
@@ -515,8 +343,8 @@ def test_legends_sit_off_the_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_report_files_are_world_readable(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
-        save_results(_results(), tmp_path)
-        written = write_report(_results(), tmp_path)
+        save_results(sample_results(), tmp_path)
+        written = write_report(sample_results(), tmp_path)
     finally:
         os.umask(old)
     for path in [tmp_path / "results.json", tmp_path / "results.schema.json", *written]:

@@ -19,7 +19,7 @@ from eval.report_summary import (
     what_this_shows,
 )
 from eval.results import Results, RunMeans
-from tests.eval.test_report import _policy, _run_info
+from tests.eval.sample_results import sample_policy, sample_run_info
 
 
 def _runs(*jct: float, ttft: float = 0.2) -> list[RunMeans]:
@@ -31,10 +31,10 @@ def _results(
     asym_runs: tuple[float, ...] = (8.0, 8.4, 8.1), ttft_apart: bool = True,
 ) -> Results:
     """vllm-apc against asymcache; a pool of ``pool`` blocks whose busiest policy held ``peak``."""
-    base = _policy(sum(base_runs) / len(base_runs), 2, hit_rate=0.5, throughput=100.0)
-    asym = _policy(sum(asym_runs) / len(asym_runs), 3, hit_rate=0.8, throughput=140.0)
+    base = sample_policy(sum(base_runs) / len(base_runs), 2, hit_rate=0.5, throughput=100.0)
+    asym = sample_policy(sum(asym_runs) / len(asym_runs), 3, hit_rate=0.8, throughput=140.0)
     return Results(
-        run=_run_info(kv_blocks=pool, concurrency=8),
+        run=sample_run_info(kv_blocks=pool, concurrency=8),
         policies={
             "vllm-apc": base.model_copy(update={"runs": _runs(*base_runs, ttft=0.5), "peak_blocks_in_use": peak}),
             "asymcache": asym.model_copy(
