@@ -226,6 +226,10 @@ def test_an_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
     (["--kv-fraction", "1.5"], "error: kv_fraction: must be a share of the working set in (0, 1], got 1.5"),
     (["--model", "dummy:tiny", "--kv-fraction", "0.01"], "error: kv_fraction: 0.01 of the workload's working set of"),
     (["--seed", "-1"], "error: seed: must be an integer >= 0, got -1"),
+    # an item of --seeds once failed as the point's seed, naming --seed
+    (["--seeds", "1,-2"], "error: seeds: every seed must be an integer in [0, 2**64), got -2\n"),
+    (["--seeds", f"3,{2**64}"], f"error: seeds: every seed must be an integer in [0, 2**64), got {2**64}\n"),
+    (["--seed", "-1", "--seeds", "-1,2"], "error: seeds: every seed must be an integer in [0, 2**64), got -1\n"),
     (["--rate", "2,-1"], "error: rate: must be > 0, got -1\n"),
     (["--concurrency", "2,0"], "error: concurrency: must be >= 1, got 0\n"),
     (["--jobs", str(10**23)], f"error: jobs: must be an integer in [1, 1,000,000], got {10**23}"),
