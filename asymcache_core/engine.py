@@ -39,6 +39,7 @@ from asymcache_core.engine_setup import (
     Runner,
     build_model_runner,
     build_scheduler,
+    check_max_model_len,
     check_pool_fits,
     eos_token_ids,
     load_engine_model,
@@ -130,6 +131,9 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
             from asymcache_core.models import ModelConfig
 
             self.model_config = model_config or ModelConfig.from_hf(resolve_hf_config(config.model)[0])
+            # NOTE: the simulator refuses what the real engine refuses, not a limit kept silently
+            # in ``config`` while the engine runs the model's
+            check_max_model_len(config, self.model_config)
             self.tokenizer = tokenizer
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -235,6 +239,10 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
             device_latency: what the simulated device's steps cost (default: ``latency``, the
                 engine's model), to simulate a device the engine's model mispredicts.
             **overrides: fields of :class:`EngineConfig`.
+
+        Raises:
+            ValueError: naming the field, as :class:`Engine` does (a ``max_model_len`` past the
+                model's positions included).
         """
         clock = VirtualClock()
 

@@ -58,11 +58,23 @@ def resolve_config(config: EngineConfig | str | None, overrides: dict[str, Any])
     return dataclasses.replace(config, **overrides) if overrides else config
 
 
-def check_max_model_len(config: EngineConfig, model_config: Any) -> None:
+class ModelAndLength(Protocol):
+    """What :func:`check_max_model_len` reads of a configuration (an :class:`EngineConfig`, or
+    the bench's, which cuts its jobs to ``max_model_len``)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+
+def check_max_model_len(config: ModelAndLength, model_config: Any) -> None:
     """Refuses a ``max_model_len`` past the model's positions (vLLM's rule).
 
     NOTE: the engine runs at most the model's ``max_position_embeddings``: a longer limit was
-    once kept silently in ``engine.config`` while the engine used the model's.
+    once kept silently in ``engine.config`` while the engine used the model's. The bench checks
+    its own ``max_model_len`` here too, so that every entry point says it in the same words.
 
     Args:
         config: the engine configuration (``max_model_len`` ``None``: the model's).

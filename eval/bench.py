@@ -347,6 +347,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
         except ValueError as exc:
             raise BenchError(str(exc)) from None
     if cfg.backend != "http":
+        from asymcache_core.engine_setup import check_max_model_len
         from asymcache_core.loaders import resolve_hf_config
         from asymcache_core.models import ModelConfig
 
@@ -354,11 +355,13 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> tuple[Results, Path]:
             model_config = ModelConfig.from_hf(resolve_hf_config(cfg.model)[0])
         except ValueError as exc:
             raise BenchError(str(exc)) from None
-        if cfg.max_model_len is not None and cfg.max_model_len > model_config.max_position_embeddings:
+        try:
             # NOTE: jobs are cut to max_model_len, but the engine runs at most the model's
-            # positions: a longer job would fail in the middle of the run
-            raise BenchError(f"max_model_len: {cfg.max_model_len} is past {cfg.model}'s "
-                             f"{model_config.max_position_embeddings} positions")
+            # positions: a longer job would fail in the middle of the run. The engine's check,
+            # so that the bench says it in the API's words.
+            check_max_model_len(cfg, model_config)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
     try:
         slo = SLO.parse(cfg.slo) if cfg.slo else None
     except ValueError as exc:

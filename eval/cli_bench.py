@@ -119,7 +119,13 @@ def bench(
                 options[key] = ",".join(map(str, value)) if isinstance(value, tuple) else value
     workloads = name_list("workload", options.pop("workload"))
     seed = options.pop("seed")
-    seed_list = number_list("seeds", options.pop("seeds"), int) or [seed]
+    given_seeds = number_list("seeds", options.pop("seeds"), int)
+    # NOTE: a bad item of --seeds once failed as the point's seed ("seed: must be ..."),
+    # naming an option the command line does not hold
+    bad_seed = next((s for s in given_seeds if not 0 <= s < 1 << 64), None)
+    if bad_seed is not None:
+        raise ValueError(f"seeds: every seed must be an integer in [0, 2**64), got {bad_seed}")
+    seed_list = given_seeds or [seed]
     rates = number_list("rate", options.pop("rate"), float)
     loads = number_list("concurrency", options.pop("concurrency"), int)
     if rates and not option_given(ctx, "concurrency"):

@@ -13,14 +13,16 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from eval.results import SCHEMA_VERSION, Results, results_json_schema
 
 RESULTS_FILE = "results.json"
 SCHEMA_FILE = "results.schema.json"
+
+DocumentT = TypeVar("DocumentT", bound=BaseModel)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -83,8 +85,57 @@ def format_validation_error(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def document_path(path_or_dir: str | Path, file_name: str) -> Path:
+    """The document's file: ``path_or_dir`` itself, or ``file_name`` in it when it is a folder."""
+    path = Path(path_or_dir)
+    return path / file_name if path.is_dir() else path
+
+
+def load_document(path_or_dir: str | Path, file_name: str, model: type[DocumentT], kind: str, mismatch: str) -> DocumentT:
+    """Read and validate one JSON document of a run folder (``results.json``, ``sweep.json``).
+
+    Args:
+        path_or_dir: the file, or the folder that holds it as ``file_name``.
+        file_name: the document's name in its folder.
+        model: its schema.
+        kind: what the messages call the file (``results``: "results file not found").
+        mismatch: what a document that fails ``model`` is said to be, before its problems.
+
+    Returns:
+        The validated document.
+
+    Raises:
+        ValueError: If the file is missing or unreadable, is not valid JSON, or does not match
+            the schema. The message names the file and says what is wrong (for schema errors,
+            each offending field).
+    """
+    path = document_path(path_or_dir, file_name)
+    if not path.is_file():
+        raise ValueError(f"{path}: {kind} file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read {kind} file: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: expected a JSON object at the top level, got {type(data).__name__}"
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(
+            f"{path}: {mismatch}, {exc.error_count()} problem(s):\n" + format_validation_error(exc)
+        ) from exc
+
+
 def load_results(path_or_dir: str | Path) -> Results:
-    """Read and validate a ``results.json``.
+    """Read and validate a ``results.json`` (:func:`load_document`).
 
     Args:
         path_or_dir: The ``results.json`` file or the run folder that holds it.
@@ -97,30 +148,6 @@ def load_results(path_or_dir: str | Path) -> Results:
             the schema. The message names the file and says what is wrong (for schema errors,
             each offending field).
     """
-    path = Path(path_or_dir)
-    if path.is_dir():
-        path = path / RESULTS_FILE
-    if not path.is_file():
-        raise ValueError(f"{path}: results file not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read results file: {exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"{path}: expected a JSON object at the top level, got {type(data).__name__}"
-        )
-    try:
-        return Results.model_validate(data)
-    except ValidationError as exc:
-        raise ValueError(
-            f"{path}: does not match the results schema "
-            f"(version {SCHEMA_VERSION}), {exc.error_count()} problem(s):\n"
-            + format_validation_error(exc)
-        ) from exc
+    return load_document(
+        path_or_dir, RESULTS_FILE, Results, "results", f"does not match the results schema (version {SCHEMA_VERSION})"
+    )

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import Field
 
 from eval.results import SLO, Results, _Model
-from eval.results_io import atomic_write_text, format_validation_error
+from eval.results_io import atomic_write_text, document_path, load_document
 
 SWEEP_FILE = "sweep.json"
 SWEEP_SCHEMA_VERSION = 1
@@ -93,31 +93,16 @@ def save_sweep(sweep: SweepResults, run_dir: Path) -> Path:
 
 
 def load_sweep(path_or_dir: str | Path) -> SweepResults:
-    """Reads a ``sweep.json`` (or the folder that holds it).
+    """Reads a ``sweep.json`` (or the folder that holds it), as :func:`~eval.results_io.load_results`
+    reads a ``results.json`` (:func:`~eval.results_io.load_document`).
 
     Raises:
-        ValueError: missing, unreadable or not a sweep document (names the file).
+        ValueError: missing, unreadable, not JSON or not a sweep document (names the file and
+            each bad field); a ``schema_version`` this code does not read.
     """
-    from pydantic import ValidationError
-
-    path = Path(path_or_dir)
-    if path.is_dir():
-        path = path / SWEEP_FILE
-    if not path.is_file():
-        raise ValueError(f"{path}: sweep file not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read sweep file: {exc}") from None
-    try:
-        sweep = SweepResults.model_validate_json(text)
-    except ValidationError as exc:
-        # NOTE: each problem with its field's JSON location, as load_results says them
-        raise ValueError(
-            f"{path}: not a sweep document, {exc.error_count()} problem(s):\n" + format_validation_error(exc)
-        ) from None
+    sweep = load_document(path_or_dir, SWEEP_FILE, SweepResults, "sweep", "not a sweep document")
     if sweep.schema_version != SWEEP_SCHEMA_VERSION:
-        raise ValueError(f"{path}: sweep schema_version {sweep.schema_version} is not supported")
+        raise ValueError(f"{document_path(path_or_dir, SWEEP_FILE)}: sweep schema_version {sweep.schema_version} is not supported")
     return sweep
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -56,10 +55,11 @@ from agent_runtime.server.anthropic_replies import (
     usage,
 )
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
+from agent_runtime.server.body_parsing import base_request_id
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
 from agent_runtime.server.responses import SSE_HEADERS
-from agent_runtime.server.serving import finish_one, parse_body
+from agent_runtime.server.serving import finish_one, parse_body, request_id_header
 from agent_runtime.server.streamed_text import StreamedText, without_cut_off_call
 from agent_runtime.thinking_budget import AnthropicThinking, anthropic_thinking
 from asymcache_core.chat_messages import TEXT_PART_SEPARATOR
@@ -335,6 +335,9 @@ def chat_tool_choice(choice: Mapping[str, Any] | None) -> tuple[Any, bool]:
 async def create_message(request: Request) -> Response:
     """``POST /v1/messages``."""
     state, req = await parse_body(request, MessagesRequest)
+    # NOTE: vLLM names a message by its chat completion's id, which follows the X-Request-Id
+    # header; here as Anthropic's ``msg_`` id, with the header sent back as on chat completions
+    base_id = base_request_id(request.headers, None)
     rt = state.require_runtime()
     try:
         params = req.sampling_params()
@@ -354,7 +357,8 @@ async def create_message(request: Request) -> Response:
                        param="max_tokens", code=e.code) from None
     except ValueError as e:
         raise from_value_error(e, "messages", _ANTHROPIC_FIELDS) from None
-    mid = f"msg_{uuid.uuid4().hex[:24]}"
+    mid = f"msg_{base_id}"
+    id_header = request_id_header(base_id)
     stream = streams[0]
     if not req.stream:
         final, turn = await finish_one(request, state, stream, PATH)
@@ -365,14 +369,14 @@ async def create_message(request: Request) -> Response:
         text = without_cut_off_call(text or "", turn, bool(tools) and choice != "none", rt.tool_call_format)
         body = message_body(mid, state.model_name, content_blocks(turn, text, thinking=not req.prefilled),
                         stop_reason(turn, final), usage(final))
-        return JSONResponse(body)
+        return JSONResponse(body, headers=id_header)
     state.metrics.count(PATH, 200)
     parser = None if req.prefilled else rt.reasoning_parser
     tools_possible = bool(tools) and choice != "none"
     calls = HermesCallStream(None if parallel else 1) if tools_possible and rt.tool_call_format == "hermes" else None
     events = message_events(stream, mid, state.model_name, StreamedText(tools_possible, rt.tool_call_format, parser),
                      state.metrics, calls)
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(events, media_type="text/event-stream", headers={**SSE_HEADERS, **id_header})
 
 
 async def count_tokens(request: Request) -> JSONResponse:

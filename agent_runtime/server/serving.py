@@ -299,6 +299,20 @@ def _sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max
 _HEADER_SAFE = "".join(map(chr, range(0x21, 0x7F)))
 
 
+def request_id_header(base_id: str) -> dict[str, str]:
+    """The ``X-Request-Id`` header that names a response's ``base_id``.
+
+    Args:
+        base_id: the id from :func:`~agent_runtime.server.body_parsing.base_request_id`.
+
+    Returns:
+        The header, to pass to the response.
+    """
+    # NOTE: a header is latin-1 text: an id with other characters (a body's request_id may hold
+    # any) is sent percent-encoded, never a 500
+    return {REQUEST_ID_HEADER: urllib.parse.quote(base_id, safe=_HEADER_SAFE)}
+
+
 async def _respond(
     request: Request,
     state: AppState,
@@ -311,9 +325,7 @@ async def _respond(
     choice finished, or the SSE stream; either with ``base_id`` (:func:`~agent_runtime.server.body_parsing.base_request_id`) in
     ``X-Request-Id``."""
     rid = f"{endpoint.id_prefix}-{base_id}"
-    # NOTE: a header is latin-1 text: an id with other characters (a body's request_id may hold
-    # any) is sent percent-encoded, never a 500
-    id_header = {REQUEST_ID_HEADER: urllib.parse.quote(base_id, safe=_HEADER_SAFE)}
+    id_header = request_id_header(base_id)
     model, metrics = state.model_name, state.metrics
     if not req.streaming:
         finals = await await_finals(request, [c.stream for c in chunks])
@@ -368,5 +380,5 @@ async def finish_one(request: Request, state: AppState, stream: RequestStream, p
 
 __all__ = [
     "await_finals", "chat_completions", "completions", "detokenize", "finish_one",
-    "health", "metrics", "models", "parse_body", "safe_text_len", "tokenize",
+    "health", "metrics", "models", "parse_body", "request_id_header", "safe_text_len", "tokenize",
 ]

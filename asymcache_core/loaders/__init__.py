@@ -95,7 +95,11 @@ def _gguf_meta(path: Path) -> tuple[dict[str, Any], Any, Any]:
     cached = cache.meta()
     if cached is not None:
         return cached[0], cached[1], None
-    logger.info("model: converting %s (first use; cached in %s)", path.name, cache.entry)
+    # NOTE: DEBUG, not the INFO line a command prints: the config is read before the settings
+    # are checked against it (max_model_len), and a command that then fails on bad input must
+    # print its one error line alone. The conversion is announced where the weights are
+    # converted, once the command goes on (:func:`_load_gguf_weights`).
+    logger.debug("model: reading %s's config and tokenizer (first use; cached in %s)", path.name, cache.entry)
     reader = open_gguf(path)
     hf_cfg = gguf_hf_config(path, reader)
     tokenizer = gguf_tokenizer(path)
@@ -193,8 +197,8 @@ def _load_gguf_weights(
             if model.config.tie_word_embeddings:
                 model.lm_head.weight = model.embed_tokens.weight
             return
+    logger.info("model: converting %s (first use; cached in %s)", path.name, cache.entry)
     if reader is None:
-        logger.info("model: dequantizing %s (first use in %s; cached afterwards)", path.name, dtype)
         reader = open_gguf(path)
     load_hf_state_dict(model, gguf_state_dict(path, hf_cfg, reader))
     cache.store_weights(dtype, model.state_dict())

@@ -107,6 +107,28 @@ def test_streamed_events_add_up_to_the_message(live, ac):
     live.check()
 
 
+def test_message_ids_follow_the_request_id_header(live):
+    # as on chat completions (vLLM names a message by its chat completion's id): the header
+    # names the message and comes back, streamed or not; without one both are a fresh id
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    headed = httpx.post(f"{live.base}/v1/messages", json=body, headers={"X-Request-Id": "hdr-m1"}, timeout=120)
+    assert headed.status_code == 200, headed.text
+    assert headed.json()["id"] == "msg_hdr-m1" and headed.headers["x-request-id"] == "hdr-m1"
+    with httpx.stream("POST", f"{live.base}/v1/messages", json={**body, "stream": True},
+                      headers={"X-Request-Id": "hdr-m2"}, timeout=120) as r:
+        frames = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.headers["x-request-id"] == "hdr-m2"
+    assert frames[0]["type"] == "message_start" and frames[0]["message"]["id"] == "msg_hdr-m2"
+    bare = [httpx.post(f"{live.base}/v1/messages", json=body, timeout=120) for _ in range(2)]
+    ids = [r.json()["id"] for r in bare]
+    assert ids[0] != ids[1] and all(i == "msg_" + r.headers["x-request-id"] for i, r in zip(ids, bare, strict=True))
+    # a header out of bounds is Anthropic's 400, as the chat route's
+    r = httpx.post(f"{live.base}/v1/messages", json=body, headers={"X-Request-Id": "x" * 257}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"].startswith("X-Request-Id:"), r.text
+    live.check()
+
+
 def test_a_client_leaving_a_stream_frees_its_request(live):
     body = {"model": MODEL, "max_tokens": 400, "stream": True,
             "messages": [{"role": "user", "content": "Count from one to one hundred."}]}

@@ -200,6 +200,17 @@ def test_a_pool_past_the_machines_memory_is_refused_and_positions_past_the_model
     assert rotary and all(b.shape[0] <= limit for b in rotary)
 
 
+def test_the_simulated_engine_refuses_a_max_model_len_past_the_models_as_the_real_one_does():
+    # dummy:llama-3.1-8b's config: 131072 positions (its weights are never loaded here)
+    with pytest.raises(ValueError, match="^max_model_len: 131073 is past dummy:llama-3.1-8b's limit of 131072 "):
+        Engine.simulated(model="dummy:llama-3.1-8b", num_kv_blocks=16, max_model_len=131073)
+    with pytest.raises(ValueError, match="^max_model_len: 1000000000 is past dummy:tiny's limit of "):
+        Engine.simulated(EngineConfig(model="dummy:tiny", num_kv_blocks=16, max_model_len=10**9))
+    at_limit = Engine.simulated(model="dummy:llama-3.1-8b", num_kv_blocks=16, max_model_len=131072)
+    assert at_limit.max_model_len == at_limit.config.max_model_len == 131072
+    assert Engine.simulated(model="dummy:llama-3.1-8b", num_kv_blocks=16).max_model_len == 131072
+
+
 def test_unknown_model_and_architecture(tmp_path):
     with pytest.raises(ValueError, match="model"):
         Engine(model="no-such-model")

@@ -226,13 +226,19 @@ def test_an_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
     (["--kv-fraction", "1.5"], "error: kv_fraction: must be a share of the working set in (0, 1], got 1.5"),
     (["--model", "dummy:tiny", "--kv-fraction", "0.01"], "error: kv_fraction: 0.01 of the workload's working set of"),
     (["--seed", "-1"], "error: seed: must be an integer >= 0, got -1"),
+    # an item of --seeds once failed as the point's seed, naming --seed
+    (["--seeds", "1,-2"], "error: seeds: every seed must be an integer in [0, 2**64), got -2\n"),
+    (["--seeds", f"3,{2**64}"], f"error: seeds: every seed must be an integer in [0, 2**64), got {2**64}\n"),
+    (["--seed", "-1", "--seeds", "-1,2"], "error: seeds: every seed must be an integer in [0, 2**64), got -1\n"),
     (["--rate", "2,-1"], "error: rate: must be > 0, got -1\n"),
     (["--concurrency", "2,0"], "error: concurrency: must be >= 1, got 0\n"),
     (["--jobs", str(10**23)], f"error: jobs: must be an integer in [1, 1,000,000], got {10**23}"),
     (["--repeats", str(10**20)], f"error: repeats: must be an integer in [1, 1,000], got {10**20}"),
     (["--policies", "asymcache,asymcache"], "error: policies: 'asymcache' is listed twice (use --repeats to run it again)"),
     (["--workload", "swe,,chat"], "error: workload: an empty item in 'swe,,chat'"),
-    (["--model", "dummy:tiny", "--max-model-len", "100000"], "error: max_model_len: 100000 is past dummy:tiny's 2048 positions"),
+    (["--model", "dummy:tiny", "--max-model-len", "100000"],
+     "error: max_model_len: 100000 is past dummy:tiny's limit of 2048 tokens (its max_position_embeddings); "
+     "give at most 2048 or leave it unset for the model's own\n"),
     (["--model", "dummy:tiny", "--num-kv-blocks", str(10**14)], "error: num_kv_blocks: 100,000,000,000,000 blocks need"),
 ])
 def test_bench_sizes_and_lists_fail_before_anything_runs(tmp_path: Path, args: list[str], message: str) -> None:
@@ -309,6 +315,21 @@ def test_a_max_model_len_past_the_models_is_one_line_naming_it() -> None:
     argv = ["generate", "hello", "--model", "dummy:tiny", "--max-model-len", "1000000000"]
     line = _assert_one_error_line(runner.invoke(app, argv), argv)
     assert re.match(r"error: max_model_len: 1000000000 is past dummy:tiny's limit of \d+ tokens", line), line
+
+
+def test_bench_and_generate_say_a_max_model_len_past_the_models_in_the_apis_words(tmp_path: Path) -> None:
+    """The bench once said it in words of its own ("... is past dummy:tiny's 2048 positions")."""
+    from asymcache_core import Engine
+
+    with pytest.raises(ValueError) as api:
+        Engine.simulated(model="dummy:tiny", num_kv_blocks=8, max_model_len=100000)
+    lines = []
+    for argv in (["bench", "--backend", "sim", "--model", "dummy:tiny", "--out", str(tmp_path / "run")],
+                 ["generate", "hello", "--model", "dummy:tiny"]):
+        argv += ["--max-model-len", "100000"]
+        lines.append(_assert_one_error_line(runner.invoke(app, argv), argv))
+    assert lines == [f"error: {api.value}"] * 2 and lines[0].startswith("error: max_model_len: 100000 "), lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_sharegpt_file_that_is_not_json_says_so(tmp_path: Path) -> None:

@@ -122,6 +122,29 @@ def test_a_first_load_shows_its_conversion(tmp_path: Path, monkeypatch: pytest.M
     assert logging.getLogger("asymcache_core.loaders").level == logging.NOTSET  # restored
 
 
+@pytest.mark.parametrize("command", [["generate", "hello"], ["bench", "--backend", "sim", "--jobs", "2"]])
+def test_bad_input_on_a_models_first_use_is_one_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """The first read of a GGUF's config (to check --max-model-len against it) once printed
+    ``model: converting ...`` before the command's error line: the conversion is announced only
+    where its weights are converted, once the command goes on."""
+    from asymcache_core.loaders.cache import CACHE_ENV
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
+    argv = [*command, "--model", str(tiny), "--max-model-len", str(10**9), "--out", str(tmp_path / "run")]
+    if command[0] == "generate":
+        argv = argv[:-2]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr.startswith("error: max_model_len: 1000000000 is past ") and result.stderr.count("\n") == 1, (
+        result.stderr)
+    assert list(cache.glob("gguf/*/meta")), "the config was read and cached on this first use"
+    assert not list(cache.glob("gguf/*/weights-*"))  # no weights were converted
+
+
 def test_bench_in_a_log_prints_lines_per_policy(tmp_path: Path) -> None:
     result = runner.invoke(app, ["bench", "--backend", "sim", "--model", "dummy:tiny", "--jobs", "2",
                                  "--policies", "vllm-apc,asymcache", "--out", str(tmp_path / "run")])

@@ -102,3 +102,26 @@ def test_a_bad_sweep_is_refused_naming_the_field(tmp_path, key, value, needle):
     result = runner.invoke(app, ["report", str(tmp_path)])
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1 and f"points.0.policies.lru.{key}" in lines[0]
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    (None, "{kind} file not found"),
+    ('{"schema_version": 1, "points": ', "not valid JSON (line 1, column 33)"),
+    ("[1, 2]", "expected a JSON object at the top level, got list"),
+    ('{"schema_version": 1}', None),
+])
+def test_a_bad_results_or_sweep_file_is_refused_in_the_same_words(tmp_path, text, problem):
+    """One loader reads both documents (eval.results_io.load_document): a sweep.json that was
+    not JSON was once "not a sweep document, 1 problem(s): (top level): Invalid JSON"."""
+    for name, load, kind, mismatch in (
+        ("results.json", load_results, "results", "does not match the results schema (version "),
+        ("sweep.json", load_sweep, "sweep", "not a sweep document, "),
+    ):
+        folder = tmp_path / kind
+        folder.mkdir()
+        if text is not None:
+            (folder / name).write_text(text)
+        with pytest.raises(ValueError) as info:
+            load(folder)
+        want = f"{folder / name}: " + (problem.format(kind=kind) if problem is not None else mismatch)
+        assert str(info.value).startswith(want), str(info.value)
