@@ -264,10 +264,13 @@ class WaitingHits:
                 del holders[entry]
                 if not holders:
                     del index[block_hash]
-        dropped = entry.state[start:]
-        entry.num_device -= sum(s & DEVICE for s in dropped)
-        entry.num_any -= len(dropped) - dropped.count(0)
-        entry.num_host_only -= dropped.count(HOST)
+        if start == 0:
+            entry.num_device = entry.num_any = entry.num_host_only = 0
+        else:
+            dropped = entry.state[start:]
+            entry.num_device -= sum(map(DEVICE.__and__, dropped))
+            entry.num_any -= len(dropped) - dropped.count(0)
+            entry.num_host_only -= dropped.count(HOST)
         del entry.keys[start:]
         del entry.state[start:]
         entry.version += 1

@@ -239,12 +239,17 @@ def test_a_waiting_request_that_grows_is_indexed_to_its_new_end():
         assert hits.hit_tokens(request) == engine.kv.lookup(request).hit_tokens
     assert hits.hit_tokens(request) == 7 * BS
     assert len(hits._entries["r"].keys) == 7
+    # the bound shrinks (the context cut back below its indexed blocks): the tail leaves
+    del request.all_token_ids[-2 * BS :]
+    assert hits.hit_tokens(request) == engine.kv.lookup(request).hit_tokens == 5 * BS
+    entry = hits._entries["r"]
+    assert len(entry.keys) == 5 and entry.num_device == 5 and set(hits._index) == set(entry.keys)
     # its hashes replaced by another chain's: indexed again from the start
     request.block_hashes = []
     request.all_token_ids[0] = 499
     assert hits.hit_tokens(request) == engine.kv.lookup(request).hit_tokens == 0
-    check = {h for h in hits._index}
-    assert check == set(request.block_hashes[:7])
+    assert len(entry.keys) == 5 and set(hits._index) == set(request.block_hashes[:5])
+    assert entry.num_device == 0 and entry.first_miss == 0
 
 
 def test_prompt_logprobs_bound_the_hit_while_they_advance():
