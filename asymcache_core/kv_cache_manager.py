@@ -147,8 +147,13 @@ class KVCacheManager:
         return hashes
 
     # -- lookup and admission --------------------------------------------------------------
-    def lookup(self, request: Request) -> CacheHit:
-        """Finds the cached blocks of ``request``'s context (the last token is never a hit)."""
+    def hit_limit(self, request: Request) -> int:
+        """Logical blocks of ``request`` a lookup may find: its full blocks (hashed), less the
+        block of its last token and any block at or past ``prompt_logits_from``.
+
+        NOTE: the waiting-hit tracker (:mod:`asymcache_core.waiting_hits`) watches exactly
+        these blocks, so the two read the same bound.
+        """
         hashes = self.ensure_hashes(request)
         # NOTE: the last token must run to produce logits, so its block is never taken from cache.
         max_blocks = min(len(hashes), (request.num_tokens - 1) // self.block_size)
@@ -157,6 +162,12 @@ class KVCacheManager:
             # NOTE: the prompt's log probabilities need the logits of every position from there
             # on (vLLM skips the prefix cache for such requests; here only what is uncomputed)
             max_blocks = min(max_blocks, logits_from // self.block_size)
+        return max_blocks
+
+    def lookup(self, request: Request) -> CacheHit:
+        """Finds the cached blocks of ``request``'s context (the last token is never a hit)."""
+        max_blocks = self.hit_limit(request)
+        hashes = request.block_hashes
         # NOTE: a waiting request's walk covers its whole context on every step it waits (with
         # a host tier or hole reuse it does not stop at the first device miss), so it runs in C:
         # ``map`` of the hash maps' own ``get`` and ``compress`` over the misses; Python turns
@@ -207,25 +218,41 @@ class KVCacheManager:
 
     def _recompute_cheap_runs(self, request: Request, table: list[int], on_host: list[int]) -> int:
         """Turns each run of ``RELOAD`` entries whose recomputation costs less than its copy
-        into holes; returns the blocks turned. ``on_host``: the ``RELOAD`` indices, ascending.
+        into holes (:meth:`cheap_host_runs`); returns the blocks turned. ``on_host``: the
+        ``RELOAD`` indices, ascending."""
+        turned = 0
+        for i, j in self.cheap_host_runs(request.num_tokens, len(table) - table.count(HOLE), on_host):
+            table[i:j] = [HOLE] * (j - i)
+            turned += j - i
+        return turned
+
+    def cheap_host_runs(self, num_tokens: int, present: int, on_host: list[int]) -> list[tuple[int, int]]:
+        """The runs of host-only blocks that cost less to recompute than to copy back.
 
         A run of ``n`` blocks from logical index ``i`` costs ``n`` block rebuilds under the
         latency model (their attention grows with the position; the step they join holds the
         request's own new tokens and at least the model's knee), against
         :meth:`HostTier.reload_seconds` of ``n`` blocks.
+
+        Args:
+            num_tokens: the request's tokens.
+            present: its blocks found on either tier.
+            on_host: the logical indices of its blocks found on the host only, ascending.
+
+        Returns:
+            ``(start, end)`` logical block ranges to recompute, ascending.
         """
         assert self.tier is not None
         bs = self.block_size
-        present = len(table) - table.count(HOLE)
         # NOTE: a recomputed run joins a step that others fill too: under load the step is past
         # its knee and every token costs the per-token rate. Priced as if its request were alone
         # in the step (the tokens under the knee almost free), recomputation won the choice for
         # 15,819 blocks of a BFCL run (simulated H200, 800 device blocks, a 3,200-block tier,
         # 48 agents) and cost 21% of its mean job time (10.35 s against 8.15 s priced past the
         # knee; copying every host hit back: 8.20 s).
-        base = max(request.num_tokens - present * bs, self.tier.latency.knee_tokens)
+        base = max(num_tokens - present * bs, self.tier.latency.knee_tokens)
         fixed, slope = self.tier.latency.block_rebuild_line(bs, base)
-        turned = 0
+        runs: list[tuple[int, int]] = []
         k = 0
         while k < len(on_host):
             # the run of consecutive indices on_host[k:m] is table[i:j]
@@ -236,10 +263,9 @@ class KVCacheManager:
             n = j - i
             recompute_s = n * fixed + slope * (i + j - 1) * n / 2
             if recompute_s < self.tier.reload_seconds(n):
-                table[i:j] = [HOLE] * n
-                turned += n
+                runs.append((i, j))
             k = m
-        return turned
+        return runs
 
     def try_admit(
         self,

@@ -31,6 +31,7 @@ from asymcache_core.jump_forward import forced_tokens
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
 from asymcache_core.request import HOLE, Request, RequestStatus
 from asymcache_core.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from asymcache_core.waiting_hits import WaitingHits
 
 PriorityKey = Callable[[Request], tuple]
 BudgetFn = Callable[[list[Request], list[Request]], int]
@@ -141,11 +142,16 @@ class Scheduler:
         self.running: list[Request] = []
         self._order = itertools.count()
         self._seq: dict[str, int] = {}
+        #: each waiting request's cache hit, kept from the pools' changes (least work only: the
+        #: order's key needs it on every step that can admit)
+        self.waiting_hits: WaitingHits | None = WaitingHits(kv) if least_work_first else None
 
     # -- queues ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self._seq[request.request_id] = next(self._order)
         self.waiting.append(request)
+        if self.waiting_hits is not None:
+            self.waiting_hits.join(request)
 
     def _key(self, request: Request) -> tuple:
         if self.least_work_first:
@@ -177,8 +183,12 @@ class Scheduler:
         are the work); a waiting request's are what a lookup finds now, the hits admission would
         take (a prefix only when hole reuse is off). A decode's work is 1.
 
-        NOTE: a waiting request's lookup walks its block hashes on every step it waits (about
-        0.5 ms for a 64k-token context on a 2-core CPU); the GPU runs showed no TPOT cost.
+        NOTE: a waiting request's hits come from :attr:`waiting_hits`, kept from the changes of
+        its own blocks on both tiers: a full lookup walks the whole context (about 0.5 ms for a
+        64k-token context on a 2-core CPU), and ran for every waiting request on every step that
+        could admit, the largest host cost of a step at 128 SWE agents (BENCHMARKS.md, "The
+        engine's host work per step at scale"). The lookup still answers for a request the
+        tracker does not keep (not in the waiting queue, or a chain with a hash collision).
         """
         if request.status is RequestStatus.RUNNING:
             bs = self.block_size
@@ -188,7 +198,10 @@ class Scheduler:
             # in was allocated for the positions computed so far, not found in the cache.
             hits = sum(table[i] != HOLE for i in range(-(-start // bs), len(table))) * bs
             return max(1, request.num_planned_tokens - start - hits)
-        return max(1, request.num_tokens - self.kv.lookup(request).hit_tokens)
+        hit = None if self.waiting_hits is None else self.waiting_hits.hit_tokens(request)
+        if hit is None:
+            hit = self.kv.lookup(request).hit_tokens
+        return max(1, request.num_tokens - hit)
 
     def _remove(self, request: Request) -> None:
         """Drops a request from whichever queue holds it and frees its blocks."""
@@ -198,6 +211,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         self._seq.pop(request.request_id, None)
+        if self.waiting_hits is not None:
+            self.waiting_hits.leave(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -279,8 +294,8 @@ class Scheduler:
 
     def _admit_waiting(self, left: int, scheduled: list[ScheduledRequest], now: float) -> int:
         if left <= 0 or len(self.running) >= self.max_num_seqs:
-            # NOTE: nothing can be admitted: skip the sort, whose keys cost a cache lookup per
-            # waiting request under ``least_work_first`` (most steps of a loaded engine).
+            # NOTE: nothing can be admitted: skip the sort, whose keys read each waiting
+            # request's hits under ``least_work_first`` (most steps of a loaded engine).
             return left
         if len(self.waiting) > 1:
             self.waiting.sort(key=self._admission_key)
@@ -314,6 +329,8 @@ class Scheduler:
                 break
             assert allocation.hit is not None
             self.waiting.pop(idx)
+            if self.waiting_hits is not None:
+                self.waiting_hits.leave(request)
             if gate is not None:
                 gate.on_admitted(request, now, cached_prefix_tokens=allocation.hit.leading_tokens)
             self._on_admitted(request, allocation.hit)
@@ -382,6 +399,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.waiting.append(request)
+        if self.waiting_hits is not None:
+            self.waiting_hits.join(request)
 
     # -- after the step ----------------------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[RequestUpdate]:
