@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels.kv_store_triton import _store_kv_kernel
 from kernels.metadata import MSAMetadata
-from kernels.msa_config import MSAConfig
+from kernels.msa_config import MSAConfig, _num_sms
 from kernels.msa_merge import (
     _MERGE_D,
     _chunk_partial,
@@ -351,7 +351,8 @@ def _launch(
         PAGE=page, G=group, G_PAD=triton.next_power_of_2(group), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, D=head_dim, SPLIT=split, DYN_CHUNK=dyn_chunk,
         CHUNK_MERGE=plan.invariant and not split, PART_BY_ROW=part_by_row, IEEE=q.dtype == torch.float32,
-        PREFETCH=_prefetch_block_ids(cfg.block_m, group, chunk_merge=plan.invariant and not split),
+        PREFETCH=_prefetch_block_ids(cfg.block_m, group, chunk_merge=plan.invariant and not split,
+                                     one_wave=grid[0] * grid[1] * grid[2] <= _num_sms(q.device)),
         FUSED_MERGE=fused_merge, HEADS_FIRST=plan.heads_first, PAD_ROWS=plan.pad_rows and (fused_merge or not split),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -378,11 +379,12 @@ def _launch(
 _PREFETCH_ROWS = 64
 
 
-def _prefetch_block_ids(block_m: int, group: int, chunk_merge: bool) -> bool:
+def _prefetch_block_ids(block_m: int, group: int, chunk_merge: bool, one_wave: bool = False) -> bool:
     """Whether a launch's walks load each tile's block ids a turn ahead (:func:`_tile_blocks`).
 
-    Yes for tiles of at least :data:`_PREFETCH_ROWS` rows, except the batch-invariant
-    in-program walk (``chunk_merge``).
+    Yes for tiles of at least :data:`_PREFETCH_ROWS` rows, and for smaller ones when the
+    launch's programs fit one wave (``one_wave``: no more programs than SMs), except the
+    batch-invariant in-program walk (``chunk_merge``).
 
     NOTE: the carried ids keep the next tile's K/V copies in flight, for a third buffer of
     shared memory. Measured on the H200 (2026-12-02): it pays where an SM holds one program
@@ -391,9 +393,14 @@ def _prefetch_block_ids(block_m: int, group: int, chunk_merge: bool) -> bool:
     ``--decode-floor``). It loses where the buffer halves the programs an SM holds, whose number
     is what hides their latency: the library's 4-token decode tiles (up to 25% slower at batch
     >= 4) and the batch-invariant in-program walk (131 instead of 98 KB: an 8k prefill chunk
-    after 24k keys 8% slower).
+    after 24k keys 8% slower). In one wave an SM holds at most one program whatever its shared
+    memory, so the small tiles gain there too (H100, 2026-12-07, the library's decodes as CUDA
+    graphs, ``scripts/gpu_decode_prefetch.py``: 1 x 8k, 128 programs, 29.2 -> 24.0 us; 2 x 8k,
+    256 programs, 0.97x; from 376 programs 1.02-1.21x slower).
     """
-    return block_m * triton.next_power_of_2(group) >= _PREFETCH_ROWS and not chunk_merge
+    if chunk_merge:
+        return False
+    return one_wave or block_m * triton.next_power_of_2(group) >= _PREFETCH_ROWS
 
 
 def compiled_keys() -> dict[str, set[str]] | None:

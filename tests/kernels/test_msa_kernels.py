@@ -79,6 +79,36 @@ def test_msa_triton_interpreter(
     check_close(out, case, torch.float32)
 
 
+@pytest.mark.parametrize("config", [None, (4, 32, 3), (2, 16, 4)])
+def test_msa_triton_interpreter_block_ids_a_turn_ahead_or_not(
+    interp: ModuleType, monkeypatch: pytest.MonkeyPatch, config: tuple[int, int, int] | None
+) -> None:
+    """Small decode tiles walk the same keys whether their block ids are loaded a turn ahead
+    (a launch of one wave) or in the turn that uses them: the same bits, both close to the
+    reference."""
+    case = make_case(
+        case_seed("prefetch", config), kind="decode", num_seqs=2, block_size=16, num_kv_heads=2,
+        group=4, head_dim=64, max_ctx=170, dtype=torch.float32,
+    )
+    cfg = None if config is None else msa_config.MSAConfig(config[0], config[1], 4, 1, config[2])
+    outs = []
+    for prefetch in (False, True):
+        monkeypatch.setattr(interp, "_prefetch_block_ids", lambda *args, prefetch=prefetch, **kwargs: prefetch)
+        outs.append(interp.msa_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=cfg))
+        check_close(outs[-1], case, torch.float32)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_small_tiles_load_block_ids_ahead_only_in_one_wave(interp: ModuleType) -> None:
+    prefetch = interp._prefetch_block_ids
+    # 16-row decode tiles (4 tokens x 4 heads): ahead only when the launch fits one wave
+    assert prefetch(4, 4, chunk_merge=False, one_wave=True)
+    assert not prefetch(4, 4, chunk_merge=False, one_wave=False)
+    # 64-row tiles always; the batch-invariant in-program walk never
+    assert prefetch(16, 4, chunk_merge=False, one_wave=False)
+    assert not prefetch(16, 4, chunk_merge=True, one_wave=True)
+
+
 def test_msa_triton_interpreter_allocates_output(interp: ModuleType) -> None:
     case = make_case(
         11, kind="mixed", num_seqs=2, block_size=16, num_kv_heads=1, group=2, head_dim=64,
