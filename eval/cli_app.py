@@ -272,8 +272,12 @@ def option_given(ctx: typer.Context, name: str) -> bool:
 
 
 def number_list(name: str, text: str | None, kind: type) -> list[Any]:
-    """A comma-separated list of numbers (``None``: empty); a bad item is a ValueError naming
-    the option."""
+    """A comma-separated list of numbers (``None``: empty), none repeated; a bad item is a
+    ValueError naming the option.
+
+    NOTE: every caller's list is of load points or seeds: a repeated value would run the same
+    point twice under one key (``name_list`` refuses a repeated policy the same way).
+    """
     if text is None:
         return []
     items = [t.strip() for t in str(text).split(",")]
@@ -286,6 +290,9 @@ def number_list(name: str, text: str | None, kind: type) -> list[Any]:
         raise ValueError(f"{name}: expected comma-separated numbers, got {text!r}") from None
     if any(not math.isfinite(v) for v in values):
         raise ValueError(f"{name}: every number must be finite, got {text!r}")
+    repeated = next((items[i] for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"{name}: {repeated} is listed twice, in {text!r}")
     return values
 
 

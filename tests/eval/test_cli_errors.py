@@ -232,6 +232,10 @@ def test_an_unexpected_exception_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
     (["--seed", "-1", "--seeds", "-1,2"], "error: seeds: every seed must be an integer in [0, 2**64), got -1\n"),
     (["--rate", "2,-1"], "error: rate: must be > 0, got -1\n"),
     (["--concurrency", "2,0"], "error: concurrency: must be >= 1, got 0\n"),
+    # a repeated load point or seed once ran the same point twice
+    (["--seeds", "1,2,1"], "error: seeds: 1 is listed twice, in '1,2,1'\n"),
+    (["--concurrency", "8,16,08"], "error: concurrency: 08 is listed twice, in '8,16,08'\n"),
+    (["--rate", "0.5,1,0.50"], "error: rate: 0.50 is listed twice, in '0.5,1,0.50'\n"),
     (["--jobs", str(10**23)], f"error: jobs: must be an integer in [1, 1,000,000], got {10**23}"),
     (["--repeats", str(10**20)], f"error: repeats: must be an integer in [1, 1,000], got {10**20}"),
     (["--policies", "asymcache,asymcache"], "error: policies: 'asymcache' is listed twice (use --repeats to run it again)"),
