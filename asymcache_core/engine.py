@@ -66,6 +66,7 @@ from asymcache_core.memory_budget import KVPoolPlan
 from asymcache_core.request import Request, RequestOutput, RequestStatus
 from asymcache_core.sampler import with_engine_processors
 from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.serving_stats import ServingStats
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
 from asymcache_core.step_timeline import DeviceTimeline
 
@@ -204,6 +205,8 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         self.counters = EngineCounters()
         # NOTE: a deque, bounded by ``max_step_log`` for servers that run for days.
         self.step_log: deque[StepStats] = deque(maxlen=config.max_step_log)
+        #: vLLM's per-request and per-step histograms (``/metrics``); cumulative, unlike the step log
+        self.serving_stats = ServingStats(self.max_model_len)
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         #: the step on the device whose tokens are not back yet (async scheduling)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from asymcache_core.kv_cache_manager import KVCacheManager
     from asymcache_core.latency_model import LatencyFeedback, LatencyModel
     from asymcache_core.scheduler import Scheduler
+    from asymcache_core.serving_stats import ServingStats
 
 
 class StepPhases:
@@ -56,6 +57,7 @@ class StepPhases:
     dead: EngineDeadError | None
     requests: dict[str, Request]
     counters: EngineCounters
+    serving_stats: ServingStats
     tokenizer: Any
     job_stats: JobStats
     continuum: ContinuumController
@@ -149,6 +151,7 @@ class StepPhases:
         if runner_sampler is not None:
             runner_sampler.forget(request.request_id)
         self.counters.add_finished(request.metrics)
+        self.serving_stats.on_finish(request)
         self.continuum.on_request_finished(request)
         del self.requests[request.request_id]
 
@@ -162,6 +165,7 @@ class StepPhases:
         if self.host_tier is not None:
             recomputed = self.host_tier.counters.recompute_chosen - self._logged_recomputed
             self._logged_recomputed = self.host_tier.counters.recompute_chosen
+        self.serving_stats.on_step(plan.num_tokens)
         self.step_log.append(
             StepStats.of_plan(
                 plan, start, end, schedule_s, predicted, self.pool.num_in_use, recomputed

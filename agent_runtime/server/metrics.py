@@ -5,9 +5,18 @@ Two families of names for the same quantities:
 - ``asymcache_*``: ours (request counts by endpoint and status, TTFT / TPOT histograms, token
   counters including recomputed history, aborts, and every gauge and counter of
   :class:`~asymcache_core.EngineStats`);
-- ``vllm:*``: vLLM's names with its ``model_name`` label, so dashboards built for vLLM read this
-  server unchanged (running / waiting requests, KV usage, prompt and generation tokens, TTFT,
-  TPOT, end-to-end latency, prefix-cache queries and hits, preemptions).
+- ``vllm:*``: vLLM 0.32's names, types, labels (``model_name`` and ``engine``, always ``"0"``:
+  one engine per server) and bucket boundaries, so dashboards built for vLLM (its Grafana
+  dashboard included) read this server unchanged: running / waiting requests, KV usage, prompt
+  and generation tokens, prefix-cache queries and hits, preemptions, finished requests by
+  ``finished_reason``, and the histograms of TTFT, inter-token latency, end-to-end, queue,
+  prefill, decode and inference times, time per output token, prompt and generation tokens per
+  request, preemptions per request and tokens per engine step.
+
+Deprecated aliases, kept so that existing dashboards do not break (vLLM 0.32 no longer exports
+them): ``vllm:gpu_cache_usage_perc`` (now ``vllm:kv_cache_usage_perc``) and
+``vllm:time_per_output_token_seconds`` (now ``vllm:inter_token_latency_seconds``, the same
+observations); both keep their earlier ``model_name``-only labels.
 
 The ``vllm:*`` gauges include what the Gateway API inference extension's endpoint picker scrapes
 from a model server (its model-server protocol; ``docs/kv-events.md`` has the table): queued and
@@ -15,14 +24,16 @@ running requests, KV-cache utilization (under vLLM's current and earlier names),
 and pool size as ``vllm:cache_config_info`` labels, and ``vllm:lora_requests_info`` (no adapters:
 this server serves no LoRA, and the picker reads an empty list as such).
 
-Request-level series are updated when a request finishes (:meth:`ServerMetrics.observe`).
-Engine series come from an :class:`~asymcache_core.EngineStats` snapshot that the ``/metrics``
-handler takes on the engine thread and hands to :meth:`ServerMetrics.render`.
+The ``asymcache_*`` request series and vLLM's token counters are updated when a handler sees
+its request finish (:meth:`ServerMetrics.observe`). Engine series come from an
+:class:`~asymcache_core.EngineStats` snapshot, and vLLM's per-request and per-step histograms
+and finish reasons from a :class:`~asymcache_core.serving_stats.ServingStatsSnapshot` (the
+engine's own records of every request and step, :mod:`asymcache_core.serving_stats`), both
+taken by the ``/metrics`` handler on the engine thread and handed to :meth:`ServerMetrics.render`.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -36,23 +47,32 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from agent_runtime.types import StreamEvent
 from asymcache_core import EngineStats
+from asymcache_core.serving_stats import HistogramSnapshot, ServingStatsSnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 #: EngineStats fields not exported (the peak is a run statistic; requests are counted per endpoint).
 _UNEXPORTED = frozenset({"kv_blocks_peak_in_use", "requests_total"})
 #: Gauges although their names end in ``_total`` (a size, not a count of events).
 _GAUGES_NAMED_TOTAL = frozenset({"kv_blocks_total", "host_kv_blocks_total"})
+#: vLLM's per-engine labels; the ``engine`` label is the engine's index (one engine a server).
+VLLM_LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"
 
 
 class EngineCollector(Collector):
@@ -93,24 +113,32 @@ class EngineCollector(Collector):
                 yield CounterMetricFamily(name, doc, value=value)
             else:
                 yield GaugeMetricFamily(name, doc, value=value)
-        labels = [self.model_name]
+        labels = [self.model_name, ENGINE_INDEX]
         usage = stats.kv_blocks_in_use / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
         for name, doc, value in (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.requests_running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.requests_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
-            # NOTE: vLLM's earlier name of the same gauge; endpoint pickers configured for it scrape it.
-            ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (earlier name).", usage),
         ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(name, doc, labels=list(VLLM_LABELS))
             gauge.add_metric(labels, value)
             yield gauge
+        # NOTE: deprecated alias: vLLM's earlier name of the same gauge (gone in 0.32), with its
+        # earlier labels; endpoint pickers and dashboards configured for it scrape it.
+        earlier = GaugeMetricFamily(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage (deprecated: vllm:kv_cache_usage_perc).",
+            labels=["model_name"],
+        )
+        earlier.add_metric([self.model_name], usage)
+        yield earlier
         config = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the KV cache config (the value is 1).",
-            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching"],
+            labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching", "engine"],
         )
         config.add_metric(
-            [str(stats.kv_block_size), str(stats.kv_blocks_total), str(stats.host_kv_blocks_total), "True"], 1.0
+            [str(stats.kv_block_size), str(stats.kv_blocks_total), str(stats.host_kv_blocks_total), "True",
+             ENGINE_INDEX], 1.0
         )
         yield config
         # NOTE: the picker's LoRA-affinity scorer takes the sample with the latest timestamp
@@ -122,10 +150,84 @@ class EngineCollector(Collector):
         lora.add_metric(["0", "", ""], time.time())
         yield lora
         preemptions = CounterMetricFamily(
-            "vllm:num_preemptions_total", "Cumulative number of preemptions.", labels=["model_name"]
+            "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", labels=list(VLLM_LABELS)
         )
         preemptions.add_metric(labels, stats.preemptions_total)
         yield preemptions
+
+
+#: vLLM's histograms: (name, documentation, the :class:`ServingStatsSnapshot` field).
+_VLLM_HISTOGRAMS = (
+    ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "time_to_first_token"),
+    ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "inter_token_latency"),
+    ("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+     "time_per_output_token"),
+    ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "e2e_latency"),
+    ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "queue_time"),
+    ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+     "inference_time"),
+    ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", "prefill_time"),
+    ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", "decode_time"),
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:request_generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+    ("vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.", "num_preemptions"),
+    ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", "iteration_tokens"),
+)
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], snap: HistogramSnapshot) -> None:
+    """Adds one labelled histogram (cumulative ``le`` buckets, as prometheus_client writes them)."""
+    running = 0
+    buckets: list[tuple[str, float]] = []
+    for bound, count in zip((*snap.bounds, math.inf), snap.counts, strict=True):
+        running += count
+        buckets.append((floatToGoString(bound), running))
+    family.add_metric(labels, buckets, snap.total)
+
+
+class ServingCollector(Collector):
+    """vLLM's finish-reason counter and histograms from the last :class:`ServingStatsSnapshot`.
+
+    Args:
+        model_name: the ``model_name`` label.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: ServingStatsSnapshot | None = None
+
+    def update(self, snapshot: ServingStatsSnapshot | None) -> None:
+        """Set the snapshot the next collection reports (None: none of these series)."""
+        self.snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []  # as EngineCollector's: nothing before the first scrape
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot
+        if snap is None:
+            return
+        labels = [self.model_name, ENGINE_INDEX]
+        success = CounterMetricFamily(
+            "vllm:request_success", "Count of successfully processed requests.",
+            labels=[*VLLM_LABELS, "finished_reason"],
+        )
+        for reason, count in snap.finished.items():
+            success.add_metric([*labels, reason], count)
+        yield success
+        for name, doc, attr in _VLLM_HISTOGRAMS:
+            family = HistogramMetricFamily(name, doc, labels=list(VLLM_LABELS))
+            _add_histogram(family, labels, getattr(snap, attr))
+            yield family
+        # NOTE: deprecated alias: vLLM renamed it inter_token_latency_seconds (the same
+        # observations); kept, with its earlier labels, for dashboards that query it.
+        alias = HistogramMetricFamily(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (deprecated: vllm:inter_token_latency_seconds).",
+            labels=["model_name"],
+        )
+        _add_histogram(alias, [self.model_name], snap.inter_token_latency)
+        yield alias
 
 
 #: The routes whose path is their own label; others are their template or ``other``.
@@ -175,7 +277,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        r, model = self.registry, ["model_name"]
+        r, model = self.registry, list(VLLM_LABELS)
         self._requests = Counter(
             "asymcache_requests_total", "HTTP requests by endpoint and status.",
             ["endpoint", "status", "model"], registry=r,
@@ -197,23 +299,11 @@ class ServerMetrics:
         self._aborted = Counter(
             "asymcache_aborted_requests_total", "Requests aborted (client disconnects included).", registry=r
         )
-        # NOTE: vLLM's series carry a ``model_name`` label; this app serves one model, so each
-        # is kept as its one labelled child.
-        def vllm_histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, documentation, model, buckets=buckets, registry=r).labels(model_name)
-
+        # NOTE: vLLM's series carry ``model_name`` and ``engine`` labels; this app serves one
+        # model on one engine, so each is kept as its one labelled child.
         def vllm_counter(name: str, documentation: str) -> Counter:
-            return Counter(name, documentation, model, registry=r).labels(model_name)
+            return Counter(name, documentation, model, registry=r).labels(model_name, ENGINE_INDEX)
 
-        self._vllm_ttft = vllm_histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
-        self._vllm_tpot = vllm_histogram(
-            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", TPOT_BUCKETS
-        )
-        self._vllm_e2e = vllm_histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", E2E_BUCKETS
-        )
         self._vllm_prompt = vllm_counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self._vllm_generation = vllm_counter(
             "vllm:generation_tokens_total", "Number of generation tokens processed."
@@ -222,6 +312,8 @@ class ServerMetrics:
         self._vllm_hits = vllm_counter("vllm:prefix_cache_hits_total", "Prefix-cache hits, in tokens.")
         self.engine = EngineCollector(model_name)
         r.register(self.engine)
+        self.serving = ServingCollector(model_name)
+        r.register(self.serving)
 
     def count(self, endpoint: str, status: int) -> None:
         """Count one answered HTTP request.
@@ -254,17 +346,12 @@ class ServerMetrics:
             self.count_abort(final)
             return
         m = out.metrics
+        # NOTE: vLLM's latency histograms come from the engine's records (render's snapshot),
+        # which also hold the requests no handler saw finish (errors, clients gone).
         if m.ttft is not None and math.isfinite(m.ttft):
             self._ttft.observe(m.ttft)
-            self._vllm_ttft.observe(m.ttft)
         if m.tpot is not None and math.isfinite(m.tpot):
-            # NOTE: ours is one observation per request (its mean); vLLM's observes every
-            # inter-token interval, which the engine's token timestamps give.
-            self._tpot.observe(m.tpot)
-            for prev, cur in itertools.pairwise(m.token_times):
-                self._vllm_tpot.observe(max(0.0, cur - prev))
-        if m.finish_time is not None and math.isfinite(m.finish_time - m.arrival_time):
-            self._vllm_e2e.observe(max(0.0, m.finish_time - m.arrival_time))
+            self._tpot.observe(m.tpot)  # one observation per request (its mean)
         self._count_tokens(final)
 
     def _count_tokens(self, event: StreamEvent) -> None:
@@ -281,11 +368,13 @@ class ServerMetrics:
         if event.metrics is not None:
             self._recomputed.inc(event.metrics.recomputed_tokens)
 
-    def render(self, stats: EngineStats) -> bytes:
+    def render(self, stats: EngineStats, serving: ServingStatsSnapshot | None = None) -> bytes:
         """The Prometheus text exposition.
 
         Args:
             stats: the engine's stats, read on the engine thread just before.
+            serving: the engine's :class:`~asymcache_core.serving_stats.ServingStats`, read with
+                them (None: vLLM's finish-reason counter and histograms are left out).
 
         Returns:
             The text (``CONTENT_TYPE``).
@@ -293,6 +382,7 @@ class ServerMetrics:
         # NOTE: update and generate run without an await between them, so concurrent scrapes on
         # one event loop cannot interleave snapshots.
         self.engine.update(stats)
+        self.serving.update(serving)
         return generate_latest(self.registry)
 
 
@@ -329,4 +419,6 @@ def merge_expositions(texts: dict[str, str], extra: Sequence[Metric] = ()) -> by
     return generate_latest(registry)
 
 
-__all__ = ["CONTENT_TYPE", "EngineCollector", "ServerMetrics", "endpoint_label", "merge_expositions"]
+__all__ = [
+    "CONTENT_TYPE", "EngineCollector", "ServerMetrics", "ServingCollector", "endpoint_label", "merge_expositions",
+]

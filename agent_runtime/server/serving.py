@@ -63,7 +63,6 @@ from agent_runtime.server.responses import (
 )
 from agent_runtime.server.state import AppState, app_state
 from agent_runtime.types import AssistantTurn, StreamEvent
-from asymcache_core import EngineStats
 from asymcache_core.sampling_params import SamplingParams
 
 #: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
@@ -114,10 +113,13 @@ async def version(request: Request) -> dict[str, str]:
 
 
 async def metrics(request: Request) -> Response:
-    """``GET /metrics``: Prometheus text, engine gauges read on the engine thread."""
+    """``GET /metrics``: Prometheus text, engine gauges and vLLM's request and step histograms
+    read on the engine thread (one snapshot of both)."""
     state = app_state(request)
-    stats: EngineStats = await state.require_runtime().call(lambda engine: engine.stats())
-    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE)
+    stats, serving = await state.require_runtime().call(
+        lambda engine: (engine.stats(), engine.serving_stats.snapshot())
+    )
+    return Response(state.metrics.render(stats, serving), media_type=CONTENT_TYPE)
 
 
 def _check_template_trusted(state: AppState, req: ChatCompletionRequest | TokenizeRequest) -> None:

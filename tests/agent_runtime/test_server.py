@@ -39,13 +39,17 @@ def test_models_health_metrics(live, oa):
     # vLLM's names beside ours, with its model_name label, from the same snapshot
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
-    label = (("model_name", MODEL),)
+    label = (("engine", "0"), ("model_name", MODEL))
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "vllm:time_to_first_token_seconds_count", "vllm:time_per_output_token_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:iteration_tokens_total_count"):
         assert (name, label) in samples, name
+    # the deprecated aliases keep their earlier labels
+    for name in ("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds_count"):
+        assert (name, (("model_name", MODEL),)) in samples, name
     assert 0.0 <= samples[("vllm:kv_cache_usage_perc", label)] <= 1.0
     assert samples[("vllm:num_requests_running", label)] == 0
     stats = live.engine(lambda e: e.stats())

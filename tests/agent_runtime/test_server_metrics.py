@@ -53,7 +53,7 @@ def test_ours_and_vllms_names_report_the_same_quantities():
                    requests_waiting=3, pinned_blocks=5, evictions_total=7, preemptions_total=4, requests_total=9)
     text = metrics.render(stats).decode()
     s = _samples(text)
-    model = (("model_name", "tiny"),)
+    model = (("engine", "0"), ("model_name", "tiny"))
 
     assert s[("asymcache_requests_total", (("endpoint", "/v1/completions"), ("model", "tiny"), ("status", "200")))] == 2
     assert s[("asymcache_requests_total", (("endpoint", "/v1/chat/completions"), ("model", "tiny"),
@@ -71,18 +71,14 @@ def test_ours_and_vllms_names_report_the_same_quantities():
     assert s[("asymcache_completion_tokens_total", ())] == s[("vllm:generation_tokens_total", model)] == 8
     assert s[("asymcache_recomputed_tokens_total", ())] == 5
     assert s[("asymcache_aborted_requests_total", ())] == 3
-    # TTFT: one observation per finished request in both
-    assert s[("asymcache_time_to_first_token_seconds_count", ())] == s[
-        ("vllm:time_to_first_token_seconds_count", model)] == 2
-    assert s[("vllm:time_to_first_token_seconds_sum", model)] == pytest.approx(0.5 + 1.0)
-    # TPOT: ours one mean per request; vLLM's every inter-token interval (same total time)
+    # TTFT: one observation per finished request
+    assert s[("asymcache_time_to_first_token_seconds_count", ())] == 2
+    assert s[("asymcache_time_to_first_token_seconds_sum", ())] == pytest.approx(0.5 + 1.0)
+    # TPOT: one mean per request (vLLM's latency histograms come from the engine's records:
+    # test_metrics_vllm_names.py; without that snapshot they are left out)
     assert s[("asymcache_time_per_output_token_seconds_count", ())] == 2
     assert s[("asymcache_time_per_output_token_seconds_sum", ())] == pytest.approx(0.15 + 0.2)
-    assert s[("vllm:time_per_output_token_seconds_count", model)] == 3
-    assert s[("vllm:time_per_output_token_seconds_sum", model)] == pytest.approx(0.3 + 0.2)
-    assert s[("vllm:time_per_output_token_seconds_bucket", (("le", "0.1"), *model))] == 1
-    assert s[("vllm:e2e_request_latency_seconds_count", model)] == 2
-    assert s[("vllm:e2e_request_latency_seconds_sum", model)] == pytest.approx(0.8 + 1.2)
+    assert not any(name.startswith(("vllm:time_to_first_token", "vllm:request_success")) for name, _ in s)
     # engine series from the snapshot
     assert s[("asymcache_kv_blocks_in_use", ())] == 16 and s[("asymcache_pinned_blocks", ())] == 5
     assert s[("asymcache_evictions_total", ())] == 7 and s[("asymcache_preemptions_total", ())] == 4
@@ -104,12 +100,13 @@ def test_each_app_has_its_own_registry():
     a.observe(_final(10, 2, 0, [1.0, 1.1]))
     sb = _samples(b.render(_stats(kv_blocks_total=1)).decode())
     assert ("asymcache_requests_total", (("endpoint", "/v1/models"), ("model", "b"), ("status", "200"))) not in sb
-    assert sb[("vllm:prompt_tokens_total", (("model_name", "b"),))] == 0
+    assert sb[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "b")))] == 0
     sa = _samples(a.render(_stats(kv_blocks_total=1)).decode())
-    assert sa[("vllm:prompt_tokens_total", (("model_name", "a"),))] == 10
-    assert sa[("vllm:kv_cache_usage_perc", (("model_name", "a"),))] == 0.0
+    assert sa[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "a")))] == 10
+    assert sa[("vllm:kv_cache_usage_perc", (("engine", "0"), ("model_name", "a")))] == 0.0
     # an engine without blocks reads as 0 % used, not a division error
-    assert _samples(a.render(_stats()).decode())[("vllm:kv_cache_usage_perc", (("model_name", "a"),))] == 0.0
+    empty = _samples(a.render(_stats()).decode())
+    assert empty[("vllm:kv_cache_usage_perc", (("engine", "0"), ("model_name", "a")))] == 0.0
 
 
 def test_the_host_tier_series():
