@@ -12,7 +12,7 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 
 from agent_runtime.grammar_cache import GrammarCache  # noqa: E402
-from tests.agent_runtime.live_server import MODEL  # noqa: E402
+from tests.agent_runtime.live_server import MODEL, sse  # noqa: E402
 
 VOCAB = 49152
 COT = {"reasoning": {"type": "string", "maxLength": 40}, "answer": {"type": "integer"}}
@@ -80,3 +80,66 @@ def test_structured_output_keys_follow_the_schema_over_http(live, order: list[st
             assert list(json.loads(text)) == order, text
         else:  # cut by max_tokens: the keys written so far are in order
             assert text.startswith('{"' + order[0] + '": '), text
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+#: too few tokens for ``<tool_call>\n{"name": "get_weather", "arguments": {...}}\n</tool_call>``
+CUT = 12
+
+
+def _events(live, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``data:`` events of a streamed request (Anthropic's and Responses' end without [DONE])."""
+    with httpx.stream("POST", live.base + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_cut_off_is_not_content_in_chat(live, tool_choice: Any) -> None:
+    body = {"model": MODEL, "messages": ASK, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}}], "tool_choice": tool_choice, "max_tokens": CUT,
+        "temperature": 0}
+    r = httpx.post(live.base + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == "" and not choice["message"]["tool_calls"]
+
+    events = sse(live, "/v1/chat/completions", body)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert all(not d.get("content") for d in deltas), deltas
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    # what went out of the call is tool-call pieces (vLLM's partial deltas), never its markup
+    args = "".join(t["function"].get("arguments") or "" for d in deltas for t in d.get("tool_calls") or [])
+    assert "<tool_call>" not in args
+
+    # with room to finish, the same request calls the tool
+    whole = httpx.post(live.base + "/v1/chat/completions", json={**body, "max_tokens": 60}, timeout=120).json()
+    names = [c["function"]["name"] for c in whole["choices"][0]["message"]["tool_calls"]]
+    assert names and set(names) == {"get_weather"}
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forced_call_cut_off_is_not_text_in_messages(live, tool_choice: dict[str, Any]) -> None:
+    body = {"model": MODEL, "messages": ASK, "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+            "tool_choice": tool_choice, "max_tokens": CUT, "temperature": 0}
+    r = httpx.post(live.base + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["stop_reason"] == "max_tokens"
+    assert all(b["type"] == "text" and b["text"] == "" for b in reply["content"]), reply["content"]
+    for event in _events(live, "/v1/messages", body):
+        if event["type"] == "content_block_delta":
+            assert "<tool_call>" not in json.dumps(event), event
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_forced_call_cut_off_is_not_text_in_responses(live, tool_choice: Any) -> None:
+    body = {"model": MODEL, "input": "Weather in Paris?", "tools": [{"type": "function", "name": "get_weather",
+            "parameters": WEATHER}], "tool_choice": tool_choice, "max_output_tokens": CUT, "temperature": 0}
+    r = httpx.post(live.base + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "<tool_call>" not in json.dumps(r.json()["output"])
+    assert "<tool_call>" not in json.dumps(_events(live, "/v1/responses", body))
