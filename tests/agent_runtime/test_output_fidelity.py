@@ -143,3 +143,26 @@ def test_forced_call_cut_off_is_not_text_in_responses(live, tool_choice: Any) ->
     assert r.status_code == 200, r.text
     assert "<tool_call>" not in json.dumps(r.json()["output"])
     assert "<tool_call>" not in json.dumps(_events(live, "/v1/responses", body))
+
+
+def test_completion_logprobs_zero_gives_the_sampled_token(live) -> None:
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "logprobs": 0, "temperature": 0}
+    lp = httpx.post(live.base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+    # vLLM: per token a dict of the sampled token alone (logprobs + 1 entries), not null
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"], strict=True)]
+    streamed = [c["choices"][0]["logprobs"] for c in sse(live, "/v1/completions", body) if c["choices"]]
+    assert [top for part in streamed if part for top in part["top_logprobs"]] == lp["top_logprobs"]
+    # echoed: the prompt's first token reads null, the others their own token
+    echoed = httpx.post(live.base + "/v1/completions", json={**body, "echo": True, "max_tokens": 1},
+                        timeout=120).json()["choices"][0]["logprobs"]
+    assert echoed["top_logprobs"][0] is None
+    assert echoed["top_logprobs"][1:] == [{t: v} for t, v in zip(echoed["tokens"][1:], echoed["token_logprobs"][1:],
+                                                                  strict=True)]
+    # chat's top_logprobs 0: no alternatives (vLLM's empty list)
+    chat = httpx.post(live.base + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": 0, "temperature": 0}, timeout=120).json()["choices"][0]["logprobs"]["content"]
+    assert len(chat) == 2 and all(entry["top_logprobs"] == [] for entry in chat)
+    # -1 (vLLM's whole vocabulary, past its default --max-logprobs 20 there too): a 400 naming the field
+    bad = httpx.post(live.base + "/v1/completions", json={**body, "logprobs": -1}, timeout=120)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
