@@ -21,22 +21,8 @@ from agent_runtime.server.responses import (
     PromptLogprobs,
     TopLogprob,
 )
+from asymcache_core.detokenizer import byte_level_alphabet
 from asymcache_core.logprobs import TokenLogprob
-
-
-def byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, inverted: the character that stands for a byte -> the byte.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to U+0100 on.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars: dict[str, int] = {chr(b): b for b in keep}
-    shifted = 0
-    for b in range(256):
-        if b not in keep:
-            chars[chr(256 + shifted)] = b
-            shifted += 1
-    return chars
 
 
 class TokenTexts:

@@ -166,3 +166,31 @@ def test_completion_logprobs_zero_gives_the_sampled_token(live) -> None:
     # -1 (vLLM's whole vocabulary, past its default --max-logprobs 20 there too): a 400 naming the field
     bad = httpx.post(live.base + "/v1/completions", json={**body, "logprobs": -1}, timeout=120)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
+
+
+def test_text_cut_mid_character_ends_at_a_whole_character(live) -> None:
+    """``max_tokens`` cutting an emoji: no trailing U+FFFD, streamed or not, chat or
+    completions (vLLM's detokenizer never emits an incomplete UTF-8 sequence); every token and
+    its log probability is still reported."""
+    prompt = "I love pizza 🍕🍕🍕 and sushi 🍣"
+    cut_texts = 0
+    for max_tokens in range(5, 13):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+                "ignore_eos": True}
+        r = httpx.post(live.base + "/v1/completions", json=body, timeout=120).json()
+        choice = r["choices"][0]
+        assert r["usage"]["completion_tokens"] == max_tokens == len(choice["logprobs"]["tokens"])
+        assert not choice["text"].endswith("\ufffd"), choice["text"]
+        # the reported tokens read U+FFFD where they hold part of a character: the text is cut
+        cut_texts += choice["logprobs"]["tokens"][-1].endswith("\ufffd")
+        streamed = "".join(c["choices"][0]["text"] for c in sse(live, "/v1/completions", body) if c["choices"])
+        assert streamed == choice["text"]
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Repeat exactly: " + prompt}],
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        content = httpx.post(live.base + "/v1/chat/completions", json=chat, timeout=120).json()[
+            "choices"][0]["message"]["content"]
+        assert not content.endswith("\ufffd"), content
+        deltas = [c["choices"][0]["delta"].get("content") or "" for c in sse(live, "/v1/chat/completions", chat)
+                  if c["choices"]]
+        assert "".join(deltas) == content
+    assert cut_texts > 0  # some of the limits did cut an emoji
