@@ -86,7 +86,10 @@ class GrammarCache:
     ) -> xgr.CompiledGrammar:
         field = {"tool_call": "tool_choice", "text": "structured_outputs"}.get(kind, "response_format")
         entry = self._entry(tokenizer, vocab_size, field)
-        schema_key = json.dumps(schema, sort_keys=True)
+        # NOTE: keyed and compiled on the order-preserving text: xgrammar emits an object's
+        # properties in the schema's order (as OpenAI and vLLM do), so two schemas differing
+        # only in property order are different grammars.
+        schema_key = json.dumps(schema)
         key = (id(tokenizer), vocab_size, f"{kind}:{call_format}:{'many' if parallel else 'one'}", schema_key)
         compiled = self._grammars.get(key)
         if compiled is None:

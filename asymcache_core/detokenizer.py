@@ -7,6 +7,10 @@ the previous piece of text was read, with the ones before it as left context (a 
 depend on its neighbours: byte-level BPE pieces of one multi-byte character, or a tokenizer's
 word-initial space handling). The new text is the window's text minus its context's; when the
 window ends inside a UTF-8 sequence (its text ends in U+FFFD), the tokens wait for the next step.
+A request that ends there (``max_tokens``, an abort) does not end its text with that U+FFFD: the
+incomplete sequence is left out, as vLLM's detokenizer never emits one (its ``DecodeStream``
+returns nothing for it); its tokens (and their log probabilities) stay. A U+FFFD the model wrote
+from complete bytes stays where the tokenizer's bytes tell them apart (byte-level BPE).
 
 Two implementations of that one rule:
 
@@ -21,6 +25,8 @@ held-back tokens are flushed the same way whichever path streamed the rest.
 
 from __future__ import annotations
 
+import codecs
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +57,83 @@ class DetokenizerState:
     use_stream: bool | None = None
     stream: DecodeStream | None = None
     fed: int = 0
+
+
+@functools.cache
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the character that stands for a byte -> the byte.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to U+0100 on.
+    (One shared dict: do not modify it.)
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars: dict[str, int] = {chr(b): b for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in keep:
+            chars[chr(256 + shifted)] = b
+            shifted += 1
+    return chars
+
+
+def token_bytes(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool = True) -> bytes | None:
+    """The exact bytes ``token_ids`` decode from, where the tokenizer is byte-level BPE.
+
+    Args:
+        tokenizer: an HF tokenizer.
+        token_ids: the tokens.
+        skip_special_tokens: special tokens add nothing (as ``decode`` skips them).
+
+    Returns:
+        The bytes, or None when the tokenizer is not byte-level BPE (or a token is unknown).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    alphabet = byte_level_alphabet()
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    out = bytearray()
+    for token_id in token_ids:
+        extra = added.get(token_id)
+        if extra is not None:
+            # NOTE: added tokens are stored as their text, not in the byte alphabet
+            if not (skip_special_tokens and getattr(extra, "special", False)):
+                out += str(getattr(extra, "content", extra)).encode("utf-8")
+            continue
+        piece = backend.id_to_token(token_id)
+        if piece is None or not all(c in alphabet for c in piece):
+            return None
+        out.extend(alphabet[c] for c in piece)
+    return bytes(out)
+
+
+def without_incomplete_tail(tokenizer: Any, token_ids: list[int], text: str, skip_special_tokens: bool = True) -> str:
+    """``text`` (the decoded ``token_ids``) less the U+FFFD of a UTF-8 sequence cut off at
+    its end, for a finished output (vLLM never emits one).
+
+    Args:
+        tokenizer: the tokenizer that decoded ``text``.
+        token_ids: the tokens ``text`` was decoded from (from a character boundary on).
+        text: their text.
+        skip_special_tokens: as ``text`` was decoded.
+
+    Returns:
+        The text without the trailing replacement character of an incomplete sequence. With
+        byte-level BPE the bytes say whether the last U+FFFD stands for one (a U+FFFD the model
+        wrote from its complete bytes ``EF BF BD``, or one for invalid bytes, stays); with
+        other tokenizers every trailing U+FFFD goes, as vLLM's detokenizer holds them all back.
+    """
+    if not text.endswith(_INCOMPLETE):
+        return text
+    raw = token_bytes(tokenizer, token_ids, skip_special_tokens)
+    if raw is None:
+        return text.rstrip(_INCOMPLETE)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(raw, final=False)
+    pending = decoder.getstate()[0]
+    # NOTE: a cut-off sequence (a valid prefix, held by the incremental decoder) is one maximal
+    # ill-formed subpart: the tokenizer's lossy decode replaced it with exactly one U+FFFD
+    return text[:-1] if pending else text
 
 
 def stream_backend(tokenizer: Any) -> Tokenizer | None:
@@ -163,6 +246,8 @@ def _window_step(
     window = tokenizer.decode(token_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
     if not final and (len(window) <= len(context) or window.endswith(_INCOMPLETE)):
         return
+    if final:
+        window = without_incomplete_tail(tokenizer, token_ids[state.prefix_offset :], window, skip_special_tokens)
     state.text += window[len(context) :]
     state.prefix_offset = state.read_offset
     state.read_offset = len(token_ids)

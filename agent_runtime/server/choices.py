@@ -116,6 +116,7 @@ class ChatChunks(Chunks):
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
         call_format: str = "hermes", reasoning_parser: str | None = None, return_ids: bool = False,
         include_reasoning: bool = True, named_tool: bool = False, max_tool_calls: int | None = None,
+        forced_tool: bool = False,
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
         #: Hermes calls streamed as they are written (their arguments piece by piece, vLLM's
@@ -124,6 +125,11 @@ class ChatChunks(Chunks):
         #: a named ``tool_choice`` forced the call: its reason is ``stop``, as OpenAI's and
         #: vLLM's (``tool_calls`` is for calls the model chose to make)
         self.named_tool = named_tool
+        #: ``tool_choice`` ``"required"`` or a named function: the grammar allows nothing but
+        #: calls, so the reply's text is call markup and never content, even when the call does
+        #: not parse (cut off by ``max_tokens`` or a stop string): vLLM streams no content then
+        #: (its call pieces only) and its engine-based parsers drop the markup from the body
+        self.forced_tool = forced_tool or named_tool
         #: what of the reply went out: its thinking (``reasoning_content``) and its content
         self.text = StreamedText(tools_possible, call_format, reasoning_parser)
         #: the body's content is the text as generated, not stripped: it continues a message
@@ -171,6 +177,8 @@ class ChatChunks(Chunks):
     def on_event(self, event: StreamEvent) -> list[ChatCompletionStreamChoice]:
         if not event.output.finished:
             thought, piece = self.text.pieces(event)
+            if self.forced_tool:
+                piece = ""
             calls = None if self.calls is None else self.calls.feed(self.text.content)
             deltas = self._deltas(thought, piece, calls)
             if not deltas:
@@ -183,9 +191,9 @@ class ChatChunks(Chunks):
         calls = turn.parsed.tool_calls
         owed = final_pieces(self.calls, self.text.split(event.output.text, True)[1], calls)
         thought, content = self.text.rest(turn, event)
-        if self.calls is not None and self.calls.calls and not calls:
+        if (self.calls is not None and self.calls.calls and not calls) or self.forced_tool:
             # NOTE: a call cut off (or malformed) went out as tool-call pieces: its text is not
-            # content too
+            # content too; under a forced call the text is all call markup
             content = ""
         deltas = self._deltas(thought, content, owed)
         out = [ChatCompletionStreamChoice(index=self.index, delta=d) for d in deltas]
@@ -211,6 +219,10 @@ class ChatChunks(Chunks):
             message.pop("reasoning_content", None)
         if self.raw_content and not turn.parsed.tool_calls:
             message["content"] = self.text.split(final.output.text, True)[1]
+        if self.forced_tool and not turn.parsed.tool_calls:
+            # NOTE: a forced call that did not parse (cut off): its markup is not content (vLLM's
+            # body then has content "" and no calls)
+            message["content"] = ""
         return ChatCompletionChoice(
             index=self.index, message=ChatMessage.model_validate(message), finish_reason=self._reason(turn),
             logprobs=self._logprobs(final.output.logprobs or []), stop_reason=final.output.stop_reason,

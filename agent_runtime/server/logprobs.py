@@ -21,22 +21,8 @@ from agent_runtime.server.responses import (
     PromptLogprobs,
     TopLogprob,
 )
+from asymcache_core.detokenizer import byte_level_alphabet
 from asymcache_core.logprobs import TokenLogprob
-
-
-def byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, inverted: the character that stands for a byte -> the byte.
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to U+0100 on.
-    """
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars: dict[str, int] = {chr(b): b for b in keep}
-    shifted = 0
-    for b in range(256):
-        if b not in keep:
-            chars[chr(256 + shifted)] = b
-            shifted += 1
-    return chars
 
 
 class TokenTexts:
@@ -111,7 +97,8 @@ def completion_logprobs(
             token, whose log probability and alternatives read as null).
         texts: the token decoder.
         offset: ``text_offset`` of the first entry (the characters of the tokens before it).
-        num_top: the request's ``logprobs`` (0: ``top_logprobs`` entries are null).
+        num_top: the request's ``logprobs``: each token's ``top_logprobs`` holds that many
+            alternatives and the token taken (0: the token taken alone, as vLLM gives it).
         first_token: the id of an echoed prompt's first token (its entry is None).
 
     Returns:
@@ -134,13 +121,14 @@ def completion_logprobs(
         tokens.append(text)
         token_logprobs.append(entry.logprob)
         top: dict[str, float] = {}
-        for token_id, logprob in entry.top:
+        for token_id, logprob in entry.top[:num_top]:
             # NOTE: two ids may read as the same text (pieces of characters): the likelier stays
             top.setdefault(texts(token_id)[0], logprob)
         # NOTE: the token taken is always among them, as OpenAI's legacy API and vLLM give it
-        # (up to logprobs + 1 entries): a sampled token outside the most likely was missing
+        # (up to logprobs + 1 entries): a sampled token outside the most likely was missing;
+        # with ``logprobs: 0`` it is the only one (vLLM's ``{token: logprob}``, not null)
         top.setdefault(text, entry.logprob)
-        top_logprobs.append(top if num_top else None)
+        top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(text)
     return CompletionLogprobs(

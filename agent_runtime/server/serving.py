@@ -199,6 +199,7 @@ async def chat_completions(request: Request) -> Response:
                    reasoning_parser=None if req.continue_final_message else rt.reasoning_parser,
                    return_ids=req.return_token_ids is True,
                    include_reasoning=req.include_reasoning is not False, named_tool=choice == "named",
+                   forced_tool=tools_possible and choice in ("required", "named"),
                    max_tool_calls=None if req.parallel_tool_calls is not False else 1)
         for i, s in enumerate(streams)
     ]

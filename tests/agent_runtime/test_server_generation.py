@@ -61,9 +61,10 @@ def test_completion_logprobs_legacy_shape_streamed_and_not(live, oa):
         assert [x for part in parts for x in part[key]] == getattr(lp, key), key
     assert [x for part in parts for x in part["token_logprobs"]] == pytest.approx(lp.token_logprobs, abs=1e-4)
     assert [list(top) for part in parts for top in part["top_logprobs"]] == [list(top) for top in lp.top_logprobs]
-    # logprobs=0: the sampled tokens' log probabilities alone
+    # logprobs=0: each token's top_logprobs is the sampled token alone (vLLM's), not null
     zero = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=0).choices[0].logprobs
-    assert len(zero.token_logprobs) == 3 and zero.top_logprobs == [None] * 3
+    assert len(zero.token_logprobs) == 3
+    assert zero.top_logprobs == [{t: lp} for t, lp in zip(zero.tokens, zero.token_logprobs, strict=True)]
     # sampled at random, a token outside the most likely is among its alternatives too (once missing)
     hot = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=12, logprobs=1, temperature=2.0, seed=3,
                                 extra_body={"ignore_eos": True}).choices[0].logprobs
