@@ -358,7 +358,14 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        """Whether a :meth:`step` has outputs to report: requests not finished, a launched step
+        not collected, or an abort's final output not reported yet.
+
+        NOTE: the pending outputs count, so that ``while engine.has_unfinished(): engine.step()``
+        delivers every ``finish_reason="abort"`` output (one step after the abort) instead of
+        ending with it still queued.
+        """
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._pending_outputs)
 
     @property
     def stalled(self) -> bool:
