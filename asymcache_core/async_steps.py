@@ -11,9 +11,9 @@ import logging
 from typing import TYPE_CHECKING, NamedTuple
 
 from asymcache_core.errors import EngineDeadError
-from asymcache_core.request import RequestOutput, RequestStatus
+from asymcache_core.request import RequestOutput
 from asymcache_core.scheduler import SchedulerOutput
-from asymcache_core.step_faults import StepResult
+from asymcache_core.step_faults import StepResult, drop_stopped
 
 if TYPE_CHECKING:
     from asymcache_core.launched_steps import LaunchedStep
@@ -139,14 +139,17 @@ class AsyncSteps:
 
     def _execute_again(self, plan: SchedulerOutput) -> StepResult:
         """Runs a launched step's plan synchronously (its launch or collection failed), without
-        the requests that stopped running since it was planned. Every request of ``plan`` that
+        the requests that stopped running since it was planned: the blocks those were to write
+        stop being cache hits, and the requests that read them are preempted
+        (:func:`~asymcache_core.step_faults.drop_stopped`). Every request of ``plan`` that
         does not run (stopped, failed, or preempted for reading a failed one's blocks) drops
         its pending token, as :meth:`Scheduler.update_from_output` does for those that ran."""
-        keep = [item for item in plan.scheduled if item.request.status is RequestStatus.RUNNING]
+        keep, readers = drop_stopped(plan, self.kv, self.pool, self.scheduler, self.block_size)
+        preempted = [*plan.preempted, *readers]
         result = (
-            self._execute(SchedulerOutput(keep, plan.preempted, plan.budget, sum(item.num_tokens for item in keep)))
+            self._execute(SchedulerOutput(keep, preempted, plan.budget, sum(item.num_tokens for item in keep)))
             if keep
-            else StepResult(SchedulerOutput([], plan.preempted, plan.budget, 0), {}, [])
+            else StepResult(SchedulerOutput([], preempted, plan.budget, 0), {}, [])
         )
         ran = {id(item.request) for item in result.ran.scheduled}
         for item in plan.scheduled:

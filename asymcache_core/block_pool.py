@@ -242,20 +242,29 @@ class BlockPool:
         return True
 
     def uncache(self, block_id: int) -> None:
-        """Forgets what a held block caches (a failed step left its content partly written).
+        """Forgets what a block caches (a failed step left its content partly written).
 
-        It is no longer a cache hit, and goes back to the uncached free list once released.
+        It is no longer a cache hit. A block that a request or a pin holds goes back to the
+        uncached free list once released; an idle one (an eviction candidate) goes there now.
+        Listeners see ``on_uncache``, never ``on_evict``: the content is not copied anywhere.
 
-        Raises:
-            ValueError: the block is not held by a request, or a pin protects it.
+        NOTE: held and pinned blocks alike: with async scheduling a request can stop (and its
+        blocks be freed, or pinned for its job) while the step that was to write them is in
+        flight, and that step may still fail (:func:`~asymcache_core.step_faults.drop_stopped`).
         """
         block = self.blocks[block_id]
-        if block.ref_cnt == 0 or block.pin_cnt > 0:
-            raise ValueError(f"block_id: block {block_id} is not held by a request alone")
-        if block.block_hash is not None:
-            for listener in self.listeners:
-                listener.on_uncache(block_id)
-            del self.cached[block.block_hash]
+        if block.block_hash is None:
+            return
+        idle = block.ref_cnt == 0 and block.pin_cnt == 0
+        for listener in self.listeners:
+            listener.on_uncache(block_id)
+        if idle:
+            self.policy.remove(block)
+        del self.cached[block.block_hash]
+        if idle:
+            block.reset()
+            self.free_uncached.append(block_id)
+        else:
             block.block_hash = None
 
     # -- pins ------------------------------------------------------------------------------

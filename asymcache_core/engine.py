@@ -208,7 +208,9 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         #: vLLM's per-request and per-step histograms (``/metrics``); cumulative, unlike the step log
         self.serving_stats = ServingStats(self.max_model_len)
         self._ids = itertools.count()
-        self._pending_outputs: list[RequestOutput] = []
+        #: final outputs of aborts not reported yet, by request id: the id stays in use (a new
+        #: request may not take it) until a step has reported its final output
+        self._pending_outputs: dict[str, RequestOutput] = {}
         #: the step on the device whose tokens are not back yet (async scheduling)
         self._in_flight: InFlight | None = None
         #: when the last step's tokens came back (engine clock)
@@ -286,7 +288,9 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
             job_id: the agent job or chat the request is a turn of: its blocks are grouped by
                 it for eviction and pins, and it is the unit of job admission and of program
                 order (``None``: a standalone request).
-            request_id: a caller-chosen id (unique among unfinished requests).
+            request_id: a caller-chosen id, unique among the requests whose final output has
+                not been reported yet (an aborted request's id is free once the step after the
+                abort has reported its ``finish_reason="abort"`` output).
             is_last_step: the job ends with this request (its blocks will not be reused).
             priority: smaller runs first among equal keys.
             joins_conversation: without a ``job_id``, the request may join the job of the
@@ -304,7 +308,7 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
 
         Raises:
             ValueError: naming the argument: empty prompt, ids out of vocabulary, too long for
-                ``max_model_len`` or for the KV pool, a duplicate request id, an ``arrival_time``
+                ``max_model_len`` or for the KV pool, a request id in use, an ``arrival_time``
                 after now, or an argument of the wrong type.
         """
         check_request_fields(prompt, request_id, job_id, is_last_step, priority, continues_job)
@@ -324,9 +328,9 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         if request_id is None:
             # NOTE: a caller's own id may have taken the next one: skip ids in use
             request_id = f"req-{next(self._ids)}"
-            while request_id in self.requests:
+            while self._id_in_use(request_id):
                 request_id = f"req-{next(self._ids)}"
-        elif request_id in self.requests:
+        elif self._id_in_use(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         now = self.clock() if arrival_time is None else arrival_time
         request = Request(
@@ -347,6 +351,16 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         self.counters.prompt_tokens += len(ids)
         return request_id
 
+    def _id_in_use(self, request_id: str) -> bool:
+        """Whether ``request_id`` belongs to a request whose final output is not reported yet.
+
+        NOTE: an aborted request leaves :attr:`requests` at once, but its final output goes
+        out with the next step: a new request under its id then would share the id with that
+        output, and a consumer keyed by id would end the new request's stream on the old one's
+        abort. The id is free again once the output is reported (as after any finish).
+        """
+        return request_id in self.requests or request_id in self._pending_outputs
+
     def abort(self, request_id: str, *, emit: bool = True) -> bool:
         """Stops a request and frees its blocks; returns False when it is unknown or done. With
         ``emit`` the next step reports its final output (``finish_reason="abort"``)."""
@@ -357,11 +371,18 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
             flush_text(self.tokenizer, request)
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED, self.clock())
         if emit:
-            self._pending_outputs.append(request_output(request, []))
+            self._pending_outputs[request_id] = request_output(request, [])
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        """Whether a :meth:`step` has outputs to report: requests not finished, a launched step
+        not collected, or an abort's final output not reported yet.
+
+        NOTE: the pending outputs count, so that ``while engine.has_unfinished(): engine.step()``
+        delivers every ``finish_reason="abort"`` output (one step after the abort) instead of
+        ending with it still queued.
+        """
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._pending_outputs)
 
     @property
     def stalled(self) -> bool:
@@ -421,7 +442,7 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         """Runs one step: schedule -> run -> update_from_output -> outputs. Returns its outputs
         (with async scheduling, those of the step launched in the previous call)."""
         start = self.clock()
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs, self._pending_outputs = list(self._pending_outputs.values()), {}
         if self._in_flight is not None and not self._in_flight.launched.device_sampled:
             # NOTE: its rows sample on the host, so the next step's inputs exist only after it
             outputs += self._finish_in_flight()[0]

@@ -6,6 +6,10 @@ failed on its own. A request that fails alone gets the error; one that read a bl
 request was to write this step is preempted (recomputed later). Blocks a failed or preempted
 request wrote this step stop being cache hits: their content is not trustworthy. A fault that
 hits every request (the device is gone) fails them all, and the engine stays usable.
+
+With async scheduling a launched step that fails runs again without the requests that stopped
+running since it was planned (:func:`drop_stopped`): the blocks those were to write follow the
+same rule, and so do the requests that read them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, NamedTuple
 
 from asymcache_core.errors import EngineDeadError
+from asymcache_core.request import RequestStatus
 from asymcache_core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -40,12 +45,18 @@ class StepResult(NamedTuple):
     faults: list[tuple[Request, str]]
 
 
+def written_indices(item: ScheduledRequest, block_size: int) -> list[int]:
+    """The logical block indices a scheduled request writes in its step (those under its
+    segments), ascending."""
+    return sorted(
+        {idx for start, end in item.segments for idx in range(start // block_size, (end - 1) // block_size + 1)}
+    )
+
+
 def written_blocks(item: ScheduledRequest, block_size: int) -> list[int]:
     """The blocks a scheduled request writes in its step (those under its segments)."""
     table = item.request.block_ids
-    return sorted(
-        {table[idx] for start, end in item.segments for idx in range(start // block_size, (end - 1) // block_size + 1)}
-    )
+    return sorted({table[idx] for idx in written_indices(item, block_size)})
 
 
 def step_groups(plan: SchedulerOutput, written: list[list[int]], kv: KVCacheManager) -> list[list[int]]:
@@ -154,3 +165,64 @@ def execute_isolating_faults(
         sampled,
         faults,
     )
+
+
+def drop_stopped(
+    plan: SchedulerOutput,
+    kv: KVCacheManager,
+    pool: BlockPool,
+    scheduler: Scheduler,
+    block_size: int,
+) -> tuple[list[ScheduledRequest], list[Request]]:
+    """The requests of a failed launched step (async scheduling) that run again: those still
+    running. The others stopped since the step was planned (aborted, finished, preempted), so
+    the blocks they were to write in it never get their content: as in
+    :func:`execute_isolating_faults`, those blocks stop being cache hits (on the device and
+    their host copies), and the running requests that hold one read it: they are preempted
+    (recomputed later), and the blocks they were to write in this step go the same way.
+
+    NOTE: by hash, not by block id: a stopped request's table is gone (its blocks are freed),
+    and its block may have been evicted since (its content copied to the host tier). A block
+    that another request computes anew under the same hash is dropped too (it is recomputed).
+
+    Returns:
+        The step's requests to run again, in batch order, and the requests preempted for
+        reading a block the step was to write.
+    """
+    items = plan.scheduled
+    index = {id(item.request): i for i, item in enumerate(items)}
+    stopped = [i for i, item in enumerate(items) if item.request.status is not RequestStatus.RUNNING]
+    if not stopped:
+        return list(items), []
+    host = kv.tier.pool if kv.tier is not None else None
+    dropped: set[int] = set()
+    bad: set[int] = set()
+    preempted: list[Request] = []
+    while stopped:
+        for i in stopped:
+            dropped.add(i)
+            hashes = items[i].request.block_hashes
+            for idx in written_indices(items[i], block_size):
+                if idx >= len(hashes):
+                    break  # not full, or its tokens are not known: never registered
+                block_id = pool.lookup(hashes[idx])
+                if block_id is not None:
+                    bad.add(block_id)
+                slot = host.lookup(hashes[idx]) if host is not None else None
+                if slot is not None:
+                    assert host is not None
+                    host.uncache(slot)
+        readers = [r for r in scheduler.running if not bad.isdisjoint(kv.held_blocks(r))]
+        stopped = []
+        for request in readers:
+            scheduler.preempt(request)
+            preempted.append(request)
+            i = index.get(id(request))
+            if i is not None and i not in dropped:
+                stopped.append(i)
+    for block_id in bad:
+        pool.uncache(block_id)
+    if preempted:
+        logger.warning("a failed launched step: %d requests preempted for reading blocks it was to write",
+                       len(preempted))
+    return [item for i, item in enumerate(items) if i not in dropped], preempted
