@@ -31,6 +31,7 @@ from asymcache_core.jump_forward import forced_tokens
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
 from asymcache_core.request import HOLE, Request, RequestStatus
 from asymcache_core.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from asymcache_core.stop_conditions import check_stop, ends_on_length
 from asymcache_core.waiting_hits import WaitingHits
 
 PriorityKey = Callable[[Request], tuple]
@@ -267,7 +268,7 @@ class Scheduler:
             if not self.kv.ready(request):
                 i += 1  # its blocks are still being copied in from the host tier
                 continue
-            if request.num_pending and self._ends_on_length(request):
+            if request.num_pending and ends_on_length(request, self.max_model_len):
                 i += 1  # the token in flight ends it: a step past it would be thrown away
                 continue
             segments = self.plan_segments(request, left)
@@ -437,7 +438,7 @@ class Scheduler:
                 metrics.first_token_time = now
             metrics.token_times.append(now)
             tokens = [token]
-            status = self._check_stop(request, token)
+            status = check_stop(request, token, self.eos_token_ids, self.max_model_len)
             if status is None and self.jump_forward and (forced_run := forced_tokens(request, self.max_model_len)):
                 if request.num_pending:
                     # NOTE: the step in flight (async scheduling) samples the position the
@@ -449,7 +450,7 @@ class Scheduler:
                     metrics.token_times.append(now)
                     tokens.append(forced)
                     self.num_jump_forward_tokens += 1
-                    status = self._check_stop(request, forced)
+                    status = check_stop(request, forced, self.eos_token_ids, self.max_model_len)
                     if status is not None:
                         break
             stop_reason = tokens[-1] if status is RequestStatus.FINISHED_STOPPED else None
@@ -457,27 +458,6 @@ class Scheduler:
                 self.finish_request(request, status, now, stop_reason)
             updates.append(RequestUpdate(request, tokens, status, stop_reason))
         return updates
-
-    def _ends_on_length(self, request: Request) -> bool:
-        """Whether the tokens in flight end ``request`` on length, whatever they are."""
-        if len(request.output_token_ids) + request.num_pending >= request.params.max_tokens:
-            return True
-        return self.max_model_len is not None and request.num_planned_tokens >= self.max_model_len
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        """The status that ``token``, just appended, ends ``request`` with, or ``None``.
-
-        EOS (unless ignored) and the request's stop token ids stop it; otherwise reaching
-        ``max_tokens`` output tokens or ``max_model_len`` context tokens ends it on length.
-        """
-        params = request.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_request(
         self, request: Request, status: RequestStatus, now: float, stop_reason: int | str | None = None
