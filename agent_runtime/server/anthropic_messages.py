@@ -108,7 +108,8 @@ class _MessagesFields(BaseModel):
         "mcp_servers": (None, []), "container": (None,),
     }
 
-    model: StrictStr | None = None
+    #: required, as Anthropic's and vLLM's Messages route require it (the OpenAI routes do not)
+    model: StrictStr
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -234,7 +234,8 @@ def _openapi_with_bodies(app: FastAPI, model_names: Sequence[str]) -> Callable[[
     NOTE: the routes parse their bodies themselves (a bad body is an OpenAI-style 400, not
     FastAPI's 422), so FastAPI cannot see them; the document names the request models so that
     clients and schema fuzzers (schemathesis) know what to send: ``model`` is one of the served
-    names (optional, as in vLLM: left out it is the served model), and chat messages have a role.
+    names (optional but on the Messages routes, as in vLLM: left out it is the served model), and
+    chat messages have a role.
     """
     default = app.openapi
 
@@ -255,10 +256,8 @@ def _openapi_with_bodies(app: FastAPI, model_names: Sequence[str]) -> Callable[[
         for path, model in routes:
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(body.pop("$defs", {}))
+            # NOTE: required where the body model requires it (Anthropic's Messages route)
             body["properties"]["model"] = {"type": "string", "enum": list(model_names)}
-            body["required"] = [name for name in body.get("required", []) if name != "model"]
-            if not body["required"]:
-                del body["required"]
             if "messages" in body["properties"]:
                 body["properties"]["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE_SCHEMA}
             schemas[model.__name__] = body
