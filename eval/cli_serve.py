@@ -163,7 +163,7 @@ def serve(
     replicas: int = typer.Option(1, help="Engine replicas behind the one endpoint; above 1 on a local Ray cluster "
                                  "(the ray extra), each job kept on the replica that holds its KV."),
     served_model_name: list[str] = typer.Option(
-        None, help="The model name clients send and /v1/models lists (default: --model); several, as vLLM's "
+        None, metavar="NAME", help="The model name clients send and /v1/models lists (default: --model); several, as vLLM's "
         "aliases (--served-model-name a b): each is listed and accepted, responses report the first."),
     override_generation_config: str = typer.Option(
         None, help='Sampling defaults of requests that leave them out, as a JSON object over the model\'s '
