@@ -314,7 +314,7 @@ def test_a_streamed_call_cut_off_is_incomplete_and_not_continued(live, oa):
     for limit in range(10, 20):
         events = list(oa.responses.create(model=MODEL, input="Read todo.md.", tools=FLAT_TOOLS, stream=True,
                                           tool_choice={"type": "function", "name": "read_file"},
-                                          max_output_tokens=limit))
+                                          max_output_tokens=limit, temperature=0))
         final = events[-1].response
         calls = [i for i in final.output if i.type == "function_call"]
         if calls and calls[0].arguments not in ("", "{"):

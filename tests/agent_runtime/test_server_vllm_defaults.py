@@ -7,6 +7,7 @@ be left out; several served names; integral floats for integer fields; no upper 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,26 @@ def test_non_integral_floats_stay_a_400(runtime, extra, param):
     with _client(runtime) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_largest_repetition_penalty_leaves_no_nan_in_the_sampler():
+    """vLLM bounds repetition_penalty below only; here float32's largest value is the top, so
+    the sampler's float32 penalty stays finite: a seen zero logit stays 0 (an infinite penalty
+    would make it NaN), a seen positive one nears 0, a seen negative one goes to -inf."""
+    import torch
+
+    from asymcache_core.batched_penalties import prompt_ids, with_penalties
+    from asymcache_core.sampler import Sampler
+    from asymcache_core.sampling_params import MAX_REPETITION_PENALTY
+
+    vocab = 64
+    row = torch.zeros(vocab)
+    row[1], row[2], row[3] = 5.0, -5.0, 4.0
+    params = SamplingParams(repetition_penalty=MAX_REPETITION_PENALTY)
+    out = with_penalties(row[None], [params], [[1, 0]], [prompt_ids([2], vocab, row.device)])[0]
+    assert not torch.isnan(out).any()
+    assert out[0] == 0.0 and 0.0 <= out[1] < 1e-30 and out[2] == -math.inf and out[3] == 4.0
+    # the greedy pick moves off the penalised favourite to the best unseen token
+    assert Sampler(0).sample(row[None].clone(), ["r"], [params], [[1]]) == [3]
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e39)
