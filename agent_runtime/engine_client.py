@@ -44,6 +44,7 @@ from agent_runtime.request_stream import (
 )
 from agent_runtime.types import StreamEvent
 from asymcache_core import Engine
+from asymcache_core.engine_checks import truncated_prompt
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import RequestOutput
 from asymcache_core.sampler import NOTHING_ALLOWED
@@ -52,6 +53,27 @@ from asymcache_core.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _within_pool(ids: list[int], params: SamplingParams, engine: Any) -> SamplingParams:
+    """``params`` of a request that asks for the rest of the context (``max_tokens`` of at least
+    ``max_model_len``: the servers' default, as vLLM's) cut to what the engine's KV pool holds
+    beside the prompt, when the pool holds less than ``max_model_len``.
+
+    NOTE: vLLM refuses to start with a pool smaller than one ``max_model_len`` sequence; this
+    engine serves one, and "the rest of the context" then ends where the pool does, rather than
+    the request being refused for blocks it would mostly never use. Other limits are kept as
+    given (the engine rejects one the pool cannot hold).
+    """
+    pool_tokens = getattr(engine, "num_blocks", 0) * getattr(engine, "block_size", 0)
+    limit = engine.max_model_len
+    if params.max_tokens < limit or not 0 < pool_tokens < limit:
+        return params
+    kept = len(truncated_prompt(ids, params, limit))
+    room = pool_tokens - kept
+    if room < max(1, params.min_tokens) or kept + params.max_tokens <= pool_tokens:
+        return params
+    return replace(params, max_tokens=room)
 
 
 @dataclass
@@ -327,6 +349,8 @@ class AsyncEngine:
             ids = engine.encode(cmd.prompt)
             if cmd.strict_max_tokens:
                 check_fits_context(ids, params, engine.max_model_len)
+            else:
+                params = _within_pool(ids, params, engine)
             rid = cmd.request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             rid = engine.add_request(
                 ids, params, job_id=opts.job_id, request_id=rid, is_last_step=opts.is_last_step,

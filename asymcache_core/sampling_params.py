@@ -25,6 +25,8 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_LOGIT_BIAS_ENTRIES = 1024
 #: vLLM's bound on a ``cache_salt``.
 MAX_CACHE_SALT_CHARS = 1024
+#: ``repetition_penalty`` at most: float32's largest finite value (vLLM bounds it below only).
+MAX_REPETITION_PENALTY = 3.4028234663852886e38
 #: ``max_tokens`` beyond any context a model could hold (the engine checks the real limit).
 MAX_TOKENS_LIMIT = 1 << 24
 
@@ -111,7 +113,7 @@ class SamplingParams:
         frequency_penalty: subtracted per occurrence from the logit of generated tokens
             (OpenAI's, in [-2, 2]).
         repetition_penalty: divides positive and multiplies negative logits of tokens in the
-            prompt or the output (vLLM's / HF's, in (0, 2]; 1 is off).
+            prompt or the output (vLLM's / HF's: any value > 0, as in vLLM; 1 is off).
         logit_bias: token id -> bias added to its logit (OpenAI's, each in [-100, 100]).
         logits_processors: per-request logits rewriters (constrained decoding).
         logprobs: report each sampled token's log probability and this many most likely
@@ -182,9 +184,10 @@ class SamplingParams:
             raise ValueError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, _real(name, getattr(self, name), -2.0, 2.0))
-        object.__setattr__(
-            self, "repetition_penalty", _real("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
-        )
+        # NOTE: vLLM requires > 0 only; the bound is float32's largest value so that the sampler's
+        # float32 penalty stays finite (an infinite one would turn a zero logit into NaN)
+        object.__setattr__(self, "repetition_penalty",
+                           _real("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: must be a boolean, got {self.ignore_eos!r}")
         stop_ids = _items("stop_token_ids", self.stop_token_ids)

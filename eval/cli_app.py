@@ -46,12 +46,50 @@ def _tidy_flags(command: Any, ctx: Any) -> None:
             param.metavar = ""
 
 
+#: vLLM's options that take several values after one flag (argparse's ``nargs="+"``).
+MULTI_VALUE_FLAGS = ("--served-model-name",)
+
+
+def expand_multi_value_flags(args: list[str]) -> list[str]:
+    """``--served-model-name a b`` as click takes several values: ``--served-model-name a
+    --served-model-name b``.
+
+    NOTE: vLLM's launch lines give such an option its values one after another; as argparse
+    does, every word up to the next option is one of them.
+
+    Args:
+        args: the command line's words.
+
+    Returns:
+        The words, those flags repeated once per value.
+    """
+    out: list[str] = []
+    flag: str | None = None
+    for arg in args:
+        if arg in MULTI_VALUE_FLAGS:
+            flag = arg
+            continue
+        if flag is not None:
+            if arg.startswith("-") and arg != "-":
+                if out[-2:-1] != [flag]:
+                    out.append(flag)  # no value: click reports it
+                flag = None
+            else:
+                out += [flag, arg]
+                continue
+        out.append(arg)
+    if flag is not None and out[-2:-1] != [flag]:
+        out.append(flag)
+    return out
+
+
 class OneLineErrors(TyperGroup):
     """The command group: every usage error (unknown option, bad value, missing argument) is one
     ``error:`` line on stderr and exit code 2, never a box or a traceback."""
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        args = expand_multi_value_flags(list(sys.argv[1:] if args is None else args))
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -250,12 +288,14 @@ def read_config_file(ctx: typer.Context, param: Any, value: str | None) -> str |
         for p in ctx.command.params if p.param_type_name == "option" and p.name != param.name
         for opt in p.opts
     }
+    several = {p.name for p in ctx.command.params if getattr(p, "multiple", False)}
     defaults: dict[str, Any] = {}
     for key, item in data.items():
         name = names.get(str(key).lstrip("-").replace("-", "_"))
         if name is None:
             raise typer.BadParameter(f"{value!r}: {key!r} is not an option of this command")
-        defaults[name] = item
+        # NOTE: an option of several values (--served-model-name) may name one in the file
+        defaults[name] = [item] if name in several and not isinstance(item, list) else item
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 

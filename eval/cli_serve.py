@@ -162,8 +162,14 @@ def serve(
     shutdown_timeout: float = typer.Option(30.0, help="On SIGTERM, seconds in-flight requests may finish before they are aborted."),
     replicas: int = typer.Option(1, help="Engine replicas behind the one endpoint; above 1 on a local Ray cluster "
                                  "(the ray extra), each job kept on the replica that holds its KV."),
-    served_model_name: str = typer.Option(None, help="The model name clients send and /v1/models lists "
-                                          "(default: --model)."),
+    served_model_name: list[str] = typer.Option(
+        None, metavar="NAME", help="The model name clients send and /v1/models lists (default: --model); several, as vLLM's "
+        "aliases (--served-model-name a b): each is listed and accepted, responses report the first."),
+    override_generation_config: str = typer.Option(
+        None, help='Sampling defaults of requests that leave them out, as a JSON object over the model\'s '
+        'generation_config.json (vLLM\'s flag; e.g. \'{"temperature": 0}\' for greedy replies). Keys: '
+        'temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, '
+        'max_new_tokens. Without either, vLLM\'s defaults (temperature 1).'),
     chat_template: str = typer.Option(None, help="A chat template, as a Jinja file or its text, instead of the "
                                       "model's."),
     default_chat_template_kwargs: str = typer.Option(
@@ -227,12 +233,17 @@ def serve(
         engine_args["model"] = model_tag
     memory_sized_pool(ctx, engine_args)
     template_kwargs = json_object("default_chat_template_kwargs", default_chat_template_kwargs)
+    from agent_runtime.server.generation_defaults import check_generation_config
+
+    generation = check_generation_config(override_generation_config) or None
     from eval.cli_progress import showing_model_loads
 
     with StartupLine.listening(policy), showing_model_loads():
         run_serve(host=host, port=port, api_key=api_key, policy=policy, max_request_body_bytes=max_request_body_bytes,
                   max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, replicas=replicas,
-                  served_model_name=served_model_name, chat_template=chat_template,
+                  served_model_name=(served_model_name[0] if len(served_model_name) == 1 else tuple(served_model_name))
+                  if served_model_name else None,
+                  override_generation_config=generation, chat_template=chat_template,
                   default_chat_template_kwargs=template_kwargs,
                   trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                   reasoning_parser=reasoning_parser, responses_store_size=responses_store_size,

@@ -57,7 +57,14 @@ from agent_runtime.server.anthropic_replies import (
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
 from agent_runtime.server.body_parsing import base_request_id
 from agent_runtime.server.errors import APIError, from_value_error
-from agent_runtime.server.requests import JobId, PositiveInt, Temperature, TopK, TopP
+from agent_runtime.server.requests import (
+    JobId,
+    PositiveInt,
+    Temperature,
+    TopK,
+    TopP,
+    sampling_fields,
+)
 from agent_runtime.server.responses import SSE_HEADERS
 from agent_runtime.server.serving import finish_one, parse_body, request_id_header
 from agent_runtime.server.streamed_text import StreamedText, without_cut_off_call
@@ -101,7 +108,8 @@ class _MessagesFields(BaseModel):
         "mcp_servers": (None, []), "container": (None,),
     }
 
-    model: StrictStr | None = None
+    #: required, as Anthropic's and vLLM's Messages route require it (the OpenAI routes do not)
+    model: StrictStr
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -163,8 +171,12 @@ class MessagesRequest(_MessagesFields):
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
 
-    def sampling_params(self) -> SamplingParams:
-        """The engine's sampling parameters (greedy unless ``temperature`` says otherwise).
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's sampling parameters: fields left out take the server's defaults, as a
+        chat completion's do (:func:`~agent_runtime.server.requests.sampling_fields`).
+
+        Args:
+            defaults: the server's sampling defaults (None: vLLM's, temperature 1).
 
         Raises:
             ValueError: too many or empty stop sequences.
@@ -174,9 +186,7 @@ class MessagesRequest(_MessagesFields):
             raise ValueError(f"stop_sequences: up to {MAX_STOP_STRINGS} non-empty strings")
         return SamplingParams(
             max_tokens=self.max_tokens,
-            temperature=0.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k is None else self.top_k,
+            **sampling_fields(self, defaults),
             stop=stops,
         )
 
@@ -340,7 +350,7 @@ async def create_message(request: Request) -> Response:
     base_id = base_request_id(request.headers, None)
     rt = state.require_runtime()
     try:
-        params = req.sampling_params()
+        params = req.sampling_params(state.sampling_defaults)
         messages, tools, choice, parallel = req.chat()
         thinking = req.thinking_settings(req.max_tokens, rt.reasoning_parser)
         streams, choice = await rt.start_chat_choices(

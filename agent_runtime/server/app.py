@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,6 +22,7 @@ from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import admin, anthropic_messages, openai_responses, serving
 from agent_runtime.server.errors import APIError
+from agent_runtime.server.generation_defaults import check_generation_config
 from agent_runtime.server.request_guard import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE_LEN,
@@ -76,12 +77,33 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return response
 
 
+def served_names(names: str | Sequence[str], option: str = "model_name") -> tuple[str, ...]:
+    """The served names: one, or several (vLLM's ``--served-model-name`` takes aliases; the
+    first is the one responses and metrics report).
+
+    Args:
+        names: a name, or a list of names.
+        option: the option's name, for the error.
+
+    Returns:
+        The names, duplicates left out, in their order.
+
+    Raises:
+        ValueError: none, or an empty or non-string name.
+    """
+    listed = [names] if isinstance(names, str) else list(names) if isinstance(names, Sequence) else [names]
+    if not listed or any(not isinstance(n, str) or not n.strip() for n in listed):
+        raise ValueError(f"{option}: must be one or more non-empty names, got {names!r}")
+    return tuple(dict.fromkeys(listed))
+
+
 def create_app(
     runtime_or_engine_factory: RuntimeSource,
-    model_name: str,
+    model_name: str | Sequence[str],
     api_key: str | None = None,
     *,
-    default_max_tokens: int = 512,
+    default_max_tokens: int | None = None,
+    override_generation_config: str | Mapping[str, Any] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
     trust_request_chat_template: bool = False,
@@ -93,11 +115,19 @@ def create_app(
         runtime_or_engine_factory: an :class:`AgentRuntime` (used as is, never closed by the
             app), an ``Engine`` (wrapped in a runtime the app owns), or a zero-argument callable
             returning either (called at startup; what it builds is closed at shutdown).
-        model_name: the ``model`` clients must send (and ``/v1/models`` lists).
+        model_name: the served name, or several (vLLM's ``--served-model-name`` aliases):
+            ``/v1/models`` lists each, a request may send any as ``model`` (or none), and
+            responses report the first.
         api_key: when set, ``/v1/*`` and the cache resets require ``Authorization: Bearer <api_key>``
             (or ``x-api-key``); ``/health``, ``/metrics``, ``/version`` and the others answer without it
             (vLLM's rule, :func:`~agent_runtime.server.auth.needs_key`).
-        default_max_tokens: ``max_tokens`` when a request gives none.
+        default_max_tokens: ``max_tokens`` of a chat (or Responses) request that gives none,
+            and the cap of a text completion's default (16). None: vLLM's defaults, the model's
+            ``max_new_tokens`` if its generation config has one, else the rest of the context.
+        override_generation_config: sampling defaults of requests that leave the fields out,
+            over the model's ``generation_config.json`` (vLLM's ``--override-generation-config``:
+            JSON text or a mapping of ``temperature``, ``top_p``, ``top_k``, ``min_p``, the
+            penalties, ``max_new_tokens``). Fields in neither take vLLM's defaults (temperature 1).
         max_request_body_bytes: bodies beyond this are a 413.
         max_queue_len: completions in flight beyond the engine's ``max_num_seqs`` before new
             ones are a 429 with ``Retry-After`` (None: unbounded).
@@ -112,13 +142,19 @@ def create_app(
 
     Raises:
         TypeError: ``runtime_or_engine_factory`` is none of these.
-        ValueError: a negative cap.
+        ValueError: a negative cap, no served name, or a bad ``override_generation_config``.
     """
+    names = served_names(model_name)
+    generation = check_generation_config(override_generation_config)
+    if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or not isinstance(
+            default_max_tokens, int) or default_max_tokens < 1):
+        raise ValueError(f"default_max_tokens: must be an integer >= 1, got {default_max_tokens!r}")
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes: must be >= 1, got {max_request_body_bytes!r}")
     if max_queue_len is not None and max_queue_len < 0:
         raise ValueError(f"max_queue_len: must be >= 0, got {max_queue_len!r}")
-    state = AppState.build(runtime_or_engine_factory, model_name, api_key, default_max_tokens)
+    state = AppState(names[0], api_key, default_max_tokens, aliases=names[1:], override_generation_config=generation)
+    state.attach(runtime_or_engine_factory)
     state.trust_request_chat_template = bool(trust_request_chat_template)
     state.responses = ResponseStore(responses_store_size)
     app = FastAPI(title="AsymCache OpenAI-compatible server", lifespan=_lifespan)
@@ -148,7 +184,7 @@ def create_app(
     app.add_middleware(
         RequestGuard, state=state, max_body_bytes=max_request_body_bytes, max_queue_len=max_queue_len
     )
-    app.openapi = _openapi_with_bodies(app, model_name)  # type: ignore[method-assign]
+    app.openapi = _openapi_with_bodies(app, names)  # type: ignore[method-assign]
     return app
 
 
@@ -192,13 +228,14 @@ _MESSAGE_SCHEMA: dict[str, Any] = {
 }
 
 
-def _openapi_with_bodies(app: FastAPI, model_name: str) -> Callable[[], dict[str, Any]]:
+def _openapi_with_bodies(app: FastAPI, model_names: Sequence[str]) -> Callable[[], dict[str, Any]]:
     """FastAPI's OpenAPI document plus the completion routes' request bodies.
 
     NOTE: the routes parse their bodies themselves (a bad body is an OpenAI-style 400, not
     FastAPI's 422), so FastAPI cannot see them; the document names the request models so that
-    clients and schema fuzzers (schemathesis) know what to send: ``model`` is required and is
-    the served name, and chat messages have a role.
+    clients and schema fuzzers (schemathesis) know what to send: ``model`` is one of the served
+    names (optional but on the Messages routes, as in vLLM: left out it is the served model), and
+    chat messages have a role.
     """
     default = app.openapi
 
@@ -207,21 +244,20 @@ def _openapi_with_bodies(app: FastAPI, model_name: str) -> Callable[[], dict[str
             return app.openapi_schema
         spec = default()
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        routes: tuple[tuple[str, type[BaseModel], bool], ...] = (
-            ("/v1/chat/completions", ChatCompletionRequest, True),
-            ("/v1/completions", CompletionRequest, True),
-            (openai_responses.PATH, openai_responses.ResponsesRequest, True),
-            (anthropic_messages.PATH, anthropic_messages.MessagesRequest, True),
-            (anthropic_messages.COUNT_PATH, anthropic_messages.CountTokensRequest, True),
-            ("/tokenize", TokenizeRequest, False),
-            ("/detokenize", DetokenizeRequest, False),
+        routes: tuple[tuple[str, type[BaseModel]], ...] = (
+            ("/v1/chat/completions", ChatCompletionRequest),
+            ("/v1/completions", CompletionRequest),
+            (openai_responses.PATH, openai_responses.ResponsesRequest),
+            (anthropic_messages.PATH, anthropic_messages.MessagesRequest),
+            (anthropic_messages.COUNT_PATH, anthropic_messages.CountTokensRequest),
+            ("/tokenize", TokenizeRequest),
+            ("/detokenize", DetokenizeRequest),
         )
-        for path, model, model_required in routes:
+        for path, model in routes:
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(body.pop("$defs", {}))
-            body["properties"]["model"] = {"type": "string", "enum": [model_name]}
-            if model_required:
-                body["required"] = sorted({*body.get("required", []), "model"})
+            # NOTE: required where the body model requires it (Anthropic's Messages route)
+            body["properties"]["model"] = {"type": "string", "enum": list(model_names)}
             if "messages" in body["properties"]:
                 body["properties"]["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE_SCHEMA}
             schemas[model.__name__] = body
@@ -258,7 +294,9 @@ class ServeOptions:
             ``continuum``, ...).
         num_kv_blocks: KV pool size in blocks (None: from memory).
         max_model_len: context limit (None: the model's).
-        served_model_name: the name clients send (None: ``model``).
+        served_model_name: the name clients send, or several (vLLM's ``--served-model-name``
+            aliases: ``/v1/models`` lists each, a request may send any, responses report the
+            first); None: ``model``.
         chat_template: a chat template (a Jinja file or its text) instead of the model's
             (vLLM's ``--chat-template``; read and checked here).
         default_chat_template_kwargs: template variables every chat gets unless it sets its
@@ -271,6 +309,9 @@ class ServeOptions:
             ``reasoning_content`` (vLLM's ``--reasoning-parser``: ``deepseek_r1``, ``qwen3``).
         responses_store_size: Responses API responses kept for ``previous_response_id``
             (0: none).
+        override_generation_config: sampling defaults of requests that leave the fields out,
+            over the model's ``generation_config.json`` (vLLM's ``--override-generation-config``:
+            JSON text or a mapping, checked here; e.g. ``{"temperature": 0}`` for greedy replies).
         log_level: uvicorn's log level (vLLM's ``--uvicorn-log-level``).
         access_log: uvicorn's access-log line per request (off: vLLM's
             ``--disable-uvicorn-access-log``).
@@ -294,13 +335,14 @@ class ServeOptions:
     policy: str = "asymcache+continuum"
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None
     chat_template: str | None = None
     default_chat_template_kwargs: Mapping[str, Any] | None = None
     trust_request_chat_template: bool = False
     tool_call_parser: str = "hermes"
     reasoning_parser: str | None = None
     responses_store_size: int = DEFAULT_STORE_SIZE
+    override_generation_config: str | Mapping[str, Any] | None = None
     log_level: str = "info"
     access_log: bool = True
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -315,8 +357,12 @@ class ServeOptions:
             raise ValueError(f"port: must be an integer in [0, 65535], got {self.port!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key: must not be empty when given")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name: must not be empty when given")
+        if self.served_model_name is not None:
+            names = served_names(self.served_model_name, "served_model_name")
+            # NOTE: one name stays a string (as given); several are a tuple
+            object.__setattr__(self, "served_model_name", names[0] if len(names) == 1 else names)
+        object.__setattr__(self, "override_generation_config",
+                           check_generation_config(self.override_generation_config) or None)
         if not isinstance(self.access_log, bool):
             raise ValueError(f"access_log: must be a bool, got {self.access_log!r}")
         if self.log_level not in LOG_LEVELS:
@@ -383,6 +429,7 @@ class ServeOptions:
         """
         return create_app(
             source, self.served_model_name or self.model, self.api_key,
+            override_generation_config=self.override_generation_config,
             max_request_body_bytes=self.max_request_body_bytes, max_queue_len=self.max_queue_len,
             trust_request_chat_template=self.trust_request_chat_template,
             responses_store_size=self.responses_store_size,
@@ -432,4 +479,4 @@ def serve(options: ServeOptions) -> None:
         gc.unfreeze()
 
 
-__all__ = ["LOG_LEVELS", "ServeOptions", "create_app", "freeze_startup_heap", "serve"]
+__all__ = ["LOG_LEVELS", "ServeOptions", "create_app", "freeze_startup_heap", "serve", "served_names"]

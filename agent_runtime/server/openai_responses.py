@@ -154,7 +154,7 @@ async def create_response(request: Request) -> Response:
     job_id = req.job_id or (previous.job_id if previous is not None else
                             None if rt.implicit_jobs or not stored else response_id)
     try:
-        params = req.sampling_params(state.default_max_tokens)
+        params = req.sampling_params(state.max_tokens_default(), state.sampling_defaults)
         input_messages(req.input)  # NOTE: its own items first, so that an error names input[i] as sent
         items = chain_items(previous, req.input)
         messages = input_messages(items, req.instructions)

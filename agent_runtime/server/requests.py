@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -29,6 +30,7 @@ from agent_runtime.protocol import (
     normalize_response_format,
 )
 from agent_runtime.server.body_parsing import completion_prompts, lift_vllm_xargs
+from agent_runtime.server.generation_defaults import VLLM_SAMPLING_DEFAULTS
 from agent_runtime.structured_outputs import lift_guided_fields, normalize_structured_outputs
 from asymcache_core.chat_template_options import (
     check_documents,
@@ -42,10 +44,25 @@ from asymcache_core.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 # HTTP request bodies
 # ----------------------------------------------------------------------------------------------
 
-PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+def _integral_float(value: Any) -> Any:
+    """An integral float (``2.0``) as the int it names; anything else as it is.
+
+    NOTE: vLLM's request models validate in pydantic's lax mode, which takes ``max_tokens: 2.0``
+    as 2 and rejects ``2.5``; strings and booleans stay errors here (strict ints).
+    """
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: An integer field: an int, or a float with no fractional part (vLLM's lax pydantic takes both).
+Int = Annotated[StrictInt, BeforeValidator(_integral_float)]
+PositiveInt = Annotated[Int, Field(ge=1)]
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
-TopK = Annotated[StrictInt, Field(ge=-1)]
+TopK = Annotated[Int, Field(ge=-1)]
 JobId = Annotated[StrictStr, Field(min_length=1, max_length=MAX_JOB_ID_CHARS)]
 #: vLLM's ``cache_salt``: the request's prefix-cache namespace (SamplingParams.cache_salt)
 CacheSalt = Annotated[StrictStr, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
@@ -78,10 +95,34 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool | None = None
 
 
+def sampling_fields(request: Any, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The sampling fields vLLM defaults (``temperature``, ``top_p``, ``top_k``, ``min_p``, the
+    penalties) of ``request``: its own value, else the server's default, else vLLM's.
+
+    NOTE: vLLM's order (user, then the server's generation config, then vLLM's default); a
+    request model without one of the fields (Anthropic's, the Responses API's) takes the
+    defaults for it.
+
+    Args:
+        request: a request model.
+        defaults: the server's defaults (None: vLLM's alone).
+
+    Returns:
+        Field -> value, for :class:`SamplingParams`.
+    """
+    given = defaults or {}
+    values: dict[str, Any] = {}
+    for name, default in VLLM_SAMPLING_DEFAULTS.items():
+        value = getattr(request, name, None)
+        values[name] = value if value is not None else given.get(name, default)
+    return values
+
+
 class _GenerationRequest(BaseModel):
     """Fields common to chat and text completions.
 
-    ``temperature`` defaults to 0 (greedy) so agent runs are reproducible; ``top_k`` and
+    Sampling fields left out take the server's defaults (vLLM's: the model's generation
+    config, else temperature 1; :mod:`agent_runtime.server.generation_defaults`); ``top_k`` and
     ``ignore_eos`` are vLLM's extensions; ``job_id`` / ``is_last_step`` are Continuum's (the
     openai client's ``extra_body``, or vLLM's ``vllm_xargs``: :func:`lift_vllm_xargs`). Unknown
     fields are ignored, as OpenAI-compatible servers do.
@@ -98,11 +139,11 @@ class _GenerationRequest(BaseModel):
     #: OpenAI's end-user id: not used here, but one of another type is a client's error
     user: StrictStr | None = None
     max_tokens: PositiveInt | None = None
-    n: StrictInt | None = 1
+    n: Int | None = 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
-    seed: StrictInt | None = None
+    seed: Int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: StrictBool = False
     min_p: Penalty | None = None
@@ -110,12 +151,12 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Penalty | None = None
     logit_bias: dict[str, Penalty] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_token_ids: list[Int] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] | None = None
     include_stop_str_in_output: StrictBool | None = None
-    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    allowed_token_ids: list[StrictInt] | None = None
-    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    allowed_token_ids: list[Int] | None = None
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     #: vLLM's: the prompt's and the reply's token ids beside the text
     return_token_ids: StrictBool | None = None
@@ -220,11 +261,15 @@ class _GenerationRequest(BaseModel):
         """Alternatives per prompt token to report log probabilities for (None: none)."""
         return self.prompt_logprobs
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's sampling parameters.
 
         Args:
             default_max_tokens: ``max_tokens`` when the request gives none.
+            defaults: the server's defaults of the sampling fields the request leaves out
+                (:func:`~agent_runtime.server.generation_defaults.sampling_defaults`); fields in
+                neither take vLLM's (:data:`~agent_runtime.server.generation_defaults.VLLM_SAMPLING_DEFAULTS`:
+                temperature 1).
 
         Returns:
             The parameters.
@@ -235,16 +280,10 @@ class _GenerationRequest(BaseModel):
         max_tokens = self.requested_max_tokens()
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=0.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k is None else self.top_k,
+            **sampling_fields(self, defaults),
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
-            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self.logit_bias,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.requested_logprobs(),
@@ -331,9 +370,9 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     #: vLLM's: close a reasoning model's thinking block once it holds this many tokens
-    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
+    thinking_token_budget: Annotated[Int, Field(ge=0)] | None = None
     reasoning_effort: ReasoningEffort | None = None
     #: vLLM's: false leaves a reasoning reply's thinking (``reasoning_content``) out
     include_reasoning: StrictBool | None = None
@@ -375,13 +414,13 @@ class CompletionRequest(_GenerationRequest):
 
     #: one prompt, or a batch of them (a tuple once validated: :attr:`prompts`)
     prompt: str | list[int] | tuple[str | list[int], ...]
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    max_tokens: Annotated[Int, Field(ge=0)] | None = None
     echo: StrictBool | None = None
     #: vLLM's (default true): the tokenizer's special tokens (Llama's ``<|begin_of_text|>``)
     #: start a text prompt
     add_special_tokens: StrictBool | None = None
     tool_name: StrictStr | None = None
-    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @property
     def adds_special_tokens(self) -> bool:
@@ -478,7 +517,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: list[Int]
 
 
 __all__ = [
@@ -490,6 +529,7 @@ __all__ = [
     "DetokenizeRequest",
     "MAX_BATCH_SEQUENCES",
     "MAX_CHOICES",
+    "sampling_fields",
     "StreamOptions",
     "TokenizeRequest",
 ]

@@ -18,7 +18,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     StrictBool,
-    StrictInt,
     StrictStr,
     field_validator,
     model_validator,
@@ -26,6 +25,7 @@ from pydantic import (
 
 from agent_runtime.server.requests import (
     CacheSalt,
+    Int,
     JobId,
     PositiveInt,
     ReasoningEffort,
@@ -33,6 +33,7 @@ from agent_runtime.server.requests import (
     TopK,
     TopP,
     lift_vllm_xargs,
+    sampling_fields,
 )
 from asymcache_core.chat_messages import TEXT_PART_KEYS, TEXT_PART_SEPARATOR
 from asymcache_core.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ class ResponsesRequest(BaseModel):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
-    seed: StrictInt | None = None
+    seed: Int | None = None
     stream: StrictBool | None = None
     store: StrictBool | None = None
     previous_response_id: StrictStr | None = None
@@ -102,13 +103,17 @@ class ResponsesRequest(BaseModel):
             raise ValueError(f"input: must be a string or a list of input items, got {type(value).__name__}")
         return value
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's sampling parameters (greedy unless ``temperature`` says otherwise)."""
+    def sampling_params(self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's sampling parameters: fields left out take the server's defaults, as a
+        chat completion's do (:func:`~agent_runtime.server.requests.sampling_fields`).
+
+        Args:
+            default_max_tokens: ``max_tokens`` when ``max_output_tokens`` is not given.
+            defaults: the server's sampling defaults (None: vLLM's, temperature 1).
+        """
         return SamplingParams(
             max_tokens=self.max_output_tokens or default_max_tokens,
-            temperature=0.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k is None else self.top_k,
+            **sampling_fields(self, defaults),
             seed=self.seed,
             cache_salt=self.cache_salt,
         )

@@ -65,7 +65,8 @@ from agent_runtime.server.state import AppState, app_state
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.sampling_params import SamplingParams
 
-#: ``max_tokens`` of a text completion that gives none (OpenAI's default), capped by the server's.
+#: ``max_tokens`` of a text completion that gives none (OpenAI's and vLLM's 0.32 default: its
+#: request model's), capped by the app's ``default_max_tokens`` when one is set.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
 
@@ -82,26 +83,31 @@ async def health(request: Request) -> dict[str, str]:
 
 
 async def models(request: Request) -> JSONResponse:
-    """``GET /v1/models``: the one served model."""
+    """``GET /v1/models``: the served model, once per served name (vLLM's)."""
     state = app_state(request)
     state.check_auth(request)
     state.metrics.count("/v1/models", 200)
-    return JSONResponse(ModelList(data=[_model_card(state)]).model_dump())
+    return JSONResponse(ModelList(data=[_model_card(state, name) for name in state.served_names]).model_dump())
 
 
 async def model(request: Request, model_id: str) -> JSONResponse:
-    """``GET /v1/models/{model}`` (OpenAI's retrieve): the served model's card, else a 404."""
+    """``GET /v1/models/{model}`` (OpenAI's retrieve): the served model's card under that name,
+    else a 404."""
     state = app_state(request)
     state.check_auth(request)
-    state.check_model(model_id)
+    if model_id not in state.served_names:
+        served = ", ".join(repr(n) for n in state.served_names)
+        raise APIError(404, f"The model {model_id!r} does not exist (this server serves {served})",
+                       param="model", code="model_not_found")
     state.metrics.count("/v1/models/{model}", 200)
-    return JSONResponse(_model_card(state).model_dump())
+    return JSONResponse(_model_card(state, model_id).model_dump())
 
 
-def _model_card(state: AppState) -> ModelCard:
-    """The served model's card: its name, and as vLLM's the engine's model and context limit."""
+def _model_card(state: AppState, name: str) -> ModelCard:
+    """The served model's card under ``name``: as vLLM's, with the engine's model and context
+    limit."""
     runtime = state.runtime
-    return ModelCard(id=state.model_name, created=state.created,
+    return ModelCard(id=name, created=state.created,
                      root=getattr(runtime, "model_name", None), max_model_len=getattr(runtime, "max_model_len", None))
 
 
@@ -167,7 +173,7 @@ async def chat_completions(request: Request) -> Response:
     base_id = base_request_id(request.headers, req.request_id)
     _check_template_trusted(state, req)
     rt = state.require_runtime()
-    params = _sampling_params(req, state.default_max_tokens)
+    params = _sampling_params(req, state.max_tokens_default(), state)
     if req.prompt_logprobs is not None and req.streaming:
         raise APIError(400, "prompt_logprobs: not served on a streamed chat completion (vLLM's body field); "
                        "use stream=false or /v1/completions", param="prompt_logprobs")
@@ -211,7 +217,8 @@ async def completions(request: Request) -> Response:
     state, req = await parse_body(request, CompletionRequest)
     base_id = base_request_id(request.headers, req.request_id)
     rt = state.require_runtime()
-    params = _sampling_params(req, min(COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens))
+    params = _sampling_params(req, min(COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS),
+                              state)
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
     chunks: list[Chunks] = []
     n = req.num_choices
@@ -286,9 +293,10 @@ async def parse_body(request: Request, model: type[RequestT], model_required: bo
         raise from_value_error(e, "prompt") from None
 
 
-def _sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max_tokens: int) -> SamplingParams:
+def _sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max_tokens: int,
+                     state: AppState) -> SamplingParams:
     try:
-        return req.sampling_params(default_max_tokens)
+        return req.sampling_params(default_max_tokens, state.sampling_defaults)
     except ValueError as e:
         raise from_value_error(e, "prompt") from None
 

@@ -14,6 +14,7 @@ from agent_runtime.presets import ServingPreset
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.auth import authorized, needs_key
 from agent_runtime.server.errors import APIError
+from agent_runtime.server.generation_defaults import sampling_defaults
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.response_store import ResponseStore
@@ -60,9 +61,16 @@ class AppState:
     """Everything one app's handlers share (kept on ``app.state.server``).
 
     Attributes:
-        model_name: the ``model`` clients must send.
+        model_name: the served name responses report (vLLM's first ``--served-model-name``).
+        aliases: further names clients may send as ``model`` (vLLM's further served names).
         api_key: the bearer key ``/v1/*`` requires (None: no auth).
-        default_max_tokens: ``max_tokens`` of a chat request that gives none.
+        default_max_tokens: ``max_tokens`` of a chat request that gives none (None: vLLM's
+            default, the model's ``max_new_tokens`` if its generation config has one, else the
+            rest of the context).
+        override_generation_config: sampling defaults stated by the operator (vLLM's
+            ``--override-generation-config``, checked), laid over the model's.
+        sampling_defaults: the sampling defaults in force (set once there is a runtime:
+            :func:`~agent_runtime.server.generation_defaults.sampling_defaults`).
         metrics: the app's Prometheus series.
         runtime: the runtime once there is one.
         owned: the app built ``runtime`` and closes it at shutdown.
@@ -75,7 +83,10 @@ class AppState:
 
     model_name: str
     api_key: str | None = None
-    default_max_tokens: int = 512
+    default_max_tokens: int | None = None
+    aliases: tuple[str, ...] = ()
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: ServerMetrics = field(init=False)
     runtime: AgentRuntime | None = None
     owned: bool = False
@@ -90,7 +101,7 @@ class AppState:
 
     @classmethod
     def build(
-        cls, source: RuntimeSource, model_name: str, api_key: str | None = None, default_max_tokens: int = 512
+        cls, source: RuntimeSource, model_name: str, api_key: str | None = None, default_max_tokens: int | None = None
     ) -> AppState:
         """The state for a runtime, an engine, or a factory of either.
 
@@ -98,7 +109,7 @@ class AppState:
             source: see :func:`~agent_runtime.server.app.create_app`.
             model_name: the served name.
             api_key: the bearer key, if any.
-            default_max_tokens: ``max_tokens`` when a request gives none.
+            default_max_tokens: ``max_tokens`` when a request gives none (None: vLLM's default).
 
         Returns:
             The state (a factory is called at :meth:`start`).
@@ -107,13 +118,25 @@ class AppState:
             TypeError: ``source`` is none of these.
         """
         state = cls(model_name, api_key, default_max_tokens)
+        state.attach(source)
+        return state
+
+    def attach(self, source: RuntimeSource) -> None:
+        """Serve ``source``: a runtime or an engine now, a factory's at :meth:`start`.
+
+        Args:
+            source: see :func:`~agent_runtime.server.app.create_app`.
+
+        Raises:
+            TypeError: ``source`` is none of these.
+        """
         if isinstance(source, AgentRuntime) or _is_engine(source):
-            state.runtime, state.owned = as_runtime(source)
+            self.runtime, self.owned = as_runtime(source)
+            self.set_sampling_defaults()
         elif callable(source):
-            state.factory = source
+            self.factory = source
         else:
             raise TypeError("runtime_or_engine_factory: expected an AgentRuntime, an Engine, or a factory of one")
-        return state
 
     async def start(self) -> None:
         """Build the runtime from the factory (off the event loop), if there is one to build."""
@@ -121,6 +144,32 @@ class AppState:
             built = await asyncio.to_thread(self.factory)
             self.runtime, _ = as_runtime(built)
             self.owned = True  # whatever the factory built is ours to close
+        self.set_sampling_defaults()
+
+    def set_sampling_defaults(self) -> None:
+        """Read the runtime's model's generation config, with the operator's override over it,
+        into :attr:`sampling_defaults` (vLLM's ``--generation-config auto``)."""
+        engine = getattr(self.runtime, "engine", None)
+        model = getattr(getattr(engine, "config", None), "model", None)
+        self.sampling_defaults = sampling_defaults(model if isinstance(model, str) else None,
+                                                   self.override_generation_config)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name clients may send as ``model``: :attr:`model_name` first."""
+        return (self.model_name, *(a for a in self.aliases if a != self.model_name))
+
+    def max_tokens_default(self) -> int:
+        """``max_tokens`` of a chat (or Responses) request that gives none: the app's
+        ``default_max_tokens``, else the generation config's ``max_new_tokens``, else the rest of
+        the context (vLLM's; the request is submitted without ``strict_max_tokens``, so the
+        engine stops it at ``max_model_len``)."""
+        if self.default_max_tokens is not None:
+            return self.default_max_tokens
+        stated = self.sampling_defaults.get("max_tokens")
+        if stated is not None:
+            return int(stated)
+        return int(self.require_runtime().max_model_len)
 
     async def stop(self) -> None:
         """Close the runtime, and its engine's KV event sockets, if the app owns it."""
@@ -169,21 +218,22 @@ class AppState:
             raise APIError(401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key")
 
     def check_model(self, model: Any) -> None:
-        """The body's ``model`` must be the served one.
+        """The body's ``model`` must be one of the served names; left out (or null, or empty)
+        it is the served model, as in vLLM (``_is_model_supported``).
 
         Args:
             model: the body's ``model``.
 
         Raises:
-            APIError: 400 when missing, 404 when another model.
+            APIError: 404 when another model.
         """
-        if model is None:
-            raise APIError(400, "model: required", param="model")
-        if model != self.model_name:
-            raise APIError(
-                404, f"The model {model!r} does not exist (this server serves {self.model_name!r})",
-                param="model", code="model_not_found",
-            )
+        if model is None or model == "" or model in self.served_names:
+            return
+        served = ", ".join(repr(n) for n in self.served_names)
+        raise APIError(
+            404, f"The model {model!r} does not exist (this server serves {served})",
+            param="model", code="model_not_found",
+        )
 
 
 def app_state(request: Request) -> AppState:

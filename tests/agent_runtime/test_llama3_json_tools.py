@@ -91,7 +91,7 @@ def test_the_server_streams_llamas_calls_as_tool_calls(smollm):
                            tool_call_format="llama3_json")
     try:
         with serving(create_app(runtime, MODEL)) as base:
-            body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": FORCED, "max_tokens": 48}
+            body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": FORCED, "max_tokens": 48, "temperature": 0}
             reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
             # a named tool_choice forced the call: "stop", as OpenAI and vLLM say
             assert reply["finish_reason"] == "stop" and reply["message"]["content"] is None

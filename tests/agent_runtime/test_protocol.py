@@ -46,7 +46,7 @@ def _chat(**fields) -> ChatCompletionRequest:
 @pytest.mark.parametrize("fields,param", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),
-    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"max_tokens": 5.5}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"n": 17}, "n"),
@@ -99,7 +99,7 @@ def test_chat_defaults_and_sampling_params():
     assert (req.streaming, req.include_usage, req.last_step, req.job_id) == (False, False, False, None)
     p = req.sampling_params(512)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos) == (
-        512, 0.0, 1.0, 0, None, (), False)
+        512, 1.0, 1.0, 0, None, (), False)  # vLLM's defaults: temperature 1
     req = _chat(max_tokens=7, temperature=1, top_p=0.5, top_k=-1, seed=3, stop="END", ignore_eos=True,
                 job_id="j", is_last_step=True, stream=True, stream_options={"include_usage": True},
                 temperature_extra=None, n=None)

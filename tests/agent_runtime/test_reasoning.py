@@ -21,6 +21,9 @@ from asymcache_core.request import RequestMetrics, RequestOutput
 from tests.agent_runtime.live_server import MODEL, serving
 from tests.conftest import make_engine
 
+#: greedy defaults (vLLM's --override-generation-config): these tests compare replies
+GREEDY = {"temperature": 0}
+
 THOUGHT = "<think>\nThe sky scatters blue light.\n</think>\n\nBlue."
 
 
@@ -103,7 +106,7 @@ def test_the_server_returns_reasoning_content(smollm, parser):
     runtime = AgentRuntime(make_engine(smollm, max_model_len=1024), chat_template=THINKING_PROMPT_TEMPLATE,
                            reasoning_parser=parser)
     try:
-        with serving(create_app(runtime, MODEL)) as base:
+        with serving(create_app(runtime, MODEL, override_generation_config=GREEDY)) as base:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
                     "max_tokens": 12, "ignore_eos": True}
             message = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
@@ -158,7 +161,7 @@ def test_responses_and_messages_return_the_thinking_as_their_own_items(smollm, p
                            reasoning_parser=parser)
     ask = [{"role": "user", "content": "Why is the sky blue?"}]
     try:
-        with serving(create_app(runtime, MODEL)) as base:
+        with serving(create_app(runtime, MODEL, override_generation_config=GREEDY)) as base:
             chat = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "messages": ask, "max_tokens": 12}).json()
             resp_body = {"model": MODEL, "input": ask, "max_output_tokens": 12}

@@ -53,7 +53,8 @@ def runtime(smollm) -> Iterator[AgentRuntime]:
 
 @pytest.fixture(scope="module")
 def client(runtime: AgentRuntime) -> Iterator[TestClient]:
-    with TestClient(create_app(runtime, MODEL)) as c:
+    # NOTE: greedy defaults (vLLM's --override-generation-config): these tests compare replies
+    with TestClient(create_app(runtime, MODEL, override_generation_config={"temperature": 0})) as c:
         yield c
 
 

@@ -97,7 +97,7 @@ def test_chat_return_token_ids_streamed_and_not(live):
         # NOTE: salted, so that its blocks are no cache hit of the later tests' tool prompts
         # NOTE: 4 tokens of a plain reply carry its ids as well as 10 (each reply runs twice)
         body = {"model": MODEL, "messages": messages, "max_tokens": 40 if extra else 4, "return_token_ids": True,
-                "cache_salt": "return-token-ids", **extra}
+                "cache_salt": "return-token-ids", "temperature": 0, **extra}
         reply = httpx.post(f"{live.base}/v1/chat/completions", json=body, timeout=120).json()
         rendered = httpx.post(f"{live.base}/tokenize", json={"model": MODEL, "messages": messages,
                                                               **({"tools": TOOLS} if extra else {})}).json()
@@ -125,7 +125,7 @@ def test_cache_salt_keeps_tenants_prefix_caches_apart(live, oa):
     messages = [{"role": "user", "content": "Name a prime number larger than one hundred."}]
 
     def cached(**extra) -> tuple[int, str]:
-        reply = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, extra_body=extra)
+        reply = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=extra)
         return reply.usage.prompt_tokens_details.cached_tokens, reply.choices[0].message.content
 
     plain = cached()
@@ -200,7 +200,7 @@ def test_streaming_chat_with_required_tool_call(live, oa):
     stream = oa.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Show me the files."}], tools=TOOLS,
         tool_choice="required", max_tokens=40, stream=True, stream_options={"include_usage": True},
-        parallel_tool_calls=False,
+        parallel_tool_calls=False, temperature=0,
     )
     chunks = list(stream)
     pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
@@ -211,7 +211,7 @@ def test_streaming_chat_with_required_tool_call(live, oa):
     arguments = "".join(p.function.arguments for p in pieces)
     whole = oa.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Show me the files."}], tools=TOOLS,
-        tool_choice="required", max_tokens=40, parallel_tool_calls=False).choices[0].message.tool_calls
+        tool_choice="required", max_tokens=40, parallel_tool_calls=False, temperature=0).choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in whole] == [(pieces[0].function.name, arguments)]
     json.loads(arguments)
     # one entry a call a chunk (OpenAI's and vLLM's): a client that reads only the first entry
@@ -248,7 +248,7 @@ def test_required_tool_choice_may_call_several_tools(live, oa):
 
 def test_streaming_completions_raw_sse_and_our_client(live):
     body = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 4, "stream": True, "ignore_eos": True,
-            "return_token_ids": True, "job_id": "cjob", "tool_name": "sleep"}
+            "temperature": 0, "return_token_ids": True, "job_id": "cjob", "tool_name": "sleep"}
     with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
@@ -263,13 +263,13 @@ def test_streaming_completions_raw_sse_and_our_client(live):
 
     with AsymCacheClient(live.base) as client:
         assert client.health() and client.models() == [MODEL]
-        same = client.completion(list(range(300, 340)), max_tokens=4, ignore_eos=True)
+        same = client.completion(list(range(300, 340)), max_tokens=4, ignore_eos=True, temperature=0)
         assert same["choices"][0]["text"] == text
         assert same["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # the same 40 ids again
-        chunks = list(client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=3))
+        chunks = list(client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0))
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert chunks[-1]["usage"]["completion_tokens"] == 3
-        reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=3)
+        reply = client.chat([{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
         streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
         assert reply["choices"][0]["message"]["content"] == streamed.strip()
         with pytest.raises(AsymCacheAPIError) as info:

@@ -49,7 +49,7 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", None),
         ("negative completion max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": -1},
          400, "max_tokens", None),
-        ("missing model", chat, {"messages": user}, 400, "model", None),
+        ("model of another type", chat, {"model": 7, "messages": user}, 404, "model", "model_not_found"),
         ("string max_tokens", chat, {"model": MODEL, "messages": user, "max_tokens": "8"}, 400, "max_tokens", None),
         ("bad max_completion_tokens", chat, {"model": MODEL, "messages": user, "max_completion_tokens": 0},
          400, "max_completion_tokens", None),

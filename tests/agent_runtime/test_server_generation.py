@@ -15,7 +15,8 @@ def test_chat_logprobs_through_openai_client_streamed_and_not(live, oa):
     # NOTE: the reply's first tokens are accented letters, some split over two tokens (a lead
     # byte, then a continuation byte): 8 tokens hold them; 24 repeated them at three times the cost
     reply = oa.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=8, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+        model=MODEL, messages=messages, max_tokens=8, logprobs=True, top_logprobs=3, temperature=0,
+        extra_body={"ignore_eos": True},
     )
     choice = reply.choices[0]
     content = choice.logprobs.content
@@ -29,7 +30,8 @@ def test_chat_logprobs_through_openai_client_streamed_and_not(live, oa):
     assert bytes(b for e in content for b in e.bytes).decode("utf-8") == choice.message.content  # as generated
     # streamed: the same entries, spread over the chunks
     chunks = sse(live, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 8,
-                                                 "logprobs": True, "top_logprobs": 3, "ignore_eos": True})
+                                                 "logprobs": True, "top_logprobs": 3, "ignore_eos": True,
+                                                 "temperature": 0})
     streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
     assert len(streamed) == len(content)
     for got, want in zip(streamed, content, strict=True):
@@ -46,7 +48,8 @@ def test_chat_logprobs_through_openai_client_streamed_and_not(live, oa):
 
 def test_completion_logprobs_legacy_shape_streamed_and_not(live, oa):
     prompt = "The capital of France is"
-    reply = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=10, logprobs=2, extra_body={"ignore_eos": True})
+    reply = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=10, logprobs=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
     choice = reply.choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
@@ -55,7 +58,7 @@ def test_completion_logprobs_legacy_shape_streamed_and_not(live, oa):
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 1 <= len(top) <= 2 and max(top.values()) == logprob and top[token] == logprob  # greedy
     chunks = sse(live, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 10, "logprobs": 2,
-                                            "ignore_eos": True})
+                                            "ignore_eos": True, "temperature": 0})
     parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
     for key in ("tokens", "text_offset"):
         assert [x for part in parts for x in part[key]] == getattr(lp, key), key
@@ -80,9 +83,9 @@ def test_a_batch_of_prompts_is_each_prompt_alone(live, oa):
     texts = ["The capital of France is", "One, two, three,", "The capital of France is"]
     # NOTE: the third prompt repeats the first: its reply alone is the first's (greedy), so it is
     # not asked for twice. 3 tokens tell the prompts' replies apart as well as 5 did.
-    alone = [oa.completions.create(model=MODEL, prompt=p, max_tokens=3) for p in texts[:2]]
+    alone = [oa.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0) for p in texts[:2]]
     alone.append(alone[0])
-    batch = oa.completions.create(model=MODEL, prompt=texts, max_tokens=3)
+    batch = oa.completions.create(model=MODEL, prompt=texts, max_tokens=3, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1, 2]
     assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
@@ -90,7 +93,7 @@ def test_a_batch_of_prompts_is_each_prompt_alone(live, oa):
     ids = [httpx.post(live.base + "/tokenize", json={"model": MODEL, "prompt": p}).json()["tokens"] for p in texts[:2]]
     # NOTE: greedy: a seeded draw is keyed by seed and position, but the logits it draws from
     # round with the step's rows on this CPU, so a near tie can fall either way in a batch
-    body = {"model": MODEL, "prompt": ids, "max_tokens": 3, "n": 2, "echo": True}
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 3, "n": 2, "echo": True, "temperature": 0}
     sampled = httpx.post(live.base + "/v1/completions", json=body, timeout=120).json()
     assert [c["index"] for c in sampled["choices"]] == [0, 1, 2, 3]
     for i, p in enumerate(texts[:2]):
@@ -119,7 +122,7 @@ def test_n_choices_seeded_and_reproducible(live, oa):
     assert [c.message.content for c in oa.chat.completions.create(**kwargs).choices] == texts
     # the first choice is the request with n=1 and the same seed
     assert oa.chat.completions.create(**{**kwargs, "n": 1}).choices[0].message.content == texts[0]
-    greedy = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=2)
+    greedy = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=2, temperature=0)
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
     live.check()
 
@@ -166,17 +169,18 @@ def test_tokenize_matches_the_completions_prompt_and_detokenize_inverts_it(live,
 
 def test_vllm_generation_extensions(live, oa):
     messages = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
-    short = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=30)
+    short = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
     assert short.choices[0].finish_reason == "stop"
     n = short.usage.completion_tokens
     # NOTE: max_tokens at the minimum: without min_tokens the same greedy reply stops at n, so
     # reaching n + 5 shows the stop held back (30 let it run on to 30 for nothing)
-    held = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=n + 5,
+    held = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=n + 5, temperature=0,
                                       extra_body={"min_tokens": n + 5, "skip_special_tokens": True})
     assert held.usage.completion_tokens >= n + 5
-    kept = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=30, stop=["."],
+    kept = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=30, stop=["."], temperature=0,
                                  extra_body={"include_stop_str_in_output": True})
-    cut = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=30, stop=["."])
+    cut = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=30, stop=["."],
+                                temperature=0)
     assert kept.choices[0].text == cut.choices[0].text + "."
     # add_generation_prompt=false: the prompt ends where the chat does, as /tokenize counts it
     body = {"messages": messages, "add_generation_prompt": False}

@@ -20,6 +20,9 @@ anthropic = pytest.importorskip("anthropic")
 CLIENT_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                  "input_schema": t["function"]["parameters"]} for t in TOOLS]
 QUESTION = "Name a colour of the sky."
+#: greedy replies, which these tests compare (the SDK has no temperature argument; the server's
+#: default is vLLM's, temperature 1)
+GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +31,9 @@ def ac(live):
 
 
 def test_text_reply_equals_the_chat_completion(live, oa, ac):
-    msg = ac.messages.create(model=MODEL, max_tokens=12, system="Answer in one word.",
+    msg = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=12, system="Answer in one word.",
                              messages=[{"role": "user", "content": QUESTION}])
-    chat = oa.chat.completions.create(model=MODEL, max_tokens=12, messages=[
+    chat = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
         {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}])
     assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL and msg.id.startswith("msg_")
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
@@ -39,14 +42,14 @@ def test_text_reply_equals_the_chat_completion(live, oa, ac):
     # Anthropic counts the prompt's cached tokens apart
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
     assert msg.usage.output_tokens == chat.usage.completion_tokens
-    again = ac.messages.create(model=MODEL, max_tokens=1, system="Answer in one word.",
+    again = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=1, system="Answer in one word.",
                                messages=[{"role": "user", "content": QUESTION}])
     assert again.stop_reason == "max_tokens" and again.usage.cache_read_input_tokens > 0
     counted = ac.messages.count_tokens(model=MODEL, system="Answer in one word.",
                                        messages=[{"role": "user", "content": QUESTION}])
     assert counted.input_tokens == chat.usage.prompt_tokens
     # a stop sequence is named
-    stopped = ac.messages.create(model=MODEL, max_tokens=30, messages=[{"role": "user", "content": QUESTION}],
+    stopped = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=30, messages=[{"role": "user", "content": QUESTION}],
                                  stop_sequences=[" ", "."])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence in (" ", ".")
     live.check()
@@ -54,7 +57,7 @@ def test_text_reply_equals_the_chat_completion(live, oa, ac):
 
 def test_a_tool_loop_in_blocks(live, oa, ac):
     ask = {"role": "user", "content": "What is in notes.txt?"}
-    first = ac.messages.create(model=MODEL, max_tokens=48, messages=[ask], tools=CLIENT_TOOLS,
+    first = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=48, messages=[ask], tools=CLIENT_TOOLS,
                                tool_choice={"type": "tool", "name": "read_file"})
     uses = [b for b in first.content if b.type == "tool_use"]
     assert first.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "read_file"
@@ -62,10 +65,10 @@ def test_a_tool_loop_in_blocks(live, oa, ac):
     history = [ask, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                              "content": "Buy milk."}]}]
-    second = ac.messages.create(model=MODEL, max_tokens=16, messages=history, tools=CLIENT_TOOLS,
+    second = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=16, messages=history, tools=CLIENT_TOOLS,
                                 tool_choice={"type": "none"})
     text = "".join(b.text for b in first.content if b.type == "text")
-    chat = oa.chat.completions.create(model=MODEL, max_tokens=16, tools=TOOLS, tool_choice="none", messages=[
+    chat = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=16, tools=TOOLS, tool_choice="none", messages=[
         ask, {"role": "assistant", "content": text or None, "tool_calls": [
             {"id": uses[0].id, "type": "function",
              "function": {"name": "read_file", "arguments": json.dumps(uses[0].input)}}]},
@@ -79,8 +82,8 @@ def test_a_tool_loop_in_blocks(live, oa, ac):
 
 
 def test_streamed_events_add_up_to_the_message(live, ac):
-    want = ac.messages.create(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
-    with ac.messages.stream(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": QUESTION}]) as s:
+    want = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=12, messages=[{"role": "user", "content": QUESTION}])
+    with ac.messages.stream(model=MODEL, extra_body=GREEDY, max_tokens=12, messages=[{"role": "user", "content": QUESTION}]) as s:
         events = list(s)
         final = s.get_final_message()
     kinds = [e.type for e in events]
@@ -94,7 +97,7 @@ def test_streamed_events_add_up_to_the_message(live, ac):
     assert final.stop_reason == want.stop_reason and final.usage.output_tokens == want.usage.output_tokens
     # a forced call streams as a tool_use block, its input as it is written (input_json_delta
     # pieces that join to the non-streamed message's input)
-    forced = dict(model=MODEL, max_tokens=48, messages=[{"role": "user", "content": "Read todo.md."}],
+    forced = dict(model=MODEL, extra_body=GREEDY, max_tokens=48, messages=[{"role": "user", "content": "Read todo.md."}],
                   tools=CLIENT_TOOLS, tool_choice={"type": "tool", "name": "read_file"})
     with ac.messages.stream(**forced) as s:
         events = list(s)
@@ -210,13 +213,13 @@ def test_anthropic_errors_keys_and_models(smollm):
 def test_a_prefilled_assistant_message_is_continued(live, ac):
     convo = [{"role": "user", "content": "What is the capital of France? One sentence."},
              {"role": "assistant", "content": "The capital of France is"}]
-    msg = ac.messages.create(model=MODEL, max_tokens=8, messages=convo)
+    msg = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=8, messages=convo)
     r = httpx.post(f"{live.base}/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": convo, "max_tokens": 8, "continue_final_message": True})
+        "model": MODEL, "messages": convo, "max_tokens": 8, "continue_final_message": True, **GREEDY})
     assert msg.content[0].text == r.json()["choices"][0]["message"]["content"] and msg.content[0].text
     counted = ac.messages.count_tokens(model=MODEL, messages=convo)
     assert counted.input_tokens == r.json()["usage"]["prompt_tokens"]
-    with ac.messages.stream(model=MODEL, max_tokens=8, messages=convo) as s:
+    with ac.messages.stream(model=MODEL, extra_body=GREEDY, max_tokens=8, messages=convo) as s:
         assert s.get_final_message().content[0].text == msg.content[0].text
     live.check()
 
@@ -246,7 +249,7 @@ def test_a_call_cut_off_is_no_text(live, ac, oa):
     """A forced call the length limit cuts off is not returned as its markup in a text block (the
     Messages and Responses routes carry calls as blocks and items of their own); its stream sent
     it as call pieces, and their text before it agrees."""
-    forced = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Read todo.md."}],
+    forced = dict(model=MODEL, extra_body=GREEDY, max_tokens=6, messages=[{"role": "user", "content": "Read todo.md."}],
                   tools=CLIENT_TOOLS, tool_choice={"type": "tool", "name": "read_file"})
     message = ac.messages.create(**forced)
     assert message.stop_reason == "max_tokens"

@@ -61,7 +61,8 @@ def test_lm_eval_loglikelihood_request(live, reference, max_tokens):
 
 def test_echo_streamed_equals_the_body(live, reference):
     ids, _ = reference
-    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "logprobs": 2, "echo": True, "ignore_eos": True}
+    request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "logprobs": 2, "echo": True, "ignore_eos": True,
+               "temperature": 0}
     body = _post(live, "/v1/completions", request)
     chunks = sse(live, "/v1/completions", request)
     choices = [c["choices"][0] for c in chunks if c["choices"]]

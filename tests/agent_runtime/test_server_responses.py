@@ -16,12 +16,12 @@ QUESTION = "Name a colour of the sky."
 
 
 def _chat(oa, messages, **kw):
-    return oa.chat.completions.create(model=MODEL, messages=messages, **kw)
+    return oa.chat.completions.create(model=MODEL, temperature=0, messages=messages, **kw)
 
 
 def test_text_reply_equals_the_chat_completion(live, oa):
     # NOTE: 6 tokens compare the two replies token for token as 12 did, at half the steps
-    resp = oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.", max_output_tokens=6)
+    resp = oa.responses.create(model=MODEL, temperature=0, input=QUESTION, instructions="Answer in one word.", max_output_tokens=6)
     chat = _chat(oa, [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}],
                  max_tokens=6)
     assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL
@@ -35,11 +35,11 @@ def test_text_reply_equals_the_chat_completion(live, oa):
         assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     else:
         assert resp.status == "completed" and resp.incomplete_details is None
-    short = oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.", max_output_tokens=1)
+    short = oa.responses.create(model=MODEL, temperature=0, input=QUESTION, instructions="Answer in one word.", max_output_tokens=1)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.output[-1].status == "incomplete"  # the item cut off is incomplete too
     assert short.usage.input_tokens_details.cached_tokens > 0  # the same prompt's blocks, cached
-    streamed = list(oa.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.",
+    streamed = list(oa.responses.create(model=MODEL, temperature=0, input=QUESTION, instructions="Answer in one word.",
                                         max_output_tokens=1, stream=True))
     done = [e.item for e in streamed if e.type == "response.output_item.done"]
     assert [i.status for i in done] == ["incomplete"] and streamed[-1].response.output[-1].status == "incomplete"
@@ -47,7 +47,7 @@ def test_text_reply_equals_the_chat_completion(live, oa):
 
 
 def test_a_tool_loop_in_items(live, oa):
-    first = oa.responses.create(model=MODEL, input=[{"role": "user", "content": "What is in notes.txt?"}],
+    first = oa.responses.create(model=MODEL, temperature=0, input=[{"role": "user", "content": "What is in notes.txt?"}],
                                 tools=FLAT_TOOLS, tool_choice={"type": "function", "name": "read_file"},
                                 max_output_tokens=48)
     calls = [item for item in first.output if item.type == "function_call"]
@@ -60,7 +60,7 @@ def test_a_tool_loop_in_items(live, oa):
              {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Buy milk."}]
     # NOTE: the second turn's reply is compared token for token with the chat's: 6 tokens do
     # that as 16 did, at fewer steps for both
-    second = oa.responses.create(model=MODEL, input=items, tools=FLAT_TOOLS, tool_choice="none",
+    second = oa.responses.create(model=MODEL, temperature=0, input=items, tools=FLAT_TOOLS, tool_choice="none",
                                  max_output_tokens=6)
     chat = _chat(oa, [{"role": "user", "content": "What is in notes.txt?"},
                       {"role": "assistant", "content": first.output_text or None,
@@ -76,8 +76,8 @@ def test_a_tool_loop_in_items(live, oa):
 
 
 def test_streamed_events_add_up_to_the_response(live, oa):
-    want = oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6)
-    events = list(oa.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, stream=True))
+    want = oa.responses.create(model=MODEL, temperature=0, input=QUESTION, max_output_tokens=6)
+    events = list(oa.responses.create(model=MODEL, temperature=0, input=QUESTION, max_output_tokens=6, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -90,7 +90,7 @@ def test_streamed_events_add_up_to_the_response(live, oa):
     final = events[-1].response
     assert final.usage.output_tokens == want.usage.output_tokens and final.output[0].content[0].text == text
     # a forced call streams as a function_call item
-    events = list(oa.responses.create(model=MODEL, input="Read todo.md.", tools=FLAT_TOOLS, stream=True,
+    events = list(oa.responses.create(model=MODEL, temperature=0, input="Read todo.md.", tools=FLAT_TOOLS, stream=True,
                                       tool_choice={"type": "function", "name": "read_file"}, max_output_tokens=48))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and done[0].name == "read_file" and json.loads(done[0].arguments)["path"]
@@ -103,7 +103,7 @@ def test_streamed_events_add_up_to_the_response(live, oa):
     added = [e.item for e in events if e.type == "response.output_item.added"]
     assert added[-1].type == "function_call" and added[-1].name == "read_file" and added[-1].arguments == ""
     assert len(deltas) > 1 and "".join(deltas) == done[0].arguments
-    whole = oa.responses.create(model=MODEL, input="Read todo.md.", tools=FLAT_TOOLS, max_output_tokens=48,
+    whole = oa.responses.create(model=MODEL, temperature=0, input="Read todo.md.", tools=FLAT_TOOLS, max_output_tokens=48,
                                 tool_choice={"type": "function", "name": "read_file"})
     assert whole.output[-1].arguments == done[0].arguments and added[-1].call_id == final.output[-1].call_id
     live.check()
@@ -182,7 +182,7 @@ def test_a_json_schema_format_constrains_the_reply(live, oa):
 
 def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):
     ask = [{"role": "user", "content": "What is in notes.txt?"}]
-    first = oa.responses.create(model=MODEL, input=ask, instructions="Use the tools.", tools=FLAT_TOOLS,
+    first = oa.responses.create(model=MODEL, temperature=0, input=ask, instructions="Use the tools.", tools=FLAT_TOOLS,
                                 tool_choice={"type": "function", "name": "read_file"}, max_output_tokens=48)
     assert first.store is True and first.previous_response_id is None
     call = first.output[-1]
@@ -193,10 +193,10 @@ def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):
     assert decision.job_id == first.id and decision.tool == "read_file" and not live.runtime.implicit_jobs
     result = [{"type": "function_call_output", "call_id": call.call_id, "output": "Buy milk."}]
     # NOTE: the two replies below are compared token for token: 6 tokens do that as 16 did
-    second = oa.responses.create(model=MODEL, previous_response_id=first.id, input=result,
+    second = oa.responses.create(model=MODEL, temperature=0, previous_response_id=first.id, input=result,
                                  instructions="Use the tools.", tools=FLAT_TOOLS, tool_choice="none",
                                  max_output_tokens=6)
-    whole = oa.responses.create(model=MODEL, input=[*ask, *[i.model_dump(exclude_none=True) for i in first.output],
+    whole = oa.responses.create(model=MODEL, temperature=0, input=[*ask, *[i.model_dump(exclude_none=True) for i in first.output],
                                                     *result],
                                 instructions="Use the tools.", tools=FLAT_TOOLS, tool_choice="none",
                                 max_output_tokens=6, store=False)
@@ -205,11 +205,11 @@ def test_a_chain_of_stored_responses_is_served_as_its_whole_input(live, oa):
     # the chain's KV was kept: the second turn's prompt hit the first turn's blocks
     assert second.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens // 16) * 16 > 0
     # instructions are not carried over: without them the prompt is shorter by the system turn
-    bare = oa.responses.create(model=MODEL, previous_response_id=first.id, input=result, tools=FLAT_TOOLS,
+    bare = oa.responses.create(model=MODEL, temperature=0, previous_response_id=first.id, input=result, tools=FLAT_TOOLS,
                                tool_choice="none", max_output_tokens=1)
     assert bare.usage.input_tokens < second.usage.input_tokens
     # a chain goes on from any stored response, streamed too
-    events = list(oa.responses.create(model=MODEL, previous_response_id=second.id, stream=True,
+    events = list(oa.responses.create(model=MODEL, temperature=0, previous_response_id=second.id, stream=True,
                                       input="And in todo.md?", max_output_tokens=4))
     third = events[-1].response
     assert third.previous_response_id == second.id and third.store is True
@@ -314,7 +314,7 @@ def test_a_streamed_call_cut_off_is_incomplete_and_not_continued(live, oa):
     for limit in range(10, 20):
         events = list(oa.responses.create(model=MODEL, input="Read todo.md.", tools=FLAT_TOOLS, stream=True,
                                           tool_choice={"type": "function", "name": "read_file"},
-                                          max_output_tokens=limit))
+                                          max_output_tokens=limit, temperature=0))
         final = events[-1].response
         calls = [i for i in final.output if i.type == "function_call"]
         if calls and calls[0].arguments not in ("", "{"):

@@ -24,7 +24,9 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France? One sent
 
 
 def _post(live, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{live.base}{path}", json=body, timeout=120)
+    # NOTE: greedy unless the body says otherwise: these tests compare replies (the server's
+    # default is vLLM's, temperature 1)
+    return httpx.post(f"{live.base}{path}", json={"temperature": 0, **body}, timeout=120)
 
 
 def test_continue_final_message_continues_the_assistant_prefix(live):
@@ -155,7 +157,7 @@ def test_bad_words_over_http(live):
 
 def test_stop_reason_in_every_finished_choice(live):
     prompt = "The capital of France is"
-    comp = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "stop": ["!", "."]}
+    comp = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "stop": ["!", "."], "temperature": 0}
     body = _post(live, "/v1/completions", comp).json()
     assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == "."
     chunks = sse(live, "/v1/completions", comp)
@@ -163,7 +165,7 @@ def test_stop_reason_in_every_finished_choice(live):
     length = _post(live, "/v1/completions", {**comp, "max_tokens": 1, "stop": None}).json()["choices"][0]
     assert length["finish_reason"] == "length" and "stop_reason" in length and length["stop_reason"] is None
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
-            "ignore_eos": True}
+            "ignore_eos": True, "temperature": 0}
     assert _post(live, "/v1/chat/completions", chat).json()["choices"][0]["stop_reason"] is None
     # a stop id the reply is sure to sample: its own third token
     first = _post(live, "/tokenize", {"messages": chat["messages"]}).json()["tokens"]

@@ -26,6 +26,9 @@ from tests.agent_runtime.live_server import MODEL, TOOLS, serving
 from tests.agent_runtime.test_reasoning import THINKING_PROMPT_TEMPLATE
 from tests.conftest import make_engine
 
+#: greedy defaults (vLLM's --override-generation-config): these tests compare replies
+GREEDY = {"temperature": 0}
+
 VOCAB = [chr(c) for c in range(32, 127)] + ["\n"]
 
 
@@ -123,7 +126,7 @@ def test_smollm2s_thinking_is_capped_everywhere(smollm):
     try:
         free = asyncio.run(runtime.chat(ask, max_tokens=24))
         capped = asyncio.run(runtime.chat(ask, max_tokens=24, thinking_token_budget=5))
-        with serving(create_app(runtime, MODEL)) as base:
+        with serving(create_app(runtime, MODEL, override_generation_config=GREEDY)) as base:
             chat = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "messages": ask, "max_tokens": 24, "thinking_token_budget": 5}).json()
             message = httpx.post(f"{base}/v1/messages", timeout=60, json={
@@ -229,7 +232,7 @@ def test_a_prefill_continues_as_text_under_a_reasoning_parser(smollm):
                            reasoning_parser="deepseek_r1")
     convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the answer"}]
     try:
-        with serving(create_app(runtime, MODEL)) as base:
+        with serving(create_app(runtime, MODEL, override_generation_config=GREEDY)) as base:
             body = {"model": MODEL, "messages": convo, "max_tokens": 6}
             whole = httpx.post(f"{base}/v1/messages", timeout=60, json=body).json()
             with httpx.stream("POST", f"{base}/v1/messages", timeout=60, json={**body, "stream": True}) as r:

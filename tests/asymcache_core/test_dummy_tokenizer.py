@@ -263,6 +263,7 @@ def test_a_small_llama3_dummy_model_serves_chats_and_forced_tool_calls(tmp_path:
         assert reply.json()["usage"]["completion_tokens"] == 32
         forced_reply = client.post("/v1/chat/completions", json={
             "model": "dummy", "messages": user, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+            "temperature": 0,
         })
         assert forced_reply.status_code == 200, forced_reply.text
         (call,) = forced_reply.json()["choices"][0]["message"]["tool_calls"]
