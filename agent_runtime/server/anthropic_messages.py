@@ -57,7 +57,7 @@ from agent_runtime.server.anthropic_replies import (
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
 from agent_runtime.server.body_parsing import base_request_id
 from agent_runtime.server.errors import APIError, from_value_error
-from agent_runtime.server.requests import (
+from agent_runtime.server.request_fields import (
     JobId,
     PositiveInt,
     Temperature,
@@ -173,7 +173,7 @@ class MessagesRequest(_MessagesFields):
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's sampling parameters: fields left out take the server's defaults, as a
-        chat completion's do (:func:`~agent_runtime.server.requests.sampling_fields`).
+        chat completion's do (:func:`~agent_runtime.server.request_fields.sampling_fields`).
 
         Args:
             defaults: the server's sampling defaults (None: vLLM's, temperature 1).

@@ -47,9 +47,7 @@ from agent_runtime.reasoning import reasoning_tokens
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.job_router import response_digest, routing_key
-from agent_runtime.server.requests import (
-    with_reasoning_effort,
-)
+from agent_runtime.server.request_fields import with_reasoning_effort
 from agent_runtime.server.response_store import (
     ResponseStore,
     StoredResponse,

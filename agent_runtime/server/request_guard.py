@@ -18,7 +18,7 @@ from agent_runtime.request_stream import RequestConstraintsUnsatisfiable
 from agent_runtime.server import anthropic_messages
 from agent_runtime.server.auth import authorized, needs_key
 from agent_runtime.server.errors import APIError, failed_request_error
-from agent_runtime.server.requests import MAX_BATCH_SEQUENCES, MAX_CHOICES
+from agent_runtime.server.request_fields import MAX_BATCH_SEQUENCES, MAX_CHOICES
 from agent_runtime.server.state import AppState
 from asymcache_core.errors import EngineDeadError
 

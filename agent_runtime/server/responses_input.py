@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from agent_runtime.server.requests import (
+from agent_runtime.server.request_fields import (
     CacheSalt,
     Int,
     JobId,
@@ -32,9 +32,9 @@ from agent_runtime.server.requests import (
     Temperature,
     TopK,
     TopP,
-    lift_vllm_xargs,
     sampling_fields,
 )
+from agent_runtime.server.requests import lift_vllm_xargs
 from asymcache_core.chat_messages import TEXT_PART_KEYS, TEXT_PART_SEPARATOR
 from asymcache_core.sampling_params import SamplingParams
 
@@ -105,7 +105,7 @@ class ResponsesRequest(BaseModel):
 
     def sampling_params(self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's sampling parameters: fields left out take the server's defaults, as a
-        chat completion's do (:func:`~agent_runtime.server.requests.sampling_fields`).
+        chat completion's do (:func:`~agent_runtime.server.request_fields.sampling_fields`).
 
         Args:
             default_max_tokens: ``max_tokens`` when ``max_output_tokens`` is not given.

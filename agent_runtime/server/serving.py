@@ -46,13 +46,13 @@ from agent_runtime.server.completion_stream import (
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import CONTENT_TYPE
+from agent_runtime.server.request_fields import with_reasoning_effort
 from agent_runtime.server.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     chat_ending,
-    with_reasoning_effort,
 )
 from agent_runtime.server.responses import (
     SSE_HEADERS,
