@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from asymcache_core.config import json_object_text
 from asymcache_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,7 @@ def check_generation_config(config: str | Mapping[str, Any] | None,
     if config is None:
         return {}
     if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{option}: not valid JSON ({e.msg} at character {e.pos})") from None
+        config = json_object_text(option, config)
     if not isinstance(config, Mapping):
         raise ValueError(f"{option}: must be a JSON object such as '{{\"temperature\": 0}}', got {config!r}")
     checked: dict[str, Any] = {}

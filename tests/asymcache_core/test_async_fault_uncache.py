@@ -11,8 +11,8 @@ from typing import Any
 from asymcache_core import Engine, SamplingParams
 from asymcache_core.block_pool import BlockPool
 from asymcache_core.eviction import PolicyContext, create_policy
-from asymcache_core.request import RequestOutput
 from asymcache_core.sim_runner import VirtualClock
+from tests.asymcache_core.test_step_faults import run_all
 
 PROMPT = list(range(10, 30))  # 20 tokens: 5 blocks of 4
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -43,23 +43,11 @@ def _fail_next_collect(engine: Engine) -> Callable[[], None]:
     return lambda: armed.append(True)
 
 
-def _run_out(engine: Engine, max_steps: int = 200) -> dict[str, RequestOutput]:
-    finals: dict[str, RequestOutput] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return finals
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.check_integrity()
-    raise AssertionError(f"still unfinished after {max_steps} steps")
-
-
 def _alone(prompt: list[int]) -> list[int]:
     """The greedy tokens of ``prompt`` on a fresh synchronous engine."""
     engine = _engine(async_scheduling=False)
     rid = engine.add_request(prompt, PARAMS)
-    return _run_out(engine)[rid].token_ids
+    return run_all(engine)[rid].token_ids
 
 
 def test_blocks_of_an_aborted_request_stop_being_hits_when_its_step_fails() -> None:
@@ -76,7 +64,7 @@ def test_blocks_of_an_aborted_request_stop_being_hits_when_its_step_fails() -> N
     assert [engine.pool.lookup(h) for h in hashes] == [None, None]
     engine.check_integrity()
     b = engine.add_request(PROMPT, PARAMS)
-    final = _run_out(engine)[b]
+    final = run_all(engine)[b]
     assert final.metrics.cached_tokens == 0
     assert final.token_ids == _alone(PROMPT)
     engine.pool.check_integrity()
@@ -99,7 +87,7 @@ def test_a_request_that_read_those_blocks_is_preempted_and_recomputed() -> None:
     assert engine.requests[b].num_computed_tokens == 0
     assert [engine.pool.lookup(h) for h in hashes[:4]] == [None] * 4
     engine.check_integrity()
-    final = _run_out(engine)[b]
+    final = run_all(engine)[b]
     assert final.finish_reason == "length"
     assert final.token_ids == _alone(PROMPT)
     engine.pool.check_integrity()
@@ -127,7 +115,7 @@ def test_host_copies_of_those_blocks_stop_being_hits_too() -> None:
     assert [engine.pool.lookup(h) for h in hashes] == [None, None]
     engine.check_integrity()
     b = engine.add_request(PROMPT, PARAMS)
-    finals = _run_out(engine)
+    finals = run_all(engine)
     assert finals[b].metrics.cached_tokens == 0 and finals[b].metrics.reload_tokens == 0
     assert finals[b].token_ids == _alone(PROMPT)
     assert finals[other].finish_reason == "length"
@@ -145,7 +133,7 @@ def test_without_a_stopped_request_the_failed_step_runs_again_and_stays_cached()
     engine.step()
     assert engine.requests[a].metrics.num_preemptions == 0
     assert [engine.pool.lookup(h) for h in hashes] == blocks
-    assert _run_out(engine)[a].token_ids == _alone(PROMPT)
+    assert run_all(engine)[a].token_ids == _alone(PROMPT)
 
 
 def _pool(num_blocks: int = 4) -> BlockPool:
