@@ -392,7 +392,9 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for rid, active in list(self._active.items()):
             try:
-                self.engine.abort(rid)
+                # NOTE: no abort output: its stream gets the failure now, and the id is free at
+                # once for a client's retry (an output waiting for the next step held it)
+                self.engine.abort(rid, emit=False)
             except Exception:  # noqa: BLE001 - best effort while failing
                 logger.exception("abort of %s failed", rid)
             failure = exc if isinstance(exc, EngineDeadError) else RuntimeError(f"engine step failed: {exc!r}")

@@ -48,3 +48,44 @@ def test_resubmit_of_an_aborted_id_is_refused_until_its_abort_is_reported() -> N
     assert first_reason == "abort"
     assert retried_tokens == 8
     assert left == []
+
+
+def test_a_failed_step_frees_its_requests_ids_at_once() -> None:
+    """A step that raises fails the requests in flight on their streams; a client's retry under
+    the same id, reaching the engine thread before its next step, runs (it was refused while the
+    failed request's abort output waited for a step nobody reads)."""
+    engine = Engine.simulated(model="dummy:tiny", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain_step = engine.step
+    retry_queued = threading.Event()
+    failed: list[bool] = []
+
+    def failing_once() -> list:
+        if not failed and engine.requests:
+            failed.append(True)
+            # NOTE: the retry is queued while this step runs, so the engine thread takes it
+            # right after failing the step, before any later step
+            retry_queued.wait(30)
+            raise RuntimeError("injected step failure")
+        return plain_step()
+
+    engine.step = failing_once  # type: ignore[method-assign]
+
+    async def main() -> tuple[str, int, list[str]]:
+        async with AgentRuntime(engine) as rt:
+            first = await rt.submit(PROMPT, params, request_id="x")
+            retry_task = asyncio.ensure_future(rt.submit(PROMPT, params, request_id="x"))
+            await asyncio.sleep(0)  # the retry is queued (token ids: no encoding first)
+            retry_queued.set()
+            with pytest.raises(RuntimeError) as failure:
+                await asyncio.wait_for(first.result(), 30)
+            retried = await asyncio.wait_for(retry_task, 30)
+            out = await asyncio.wait_for(retried.result(), 30)
+            left = await rt.call(lambda e: sorted(e.requests))
+            await rt.call(lambda e: e.check_integrity())
+            return str(failure.value), len(out.output.token_ids), left
+
+    message, retried_tokens, left = asyncio.run(main())
+    assert "engine step failed" in message and "injected step failure" in message
+    assert retried_tokens == 8
+    assert left == []
