@@ -57,14 +57,16 @@ def test_a_failed_step_frees_its_requests_ids_at_once() -> None:
     engine = Engine.simulated(model="dummy:tiny", num_kv_blocks=64)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     plain_step = engine.step
-    retry_queued = threading.Event()
+    in_step, retry_queued = threading.Event(), threading.Event()
     failed: list[bool] = []
 
     def failing_once() -> list:
         if not failed and engine.requests:
             failed.append(True)
-            # NOTE: the retry is queued while this step runs, so the engine thread takes it
-            # right after failing the step, before any later step
+            # NOTE: the retry is queued while this step runs (not before: the engine thread
+            # takes every queued command before it steps), so the engine thread takes it right
+            # after failing the step, before any later step
+            in_step.set()
             retry_queued.wait(30)
             raise RuntimeError("injected step failure")
         return plain_step()
@@ -74,6 +76,7 @@ def test_a_failed_step_frees_its_requests_ids_at_once() -> None:
     async def main() -> tuple[str, int, list[str]]:
         async with AgentRuntime(engine) as rt:
             first = await rt.submit(PROMPT, params, request_id="x")
+            assert await asyncio.to_thread(in_step.wait, 30)
             retry_task = asyncio.ensure_future(rt.submit(PROMPT, params, request_id="x"))
             await asyncio.sleep(0)  # the retry is queued (token ids: no encoding first)
             retry_queued.set()
