@@ -443,9 +443,9 @@ def freeze_startup_heap() -> int:
 
     NOTE: what vLLM's engine core does after start-up, for the same reason: a full collection
     walks every tracked object, and a server that has loaded torch, transformers and FastAPI
-    tracks ~258k of them (SmolLM2 on this project's 2-core CPU, 2026-12-07): each full pass
-    stalled every thread, the engine's steps included, for 120-136 ms; after the freeze, under
-    0.01 ms. Not in :class:`~asymcache_core.engine.Engine` itself: a process that builds many
+    tracks ~257k of them (SmolLM2 on this project's 2-core CPU, 2026-12-07,
+    ``python scripts/bench_gc_freeze.py``): each full pass stalled every thread, the engine's
+    steps included, for 120-136 ms; after the freeze, under 0.01 ms. Not in :class:`~asymcache_core.engine.Engine` itself: a process that builds many
     engines without closing them (tests, sweeps) would keep their reference cycles forever.
 
     Returns:

@@ -8,7 +8,8 @@ import math
 import random
 
 import pytest
-from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, count_pricings, pin
+from free_queue_churn import check_whole_order, churn
+from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, count_pricings
 
 from asymcache_core.integrations.vllm import BlockScorer, PinSet
 from asymcache_core.integrations.vllm.reference import reference_plan
@@ -69,11 +70,8 @@ def test_pops_follow_the_full_scan_as_jobs_change_and_time_passes(
         now = pool.clock()
         if steal and step == 130:
             BlockScorer(stats, MODELS[model], BLOCK)  # takes the job statistics' watcher over
-        if step % 9 == 0 and queue._cached:
-            want = reference_plan(queue, len(queue._cached), now, pool.forest.copy())[0]
-            order = [b.block_id for b in queue.get_all_free_blocks()][len(queue._uncached) :]
-            assert order == want
-            compared["orders"] += 1
+        if step % 9 == 0:
+            check_whole_order(pool, compared)
         roll = rng.random()
         if roll < 0.08:
             stats.hint(rng.choice(jobs), expected_gap_s=rng.choice([0.2, 1.0, 3.0, 10.0]))
@@ -91,21 +89,8 @@ def test_pops_follow_the_full_scan_as_jobs_change_and_time_passes(
             taken = pool.get_new_blocks(rng.randint(1, 3))  # an allocation that caches nothing
             pool.free(taken)
             continue
-        if live and (roll < 0.55 or queue.num_free_blocks < 8):
-            req, job = live.pop(rng.randrange(len(live)))
-            last = rng.random() < 0.15
-            ids = [b.block_id for b in pool.tables[req] if b.block_hash is not None]
-            pool.finish(req, job=job, last_step=last)
-            if job is not None and not last and rng.random() < 0.3:
-                pin(pins, job, ids, ttl_s=rng.uniform(0.5, 3.0), now=now)
-            continue
-        job = rng.choice([*jobs, None])
-        p = rng.randrange(3)
-        keys = prefixes[p] + chain(f"{job}_{p}_{rng.randrange(3)}_", rng.randint(1, 4))
-        if len(keys) + 1 > queue.num_free_blocks:
-            continue
-        pool.run(f"r{step}", keys, job=job, partial=rng.random() < 0.5)
-        live.append((f"r{step}", job))
+        finish = bool(live) and (roll < 0.55 or queue.num_free_blocks < 8)
+        churn(pool, pins, rng, live, step, prefixes, finish, lambda: rng.choice([*jobs, None]), 0.15, 0.3)
     assert queue.stats.evicted_cached > 20 and compared["pops"] > 30 and compared["orders"] > 10
 
 

@@ -7,10 +7,10 @@ import random
 from typing import Any
 
 import pytest
+from free_queue_churn import check_whole_order, churn
 from test_vllm_plugin_unit import BLOCK, FakePool, chain, check_every_pop, count_pricings, pin
 
 from asymcache_core.integrations.vllm import BlockScorer, ExpectedLatencyFreeQueue, PinSet
-from asymcache_core.integrations.vllm.reference import reference_plan
 from asymcache_core.latency_model import LatencyModel
 
 MODELS = {
@@ -61,27 +61,11 @@ def test_every_pop_is_the_full_scan_order(model: str, opaque: bool, watched: boo
     live: list[tuple[str, str]] = []
     for step in range(150):
         pool.clock.t += rng.uniform(0.0, 2.0)
-        if step % 10 == 0 and queue._cached:
-            # the whole dry run, against the full scan of every cached block
-            want = reference_plan(queue, len(queue._cached), pool.clock(), pool.forest.copy())[0]
-            order = [b.block_id for b in queue.get_all_free_blocks()][len(queue._uncached):]
-            assert order == want
-            compared["orders"] += 1
-        if live and (rng.random() < 0.5 or queue.num_free_blocks < 8):
-            req, job = live.pop(rng.randrange(len(live)))
-            last = rng.random() < 0.2
-            ids = [b.block_id for b in pool.tables[req] if b.block_hash is not None]
-            pool.finish(req, job=job, last_step=last)
-            if not last and rng.random() < 0.5:
-                pin(pins, job, ids, ttl_s=rng.uniform(0.5, 3.0), now=pool.clock())
-            continue
-        job = f"j{rng.randrange(6)}"
-        p = rng.randrange(3)
-        keys = prefixes[p] + chain(f"{job}_{p}_{rng.randrange(3)}_", rng.randint(1, 4))
-        if len(keys) + 1 > queue.num_free_blocks:
-            continue
-        pool.run(f"r{step}", keys, job=job, partial=rng.random() < 0.5)
-        live.append((f"r{step}", job))
+        if step % 10 == 0:
+            check_whole_order(pool, compared)
+        # NOTE: the finish draw comes first only with requests live (the rng's order of before)
+        finish = bool(live) and (rng.random() < 0.5 or queue.num_free_blocks < 8)
+        churn(pool, pins, rng, live, step, prefixes, finish, lambda: f"j{rng.randrange(6)}", 0.2, 0.5)
     assert queue.stats.evicted_cached > 10 and compared["pops"] > 20 and compared["orders"] > 5
 
 
