@@ -309,7 +309,7 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         Raises:
             ValueError: naming the argument: empty prompt, ids out of vocabulary, too long for
                 ``max_model_len`` or for the KV pool, a request id in use, an ``arrival_time``
-                after now, or an argument of the wrong type.
+                after now, ``params.n`` other than 1, or an argument of the wrong type.
         """
         check_request_fields(prompt, request_id, job_id, is_last_step, priority, continues_job)
         if arrival_time is not None:
@@ -319,6 +319,11 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
+        if params.n != 1:
+            # NOTE: a request is one sequence with one id and one stream of outputs; the
+            # blocking calls fan n choices out into n requests (vLLM's parallel sampling)
+            raise ValueError(f"n: add_request queues one sequence (n=1), got n={params.n}; "
+                             "Engine.generate and Engine.chat run n choices")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(params, name) is not None and not hasattr(self.runner, "take_logprobs"):
                 raise ValueError(f"{name}: this backend computes no logits (the simulated runner)")

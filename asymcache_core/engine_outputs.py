@@ -4,14 +4,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asymcache_core.detokenizer import detokenize_incrementally
-from asymcache_core.engine_stats import GenerationOutput
+from asymcache_core.engine_stats import CompletionOutput, GenerationOutput
 from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.request import Request, RequestOutput, RequestStatus
-from asymcache_core.sampling_params import SamplingParams
+from asymcache_core.sampling_params import SamplingParams, choice_params
 from asymcache_core.scheduler_output import RequestUpdate
 
 if TYPE_CHECKING:
@@ -155,8 +156,9 @@ def generate_blocking(
     params: SamplingParams | Sequence[SamplingParams] | None,
     job_ids: Sequence[str | None] | None,
 ) -> list[GenerationOutput]:
-    """:meth:`Engine.generate <asymcache_core.engine.Engine.generate>`: queues every prompt
-    (none if one is rejected), steps until all are finished, returns their outputs in order."""
+    """:meth:`Engine.generate <asymcache_core.engine.Engine.generate>`: queues every prompt's
+    choices (none if one is rejected), steps until all are finished, returns one output per
+    prompt in order, its choices in ``outputs``."""
     if not isinstance(prompts, str | Sequence) or isinstance(prompts, bytes | bytearray):
         raise ValueError(f"prompts: a prompt (a string or token ids) or a list of them, got {type(prompts).__name__}")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -170,37 +172,59 @@ def generate_blocking(
             raise ValueError("params: one SamplingParams per prompt, or a single one")
     if job_ids is not None and (isinstance(job_ids, str) or len(job_ids) != len(prompts)):
         raise ValueError(f"job_ids: one job id (or None) per prompt: {len(prompts)}")
-    ids: list[str] = []
+    for i, p in enumerate(params_list):
+        if isinstance(p, SamplingParams) and p.n > 1 and job_ids is not None and job_ids[i] is not None:
+            # NOTE: a job's turn is one sequence (its KV is pinned for the job's next turn,
+            # which extends that one context): the server's rule for n with a job id
+            raise ValueError(f"job_ids[{i}]: a job's turn has one choice; use n=1 or no job id for n={p.n}")
+    choice_ids: list[list[str]] = []
     prompt_ids: dict[str, list[int]] = {}
+    queued: list[str] = []
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             job_id = job_ids[i] if job_ids else None
-            rid = engine.add_request(prompt, p, job_id=job_id)
-            ids.append(rid)
+            ids: list[str] = []
+            # NOTE: a prompt's choices are separate requests that share its prompt blocks
+            # through the prefix cache once the first has computed them
+            for child in choice_params(p) if isinstance(p, SamplingParams) else [p]:
+                rid = engine.add_request(prompt, child, job_id=job_id, joins_conversation=len(ids) == 0)
+                ids.append(rid)
+                queued.append(rid)
+            choice_ids.append(ids)
             # NOTE: the request's own ids: ``truncate_prompt_tokens`` may have cut the encoded ones
-            prompt_ids[rid] = engine.requests[rid].prompt_token_ids
+            prompt_ids[ids[0]] = engine.requests[ids[0]].prompt_token_ids
     except Exception as exc:
         # NOTE: none queued if one is rejected, whatever the error
-        for rid in ids:
+        for rid in queued:
             engine.abort(rid, emit=False)
         if isinstance(exc, ValueError) and len(prompts) > 1 and str(exc).startswith("prompt:"):
-            raise ValueError(f"prompts[{len(ids)}]: {str(exc).removeprefix('prompt: ')}") from None
+            raise ValueError(f"prompts[{len(choice_ids)}]: {str(exc).removeprefix('prompt: ')}") from None
         raise
     finals: dict[str, RequestOutput] = {}
-    while len(finals) < len(ids):
+    while len(finals) < len(queued):
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
     results = []
-    for rid in ids:
-        out = finals[rid]
+    for ids in choice_ids:
+        choices = tuple(_completion(index, finals[rid]) for index, rid in enumerate(ids))
+        first = finals[ids[0]]
         results.append(
             GenerationOutput(
-                rid, prompt_ids[rid], out.token_ids, out.text, out.finish_reason, out.metrics, out.logprobs,
-                out.prompt_logprobs, out.stop_reason,
+                ids[0], prompt_ids[ids[0]], first.token_ids, first.text, first.finish_reason, first.metrics,
+                first.logprobs, first.prompt_logprobs, first.stop_reason, choices,
             )
         )
     return results
+
+
+def _completion(index: int, out: RequestOutput) -> CompletionOutput:
+    """Choice ``index`` of a prompt, from its request's final output."""
+    cumulative = math.fsum(entry.logprob for entry in out.logprobs) if out.logprobs is not None else None
+    return CompletionOutput(
+        index, out.request_id, out.token_ids, out.text, out.finish_reason, out.stop_reason, out.logprobs,
+        cumulative, out.metrics,
+    )
 
 
 __all__ = [

@@ -191,12 +191,35 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One sampled sequence of a prompt (vLLM's ``CompletionOutput``): choice ``index`` of
+    its :class:`GenerationOutput`, run as request ``request_id``.
+
+    ``cumulative_logprob`` is the sum of the sampled tokens' log probabilities when the
+    params asked for ``logprobs`` (``None`` otherwise); ``metrics`` are the request's."""
+
+    index: int
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[Any] | None
+    cumulative_logprob: float | None
+    metrics: Any
+
+
+@dataclass(frozen=True)
 class GenerationOutput:
     """Result of :meth:`Engine.generate` for one prompt (``logprobs``: one
     :class:`~asymcache_core.logprobs.TokenLogprob` per token when its params asked for them;
     ``prompt_logprobs``: one per prompt token, the first None, when they asked for those;
     ``stop_reason``: the stop string or stop token id that ended it, None for an EOS or a
-    length limit, as vLLM's)."""
+    length limit, as vLLM's).
+
+    ``outputs`` holds every choice of the prompt (``SamplingParams.n`` of them, vLLM's
+    ``RequestOutput.outputs``); the fields before it are choice 0's, so one-choice code reads
+    ``out.text`` and vLLM-style code ``out.outputs[0].text``."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -207,6 +230,7 @@ class GenerationOutput:
     logprobs: list[Any] | None = None
     prompt_logprobs: tuple[Any, ...] | None = None
     stop_reason: int | str | None = None
+    outputs: tuple[CompletionOutput, ...] = ()
 
 
 def collect_stats(engine: Engine) -> EngineStats:

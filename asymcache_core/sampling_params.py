@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -27,6 +27,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CACHE_SALT_CHARS = 1024
 #: ``repetition_penalty`` at most: float32's largest finite value (vLLM bounds it below only).
 MAX_REPETITION_PENALTY = 3.4028234663852886e38
+#: Choices of one prompt at most (``n``): a bound on what one call may queue, far above
+#: what group sampling (best-of, RL rollouts) asks for.
+MAX_CHOICES = 1024
 #: ``max_tokens`` beyond any context a model could hold (the engine checks the real limit).
 MAX_TOKENS_LIMIT = 1 << 24
 
@@ -141,6 +144,12 @@ class SamplingParams:
             salt, so they are found only by requests with the same salt (tenants that must not
             learn whether another's prompt was cached). 1 to 1,024 characters; ``None``: the
             shared namespace.
+        n: output sequences to sample from the prompt (vLLM's; 1 to 1,024).
+            :meth:`Engine.generate <asymcache_core.engine.Engine.generate>` and
+            :meth:`Engine.chat <asymcache_core.engine.Engine.chat>` run each as its own
+            request (:func:`choice_params`) and report them together; a request queued with
+            :meth:`Engine.add_request <asymcache_core.engine.Engine.add_request>` is one
+            sequence (n=1).
     """
 
     max_tokens: int = 16
@@ -166,8 +175,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     bad_words: tuple[str, ...] = ()
     cache_salt: str | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n: must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise ValueError(f"max_tokens: must be an integer in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens!r}")
         temperature = _real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -252,6 +264,28 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def choice_params(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:
+    """The parameters of each of a prompt's ``n`` choices, each one sequence (``n=1``).
+
+    NOTE: with a seed, choice ``i`` samples with ``seed + i`` (vLLM's rule; int64 wraps
+    around), so the choices differ yet the set is reproducible; without one each choice
+    draws its own stream.
+
+    Args:
+        params: the prompt's parameters.
+        n: its number of choices (``None``: ``params.n``).
+
+    Returns:
+        One per choice, in order.
+    """
+    n = params.n if n is None else n
+    one = params if params.n == 1 else replace(params, n=1)
+    if n == 1 or params.seed is None:
+        return [one] * n
+    span = SEED_MAX + 1
+    return [replace(one, seed=(params.seed + i + span) % (2 * span) - span) for i in range(n)]
 
 
 def _logit_bias(bias: Any) -> dict[int, float] | None:

@@ -9,7 +9,6 @@ choice of the non-streamed body; one instance per choice (OpenAI's ``n``), carry
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -35,12 +34,8 @@ from agent_runtime.server.responses import (
 from agent_runtime.server.streamed_text import StreamedText, safe_text_len
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
-from asymcache_core.sampling_params import SEED_MAX, SamplingParams
+from asymcache_core.sampling_params import SamplingParams, choice_params
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces, merged_pieces
-
-#: int64 seeds wrap around: choice ``i`` of a request seeded ``SEED_MAX`` samples with ``SEED_MIN + i - 1``.
-SEED_SPAN = SEED_MAX + 1
-
 
 
 class Chunks(ABC):
@@ -328,23 +323,9 @@ class CompletionChunks(Chunks):
 
 
 def choice_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The parameters of each of a request's ``n`` choices.
-
-    NOTE: with a seed, choice ``i`` samples with ``seed + i`` (vLLM's rule), so the choices
-    differ yet the response is reproducible; without one each choice draws its own stream.
-
-    Args:
-        params: the request's parameters.
-        n: its number of choices.
-
-    Returns:
-        One per choice.
-    """
-    if n == 1 or params.seed is None:
-        return [params] * n
-    return [dataclasses.replace(params, seed=(params.seed + i + SEED_SPAN) % (2 * SEED_SPAN) - SEED_SPAN)
-            for i in range(n)]
-
+    """The parameters of each of a request's ``n`` choices (:func:`~asymcache_core.sampling_params.choice_params`:
+    with a seed, choice ``i`` samples with ``seed + i``, vLLM's rule)."""
+    return choice_params(params, n)
 
 
 __all__ = ["ChatChunks", "Chunks", "CompletionChunks", "StreamedText", "choice_sampling_params", "safe_text_len"]
