@@ -109,3 +109,27 @@ def test_a_rejected_prompt_queues_no_choice(smollm) -> None:
 
 def _fields(params: SamplingParams) -> dict[str, object]:
     return {name: getattr(params, name) for name in ("max_tokens", "temperature", "seed", "ignore_eos")}
+
+
+@pytest.mark.gpu
+def test_choices_on_the_gpu_are_the_seeded_requests_run_alone() -> None:
+    """On the GPU in bf16 (batch-invariant by default there, CUDA graphs, async scheduling,
+    sampling on the device): choice i of a seeded prompt is what seed + i samples alone."""
+    import torch
+
+    from asymcache_core import Engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engine = Engine(model="dummy:smollm2-135m", device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_seqs=16,
+                    max_model_len=2048)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=1)
+    prompt = list(range(100, 700))
+    [out] = engine.generate(prompt, SamplingParams(**{**_fields(params), "top_p": 0.95, "logprobs": 1, "n": 4}))
+    alone = [engine.generate(prompt, SamplingParams(**{**_fields(params), "top_p": 0.95, "logprobs": 1,
+                                                         "seed": 11 + i}))[0] for i in range(4)]
+    assert [c.token_ids for c in out.outputs] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for choice, single in zip(out.outputs, alone, strict=True):
+        assert choice.cumulative_logprob == pytest.approx(math.fsum(lp.logprob for lp in single.logprobs), abs=1e-3)
+    engine.check_integrity()
