@@ -132,7 +132,7 @@ class AppState:
         """
         if isinstance(source, AgentRuntime) or _is_engine(source):
             self.runtime, self.owned = as_runtime(source)
-            self.set_sampling_defaults()
+            self.runtime_known()
         elif callable(source):
             self.factory = source
         else:
@@ -144,6 +144,14 @@ class AppState:
             built = await asyncio.to_thread(self.factory)
             self.runtime, _ = as_runtime(built)
             self.owned = True  # whatever the factory built is ours to close
+        self.runtime_known()
+
+    def runtime_known(self) -> None:
+        """What needs the runtime, once there is one (given, or built at startup): the
+        sampling defaults, and the metrics whose buckets end at its context limit."""
+        limit = getattr(self.runtime, "max_model_len", None)
+        if isinstance(limit, int):
+            self.metrics.set_context_limit(limit)
         self.set_sampling_defaults()
 
     def set_sampling_defaults(self) -> None:
