@@ -15,7 +15,11 @@ Semantics, as vLLM's:
   per-request histograms, but its time to first token and inter-token latencies count (vLLM
   observes those step by step, while the request runs);
 - a request that failed alone (``request.error``: a fault of its forward pass, its sampler or
-  its detokenizer) finishes as ``error``;
+  its detokenizer) finishes as ``error``, also when it failed after the scheduler had finished
+  it (its last token's text failed to decode): vLLM counts the reason its output processor
+  settles on after detokenizing, and ``error`` is its documented reason of a request-level
+  failure (always a 500); a stop string found in that last token's text likewise turns a
+  ``length`` finish into ``stop`` (:meth:`ServingStats.on_reason_settled`);
 - inter-token latencies are one per step that gave the request tokens (tokens that a
   constraint forced in the same step, jump-forward, are no interval of their own);
 - queue time runs from arrival to the first step that ran any of its tokens (preemptions
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,6 +56,8 @@ INTER_TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
 )
 ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_NUM_PREEMPTIONS_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 5, 10, 20)
+#: the ``n`` of each parent request (``vllm:request_params_n``)
+REQUEST_PARAMS_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
 #: vLLM's ``FinishReason`` values, in its order (``repetition`` never happens here: no detector)
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "repetition")
 
@@ -135,6 +142,10 @@ class ServingStatsSnapshot:
         generation_tokens: each finished request's generated tokens.
         num_preemptions: times each finished request was preempted.
         iteration_tokens: tokens each engine step computed.
+        params_max_tokens: each finished request's ``max_tokens`` as it ran (at most the rest of
+            the context: the value vLLM's server sets).
+        prefill_kv_computed: each finished request's prompt tokens less its cache hits at first
+            admission.
     """
 
     finished: dict[str, int]
@@ -150,6 +161,8 @@ class ServingStatsSnapshot:
     generation_tokens: HistogramSnapshot
     num_preemptions: HistogramSnapshot
     iteration_tokens: HistogramSnapshot
+    params_max_tokens: HistogramSnapshot
+    prefill_kv_computed: HistogramSnapshot
 
 
 def step_times(token_times: list[float]) -> list[float]:
@@ -168,6 +181,7 @@ class ServingStats:
     """
 
     def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
         tokens = request_tokens_buckets(max_model_len)
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.time_to_first_token = CumulativeHistogram(TIME_TO_FIRST_TOKEN_BUCKETS)
@@ -182,6 +196,43 @@ class ServingStats:
         self.generation_tokens = CumulativeHistogram(tokens)
         self.num_preemptions = CumulativeHistogram(REQUEST_NUM_PREEMPTIONS_BUCKETS)
         self.iteration_tokens = CumulativeHistogram(ITERATION_TOKENS_BUCKETS)
+        self.params_max_tokens = CumulativeHistogram(tokens)
+        self.prefill_kv_computed = CumulativeHistogram(tokens)
+
+    @staticmethod
+    def finish_reason(request: Request) -> str | None:
+        """vLLM's ``finished_reason`` of a finished request.
+
+        Args:
+            request: the request (finished).
+
+        Returns:
+            ``error`` for a request that failed alone, else its status's reason; None for the
+            client's abort (no finished request of vLLM's).
+        """
+        if request.error is not None:
+            return "error"
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            return None
+        return request.status.value
+
+    def on_reason_settled(self, request: Request, counted: str | None) -> None:
+        """Moves a finished request from the reason it was counted under to its reason now.
+
+        NOTE: the scheduler finishes a request (its length, an EOS) before its last token is
+        detokenized; a stop string in that token's text, or a detokenizer that fails on it,
+        settles its reason after :meth:`on_finish` counted it. vLLM counts the reason its output
+        processor gives after detokenizing: so do these counters.
+
+        Args:
+            request: the request, after its last token's text.
+            counted: the reason :meth:`on_finish` counted it under (:meth:`finish_reason` then).
+        """
+        now = self.finish_reason(request)
+        if counted is None or now is None or now == counted:
+            return
+        self.finished[counted] -= 1
+        self.finished[now] += 1
 
     def on_step(self, num_tokens: int) -> None:
         """Counts one step that ran.
@@ -203,9 +254,9 @@ class ServingStats:
             self.time_to_first_token.observe(max(0.0, m.first_token_time - m.arrival_time))
         for prev, cur in itertools.pairwise(steps):
             self.inter_token_latency.observe(max(0.0, cur - prev))
-        if request.status is RequestStatus.FINISHED_ABORTED and request.error is None:
+        reason = self.finish_reason(request)
+        if reason is None:
             return  # the client's abort: no finished request of vLLM's
-        reason = "error" if request.error is not None else request.status.value
         self.finished[reason] += 1
         finish = m.finish_time if m.finish_time is not None else m.arrival_time
         # NOTE: a request that never ran waited until it finished; one without tokens ran until then
@@ -223,9 +274,17 @@ class ServingStats:
             (self.time_per_output_token, decode / (generated - 1) if generated > 1 else 0.0),
         ):
             histogram.observe(max(0.0, value))
-        self.prompt_tokens.observe(len(request.prompt_token_ids))
+        prompt = len(request.prompt_token_ids)
+        self.prompt_tokens.observe(prompt)
         self.generation_tokens.observe(generated)
         self.num_preemptions.observe(m.num_preemptions)
+        self.prefill_kv_computed.observe(prompt - max(m.cached_tokens, 0))
+        # NOTE: vLLM's server always states max_tokens, at most the rest of the context (its
+        # default when the client gives none); this engine takes a larger one and stops at
+        # the context, so the value it ran with is the smaller of the two.
+        max_tokens = min(request.params.max_tokens, self.max_model_len - prompt)
+        if max_tokens > 0:
+            self.params_max_tokens.observe(max_tokens)
 
     def snapshot(self) -> ServingStatsSnapshot:
         """The statistics now (a copy, safe to hand to another thread)."""
@@ -243,13 +302,51 @@ class ServingStats:
             generation_tokens=self.generation_tokens.snapshot(),
             num_preemptions=self.num_preemptions.snapshot(),
             iteration_tokens=self.iteration_tokens.snapshot(),
+            params_max_tokens=self.params_max_tokens.snapshot(),
+            prefill_kv_computed=self.prefill_kv_computed.snapshot(),
         )
+
+
+class ParentRequestStats:
+    """vLLM's series of parent requests: a request's ``n`` (its choices) and the most tokens
+    one of its choices generated (``vllm:request_params_n``,
+    ``vllm:request_max_num_generation_tokens``).
+
+    vLLM observes both once per parent request, when its last choice finishes (its
+    ``ParentRequest``; a request without ``n`` is a parent of one), and never for a request the
+    client aborted (its choices are aborted, the parent never completes). The engine runs each
+    choice as a request of its own, so the server, which knows the choices of each request,
+    counts them (:meth:`on_finished`).
+
+    Args:
+        max_model_len: the engine's context limit (the token-count buckets end there).
+    """
+
+    def __init__(self, max_model_len: int) -> None:
+        self.params_n = CumulativeHistogram(REQUEST_PARAMS_N_BUCKETS)
+        self.max_num_generation_tokens = CumulativeHistogram(request_tokens_buckets(max_model_len))
+
+    def on_finished(self, generated: Sequence[int]) -> None:
+        """Counts one parent request whose every choice finished.
+
+        Args:
+            generated: the tokens each of its choices generated (one entry a choice).
+
+        Raises:
+            ValueError: no choice.
+        """
+        if not generated:
+            raise ValueError("generated: a parent request has at least one choice")
+        self.params_n.observe(len(generated))
+        self.max_num_generation_tokens.observe(max(generated))
 
 
 __all__ = [
     "FINISH_REASONS",
+    "REQUEST_PARAMS_N_BUCKETS",
     "CumulativeHistogram",
     "HistogramSnapshot",
+    "ParentRequestStats",
     "ServingStats",
     "ServingStatsSnapshot",
     "request_tokens_buckets",

@@ -165,9 +165,14 @@ def serve(
     served_model_name: list[str] = typer.Option(
         None, metavar="NAME", help="The model name clients send and /v1/models lists (default: --model); several, as vLLM's "
         "aliases (--served-model-name a b): each is listed and accepted, responses report the first."),
+    generation_config: str = typer.Option(
+        "auto", metavar="auto|vllm|FOLDER",
+        help="Where requests' sampling defaults come from (vLLM's flag): auto, the model's "
+        "generation_config.json; vllm, vLLM's defaults (temperature 1), the model's file ignored; or a folder "
+        "holding a generation_config.json."),
     override_generation_config: str = typer.Option(
-        None, help='Sampling defaults of requests that leave them out, as a JSON object over the model\'s '
-        'generation_config.json (vLLM\'s flag; e.g. \'{"temperature": 0}\' for greedy replies). Keys: '
+        None, help='Sampling defaults of requests that leave them out, as a JSON object over the generation '
+        'config\'s (vLLM\'s flag; e.g. \'{"temperature": 0}\' for greedy replies). Keys: '
         'temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty, '
         'max_new_tokens. Without either, vLLM\'s defaults (temperature 1).'),
     chat_template: str = typer.Option(None, help="A chat template, as a Jinja file or its text, instead of the "
@@ -233,9 +238,14 @@ def serve(
         engine_args["model"] = model_tag
     memory_sized_pool(ctx, engine_args)
     template_kwargs = json_object("default_chat_template_kwargs", default_chat_template_kwargs)
-    from agent_runtime.server.generation_defaults import check_generation_config
+    from agent_runtime.server.generation_defaults import (
+        check_generation_config,
+        check_generation_config_source,
+    )
 
     generation = check_generation_config(override_generation_config) or None
+    # NOTE: a folder's file is read now: a bad one is one line before the model loads
+    generation_source = check_generation_config_source(generation_config)
     from eval.cli_progress import showing_model_loads
 
     with StartupLine.listening(policy), showing_model_loads():
@@ -243,7 +253,8 @@ def serve(
                   max_queue_len=max_queue_len, shutdown_timeout=shutdown_timeout, replicas=replicas,
                   served_model_name=(served_model_name[0] if len(served_model_name) == 1 else tuple(served_model_name))
                   if served_model_name else None,
-                  override_generation_config=generation, chat_template=chat_template,
+                  override_generation_config=generation, generation_config=generation_source,
+                  chat_template=chat_template,
                   default_chat_template_kwargs=template_kwargs,
                   trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                   reasoning_parser=reasoning_parser, responses_store_size=responses_store_size,

@@ -22,7 +22,10 @@ from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import admin, anthropic_messages, openai_responses, serving
 from agent_runtime.server.errors import APIError
-from agent_runtime.server.generation_defaults import check_generation_config
+from agent_runtime.server.generation_defaults import (
+    check_generation_config,
+    check_generation_config_source,
+)
 from agent_runtime.server.request_guard import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE_LEN,
@@ -104,6 +107,7 @@ def create_app(
     *,
     default_max_tokens: int | None = None,
     override_generation_config: str | Mapping[str, Any] | None = None,
+    generation_config: str | None = "auto",
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
     trust_request_chat_template: bool = False,
@@ -125,9 +129,11 @@ def create_app(
             and the cap of a text completion's default (16). None: vLLM's defaults, the model's
             ``max_new_tokens`` if its generation config has one, else the rest of the context.
         override_generation_config: sampling defaults of requests that leave the fields out,
-            over the model's ``generation_config.json`` (vLLM's ``--override-generation-config``:
-            JSON text or a mapping of ``temperature``, ``top_p``, ``top_k``, ``min_p``, the
-            penalties, ``max_new_tokens``). Fields in neither take vLLM's defaults (temperature 1).
+            over the generation config's (vLLM's ``--override-generation-config``: JSON text or a
+            mapping of ``temperature``, ``top_p``, ``top_k``, ``min_p``, the penalties,
+            ``max_new_tokens``). Fields in neither take vLLM's defaults (temperature 1).
+        generation_config: vLLM's ``--generation-config``, under the override: ``auto`` (None:
+            the model's ``generation_config.json``), ``vllm`` (none) or a folder holding one.
         max_request_body_bytes: bodies beyond this are a 413.
         max_queue_len: completions in flight beyond the engine's ``max_num_seqs`` before new
             ones are a 429 with ``Retry-After`` (None: unbounded).
@@ -142,10 +148,11 @@ def create_app(
 
     Raises:
         TypeError: ``runtime_or_engine_factory`` is none of these.
-        ValueError: a negative cap, no served name, or a bad ``override_generation_config``.
+        ValueError: a negative cap, no served name, a bad (override) generation config.
     """
     names = served_names(model_name)
     generation = check_generation_config(override_generation_config)
+    source = check_generation_config_source(generation_config)
     if default_max_tokens is not None and (isinstance(default_max_tokens, bool) or not isinstance(
             default_max_tokens, int) or default_max_tokens < 1):
         raise ValueError(f"default_max_tokens: must be an integer >= 1, got {default_max_tokens!r}")
@@ -153,7 +160,8 @@ def create_app(
         raise ValueError(f"max_request_body_bytes: must be >= 1, got {max_request_body_bytes!r}")
     if max_queue_len is not None and max_queue_len < 0:
         raise ValueError(f"max_queue_len: must be >= 0, got {max_queue_len!r}")
-    state = AppState(names[0], api_key, default_max_tokens, aliases=names[1:], override_generation_config=generation)
+    state = AppState(names[0], api_key, default_max_tokens, aliases=names[1:], override_generation_config=generation,
+                     generation_config=source)
     state.attach(runtime_or_engine_factory)
     state.trust_request_chat_template = bool(trust_request_chat_template)
     state.responses = ResponseStore(responses_store_size)
@@ -310,8 +318,11 @@ class ServeOptions:
         responses_store_size: Responses API responses kept for ``previous_response_id``
             (0: none).
         override_generation_config: sampling defaults of requests that leave the fields out,
-            over the model's ``generation_config.json`` (vLLM's ``--override-generation-config``:
-            JSON text or a mapping, checked here; e.g. ``{"temperature": 0}`` for greedy replies).
+            over the generation config's (vLLM's ``--override-generation-config``: JSON text or
+            a mapping, checked here; e.g. ``{"temperature": 0}`` for greedy replies).
+        generation_config: vLLM's ``--generation-config``: ``auto`` (the model's
+            ``generation_config.json``), ``vllm`` (vLLM's defaults) or a folder holding a
+            ``generation_config.json`` (checked here: read before the model loads).
         log_level: uvicorn's log level (vLLM's ``--uvicorn-log-level``).
         access_log: uvicorn's access-log line per request (off: vLLM's
             ``--disable-uvicorn-access-log``).
@@ -343,6 +354,7 @@ class ServeOptions:
     reasoning_parser: str | None = None
     responses_store_size: int = DEFAULT_STORE_SIZE
     override_generation_config: str | Mapping[str, Any] | None = None
+    generation_config: str = "auto"
     log_level: str = "info"
     access_log: bool = True
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -363,6 +375,7 @@ class ServeOptions:
             object.__setattr__(self, "served_model_name", names[0] if len(names) == 1 else names)
         object.__setattr__(self, "override_generation_config",
                            check_generation_config(self.override_generation_config) or None)
+        object.__setattr__(self, "generation_config", check_generation_config_source(self.generation_config))
         if not isinstance(self.access_log, bool):
             raise ValueError(f"access_log: must be a bool, got {self.access_log!r}")
         if self.log_level not in LOG_LEVELS:
@@ -429,7 +442,7 @@ class ServeOptions:
         """
         return create_app(
             source, self.served_model_name or self.model, self.api_key,
-            override_generation_config=self.override_generation_config,
+            override_generation_config=self.override_generation_config, generation_config=self.generation_config,
             max_request_body_bytes=self.max_request_body_bytes, max_queue_len=self.max_queue_len,
             trust_request_chat_template=self.trust_request_chat_template,
             responses_store_size=self.responses_store_size,

@@ -136,7 +136,7 @@ async def sse_events(
         try:
             async for index, event in merged(streams):
                 if event.output.finished:
-                    metrics.observe(event)
+                    metrics.observe(event, one_choice=False)
                 for choice in chunks[index].on_event(event):
                     yield frame([choice], so_far(streams[index], event))
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
@@ -144,6 +144,7 @@ async def sse_events(
             yield "data: [DONE]\n\n"
             return
         finals = [stream.final for stream in streams]
+        metrics.observe_choices(finals, report.choices_per_prompt)  # type: ignore[arg-type]
         if report.final:
             yield frame([], usage=usage_of(finals, report.choices_per_prompt, generated))  # type: ignore[arg-type]
         yield "data: [DONE]\n\n"

@@ -1,10 +1,17 @@
-"""The server's sampling defaults, as vLLM's ``--generation-config auto`` sets them.
+"""The server's sampling defaults, as vLLM's ``--generation-config`` sets them.
 
 A request that leaves ``temperature`` (``top_p``, ``top_k``, ``min_p``, the penalties) out gets
-the model's ``generation_config.json`` value for it when the model has one, else vLLM's default
-(:data:`VLLM_SAMPLING_DEFAULTS`: temperature 1, no truncation, no penalties); an operator's
-``--override-generation-config`` JSON is laid over the model's. The model's ``max_new_tokens``
-(or the override's) becomes the default ``max_tokens`` of a chat, as in vLLM.
+the generation config's value for it, else vLLM's default (:data:`VLLM_SAMPLING_DEFAULTS`:
+temperature 1, no truncation, no penalties). Which generation config, as vLLM's
+``--generation-config`` says (``ModelConfig.get_diff_sampling_param``):
+
+- ``auto`` (the default): the model's ``generation_config.json``, where an HF folder has one;
+- ``vllm``: none (vLLM's defaults), the model's file ignored;
+- a folder's path: the ``generation_config.json`` in that folder instead of the model's.
+
+An operator's ``--override-generation-config`` JSON is laid over it (with ``vllm``, the
+override alone). The config's ``max_new_tokens`` becomes the default ``max_tokens`` of a chat,
+as in vLLM.
 
 NOTE: the servers' defaults only: the Python API (:class:`~asymcache_core.SamplingParams`,
 ``Engine.generate``, ``AgentRuntime`` / ``job.chat``) stays greedy by default.
@@ -88,6 +95,39 @@ def check_generation_config(config: str | Mapping[str, Any] | None,
     return checked
 
 
+#: The ``--generation-config`` values that name no folder.
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+#: The file a generation-config folder holds (an HF model folder's).
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def _sampling_values(raw: Mapping[str, Any], path: Path, strict: bool) -> dict[str, Any]:
+    """The sampling values of a generation config file's object that differ from
+    transformers' defaults (what vLLM reads through ``to_diff_dict()``).
+
+    Args:
+        raw: the file's object.
+        path: the file (for messages).
+        strict: a value the engine would reject raises (a file the operator named); else it is
+            left out with a warning (the model's own file).
+
+    Raises:
+        ValueError: ``strict`` and a value the engine would reject (naming the option).
+    """
+    values: dict[str, Any] = {}
+    for key in GENERATION_CONFIG_KEYS:
+        value = raw.get(key)
+        if value is None or (key in _HF_GENERATION_DEFAULTS and value == _HF_GENERATION_DEFAULTS[key]):
+            continue
+        try:
+            values[key] = _checked_value(key, value)
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"generation_config: {path}: {key}: {str(e).split(': ', 1)[-1]}") from None
+            logger.warning("model: ignoring %s's %s (%s)", path, key, e)
+    return values
+
+
 def model_generation_config(model: str | None) -> dict[str, Any]:
     """The sampling defaults of a model's ``generation_config.json`` (an HF folder's), as vLLM's
     ``--generation-config auto`` reads them.
@@ -102,7 +142,7 @@ def model_generation_config(model: str | None) -> dict[str, Any]:
     """
     if not model:
         return {}
-    path = Path(model) / "generation_config.json"
+    path = Path(model) / GENERATION_CONFIG_FILE
     try:
         if not path.is_file():
             return {}
@@ -112,41 +152,119 @@ def model_generation_config(model: str | None) -> dict[str, Any]:
         return {}
     if not isinstance(raw, Mapping):
         return {}
-    defaults: dict[str, Any] = {}
-    for key in GENERATION_CONFIG_KEYS:
-        value = raw.get(key)
-        if value is None or (key in _HF_GENERATION_DEFAULTS and value == _HF_GENERATION_DEFAULTS[key]):
-            continue
-        try:
-            defaults[key] = _checked_value(key, value)
-        except ValueError as e:
-            logger.warning("model: ignoring %s's %s (%s)", path, key, e)
-    return defaults
+    return _sampling_values(raw, path, strict=False)
 
 
-def sampling_defaults(model: str | None, override: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The server's defaults: the model's generation config with ``override`` over it.
+def folder_generation_config(folder: str) -> dict[str, Any]:
+    """The sampling defaults of the ``generation_config.json`` in ``folder`` (vLLM's
+    ``--generation-config PATH``), read strictly: the operator named it.
+
+    Args:
+        folder: the folder's path.
+
+    Returns:
+        The file's sampling values that differ from transformers' defaults (other keys, such as
+        token ids, are ignored, as vLLM ignores them for sampling).
+
+    Raises:
+        ValueError: not a folder, no ``generation_config.json`` in it, unreadable, not a JSON
+            object, or a value the engine would reject; one line naming ``generation_config``.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"generation_config: {folder!r} is neither {' nor '.join(GENERATION_CONFIG_MODES)} nor a "
+                         "folder (a folder holding a generation_config.json)")
+    path = root / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"generation_config: no {GENERATION_CONFIG_FILE} in {folder!r}")
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"generation_config: cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        where = f" ({e.msg} at character {e.pos})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(f"generation_config: {path} is not valid JSON{where}") from None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"generation_config: {path} must hold a JSON object, got {type(raw).__name__}")
+    return _sampling_values(raw, path, strict=True)
+
+
+def check_generation_config_source(source: str | None) -> str:
+    """A ``--generation-config`` value, checked (a folder's file is read, so that a bad one
+    fails before the model loads).
+
+    Args:
+        source: ``auto``, ``vllm`` or a folder's path (None: ``auto``).
+
+    Returns:
+        The value (``auto`` for None).
+
+    Raises:
+        ValueError: not a string, or a folder :func:`folder_generation_config` refuses.
+    """
+    if source is None:
+        return "auto"
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"generation_config: must be auto, vllm or a folder's path, got {source!r}")
+    if source not in GENERATION_CONFIG_MODES:
+        folder_generation_config(source)
+    return source
+
+
+def generation_config(source: str, model: str | None) -> dict[str, Any]:
+    """The sampling defaults of the generation config ``source`` names.
+
+    Args:
+        source: ``auto`` (the model's file), ``vllm`` (none) or a folder's path.
+        model: the engine's model spec (read with ``auto``).
+
+    Returns:
+        The config's sampling values (``max_new_tokens`` by that name).
+
+    Raises:
+        ValueError: a folder :func:`folder_generation_config` refuses.
+    """
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        return model_generation_config(model)
+    return folder_generation_config(source)
+
+
+def sampling_defaults(model: str | None, override: Mapping[str, Any] | None = None,
+                      source: str = "auto") -> dict[str, Any]:
+    """The server's defaults: the generation config ``source`` names, with ``override`` over it
+    (vLLM's ``get_diff_sampling_param``).
 
     Args:
         model: the engine's model spec.
         override: checked ``--override-generation-config`` values (:func:`check_generation_config`).
+        source: ``--generation-config``: ``auto``, ``vllm`` or a folder's path.
 
     Returns:
         Sampling field -> default (``max_new_tokens`` named ``max_tokens``, as vLLM names it);
         fields left out take :data:`VLLM_SAMPLING_DEFAULTS`.
+
+    Raises:
+        ValueError: a folder :func:`folder_generation_config` refuses.
     """
-    merged = {**model_generation_config(model), **(override or {})}
+    merged = {**generation_config(source, model), **(override or {})}
     if "max_new_tokens" in merged:
         merged["max_tokens"] = merged.pop("max_new_tokens")
     if merged:
-        logger.info("Default sampling parameters (vLLM's generation config): %s", merged)
+        origin = {"auto": "the model's generation config", "vllm": "vLLM's defaults"}.get(source, source)
+        logger.info("Default sampling parameters (%s, overrides applied): %s", origin, merged)
     return merged
 
 
 __all__ = [
     "GENERATION_CONFIG_KEYS",
+    "GENERATION_CONFIG_MODES",
     "VLLM_SAMPLING_DEFAULTS",
     "check_generation_config",
+    "check_generation_config_source",
+    "folder_generation_config",
+    "generation_config",
     "model_generation_config",
     "sampling_defaults",
 ]

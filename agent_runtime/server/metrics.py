@@ -11,7 +11,9 @@ Two families of names for the same quantities:
   and generation tokens, prefix-cache queries and hits, preemptions, finished requests by
   ``finished_reason``, and the histograms of TTFT, inter-token latency, end-to-end, queue,
   prefill, decode and inference times, time per output token, prompt and generation tokens per
-  request, preemptions per request and tokens per engine step.
+  request, prompt tokens computed per request (its cache hits left out), its ``max_tokens``,
+  preemptions per request and tokens per engine step; and, once per request whose every choice
+  finished, its ``n`` and the most tokens one choice generated.
 
 Deprecated aliases, kept so that existing dashboards do not break (vLLM 0.32 no longer exports
 them): ``vllm:gpu_cache_usage_perc`` (now ``vllm:kv_cache_usage_perc``) and
@@ -59,7 +61,7 @@ from prometheus_client.utils import floatToGoString
 
 from agent_runtime.types import StreamEvent
 from asymcache_core import EngineStats
-from asymcache_core.serving_stats import HistogramSnapshot, ServingStatsSnapshot
+from asymcache_core.serving_stats import HistogramSnapshot, ParentRequestStats, ServingStatsSnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -172,6 +174,15 @@ _VLLM_HISTOGRAMS = (
     ("vllm:request_generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
     ("vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.", "num_preemptions"),
     ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", "iteration_tokens"),
+    ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", "params_max_tokens"),
+    ("vllm:request_prefill_kv_computed_tokens",
+     "Histogram of new KV tokens computed during prefill (excluding cached tokens).", "prefill_kv_computed"),
+)
+#: vLLM's histograms of parent requests: (name, documentation, the :class:`ParentRequestStats` field).
+_VLLM_PARENT_HISTOGRAMS = (
+    ("vllm:request_params_n", "Histogram of the n request parameter.", "params_n"),
+    ("vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+     "max_num_generation_tokens"),
 )
 
 
@@ -195,6 +206,7 @@ class ServingCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.snapshot: ServingStatsSnapshot | None = None
+        self.parents: ParentRequestStats | None = None
 
     def update(self, snapshot: ServingStatsSnapshot | None) -> None:
         """Set the snapshot the next collection reports (None: none of these series)."""
@@ -228,6 +240,11 @@ class ServingCollector(Collector):
         )
         _add_histogram(alias, [self.model_name], snap.inter_token_latency)
         yield alias
+        if self.parents is not None:
+            for name, doc, attr in _VLLM_PARENT_HISTOGRAMS:
+                family = HistogramMetricFamily(name, doc, labels=list(VLLM_LABELS))
+                _add_histogram(family, labels, getattr(self.parents, attr).snapshot())
+                yield family
 
 
 #: The routes whose path is their own label; others are their template or ``other``.
@@ -335,16 +352,48 @@ class ServerMetrics:
         if last is not None:
             self._count_tokens(last)
 
-    def observe(self, final: StreamEvent) -> None:
+    def set_context_limit(self, max_model_len: int) -> None:
+        """Start vLLM's parent-request series (their token buckets end at the context limit),
+        once the served engine is known.
+
+        Args:
+            max_model_len: the engine's context limit.
+        """
+        if self.serving.parents is None:
+            self.serving.parents = ParentRequestStats(max_model_len)
+
+    def observe_choices(self, finals: Sequence[StreamEvent], n: int) -> None:
+        """Account for the parent requests of a request whose choices all finished: each
+        prompt's ``n`` consecutive choices are one of vLLM's parent requests (its
+        ``request_params_n`` and ``request_max_num_generation_tokens``); one with a choice
+        aborted is none, as in vLLM.
+
+        Args:
+            finals: the final event of every choice, each prompt's ``n`` together.
+            n: the choices of each prompt.
+        """
+        parents = self.serving.parents
+        if parents is None:
+            return
+        for start in range(0, len(finals), n):
+            group = finals[start : start + n]
+            if all(f.output.finish_reason != "abort" for f in group):
+                parents.on_finished([len(f.output.token_ids) for f in group])
+
+    def observe(self, final: StreamEvent, one_choice: bool = True) -> None:
         """Account for a finished request.
 
         Args:
             final: its final event.
+            one_choice: the request had this one choice (it is its own parent request); False:
+                one of several, whose request :meth:`observe_choices` accounts for.
         """
         out = final.output
         if out.finish_reason == "abort":
             self.count_abort(final)
             return
+        if one_choice:
+            self.observe_choices([final], 1)
         m = out.metrics
         # NOTE: vLLM's latency histograms come from the engine's records (render's snapshot),
         # which also hold the requests no handler saw finish (errors, clients gone).

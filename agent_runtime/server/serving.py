@@ -341,7 +341,8 @@ async def _respond(
     if not req.streaming:
         finals = await await_finals(request, [c.stream for c in chunks])
         for final in finals:
-            metrics.observe(final)
+            metrics.observe(final, one_choice=False)
+        metrics.observe_choices(finals, req.num_choices)
         body = endpoint.response_model(
             id=rid, created=int(time.time()), model=model,
             choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)],

@@ -68,7 +68,10 @@ class AppState:
             default, the model's ``max_new_tokens`` if its generation config has one, else the
             rest of the context).
         override_generation_config: sampling defaults stated by the operator (vLLM's
-            ``--override-generation-config``, checked), laid over the model's.
+            ``--override-generation-config``, checked), laid over the generation config's.
+        generation_config: which generation config gives the sampling defaults (vLLM's
+            ``--generation-config``, checked): ``auto`` (the model's), ``vllm`` (none) or a
+            folder's path.
         sampling_defaults: the sampling defaults in force (set once there is a runtime:
             :func:`~agent_runtime.server.generation_defaults.sampling_defaults`).
         metrics: the app's Prometheus series.
@@ -86,6 +89,7 @@ class AppState:
     default_max_tokens: int | None = None
     aliases: tuple[str, ...] = ()
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    generation_config: str = "auto"
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     metrics: ServerMetrics = field(init=False)
     runtime: AgentRuntime | None = None
@@ -132,7 +136,7 @@ class AppState:
         """
         if isinstance(source, AgentRuntime) or _is_engine(source):
             self.runtime, self.owned = as_runtime(source)
-            self.set_sampling_defaults()
+            self.runtime_known()
         elif callable(source):
             self.factory = source
         else:
@@ -144,15 +148,23 @@ class AppState:
             built = await asyncio.to_thread(self.factory)
             self.runtime, _ = as_runtime(built)
             self.owned = True  # whatever the factory built is ours to close
+        self.runtime_known()
+
+    def runtime_known(self) -> None:
+        """What needs the runtime, once there is one (given, or built at startup): the
+        sampling defaults, and the metrics whose buckets end at its context limit."""
+        limit = getattr(self.runtime, "max_model_len", None)
+        if isinstance(limit, int):
+            self.metrics.set_context_limit(limit)
         self.set_sampling_defaults()
 
     def set_sampling_defaults(self) -> None:
-        """Read the runtime's model's generation config, with the operator's override over it,
-        into :attr:`sampling_defaults` (vLLM's ``--generation-config auto``)."""
+        """Read the generation config :attr:`generation_config` names (the runtime's model's
+        with ``auto``), with the operator's override over it, into :attr:`sampling_defaults`."""
         engine = getattr(self.runtime, "engine", None)
         model = getattr(getattr(engine, "config", None), "model", None)
         self.sampling_defaults = sampling_defaults(model if isinstance(model, str) else None,
-                                                   self.override_generation_config)
+                                                   self.override_generation_config, self.generation_config)
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -113,7 +113,7 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
     assert kw["policy"] == "continuum" and kw["model"] == "smollm2-135m"
     # everything handed on is an EngineConfig field, or the command's own argument
     own = {"serve": {"host", "port", "api_key", "policy", "max_request_body_bytes", "max_queue_len", "shutdown_timeout",
-                     "replicas", "served_model_name", "override_generation_config", "chat_template",
+                     "replicas", "served_model_name", "override_generation_config", "generation_config", "chat_template",
                      "default_chat_template_kwargs",
                      "trust_request_chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size",
                      "log_level", "access_log"},
