@@ -13,17 +13,6 @@ from eval.cli_app import expand_multi_value_flags
 runner = CliRunner()
 
 
-@pytest.fixture
-def served(monkeypatch) -> list:
-    import agent_runtime.server as server
-
-    calls: list = []
-    monkeypatch.setattr(server, "serve", calls.append)
-    # NOTE: no real port is probed: the test serves nothing
-    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
-    return calls
-
-
 def test_override_generation_config_reaches_the_server(served):
     result = runner.invoke(app, ["serve", "--override-generation-config", '{"temperature": 0, "top_p": 0.9}'])
     assert result.exit_code == 0, result.output

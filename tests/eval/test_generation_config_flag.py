@@ -35,17 +35,6 @@ def _folder(path: Path, config: object) -> str:
     return str(path)
 
 
-@pytest.fixture
-def served(monkeypatch) -> list:
-    import agent_runtime.server as server
-
-    calls: list = []
-    monkeypatch.setattr(server, "serve", calls.append)
-    # NOTE: no real port is probed: the test serves nothing
-    monkeypatch.setattr("agent_runtime.commands.check_listen_address", lambda host, port: None)
-    return calls
-
-
 # -- the command line -------------------------------------------------------------------------
 
 
