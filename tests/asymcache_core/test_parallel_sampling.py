@@ -16,6 +16,12 @@ RANDOM = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
 PROMPT = "The three most useful shell commands are"
 
 
+@pytest.fixture(scope="module")
+def engine(smollm):
+    """One default engine for the tests that leave it idle (every request finished or refused)."""
+    return make_engine(smollm)
+
+
 @pytest.mark.parametrize("n", [0, -1, MAX_CHOICES + 1, True, 2.0, "2"])
 def test_bad_n_is_named(n: object) -> None:
     with pytest.raises(ValueError, match=r"^n: must be an integer in \[1, 1024\]"):
@@ -34,8 +40,7 @@ def test_choice_params_follow_vllms_seed_rule() -> None:
     assert choice_params(SamplingParams(seed=3), 2)[1].seed == 4
 
 
-def test_add_request_takes_one_sequence(smollm) -> None:
-    engine = make_engine(smollm)
+def test_add_request_takes_one_sequence(engine) -> None:
     with pytest.raises(ValueError, match=r"^n: add_request queues one sequence"):
         engine.add_request(PROMPT, SamplingParams(n=2))
     assert not engine.has_unfinished() and not engine.requests
@@ -68,8 +73,7 @@ def test_choices_are_the_seeded_requests_run_alone(smollm) -> None:
     engine.check_integrity()
 
 
-def test_mixed_choices_per_prompt_and_greedy(smollm) -> None:
-    engine = make_engine(smollm)
+def test_mixed_choices_per_prompt_and_greedy(engine) -> None:
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = engine.generate(
         [PROMPT, "Paris is the capital of"],
@@ -84,15 +88,13 @@ def test_mixed_choices_per_prompt_and_greedy(smollm) -> None:
     engine.check_integrity()
 
 
-def test_chat_runs_n_choices(smollm) -> None:
-    engine = make_engine(smollm)
+def test_chat_runs_n_choices(engine) -> None:
     [out] = engine.chat([{"role": "user", "content": "Name a colour."}], SamplingParams(max_tokens=4, n=2, seed=1,
                                                                                        temperature=0.8))
     assert len(out.outputs) == 2 and all(c.token_ids for c in out.outputs)
 
 
-def test_choices_of_a_job_turn_are_refused_and_nothing_is_queued(smollm) -> None:
-    engine = make_engine(smollm)
+def test_choices_of_a_job_turn_are_refused_and_nothing_is_queued(engine) -> None:
     with pytest.raises(ValueError, match=r"^job_ids\[1\]: a job's turn has one choice"):
         engine.generate([PROMPT, PROMPT], [SamplingParams(), SamplingParams(n=2)], job_ids=[None, "job-1"])
     assert not engine.requests
