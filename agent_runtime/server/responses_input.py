@@ -63,9 +63,9 @@ class ResponsesRequest(BaseModel):
         "conversation": (None,),
         # NOTE: reasoning items are sent in the clear, so asking for their encrypted content
         # (Codex does) changes nothing; the other includes would
-        "background": (None, False), "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
+        "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
         "top_logprobs": (None, 0),
-        "truncation": (None, "disabled"), "max_tool_calls": (None,),
+        "truncation": (None, "disabled"),
     }
 
     model: StrictStr | None = None
@@ -81,6 +81,9 @@ class ResponsesRequest(BaseModel):
     seed: Int | None = None
     stream: StrictBool | None = None
     store: StrictBool | None = None
+    background: StrictBool | None = None
+    #: OpenAI's cap on calls of built-in tools: none is served, so it caps nothing here (echoed)
+    max_tool_calls: PositiveInt | None = None
     previous_response_id: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     text: dict[str, Any] | None = None

@@ -86,7 +86,8 @@ class ResponseEnvelope:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": list(req.tools or []), "text": dict(req.text or {"format": {"type": "text"}}),
             "previous_response_id": req.previous_response_id,
-            "store": stored, "truncation": "disabled", "user": req.user, "error": None,
+            "store": stored, "background": req.background is True, "max_tool_calls": req.max_tool_calls,
+            "truncation": "disabled", "user": req.user, "error": None,
             "incomplete_details": None,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
                           "summary": (req.reasoning.summary or req.reasoning.generate_summary) if req.reasoning else None},
@@ -231,6 +232,7 @@ class _ItemStream:
 async def response_events(
     stream: RequestStream, envelope: ResponseEnvelope, text: StreamedText, metrics: ServerMetrics,
     keep: Callable[[dict[str, Any]], None], calls_stream: HermesCallStream | None = None,
+    on_failed: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of one streamed response; aborts the request if the client goes away.
 
@@ -242,6 +244,8 @@ async def response_events(
         keep: stores the finished response's body (if the request asked to).
         calls_stream: Hermes calls streamed as they are written (a ``function_call`` item each,
             its arguments as delta events); None: calls go whole at the end.
+        on_failed: given the failed response's body when the request fails (a background
+            response stores it); None: it is not kept.
     """
     items = _ItemStream()
     try:
@@ -270,6 +274,8 @@ async def response_events(
             body = envelope.body("failed", items.output)
             body["error"] = {"code": err.code if err.status < 500 and err.code else "server_error",
                              "message": str(exc) or type(exc).__name__}
+            if on_failed is not None:
+                on_failed(body)
             yield items.event("response.failed", response=body)
             return
         final = stream.final
