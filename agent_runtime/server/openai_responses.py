@@ -34,8 +34,12 @@ request runs on (:mod:`agent_runtime.server.responses_background`), ``GET`` read
 (streamed again with ``stream=true``) and ``POST /v1/responses/{id}/cancel`` stops it.
 ``max_tool_calls`` caps calls of built-in tools, none of which is served: it is echoed.
 
+``include: ["message.output_text.logprobs"]`` (or ``top_logprobs`` above 0) gives the message's
+``output_text`` its tokens' log probabilities, and each text delta those of its tokens.
+
 Not served (a 400 naming the field, never ignored): ``conversation``, built-in tools, non-text
-inputs, ``include`` (but ``reasoning.encrypted_content``), ``truncation: auto``, ``prompt``.
+inputs, the other ``include`` values (but ``reasoning.encrypted_content``: reasoning is sent in
+the clear), ``truncation: auto``, ``prompt``.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from agent_runtime.server.responses_output import (
     error_event,
     final_output,
     response_events,
+    text_logprobs,
 )
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.server.state import app_state
@@ -190,14 +195,18 @@ async def create_response(request: Request) -> Response:
         raise _as_responses_error(from_value_error(e, "input")) from None
     decode = _decoder(rt)
     envelope = ResponseEnvelope(response_id, req, state.model_name, params, stored,
-                         lambda text, ids: reasoning_tokens(text, ids, rt.reasoning_parser, decode))
+                                lambda text, ids: reasoning_tokens(text, ids, rt.reasoning_parser, decode),
+                                state.token_texts() if req.reports_logprobs else None)
     chain = _Chain(responses if stored else None, items, job_id)
     stream = streams[0]
     tools_possible = bool(tools) and choice != "none"
 
     def finished(final: StreamEvent, turn: AssistantTurn) -> dict[str, Any]:
         text = without_cut_off_call(turn.message.get("content") or "", turn, tools_possible, rt.tool_call_format)
-        return envelope.body("completed", final_output(turn, text), final, turn.finish_reason)
+        # NOTE: the message's logprobs are the whole reply's tokens', as vLLM reports them
+        logprobs = (text_logprobs(final.output.logprobs or [], envelope.texts) if envelope.texts is not None
+                    else None)
+        return envelope.body("completed", final_output(turn, text, logprobs), final, turn.finish_reason)
 
     def events(keep: Callable[[dict[str, Any]], None], on_failed: Callable[[dict[str, Any]], None] | None = None
                ) -> AsyncIterator[str]:

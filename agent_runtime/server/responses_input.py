@@ -12,11 +12,12 @@ after it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     StrictBool,
     StrictStr,
     field_validator,
@@ -36,9 +37,13 @@ from agent_runtime.server.request_fields import (
 )
 from agent_runtime.server.requests import lift_vllm_xargs
 from asymcache_core.chat_messages import TEXT_PART_KEYS, TEXT_PART_SEPARATOR
+from asymcache_core.logprobs import MAX_LOGPROBS
 from asymcache_core.sampling_params import SamplingParams
 
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
+#: The ``include`` values served. NOTE: reasoning items are sent in the clear, so asking for
+#: their encrypted content (Codex does) changes nothing
+SERVED_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
 
 
 class ReasoningSettings(BaseModel):
@@ -60,12 +65,7 @@ class ResponsesRequest(BaseModel):
 
     #: fields this server does not serve, with the values that mean "off"
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "conversation": (None,),
-        # NOTE: reasoning items are sent in the clear, so asking for their encrypted content
-        # (Codex does) changes nothing; the other includes would
-        "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
-        "top_logprobs": (None, 0),
-        "truncation": (None, "disabled"),
+        "conversation": (None,), "prompt": (None,), "truncation": (None, "disabled"),
     }
 
     model: StrictStr | None = None
@@ -92,11 +92,28 @@ class ResponsesRequest(BaseModel):
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
     cache_salt: CacheSalt | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _hints_in_xargs(cls, data: Any) -> Any:
         return lift_vllm_xargs(data, ("job_id", "is_last_step"))
+
+    @field_validator("include")
+    @classmethod
+    def _served_includes(cls, value: list[str] | None) -> list[str] | None:
+        for i, name in enumerate(value or ()):
+            if name not in SERVED_INCLUDES:
+                raise ValueError(f"include[{i}]: not served by this server: {name!r} "
+                                 f"({', '.join(SERVED_INCLUDES)} are)")
+        return value
+
+    @property
+    def reports_logprobs(self) -> bool:
+        """Whether the message's text carries its tokens' log probabilities: the request
+        includes ``message.output_text.logprobs``, or asks for alternatives (``top_logprobs``)."""
+        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -119,6 +136,7 @@ class ResponsesRequest(BaseModel):
             **sampling_fields(self, defaults),
             seed=self.seed,
             cache_salt=self.cache_salt,
+            logprobs=(self.top_logprobs or 0) if self.reports_logprobs else None,
         )
 
 

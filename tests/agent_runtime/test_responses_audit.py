@@ -130,7 +130,10 @@ def test_a_client_leaving_a_background_stream_leaves_the_run_going(live, oa):
     ({"background": "yes"}, "background"),
     ({"max_tool_calls": 0}, "max_tool_calls"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.input_image.image_url"]}, "include"),
+    ({"include": ["reasoning.encrypted_content", "message.input_image.image_url"]}, "include[1]"),
+    ({"include": "message.output_text.logprobs"}, "include"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": -1}, "top_logprobs"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(live, fields, param):
     r = httpx.post(f"{live.base}/v1/responses", json={"model": MODEL, "input": "hi", **fields}, timeout=60)
@@ -176,3 +179,37 @@ def test_a_cancel_goes_to_the_replica_that_stores_the_response():
     assert needs_home("POST", f"/v1/responses/{rid}/cancel", None) == RESPONSE_KEY + digest
     assert needs_home("GET", f"/v1/responses/{rid}", None) == RESPONSE_KEY + digest
     assert needs_home("POST", f"/v1/responses/{rid}/other", None) is None
+
+
+def test_logprobs_are_the_chat_completions_and_stream_with_their_deltas(live, oa):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` (vLLM's and OpenAI's):
+    the message's ``output_text`` carries its tokens' log probabilities, the same as the chat
+    completion of the same conversation reports; streamed, each text delta carries its tokens',
+    and the done event and the final part the whole list."""
+    ask = {"model": MODEL, "input": "Name a colour of the sky.", "max_output_tokens": 6, "temperature": 0}
+    resp = oa.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask["input"]}], max_tokens=6,
+                                      temperature=0, logprobs=True, top_logprobs=2)
+    got = resp.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert resp.top_logprobs == 2 and len(got) == resp.usage.output_tokens == len(want)
+    for mine, theirs in zip(got, want, strict=True):
+        assert (mine.token, mine.bytes) == (theirs.token, theirs.bytes)
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t.token for t in mine.top_logprobs] == [t.token for t in theirs.top_logprobs]
+        assert len(mine.top_logprobs) == 2
+    assert "".join(lp.token for lp in got).startswith(resp.output_text)
+    events = list(oa.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all(len(e.logprobs) >= 1 for e in deltas)
+    assert "".join(lp.token for e in deltas for lp in e.logprobs).startswith("".join(e.delta for e in deltas))
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in got]
+    assert events[-1].response.output[0].content[0].logprobs == got
+    # without the include (and no top_logprobs) the part's logprobs stay empty
+    plain = oa.responses.create(**ask)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 0
+    # top_logprobs alone asks for them too, with alternatives
+    alone = oa.responses.create(**ask, top_logprobs=1)
+    assert [len(lp.top_logprobs) for lp in alone.output[0].content[0].logprobs] == [1] * len(got)
+    live.check()
