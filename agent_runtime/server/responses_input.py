@@ -11,6 +11,7 @@ after it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -203,6 +204,7 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not (isinstance(name, str) and name and isinstance(arguments, str) and isinstance(call_id, str)):
                 raise ValueError(f"{where}: a function_call needs string name, arguments and call_id")
+            _check_arguments(arguments, f"{where}.arguments")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             # NOTE: the calls of one turn, after the text the model wrote before them: one
@@ -223,6 +225,18 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
     if not messages:
         raise ValueError("input: must hold at least one item")
     return messages
+
+
+def _check_arguments(arguments: str, where: str) -> None:
+    """A ``function_call`` item's arguments must be JSON text of an object (empty: none), as
+    a chat's tool call's are; checked here so that the error names the item, not the chat
+    message it becomes."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: must be JSON text of an object, got {type(value).__name__}")
 
 
 def _reasoning_text(item: Mapping[str, Any], where: str) -> str:

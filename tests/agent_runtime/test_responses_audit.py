@@ -134,11 +134,16 @@ def test_a_client_leaving_a_background_stream_leaves_the_run_going(live, oa):
     ({"include": "message.output_text.logprobs"}, "include"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": -1}, "top_logprobs"),
+    # a call's arguments are named as the item that holds them, not as the chat message it becomes
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "name": "f", "arguments": "{bad",
+                                                   "call_id": "c"}]}, "input[1].arguments"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "[1]", "call_id": "c"}]}, "input[0].arguments"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(live, fields, param):
     r = httpx.post(f"{live.base}/v1/responses", json={"model": MODEL, "input": "hi", **fields}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["message"].startswith(f"{param}:"), r.text
     assert _idle(live)
 
 
