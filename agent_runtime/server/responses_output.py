@@ -123,7 +123,9 @@ class ResponseEnvelope:
         if final is not None:
             use = usage(final, self.count_reasoning(final.output.text, final.output.token_ids))
         body = {**self.fields, "status": status, "output": output, "usage": use}
-        if reason == "length":
+        # NOTE: the engine's reason too: a turn with a complete call reports tool_calls even
+        # where the limit cut off the text after it
+        if reason == "length" or (final is not None and final.output.finish_reason == "length"):
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
             if output and output[-1]["type"] in ("message", "reasoning"):
                 # NOTE: the text cut off is the last item's: it is incomplete too (the spec's
@@ -326,7 +328,7 @@ async def response_events(
             return
         final = stream.final
         assert final is not None
-        turn, owed, streamed, thought, content = finished_reply(stream, final, text, calls_stream)
+        turn, owed, streamed, thought, content = finished_reply(stream, final, text, calls_stream, after_calls=True)
         if envelope.texts is not None and final.output.logprobs:
             pending += final.output.logprobs[logprobs_seen:]
         calls = turn.parsed.tool_calls
@@ -355,7 +357,8 @@ async def response_events(
                 frames += items.call_piece(call)
         # NOTE: the tokens no delta carried (a stop token's) are the open message's all the same
         items.add_logprobs(pending)
-        frames += items.close("incomplete" if turn.finish_reason == "length" else "completed")
+        frames += items.close("incomplete" if "length" in (turn.finish_reason, final.output.finish_reason)
+                              else "completed")
         for frame in frames:
             yield frame
         body = envelope.body("completed", items.output, final, turn.finish_reason)

@@ -218,3 +218,32 @@ def test_logprobs_are_the_chat_completions_and_stream_with_their_deltas(live, oa
     alone = oa.responses.create(**ask, top_logprobs=1)
     assert [len(lp.top_logprobs) for lp in alone.output[0].content[0].logprobs] == [1] * len(got)
     live.check()
+
+
+def test_a_reply_cut_off_after_a_complete_call_is_incomplete_without_the_cut_off_text(live, oa):
+    """``tool_choice: required`` lets the model write one call after another; the length limit
+    cutting off the second one (greedy SmolLM2: after 40 tokens, ``<tool_call`` of it) leaves
+    the response ``incomplete`` (it was ``completed``: the turn reports ``tool_calls``) with the
+    complete call, and no message holding the cut-off call's text (it held ``<tool_call``)."""
+    tool = {"type": "function", "name": "read_file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+    ask = {"model": MODEL, "input": "Read notes.txt", "tools": [tool], "tool_choice": "required",
+           "max_output_tokens": 40, "temperature": 0}
+    raw = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask["input"]}], max_tokens=40,
+                                     temperature=0, tools=[{"type": "function", "function": {
+                                         k: v for k, v in tool.items() if k != "type"}}], tool_choice="required")
+    assert raw.choices[0].message.content == "<tool_call" and len(raw.choices[0].message.tool_calls) == 1
+    resp = oa.responses.create(**ask)
+    events = list(oa.responses.create(**ask, stream=True))
+    for got in (resp, events[-1].response):
+        assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
+        assert [(i.type, i.status, i.name) for i in got.output] == [("function_call", "completed", "read_file")]
+        assert json.loads(got.output[0].arguments) == json.loads(raw.choices[0].message.tool_calls[0].function.arguments)
+    assert events[-1].type == "response.incomplete"
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    # the chain goes on from the complete call
+    nxt = oa.responses.create(model=MODEL, previous_response_id=resp.id, max_output_tokens=2, input=[
+        {"type": "function_call_output", "call_id": resp.output[0].call_id, "output": "Buy milk."}])
+    assert [i.type for i in oa.responses.input_items.list(nxt.id, order="asc")] == [
+        "message", "function_call", "function_call_output"]
+    live.check()
