@@ -76,6 +76,12 @@ class BackgroundRuns:
     def __init__(self) -> None:
         self._runs: dict[str, BackgroundRun] = {}
 
+    @property
+    def running(self) -> int:
+        """The runs still going: completions in flight that no HTTP request holds open (the
+        request guard's bound counts them)."""
+        return sum(not r.finished for r in self._runs.values())
+
     def get(self, response_id: str) -> BackgroundRun | None:
         """The run of a response, if it had one."""
         return self._runs.get(response_id)

@@ -247,3 +247,28 @@ def test_a_reply_cut_off_after_a_complete_call_is_incomplete_without_the_cut_off
     assert [i.type for i in oa.responses.input_items.list(nxt.id, order="asc")] == [
         "message", "function_call", "function_call_output"]
     live.check()
+
+
+def test_background_runs_count_against_the_bound_on_completions_in_flight(smollm):
+    """A background response runs on after its request answered; the bound on completions in
+    flight (``max_num_seqs`` + ``--max-queue-len``) counts it all the same, so background
+    requests cannot pile up past it: the next is a 429 until one ends."""
+    from agent_runtime.runtime import AgentRuntime
+    from tests.conftest import make_engine
+
+    runtime = AgentRuntime(make_engine(smollm, max_model_len=512, max_num_seqs=1))
+    try:
+        with serving(create_app(runtime, MODEL, max_queue_len=0)) as base:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+            first = client.responses.create(**LONG, background=True)
+            for body in ({**LONG, "background": True}, {**LONG, "max_output_tokens": 1}):
+                r = httpx.post(f"{base}/v1/responses", json=body, timeout=60)
+                assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+            assert client.responses.cancel(first.id).status == "cancelled"
+            second = client.responses.create(**{**LONG, "max_output_tokens": 2}, background=True)
+            assert _wait_until_done(client, second.id).status == "incomplete"
+            assert client.responses.create(**{**LONG, "max_output_tokens": 1}).status == "incomplete"
+        assert runtime.call_threadsafe(lambda e: e.has_unfinished()).result(timeout=30) is False
+    finally:
+        runtime.close_sync()
+        runtime.engine.close()
