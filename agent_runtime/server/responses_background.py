@@ -87,8 +87,10 @@ class BackgroundRuns:
         return self._runs.get(response_id)
 
     def add(self, run: BackgroundRun, store: ResponseStore) -> None:
-        """Keep ``run``, forgetting finished runs whose responses the store dropped."""
-        for rid in [rid for rid, r in self._runs.items() if r.finished and store.get(rid, touch=False) is None]:
+        """Keep ``run``, forgetting finished runs that nothing reads again: those not streamed,
+        and those whose responses the store dropped."""
+        for rid in [rid for rid, r in self._runs.items()
+                    if r.finished and (not r.events or store.get(rid, touch=False) is None)]:
             del self._runs[rid]
         self._runs[run.response_id] = run
 

@@ -272,3 +272,34 @@ def test_background_runs_count_against_the_bound_on_completions_in_flight(smollm
     finally:
         runtime.close_sync()
         runtime.engine.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_background_response_whose_request_fails_is_stored_failed(live, oa, stream):
+    """A step fault fails a background request: its stored response says ``failed`` with the
+    error (it never stays ``in_progress``), streamed ones after an ``error`` and a
+    ``response.failed`` event; nothing is left running."""
+    runner = live.runtime.engine.runner
+    original = runner.execute
+
+    def flaky(plan):
+        if any(item.request.params.max_tokens == 27 for item in plan.scheduled):
+            raise RuntimeError("injected forward-pass fault")
+        return original(plan)
+
+    live.engine(lambda e: setattr(e.runner, "execute", flaky))
+    try:
+        body = {"model": MODEL, "input": "Count to ten.", "max_output_tokens": 27, "background": True}
+        if stream:
+            events = list(oa.responses.create(**body, stream=True))
+            assert [e.type for e in events][-2:] == ["error", "response.failed"]
+            rid = events[0].response.id
+        else:
+            rid = oa.responses.create(**body).id
+        failed = _wait_until_done(oa, rid)
+    finally:
+        live.engine(lambda e: setattr(e.runner, "execute", original))
+    assert failed.status == "failed" and "injected forward-pass fault" in failed.error.message
+    assert failed.error.code == "server_error"
+    assert _idle(live)
+    live.check()
