@@ -183,6 +183,8 @@ def create_app(
     app.add_api_route(openai_responses.PATH + "/{response_id}/input_items", openai_responses.list_input_items,
                       methods=["GET"])
     app.add_api_route(openai_responses.PATH + "/{response_id}", openai_responses.delete_response, methods=["DELETE"])
+    app.add_api_route(openai_responses.PATH + "/{response_id}/cancel", openai_responses.cancel_response,
+                      methods=["POST"])
     app.add_api_route(anthropic_messages.PATH, anthropic_messages.create_message, methods=["POST"])
     app.add_api_route(anthropic_messages.COUNT_PATH, anthropic_messages.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])

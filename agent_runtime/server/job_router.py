@@ -130,7 +130,8 @@ def response_digest(response_id: Any) -> str | None:
 
 def needs_home(method: str, path: str, body: bytes | Mapping[str, Any] | None) -> str | None:
     """The routing key of a request that must go to its key's replica, if it is one: a
-    Responses request continuing a stored response, or a stored response read or deleted.
+    Responses request continuing a stored response, or a stored response read, deleted or
+    cancelled.
 
     Args:
         method: the HTTP method.
@@ -141,7 +142,8 @@ def needs_home(method: str, path: str, body: bytes | Mapping[str, Any] | None) -
         ``response:<digest>`` of the response's id, or None when the request may go anywhere
         its key's policy sends it.
     """
-    if path.startswith("/v1/responses/") and method in ("GET", "DELETE"):
+    stored = method in ("GET", "DELETE") or (method == "POST" and path.endswith("/cancel"))
+    if path.startswith("/v1/responses/") and stored:
         digest = response_digest(path[len("/v1/responses/"):].split("/", 1)[0])
         return RESPONSE_KEY + digest if digest else None
     if method != "POST" or path != "/v1/responses" or body is None:

@@ -29,22 +29,33 @@ The request's ``reasoning.effort`` is the chat template's ``reasoning_effort`` v
 passes it (gpt-oss's template reads it; others ignore it); ``reasoning.summary`` is accepted and
 echoed, but the reasoning item carries the thinking itself, never a summary.
 
-Not served (a 400 naming the field, never ignored): ``conversation``, ``background``, built-in
-tools, non-text inputs, ``include``.
+``background: true`` (a stored response) answers at once with the response ``queued``; the
+request runs on (:mod:`agent_runtime.server.responses_background`), ``GET`` reads it as it goes
+(streamed again with ``stream=true``) and ``POST /v1/responses/{id}/cancel`` stops it.
+``max_tool_calls`` caps calls of built-in tools, none of which is served: it is echoed.
+
+``include: ["message.output_text.logprobs"]`` (or ``top_logprobs`` above 0) gives the message's
+``output_text`` its tokens' log probabilities, and each text delta those of its tokens.
+
+Not served (a 400 naming the field, never ignored): ``conversation``, built-in tools, non-text
+inputs, the other ``include`` values (but ``reasoning.encrypted_content``: reasoning is sent in
+the clear), ``truncation: auto``, ``prompt``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import ContextLengthError
 from agent_runtime.reasoning import reasoning_tokens
 from agent_runtime.runtime import AgentRuntime
+from agent_runtime.server import responses_background as background
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.job_router import response_digest, routing_key
 from agent_runtime.server.request_fields import with_reasoning_effort
@@ -70,10 +81,12 @@ from agent_runtime.server.responses_output import (
     error_event,
     final_output,
     response_events,
+    text_logprobs,
 )
 from agent_runtime.server.serving import finish_one, parse_body
 from agent_runtime.server.state import app_state
 from agent_runtime.server.streamed_text import StreamedText, without_cut_off_call
+from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.tool_call_stream import HermesCallStream
 
 PATH = "/v1/responses"
@@ -116,13 +129,15 @@ class _Chain:
 
     def __init__(self, store: ResponseStore | None, items: list[Mapping[str, Any]], job_id: str | None) -> None:
         self.store = store
-        self.items = items
+        # NOTE: ids given once: a background response is stored before it finishes, and its
+        # input items keep their ids
+        self.items = with_item_ids(items)
         self.job_id = job_id
 
     def keep(self, body: dict[str, Any]) -> None:
         """Store the finished response ``body`` (if the request asked to)."""
         if self.store is not None:
-            self.store.put(StoredResponse(body, (*with_item_ids(self.items), *body["output"]), self.job_id))
+            self.store.put(StoredResponse(body, (*self.items, *body["output"]), self.job_id))
 
 
 def _decoder(rt: AgentRuntime) -> Callable[[Sequence[int]], str] | None:
@@ -139,7 +154,14 @@ async def create_response(request: Request) -> Response:
     previous = None
     if req.previous_response_id is not None:
         previous = responses.require(req.previous_response_id, "previous_response_id")
+        if previous.body.get("status") in background.RUNNING:
+            raise APIError(400, f"previous_response_id: response {previous.id!r} is still {previous.body['status']}; "
+                           "a turn continues it once it has finished", param="previous_response_id")
     stored = req.store is not False and responses.enabled
+    if req.background and not stored:
+        # NOTE: a background response is only ever read back from the store (OpenAI's rule)
+        why = "store: false" if req.store is False else "a server that stores no responses (--responses-store-size 0)"
+        raise APIError(400, f"background: a background response must be stored; not with {why}", param="background")
     # NOTE: a chain's ids carry the digest of its first request's routing key (replicas route by it)
     digest = (response_digest(previous.id) if previous is not None else
               chain_digest(routing_key({"job_id": req.job_id, "input": req.input, "instructions": req.instructions})))
@@ -173,32 +195,74 @@ async def create_response(request: Request) -> Response:
         raise _as_responses_error(from_value_error(e, "input")) from None
     decode = _decoder(rt)
     envelope = ResponseEnvelope(response_id, req, state.model_name, params, stored,
-                         lambda text, ids: reasoning_tokens(text, ids, rt.reasoning_parser, decode))
+                                lambda text, ids: reasoning_tokens(text, ids, rt.reasoning_parser, decode),
+                                state.token_texts() if req.reports_logprobs else None)
     chain = _Chain(responses if stored else None, items, job_id)
     stream = streams[0]
+    tools_possible = bool(tools) and choice != "none"
+
+    def finished(final: StreamEvent, turn: AssistantTurn) -> dict[str, Any]:
+        text = without_cut_off_call(turn.message.get("content") or "", turn, tools_possible, rt.tool_call_format,
+                                    cut_off=final.output.finish_reason == "length")
+        # NOTE: the message's logprobs are the whole reply's tokens', as vLLM reports them
+        logprobs = (text_logprobs(final.output.logprobs or [], envelope.texts) if envelope.texts is not None
+                    else None)
+        return envelope.body("completed", final_output(turn, text, logprobs), final, turn.finish_reason)
+
+    def events(keep: Callable[[dict[str, Any]], None], on_failed: Callable[[dict[str, Any]], None] | None = None
+               ) -> AsyncIterator[str]:
+        text = StreamedText(tools_possible, rt.tool_call_format, rt.reasoning_parser)
+        calls = (HermesCallStream(None if req.parallel_tool_calls is not False else 1)
+                 if tools_possible and rt.tool_call_format == "hermes" else None)
+        return response_events(stream, envelope, text, state.metrics, keep, calls, on_failed)
+
+    if req.background:
+        async def work(run: background.BackgroundRun, keep: Callable[[dict[str, Any]], None]) -> None:
+            if req.stream:
+                async for frame in events(keep, on_failed=keep):
+                    run.write(frame)
+                return
+            final = await stream.result()
+            state.metrics.observe(final)
+            keep(finished(final, build_turn(stream, final)))
+
+        queued = StoredResponse(envelope.body("queued", []), chain.items, job_id)
+        run = background.start(responses, state.background, queued, stream, work, chain.keep)
+        state.metrics.count(PATH, 200)
+        if req.stream:
+            return StreamingResponse(run.replay(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(dict(queued.body))
     if not req.stream:
         final, turn = await finish_one(request, state, stream, PATH)
-        text = without_cut_off_call(turn.message.get("content") or "", turn, bool(tools) and choice != "none",
-                                    rt.tool_call_format)
-        body = envelope.body("completed", final_output(turn, text), final, turn.finish_reason)
+        body = finished(final, turn)
         chain.keep(body)
         return JSONResponse(body)
     state.metrics.count(PATH, 200)
-    tools_possible = bool(tools) and choice != "none"
-    text = StreamedText(tools_possible, rt.tool_call_format, rt.reasoning_parser)
-    calls = (HermesCallStream(None if req.parallel_tool_calls is not False else 1)
-             if tools_possible and rt.tool_call_format == "hermes" else None)
-    events = response_events(stream, envelope, text, state.metrics, chain.keep, calls)
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return StreamingResponse(events(chain.keep), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def get_response(request: Request) -> Response:
-    """``GET /v1/responses/{response_id}``: a stored response."""
+    """``GET /v1/responses/{response_id}``: a stored response; with ``stream=true``, a streamed
+    background response's events (after ``starting_after``, a sequence number)."""
     state = app_state(request)
-    found = state.responses.require(request.path_params["response_id"])
+    response_id = request.path_params["response_id"]
+    query = request.query_params
+    if query.get("stream", "false").lower() in ("true", "1"):
+        frames = background.replay_or_404(state.responses, state.background, response_id,
+                                          query.get("starting_after"))
+        state.metrics.count(PATH, 200)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+    found = state.responses.require(response_id)
     state.metrics.count(PATH, 200)
     return JSONResponse(dict(found.body))
+
+
+async def cancel_response(request: Request) -> Response:
+    """``POST /v1/responses/{response_id}/cancel``: stop a background response's run."""
+    state = app_state(request)
+    body = await background.cancel(state.responses, state.background, request.path_params["response_id"])
+    state.metrics.count(PATH, 200)
+    return JSONResponse(body)
 
 
 async def list_input_items(request: Request) -> Response:
@@ -220,13 +284,17 @@ async def delete_response(request: Request) -> Response:
     responses stay)."""
     state = app_state(request)
     response_id = request.path_params["response_id"]
-    state.responses.require(response_id)
+    found = state.responses.require(response_id)
+    if found.body.get("status") in background.RUNNING:
+        # NOTE: its run stops first: a run that finished later would store it again
+        await background.cancel(state.responses, state.background, response_id)
     state.responses.delete(response_id)
     state.metrics.count(PATH, 200)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
 __all__ = [
-    "PATH", "ResponsesRequest", "chat_response_format", "chat_tool_choice", "chat_tools", "create_response",
+    "PATH", "ResponsesRequest", "cancel_response", "chat_response_format", "chat_tool_choice", "chat_tools",
+    "create_response",
     "delete_response", "error_event", "get_response", "input_messages", "list_input_items",
 ]

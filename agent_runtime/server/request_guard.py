@@ -61,8 +61,10 @@ class RequestGuard:
             return False
         runtime = self.state.runtime
         running = runtime.engine.config.max_num_seqs if runtime is not None else 0
+        # NOTE: background responses run on after their requests answered: they count too
+        busy = self.in_flight + self.state.background.running
         # NOTE: one request is always let in, however many choices it asks for
-        return self.in_flight > 0 and self.in_flight + weight > running + self.max_queue_len
+        return busy > 0 and busy + weight > running + self.max_queue_len
 
     async def _reject(self, send: Send, path: str, error: APIError, close: bool = False,
                       headers: dict[str, str] | None = None) -> None:
@@ -113,7 +115,8 @@ class RequestGuard:
         weight = _choices(body) if path in COMPLETION_PATHS else 0
         if path in COMPLETION_PATHS and self._full(weight):
             await self._reject(send, path, APIError(
-                429, f"The server is at capacity ({self.in_flight} requests in flight); retry shortly",
+                429, f"The server is at capacity ({self.in_flight + self.state.background.running} requests in "
+                "flight); retry shortly",
                 type="rate_limit_error", code="queue_full"), headers={"Retry-After": "1"})
             return
         await self._forward(scope, receive, send, body, path, weight)

@@ -114,10 +114,10 @@ class ResponseStore:
         while len(self._responses) > self.capacity:
             self._responses.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response (now the most recently used), or None."""
+    def get(self, response_id: str, touch: bool = True) -> StoredResponse | None:
+        """The stored response (now the most recently used, unless ``touch`` is off), or None."""
         found = self._responses.get(response_id)
-        if found is not None:
+        if found is not None and touch:
             self._responses.move_to_end(response_id)
         return found
 

@@ -11,12 +11,14 @@ after it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     StrictBool,
     StrictStr,
     field_validator,
@@ -36,9 +38,13 @@ from agent_runtime.server.request_fields import (
 )
 from agent_runtime.server.requests import lift_vllm_xargs
 from asymcache_core.chat_messages import TEXT_PART_KEYS, TEXT_PART_SEPARATOR
+from asymcache_core.logprobs import MAX_LOGPROBS
 from asymcache_core.sampling_params import SamplingParams
 
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
+#: The ``include`` values served. NOTE: reasoning items are sent in the clear, so asking for
+#: their encrypted content (Codex does) changes nothing
+SERVED_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")
 
 
 class ReasoningSettings(BaseModel):
@@ -60,12 +66,7 @@ class ResponsesRequest(BaseModel):
 
     #: fields this server does not serve, with the values that mean "off"
     unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "conversation": (None,),
-        # NOTE: reasoning items are sent in the clear, so asking for their encrypted content
-        # (Codex does) changes nothing; the other includes would
-        "background": (None, False), "prompt": (None,), "include": (None, [], ["reasoning.encrypted_content"]),
-        "top_logprobs": (None, 0),
-        "truncation": (None, "disabled"), "max_tool_calls": (None,),
+        "conversation": (None,), "prompt": (None,), "truncation": (None, "disabled"),
     }
 
     model: StrictStr | None = None
@@ -81,6 +82,9 @@ class ResponsesRequest(BaseModel):
     seed: Int | None = None
     stream: StrictBool | None = None
     store: StrictBool | None = None
+    background: StrictBool | None = None
+    #: OpenAI's cap on calls of built-in tools: none is served, so it caps nothing here (echoed)
+    max_tool_calls: PositiveInt | None = None
     previous_response_id: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     text: dict[str, Any] | None = None
@@ -89,11 +93,28 @@ class ResponsesRequest(BaseModel):
     job_id: JobId | None = None
     is_last_step: StrictBool | None = None
     cache_salt: CacheSalt | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _hints_in_xargs(cls, data: Any) -> Any:
         return lift_vllm_xargs(data, ("job_id", "is_last_step"))
+
+    @field_validator("include")
+    @classmethod
+    def _served_includes(cls, value: list[str] | None) -> list[str] | None:
+        for i, name in enumerate(value or ()):
+            if name not in SERVED_INCLUDES:
+                raise ValueError(f"include[{i}]: not served by this server: {name!r} "
+                                 f"({', '.join(SERVED_INCLUDES)} are)")
+        return value
+
+    @property
+    def reports_logprobs(self) -> bool:
+        """Whether the message's text carries its tokens' log probabilities: the request
+        includes ``message.output_text.logprobs``, or asks for alternatives (``top_logprobs``)."""
+        return "message.output_text.logprobs" in (self.include or ()) or bool(self.top_logprobs)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -116,6 +137,7 @@ class ResponsesRequest(BaseModel):
             **sampling_fields(self, defaults),
             seed=self.seed,
             cache_salt=self.cache_salt,
+            logprobs=(self.top_logprobs or 0) if self.reports_logprobs else None,
         )
 
 
@@ -182,6 +204,7 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not (isinstance(name, str) and name and isinstance(arguments, str) and isinstance(call_id, str)):
                 raise ValueError(f"{where}: a function_call needs string name, arguments and call_id")
+            _check_arguments(arguments, f"{where}.arguments")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             # NOTE: the calls of one turn, after the text the model wrote before them: one
@@ -202,6 +225,18 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
     if not messages:
         raise ValueError("input: must hold at least one item")
     return messages
+
+
+def _check_arguments(arguments: str, where: str) -> None:
+    """A ``function_call`` item's arguments must be JSON text of an object (empty: none), as
+    a chat's tool call's are; checked here so that the error names the item, not the chat
+    message it becomes."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: must be JSON text of an object, got {type(value).__name__}")
 
 
 def _reasoning_text(item: Mapping[str, Any], where: str) -> str:

@@ -15,10 +15,12 @@ from typing import Any
 
 from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.errors import failed_request_error
+from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.responses_input import ResponsesRequest
 from agent_runtime.server.streamed_text import StreamedText, finished_reply
 from agent_runtime.types import AssistantTurn, StreamEvent
+from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
 from asymcache_core.tool_parsing import to_openai_tool_calls
@@ -28,9 +30,11 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """A ``message`` output item with one ``output_text`` part."""
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A ``message`` output item with one ``output_text`` part (with its tokens' ``logprobs``,
+    when the request asked for them)."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
@@ -38,6 +42,23 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
     """A ``reasoning`` output item: the thinking as one ``reasoning_text`` part, no summary."""
     return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def text_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, with_bytes: bool = True
+                  ) -> list[dict[str, Any]]:
+    """The ``logprobs`` of an ``output_text`` part (``with_bytes``) or of a text delta or done
+    event (OpenAI's forms: ``{token, logprob, bytes, top_logprobs}``, the events' without bytes).
+
+    Args:
+        entries: one per generated token.
+        texts: the token decoder.
+        with_bytes: the part's form.
+    """
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = texts(token_id)
+        return {"token": text, "logprob": logprob, **({"bytes": raw or []} if with_bytes else {})}
+
+    return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
 
 def call_items(turn: AssistantTurn) -> list[dict[str, Any]]:
@@ -72,12 +93,14 @@ class ResponseEnvelope:
         params: its sampling parameters.
         stored: whether it will be stored.
         count_reasoning: the reasoning tokens of a finished reply (its text, its tokens).
+        texts: the token decoder of the message's log probabilities (None: not asked for).
     """
 
     def __init__(self, response_id: str, req: ResponsesRequest, model: str, params: SamplingParams, stored: bool,
-                 count_reasoning: Callable[[str, Sequence[int]], int]) -> None:
+                 count_reasoning: Callable[[str, Sequence[int]], int], texts: TokenTexts | None = None) -> None:
         self.id = response_id
         self.count_reasoning = count_reasoning
+        self.texts = texts
         self.fields: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": req.instructions, "metadata": dict(req.metadata or {}),
@@ -86,7 +109,9 @@ class ResponseEnvelope:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": list(req.tools or []), "text": dict(req.text or {"format": {"type": "text"}}),
             "previous_response_id": req.previous_response_id,
-            "store": stored, "truncation": "disabled", "user": req.user, "error": None,
+            "store": stored, "background": req.background is True, "max_tool_calls": req.max_tool_calls,
+            "top_logprobs": req.top_logprobs or 0,
+            "truncation": "disabled", "user": req.user, "error": None,
             "incomplete_details": None,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
                           "summary": (req.reasoning.summary or req.reasoning.generate_summary) if req.reasoning else None},
@@ -98,7 +123,9 @@ class ResponseEnvelope:
         if final is not None:
             use = usage(final, self.count_reasoning(final.output.text, final.output.token_ids))
         body = {**self.fields, "status": status, "output": output, "usage": use}
-        if reason == "length":
+        # NOTE: the engine's reason too: a turn with a complete call reports tool_calls even
+        # where the limit cut off the text after it
+        if reason == "length" or (final is not None and final.output.finish_reason == "length"):
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
             if output and output[-1]["type"] in ("message", "reasoning"):
                 # NOTE: the text cut off is the last item's: it is incomplete too (the spec's
@@ -107,18 +134,20 @@ class ResponseEnvelope:
         return body
 
 
-def final_output(turn: AssistantTurn, text: str | None = None) -> list[dict[str, Any]]:
+def final_output(turn: AssistantTurn, text: str | None = None, logprobs: list[dict[str, Any]] | None = None
+                 ) -> list[dict[str, Any]]:
     """The output items of a finished turn: its thinking (with a reasoning parser), its text (if
     any, or when no other item is), then its calls.
 
     Args:
         turn: the turn.
         text: its text, if not the message's content (a tool call cut off taken out).
+        logprobs: the message's ``logprobs`` (:func:`text_logprobs`), if asked for.
     """
     text = (turn.message.get("content") or "") if text is None else text
     items = [reasoning_item(_new_id("rs"), turn.parsed.reasoning)] if turn.parsed.reasoning is not None else []
     if text or not (turn.parsed.tool_calls or items):
-        items.append(message_item(_new_id("msg"), text))
+        items.append(message_item(_new_id("msg"), text, logprobs=logprobs))
     return items + call_items(turn)
 
 
@@ -144,7 +173,8 @@ def error_event(exc: BaseException, sequence_number: int = 0) -> str:
 class _ItemStream:
     """The typed events of one streamed response's output items, numbered in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, texts: TokenTexts | None = None) -> None:
+        self.texts = texts  # the decoder of the message's log probabilities (None: not asked for)
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning, message or function_call item being streamed
@@ -168,9 +198,10 @@ class _ItemStream:
                                                                                      "text": ""}))
         return frames
 
-    def text(self, kind: str, piece: str) -> list[str]:
+    def text(self, kind: str, piece: str, logprobs: Sequence[TokenLogprob] = ()) -> list[str]:
         """Frames that stream ``piece`` of the ``reasoning`` or ``message`` item (opening it,
-        and closing the item before it)."""
+        and closing the item before it), a message's with the ``logprobs`` of the tokens
+        generated since its last delta."""
         frames = []
         if self.open is not None and self.open["type"] != kind:
             frames += self.close()
@@ -180,10 +211,19 @@ class _ItemStream:
         assert self.open is not None
         self.open["content"][0]["text"] += piece
         delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
+        extra = {} if kind == "reasoning" else {"logprobs": self.add_logprobs(logprobs)}
         if piece:
             frames.append(self.event(delta, **self._where(), delta=piece, **extra))
         return frames
+
+    def add_logprobs(self, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        """Add ``entries`` to the open message's logprobs (none when it asked for none, or no
+        message is open); returns them in the delta events' form."""
+        item = self.open
+        if self.texts is None or not entries or item is None or item["type"] != "message":
+            return []
+        item["content"][0]["logprobs"] += text_logprobs(entries, self.texts)
+        return text_logprobs(entries, self.texts, with_bytes=False)
 
     def close(self, status: str = "completed") -> list[str]:
         """Frames that end the open item (none when none is open), with its ``status``
@@ -203,7 +243,9 @@ class _ItemStream:
             if item["type"] == "reasoning":
                 frames.append(self.event("response.reasoning_text.done", **where, text=part["text"]))
             else:
-                frames.append(self.event("response.output_text.done", **where, text=part["text"], logprobs=[]))
+                done = [{k: v for k, v in e.items() if k != "bytes"} | {"top_logprobs": [
+                    {k: v for k, v in t.items() if k != "bytes"} for t in e["top_logprobs"]]} for e in part["logprobs"]]
+                frames.append(self.event("response.output_text.done", **where, text=part["text"], logprobs=done))
             frames.append(self.event("response.content_part.done", **where, part=part))
         frames.append(self.event("response.output_item.done", output_index=index, item=item))
         self.output.append(item)
@@ -231,6 +273,7 @@ class _ItemStream:
 async def response_events(
     stream: RequestStream, envelope: ResponseEnvelope, text: StreamedText, metrics: ServerMetrics,
     keep: Callable[[dict[str, Any]], None], calls_stream: HermesCallStream | None = None,
+    on_failed: Callable[[dict[str, Any]], None] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of one streamed response; aborts the request if the client goes away.
 
@@ -242,8 +285,12 @@ async def response_events(
         keep: stores the finished response's body (if the request asked to).
         calls_stream: Hermes calls streamed as they are written (a ``function_call`` item each,
             its arguments as delta events); None: calls go whole at the end.
+        on_failed: given the failed response's body when the request fails (a background
+            response stores it); None: it is not kept.
     """
-    items = _ItemStream()
+    items = _ItemStream(envelope.texts)
+    logprobs_seen = 0  # the generated tokens whose log probabilities went out (or wait in pending)
+    pending: list[TokenLogprob] = []  # those no message delta has carried yet
     try:
         yield items.event("response.created", response=envelope.body("in_progress", []))
         yield items.event("response.in_progress", response=envelope.body("in_progress", []))
@@ -253,10 +300,15 @@ async def response_events(
                     metrics.observe(ev)
                     break
                 thought, piece = text.pieces(ev)
+                if envelope.texts is not None and ev.output.logprobs:
+                    pending += ev.output.logprobs[logprobs_seen:]
+                    logprobs_seen = len(ev.output.logprobs)
                 for kind, part in (("reasoning", thought), ("message", piece)):
                     if part:
-                        for frame in items.text(kind, part):
+                        for frame in items.text(kind, part, pending if kind == "message" else ()):
                             yield frame
+                        if kind == "message":
+                            pending = []
                 if calls_stream is not None:
                     for call in calls_stream.feed(text.content):
                         for frame in items.call_piece(call):
@@ -270,11 +322,15 @@ async def response_events(
             body = envelope.body("failed", items.output)
             body["error"] = {"code": err.code if err.status < 500 and err.code else "server_error",
                              "message": str(exc) or type(exc).__name__}
+            if on_failed is not None:
+                on_failed(body)
             yield items.event("response.failed", response=body)
             return
         final = stream.final
         assert final is not None
-        turn, owed, streamed, thought, content = finished_reply(stream, final, text, calls_stream)
+        turn, owed, streamed, thought, content = finished_reply(stream, final, text, calls_stream, after_calls=True)
+        if envelope.texts is not None and final.output.logprobs:
+            pending += final.output.logprobs[logprobs_seen:]
         calls = turn.parsed.tool_calls
         frames = items.text("reasoning", thought) if thought else []
         if turn.parsed.reasoning is not None and items.open is None and not items.output:
@@ -291,13 +347,18 @@ async def response_events(
                     # response says so, and its chain leaves it out (its arguments may not be JSON)
                     item["status"] = "incomplete"
             if content:
-                frames += items.text("message", content)
+                frames += items.text("message", content, pending)
+                pending = []
         else:
             if text.sent or content or not (calls or items.output or items.open):
-                frames += items.text("message", content)
+                frames += items.text("message", content, pending)
+                pending = []
             for call in owed:
                 frames += items.call_piece(call)
-        frames += items.close("incomplete" if turn.finish_reason == "length" else "completed")
+        # NOTE: the tokens no delta carried (a stop token's) are the open message's all the same
+        items.add_logprobs(pending)
+        frames += items.close("incomplete" if "length" in (turn.finish_reason, final.output.finish_reason)
+                              else "completed")
         for frame in frames:
             yield frame
         body = envelope.body("completed", items.output, final, turn.finish_reason)
@@ -311,4 +372,4 @@ async def response_events(
 
 
 __all__ = ["ResponseEnvelope", "call_items", "error_event", "final_output", "message_item", "reasoning_item",
-           "response_events", "usage"]
+           "response_events", "text_logprobs", "usage"]

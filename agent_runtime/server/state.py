@@ -18,6 +18,7 @@ from agent_runtime.server.generation_defaults import sampling_defaults
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
 from agent_runtime.server.response_store import ResponseStore
+from agent_runtime.server.responses_background import BackgroundRuns
 from asymcache_core import Engine
 
 RuntimeOrEngine = AgentRuntime | Engine
@@ -82,6 +83,7 @@ class AppState:
         trust_request_chat_template: serve requests that bring a chat template of their own
             (vLLM's ``--trust-request-chat-template``; refused otherwise).
         responses: the Responses API's stored responses.
+        background: the Responses API's background runs (``background: true``).
     """
 
     model_name: str
@@ -98,6 +100,7 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
     trust_request_chat_template: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)
+    background: BackgroundRuns = field(default_factory=BackgroundRuns)
     _token_texts: TokenTexts | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -184,7 +187,9 @@ class AppState:
         return int(self.require_runtime().max_model_len)
 
     async def stop(self) -> None:
-        """Close the runtime, and its engine's KV event sockets, if the app owns it."""
+        """Cancel the background responses still running (their requests aborted), then close
+        the runtime, and its engine's KV event sockets, if the app owns it."""
+        await self.background.cancel_all()
         if self.runtime is not None and self.owned:
             await self.runtime.close()
             close = getattr(self.runtime.engine, "close", None)

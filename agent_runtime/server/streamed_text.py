@@ -54,7 +54,8 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
     return end
 
 
-def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes") -> str:
+def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes",
+                         cut_off: bool | None = None) -> str:
     """A finished reply's text less a tool call the length limit cut off: the text its stream
     sent (the call itself went out as call pieces, or not at all), for the routes whose calls
     are blocks or items of their own (Messages, Responses).
@@ -64,11 +65,16 @@ def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, c
         turn: the finished turn.
         tools_possible: tool calls were possible in the reply.
         call_format: the runtime's tool-call format.
+        cut_off: the reply hit its length limit (the engine's finish reason), so that a call
+            cut off after complete ones goes too (the Responses route); None: read from the
+            turn, whose finish reason is ``tool_calls`` once a call is complete (such a rest is
+            kept).
 
     Returns:
         The text, cut before an unfinished call.
     """
-    if not tools_possible or turn.parsed.tool_calls or turn.finish_reason != "length":
+    cut = turn.finish_reason == "length" and not turn.parsed.tool_calls if cut_off is None else cut_off
+    if not tools_possible or not cut:
         return text
     return text[: safe_text_len(text, True, call_format)]
 
@@ -134,12 +140,15 @@ class StreamedText:
             return self.sent
         return self.split(final.output.text, True)[1]
 
-    def rest_without_cut_off_call(self, turn: AssistantTurn, final: StreamEvent) -> tuple[str, str]:
+    def rest_without_cut_off_call(self, turn: AssistantTurn, final: StreamEvent, after_calls: bool = False
+                                  ) -> tuple[str, str]:
         """:meth:`rest`, less a tool call the length limit cut off (see
-        :func:`without_cut_off_call`: the Messages and Responses routes)."""
+        :func:`without_cut_off_call`: the Messages and Responses routes; ``after_calls``: one
+        cut off after complete calls too)."""
         before = self.sent
         thought, rest = self.rest(turn, final)
-        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format)
+        cut_off = final.output.finish_reason == "length" if after_calls else None
+        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format, cut_off)
         rest = kept[len(before) :] if kept.startswith(before) else ""
         self.sent = before + rest
         return thought, rest
@@ -173,7 +182,7 @@ class FinishedReply(NamedTuple):
 
 
 def finished_reply(stream: RequestStream, final: StreamEvent, text: StreamedText,
-                   calls: HermesCallStream | None) -> FinishedReply:
+                   calls: HermesCallStream | None, after_calls: bool = False) -> FinishedReply:
     """What the finished reply of ``stream`` still owes (marks it sent).
 
     Args:
@@ -181,13 +190,14 @@ def finished_reply(stream: RequestStream, final: StreamEvent, text: StreamedText
         final: its final event.
         text: what of its text went out.
         calls: its calls streamed as written, if they are.
+        after_calls: a call the length limit cut off after complete ones is left out too.
 
     Returns:
         The reply's rest.
     """
     turn = build_turn(stream, final)
     owed = final_pieces(calls, text.split(final.output.text, True)[1], turn.parsed.tool_calls)
-    thought, rest = text.rest_without_cut_off_call(turn, final)
+    thought, rest = text.rest_without_cut_off_call(turn, final, after_calls)
     return FinishedReply(turn, owed, calls is not None and bool(calls.calls), thought, rest)
 
 

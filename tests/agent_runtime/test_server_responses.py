@@ -117,7 +117,7 @@ def test_a_client_leaving_a_stream_frees_its_request(live):
 @pytest.mark.parametrize(("fields", "param"), [
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"reasoning": {"summary": "auto", "budget": 8}}, "reasoning.budget"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # thinking alone is no conversation
     ({"input": [{"type": "reasoning", "content": "x"}, {"role": "user", "content": "hi"}]}, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
