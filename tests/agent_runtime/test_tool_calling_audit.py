@@ -262,3 +262,20 @@ def test_tool_fields_vllm_takes_are_served(live, fields: dict[str, Any]) -> None
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert message["tool_calls"] == [] and isinstance(message["content"], str)
+
+
+def test_special_tokens_stay_in_the_text_while_hermes_calls_are_parsed(live) -> None:
+    """vLLM's hermes parser turns ``skip_special_tokens`` off while tools may be called: a
+    tokenizer that marks ``<tool_call>`` special (Hermes 2 Pro, Hermes 3) keeps its tags in the
+    text the parser reads. SmolLM2's ``<|im_start|>`` (special, not a stop) shows it."""
+    tokenizer = live.runtime.engine.tokenizer
+    [start] = tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert start in tokenizer.all_special_ids and start != tokenizer.eos_token_id
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+            "allowed_token_ids": [start]}
+    contents = {}
+    for name, fields in (("auto", {"tools": TOOLS}), ("none", {"tools": TOOLS, "tool_choice": "none"}), ("no tools", {})):
+        r = httpx.post(live.base + "/v1/chat/completions", json={**body, **fields}, timeout=120)
+        assert r.status_code == 200, r.text
+        contents[name] = r.json()["choices"][0]["message"]["content"]
+    assert contents == {"auto": "<|im_start|><|im_start|>", "none": "", "no tools": ""}
