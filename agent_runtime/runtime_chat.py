@@ -302,6 +302,10 @@ class ChatTurns:
             documents=options.get("documents"),
         )
         parse = self.tool_call_format if schemas and choice != "none" else None
+        if parse in ("hermes", "auto"):
+            # NOTE: vLLM's hermes parser does the same: a model whose tokenizer marks
+            # ``<tool_call>`` special (Hermes 2 Pro, Hermes 3) would lose its tags in the text
+            params = [replace(p, skip_special_tokens=False) for p in params]
         # NOTE: a reply that continues the final message (a prefill) is that message's content,
         # not a thinking block: the reasoning parser would take it all for thinking
         thinking = None if options.get("continue_final_message", False) else self.reasoning_parser

@@ -138,14 +138,20 @@ def _native_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, An
         messages: OpenAI messages.
 
     Returns:
-        Copies, with ``tool_calls[*].function.arguments`` as dicts and list contents as text.
+        Copies, with ``tool_calls[*].function.arguments`` as dicts (an empty list of calls
+        dropped) and list contents as text.
     """
     out = []
     for m in messages:
         msg = dict(m)
         if not isinstance(msg.get("content"), str | None):
             msg["content"] = _content_text(msg.get("content"))
-        if msg.get("tool_calls"):
+        if not msg.get("tool_calls"):
+            # NOTE: vLLM's: an empty (or null) list is no calls; Llama 3.1's template reads any
+            # ``tool_calls`` key as calls and refuses a list without exactly one (a client that
+            # sends a reply back as it came, ``"tool_calls": []`` included, would get a 400)
+            msg.pop("tool_calls", None)
+        else:
             calls = from_openai_tool_calls(msg["tool_calls"])
             msg["tool_calls"] = [
                 {

@@ -419,6 +419,11 @@ def from_openai_tool_calls(
 ) -> list[ParsedToolCall]:
     """Read an OpenAI ``tool_calls`` list (e.g. from a client's assistant message).
 
+    Arguments that are not a JSON object (malformed JSON, a list, a number) read as an empty
+    object, as vLLM 0.32 reads them: such a call is in the conversation's history (a call the
+    length limit cut off was streamed as its partial arguments), and refusing it would refuse
+    every later turn of the conversation too.
+
     Args:
         tool_calls: entries with ``function.name`` and ``function.arguments`` (JSON text or an
             object); a missing ``id`` gets a fresh one.
@@ -428,24 +433,22 @@ def from_openai_tool_calls(
         The calls.
 
     Raises:
-        ValueError: an entry without a function name, or whose arguments are not a JSON
-            object (naming the entry's index): this is client input, not model text.
+        ValueError: an entry that is not a function call or has no function name (naming the
+            entry's index): this is client input, not model text.
     """
     out: list[ParsedToolCall] = []
     for i, tc in enumerate(tool_calls):
         fn = tc.get("function") if isinstance(tc, Mapping) else None
+        if isinstance(tc, Mapping) and tc.get("type", "function") != "function":
+            raise ValueError(f"tool_calls[{i}].type: must be 'function', got {tc.get('type')!r}")
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise ValueError(f"tool_calls[{i}].function.name: missing")
-        args: Any = fn.get("arguments", {})
-        if args is None:
-            args = {}
+        args: Any = fn.get("arguments") or {}
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"tool_calls[{i}].function.arguments: invalid JSON: {e}") from e
-        if not isinstance(args, Mapping):
-            raise ValueError(f"tool_calls[{i}].function.arguments: must be a JSON object")
+            except (json.JSONDecodeError, RecursionError):
+                args = {}
         call_id = tc.get("id") if isinstance(tc.get("id"), str) and tc.get("id") else make_id()
-        out.append(ParsedToolCall(call_id, fn["name"], dict(args)))
+        out.append(ParsedToolCall(call_id, fn["name"], dict(args) if isinstance(args, Mapping) else {}))
     return out

@@ -31,7 +31,7 @@ from agent_runtime.server.responses import (
     FunctionCallDelta,
     ToolCallDelta,
 )
-from agent_runtime.server.streamed_text import StreamedText, safe_text_len
+from agent_runtime.server.streamed_text import StreamedText, safe_text_len, without_cut_off_call
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.logprobs import TokenLogprob
 from asymcache_core.sampling_params import SamplingParams, choice_params
@@ -185,7 +185,7 @@ class ChatChunks(Chunks):
         turn = build_turn(self.stream, event)
         calls = turn.parsed.tool_calls
         owed = final_pieces(self.calls, self.text.split(event.output.text, True)[1], calls)
-        thought, content = self.text.rest(turn, event)
+        thought, content = self.text.rest_without_cut_off_call(turn, event)
         if (self.calls is not None and self.calls.calls and not calls) or self.forced_tool:
             # NOTE: a call cut off (or malformed) went out as tool-call pieces: its text is not
             # content too; under a forced call the text is all call markup
@@ -214,6 +214,12 @@ class ChatChunks(Chunks):
             message.pop("reasoning_content", None)
         if self.raw_content and not turn.parsed.tool_calls:
             message["content"] = self.text.split(final.output.text, True)[1]
+        if isinstance(message.get("content"), str):
+            # NOTE: a call cut off (by max_tokens or a stop) is not content: its stream sent
+            # no markup either (what went out of it were call pieces)
+            kept = without_cut_off_call(message["content"], turn, self.text.tools_possible, self.text.call_format)
+            if kept != message["content"]:
+                message["content"] = (kept.rstrip() or None) if turn.parsed.tool_calls else kept
         if self.forced_tool and not turn.parsed.tool_calls:
             # NOTE: a forced call that did not parse (cut off): its markup is not content (vLLM's
             # body then has content "" and no calls)

@@ -66,6 +66,27 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool | None = None
 
 
+def check_chat_tool_fields(tools: list[Any] | None, tool_choice: Any) -> None:
+    """A chat completion's ``tools`` and ``tool_choice`` against each other, by vLLM's rules
+    (OpenAI's too): an empty ``tools`` array is refused, and a ``tool_choice`` other than
+    ``"none"`` (or null) needs tools.
+
+    NOTE: the HTTP route's rule only: the Python API's ``tool_choice`` defaults to ``"auto"``
+    with or without tools, and the Responses route takes both without tools (as vLLM's does).
+
+    Args:
+        tools: the request's ``tools`` (None: not given).
+        tool_choice: the request's ``tool_choice`` (None: not given).
+
+    Raises:
+        ValueError: naming ``tools`` or ``tool_choice``.
+    """
+    if tools is not None and not tools:
+        raise ValueError("tools: must not be an empty array; give at least one tool or leave the field out")
+    if tools is None and tool_choice is not None and tool_choice != "none":
+        raise ValueError(f"tool_choice: {tool_choice!r} needs tools; send tools, or leave tool_choice out")
+
+
 def sampling_fields(request: Any, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
     """The sampling fields vLLM defaults (``temperature``, ``top_p``, ``top_k``, ``min_p``, the
     penalties) of ``request``: its own value, else the server's default, else vLLM's.
@@ -89,4 +110,4 @@ def sampling_fields(request: Any, defaults: Mapping[str, Any] | None) -> dict[st
     return values
 
 
-__all__ = ["CacheSalt", "Int", "JobId", "MAX_BATCH_SEQUENCES", "MAX_CHOICES", "Penalty", "PositiveInt", "ReasoningEffort", "StreamOptions", "Temperature", "TopK", "TopP", "sampling_fields", "with_reasoning_effort"]
+__all__ = ["CacheSalt", "check_chat_tool_fields", "Int", "JobId", "MAX_BATCH_SEQUENCES", "MAX_CHOICES", "Penalty", "PositiveInt", "ReasoningEffort", "StreamOptions", "Temperature", "TopK", "TopP", "sampling_fields", "with_reasoning_effort"]

@@ -40,6 +40,7 @@ from agent_runtime.server.request_fields import (
     Temperature,
     TopK,
     TopP,
+    check_chat_tool_fields,
     sampling_fields,
 )
 from agent_runtime.structured_outputs import lift_guided_fields, normalize_structured_outputs
@@ -323,6 +324,11 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
         if top_logprobs and not info.data.get("logprobs"):
             raise ValueError("top_logprobs: needs logprobs=true")
         return top_logprobs
+
+    @model_validator(mode="after")
+    def _tools_for_tool_choice(self) -> ChatCompletionRequest:
+        check_chat_tool_fields(self.tools, self.tool_choice)
+        return self
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""

@@ -328,7 +328,7 @@ async def response_events(
             return
         final = stream.final
         assert final is not None
-        turn, owed, streamed, thought, content = finished_reply(stream, final, text, calls_stream, after_calls=True)
+        turn, owed, streamed, thought, content = finished_reply(stream, final, text, calls_stream)
         if envelope.texts is not None and final.output.logprobs:
             pending += final.output.logprobs[logprobs_seen:]
         calls = turn.parsed.tool_calls

@@ -12,9 +12,11 @@ from agent_runtime.output_processor import build_turn
 from agent_runtime.reasoning import stream_split
 from agent_runtime.request_stream import RequestStream
 from agent_runtime.types import AssistantTurn, StreamEvent
+from asymcache_core.json_scan import arguments_span
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
 
 _TOOL_OPEN = "<tool_call>"
+_TOOL_CLOSE = "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 _BLANKS = re.compile(r"\s*")
 
@@ -54,14 +56,42 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
     return end
 
 
-def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes",
-                         cut_off: bool | None = None) -> str:
-    """A finished reply's text less a tool call the length limit cut off: the text its stream
-    sent (the call itself went out as call pieces, or not at all), for the routes whose calls
-    are blocks or items of their own (Messages, Responses).
+def cut_off_call_start(text: str) -> int | None:
+    """Where a Hermes call the reply ends inside begins: a ``<tool_call>`` with nothing after
+    it, or whose JSON value never closes (the length limit or a stop cut it) and no closing tag
+    follows. A call whose JSON closes is the parse's (a call, or malformed markup kept as text).
 
     Args:
-        text: the reply's text (past any thinking).
+        text: the reply's text (past any thinking), or its parsed content.
+
+    Returns:
+        The index of the cut-off call's tag, or None when the text does not end inside one.
+    """
+    search = 0
+    while (at := text.find(_TOOL_OPEN, search)) >= 0:
+        start = _BLANKS.match(text, at + len(_TOOL_OPEN)).end()  # type: ignore[union-attr]
+        if start == len(text):
+            return at
+        if text[start] not in "{[":
+            search = start
+            continue
+        end = arguments_span(text, start)
+        if end is None:
+            # NOTE: a closing tag after a value that never closes: malformed, not cut off
+            return None if _TOOL_CLOSE in text[start:] else at
+        search = end
+    return None
+
+
+def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes") -> str:
+    """A finished reply's text less a tool call that was cut off: the text its stream sent (the
+    call itself went out as call pieces, or not at all). With no call parsed and the length
+    limit reached, the text stops before the first tag (or a trailing piece of one); a Hermes
+    call the reply ends inside (:func:`cut_off_call_start`) is taken out whatever stopped it,
+    after parsed calls too. vLLM's streamed replies send no such markup as content either.
+
+    Args:
+        text: the reply's text (past any thinking), or its parsed content.
         turn: the finished turn.
         tools_possible: tool calls were possible in the reply.
         call_format: the runtime's tool-call format.
@@ -73,10 +103,15 @@ def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, c
     Returns:
         The text, cut before an unfinished call.
     """
-    cut = turn.finish_reason == "length" and not turn.parsed.tool_calls if cut_off is None else cut_off
-    if not tools_possible or not cut:
+    if not tools_possible:
         return text
-    return text[: safe_text_len(text, True, call_format)]
+    if not turn.parsed.tool_calls and turn.finish_reason == "length":
+        text = text[: safe_text_len(text, True, call_format)]
+    if call_format in ("hermes", "auto"):
+        at = cut_off_call_start(text)
+        if at is not None:
+            text = text[:at]
+    return text
 
 
 class StreamedText:
@@ -140,15 +175,12 @@ class StreamedText:
             return self.sent
         return self.split(final.output.text, True)[1]
 
-    def rest_without_cut_off_call(self, turn: AssistantTurn, final: StreamEvent, after_calls: bool = False
-                                  ) -> tuple[str, str]:
-        """:meth:`rest`, less a tool call the length limit cut off (see
-        :func:`without_cut_off_call`: the Messages and Responses routes; ``after_calls``: one
-        cut off after complete calls too)."""
+    def rest_without_cut_off_call(self, turn: AssistantTurn, final: StreamEvent) -> tuple[str, str]:
+        """:meth:`rest`, less a tool call that was cut off (see :func:`without_cut_off_call`:
+        the chat, Messages and Responses routes)."""
         before = self.sent
         thought, rest = self.rest(turn, final)
-        cut_off = final.output.finish_reason == "length" if after_calls else None
-        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format, cut_off)
+        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format)
         rest = kept[len(before) :] if kept.startswith(before) else ""
         self.sent = before + rest
         return thought, rest
@@ -182,7 +214,7 @@ class FinishedReply(NamedTuple):
 
 
 def finished_reply(stream: RequestStream, final: StreamEvent, text: StreamedText,
-                   calls: HermesCallStream | None, after_calls: bool = False) -> FinishedReply:
+                   calls: HermesCallStream | None) -> FinishedReply:
     """What the finished reply of ``stream`` still owes (marks it sent).
 
     Args:
@@ -190,15 +222,14 @@ def finished_reply(stream: RequestStream, final: StreamEvent, text: StreamedText
         final: its final event.
         text: what of its text went out.
         calls: its calls streamed as written, if they are.
-        after_calls: a call the length limit cut off after complete ones is left out too.
 
     Returns:
         The reply's rest.
     """
     turn = build_turn(stream, final)
     owed = final_pieces(calls, text.split(final.output.text, True)[1], turn.parsed.tool_calls)
-    thought, rest = text.rest_without_cut_off_call(turn, final, after_calls)
+    thought, rest = text.rest_without_cut_off_call(turn, final)
     return FinishedReply(turn, owed, calls is not None and bool(calls.calls), thought, rest)
 
 
-__all__ = ["FinishedReply", "StreamedText", "finished_reply", "safe_text_len", "without_cut_off_call"]
+__all__ = ["FinishedReply", "StreamedText", "cut_off_call_start", "finished_reply", "safe_text_len", "without_cut_off_call"]

@@ -171,8 +171,8 @@ def test_conversation_validators():
                         ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls: only an assistant"),
                         ([*USER, {"role": "assistant", "content": None, "tool_calls": [{"id": 5, "function": {
                             "name": "f", "arguments": "{}"}}]}], "messages[1].tool_calls[0].id: must be a string"),
-                        ([*USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {
-                            "name": "f", "arguments": "{oops"}}]}], "messages[1].tool_calls[0].function.arguments: invalid JSON")):
+                        ([*USER, {"role": "assistant", "content": None, "tool_calls": [{"type": "custom", "function": {
+                            "name": "f", "arguments": "{}"}}]}], "messages[1].tool_calls[0].type: must be 'function'")):
         with pytest.raises(ValueError) as info:
             validate_messages(bad)
         assert str(info.value).startswith(prefix), bad

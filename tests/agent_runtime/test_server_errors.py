@@ -72,8 +72,8 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("tool_call_id not a string", chat, {"model": MODEL, "messages": [
             *user, {"role": "tool", "tool_call_id": 5, "content": "x"}]}, 400, "messages[1].tool_call_id", None),
         ("bad tool call in history", chat, {"model": MODEL, "messages": [*user, {"role": "assistant", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
-         400, "messages[1].tool_calls[0].function.arguments", None),
+            {"id": "c", "type": "function", "function": {"arguments": "{}"}}]}]},
+         400, "messages[1].tool_calls[0].function.name", None),
         ("user not a string", chat, {"model": MODEL, "messages": user, "user": 5}, 400, "user", None),
         ("tool strict not a boolean", chat, {"model": MODEL, "messages": user, "tools": [
             {"type": "function", "function": {"name": "f", "strict": "x"}}]}, 400, "tools[0].function.strict", None),
