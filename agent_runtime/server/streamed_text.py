@@ -83,10 +83,12 @@ def cut_off_call_start(text: str) -> int | None:
     return None
 
 
-def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes") -> str:
+def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes",
+                         length_cut: bool | None = None) -> str:
     """A finished reply's text less a tool call that was cut off: the text its stream sent (the
-    call itself went out as call pieces, or not at all). With no call parsed and the length
-    limit reached, the text stops before the first tag (or a trailing piece of one); a Hermes
+    call itself went out as call pieces, or not at all). With the length limit reached, the
+    text stops before the first tag left in it (or a trailing piece of one: ``<tool_call`` after
+    complete calls); a Hermes
     call the reply ends inside (:func:`cut_off_call_start`) is taken out whatever stopped it,
     after parsed calls too. vLLM's streamed replies send no such markup as content either.
 
@@ -95,17 +97,15 @@ def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, c
         turn: the finished turn.
         tools_possible: tool calls were possible in the reply.
         call_format: the runtime's tool-call format.
-        cut_off: the reply hit its length limit (the engine's finish reason), so that a call
-            cut off after complete ones goes too (the Responses route); None: read from the
-            turn, whose finish reason is ``tool_calls`` once a call is complete (such a rest is
-            kept).
+        length_cut: the reply hit its length limit (the engine's finish reason: the turn's is
+            ``tool_calls`` once a call is complete); None: read from the turn.
 
     Returns:
         The text, cut before an unfinished call.
     """
     if not tools_possible:
         return text
-    if not turn.parsed.tool_calls and turn.finish_reason == "length":
+    if turn.finish_reason == "length" if length_cut is None else length_cut:
         text = text[: safe_text_len(text, True, call_format)]
     if call_format in ("hermes", "auto"):
         at = cut_off_call_start(text)
@@ -180,7 +180,8 @@ class StreamedText:
         the chat, Messages and Responses routes)."""
         before = self.sent
         thought, rest = self.rest(turn, final)
-        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format)
+        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format,
+                                    final.output.finish_reason == "length")
         rest = kept[len(before) :] if kept.startswith(before) else ""
         self.sent = before + rest
         return thought, rest
