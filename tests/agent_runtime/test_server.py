@@ -167,7 +167,10 @@ def test_tool_loop_through_openai_client(live, oa):
     first = oa.chat.completions.create(
         model=MODEL, messages=messages, tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "read_file"}},
-        max_tokens=40, extra_body={"job_id": "job-http"},
+        # NOTE: greedy, so that the reply is the same on every run (the server samples at
+        # temperature 1 by default, as vLLM's does): a sampled reply may hold text that the
+        # history renders otherwise, and fewer of the second turn's tokens would hit
+        max_tokens=40, temperature=0, extra_body={"job_id": "job-http"},
     )
     choice = first.choices[0]
     assert choice.finish_reason == "stop"  # a named tool_choice forced the call: OpenAI's and vLLM's reason
@@ -180,7 +183,7 @@ def test_tool_loop_through_openai_client(live, oa):
         {"role": "tool", "tool_call_id": call.id, "content": "The secret word is banana."},
     ]
     second = oa.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8,
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0,
         extra_body={"job_id": "job-http", "is_last_step": True},
     )
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
