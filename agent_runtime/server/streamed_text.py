@@ -57,7 +57,9 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
 def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes") -> str:
     """A finished reply's text less a tool call the length limit cut off: the text its stream
     sent (the call itself went out as call pieces, or not at all), for the routes whose calls
-    are blocks or items of their own (Messages, Responses).
+    are blocks or items of their own (Messages, Responses). With calls parsed (the turn's finish
+    reason is then ``tool_calls``, whatever ended it) the text is the content around them, and
+    call markup left in it is a call cut off after them (or one that did not parse): cut too.
 
     Args:
         text: the reply's text (past any thinking).
@@ -68,7 +70,7 @@ def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, c
     Returns:
         The text, cut before an unfinished call.
     """
-    if not tools_possible or turn.parsed.tool_calls or turn.finish_reason != "length":
+    if not tools_possible or (turn.finish_reason != "length" and not turn.parsed.tool_calls):
         return text
     return text[: safe_text_len(text, True, call_format)]
 
