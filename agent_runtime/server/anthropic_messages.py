@@ -41,11 +41,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from agent_runtime.protocol import MAX_STOP_STRINGS, ContextLengthError
 from agent_runtime.server.anthropic_replies import (
@@ -110,8 +110,10 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def is_messages_path(path: str) -> bool:
-    """Whether ``path`` is one of this module's routes (their errors are Anthropic's)."""
-    return path in (PATH, COUNT_PATH)
+    """Whether ``path`` is one of this module's routes, or under them (their errors are
+    Anthropic's: an SDK asking for a route not served here, ``/v1/messages/batches``, reads
+    Anthropic's 404)."""
+    return path == PATH or path.startswith(PATH + "/")
 
 
 class _MessagesFields(BaseModel):
@@ -124,8 +126,9 @@ class _MessagesFields(BaseModel):
         "mcp_servers": (None, []), "container": (None,),
     }
 
-    #: required, as Anthropic's and vLLM's Messages route require it (the OpenAI routes do not)
-    model: StrictStr
+    #: required, as Anthropic's and vLLM's Messages route require it (the OpenAI routes do not),
+    #: and not empty (vLLM's "Model is required")
+    model: Annotated[StrictStr, Field(min_length=1)]
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -198,3 +198,16 @@ def test_empty_text_blocks_add_nothing():
     assert merge_inline_system([{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
                                 {"role": "user", "content": "c"}]) == [
         {"role": "system", "content": "b"}, {"role": "user", "content": "a"}, {"role": "user", "content": "c"}]
+
+
+def test_routes_under_messages_and_an_empty_model_answer_anthropic_errors(live, ac):
+    """An SDK call to a route not served here (message batches) reads Anthropic's 404, as the
+    SDK maps it; an empty ``model`` is a 400, as vLLM's Messages route answers it."""
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        ac.messages.batches.list()
+    assert missing.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "Invalid URL (GET /v1/messages/batches)"}}
+    r = httpx.post(f"{live.base}/v1/messages", timeout=60,
+                   json={"model": "", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("model:"), r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
