@@ -32,8 +32,9 @@ parser the reply is all text, as vLLM serves it. A prefill's continuation is tex
 the answer. A text block is sent only when it has text or is the reply's only block (Anthropic
 refuses an empty one sent back); several text blocks of a message are joined by newlines.
 
-Not served (a 400 naming the field, never ignored): ``redacted_thinking``, image and document
-blocks, server tools (``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
+An assistant's ``redacted_thinking`` blocks (encrypted by Anthropic, readable by no model here)
+are left out, as vLLM leaves them out. Not served (a 400 naming the field, never ignored): image
+and document blocks, server tools (``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
 """
 
 from __future__ import annotations
@@ -315,6 +316,11 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict
                 if not isinstance(block.get("thinking"), str):
                     raise ValueError(f"{at}.thinking: must be a string")
                 thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                # NOTE: Anthropic's encrypted thinking, which a client sends back as it came (a
+                # conversation begun on Anthropic's API): no model here can read it; left out,
+                # as vLLM leaves it out, rather than refusing the conversation
+                continue
             elif kind == "tool_use" and role == "assistant":
                 name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
                 if not (isinstance(name, str) and name and isinstance(call_id, str) and isinstance(args, Mapping)):

@@ -211,3 +211,19 @@ def test_routes_under_messages_and_an_empty_model_answer_anthropic_errors(live, 
                    json={"model": "", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("model:"), r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_redacted_thinking_sent_back_is_left_out(live, ac):
+    """A conversation begun on Anthropic's API sends its encrypted ``redacted_thinking`` back;
+    no model here can read it: it is left out (as vLLM leaves it out), not a 400."""
+    said = [{"type": "thinking", "thinking": "Greet back.", "signature": "sig"}, {"type": "text", "text": "Hello."}]
+    convo = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": said},
+             {"role": "user", "content": "Bye."}]
+    with_redacted = [convo[0], {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "EmwK..."},
+                                                                  *said]}, convo[2]]
+    assert chat_messages(with_redacted) == chat_messages(convo)
+    assert chat_messages(with_redacted)[1] == {"role": "assistant", "content": "Hello.", "reasoning_content": "Greet back."}
+    counts = [ac.messages.count_tokens(model=MODEL, messages=m).input_tokens for m in (convo, with_redacted)]
+    assert counts[0] == counts[1] > 0
+    msg = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=2, messages=with_redacted)
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counts[0]
