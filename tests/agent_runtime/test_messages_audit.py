@@ -181,6 +181,14 @@ def test_a_call_cut_off_after_a_complete_one_is_no_text(live, ac):
         final = s.get_final_message()
     assert not [e for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"]
     assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input == message.content[0].input
+    # the Responses route shares the rule: its call is an item, the cut-off one no message text
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = httpx.post(f"{live.base}/v1/responses", timeout=120, json={
+        "model": MODEL, "input": "Read todo.md.", "tools": flat, "tool_choice": "required",
+        "max_output_tokens": 36, **GREEDY})
+    assert r.status_code == 200, r.text
+    assert [i["type"] for i in r.json()["output"]] == ["function_call"], r.json()["output"]
+    assert r.json()["usage"]["output_tokens"] == 36
     live.check()
 
 
