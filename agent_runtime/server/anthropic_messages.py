@@ -1,12 +1,15 @@
 """Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``), which
 Claude Code and the Anthropic SDKs speak, served by the chat machinery as vLLM serves it.
 
-A request's ``system`` and ``messages`` become chat messages (:func:`chat_messages`): text
-blocks the message's content, an assistant's ``tool_use`` blocks the tool calls of its message
-(after its text, so the next turn's prompt repeats the tokens the model generated and its KV
+A request's ``system`` and ``messages`` become chat messages (:func:`chat_messages`; the system
+prompt, Anthropic's ``system`` messages anywhere in ``messages`` and Claude Code's per-request
+billing block: :mod:`~agent_runtime.server.anthropic_system`): text blocks the message's
+content (empty ones left out), an assistant's ``tool_use`` blocks the tool calls of its message (after its text, so the next turn's prompt repeats the tokens the model generated and its KV
 stays reusable), a user's ``tool_result`` blocks tool messages before its text. ``tools``
 (``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``) become the
-chat's, constrained decoding included; ``stop_sequences`` are stop strings; Continuum's
+chat's, constrained decoding included; ``output_config``'s ``format`` (a JSON schema) is the
+chat's ``response_format`` and its ``effort`` the template's ``reasoning_effort``, as vLLM maps
+them; ``stop_sequences`` are stop strings; Continuum's
 ``job_id`` / ``is_last_step`` travel in the body as on chat completions; a conversation that
 ends in an assistant message is Anthropic's prefill, which the reply continues. The reply comes back
 as content blocks (``text``, then one ``tool_use`` per call) with Anthropic's ``stop_reason``
@@ -29,8 +32,9 @@ parser the reply is all text, as vLLM serves it. A prefill's continuation is tex
 the answer. A text block is sent only when it has text or is the reply's only block (Anthropic
 refuses an empty one sent back); several text blocks of a message are joined by newlines.
 
-Not served (a 400 naming the field, never ignored): ``redacted_thinking``, image and document
-blocks, server tools (``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
+An assistant's ``redacted_thinking`` blocks (encrypted by Anthropic, readable by no model here)
+are left out, as vLLM leaves them out. Not served (a 400 naming the field, never ignored): image
+and document blocks, server tools (``web_search``, ``bash``, ...), ``mcp_servers``, ``container``.
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from agent_runtime.protocol import MAX_STOP_STRINGS, ContextLengthError
 from agent_runtime.server.anthropic_replies import (
@@ -53,6 +57,13 @@ from agent_runtime.server.anthropic_replies import (
     stop_reason,
     thinking_block,
     usage,
+)
+from agent_runtime.server.anthropic_system import (
+    accepts_inline_system,
+    block_texts,
+    has_inline_system,
+    merge_inline_system,
+    system_text,
 )
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
 from agent_runtime.server.body_parsing import base_request_id
@@ -70,6 +81,7 @@ from agent_runtime.server.serving import finish_one, parse_body, request_id_head
 from agent_runtime.server.streamed_text import StreamedText, without_cut_off_call
 from agent_runtime.thinking_budget import AnthropicThinking, anthropic_thinking
 from asymcache_core.chat_messages import TEXT_PART_SEPARATOR
+from asymcache_core.chat_template import ChatRenderer
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.tool_call_stream import HermesCallStream
 
@@ -81,7 +93,12 @@ _ANTHROPIC_FIELDS = (
     (re.compile(r"^(tools\[\d+\])\.function\.parameters"), r"\1.input_schema"),
     (re.compile(r"^(tools\[\d+\])\.function\.(name|description)"), r"\1.\2"),
     (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
+    (re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
+    (re.compile(r"^response_format(\.json_schema)?"), "output_config.format"),
 )
+
+#: ``output_config.effort``'s values (the template's ``reasoning_effort``).
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 #: Anthropic's error type for each status (its ``error.type``).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -94,8 +111,10 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 
 
 def is_messages_path(path: str) -> bool:
-    """Whether ``path`` is one of this module's routes (their errors are Anthropic's)."""
-    return path in (PATH, COUNT_PATH)
+    """Whether ``path`` is one of this module's routes, or under them (their errors are
+    Anthropic's: an SDK asking for a route not served here, ``/v1/messages/batches``, reads
+    Anthropic's 404)."""
+    return path == PATH or path.startswith(PATH + "/")
 
 
 class _MessagesFields(BaseModel):
@@ -108,13 +127,15 @@ class _MessagesFields(BaseModel):
         "mcp_servers": (None, []), "container": (None,),
     }
 
-    #: required, as Anthropic's and vLLM's Messages route require it (the OpenAI routes do not)
-    model: StrictStr
+    #: required, as Anthropic's and vLLM's Messages route require it (the OpenAI routes do not),
+    #: and not empty (vLLM's "Model is required")
+    model: Annotated[StrictStr, Field(min_length=1)]
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
     @field_validator("system", mode="before")
     @classmethod
@@ -124,8 +145,14 @@ class _MessagesFields(BaseModel):
             raise ValueError(f"system: must be a string or a list of text blocks, got {type(value).__name__}")
         return value
 
-    def chat(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any, bool]:
+    def chat(self, renderer: ChatRenderer | None = None
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Any, bool]:
         """The chat form: ``(messages, tools, tool_choice, parallel_tool_calls)``.
+
+        Args:
+            renderer: the chat template's renderer: system messages after the first message
+                join the leading system prompt where it refuses them there
+                (:func:`~agent_runtime.server.anthropic_system.merge_inline_system`).
 
         Raises:
             ValueError: a block, tool or choice the server does not serve (naming it).
@@ -134,7 +161,34 @@ class _MessagesFields(BaseModel):
         if choice not in ("auto", "none") and not self.tools:
             raise ValueError(f"tool_choice: type {self.tool_choice.get('type')!r} needs at least one tool in 'tools'"
                              if self.tool_choice else "tool_choice: needs at least one tool in 'tools'")
-        return chat_messages(self.messages, self.system), chat_tools(self.tools), choice, parallel
+        messages = chat_messages(self.messages, self.system)
+        if has_inline_system(messages) and not accepts_inline_system(renderer):
+            messages = merge_inline_system(messages)
+        return messages, chat_tools(self.tools), choice, parallel
+
+    def output_settings(self) -> tuple[dict[str, Any] | None, str | None]:
+        """``output_config`` as the chat's ``(response_format, reasoning_effort)``: a
+        ``json_schema`` format constrains the reply to the schema, as vLLM's
+        ``response_format``; ``effort`` is the template's ``reasoning_effort`` (vLLM's).
+
+        Raises:
+            ValueError: a malformed setting (naming ``output_config...``).
+        """
+        config = self.output_config or {}
+        effort, fmt = config.get("effort"), config.get("format")
+        if effort is not None and effort not in _EFFORTS:
+            raise ValueError(f"output_config.effort: one of {', '.join(_EFFORTS)}, got {effort!r}")
+        if fmt is None:
+            return None, effort
+        if not isinstance(fmt, Mapping) or fmt.get("type", "json_schema") != "json_schema":
+            raise ValueError(f"output_config.format: must be {{'type': 'json_schema', 'schema': {{...}}}}, got {fmt!r}")
+        return {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": fmt.get("schema")}}, effort
+
+    def template_kwargs(self, thinking: AnthropicThinking) -> dict[str, Any] | None:
+        """The chat template's variables: the thinking switch and the ``reasoning_effort``."""
+        effort = self.output_settings()[1]
+        kwargs = {**(thinking.template_kwargs or {}), **({"reasoning_effort": effort} if effort else {})}
+        return kwargs or None
 
     def thinking_settings(self, max_tokens: int, reasoning_parser: str | None) -> AnthropicThinking:
         """The budget and template variable of the request's ``thinking`` (see
@@ -217,15 +271,8 @@ def _text(block: Mapping[str, Any], where: str) -> str:
 
 
 def _tool_result_text(content: Any, where: str) -> str:
-    """A ``tool_result``'s content: a string or text blocks."""
-    if content is None:
-        return ""
-    return TEXT_PART_SEPARATOR.join(_text(b, f"{where}[{j}]") if b.get("type") == "text" else _unserved(b, f"{where}[{j}]")
-                   for j, b in enumerate(_blocks(content, where)))
-
-
-def _unserved(block: Mapping[str, Any], where: str) -> str:
-    raise ValueError(f"{where}.type: not served by this server: {block.get('type')!r}")
+    """A ``tool_result``'s content: a string or text blocks (empty ones left out)."""
+    return "" if content is None else TEXT_PART_SEPARATOR.join(block_texts(content, where))
 
 
 def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict[str, Any]] | None = None
@@ -244,26 +291,36 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], system: str | list[dict
             (naming ``messages[i].content[j]...`` or ``system``).
     """
     out: list[dict[str, Any]] = []
-    if system:
-        text = system if isinstance(system, str) else TEXT_PART_SEPARATOR.join(
-            _text(b, f"system[{j}]") if b.get("type") == "text" else _unserved(b, f"system[{j}]")
-            for j, b in enumerate(_blocks(system, "system")))
+    text = system_text(system, "system") if system else ""
+    if text:
         out.append({"role": "system", "content": text})
     for i, message in enumerate(messages):
         role, where = message.get("role"), f"messages[{i}]"
+        if role == "system":
+            # NOTE: Anthropic's system message, at its place in the conversation
+            text = system_text(message.get("content"), f"{where}.content")
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if role not in ("user", "assistant"):
-            raise ValueError(f"{where}.role: must be user or assistant, got {role!r}")
+            raise ValueError(f"{where}.role: must be user, assistant or system, got {role!r}")
         texts: list[str] = []
         thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, block in enumerate(_blocks(message.get("content"), f"{where}.content")):
             at, kind = f"{where}.content[{j}]", block.get("type")
             if kind == "text":
-                texts.append(_text(block, at))
+                if text := _text(block, at):  # NOTE: an empty block adds no newline (vLLM skips it)
+                    texts.append(text)
             elif kind == "thinking" and role == "assistant":
                 if not isinstance(block.get("thinking"), str):
                     raise ValueError(f"{at}.thinking: must be a string")
                 thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                # NOTE: Anthropic's encrypted thinking, which a client sends back as it came (a
+                # conversation begun on Anthropic's API): no model here can read it; left out,
+                # as vLLM leaves it out, rather than refusing the conversation
+                continue
             elif kind == "tool_use" and role == "assistant":
                 name, call_id, args = block.get("name"), block.get("id"), block.get("input", {})
                 if not (isinstance(name, str) and name and isinstance(call_id, str) and isinstance(args, Mapping)):
@@ -351,14 +408,14 @@ async def create_message(request: Request) -> Response:
     rt = state.require_runtime()
     try:
         params = req.sampling_params(state.sampling_defaults)
-        messages, tools, choice, parallel = req.chat()
+        messages, tools, choice, parallel = req.chat(rt.renderer)
         thinking = req.thinking_settings(req.max_tokens, rt.reasoning_parser)
         streams, choice = await rt.start_chat_choices(
             messages, [params], tools=tools, tool_choice=choice, job_id=req.job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=parallel,
             add_generation_prompt=not req.prefilled, continue_final_message=req.prefilled,
-            thinking_token_budget=thinking.budget, chat_template_kwargs=thinking.template_kwargs,
-            strict_max_tokens=True,
+            thinking_token_budget=thinking.budget, chat_template_kwargs=req.template_kwargs(thinking),
+            response_format=req.output_settings()[0], strict_max_tokens=True,
         )
     except ContextLengthError as e:
         # NOTE: Anthropic's wording, which its clients parse to retry with a smaller max_tokens
@@ -395,15 +452,16 @@ async def count_tokens(request: Request) -> JSONResponse:
     state, req = await parse_body(request, CountTokensRequest)
     rt = state.require_runtime()
     try:
-        messages, tools, _, _ = req.chat()
-        # NOTE: max_tokens is not sent here: any budget passes; the template variable counts
+        messages, tools, _, _ = req.chat(rt.renderer)
+        # NOTE: max_tokens is not sent here: any budget passes; the template variables count
         thinking = req.thinking_settings(1 << 62, rt.reasoning_parser)
         ids = await rt.tokenize(messages=messages, tools=tools, add_generation_prompt=not req.prefilled,
-                                continue_final_message=req.prefilled, chat_template_kwargs=thinking.template_kwargs)
+                                continue_final_message=req.prefilled, chat_template_kwargs=req.template_kwargs(thinking))
     except ValueError as e:
         raise from_value_error(e, "messages", _ANTHROPIC_FIELDS) from None
     state.metrics.count(COUNT_PATH, 200)
-    return JSONResponse({"input_tokens": len(ids)})
+    # NOTE: vLLM's body: the count, and the same count before context management (none here)
+    return JSONResponse({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
 
 
 def error_response(error: APIError) -> JSONResponse:

@@ -144,7 +144,7 @@ def test_a_client_leaving_a_stream_frees_its_request(live):
       "tool_choice": {"type": "any"}}, "thinking"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]},
      "messages[0].content[0].type"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]}, "messages[0].content[0]"),
