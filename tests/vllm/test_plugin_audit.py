@@ -116,8 +116,10 @@ def _env(**extra: str) -> dict[str, str]:
         # the entry point's switch instead of --scheduler-cls; the options' environment variable
         ([], {"ASYMCACHE_VLLM_SCHEDULER": "1", "ASYMCACHE_VLLM_OPTIONS": '{"latency_profile": "/no/such.json"}'},
          "error: asymcache options: latency_profile: cannot read '/no/such.json'"),
+        ([], {"ASYMCACHE_VLLM_SCHEDULER": "asnyc"},
+         "error: ASYMCACHE_VLLM_SCHEDULER must be 1 (or auto), sync, async or 0, got 'asnyc'"),
     ],
-    ids=["additional-config", "entry-point-env"],
+    ids=["additional-config", "entry-point-env", "entry-point-switch"],
 )
 def test_bad_option_is_one_error_line_before_the_engine_starts(
     tiny_model: Path, flags: list[str], env: dict[str, str], message: str
@@ -141,6 +143,12 @@ def test_llm_api_bad_option_is_a_value_error_naming_it(tiny_model: Path) -> None
     stock = type("Args", (), {"scheduler_cls": None, "additional_config": {"asymcache": {"order": 1}},
                               "scheduling_policy": "fcfs"})()
     check_engine_settings(stock)
+    # the switch: a value it does not know is an error, not a guess
+    from asymcache_core.integrations.vllm.plugin import chosen_scheduler
+
+    for bad in ("asnyc", "enabled", "2"):
+        with pytest.raises(ValueError, match=f"ASYMCACHE_VLLM_SCHEDULER must be .* got '{bad}'"):
+            chosen_scheduler(bad, False)
 
 
 def test_hints_that_cannot_be_read_are_named() -> None:

@@ -11,7 +11,8 @@ variable ``ASYMCACHE_VLLM_SCHEDULER`` is set: then a config that names no schedu
 ours. ``1`` (or ``auto``, ``on``, ``true``, ``yes``) follows vLLM's ``async_scheduling``:
 :class:`AsymCacheAsyncScheduler` when it is on (vLLM 0.32's default on CUDA),
 :class:`AsymCacheScheduler` when it is off (the CPU platform forces it off); ``sync`` and
-``async`` force one class. An explicit ``--scheduler-cls`` always wins.
+``async`` force one class; any other value is an error. An explicit ``--scheduler-cls`` always
+wins.
 
 Whether or not that variable is set, :func:`register` also checks the plugin's options before
 vLLM starts its engine, whenever the scheduler class is ours (named by ``--scheduler-cls`` or
@@ -48,12 +49,17 @@ def chosen_scheduler(value: str | None, async_scheduling: bool | None) -> str | 
 
     Returns:
         A qualified class name, or ``None`` when the plugin is off.
+
+    Raises:
+        ValueError: another value (naming the variable): ``asnyc`` must not quietly pick a class.
     """
     from asymcache_core.integrations.vllm import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
 
     choice = (value or "").strip().lower()
     if choice in ("", "0", "false", "off", "no"):
         return None
+    if choice not in ("1", "auto", "on", "true", "yes", "sync", "async"):
+        raise ValueError(f"{ENV} must be 1 (or auto), sync, async or 0, got {value!r}")
     if choice == "sync":
         return SCHEDULER_CLS
     # NOTE: with async scheduling on, vLLM's engine core keeps a batch queue two deep and
@@ -72,8 +78,11 @@ def register() -> None:
     needs no flag. Safe to call more than once.
     """
     install_startup_checks()
-    if chosen_scheduler(os.environ.get(ENV), None) is None:
-        return
+    try:
+        if chosen_scheduler(os.environ.get(ENV), None) is None:
+            return
+    except ValueError:
+        return  # NOTE: the startup checks report it, as one line, before any engine starts
     from vllm.config.scheduler import SchedulerConfig
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
