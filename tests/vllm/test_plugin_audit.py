@@ -8,7 +8,7 @@
 - Job hints over the OpenAI server started through the ``vllm.general_plugins`` entry point
   (no ``--scheduler-cls``): the body's ``vllm_xargs`` from the ``openai`` client, JSON booleans,
   ``session_id`` on completions and its ``X-Session-ID`` header, the Responses API; a hint that
-  cannot be read is a warning naming it.
+  cannot be read is a warning naming it; the counters' summary line comes at vLLM's stats interval.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def test_openai_server_through_the_entry_point_passes_job_hints(
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     log = tmp_path / "serve.log"
-    env = _env(ASYMCACHE_VLLM_SCHEDULER="1",
+    env = _env(ASYMCACHE_VLLM_SCHEDULER="1", VLLM_LOG_STATS_INTERVAL="1",
                ASYMCACHE_VLLM_OPTIONS=json.dumps({"latency_profile": str(slow_reload_profile),
                                                   "max_pinned_fraction": 1.0}))
     with log.open("w") as out:
@@ -217,6 +217,9 @@ def test_openai_server_through_the_entry_point_passes_job_hints(
                 body.pop("max_tokens")
             r = httpx.post(f"{base}/v1/{route}", json=body, headers=headers, timeout=60)
             assert r.status_code == 200, (route, r.text)
+        time.sleep(1.5)  # past the stats interval: the next step logs the summary
+        r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "iota", "max_tokens": 2})
+        assert r.status_code == 200, r.text
         time.sleep(1)
         text = log.read_text()
         assert "asymcache: plugin registered (ASYMCACHE_VLLM_SCHEDULER=1)" in text
@@ -225,6 +228,8 @@ def test_openai_server_through_the_entry_point_passes_job_hints(
         assert {"client", "header", "cmpl", "resp", "json-false", "typo"} <= pinned
         assert "json-true" not in pinned  # a JSON true is the last step: no pin
         assert re.search(r"request \S+: vllm_xargs\.pin_ttl_s must be a number of seconds, got 'soon'", text)
+        # the summary line, at vLLM's stats interval (1 s here), as counters move
+        assert re.search(r"asymcache: pins made [1-9]\d* \(expired \d+, taken by the next turn", text)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -232,3 +237,38 @@ def test_openai_server_through_the_entry_point_passes_job_hints(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_stats_line_comes_at_most_every_interval_and_only_when_it_moved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from asymcache_core.integrations.vllm.stats_log import StatsLog
+
+    now = [0.0]
+    stats = {"pins": {"pins": 2, "expired": 1, "released_next_request": 0, "released_pressure": 1,
+                      "released_other": 0},
+             "pinned_jobs": ["a"], "pinned_blocks": 3,
+             "queue": {"popped": 9, "evicted_cached": 4, "pressure_unpins": 1, "forced_orphans": 0},
+             "cached_blocks": 7, "implicit_jobs": {"matched": 1, "started": 2}, "tracked_jobs": 3}
+    log = StatsLog(logging.getLogger("asymcache_stats_test"), lambda: now[0], interval_s=10.0)
+    with caplog.at_level(logging.INFO, logger="asymcache_stats_test"):
+        assert not log.maybe_log(lambda: stats)  # not yet 10 s
+        now[0] = 10.0
+        assert log.maybe_log(lambda: stats)
+        now[0] = 25.0
+        assert not log.maybe_log(lambda: stats)  # nothing moved
+        stats["pins"]["pins"] = 3
+        now[0] = 30.0
+        assert not log.maybe_log(lambda: stats)  # moved, but within 10 s of the last look
+        now[0] = 35.0
+        assert log.maybe_log(lambda: stats)
+    assert [r.getMessage() for r in caplog.records] == [
+        "asymcache: pins made 2 (expired 1, taken by the next turn 0, released under pressure 1, "
+        "other 0); pinned now 1 jobs / 3 blocks; evictions 4, forced orphans 0; implicit jobs "
+        "matched 1 started 2; jobs tracked 3",
+        "asymcache: pins made 3 (expired 1, taken by the next turn 0, released under pressure 1, "
+        "other 0); pinned now 1 jobs / 3 blocks; evictions 4, forced orphans 0; implicit jobs "
+        "matched 1 started 2; jobs tracked 3",
+    ]

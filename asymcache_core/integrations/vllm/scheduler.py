@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+import vllm.envs as envs
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -59,6 +60,7 @@ from asymcache_core.integrations.vllm.pins import (
     parse_job_hints,
 )
 from asymcache_core.integrations.vllm.prefix_hits import PrefixHits, track_prefix_hits
+from asymcache_core.integrations.vllm.stats_log import StatsLog
 from asymcache_core.job_stats import JobStats
 
 # NOTE: a child of the "vllm" logger, so vLLM's handler and level apply to our lines.
@@ -181,6 +183,7 @@ class _AsymCacheMixin:
     waiting: Any
     running: list[Any]
     max_num_running_reqs: int
+    log_stats: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -242,6 +245,10 @@ class _AsymCacheMixin:
             ttl_rule=opts.ttl_rule,  # type: ignore[arg-type]
             # NOTE: pins work only through our free queue (vLLM's own one knows no pins).
             pinning=opts.pinning and self.asymcache_queue is not None,
+        )
+        # NOTE: vLLM's own stats line's switch (--disable-log-stats) and interval
+        self._asymcache_stats_log = (
+            StatsLog(logger, time.monotonic, envs.VLLM_LOG_STATS_INTERVAL) if self.log_stats else None
         )
         if not pool.enable_caching:
             logger.warning(
@@ -353,6 +360,8 @@ class _AsymCacheMixin:
         now = self.asymcache_clock()
         self.asymcache_pins.expire(now)
         self._asymcache_sweep_jobs(now)
+        if self._asymcache_stats_log is not None:
+            self._asymcache_stats_log.maybe_log(self.asymcache_stats)
         if self.asymcache_options.order == "least-work":
             self._asymcache_order_waiting()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -446,10 +455,7 @@ class _AsymCacheMixin:
         self.asymcache_pins.discard_recorded(job)
         if decision.ttl_s > 0 and decision.blocks_pinned > 0:
             logger.info(
-                "asymcache: pinned job %s: %d blocks for %.2f s",
-                job,
-                decision.blocks_pinned,
-                decision.ttl_s,
+                "asymcache: pinned job %s: %d blocks for %.2f s", job, decision.blocks_pinned, decision.ttl_s
             )
         elif decision.ttl_s > 0:
             # NOTE: "pinned 0 blocks" read as a pin; say why there is none.
