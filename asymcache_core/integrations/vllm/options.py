@@ -76,8 +76,23 @@ class AsymCacheOptions:
             ValueError: unknown option names, JSON that is not an object, or a value of the
                 wrong type or out of range (the message names the option).
         """
+        return cls.from_additional_config(getattr(vllm_config, "additional_config", None))
+
+    @classmethod
+    def from_additional_config(cls, extra: Any) -> AsymCacheOptions:
+        """Reads ``extra["asymcache"]`` (vLLM's ``additional_config``) and then
+        ``$ASYMCACHE_VLLM_OPTIONS``.
+
+        Args:
+            extra: vLLM's ``additional_config`` (a dict, or ``None``).
+
+        Returns:
+            The options.
+
+        Raises:
+            ValueError: as :meth:`from_vllm_config`.
+        """
         raw: dict[str, Any] = {}
-        extra = getattr(vllm_config, "additional_config", None)
         if isinstance(extra, dict) and "asymcache" in extra:
             if not isinstance(extra["asymcache"], dict):
                 raise ValueError(
@@ -97,6 +112,40 @@ class AsymCacheOptions:
         if opts.least_work_patience is not None and opts.order != "least-work":
             raise ValueError("asymcache options: least_work_patience needs order least-work")
         return opts
+
+
+def check_startup_options(extra: Any, scheduling_policy: Any) -> AsymCacheOptions:
+    """Everything about the options that would fail the scheduler's start, checked before vLLM
+    starts its engine (``plugin.py`` runs it on the parsed flags and in
+    ``EngineArgs.create_engine_config``): the options themselves, ``order: least-work`` against
+    vLLM's scheduling policy, and the latency profile's file.
+
+    Args:
+        extra: vLLM's ``additional_config``.
+        scheduling_policy: vLLM's ``scheduling_policy`` (``"fcfs"``, ``"priority"``, an enum
+            member with that ``value``, or ``None``).
+
+    Returns:
+        The options.
+
+    Raises:
+        ValueError: naming the option (``asymcache options: ...``).
+    """
+    opts = AsymCacheOptions.from_additional_config(extra)
+    policy = getattr(scheduling_policy, "value", scheduling_policy)
+    if opts.order == "least-work" and policy not in (None, "fcfs"):
+        raise ValueError(least_work_policy_error(policy))
+    if opts.latency_profile:
+        try:
+            LatencyModel.from_json(opts.latency_profile)
+        except ValueError as exc:
+            raise ValueError(f"asymcache options: {exc}") from None
+    return opts
+
+
+def least_work_policy_error(policy: Any) -> str:
+    """The message of ``order: least-work`` under another policy than vLLM's ``fcfs``."""
+    return f"asymcache options: order least-work needs vLLM's fcfs policy, got {policy!r}"
 
 
 #: Allowed values of the options that name a choice.
@@ -152,7 +201,10 @@ def build_latency_model(vllm_config: Any, opts: AsymCacheOptions) -> LatencyMode
         The model (a generic default for architectures ``ModelConfig`` does not know).
     """
     if opts.latency_profile:
-        return LatencyModel.from_json(opts.latency_profile)
+        try:
+            return LatencyModel.from_json(opts.latency_profile)
+        except ValueError as exc:
+            raise ValueError(f"asymcache options: {exc}") from None
     model_config = vllm_config.model_config
     try:
         cfg = ModelConfig.from_hf(model_config.hf_config.to_dict())

@@ -29,6 +29,7 @@ from asymcache_core.continuum.backends import Pin
 DEFAULT_TOOL = "tool"
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,41 @@ def parse_job_hints(extra_args: Mapping[str, Any] | None, fallback_job_id: str |
         tool_name=None if tool is None else str(tool),
         pin_ttl_s=ttl,
     )
+
+
+def job_hint_problems(extra_args: Mapping[str, Any] | None) -> list[str]:
+    """The hints :func:`parse_job_hints` cannot read as sent (it ignores them, or reads
+    ``is_last_step`` as false), for a warning naming each.
+
+    Args:
+        extra_args: the request's extra args (the OpenAI body's ``vllm_xargs``), or ``None``.
+
+    Returns:
+        One message per bad hint (empty when every hint reads as sent).
+    """
+    args = extra_args or {}
+    problems = []
+    for name in ("job_id", "tool_name"):
+        value = args.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, str | int | float)):
+            problems.append(f"vllm_xargs.{name} must be a string, got {value!r}")
+    last = args.get("is_last_step")
+    if last is not None and not isinstance(last, bool | int | float):
+        if str(last).strip().lower() not in _TRUE | _FALSE:
+            problems.append(
+                f"vllm_xargs.is_last_step must be 1/0 or true/false, got {last!r} (read as false)"
+            )
+    if "pin_ttl_s" in args:
+        value = args["pin_ttl_s"]
+        try:
+            ok = math.isfinite(float(value))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            problems.append(
+                f"vllm_xargs.pin_ttl_s must be a number of seconds, got {value!r} (ignored)"
+            )
+    return problems
 
 
 @dataclass

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+import vllm.envs as envs
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -49,9 +50,17 @@ from asymcache_core.integrations.vllm.options import (
     OPTIONS_ENV,
     AsymCacheOptions,
     build_latency_model,
+    least_work_policy_error,
 )
-from asymcache_core.integrations.vllm.pins import DEFAULT_TOOL, JobHints, PinSet, parse_job_hints
+from asymcache_core.integrations.vllm.pins import (
+    DEFAULT_TOOL,
+    JobHints,
+    PinSet,
+    job_hint_problems,
+    parse_job_hints,
+)
 from asymcache_core.integrations.vllm.prefix_hits import PrefixHits, track_prefix_hits
+from asymcache_core.integrations.vllm.stats_log import StatsLog
 from asymcache_core.job_stats import JobStats
 
 # NOTE: a child of the "vllm" logger, so vLLM's handler and level apply to our lines.
@@ -174,6 +183,7 @@ class _AsymCacheMixin:
     waiting: Any
     running: list[Any]
     max_num_running_reqs: int
+    log_stats: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -197,9 +207,7 @@ class _AsymCacheMixin:
         if opts.order == "least-work" and self.policy is not SchedulingPolicy.FCFS:
             # NOTE: the priority policy keeps its waiting requests in a heap keyed by
             # (priority, arrival); reordering it would break the heap.
-            raise ValueError(
-                f"asymcache options: order least-work needs vLLM's fcfs policy, got {self.policy.value!r}"
-            )
+            raise ValueError(least_work_policy_error(self.policy.value))
         if opts.eviction == "asymcache" and pool.enable_caching:
             queue = ExpectedLatencyFreeQueue(
                 pool.free_block_queue.get_all_free_blocks(),
@@ -238,10 +246,20 @@ class _AsymCacheMixin:
             # NOTE: pins work only through our free queue (vLLM's own one knows no pins).
             pinning=opts.pinning and self.asymcache_queue is not None,
         )
+        # NOTE: vLLM's own stats line's switch (--disable-log-stats) and interval
+        self._asymcache_stats_log = (
+            StatsLog(logger, time.monotonic, envs.VLLM_LOG_STATS_INTERVAL) if self.log_stats else None
+        )
+        if not pool.enable_caching:
+            logger.warning(
+                "asymcache: prefix caching is off, so nothing stays cached: the eviction order, "
+                "the pins and the implicit jobs do nothing (start vLLM with --enable-prefix-caching)"
+            )
         logger.info(
             "asymcache: eviction=%s pinning=%s order=%s patience=%s implicit_jobs=%s latency=%s (%s) blocks=%d",
-            opts.eviction,
-            opts.pinning,
+            # NOTE: what is in force, not what was asked (prefix caching off: nothing)
+            "asymcache" if self.asymcache_queue is not None else "vllm",
+            self.asymcache_controller.pinning,
             opts.order,
             opts.least_work_patience,
             self.asymcache_implicit_jobs is not None,
@@ -259,6 +277,9 @@ class _AsymCacheMixin:
             extra = getattr(params, "extra_args", None) if params is not None else None
             # NOTE: ``session_id`` is vLLM's request field (the chat API's), not ours: the fallback job id.
             hints = parse_job_hints(extra, getattr(request, "session_id", None))
+            for problem in job_hint_problems(extra):
+                # NOTE: vLLM has accepted the request; a typo in a hint must not pass silently
+                logger.warning("asymcache: request %s: %s", request.request_id, problem)
             implicit = self.asymcache_implicit_jobs
             if hints.job_id is None and not hints.is_last_step and implicit is not None:
                 # NOTE: no copies: the table only slices them (a new request's tokens are its
@@ -339,6 +360,8 @@ class _AsymCacheMixin:
         now = self.asymcache_clock()
         self.asymcache_pins.expire(now)
         self._asymcache_sweep_jobs(now)
+        if self._asymcache_stats_log is not None:
+            self._asymcache_stats_log.maybe_log(self.asymcache_stats)
         if self.asymcache_options.order == "least-work":
             self._asymcache_order_waiting()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -416,28 +439,34 @@ class _AsymCacheMixin:
             )
             if not self.asymcache_job_stats.state(job).gaps:
                 return  # a first turn: nothing yet says the conversation comes back
+        cached_ids = [
+            b.block_id
+            for group in groups
+            for b in group
+            if not b.is_null and b.block_hash is not None
+        ]
         if controller.pinning:
-            self.asymcache_pins.remember(
-                job,
-                (
-                    b.block_id
-                    for group in groups
-                    for b in group
-                    if not b.is_null and b.block_hash is not None
-                ),
-            )
+            self.asymcache_pins.remember(job, cached_ids)
         decision = controller.on_tool_call(
             job, [hints.tool_name or DEFAULT_TOOL], context, ended_at=now, ttl_s=hints.pin_ttl_s
         )
         # NOTE: blocks recorded but not pinned (TTL 0) must not wait for a later pin: vLLM may
         # give their ids other content meanwhile.
         self.asymcache_pins.discard_recorded(job)
-        if decision.ttl_s > 0:
+        if decision.ttl_s > 0 and decision.blocks_pinned > 0:
             logger.info(
-                "asymcache: pinned job %s: %d blocks for %.2f s",
+                "asymcache: pinned job %s: %d blocks for %.2f s", job, decision.blocks_pinned, decision.ttl_s
+            )
+        elif decision.ttl_s > 0:
+            # NOTE: "pinned 0 blocks" read as a pin; say why there is none.
+            logger.info(
+                "asymcache: job %s not pinned (TTL %.2f s): %s",
                 job,
-                decision.blocks_pinned,
                 decision.ttl_s,
+                "its request left no full cached block"
+                if not cached_ids
+                else f"the pins' cap ({self.asymcache_pins.capacity_blocks} blocks: "
+                "max_pinned_fraction) is full",
             )
 
     # ---- introspection ----------------------------------------------------------------------
