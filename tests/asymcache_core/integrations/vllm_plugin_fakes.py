@@ -190,6 +190,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.max_num_running_reqs = 64
+        # NOTE: vLLM's switch of its stats (``--disable-log-stats`` sets it False)
+        self.log_stats = False
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -249,6 +251,8 @@ def load_scheduler_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """
     fakes = {
         "vllm": _module("vllm"),
+        # NOTE: vLLM's environment settings the scheduler reads (its stats log's interval)
+        "vllm.envs": _module("vllm.envs", VLLM_LOG_STATS_INTERVAL=10.0),
         "vllm.v1": _module("vllm.v1"),
         "vllm.v1.core": _module("vllm.v1.core"),
         "vllm.v1.core.sched": _module("vllm.v1.core.sched"),
