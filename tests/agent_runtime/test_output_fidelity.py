@@ -174,7 +174,8 @@ def test_text_cut_mid_character_ends_at_a_whole_character(live) -> None:
     its log probability is still reported."""
     prompt = "I love pizza 🍕🍕🍕 and sushi 🍣"
     cut_texts = 0
-    for max_tokens in range(5, 13):
+    # NOTE: limits that cut an emoji's bytes (5, 7) and one that ends on a whole character (6)
+    for max_tokens in (5, 6, 7):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
                 "ignore_eos": True}
         r = httpx.post(live.base + "/v1/completions", json=body, timeout=120).json()

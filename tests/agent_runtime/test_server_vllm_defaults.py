@@ -121,13 +121,19 @@ def test_python_api_stays_greedy():
 # -- max_tokens defaults ----------------------------------------------------------------------
 
 
-def test_chat_without_max_tokens_runs_to_the_end_of_the_context(runtime):
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(runtime, smollm):
+    # NOTE: a short context of its own: the reply runs to its end
+    short = AgentRuntime(make_engine(smollm, max_model_len=80, num_kv_blocks=8))
+    try:
+        with _client(short) as client:
+            r = client.post("/v1/chat/completions", json={"model": "m", "messages": USER, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == 80 and usage["completion_tokens"] > 16
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        short.close_sync()
     with _client(runtime) as client:
-        r = client.post("/v1/chat/completions", json={"model": "m", "messages": USER, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        usage = r.json()["usage"]
-        assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
-        assert r.json()["choices"][0]["finish_reason"] == "length"
         # a text completion's default stays 16 (vLLM's CompletionRequest.max_tokens)
         r = client.post("/v1/completions", json={"model": "m", "prompt": "Once", "ignore_eos": True}).json()
         assert r["usage"]["completion_tokens"] == 16
