@@ -6,8 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -45,3 +48,18 @@ def run_scenario(
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise AssertionError(f"scenario {name}/{mode} failed (rc {proc.returncode}):\n{tail}")
     return json.loads(lines[-1])
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path, timeout: float = 240) -> None:
+    """Waits until the server at ``base`` answers ``/health``; fails with its log's tail if it
+    exits first or does not answer within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(2)

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
-from real_vllm import HERE, ROOT
+from real_vllm import HERE, ROOT, wait_healthy
 
 from asymcache_core.integrations.vllm import SCHEDULER_CLS
 from asymcache_core.integrations.vllm.pins import job_hint_problems
@@ -180,16 +180,7 @@ def test_openai_server_through_the_entry_point_passes_job_hints(
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(2)
+        wait_healthy(proc, base, log)
         model = str(tiny_model)
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         client.chat.completions.create(  # the form docs/vllm.md shows

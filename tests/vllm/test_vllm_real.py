@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from real_vllm import ROOT, run_scenario
+from real_vllm import ROOT, run_scenario, wait_healthy
 
 BLOCK = 32
 
@@ -180,16 +180,7 @@ def test_openai_server_passes_job_hints(tiny_model: Path, tmp_path: Path) -> Non
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(2)
+        wait_healthy(proc, base, log)
         model = str(tiny_model)
         prompt = [3000 + i for i in range(100)]
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
