@@ -320,7 +320,7 @@ def test_commands(smollm, tmp_path, capsys):
     one = run_agent("List the files and read notes.", root, max_turns=1, tool_choice=["required"], max_tokens=120,
                     loaded=smollm, num_kv_blocks=128, print_fn=lines.append, policy="asymcache+continuum")
     assert len(one.turns[0].turn.parsed.tool_calls) == 1
-    many = run_agent("List the files and read notes.", root, max_turns=2, tool_choice=["required"], max_tokens=120,
+    many = run_agent("List the files and read notes.", root, max_turns=2, tool_choice=["required"], max_tokens=80,
                      loaded=smollm, num_kv_blocks=128, print_fn=lines.append, policy="asymcache+continuum",
                      parallel_tool_calls=True)
     calls = many.turns[0].turn.parsed.tool_calls
