@@ -105,3 +105,25 @@ def sse(live: Live, path: str, body: dict) -> list[dict]:
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line[6:]) for line in lines[:-1]]
 
+
+@contextlib.contextmanager
+def failing_steps(server: Live, max_tokens: int) -> Iterator[None]:
+    """While open, every step that schedules a request asking for ``max_tokens`` tokens fails (an
+    injected forward-pass fault), so that request alone fails; the runner is restored after.
+
+    Args:
+        server: a running server (anything with ``runtime`` and ``engine(fn)``, as :class:`Live`).
+        max_tokens: the ``max_tokens`` that marks the culprit request.
+    """
+    original = server.runtime.engine.runner.execute
+
+    def flaky(plan):
+        if any(item.request.params.max_tokens == max_tokens for item in plan.scheduled):
+            raise RuntimeError("injected forward-pass fault")
+        return original(plan)
+
+    server.engine(lambda e: setattr(e.runner, "execute", flaky))
+    try:
+        yield
+    finally:
+        server.engine(lambda e: setattr(e.runner, "execute", original))

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from agent_runtime.server import create_app
-from tests.agent_runtime.live_server import MODEL, serving
+from tests.agent_runtime.live_server import MODEL, failing_steps, serving
 
 LONG = {"model": MODEL, "input": "Write a detailed essay about the history of Rome.", "max_output_tokens": 400,
         "temperature": 0}
@@ -281,16 +281,7 @@ def test_a_background_response_whose_request_fails_is_stored_failed(live, oa, st
     """A step fault fails a background request: its stored response says ``failed`` with the
     error (it never stays ``in_progress``), streamed ones after an ``error`` and a
     ``response.failed`` event; nothing is left running."""
-    runner = live.runtime.engine.runner
-    original = runner.execute
-
-    def flaky(plan):
-        if any(item.request.params.max_tokens == 27 for item in plan.scheduled):
-            raise RuntimeError("injected forward-pass fault")
-        return original(plan)
-
-    live.engine(lambda e: setattr(e.runner, "execute", flaky))
-    try:
+    with failing_steps(live, 27):
         body = {"model": MODEL, "input": "Count to ten.", "max_output_tokens": 27, "background": True}
         if stream:
             events = list(oa.responses.create(**body, stream=True))
@@ -299,8 +290,6 @@ def test_a_background_response_whose_request_fails_is_stored_failed(live, oa, st
         else:
             rid = oa.responses.create(**body).id
         failed = _wait_until_done(oa, rid)
-    finally:
-        live.engine(lambda e: setattr(e.runner, "execute", original))
     assert failed.status == "failed" and "injected forward-pass fault" in failed.error.message
     assert failed.error.code == "server_error"
     assert _idle(live)

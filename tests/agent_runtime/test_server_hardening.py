@@ -20,6 +20,7 @@ from agent_runtime.server import create_app
 from agent_runtime.server.auth import key_matches
 from asymcache_core.batched_sampling import SampledRows
 from asymcache_core.sampler import NON_FINITE
+from tests.agent_runtime.live_server import failing_steps
 from tests.agent_runtime.uvicorn_server import Server
 from tests.conftest import make_engine
 
@@ -339,21 +340,9 @@ def test_an_exception_in_the_model_step_fails_only_its_culprit_and_serving_goes_
 def test_a_responses_stream_that_fails_ends_with_response_failed(srv):
     """A Responses stream whose request fails in a step: an ``error`` event, then the spec's
     terminal ``response.failed`` with status failed and the error; nothing is left running."""
-    runner = srv.runtime.engine.runner
-    original = runner.execute
-
-    def flaky(plan):
-        if any(item.request.params.max_tokens == 27 for item in plan.scheduled):
-            raise RuntimeError("injected forward-pass fault")
-        return original(plan)
-
-    srv.engine(lambda e: setattr(e.runner, "execute", flaky))
-    try:
-        with httpx.stream("POST", f"{srv.base}/v1/responses", timeout=120, json={
-                "model": MODEL, "input": "Count to ten.", "max_output_tokens": 27, "stream": True}) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    finally:
-        srv.engine(lambda e: setattr(e.runner, "execute", original))
+    with failing_steps(srv, 27), httpx.stream("POST", f"{srv.base}/v1/responses", timeout=120, json={
+            "model": MODEL, "input": "Count to ten.", "max_output_tokens": 27, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     kinds = [e["type"] for e in events]
     assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"], kinds
     assert [e["sequence_number"] for e in events] == list(range(len(events)))

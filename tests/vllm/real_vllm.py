@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,3 +64,14 @@ def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path, timeout: f
             pass
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(2)
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """Stops a server started in a session of its own: SIGTERM to its process group, SIGKILL
+    if it is still there after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

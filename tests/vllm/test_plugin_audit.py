@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from real_vllm import HERE, ROOT, wait_healthy
+from real_vllm import HERE, ROOT, stop_server, wait_healthy
 
 from asymcache_core.integrations.vllm import SCHEDULER_CLS
 from asymcache_core.integrations.vllm.pins import job_hint_problems
@@ -222,12 +221,7 @@ def test_openai_server_through_the_entry_point_passes_job_hints(
         # the summary line, at vLLM's stats interval (1 s here), as counters move
         assert re.search(r"asymcache: pins made [1-9]\d* \(expired \d+, taken by the next turn", text)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
 
 
 def test_stats_line_comes_at_most_every_interval_and_only_when_it_moved(

@@ -8,7 +8,6 @@ turn arrives within the TTL. Pool: 20 blocks of 32 tokens.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from real_vllm import ROOT, run_scenario, wait_healthy
+from real_vllm import ROOT, run_scenario, stop_server, wait_healthy
 
 BLOCK = 32
 
@@ -206,9 +205,4 @@ def test_openai_server_passes_job_hints(tiny_model: Path, tmp_path: Path) -> Non
         assert "pinned job sess:" in text
         assert "pinned job toplevel" not in text
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
