@@ -433,8 +433,8 @@ async def create_message(request: Request) -> Response:
         # the space after the prefill's last word), and as text: it continues the answer, not
         # a thinking block
         text = final.output.text if req.prefilled and not turn.parsed.tool_calls else turn.message.get("content")
-        text = without_cut_off_call(text or "", turn, bool(tools) and choice != "none", rt.tool_call_format,
-                                    final.output.finish_reason == "length")
+        text = without_cut_off_call(text or "", final.output.finish_reason == "length", bool(tools) and choice != "none",
+                                    rt.tool_call_format)
         body = message_body(mid, state.model_name, content_blocks(turn, text, thinking=not req.prefilled),
                         stop_reason(turn, final), usage(final))
         return JSONResponse(body, headers=id_header)

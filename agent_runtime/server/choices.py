@@ -217,8 +217,8 @@ class ChatChunks(Chunks):
         if isinstance(message.get("content"), str):
             # NOTE: a call cut off (by max_tokens or a stop) is not content: its stream sent
             # no markup either (what went out of it were call pieces)
-            kept = without_cut_off_call(message["content"], turn, self.text.tools_possible, self.text.call_format,
-                                        final.output.finish_reason == "length")
+            kept = without_cut_off_call(message["content"], final.output.finish_reason == "length",
+                                        self.text.tools_possible, self.text.call_format)
             if kept != message["content"]:
                 message["content"] = (kept.rstrip() or None) if turn.parsed.tool_calls else kept
         if self.forced_tool and not turn.parsed.tool_calls:

@@ -202,8 +202,8 @@ async def create_response(request: Request) -> Response:
     tools_possible = bool(tools) and choice != "none"
 
     def finished(final: StreamEvent, turn: AssistantTurn) -> dict[str, Any]:
-        text = without_cut_off_call(turn.message.get("content") or "", turn, tools_possible, rt.tool_call_format,
-                                    final.output.finish_reason == "length")
+        text = without_cut_off_call(turn.message.get("content") or "", final.output.finish_reason == "length",
+                                    tools_possible, rt.tool_call_format)
         # NOTE: the message's logprobs are the whole reply's tokens', as vLLM reports them
         logprobs = (text_logprobs(final.output.logprobs or [], envelope.texts) if envelope.texts is not None
                     else None)

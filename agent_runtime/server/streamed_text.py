@@ -83,29 +83,27 @@ def cut_off_call_start(text: str) -> int | None:
     return None
 
 
-def without_cut_off_call(text: str, turn: AssistantTurn, tools_possible: bool, call_format: str = "hermes",
-                         length_cut: bool | None = None) -> str:
+def without_cut_off_call(text: str, hit_length: bool, tools_possible: bool, call_format: str = "hermes") -> str:
     """A finished reply's text less a tool call that was cut off: the text its stream sent (the
-    call itself went out as call pieces, or not at all). With the length limit reached, the
-    text stops before the first tag left in it (or a trailing piece of one: ``<tool_call`` after
-    complete calls); a Hermes
-    call the reply ends inside (:func:`cut_off_call_start`) is taken out whatever stopped it,
-    after parsed calls too. vLLM's streamed replies send no such markup as content either.
+    call itself went out as call pieces, or not at all). When the reply hit its length limit,
+    the text stops before the first tag left in it (or a trailing piece of one, such as
+    ``<tool_call`` after complete calls); a Hermes call the reply ends inside
+    (:func:`cut_off_call_start`) is taken out whatever stopped it, after parsed calls too.
+    vLLM's streamed replies send no such markup as content either.
 
     Args:
         text: the reply's text (past any thinking), or its parsed content.
-        turn: the finished turn.
+        hit_length: the engine finished the reply at its length limit (its own finish reason:
+            the turn's is ``tool_calls`` once a call is complete).
         tools_possible: tool calls were possible in the reply.
         call_format: the runtime's tool-call format.
-        length_cut: the reply hit its length limit (the engine's finish reason: the turn's is
-            ``tool_calls`` once a call is complete); None: read from the turn.
 
     Returns:
         The text, cut before an unfinished call.
     """
     if not tools_possible:
         return text
-    if turn.finish_reason == "length" if length_cut is None else length_cut:
+    if hit_length:
         text = text[: safe_text_len(text, True, call_format)]
     if call_format in ("hermes", "auto"):
         at = cut_off_call_start(text)
@@ -180,8 +178,8 @@ class StreamedText:
         the chat, Messages and Responses routes)."""
         before = self.sent
         thought, rest = self.rest(turn, final)
-        kept = without_cut_off_call(before + rest, turn, self.tools_possible, self.call_format,
-                                    final.output.finish_reason == "length")
+        kept = without_cut_off_call(before + rest, final.output.finish_reason == "length", self.tools_possible,
+                                    self.call_format)
         rest = kept[len(before) :] if kept.startswith(before) else ""
         self.sent = before + rest
         return thought, rest
