@@ -116,7 +116,7 @@ class ImplicitJobs:
         return f"{JOB_PREFIX}{next(self._ids)}"
 
     def on_finished(self, job: str, token_ids: Sequence[int], num_prompt_tokens: int,
-                    block_hashes: Sequence[Hashable]) -> None:
+                    block_hashes: Sequence[Hashable], keep: bool = False) -> None:
         """Keep the keys of a finished turn of ``job`` (replacing its earlier ones).
 
         Args:
@@ -125,9 +125,13 @@ class ImplicitJobs:
             num_prompt_tokens: the prompt's length.
             block_hashes: the chain hashes of ``token_ids``' full blocks (a stock vLLM's may
                 lack the last one: the keys stop at the last block hashed).
+            keep: keep the job's keys as well: another choice of the same turn (vLLM's
+                ``n > 1``), which the next turn may continue as well.
         """
         bs = self.block_size
-        self._forget(job)
+        kept = self._by_job.get(job, ()) if keep else ()
+        if not keep:
+            self._forget(job)
         keys: list[tuple[Hashable, _Key]] = []
         full = min(len(token_ids) // bs, len(block_hashes))
         prompt_full = min(num_prompt_tokens // bs, full)
@@ -142,8 +146,11 @@ class ImplicitJobs:
         if not keys:
             return
         for h, key in keys:
-            self._by_hash.setdefault(h, []).append(key)
-        self._by_job[job] = tuple(h for h, _ in keys)
+            if key not in self._by_hash.setdefault(h, []):
+                self._by_hash[h].append(key)
+        # NOTE: each hash once: _forget drops every key of the job under it at once
+        self._by_job[job] = tuple(dict.fromkeys([*kept, *(h for h, _ in keys)]))
+        self._by_job.move_to_end(job)
         while len(self._by_job) > self.max_conversations:
             self._forget(next(iter(self._by_job)))
 

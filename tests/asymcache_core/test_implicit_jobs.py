@@ -108,6 +108,29 @@ def test_the_table_is_bounded():
         ImplicitJobs(0)
 
 
+def test_kept_choices_of_one_turn_each_continue_the_job():
+    # vLLM's n > 1: every choice of a turn keeps its keys (keep=True), sharing the prompt's
+    table = ImplicitJobs(BS)
+    prompt = SYSTEM + [1, 2, 3]
+    job = _assign(table, prompt)
+    replies = [list(range(200, 212)), list(range(300, 312)), list(range(300, 308)) + [9, 9, 9, 9]]
+    for i, reply in enumerate(replies):
+        table.on_finished(job, prompt + reply, len(prompt), _hashes(prompt + reply), keep=i > 0)
+    table.check_integrity()
+    for reply in replies:
+        probe = ImplicitJobs(BS)
+        probe._by_hash = {h: list(keys) for h, keys in table._by_hash.items()}
+        probe._by_job = table._by_job.copy()
+        assert _assign(probe, prompt + reply + [7, 7, 7, 7]) == job
+        probe.check_integrity()
+    # a continuation takes every choice's keys; a plain finish replaces them
+    assert _assign(table, prompt + replies[1] + [7, 7, 7, 7]) == job and len(table) == 0
+    _finish(table, job, prompt, replies[0])
+    _finish(table, job, prompt, replies[1])
+    assert _assign(table, prompt + replies[0] + [7, 7, 7, 7]) != job
+    table.check_integrity()
+
+
 def _turn(engine: Engine, prompt: list[int], **kw) -> tuple[str | None, list[int]]:
     rid = engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), **kw)
     job = engine.requests[rid].job_id

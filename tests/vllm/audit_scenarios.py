@@ -160,6 +160,7 @@ def lifecycle(model: str, mode: str, profile: str | None) -> dict[str, Any]:
         report["state_left"] = {
             "hints": len(scheduler._asymcache_hints),
             "first_scheduled": len(scheduler._asymcache_first_scheduled),
+            "open_turns": scheduler.asymcache_turns.in_flight(),
         }
         report["pins_on_uncached"] = sorted(
             block_id for pin in pins.pins.values() for block_id in pin.block_ids

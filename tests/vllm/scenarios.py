@@ -79,12 +79,61 @@ def load(model: str, mode: str, profile: str | None) -> dict[str, Any]:
         SamplingParams(max_tokens=4, temperature=0.0, extra_args={"job_id": "L", "pin_ttl_s": 9}),
         use_tqdm=False,
     )[0]
+    plugin = hasattr(scheduler, "asymcache_stats")
     return {
         "scheduler": type(scheduler).__name__,
         "queue": type(scheduler.kv_cache_manager.block_pool.free_block_queue).__name__,
         "output": list(out.outputs[0].token_ids),
-        "pinned_jobs": scheduler.asymcache_stats()["pinned_jobs"] if hasattr(scheduler, "asymcache_stats") else None,
+        "pinned_jobs": scheduler.asymcache_stats()["pinned_jobs"] if plugin else None,
+        "parallel": parallel_sampling(llm, scheduler) if plugin else None,
     }
+
+
+def parallel_sampling(llm: Any, scheduler: Any) -> dict[str, Any]:
+    """A turn of job N with three sampled choices (vLLM's child requests), then N's next turn
+    continuing one of them: the ids vLLM gave the choices, the cached blocks each held as it
+    was freed, and N's pin and statistics after each turn."""
+    from vllm import SamplingParams
+
+    added: list[str] = []
+    freed: dict[str, list[int]] = {}
+    orig_add, orig_free = scheduler.add_request, scheduler._free_request
+
+    def add_request(request: Any) -> None:
+        added.append(request.request_id)
+        orig_add(request)
+
+    def free_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+        blocks = scheduler.kv_cache_manager.get_blocks(request.request_id).blocks[0]
+        freed[request.request_id] = [b.block_id for b in blocks if b.block_hash is not None]
+        return orig_free(request, *args, **kwargs)
+
+    scheduler.add_request, scheduler._free_request = add_request, free_request
+    pins, stats = scheduler.asymcache_pins, scheduler.asymcache_job_stats
+    made = pins.stats.pins
+    prompt = tokens(5000, 70)
+    # NOTE: vLLM takes n > 1 only with sampling; no seed (see audit_scenarios.py)
+    params = SamplingParams(max_tokens=30, temperature=1.0, n=3, extra_args={"job_id": "N", "pin_ttl_s": 60})
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    report: dict[str, Any] = {
+        "choices": len(out.outputs),
+        "child_ids": list(added),
+        "freed": {rid: freed[rid] for rid in added},
+        "pinned": sorted(pins.pins["N"].block_ids) if "N" in pins.pins else [],
+        "pins_made": pins.stats.pins - made,
+        "replaced": pins.stats.released_other,
+        "turns": scheduler.asymcache_controller._turns.get("N"),
+        "turn_sizes": list(stats.state("N").new_tokens),
+        "running": stats.state("N").running,
+    }
+    nxt = prompt + list(out.outputs[1].token_ids) + tokens(6000, 10)
+    last = SamplingParams(max_tokens=4, temperature=0.0, extra_args={"job_id": "N", "is_last_step": 1})
+    done = llm.generate([{"prompt_token_ids": nxt}], last, use_tqdm=False)[0]
+    report["next_cached_tokens"] = done.num_cached_tokens
+    report["released_next_request"] = pins.stats.released_next_request
+    report["pinned_after"] = sorted(pins.pins)
+    report["state_left"] = [len(scheduler._asymcache_hints), scheduler.asymcache_turns.in_flight()]
+    return report
 
 
 def agent(model: str, mode: str, profile: str | None) -> dict[str, Any]:

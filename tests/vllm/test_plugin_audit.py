@@ -70,7 +70,7 @@ def test_no_block_leaks_and_outputs_match_stock_vllm(
     assert report["problems"] == []  # after every step: free exactly when no request holds it
     assert report["preemptions"] > 0 and report["reset"] is True
     assert report["free_blocks"] == report["usable_blocks"] and report["requests_left"] == 0
-    assert report["state_left"] == {"hints": 0, "first_scheduled": 0}
+    assert report["state_left"] == {"hints": 0, "first_scheduled": 0, "open_turns": 0}
     assert report["pins_on_uncached"] == []
     assert report["forest_size"] == report["hashed_blocks"]
     # greedy tokens equal stock vLLM's; the same prefix hits

@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from real_vllm import ROOT, run_scenario, stop_server, wait_healthy
+
+from asymcache_core.integrations.vllm.choices import parent_request_id
 
 BLOCK = 32
 
@@ -29,11 +32,33 @@ def test_plugin_loads_through_scheduler_cls(agent_runs: dict[str, Any]) -> None:
     assert base["scheduler"] == "Scheduler" and base["queue"] == "FreeKVCacheBlockQueue"
 
 
-def test_plugin_loads_through_general_plugin_entry_point(tiny_model: Path) -> None:
-    report = run_scenario("load", tiny_model, "entrypoint")
+@pytest.fixture(scope="module")
+def entrypoint_load(tiny_model: Path) -> dict[str, Any]:
+    """The ``load`` scenario through the entry point (its ``parallel`` part: a turn of n=3)."""
+    return run_scenario("load", tiny_model, "entrypoint")
+
+
+def test_plugin_loads_through_general_plugin_entry_point(entrypoint_load: dict[str, Any]) -> None:
+    report = entrypoint_load
     assert report["scheduler"] == "AsymCacheScheduler"
     assert report["queue"] == "ExpectedLatencyFreeQueue"
     assert report["pinned_jobs"] == ["L"]
+
+
+def test_parallel_sampling_pins_every_choice_of_the_turn_once(entrypoint_load: dict[str, Any]) -> None:
+    # vLLM fans n=3 out into child requests "{i}_{parent}" (what the fake's fan_out mirrors)
+    par = entrypoint_load["parallel"]
+    assert par["choices"] == 3 and len(par["child_ids"]) == 3
+    assert len({parent_request_id(rid) for rid in par["child_ids"]} - {None}) == 1
+    # one pin over every choice's cached blocks (the shared prompt's and each choice's own)
+    union = sorted({b for blocks in par["freed"].values() for b in blocks})
+    assert par["pinned"] == union and len(union) > max(len(b) for b in par["freed"].values())
+    assert (par["pins_made"], par["replaced"]) == (1, 0)
+    # one turn of the job, not three
+    assert par["turns"] == 1 and len(par["turn_sizes"]) == 1 and par["running"] == 0
+    # the next turn (continuing choice 1) finds its blocks and releases the pin
+    assert par["next_cached_tokens"] >= 64 and par["released_next_request"] == 1
+    assert "N" not in par["pinned_after"] and par["state_left"] == [0, 0]
 
 
 def test_evicts_in_its_order(agent_runs: dict[str, Any]) -> None:
@@ -131,8 +156,6 @@ def test_least_work_patience_bounds_how_long_a_request_is_overtaken(tiny_model: 
 def test_bad_order_option_is_a_clear_error() -> None:
     from types import SimpleNamespace
 
-    import pytest
-
     from asymcache_core.integrations.vllm.scheduler import AsymCacheOptions
 
     config = SimpleNamespace(additional_config={"asymcache": {"order": "shortest"}})
@@ -151,8 +174,6 @@ def test_bad_order_option_is_a_clear_error() -> None:
 
 
 def test_least_work_order_refuses_the_priority_policy(tiny_model: Path) -> None:
-    import pytest
-
     env = {"ASYMCACHE_VLLM_OPTIONS": '{"order": "least-work"}', "SCENARIO_SCHEDULING_POLICY": "priority"}
     with pytest.raises(AssertionError, match="order least-work needs vLLM's fcfs policy"):
         run_scenario("load", tiny_model, "plugin", env=env)

@@ -41,6 +41,7 @@ from vllm.v1.request import RequestStatus
 from asymcache_core.continuum.controller import ContinuumController
 from asymcache_core.engine_jobs import JOB_IDLE_S, JOB_SWEEP_INTERVAL_S, MAX_TRACKED_JOBS
 from asymcache_core.implicit_jobs import ImplicitJobs
+from asymcache_core.integrations.vllm.choices import ParallelTurns
 from asymcache_core.integrations.vllm.free_queue import (
     BlockScorer,
     CachedForest,
@@ -60,7 +61,7 @@ from asymcache_core.integrations.vllm.pins import (
     parse_job_hints,
 )
 from asymcache_core.integrations.vllm.prefix_hits import PrefixHits, track_prefix_hits
-from asymcache_core.integrations.vllm.stats_log import StatsLog
+from asymcache_core.integrations.vllm.stats_log import StatsLog, log_pin_decision
 from asymcache_core.job_stats import JobStats
 
 # NOTE: a child of the "vllm" logger, so vLLM's handler and level apply to our lines.
@@ -200,6 +201,7 @@ class _AsymCacheMixin:
         self.asymcache_forest = CachedForest()
         self._asymcache_hints: dict[str, JobHints] = {}
         self._asymcache_first_scheduled: set[str] = set()
+        self.asymcache_turns = ParallelTurns()
         pool = self.kv_cache_manager.block_pool
         self.asymcache_pool = pool
         self.asymcache_pins = PinSet(int(opts.max_pinned_fraction * pool.num_gpu_blocks))
@@ -273,6 +275,12 @@ class _AsymCacheMixin:
     def _asymcache_hints_of(self, request: Any) -> JobHints:
         hints = self._asymcache_hints.get(request.request_id)
         if hints is None:
+            # NOTE: another choice of a request with n > 1 takes the hints its first choice got,
+            # its implicit job included: the choices are one turn (choices.py)
+            hints = self.asymcache_turns.sibling_hints(request.request_id)
+            if hints is not None:
+                self._asymcache_hints[request.request_id] = hints
+                return hints
             params = getattr(request, "sampling_params", None)
             extra = getattr(params, "extra_args", None) if params is not None else None
             # NOTE: ``session_id`` is vLLM's request field (the chat API's), not ours: the fallback job id.
@@ -293,7 +301,8 @@ class _AsymCacheMixin:
         """vLLM's ``add_request``, after noting the job's arrival (pause length, turn size)."""
         if request.request_id not in self.requests:
             hints = self._asymcache_hints_of(request)
-            if hints.job_id is not None:
+            # NOTE: the choices of a request with n > 1 arrive as one turn of the job
+            if hints.job_id is not None and self.asymcache_turns.join(request.request_id, hints):
                 now = self.asymcache_clock()
                 self.asymcache_controller.on_request_arrival(hints.job_id, now)
                 new_tokens = self.asymcache_job_stats.turn_tokens(
@@ -419,32 +428,33 @@ class _AsymCacheMixin:
         job = hints.job_id
         if job is None:
             return
+        failed = request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        cached = (b for group in groups for b in group if not b.is_null and b.block_hash is not None)
+        turn = self.asymcache_turns.finish(request, cached, failed)
+        if turn is None:
+            return  # NOTE: another choice of the turn (n > 1) runs: the turn ends with the last
         last = hints.is_last_step
-        context = int(request.num_tokens)
+        context = turn.context_tokens
         self.asymcache_job_stats.on_finish(job, now, last_step=last, context_tokens=context)
         controller = self.asymcache_controller
         if last:
             controller.on_job_finished(job)
             return
-        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+        if turn.failed:
             # NOTE: an aborted (client gone) or failed turn did not end in a tool call: no pin,
             # and no tool pause for the duration estimator to learn from.
             return
         if hints.implicit:
             implicit = self.asymcache_implicit_jobs
             assert implicit is not None
-            # NOTE: aborted turns returned above: nothing continues them (the embedded rule)
-            implicit.on_finished(
-                job, request.all_token_ids, int(request.num_prompt_tokens), request.block_hashes
-            )
+            # NOTE: aborted turns returned above: nothing continues them (the embedded rule).
+            # The next turn may continue any choice: each keeps its keys.
+            for i, choice in enumerate(turn.finished):
+                implicit.on_finished(job, choice.all_token_ids, int(choice.num_prompt_tokens),
+                                     choice.block_hashes, keep=i > 0)
             if not self.asymcache_job_stats.state(job).gaps:
                 return  # a first turn: nothing yet says the conversation comes back
-        cached_ids = [
-            b.block_id
-            for group in groups
-            for b in group
-            if not b.is_null and b.block_hash is not None
-        ]
+        cached_ids = turn.cached_block_ids()
         if controller.pinning:
             self.asymcache_pins.remember(job, cached_ids)
         decision = controller.on_tool_call(
@@ -453,21 +463,7 @@ class _AsymCacheMixin:
         # NOTE: blocks recorded but not pinned (TTL 0) must not wait for a later pin: vLLM may
         # give their ids other content meanwhile.
         self.asymcache_pins.discard_recorded(job)
-        if decision.ttl_s > 0 and decision.blocks_pinned > 0:
-            logger.info(
-                "asymcache: pinned job %s: %d blocks for %.2f s", job, decision.blocks_pinned, decision.ttl_s
-            )
-        elif decision.ttl_s > 0:
-            # NOTE: "pinned 0 blocks" read as a pin; say why there is none.
-            logger.info(
-                "asymcache: job %s not pinned (TTL %.2f s): %s",
-                job,
-                decision.ttl_s,
-                "its request left no full cached block"
-                if not cached_ids
-                else f"the pins' cap ({self.asymcache_pins.capacity_blocks} blocks: "
-                "max_pinned_fraction) is full",
-            )
+        log_pin_decision(logger, decision, len(cached_ids), self.asymcache_pins.capacity_blocks)
 
     # ---- introspection ----------------------------------------------------------------------
 

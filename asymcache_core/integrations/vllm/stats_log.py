@@ -15,6 +15,32 @@ from typing import Any
 STATS_LOG_INTERVAL_S = 10.0
 
 
+def log_pin_decision(log: logging.Logger, decision: Any, num_cached: int, capacity_blocks: int) -> None:
+    """The line of a turn's pin: the blocks pinned, or why a TTL pinned none.
+
+    Args:
+        log: the plugin's logger.
+        decision: the controller's :class:`~asymcache_core.continuum.controller.PinDecision`.
+        num_cached: the cached blocks the turn left (every choice's, with ``n > 1``).
+        capacity_blocks: the pins' cap.
+    """
+    if decision.ttl_s > 0 and decision.blocks_pinned > 0:
+        log.info(
+            "asymcache: pinned job %s: %d blocks for %.2f s",
+            decision.job_id, decision.blocks_pinned, decision.ttl_s,
+        )
+    elif decision.ttl_s > 0:
+        # NOTE: "pinned 0 blocks" read as a pin; say why there is none.
+        log.info(
+            "asymcache: job %s not pinned (TTL %.2f s): %s",
+            decision.job_id,
+            decision.ttl_s,
+            "its request left no full cached block"
+            if not num_cached
+            else f"the pins' cap ({capacity_blocks} blocks: max_pinned_fraction) is full",
+        )
+
+
 def format_stats(stats: dict[str, Any]) -> str:
     """One line of :meth:`~.scheduler._AsymCacheMixin.asymcache_stats`'s counters.
 

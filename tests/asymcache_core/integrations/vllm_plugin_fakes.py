@@ -166,6 +166,23 @@ class Request:
         return len(self.all_token_ids)
 
 
+def fan_out(
+    request_id: str, prompt: list[str], outputs: list[list[str]], extra_args: dict[str, Any] | None = None,
+    session_id: str | None = None,
+) -> list[Request]:
+    """The child requests vLLM 0.32 makes of a request with ``n = len(outputs)`` choices
+    (``LLMEngine.add_request`` / ``AsyncLLM.add_request`` with
+    ``vllm/v1/engine/parallel_sampling.py``'s ``ParentRequest.get_child_info``): the i-th child's
+    id is ``f"{i}_{request_id}"`` and it carries the parent's prompt, session id and
+    ``extra_args`` (a shallow copy of the sampling params: the same dict). Each child's blocks are
+    the prompt's followed by its own choice's (``outputs[i]``, the keys of its generated blocks).
+    """
+    return [
+        Request(f"{i}_{request_id}", prompt + out, extra_args=extra_args, session_id=session_id)
+        for i, out in enumerate(outputs)
+    ]
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool) -> None:
         self.block_pool = pool
