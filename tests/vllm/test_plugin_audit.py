@@ -2,7 +2,8 @@
 
 - Blocks and outputs through aborts, preemptions, a finished pinned job's next turn aborted, a
   last step while pinned, n=2 choices and a prefix-cache reset with requests running, under
-  chunked prefill, the async scheduler class and prefix caching off (``audit_scenarios.py``).
+  chunked prefill, the async scheduler class with vLLM's async scheduling (kept on: the CPU
+  platform turns it off) and prefix caching off (``audit_scenarios.py``).
 - A bad option fails before vLLM starts its engine: one ``error:`` line and exit code 2 from
   the server's command line, a ``ValueError`` naming it from ``LLM(...)``.
 - Job hints over the OpenAI server started through the ``vllm.general_plugins`` entry point
@@ -55,10 +56,12 @@ def baseline(tiny_model: Path, slow_reload_profile: Path) -> dict[str, Any]:
     ("mode", "engine"),
     [
         ("plugin", {}),
-        ("async", {"max_num_batched_tokens": 64}),  # chunked prefill as well
+        # vLLM's async scheduling (each step scheduled before the last one's output is in),
+        # which the CPU platform turns off unless the scenario keeps it on; chunked prefill too
+        ("async", {"max_num_batched_tokens": 64, "async_scheduling": True}),
         ("plugin", {"enable_prefix_caching": False}),
     ],
-    ids=["sync", "async-chunked", "no-prefix-caching"],
+    ids=["sync", "async-scheduling-chunked", "no-prefix-caching"],
 )
 def test_no_block_leaks_and_outputs_match_stock_vllm(
     tiny_model: Path, slow_reload_profile: Path, baseline: dict[str, Any], mode: str,
@@ -66,6 +69,8 @@ def test_no_block_leaks_and_outputs_match_stock_vllm(
 ) -> None:
     report, log = run_lifecycle(tiny_model, mode, slow_reload_profile, engine)
     caching = engine.get("enable_prefix_caching", True)
+    # the engine ran the scheduling asked for: two batches in flight with async scheduling
+    assert report["async_scheduling"] == ([True, 2] if engine.get("async_scheduling") else [False, 1])
     assert baseline["problems"] == [] and baseline["preemptions"] > 0
     assert report["problems"] == []  # after every step: free exactly when no request holds it
     assert report["preemptions"] > 0 and report["reset"] is True
