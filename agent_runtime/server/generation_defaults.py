@@ -6,8 +6,16 @@ temperature 1, no truncation, no penalties). Which generation config, as vLLM's
 ``--generation-config`` says (``ModelConfig.get_diff_sampling_param``):
 
 - ``auto`` (the default): the model's ``generation_config.json``, where an HF folder has one;
+  without one (or with one transformers cannot read), the generation fields its ``config.json``
+  still carries (``min_p``, ``max_new_tokens``: transformers' ``from_model_config``, which drops
+  the model config's ``temperature`` / ``top_p`` / ``top_k`` / ``repetition_penalty``); else none;
 - ``vllm``: none (vLLM's defaults), the model's file ignored;
-- a folder's path: the ``generation_config.json`` in that folder instead of the model's.
+- a folder's path: the ``generation_config.json`` in that folder instead of the model's (or,
+  without one, its ``config.json``'s fields, as with ``auto``).
+
+Every value a file states is read, a value equal to transformers' old default (``top_k: 50``)
+included: vLLM 0.32 reads the file with transformers 5, whose ``GenerationConfig`` defaults are
+unset, so its ``to_diff_dict()`` keeps them all.
 
 An operator's ``--override-generation-config`` JSON is laid over it (with ``vllm``, the
 override alone). The config's ``max_new_tokens`` becomes the default ``max_tokens`` of a chat,
@@ -42,12 +50,15 @@ VLLM_SAMPLING_DEFAULTS: dict[str, float | int] = {
 }
 #: The keys vLLM reads of a generation config (``ModelConfig.get_diff_sampling_param``).
 GENERATION_CONFIG_KEYS = (*VLLM_SAMPLING_DEFAULTS, "max_new_tokens")
-#: transformers' ``GenerationConfig`` defaults: vLLM reads a model's file through
-#: ``to_diff_dict()``, which leaves out the values equal to these (a file's ``top_k: 50`` is
-#: HF's default, so vLLM keeps its own ``top_k: 0``).
-_HF_GENERATION_DEFAULTS: dict[str, float | int] = {
-    "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
-}
+#: The keys of :data:`GENERATION_CONFIG_KEYS` a model's ``config.json`` still gives: transformers
+#: 5 drops the model config's legacy generation parameters (``temperature``, ``top_p``,
+#: ``top_k``, ``repetition_penalty``), and has no field for the penalties vLLM adds.
+_MODEL_CONFIG_KEYS = ("min_p", "max_new_tokens")
+#: The sub-configs whose generation fields ``GenerationConfig.from_model_config`` reads where
+#: the top level has none (the first one present: a multimodal model's text decoder).
+_DECODER_CONFIGS = ("decoder", "generator", "text_config")
+#: An HF model folder's config.
+MODEL_CONFIG_FILE = "config.json"
 
 
 def _checked_value(key: str, value: Any) -> Any:
@@ -101,23 +112,25 @@ GENERATION_CONFIG_MODES = ("auto", "vllm")
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def _sampling_values(raw: Mapping[str, Any], path: Path, strict: bool) -> dict[str, Any]:
-    """The sampling values of a generation config file's object that differ from
-    transformers' defaults (what vLLM reads through ``to_diff_dict()``).
+def _sampling_values(raw: Mapping[str, Any], path: Path, strict: bool,
+                     keys: tuple[str, ...] = GENERATION_CONFIG_KEYS) -> dict[str, Any]:
+    """The sampling values a generation config file's object states (what vLLM reads through
+    ``to_diff_dict()``: with transformers 5, every value that is not null).
 
     Args:
         raw: the file's object.
         path: the file (for messages).
         strict: a value the engine would reject raises (a file the operator named); else it is
             left out with a warning (the model's own file).
+        keys: the keys read.
 
     Raises:
         ValueError: ``strict`` and a value the engine would reject (naming the option).
     """
     values: dict[str, Any] = {}
-    for key in GENERATION_CONFIG_KEYS:
+    for key in keys:
         value = raw.get(key)
-        if value is None or (key in _HF_GENERATION_DEFAULTS and value == _HF_GENERATION_DEFAULTS[key]):
+        if value is None:
             continue
         try:
             values[key] = _checked_value(key, value)
@@ -125,6 +138,39 @@ def _sampling_values(raw: Mapping[str, Any], path: Path, strict: bool) -> dict[s
             if strict:
                 raise ValueError(f"generation_config: {path}: {key}: {str(e).split(': ', 1)[-1]}") from None
             logger.warning("model: ignoring %s's %s (%s)", path, key, e)
+    return values
+
+
+def _read_object(path: Path) -> Mapping[str, Any] | None:
+    """The JSON object in ``path`` (None: no file; an unreadable one, or one holding no object,
+    with a warning)."""
+    try:
+        if not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("model: ignoring %s (%s)", path, e)
+        return None
+    if not isinstance(raw, Mapping):
+        logger.warning("model: ignoring %s (not a JSON object)", path)
+        return None
+    return raw
+
+
+def _model_config_values(folder: Path) -> dict[str, Any]:
+    """The generation fields of the ``config.json`` in ``folder``, as vLLM reads a model without
+    a readable ``generation_config.json`` (``GenerationConfig.from_model_config``): only
+    ``min_p`` and ``max_new_tokens`` survive transformers 5's model config, from its top level,
+    else from its first decoder sub-config. Empty without the file."""
+    raw = _read_object(folder / MODEL_CONFIG_FILE)
+    if raw is None:
+        return {}
+    path = folder / MODEL_CONFIG_FILE
+    values = _sampling_values(raw, path, strict=False, keys=_MODEL_CONFIG_KEYS)
+    sub = next((raw[name] for name in _DECODER_CONFIGS if isinstance(raw.get(name), Mapping)), None)
+    if sub is not None:
+        # NOTE: a sub-config's value fills only what the top level leaves unset
+        values = {**_sampling_values(sub, path, strict=False, keys=_MODEL_CONFIG_KEYS), **values}
     return values
 
 
@@ -136,23 +182,23 @@ def model_generation_config(model: str | None) -> dict[str, Any]:
         model: the engine's model spec (a folder, a ``.gguf`` file, a packaged name, ...).
 
     Returns:
-        The file's sampling values that differ from transformers' defaults (empty: no file, a
-        model of another kind, an unreadable file). A value the engine would reject is left out,
-        with a warning.
+        The file's sampling values. Without the file, or with one that cannot be read (a
+        warning says so), the generation fields of the folder's ``config.json``, as vLLM falls
+        back to them (:func:`_model_config_values`; empty: a model of another kind). A value
+        the engine would reject is left out, with a warning.
     """
     if not model:
         return {}
-    path = Path(model) / GENERATION_CONFIG_FILE
+    folder = Path(model)
     try:
-        if not path.is_file():
+        if not folder.is_dir():
             return {}
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        logger.warning("model: ignoring %s (%s)", path, e)
+    except OSError:
         return {}
-    if not isinstance(raw, Mapping):
-        return {}
-    return _sampling_values(raw, path, strict=False)
+    raw = _read_object(folder / GENERATION_CONFIG_FILE)
+    if raw is None:
+        return _model_config_values(folder)
+    return _sampling_values(raw, folder / GENERATION_CONFIG_FILE, strict=False)
 
 
 def folder_generation_config(folder: str) -> dict[str, Any]:
@@ -163,12 +209,16 @@ def folder_generation_config(folder: str) -> dict[str, Any]:
         folder: the folder's path.
 
     Returns:
-        The file's sampling values that differ from transformers' defaults (other keys, such as
-        token ids, are ignored, as vLLM ignores them for sampling).
+        The file's sampling values (other keys, such as token ids, are ignored, as vLLM ignores
+        them for sampling). A model folder without the file: its ``config.json``'s generation
+        fields, as vLLM falls back to them.
 
     Raises:
-        ValueError: not a folder, no ``generation_config.json`` in it, unreadable, not a JSON
-            object, or a value the engine would reject; one line naming ``generation_config``.
+        ValueError: not a folder, neither file in it, unreadable, not a JSON object, or a value
+            the engine would reject; one line naming ``generation_config``.
+
+    NOTE: vLLM falls back to ``config.json`` from a broken ``generation_config.json`` too; a
+    file the operator named that cannot be read is an error here, not ignored.
     """
     root = Path(folder)
     if not root.is_dir():
@@ -176,7 +226,11 @@ def folder_generation_config(folder: str) -> dict[str, Any]:
                          "folder (a folder holding a generation_config.json)")
     path = root / GENERATION_CONFIG_FILE
     if not path.is_file():
-        raise ValueError(f"generation_config: no {GENERATION_CONFIG_FILE} in {folder!r}")
+        if (root / MODEL_CONFIG_FILE).is_file():
+            return _model_config_values(root)
+        # NOTE: vLLM fails here too (transformers finds no config in the folder)
+        raise ValueError(f"generation_config: no {GENERATION_CONFIG_FILE} in {folder!r} (nor a model's "
+                         f"{MODEL_CONFIG_FILE})")
     try:
         raw = json.loads(path.read_text())
     except OSError as e:
@@ -251,9 +305,13 @@ def sampling_defaults(model: str | None, override: Mapping[str, Any] | None = No
     merged = {**generation_config(source, model), **(override or {})}
     if "max_new_tokens" in merged:
         merged["max_tokens"] = merged.pop("max_new_tokens")
-    if merged:
-        origin = {"auto": "the model's generation config", "vllm": "vLLM's defaults"}.get(source, source)
-        logger.info("Default sampling parameters (%s, overrides applied): %s", origin, merged)
+    if merged and source != "vllm":
+        # NOTE: a warning, as vLLM's: replies sample otherwise than vLLM's defaults say
+        origin = "the model's generation config" if source == "auto" else source
+        logger.warning("Default sampling parameters overridden by %s (overrides applied): %s; serve with "
+                       "--generation-config vllm for vLLM's own", origin, merged)
+    elif merged:
+        logger.info("Default sampling parameters (vLLM's, overrides applied): %s", merged)
     return merged
 
 

@@ -34,6 +34,10 @@ request runs on (:mod:`agent_runtime.server.responses_background`), ``GET`` read
 (streamed again with ``stream=true``) and ``POST /v1/responses/{id}/cancel`` stops it.
 ``max_tool_calls`` caps calls of built-in tools, none of which is served: it is echoed.
 
+An input whose last item is a ``message`` with status ``in_progress`` or ``incomplete`` is
+continued (vLLM's ``continue_final_message``): the output message holds the rest of it. A
+``function_call_output`` must answer a ``function_call`` before it (OpenAI's 400 otherwise).
+
 ``include: ["message.output_text.logprobs"]`` (or ``top_logprobs`` above 0) gives the message's
 ``output_text`` its tokens' log probabilities, and each text delta those of its tokens.
 
@@ -74,6 +78,8 @@ from agent_runtime.server.responses_input import (
     chat_response_format,
     chat_tool_choice,
     chat_tools,
+    check_call_outputs,
+    continues_final_message,
     input_messages,
 )
 from agent_runtime.server.responses_output import (
@@ -177,7 +183,11 @@ async def create_response(request: Request) -> Response:
         params = req.sampling_params(state.max_tokens_default(), state.sampling_defaults)
         input_messages(req.input)  # NOTE: its own items first, so that an error names input[i] as sent
         items = chain_items(previous, req.input)
+        check_call_outputs(items, 1 if isinstance(req.input, str) else len(req.input))
         messages = input_messages(items, req.instructions)
+        # NOTE: a partial message last is continued (vLLM's continue_final_message): the reply
+        # is the rest of that message, not a thinking block
+        continues = continues_final_message(req.input)
         tools = chat_tools(req.tools)
         choice = chat_tool_choice(req.tool_choice)
         fmt = chat_response_format(req.text)
@@ -185,6 +195,7 @@ async def create_response(request: Request) -> Response:
             messages, [params], tools=tools, tool_choice=choice, response_format=fmt, job_id=job_id,
             is_last_step=bool(req.is_last_step), parallel_tool_calls=req.parallel_tool_calls is not False,
             strict_max_tokens=req.max_output_tokens is not None,
+            add_generation_prompt=not continues, continue_final_message=continues,
             **with_reasoning_effort({}, req.reasoning.effort if req.reasoning else None),
         )
     except ContextLengthError as e:
@@ -194,15 +205,19 @@ async def create_response(request: Request) -> Response:
     except ValueError as e:
         raise _as_responses_error(from_value_error(e, "input")) from None
     decode = _decoder(rt)
+    thinking = None if continues else rt.reasoning_parser
     envelope = ResponseEnvelope(response_id, req, state.model_name, params, stored,
-                                lambda text, ids: reasoning_tokens(text, ids, rt.reasoning_parser, decode),
+                                lambda text, ids: reasoning_tokens(text, ids, thinking, decode),
                                 state.token_texts() if req.reports_logprobs else None)
     chain = _Chain(responses if stored else None, items, job_id)
     stream = streams[0]
     tools_possible = bool(tools) and choice != "none"
 
     def finished(final: StreamEvent, turn: AssistantTurn) -> dict[str, Any]:
-        text = without_cut_off_call(turn.message.get("content") or "", final.output.finish_reason == "length",
+        # NOTE: a continuation is the text as generated, not stripped: its first character may
+        # be the blank after the partial message's last word
+        content = final.output.text if continues and not turn.parsed.tool_calls else turn.message.get("content")
+        text = without_cut_off_call(content or "", final.output.finish_reason == "length",
                                     tools_possible, rt.tool_call_format)
         # NOTE: the message's logprobs are the whole reply's tokens', as vLLM reports them
         logprobs = (text_logprobs(final.output.logprobs or [], envelope.texts) if envelope.texts is not None
@@ -211,7 +226,7 @@ async def create_response(request: Request) -> Response:
 
     def events(keep: Callable[[dict[str, Any]], None], on_failed: Callable[[dict[str, Any]], None] | None = None
                ) -> AsyncIterator[str]:
-        text = StreamedText(tools_possible, rt.tool_call_format, rt.reasoning_parser)
+        text = StreamedText(tools_possible, rt.tool_call_format, thinking)
         calls = (HermesCallStream(None if req.parallel_tool_calls is not False else 1)
                  if tools_possible and rt.tool_call_format == "hermes" else None)
         return response_events(stream, envelope, text, state.metrics, keep, calls, on_failed)
@@ -243,7 +258,10 @@ async def create_response(request: Request) -> Response:
 
 async def get_response(request: Request) -> Response:
     """``GET /v1/responses/{response_id}``: a stored response; with ``stream=true``, a streamed
-    background response's events (after ``starting_after``, a sequence number)."""
+    background response's events (after ``starting_after``, a sequence number).
+
+    NOTE: a response not created with ``background: true`` is stored once it has finished, as
+    vLLM's ``responses_full_generator`` stores it: until then it is a 404 (vLLM's too)."""
     state = app_state(request)
     response_id = request.path_params["response_id"]
     query = request.query_params

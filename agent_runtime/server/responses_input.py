@@ -6,7 +6,12 @@ the chat route's forms (:mod:`agent_runtime.server.openai_responses` serves them
 calls of one assistant message (after the text the model wrote before them, so the next turn's
 prompt repeats the tokens it generated and its KV stays reusable), ``function_call_output``
 items tool messages, and a ``reasoning`` item the ``reasoning_content`` of the assistant message
-after it.
+after it (or, with none after it, of an assistant message of its own, as vLLM renders it).
+
+An input whose last item is a ``message`` with status ``in_progress`` or ``incomplete`` is a
+partial message the reply continues (vLLM's ``should_continue_final_message``: the chat is
+rendered with ``continue_final_message``); an assistant message after such a partial one is the
+rest of it, and the two are one message of the chat.
 """
 
 from __future__ import annotations
@@ -177,6 +182,7 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
     if isinstance(items, str):
         return [*messages, {"role": "user", "content": items}]
     thought: str | None = None  # a reasoning item's text, for the assistant message it precedes
+    partial = False  # the last item was an assistant message the reply to it went on writing
 
     def assistant(content: str | None) -> dict[str, Any]:
         nonlocal thought
@@ -186,9 +192,16 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
         messages.append(message)
         return message
 
+    def flush_thought() -> None:
+        # NOTE: thinking no assistant message follows (the reply was cut off in it, or ended
+        # after it): a message of its own, as vLLM renders it, not the next turn's
+        if thought is not None:
+            assistant("")
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        was_partial, partial = partial, False
         if kind == "reasoning":
             thought = (thought or "") + _reasoning_text(item, where)
         elif kind == "message":
@@ -197,8 +210,16 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
                 raise ValueError(f"{where}.role: must be one of {sorted(_ROLES)}, got {role!r}")
             content = _text_of(item.get("content"), f"{where}.content")
             if role == "assistant":
-                assistant(content)
+                last = messages[-1] if messages else None
+                if was_partial and thought is None and last is not None and isinstance(last.get("content"), str):
+                    # NOTE: the rest of a partial message (the reply that continued it): one
+                    # message, rendered as the model wrote it, so its KV stays reusable
+                    last["content"] += content
+                else:
+                    assistant(content)
+                partial = item.get("status") in PARTIAL_STATUSES
             else:
+                flush_thought()
                 messages.append({"role": role, "content": content})
         elif kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
@@ -217,14 +238,77 @@ def input_messages(items: str | Sequence[Mapping[str, Any]], instructions: str |
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise ValueError(f"{where}.call_id: must be the call's id")
+            flush_thought()
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text_of(item.get("output"), f"{where}.output")})
         else:
             raise ValueError(f"{where}.type: not served by this server: {kind!r} (message, reasoning, "
                              "function_call and function_call_output are)")
     if not messages:
+        # NOTE: thinking alone is no conversation
         raise ValueError("input: must hold at least one item")
+    flush_thought()
     return messages
+
+
+#: The statuses of a message item that the model was still writing (``in_progress``) or that
+#: was cut off (``incomplete``): as the last input item, the reply continues it.
+PARTIAL_STATUSES = ("in_progress", "incomplete")
+
+
+def continues_final_message(items: str | Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the reply continues the input's last item instead of starting a new assistant
+    turn (vLLM's ``should_continue_final_message``): it is a ``message`` with status
+    ``in_progress`` or ``incomplete``. Only the request's own ``input`` is read, as vLLM reads
+    it: a chain's last output, continued with no new item, is not continued.
+
+    Args:
+        items: the request's ``input``.
+
+    Returns:
+        True: the chat is rendered with ``continue_final_message`` (no generation prompt).
+
+    Raises:
+        ValueError: naming ``input[i].status``, a partial ``reasoning`` item last: the chat
+            templates render no open thinking block to continue (vLLM's renderer fails on it
+            too: the message it becomes has no content to continue).
+    """
+    if isinstance(items, str) or not items:
+        return False
+    last = items[-1]
+    kind = last.get("type", "message")
+    if last.get("status") not in PARTIAL_STATUSES or kind not in ("message", "reasoning"):
+        return False
+    if kind == "reasoning":
+        raise ValueError(f"input[{len(items) - 1}].status: continuing a reasoning item is not served (a message "
+                         f"item with status {' or '.join(PARTIAL_STATUSES)} is continued)")
+    return True
+
+
+def check_call_outputs(items: Sequence[Mapping[str, Any]], own: int) -> None:
+    """Every ``function_call_output`` of the request's own input answers a ``function_call``
+    before it (in its chain or its own input), as OpenAI's API requires.
+
+    NOTE: vLLM's chat-template path passes such an output on to the template (its Harmony path
+    refuses it, as OpenAI does): a tool result for no call is a prompt the model never saw, and
+    a client's bug (a lost call, a mistyped id) best seen at once.
+
+    Args:
+        items: the chain's items, then the request's own (:func:`chain_items`).
+        own: how many of them, the last, are the request's own input.
+
+    Raises:
+        ValueError: naming ``input[i].call_id`` (its index in the request's own input).
+    """
+    first_own = len(items) - own
+    calls: set[str] = set()
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "function_call" and isinstance(item.get("call_id"), str):
+            calls.add(item["call_id"])
+        elif kind == "function_call_output" and i >= first_own and item.get("call_id") not in calls:
+            raise ValueError(f"input[{i - first_own}].call_id: no tool call found for function call output with "
+                             f"call_id {item.get('call_id')!r}")
 
 
 def _check_arguments(arguments: str, where: str) -> None:
@@ -301,4 +385,7 @@ def chat_response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | Non
     return {"type": "json_schema", "json_schema": schema}
 
 
-__all__ = ["chat_response_format", "chat_tool_choice", "chat_tools", "input_messages"]
+__all__ = [
+    "PARTIAL_STATUSES", "chat_response_format", "chat_tool_choice", "chat_tools", "check_call_outputs",
+    "continues_final_message", "input_messages",
+]

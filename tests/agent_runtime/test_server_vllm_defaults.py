@@ -88,9 +88,12 @@ def test_model_generation_config_is_read_as_vllm_reads_it(tmp_path: Path):
         "do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "max_new_tokens": 64, "eos_token_id": 2,
         "repetition_penalty": 1.0,
     }))
-    # NOTE: top_k 50 and repetition_penalty 1 are transformers' defaults, which vLLM's to_diff_dict drops
-    assert model_generation_config(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64}
-    assert sampling_defaults(str(tmp_path), {"temperature": 0.0}) == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 64}
+    # NOTE: top_k 50 and repetition_penalty 1 were transformers 4's defaults, which its to_diff_dict
+    # dropped; vLLM 0.32 reads the file with transformers 5 (no defaults): they are kept
+    assert model_generation_config(str(tmp_path)) == {"temperature": 0.6, "top_p": 0.9, "top_k": 50,
+                                                      "repetition_penalty": 1.0, "max_new_tokens": 64}
+    assert sampling_defaults(str(tmp_path), {"temperature": 0.0}) == {
+        "temperature": 0.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.0, "max_tokens": 64}
     assert model_generation_config("smollm2-135m") == {} and model_generation_config(str(tmp_path / "none")) == {}
     (tmp_path / "generation_config.json").write_text("{not json")
     assert model_generation_config(str(tmp_path)) == {}

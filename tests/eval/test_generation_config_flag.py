@@ -95,17 +95,18 @@ def test_the_python_api_checks_it_too(tmp_path):
 def test_the_three_sources_and_the_override(tmp_path):
     model = _folder(tmp_path / "model", {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "eos_token_id": 2})
     other = _folder(tmp_path / "other", {"temperature": 0.2, "top_k": 50, "min_p": 0.05, "bos_token_id": 1})
-    # auto: the model's file (values equal to transformers' defaults left out, as to_diff_dict does)
+    # auto: the model's file
     assert sampling_defaults(model) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
     assert sampling_defaults(model, {"temperature": 0.0}) == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 64}
     # vllm: the model's file ignored; the override alone
     assert sampling_defaults(model, None, "vllm") == {}
     assert sampling_defaults(model, {"top_k": 5}, "vllm") == {"top_k": 5}
-    # a folder: its file instead of the model's (top_k 50 is transformers' default), override over it
-    assert folder_generation_config(other) == {"temperature": 0.2, "min_p": 0.05}
-    assert sampling_defaults(model, None, other) == {"temperature": 0.2, "min_p": 0.05}
+    # a folder: its file instead of the model's (top_k 50 too: transformers 5 has no default to
+    # leave it out as), override over it
+    assert folder_generation_config(other) == {"temperature": 0.2, "top_k": 50, "min_p": 0.05}
+    assert sampling_defaults(model, None, other) == {"temperature": 0.2, "top_k": 50, "min_p": 0.05}
     assert sampling_defaults(model, {"temperature": 1.0, "max_new_tokens": 9}, other) == {
-        "temperature": 1.0, "min_p": 0.05, "max_tokens": 9}
+        "temperature": 1.0, "top_k": 50, "min_p": 0.05, "max_tokens": 9}
     # a model without a generation config (a packaged GGUF): auto is vLLM's defaults too
     assert sampling_defaults("smollm2-135m") == {} == sampling_defaults("smollm2-135m", None, "vllm")
 
