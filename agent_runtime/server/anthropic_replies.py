@@ -174,7 +174,8 @@ async def message_events(
         if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
             frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block
         if streamed:
-            # NOTE: the calls streamed as written end first; text after them is a block of its own
+            # NOTE: the calls streamed as written end first; text still owed (a piece of the text
+            # before them held back, such as a split character) is a block of its own
             for call in owed:
                 frames += call_piece(call)
             if rest:

@@ -182,7 +182,7 @@ class StreamedText:
 
     def full(self, turn: AssistantTurn, final: StreamEvent) -> str:
         """The whole content of the finished reply: the text after any thinking as generated,
-        or with tool calls the parsed content (the text around them), its head as it was sent."""
+        or with tool calls the parsed content (the text before the first), its head as it was sent."""
         if turn.parsed.tool_calls:
             content = turn.parsed.content or ""
             # NOTE: the content is stripped; what went out before the first call may end in

@@ -6,7 +6,7 @@
   and after calls is dropped, as vLLM drops it;
 * a call whose head a stream announced and the parse refused (malformed JSON after its name) is
   no call and no content in either form, and the reply's reason is the engine's;
-* any non-empty name is a call's, in the request's tools or not;
+* any non-empty name is a call's, in the request's tools or not, and a tool's;
 * Messages: the length limit is ``max_tokens`` even after complete calls, ``usage`` has no
   ``cache_creation_input_tokens`` the engine does not count, ``temperature`` is vLLM's 0..2.
 """
@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from agent_runtime.constrained import tool_call_grammar, tool_call_json_schema
 from agent_runtime.output_processor import OutputOptions, _parse, build_turn
+from agent_runtime.protocol import normalize_tools
 from agent_runtime.server.anthropic_messages import MessagesRequest
 from agent_runtime.server.anthropic_replies import (
     content_blocks,
@@ -211,3 +213,19 @@ def test_messages_temperature_is_vllms_range() -> None:
     for value in (-0.1, 2.5, "1"):
         with pytest.raises(ValidationError, match="temperature"):
             MessagesRequest.model_validate({**base, "temperature": value})
+
+
+def test_any_non_empty_tool_name_is_served() -> None:
+    """vLLM takes a client's tool by any name (its ``FunctionDefinition.name`` is a plain str):
+    dotted MCP names, slashes, spaces, long ones; a forced call's grammar reaches the tool's
+    ``$defs`` whatever its name (a JSON pointer escapes ``/`` and ``~``)."""
+    names = ["mcp.github.create_issue", "ns/tool~1", "get weather", "x" * 100]
+    defs = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+            "$defs": {"P": {"type": "integer"}}}
+    tools = normalize_tools([{"type": "function", "function": {"name": n, "parameters": defs}} for n in names])
+    assert [t["function"]["name"] for t in tools] == names
+    schema = tool_call_json_schema(tools, {"type": "function", "function": {"name": "ns/tool~1"}})
+    assert schema["properties"]["arguments"]["properties"]["p"] == {"$ref": "#/$defs/ns~1tool~01__P"}
+    tool_call_grammar(schema)  # compiles: the reference resolves
+    with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.name: must be a non-empty string"):
+        normalize_tools([{"type": "function", "function": {"name": ""}}])
