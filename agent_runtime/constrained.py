@@ -201,7 +201,8 @@ def _rewrite_refs(node: Any, prefix: str) -> Any:
             if k == "$ref" and isinstance(v, str):
                 for root in ("#/$defs/", "#/definitions/"):
                     if v.startswith(root):
-                        v = "#/$defs/" + prefix + v[len(root) :]
+                        # NOTE: a JSON pointer: a tool name may hold "/" or "~" (any name is served)
+                        v = "#/$defs/" + prefix.replace("~", "~0").replace("/", "~1") + v[len(root) :]
                 out[k] = v
             else:
                 out[k] = _rewrite_refs(v, prefix)

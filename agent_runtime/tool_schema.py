@@ -1,22 +1,20 @@
 """Validation of a tool's OpenAI function schema, before any request uses it.
 
 :func:`validate_tool_schema` checks a ``{"type": "function", "function": {...}}`` entry the
-way a client's tools are checked on the server: the name by OpenAI's rule, the parameters an
-object schema whose every node has known JSON types and well-formed ``properties``, ``items``,
-combinators and definitions, and, where xgrammar is installed, that it compiles to a grammar
-(constrained tool calls need that). Errors are ``ValueError`` naming the field.
+way a client's tools are checked on the server: the name a non-empty string (vLLM's rule), the
+parameters an object schema whose every node has known JSON types and well-formed
+``properties``, ``items``, combinators and definitions, and, where xgrammar is installed, that
+it compiles to a grammar (constrained tool calls need that). Errors are ``ValueError`` naming
+the field.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from agent_runtime.constrained import check_schema_compiles
 
-#: OpenAI's rule for function names.
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 #: JSON-schema ``type`` values.
 _JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 
@@ -98,8 +96,12 @@ def validate_tool_schema(schema: Mapping[str, Any]) -> None:
     if not isinstance(fn, Mapping):
         raise ValueError("function: must be an object")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"function.name: must match {_NAME_RE.pattern}, got {name!r}")
+    # NOTE: any non-empty string, as vLLM 0.32 takes it (its FunctionDefinition's and
+    # AnthropicTool's name is a plain str; OpenAI's ^[A-Za-z0-9_-]{1,64}$ refused dotted MCP
+    # names and longer ones that vLLM serves); an empty name could never be called (a call
+    # without a name is none)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"function.name: must be a non-empty string, got {name!r}")
     desc = fn.get("description", "")
     if not isinstance(desc, str):
         raise ValueError("function.description: must be a string")

@@ -6,7 +6,9 @@ Formats:
   what :mod:`asymcache_core.chat_template` asks a model without native tool support to emit);
   several per message. A final unclosed ``<tool_call>`` (the model stopped on the closing tag
   or ran out of tokens right after the JSON) is accepted when its JSON is complete. A tag whose
-  JSON does not parse, or lacks a name, is not a call: it stays in the content.
+  JSON does not parse, or lacks a name, is not a call. With calls, the content is the text
+  before the first tag (vLLM's hermes parser: text between and after calls is dropped); with
+  none, the reply as written.
 * ``llama3_json``: Llama 3.1+'s native form (vLLM's ``llama3_json`` parser): the whole reply is
   a call object ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), after
   an optional ``<|python_tag|>``. Text before or after it makes the reply plain text.
@@ -53,8 +55,10 @@ def new_call_id() -> str:
 
 
 #: The head of a Hermes call object up to its arguments' opening brace (name first, as models
-#: and the constrained grammar write it): group 1 is the name's JSON string body.
-CALL_HEADER_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+#: and the constrained grammar write it): group 1 is the name's JSON string body, any string
+#: but the empty one (vLLM's parsers take any name, in the request's tools or not; a call
+#: without a name is none, so a stream does not announce one the parse refuses).
+CALL_HEADER_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 def raw_arguments(payload: str, arguments: Mapping[str, Any]) -> str | None:
@@ -115,7 +119,7 @@ class ParsedMessage:
     """An assistant message split into text and tool calls.
 
     Attributes:
-        content: the text with the recognised calls removed (stripped).
+        content: the text without the calls (stripped; Hermes: the text before the first call).
         tool_calls: the calls, in order of appearance.
         format_error: why the text did not follow the expected format (e.g. mini-swe-agent's
             "exactly one bash block"), or None; the runtime may feed it back to the model.
@@ -239,12 +243,13 @@ def parse_hermes(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedM
         make_id: id factory for calls without an ``id``.
 
     Returns:
-        The message; a tag whose value is not a call, or is followed by anything else, stays in
-        ``content``.
+        The message. With calls, its ``content`` is the text before the first ``<tool_call>``
+        tag, as vLLM's hermes parser returns it (text between and after the calls is dropped; a
+        stream sends none of it either); without, the text as written (a tag whose value is not
+        a call, or is followed by anything else, is no call).
     """
-    parts: list[str] = []
     calls: list[ParsedToolCall] = []
-    pos = search = 0
+    search = 0
     while (at := text.find(_OPEN_TAG, search)) >= 0:
         start = at + len(_OPEN_TAG)
         value = _BLANKS.match(text, start).end()  # type: ignore[union-attr]
@@ -264,13 +269,13 @@ def parse_hermes(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedM
         if decoded is None or after is None:
             search = start
             continue
-        parts.append(text[pos:at])
         calls.extend(decoded)
-        pos = search = after
-    parts.append(text[pos:])
+        search = after
     # NOTE: a reply without a call is returned as written (vLLM's hermes parser does the
-    # same), so a non-streamed reply equals its stream's text
-    return ParsedMessage(_tidy(parts) if calls else text, calls)
+    # same), so a non-streamed reply equals its stream's text; with calls, the text before the
+    # first tag (vLLM's content, and all a stream sends as content: it holds text from the
+    # first tag on)
+    return ParsedMessage(_tidy([text[: text.find(_OPEN_TAG)]]) if calls else text, calls)
 
 
 def parse_llama3_json(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedMessage:

@@ -18,11 +18,17 @@ from asymcache_core.tool_call_stream import CallPiece, HermesCallStream
 
 
 def stop_reason(turn: AssistantTurn, final: StreamEvent) -> tuple[str, str | None]:
-    """Anthropic's ``(stop_reason, stop_sequence)`` of a finished turn."""
+    """Anthropic's ``(stop_reason, stop_sequence)`` of a finished turn.
+
+    NOTE: the length limit always gives ``max_tokens``, complete calls before the cut or not
+    (vLLM's ``_to_anthropic_stop_reason``, and Anthropic's own API: a reply the limit cut off
+    says so, and a call it cut short must not run); the engine's finish reason decides, as the
+    turn's is ``tool_calls`` once a call is complete.
+    """
+    if final.output.finish_reason == "length":
+        return "max_tokens", None
     if turn.parsed.tool_calls:
         return "tool_use", None
-    if turn.finish_reason == "length":
-        return "max_tokens", None
     sequence = final.output.stop_reason
     if isinstance(sequence, str):
         return "stop_sequence", sequence
@@ -50,11 +56,18 @@ def content_blocks(turn: AssistantTurn, text: str, thinking: bool = True) -> lis
 
 
 def usage(final: StreamEvent) -> dict[str, int]:
-    """Anthropic's ``usage``: the prompt's cached tokens apart from the rest."""
+    """Anthropic's ``usage``: the prompt's cached tokens (``cache_read_input_tokens``) apart
+    from the rest (``input_tokens``).
+
+    NOTE: no ``cache_creation_input_tokens``: the engine does not count the prompt tokens a
+    request wrote to the prefix cache, and a 0 would say it wrote none; vLLM leaves the field
+    out when it has no count (``_build_anthropic_usage``), and Anthropic's clients read it as
+    optional.
+    """
     out = final.output
     cached = out.metrics.cached_tokens
     return {"input_tokens": out.num_prompt_tokens - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, "output_tokens": len(out.token_ids)}
+            "output_tokens": len(out.token_ids)}
 
 
 def message_body(mid: str, model: str, content: list[dict[str, Any]], reason: tuple[str | None, str | None],
@@ -85,8 +98,7 @@ async def message_events(
     def start(ev: StreamEvent | None) -> list[str]:
         # NOTE: sent with the first event, once the prompt's cached share is known
         use = {**usage(ev), "output_tokens": 0} if ev is not None else {
-            "input_tokens": len(stream.prompt_token_ids), "cache_read_input_tokens": 0,
-            "cache_creation_input_tokens": 0, "output_tokens": 0}
+            "input_tokens": len(stream.prompt_token_ids), "cache_read_input_tokens": 0, "output_tokens": 0}
         return [event("message_start", message=message_body(mid, model, [], (None, None), use)), event("ping")]
 
     index = 0  # the block being streamed, or the next one
@@ -162,7 +174,8 @@ async def message_events(
         if turn.parsed.reasoning is not None and index == 0 and open_kind is None:
             frames += stream_piece("thinking", "")  # NOTE: an empty thinking block is still a block
         if streamed:
-            # NOTE: the calls streamed as written end first; text after them is a block of its own
+            # NOTE: the calls streamed as written end first; text still owed (a piece of the text
+            # before them held back, such as a split character) is a block of its own
             for call in owed:
                 frames += call_piece(call)
             if rest:

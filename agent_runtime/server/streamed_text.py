@@ -14,6 +14,7 @@ from agent_runtime.request_stream import RequestStream
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.json_scan import arguments_span
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
+from asymcache_core.tool_parsing import CALL_HEADER_RE, parse_hermes
 
 _TOOL_OPEN = "<tool_call>"
 _TOOL_CLOSE = "</tool_call>"
@@ -56,16 +57,21 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
     return end
 
 
-def cut_off_call_start(text: str) -> int | None:
-    """Where a Hermes call the reply ends inside begins: a ``<tool_call>`` with nothing after
-    it, or whose JSON value never closes (the length limit or a stop cut it) and no closing tag
-    follows. A call whose JSON closes is the parse's (a call, or malformed markup kept as text).
+def unparsed_call_start(text: str) -> int | None:
+    """Where the first Hermes call the parse did not take begins: a ``<tool_call>`` with
+    nothing after it, one whose JSON value never closes (the length limit or a stop cut it) and
+    no closing tag follows, or one whose value opens with a call's head (``{"name": "...",
+    "arguments": {``) that the parse refused (malformed JSON after the head, something else
+    before its closing tag). A stream announces a call at its head and holds text from its tag
+    on: such markup is never its content (vLLM's streamed replies send none), so the
+    non-streamed reply leaves it out too. A tag followed by anything else (prose naming the
+    tag, a closed value that is no call) is text.
 
     Args:
         text: the reply's text (past any thinking), or its parsed content.
 
     Returns:
-        The index of the cut-off call's tag, or None when the text does not end inside one.
+        The index of the call's tag, or None when the text holds no such call.
     """
     search = 0
     while (at := text.find(_TOOL_OPEN, search)) >= 0:
@@ -75,20 +81,34 @@ def cut_off_call_start(text: str) -> int | None:
         if text[start] not in "{[":
             search = start
             continue
+        head = CALL_HEADER_RE.match(text, at + len(_TOOL_OPEN)) is not None
         end = arguments_span(text, start)
         if end is None:
-            # NOTE: a closing tag after a value that never closes: malformed, not cut off
-            return None if _TOOL_CLOSE in text[start:] else at
+            # NOTE: a closing tag after a value that never closes: malformed, text unless its
+            # head was announced
+            return at if head or _TOOL_CLOSE not in text[start:] else None
+        if head and not _taken(text, at, end):
+            return at
         search = end
     return None
 
 
+def _taken(text: str, at: int, end: int) -> bool:
+    """Whether the parse takes the call whose tag is at ``at`` and whose value ends at ``end``
+    (:func:`~asymcache_core.tool_parsing.parse_hermes`'s rule: a call, then its closing tag, the
+    next call's tag, or the reply's end)."""
+    tail = text[_BLANKS.match(text, end).end() :]  # type: ignore[union-attr]
+    if not (tail.startswith((_TOOL_CLOSE, _TOOL_OPEN)) or _TOOL_CLOSE.startswith(tail)):
+        return False
+    return bool(parse_hermes(text[at:end]).tool_calls)
+
+
 def without_cut_off_call(text: str, hit_length: bool, tools_possible: bool, call_format: str = "hermes") -> str:
-    """A finished reply's text less a tool call that was cut off: the text its stream sent (the
-    call itself went out as call pieces, or not at all). When the reply hit its length limit,
-    the text stops before the first tag left in it (or a trailing piece of one, such as
-    ``<tool_call`` after complete calls); a Hermes call the reply ends inside
-    (:func:`cut_off_call_start`) is taken out whatever stopped it, after parsed calls too.
+    """A finished reply's text less a tool call that was cut off or refused: the text its stream
+    sent (the call itself went out as call pieces, or not at all). When the reply hit its
+    length limit, the text stops before the first tag left in it (or a trailing piece of one,
+    such as ``<tool_call`` after complete calls); a Hermes call the parse did not take
+    (:func:`unparsed_call_start`) is taken out with what follows it, whatever stopped the reply.
     vLLM's streamed replies send no such markup as content either.
 
     Args:
@@ -99,14 +119,14 @@ def without_cut_off_call(text: str, hit_length: bool, tools_possible: bool, call
         call_format: the runtime's tool-call format.
 
     Returns:
-        The text, cut before an unfinished call.
+        The text, cut before an unfinished or refused call.
     """
     if not tools_possible:
         return text
     if hit_length:
         text = text[: safe_text_len(text, True, call_format)]
     if call_format in ("hermes", "auto"):
-        at = cut_off_call_start(text)
+        at = unparsed_call_start(text)
         if at is not None:
             text = text[:at]
     return text
@@ -162,7 +182,7 @@ class StreamedText:
 
     def full(self, turn: AssistantTurn, final: StreamEvent) -> str:
         """The whole content of the finished reply: the text after any thinking as generated,
-        or with tool calls the parsed content (the text around them), its head as it was sent."""
+        or with tool calls the parsed content (the text before the first), its head as it was sent."""
         if turn.parsed.tool_calls:
             content = turn.parsed.content or ""
             # NOTE: the content is stripped; what went out before the first call may end in
@@ -231,4 +251,4 @@ def finished_reply(stream: RequestStream, final: StreamEvent, text: StreamedText
     return FinishedReply(turn, owed, calls is not None and bool(calls.calls), thought, rest)
 
 
-__all__ = ["FinishedReply", "StreamedText", "cut_off_call_start", "finished_reply", "safe_text_len", "without_cut_off_call"]
+__all__ = ["FinishedReply", "StreamedText", "finished_reply", "safe_text_len", "unparsed_call_start", "without_cut_off_call"]

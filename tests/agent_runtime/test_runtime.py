@@ -196,7 +196,7 @@ def test_bad_input_raises_value_error_naming_the_field(smollm):
             "tool_choice": dict(messages=user, tools=tools, tool_choice="sometimes"),
             "tool_choice_required": dict(messages=user, tool_choice="required"),
             "tool_choice.function.name": dict(messages=user, tools=tools, tool_choice=_named("missing")),
-            "tools[0].function.name": dict(messages=user, tools=[{"type": "function", "function": {"name": "a b"}}]),
+            "tools[0].function.name": dict(messages=user, tools=[{"type": "function", "function": {"name": ""}}]),
             "messages": dict(messages=[]),
             "messages[0].role": dict(messages=[{"role": "robot", "content": "x"}]),
             "prompt": dict(messages=[{"role": "user", "content": "word " * 400}]),

@@ -28,7 +28,7 @@ def _bad_cases() -> list[tuple[str, str, object, int, str | None, str | None]]:
         ("prompt over max_model_len", chat, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]},
          400, "messages", "context_length_exceeded"),
         ("invalid tool schema", chat, {"model": MODEL, "messages": user, "tools": [
-            {"type": "function", "function": {"name": "bad name!", "parameters": {"type": "object"}}}]},
+            {"type": "function", "function": {"name": "", "parameters": {"type": "object"}}}]},
          400, "tools[0].function.name", None),
         ("tool param type", chat, {"model": MODEL, "messages": user, "tools": [
             {"type": "function", "function": {"name": "f", "parameters": {

@@ -17,7 +17,7 @@ import pytest
 
 from agent_runtime.output_processor import OutputOptions, _parse
 from agent_runtime.server.choices import ChatChunks
-from agent_runtime.server.streamed_text import cut_off_call_start
+from agent_runtime.server.streamed_text import unparsed_call_start
 from agent_runtime.types import StreamEvent
 from asymcache_core.request import RequestMetrics, RequestOutput
 from tests.agent_runtime.live_server import MODEL, TOOLS, sse
@@ -74,18 +74,22 @@ def _reply(text: str, finish: str, steps: int = 7, **options: Any) -> tuple[dict
 # ----------------------------------------------------------------------------------------------
 
 
-def test_the_cut_off_rule_finds_only_an_unfinished_call() -> None:
-    assert cut_off_call_start("Sure. <tool_call>") == 6
-    assert cut_off_call_start('Sure. <tool_call>\n{"na') == 6
-    assert cut_off_call_start("Sure. " + CALL[:HEAD + 4]) == 6
-    # a whole call, a malformed one closed by its tag, prose naming the tag: not cut off
-    assert cut_off_call_start(CALL) is None
-    assert cut_off_call_start('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call> ok') is None
-    assert cut_off_call_start("Use the <tool_call> tag like this.") is None
+def test_the_cut_off_rule_finds_only_a_call_the_parse_did_not_take() -> None:
+    assert unparsed_call_start("Sure. <tool_call>") == 6
+    assert unparsed_call_start('Sure. <tool_call>\n{"na') == 6
+    assert unparsed_call_start("Sure. " + CALL[:HEAD + 4]) == 6
+    # a whole call, prose naming the tag, a closed value that is no call: not cut off
+    assert unparsed_call_start(CALL) is None
+    assert unparsed_call_start("Use the <tool_call> tag like this.") is None
+    assert unparsed_call_start('<tool_call>{"path": "a"}</tool_call> ok') is None
+    # a call whose head a stream announced and the parse refused: cut, whatever closed it
+    assert unparsed_call_start('ok <tool_call>{"name": "f", "arguments": {"a": 1}</tool_call> ok') == 3
+    assert unparsed_call_start('<tool_call>{"name": "f", "arguments": {"a": 1}} and</tool_call>') == 0
+    assert unparsed_call_start('<tool_call>{"name": "f", "arguments": {"a": </tool_call>') == 0
     # the tag inside a finished call's arguments is the call's text; a second call cut off is found
     quoted = '<tool_call>{"name": "w", "arguments": {"text": "<tool_call>{"}}</tool_call>'
-    assert cut_off_call_start(quoted) is None
-    assert cut_off_call_start(quoted + "\n<tool_call>\n{") == len(quoted) + 1
+    assert unparsed_call_start(quoted) is None
+    assert unparsed_call_start(quoted + "\n<tool_call>\n{") == len(quoted) + 1
 
 
 @pytest.mark.parametrize("cut", [len("<tool_call>"), len('<tool_call>\n{"na'), HEAD - 2, HEAD + 6])
@@ -123,11 +127,12 @@ def test_a_second_call_cut_off_after_a_whole_one_is_not_content() -> None:
 
 
 def test_whole_and_malformed_calls_keep_their_rules() -> None:
-    """A whole call is a call (reason ``tool_calls``); a malformed one closed by its tag stays
-    the text it was (vLLM's non-streamed body keeps it too), and text around calls is content."""
+    """A whole call is a call (reason ``tool_calls``); a tag that holds no call stays the text
+    it was (vLLM's non-streamed body keeps it too), and the text before the first call is the
+    content (vLLM's hermes parser drops what follows it)."""
     streamed, body = _reply("Reading.\n" + CALL + "\nDone.", "stop")
     assert body["finish_reason"] == streamed["reason"] == "tool_calls"
-    assert body["message"]["content"] == "Reading.\n\nDone."
+    assert body["message"]["content"] == streamed["content"].strip() == "Reading."
     assert json.loads(streamed["calls"][0]["arguments"]) == {"path": "todo.md"}
     assert streamed["calls"][0]["id"] == streamed["calls"][0]["id"].strip() and streamed["calls"][0]["type"] == "function"
     malformed = "<tool_call>not json</tool_call>"
