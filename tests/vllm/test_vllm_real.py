@@ -186,7 +186,7 @@ def _free_port() -> int:
 
 
 def test_openai_server_passes_job_hints(tiny_model: Path, tmp_path: Path) -> None:
-    """`vllm serve` with --scheduler-cls: vllm_xargs and the chat session_id reach the pins;
+    """`scripts/vllm_serve.sh --plugin` (the entry point): vllm_xargs and the chat session_id reach the pins;
     unknown top-level body fields do not."""
     port = _free_port()
     log = tmp_path / "serve.log"
