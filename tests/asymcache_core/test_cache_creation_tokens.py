@@ -57,3 +57,22 @@ def test_a_chunked_prefill_counts_every_chunk_and_the_count_is_fixed_at_the_firs
     # two blocks a step while the prompt runs, then 40 however many output blocks fill up
     assert seen[:5] == [8, 16, 24, 32, 40] and set(seen[5:]) == {40}
     assert len(request.output_token_ids) == 12  # its output filled blocks that are not the prompt's
+
+
+def test_a_prefill_redone_after_a_preemption_counts_no_block_twice():
+    """vLLM fixes the count at the first output and caps it at the prompt's full blocks less
+    its hits: the blocks a preempted request writes again (here evicted meanwhile) add nothing."""
+    for steps_before, chunk in ((1, 64), (2, 8)):  # after its first token / mid-prefill (16 of 42)
+        engine = _engine(max_num_batched_tokens=chunk)
+        rid = engine.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+        request = engine.requests[rid]
+        for _ in range(steps_before):
+            engine.step()
+        assert bool(request.output_token_ids) == (chunk == 64)
+        engine.scheduler.preempt(request)
+        assert engine.reset_prefix_cache().device_blocks >= request.metrics.cache_creation_tokens // BS > 0
+        while rid in engine.requests:
+            engine.step()
+        engine.check_integrity()
+        assert request.metrics.num_preemptions == 1 and request.metrics.computed_tokens > len(PROMPT)
+        assert (request.metrics.cached_tokens, request.metrics.cache_creation_tokens) == (0, 40)
