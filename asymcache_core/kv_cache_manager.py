@@ -443,8 +443,25 @@ class KVCacheManager:
                     extra_keys = (salt,) if idx == 0 and salt is not None else None
                     tokens = request.all_token_ids[idx * bs : (idx + 1) * bs]
                     self.on_commit(hashes[idx], parent, tokens, extra_keys)
-                self.pool.cache_block(block_id, hashes[idx], idx)
+                if self.pool.cache_block(block_id, hashes[idx], idx):
+                    self._count_creation(request, idx)
         request.num_committed_blocks = max(request.num_committed_blocks, full)
+
+    def _count_creation(self, request: Request, idx: int) -> None:
+        """Counts block ``idx`` that ``request`` just wrote to the prefix cache in its
+        ``cache_creation_tokens`` if it is a full block of the prompt and no token is out yet.
+
+        NOTE: vLLM's ``PrefillStats.finalize`` fixes the count at the first output (a prefill
+        redone after a preemption adds nothing) and caps it at the prompt's full blocks less its
+        hits, so hits, reloads and the tokens add up to the prompt. A block whose hash another
+        block already caches is not written (:meth:`BlockPool.cache_block`) and not counted.
+        """
+        metrics = request.metrics
+        bs = self.block_size
+        prompt = request.num_prompt_tokens
+        if metrics.first_token_time is None and (idx + 1) * bs <= prompt:
+            room = prompt // bs * bs - metrics.cached_tokens
+            metrics.cache_creation_tokens = min(metrics.cache_creation_tokens + bs, room)
 
     def free(self, request: Request) -> None:
         """Drops ``request``'s references, tail first (vLLM's order)."""

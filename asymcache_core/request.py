@@ -41,6 +41,10 @@ class RequestMetrics:
         finish_time: when it finished.
         cached_tokens: prompt tokens served from the cache at first admission (not inflated by
             re-admission after a preemption).
+        cache_creation_tokens: prompt tokens this request computed and wrote to the prefix cache
+            before its first output token: the tokens of its prompt's full blocks that it
+            registered (vLLM's ``PrefillStats.num_cache_creation_tokens``); never more than the
+            prompt's full blocks less ``cached_tokens``.
         hole_tokens: tokens recomputed inside holes (missing blocks before a later cache hit).
         suffix_recomputed_tokens: prompt tokens computed after a missing block in prefix-only
             mode although a later block of theirs was cached (what hole reuse would have saved).
@@ -56,6 +60,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     cached_tokens: int = 0
+    cache_creation_tokens: int = 0
     hole_tokens: int = 0
     suffix_recomputed_tokens: int = 0
     preempted_tokens: int = 0

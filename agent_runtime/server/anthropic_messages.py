@@ -14,7 +14,8 @@ them; ``stop_sequences`` are stop strings; Continuum's
 ends in an assistant message is Anthropic's prefill, which the reply continues. The reply comes back
 as content blocks (``text``, then one ``tool_use`` per call) with Anthropic's ``stop_reason``
 (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``) and ``usage`` (cached prompt
-tokens as ``cache_read_input_tokens``, the rest as ``input_tokens``); streamed, as its events
+tokens as ``cache_read_input_tokens``, those it wrote to the prefix cache as
+``cache_creation_input_tokens``, the rest as ``input_tokens``); streamed, as its events
 (``message_start`` ... ``content_block_delta`` ... ``message_stop``). Errors on these routes
 are Anthropic's body, ``{"type": "error", "error": {"type", "message"}}``
 (:func:`anthropic_error_body`), and its ``x-api-key`` header is accepted as the key.

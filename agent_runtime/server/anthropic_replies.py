@@ -56,18 +56,19 @@ def content_blocks(turn: AssistantTurn, text: str, thinking: bool = True) -> lis
 
 
 def usage(final: StreamEvent) -> dict[str, int]:
-    """Anthropic's ``usage``: the prompt's cached tokens (``cache_read_input_tokens``) apart
-    from the rest (``input_tokens``).
+    """Anthropic's ``usage``: the prompt split into its cache hits (``cache_read_input_tokens``),
+    the tokens it wrote to the prefix cache (``cache_creation_input_tokens``) and the rest
+    (``input_tokens``); the three add up to the prompt (vLLM's ``_build_anthropic_usage``).
 
-    NOTE: no ``cache_creation_input_tokens``: the engine does not count the prompt tokens a
-    request wrote to the prefix cache, and a 0 would say it wrote none; vLLM leaves the field
-    out when it has no count (``_build_anthropic_usage``), and Anthropic's clients read it as
-    optional.
+    NOTE: the cache writes are the prompt's full blocks that this request computed and
+    registered before its first token (``RequestMetrics.cache_creation_tokens``, vLLM's
+    ``PrefillStats.num_cache_creation_tokens``); the partial last block is ``input_tokens``.
     """
-    out = final.output
-    cached = out.metrics.cached_tokens
-    return {"input_tokens": out.num_prompt_tokens - cached, "cache_read_input_tokens": cached,
-            "output_tokens": len(out.token_ids)}
+    m = final.output.metrics
+    cached, created = m.cached_tokens, m.cache_creation_tokens
+    return {"input_tokens": max(0, final.output.num_prompt_tokens - cached - created),
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": cached,
+            "output_tokens": len(final.output.token_ids)}
 
 
 def message_body(mid: str, model: str, content: list[dict[str, Any]], reason: tuple[str | None, str | None],
@@ -97,8 +98,10 @@ async def message_events(
 
     def start(ev: StreamEvent | None) -> list[str]:
         # NOTE: sent with the first event, once the prompt's cached share is known
+        # (its cache writes too: they are counted before the first token, and fixed then)
         use = {**usage(ev), "output_tokens": 0} if ev is not None else {
-            "input_tokens": len(stream.prompt_token_ids), "cache_read_input_tokens": 0, "output_tokens": 0}
+            "input_tokens": len(stream.prompt_token_ids), "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0, "output_tokens": 0}
         return [event("message_start", message=message_body(mid, model, [], (None, None), use)), event("ping")]
 
     index = 0  # the block being streamed, or the next one

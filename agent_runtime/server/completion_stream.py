@@ -146,7 +146,8 @@ async def sse_events(
         finals = [stream.final for stream in streams]
         metrics.observe_choices(finals, report.choices_per_prompt)  # type: ignore[arg-type]
         if report.final:
-            yield frame([], usage=usage_of(finals, report.choices_per_prompt, generated))  # type: ignore[arg-type]
+            yield frame([], usage=usage_of(finals, report.choices_per_prompt, generated,  # type: ignore[arg-type]
+                                           cache_writes=endpoint is CHAT))
         yield "data: [DONE]\n\n"
     finally:
         # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:
@@ -157,13 +158,22 @@ async def sse_events(
                 stream.abort()
 
 
-def usage_of(finals: list[StreamEvent], choices_per_prompt: int, generated: bool = True) -> Usage:
+def usage_of(
+    finals: list[StreamEvent], choices_per_prompt: int, generated: bool = True, cache_writes: bool = False
+) -> Usage:
     """Usage of a response: each prompt once (its ``n`` choices, consecutive, share it), the
     choices' tokens summed (none where nothing generated is returned: ``echo`` with
-    ``max_tokens: 0``)."""
+    ``max_tokens: 0``).
+
+    NOTE: ``cache_writes``: the prompts' tokens written to the prefix cache as
+    ``created_cache_tokens``, which vLLM's chat route reports beside ``cached_tokens`` and its
+    completions route does not (``_make_prompt_tokens_details``).
+    """
     firsts = [f.output for f in finals[::choices_per_prompt]]
     completion = sum(len(f.output.token_ids) for f in finals) if generated else 0
-    return Usage.of(sum(o.num_prompt_tokens for o in firsts), completion, sum(o.metrics.cached_tokens for o in firsts))
+    created = sum(o.metrics.cache_creation_tokens for o in firsts) if cache_writes else None
+    return Usage.of(sum(o.num_prompt_tokens for o in firsts), completion, sum(o.metrics.cached_tokens for o in firsts),
+                    created)
 
 
 __all__ = ["CHAT", "COMPLETION", "Endpoint", "UsageReport", "merged", "sse_events", "usage_of"]

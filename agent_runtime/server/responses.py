@@ -41,9 +41,11 @@ class _Body(BaseModel):
 
 
 class PromptTokensDetails(_Body):
-    """``usage.prompt_tokens_details``: prompt tokens served from the KV cache."""
+    """``usage.prompt_tokens_details``: prompt tokens served from the KV cache, and (chat only,
+    as vLLM's ``PromptTokenUsageInfo.created_cache_tokens``) those written to it."""
 
     cached_tokens: int
+    created_cache_tokens: int | None = _OMIT
 
 
 class Usage(_Body):
@@ -55,13 +57,16 @@ class Usage(_Body):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, created_cache_tokens: int | None = None
+    ) -> Usage:
         """The usage of a completion (``total_tokens`` is the sum).
 
         Args:
             prompt_tokens: its prompt's length.
             completion_tokens: tokens it generated.
             cached_tokens: prompt tokens that were cache hits.
+            created_cache_tokens: prompt tokens written to the prefix cache; None: left out.
 
         Returns:
             The usage.
@@ -70,7 +75,8 @@ class Usage(_Body):
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=cached_tokens, created_cache_tokens=created_cache_tokens),
         )
 
 

@@ -76,7 +76,9 @@ def usage(final: StreamEvent, reasoning_tokens: int = 0) -> dict[str, Any]:
     generated = len(out.token_ids)
     return {
         "input_tokens": out.num_prompt_tokens,
-        "input_tokens_details": {"cached_tokens": out.metrics.cached_tokens},
+        # NOTE: vLLM's ``InputTokensDetails`` has the prompt's cache writes beside its hits
+        "input_tokens_details": {"cached_tokens": out.metrics.cached_tokens,
+                                 "cache_write_tokens": out.metrics.cache_creation_tokens},
         "output_tokens": generated,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": out.num_prompt_tokens + generated,

@@ -346,7 +346,8 @@ async def _respond(
         body = endpoint.response_model(
             id=rid, created=int(time.time()), model=model,
             choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)],
-            usage=usage_of(finals, req.num_choices, generated=not getattr(req, "echo_only", False)),
+            usage=usage_of(finals, req.num_choices, generated=not getattr(req, "echo_only", False),
+                           cache_writes=endpoint is CHAT),
             **chunks[0].response_fields(finals[0]),
         )
         metrics.count(endpoint.path, 200)

@@ -70,10 +70,11 @@ def test_the_billing_block_is_left_out_and_the_next_turn_reuses_the_prefix(live,
     second = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=4, system=_claude_code_system("0aaa9"),
                                 messages=ask)
     assert second.content[0].text == first.content[0].text
-    prompt = second.usage.input_tokens + second.usage.cache_read_input_tokens
+    prompt = second.usage.input_tokens + second.usage.cache_creation_input_tokens + second.usage.cache_read_input_tokens
     assert prompt == len(plain)
     # every full block of the prompt but the one its last token is in came from the cache
     assert second.usage.cache_read_input_tokens == (prompt - 1) // 16 * 16 > 0
+    assert second.usage.cache_creation_input_tokens == 0
     # a string system prompt that is the billing line alone adds nothing either
     only = httpx.post(f"{live.base}/v1/messages/count_tokens", timeout=60, json={
         "model": MODEL, "system": _claude_code_system("1")[0]["text"], "messages": ask})
@@ -96,7 +97,8 @@ def test_system_messages_inside_messages_stay_in_place(live, ac):
     r = httpx.post(f"{live.base}/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": chat, "max_tokens": 8, **GREEDY})
     assert msg.content[0].text == r.json()["choices"][0]["message"]["content"]
-    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == r.json()["usage"]["prompt_tokens"]
+    assert msg.usage.input_tokens + msg.usage.cache_creation_input_tokens + msg.usage.cache_read_input_tokens == (
+        r.json()["usage"]["prompt_tokens"])
     # a system message's blocks are text only; a conversation of system messages alone has none
     for body, where in (
         ({"messages": [{"role": "system", "content": [{"type": "image", "source": {}}]},
@@ -236,4 +238,4 @@ def test_redacted_thinking_sent_back_is_left_out(live, ac):
     counts = [ac.messages.count_tokens(model=MODEL, messages=m).input_tokens for m in (convo, with_redacted)]
     assert counts[0] == counts[1] > 0
     msg = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=2, messages=with_redacted)
-    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counts[0]
+    assert msg.usage.input_tokens + msg.usage.cache_creation_input_tokens + msg.usage.cache_read_input_tokens == counts[0]

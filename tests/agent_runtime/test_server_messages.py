@@ -39,12 +39,17 @@ def test_text_reply_equals_the_chat_completion(live, oa, ac):
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat.choices[0].message.content
     want = {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
     assert msg.stop_reason == want and msg.stop_sequence is None
-    # Anthropic counts the prompt's cached tokens apart
-    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    # Anthropic counts the prompt's cache hits and cache writes apart (whole blocks of 16)
+    use = msg.usage
+    assert use.input_tokens + use.cache_creation_input_tokens + use.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert use.cache_creation_input_tokens % 16 == use.cache_read_input_tokens % 16 == 0 and use.input_tokens <= 16
     assert msg.usage.output_tokens == chat.usage.completion_tokens
     again = ac.messages.create(model=MODEL, extra_body=GREEDY, max_tokens=1, system="Answer in one word.",
                                messages=[{"role": "user", "content": QUESTION}])
     assert again.stop_reason == "max_tokens" and again.usage.cache_read_input_tokens > 0
+    # the same prompt again reads what the first wrote and writes nothing
+    assert again.usage.cache_read_input_tokens == (chat.usage.prompt_tokens - 1) // 16 * 16
+    assert again.usage.cache_creation_input_tokens == 0
     counted = ac.messages.count_tokens(model=MODEL, system="Answer in one word.",
                                        messages=[{"role": "user", "content": QUESTION}])
     assert counted.input_tokens == chat.usage.prompt_tokens
@@ -73,10 +78,11 @@ def test_a_tool_loop_in_blocks(live, oa, ac):
             {"id": uses[0].id, "type": "function",
              "function": {"name": "read_file", "arguments": json.dumps(uses[0].input)}}]},
         {"role": "tool", "tool_call_id": uses[0].id, "content": "Buy milk."}])
-    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert second.usage.input_tokens + second.usage.cache_creation_input_tokens + second.usage.cache_read_input_tokens == (
+        chat.usage.prompt_tokens)
     assert second.content[0].text == chat.choices[0].message.content
     # the turn's prompt starts with the first turn's prompt and the tokens it generated
-    first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    first_prompt = first.usage.input_tokens + first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
     assert second.usage.cache_read_input_tokens >= (first_prompt + first.usage.output_tokens - 16) // 16 * 16 > 0
     live.check()
 
@@ -88,10 +94,15 @@ def test_streamed_events_add_up_to_the_message(live, ac):
         final = s.get_final_message()
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
-    # the start's usage already splits the cached part of the prompt out (the same prompt ran above)
+    # the start's usage already splits the cached part of the prompt out (the same prompt ran
+    # above, so it reads that and writes nothing), and the delta's says the same
     start = events[0].message.usage
-    assert start.cache_read_input_tokens > 0 and start.input_tokens + start.cache_read_input_tokens == (
-        want.usage.input_tokens + want.usage.cache_read_input_tokens)
+    whole = want.usage.input_tokens + want.usage.cache_creation_input_tokens + want.usage.cache_read_input_tokens
+    assert start.cache_read_input_tokens == (whole - 1) // 16 * 16 > 0 and start.cache_creation_input_tokens == 0
+    assert start.input_tokens + start.cache_read_input_tokens == whole
+    delta = next(e for e in events if e.type == "message_delta").usage
+    assert (delta.input_tokens, delta.cache_creation_input_tokens, delta.cache_read_input_tokens) == (
+        start.input_tokens, 0, start.cache_read_input_tokens)
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
     assert text.strip() == want.content[0].text and final.content[0].text == text
     assert final.stop_reason == want.stop_reason and final.usage.output_tokens == want.usage.output_tokens

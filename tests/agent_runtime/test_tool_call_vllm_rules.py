@@ -7,8 +7,9 @@
 * a call whose head a stream announced and the parse refused (malformed JSON after its name) is
   no call and no content in either form, and the reply's reason is the engine's;
 * any non-empty name is a call's, in the request's tools or not, and a tool's;
-* Messages: the length limit is ``max_tokens`` even after complete calls, ``usage`` has no
-  ``cache_creation_input_tokens`` the engine does not count, ``temperature`` is vLLM's 0..2.
+* Messages: the length limit is ``max_tokens`` even after complete calls, ``usage`` splits the
+  prompt into ``input_tokens``, ``cache_creation_input_tokens`` and ``cache_read_input_tokens``,
+  ``temperature`` is vLLM's 0..2.
 """
 
 from __future__ import annotations
@@ -195,13 +196,14 @@ def test_messages_a_malformed_call_is_no_tool_use_and_no_text() -> None:
     assert "More." not in json.dumps(streamed)
 
 
-def test_messages_usage_reports_only_what_the_engine_counts() -> None:
-    """``cache_read_input_tokens`` is the prompt's cached share; no ``cache_creation_input_tokens``
-    (not counted: vLLM leaves it out then)."""
+def test_messages_usage_reports_the_cache_reads_and_writes() -> None:
+    """``cache_read_input_tokens`` is the prompt's cached share, ``cache_creation_input_tokens``
+    what it wrote to the cache (none here), ``input_tokens`` the rest (vLLM's
+    ``_build_anthropic_usage``; more in ``test_messages_cache_usage``)."""
     body, streamed = _messages_reply("Hello there.", "stop")
-    assert body["usage"] == streamed["usage"] == {"input_tokens": 8, "cache_read_input_tokens": 32,
-                                                  "output_tokens": len("Hello there.")}
-    assert "cache_creation_input_tokens" not in streamed["start_usage"]
+    assert body["usage"] == streamed["usage"] == {"input_tokens": 8, "cache_creation_input_tokens": 0,
+                                                  "cache_read_input_tokens": 32, "output_tokens": len("Hello there.")}
+    assert streamed["start_usage"] == {**body["usage"], "output_tokens": 0}
 
 
 def test_messages_temperature_is_vllms_range() -> None:
