@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
-#: what joins Llama's parallel calls (:func:`asymcache_core.tool_parsing.render_llama3_json_tool_calls`)
+#: what joins Llama's parallel calls (:func:`asymcache_core.llama3_calls.render_llama3_json_tool_calls`)
 LLAMA3_CALL_SEPARATOR = "; "
 
 ToolChoice = str | Mapping[str, Any] | None
