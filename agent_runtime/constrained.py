@@ -45,6 +45,7 @@ import functools
 import importlib
 import importlib.util
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
-#: what joins Llama's parallel calls (:func:`asymcache_core.tool_parsing.render_llama3_json_tool_calls`)
+#: what joins Llama's parallel calls (:func:`asymcache_core.llama3_calls.render_llama3_json_tool_calls`)
 LLAMA3_CALL_SEPARATOR = "; "
 
 ToolChoice = str | Mapping[str, Any] | None
@@ -235,37 +236,42 @@ def tool_call_json_schema(
     """
     if not needs_constraint(tool_choice):
         raise ValueError(f"tool_choice: {tool_choice!r} does not force a tool call")
-    by_name: dict[str, Mapping[str, Any]] = {}
+    fns: list[Mapping[str, Any]] = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise ValueError(f"tools[{i}].function.name: missing")
-        by_name[fn["name"]] = fn
-    if not by_name:
+        fns.append(fn)
+    if not fns:
         raise ValueError("tools: at least one tool is needed to force a tool call")
     forced = tool_choice_name(tool_choice)
     if forced is not None:
-        if forced not in by_name:
+        # NOTE: a name given twice is its last definition, as vLLM 0.32's structured output reads a
+        # named tool_choice (vllm/tool_parsers/utils.py: get_json_schema_from_tools, a
+        # {name: tool} dict over the list)
+        chosen = [fn for fn in fns if fn["name"] == forced][-1:]
+        if not chosen:
             raise ValueError(f"tool_choice.function.name: unknown tool {forced!r}")
-        names = [forced]
     else:
-        names = list(by_name)
+        # NOTE: "required" is any of the tools, every definition of a name too (vLLM's anyOf over
+        # the list: _get_json_schema_from_tools)
+        chosen = fns
+    twice = {name for name, n in Counter(fn["name"] for fn in chosen).items() if n > 1}
     defs: dict[str, Any] = {}
-    cases = []
-    for name in names:
-        params = dict(by_name[name].get("parameters") or {"type": "object", "properties": {}})
-        prefix = f"{name}__"
+    cases: list[dict[str, Any]] = []
+    for k, fn in enumerate(chosen):
+        name = fn["name"]
+        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        # NOTE: a name given twice: each definition's own $defs under a prefix of its own
+        prefix = f"{name}__{k}__" if name in twice else f"{name}__"
         own_defs = {**params.pop("definitions", {}), **params.pop("$defs", {})}
-        for k, v in own_defs.items():
-            defs[prefix + k] = _rewrite_refs(v, prefix)
+        for key, v in own_defs.items():
+            defs[prefix + key] = _rewrite_refs(v, prefix)
         params = _rewrite_refs(params, prefix)
-        cases.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, args_key: params},
-                "required": ["name", args_key],
-            }
-        )
+        case = {"type": "object", "properties": {"name": {"const": name}, args_key: params},
+                "required": ["name", args_key]}
+        if case not in cases:  # NOTE: the same definition twice accepts nothing more
+            cases.append(case)
     schema: dict[str, Any] = cases[0] if len(cases) == 1 else {"anyOf": cases}
     if defs:
         schema = {**schema, "$defs": defs}

@@ -119,7 +119,9 @@ def normalize_tools(tools: ToolsArg | Iterable[Callable[..., Any]]) -> list[dict
         The schemas (empty list for None).
 
     Raises:
-        ValueError: ``tools[i].<field>`` of the first invalid schema, or duplicate names.
+        ValueError: ``tools[i].<field>`` of the first invalid schema. A name given twice is
+            not one: vLLM 0.32 does not check (a named ``tool_choice`` forces its last definition,
+            :func:`agent_runtime.constrained.tool_call_json_schema`).
     """
     if tools is None:
         return []
@@ -128,17 +130,12 @@ def normalize_tools(tools: ToolsArg | Iterable[Callable[..., Any]]) -> list[dict
     if isinstance(tools, Mapping) or isinstance(tools, str) or not isinstance(tools, Iterable):
         raise ValueError("tools: must be a list of tool schemas")
     out: list[dict[str, Any]] = []
-    seen: set[str] = set()
     for i, t in enumerate(tools):
         schema = t.openai_schema() if isinstance(t, Tool) else t
         try:
             validate_tool_schema(schema)  # type: ignore[arg-type]
         except ValueError as e:
             raise ValueError(f"tools[{i}].{e}") from None
-        name = schema["function"]["name"]  # type: ignore[index]
-        if name in seen:
-            raise ValueError(f"tools[{i}].function.name: duplicate tool {name!r}")
-        seen.add(name)
         out.append(dict(schema))  # type: ignore[arg-type]
     return out
 

@@ -9,9 +9,9 @@ Formats:
   JSON does not parse, or lacks a name, is not a call. With calls, the content is the text
   before the first tag (vLLM's hermes parser: text between and after calls is dropped); with
   none, the reply as written.
-* ``llama3_json``: Llama 3.1+'s native form (vLLM's ``llama3_json`` parser): the whole reply is
-  a call object ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), after
-  an optional ``<|python_tag|>``. Text before or after it makes the reply plain text.
+* ``llama3_json``: Llama 3.1+'s native form (vLLM's ``llama3_json`` parser): call objects
+  ``{"name": ..., "parameters": {...}}`` anywhere in the reply (usually the whole of it, after an
+  optional ``<|python_tag|>``, several separated by ``;``); any other ``{`` makes it plain text.
 * ``bash_block``: mini-swe-agent's convention, exactly one fenced block
   ````` ```bash ... ``` ````` per answer, which becomes a ``bash`` call with ``command``. Zero or
   several blocks are a format error (reported, never raised), as mini-swe-agent does.
@@ -36,7 +36,6 @@ from asymcache_core.json_scan import arguments_span
 ToolCallFormat = Literal["hermes", "llama3_json", "bash_block", "auto"]
 #: The formats a runtime parses replies with.
 TOOL_CALL_FORMATS: tuple[str, ...] = ("hermes", "llama3_json", "bash_block", "auto")
-_PYTHON_TAG = "<|python_tag|>"
 
 _OPEN_TAG = "<tool_call>"
 _CLOSE_TAG = "</tool_call>"
@@ -278,53 +277,6 @@ def parse_hermes(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedM
     return ParsedMessage(_tidy([text[: text.find(_OPEN_TAG)]]) if calls else text, calls)
 
 
-def parse_llama3_json(text: str, make_id: Callable[[], str] = new_call_id) -> ParsedMessage:
-    """Parse Llama 3.1+'s JSON calls: the reply is one or more ``{"name", "parameters"}``
-    objects (``arguments`` is read too), separated by ``;``, after an optional
-    ``<|python_tag|>``.
-
-    Args:
-        text: model output.
-        make_id: id factory.
-
-    Returns:
-        The calls with empty content; or, when the reply is anything else (text around the
-        JSON, a JSON value that is not a call), no call and the text as content.
-    """
-    body = text.strip()
-    body = body.removeprefix(_PYTHON_TAG).lstrip()
-    if not body.startswith(("{", "[")):
-        return ParsedMessage(text.strip(), [])
-    decoder = json.JSONDecoder()
-    calls: list[ParsedToolCall] = []
-    pos = 0
-    while pos < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, pos)
-        except (json.JSONDecodeError, RecursionError):
-            return ParsedMessage(text.strip(), [])
-        decoded = [_call_from_obj(o, make_id) for o in (obj if isinstance(obj, list) else [obj])]
-        if not decoded or any(c is None for c in decoded):
-            return ParsedMessage(text.strip(), [])
-        calls.extend(c for c in decoded if c is not None)
-        pos = end
-        while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
-            pos += 1
-    return ParsedMessage("", calls)
-
-
-def render_llama3_json_tool_calls(calls: Sequence[ParsedToolCall]) -> str:
-    """Calls as Llama 3.1+ writes them (what :func:`parse_llama3_json` reads).
-
-    Args:
-        calls: the calls.
-
-    Returns:
-        ``{"name": ..., "parameters": {...}}`` objects joined by ``; ``.
-    """
-    return "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}, ensure_ascii=False) for c in calls)
-
-
 def parse_bash_block(
     text: str, make_id: Callable[[], str] = new_call_id, tool_name: str = "bash"
 ) -> ParsedMessage:
@@ -372,6 +324,8 @@ def parse_tool_calls(
     if fmt == "bash_block":
         return parse_bash_block(text, make_id)
     if fmt == "llama3_json":
+        from asymcache_core.llama3_calls import parse_llama3_json  # NOTE: it builds on this module
+
         return parse_llama3_json(text, make_id)
     hermes = parse_hermes(text, make_id)
     if fmt == "hermes" or hermes.tool_calls:

@@ -13,29 +13,31 @@ from agent_runtime.reasoning import stream_split
 from agent_runtime.request_stream import RequestStream
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.json_scan import arguments_span
+from asymcache_core.llama3_calls import Llama3JsonHold
 from asymcache_core.tool_call_stream import CallPiece, HermesCallStream, final_pieces
 from asymcache_core.tool_parsing import CALL_HEADER_RE, parse_hermes
 
 _TOOL_OPEN = "<tool_call>"
 _TOOL_CLOSE = "</tool_call>"
-_PYTHON_TAG = "<|python_tag|>"
 _BLANKS = re.compile(r"\s*")
 
 
-def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -> int:
+def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes",
+                  hold: Llama3JsonHold | None = None) -> int:
     """How much of ``text`` may be streamed as content now.
 
     Holds back a trailing replacement character (an incomplete UTF-8 sequence the next token
     completes) and, when tool calls are possible, everything from a ``<tool_call>`` tag on (or
     a trailing piece that may become one), which goes out as ``tool_calls`` instead (a Hermes call
     as it is written, others at the end).
-    In Llama's ``llama3_json`` format a call is the whole reply, so a reply that starts (past
-    blanks) with ``{``, ``[`` or ``<|python_tag|>``, or has not started yet, is held whole.
+    In Llama's ``llama3_json`` format, the text from the first ``{`` on while the reply may
+    still be calls (:class:`~asymcache_core.llama3_calls.Llama3JsonHold`; a stream keeps one).
 
     Args:
         text: the text generated so far.
         hold_tool_tag: tool calls are possible in this reply.
         call_format: the runtime's tool-call format.
+        hold: the reply's llama3_json hold, read on as the text grows (None: a fresh one).
 
     Returns:
         The length of the prefix that is safe to send.
@@ -44,9 +46,7 @@ def safe_text_len(text: str, hold_tool_tag: bool, call_format: str = "hermes") -
     while end and text[end - 1] == "\ufffd":
         end -= 1
     if hold_tool_tag and call_format == "llama3_json":
-        start = _BLANKS.match(text).end()  # type: ignore[union-attr]
-        head = text[start : start + len(_PYTHON_TAG)]  # NOTE: every event: no copy of the reply
-        return 0 if not head or head[0] in "{[" or _PYTHON_TAG.startswith(head) else end
+        return (hold or Llama3JsonHold()).safe_len(text, end)
     if hold_tool_tag:
         at = text.find(_TOOL_OPEN)
         if at >= 0:
@@ -154,6 +154,8 @@ class StreamedText:
         self.reasoning_sent = 0
         #: the reply's content so far (past its thinking), as the last :meth:`pieces` read it
         self.content = ""
+        #: a Llama reply's calls, read as it grows (what of it is held)
+        self.hold = Llama3JsonHold() if tools_possible and call_format == "llama3_json" else None
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """``(thinking that may go out, content)`` of the reply so far: the content is empty
@@ -170,7 +172,7 @@ class StreamedText:
         self.content = text
         thought = reasoning[self.reasoning_sent :]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
-        upto = safe_text_len(text, self.tools_possible, self.call_format)
+        upto = safe_text_len(text, self.tools_possible, self.call_format, self.hold)
         if upto <= len(self.sent):
             return thought, ""
         piece, self.sent = text[len(self.sent) : upto], text[:upto]

@@ -260,7 +260,8 @@ def test_tool_fields_that_contradict_are_a_400_naming_the_field(live, fields: di
 
 
 @pytest.mark.parametrize("fields", [{}, {"tool_choice": "none"}, {"tool_choice": None}, {"tools": None},
-                                    {"parallel_tool_calls": False}, {"tools": TOOLS, "tool_choice": "none"}])
+                                    {"parallel_tool_calls": False}, {"tools": TOOLS, "tool_choice": "none"},
+                                    {"tools": [*TOOLS, *TOOLS]}])  # a name given twice: vLLM does not check
 def test_tool_fields_vllm_takes_are_served(live, fields: dict[str, Any]) -> None:
     r = httpx.post(live.base + "/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, **fields})

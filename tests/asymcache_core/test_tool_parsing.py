@@ -9,16 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asymcache_core.llama3_calls import parse_llama3_json, render_llama3_json_tool_calls
 from asymcache_core.tool_parsing import (
     ParsedMessage,
     ParsedToolCall,
     from_openai_tool_calls,
     parse_bash_block,
     parse_hermes,
-    parse_llama3_json,
     parse_tool_calls,
     render_hermes_tool_calls,
-    render_llama3_json_tool_calls,
     to_openai_tool_calls,
 )
 
@@ -204,7 +203,7 @@ def test_parser_never_raises(text: str) -> None:
             json.dumps(c.arguments)
 
 
-def test_llama3_json_calls_are_the_whole_reply() -> None:
+def test_llama3_json_calls_are_read_where_they_are() -> None:
     one = parse_llama3_json('{"name": "read_file", "parameters": {"path": "a.txt"}}', ids())
     assert one.content == "" and [(c.id, c.name, c.arguments) for c in one.tool_calls] == [
         ("call_0", "read_file", {"path": "a.txt"})]
@@ -212,14 +211,17 @@ def test_llama3_json_calls_are_the_whole_reply() -> None:
                                 ids())
     assert [(c.name, c.arguments) for c in several.tool_calls] == [("f", {}), ("g", {"x": 1})]
     assert [c.name for c in parse_llama3_json('[{"name": "f", "parameters": {}}]').tool_calls] == ["f"]
-    for text in ('I will call {"name": "f", "parameters": {}}', '{"name": "f", "parameters": {}} then more',
-                 '{"answer": 4}', '{"name": "f", "parameters": [1]}', '{"name": "f"', "plain words", ""):
+    # vLLM's llama3_json reads calls anywhere (text around them is not content but what leads them)
+    around = parse_llama3_json('I will call {"name": "f", "parameters": {}} then more')
+    assert [c.name for c in around.tool_calls] == ["f"] and around.content == "I will call"
+    for text in ('{"answer": 4}', '{"name": "f"', '{"name": "f"}', "plain words ", ""):
         msg = parse_llama3_json(text)
-        assert msg.tool_calls == [] and msg.content == text.strip(), text
+        assert msg.tool_calls == [] and msg.content == text, text
     assert parse_tool_calls('{"name": "f", "parameters": {}}', "llama3_json").tool_calls[0].name == "f"
-    # hermes does not read Llama's JSON, and llama3_json does not read tags
+    # hermes does not read Llama's JSON; llama3_json reads a call object wherever it is (vLLM's)
     assert parse_tool_calls('{"name": "f", "parameters": {}}', "hermes").tool_calls == []
-    assert parse_llama3_json('<tool_call>{"name": "f", "arguments": {}}</tool_call>').tool_calls == []
+    tagged = parse_llama3_json('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert [c.name for c in tagged.tool_calls] == ["f"] and tagged.content == "<tool_call>"
 
 
 @given(calls=st.lists(st.tuples(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True),
