@@ -77,6 +77,9 @@ class FrontendOptions:
         root = self.root_path
         if not isinstance(root, str) or (root and not root.startswith("/")):
             raise ValueError(f"root_path: must be a path starting with '/' (e.g. /api), got {root!r}")
+        # NOTE: Starlette strips root_path from the path as given: "/api/" would leave routes
+        # without their leading "/" (and "/" every route)
+        object.__setattr__(self, "root_path", root.rstrip("/"))
         cap = self.max_logprobs
         # NOTE: vLLM takes any cap from -1 (the vocabulary) up; the sampler here reports at most
         # MAX_LOGPROBS alternatives a token, so a larger cap could not be honoured

@@ -59,6 +59,8 @@ def test_root_path_serves_under_the_prefix_and_keeps_the_key(runtime):
             assert r.status_code == 200 and r.json()["data"][0]["id"] == "m", path
         assert client.get("/api/health").status_code == 200
         assert client.get("/api/openapi.json").json()["servers"] == [{"url": "/api"}]
+    with _client(runtime, root_path="/api/") as client:
+        assert client.get("/api/v1/models").status_code == 200 and client.get("/v1/models").status_code == 200
 
 
 def test_disable_fastapi_docs_drops_the_docs_routes(runtime):
@@ -82,7 +84,8 @@ def test_max_logprobs_caps_the_requests_with_vllms_message(runtime):
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["param"] == field and "which is greater than max allowed: 2" in error["message"], r.text
-        r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2, "logprobs": 2})
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 2, "logprobs": 2,
+                                                 "temperature": 0})
         assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 2
     with _client(runtime) as client:
         # vLLM's default cap, 20, with its message
@@ -167,5 +170,6 @@ def test_serve_options_route_the_frontend_flags_and_check_the_tls_files(tmp_path
     assert (opts.frontend.max_logprobs, opts.frontend.root_path) == (5, "/api")
     assert dict(opts.engine_settings) == {"device": "cpu"}
     assert ServeOptions.from_kwargs({}).frontend == FrontendOptions()
+    assert FrontendOptions(root_path="/api/").root_path == "/api" and FrontendOptions(root_path="/").root_path == ""
     with pytest.raises(ValueError, match="^ssl_keyfile: cannot read"):
         ServeOptions(ssl_keyfile=str(tmp_path / "missing.pem"))
