@@ -102,7 +102,9 @@ def run_serve(replicas: int = 1, **options: Any) -> None:
         **options: the fields of :class:`~agent_runtime.server.app.ServeOptions` (``model``,
             ``host``, ``port``, ``api_key``, ``policy``, ``num_kv_blocks``, ``max_model_len``,
             ``served_model_name``, ``log_level``, ``max_request_body_bytes``, ``max_queue_len``,
-            ``shutdown_timeout``); every other name is one of
+            ``shutdown_timeout``, ``ssl_keyfile``, ``ssl_certfile``), or of
+            :class:`~agent_runtime.server.frontend.FrontendOptions` (vLLM's frontend flags:
+            ``allowed_origins``, ``root_path``, ``max_logprobs``, ...); every other name is one of
             :data:`ENGINE_SETTINGS` (``EngineConfig`` fields, e.g. ``device``, ``dtype``,
             ``max_num_batched_tokens``, ``max_num_seqs``, ``chunking``, ``tpot_slo_ms``,
             ``latency_profile`` (a JSON file from ``asymcache profile``), ``admit_full_prompt``,
@@ -119,6 +121,10 @@ def run_serve(replicas: int = 1, **options: Any) -> None:
     if replicas > 1 and importlib.util.find_spec("ray") is None:
         raise ValueError("replicas: more than one needs Ray Serve; install the ray extra (pip install 'asymcache[ray]')")
     opts = ServeOptions.from_kwargs(options)
+    if replicas > 1 and (opts.frontend.serves_http_differently or opts.ssl_keyfile or opts.ssl_certfile):
+        # NOTE: Ray Serve's proxy, not this app, takes the connections of a replicated server
+        raise ValueError("replicas: CORS, --root-path, --disable-fastapi-docs and TLS are served by one replica "
+                         "only (Ray Serve's proxy takes the connections of several)")
     settings = _check_engine(opts.model, opts.policy, opts.num_kv_blocks, opts.max_model_len,
                              dict(opts.engine_settings))
     check_listen_address(opts.host, opts.port)

@@ -209,7 +209,45 @@ def serve(
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="vLLM's flag, accepted: no model code is ever loaded from a model's files."),
     disable_log_requests: bool = typer.Option(
-        False, "--disable-log-requests", help="vLLM's flag, accepted: requests are not logged."),
+        False, "--disable-log-requests", help="vLLM's older flag, accepted: requests are not logged (the default; "
+        "--enable-log-requests logs them)."),
+    enable_log_requests: bool = typer.Option(
+        False, "--enable-log-requests/--no-enable-log-requests",
+        help="vLLM's flag: log each received completion request at INFO (its id and sampling parameters; its "
+        "body at DEBUG), on the logger agent_runtime.server.requests_log."),
+    allowed_origins: str = typer.Option(
+        None, metavar="JSON", help='CORS: origins allowed cross-origin access, as a JSON list (vLLM\'s flag; e.g. '
+        '\'["*"]\'; default: none).'),
+    allowed_methods: str = typer.Option(
+        None, metavar="JSON", help='CORS: methods allowed, as a JSON list (vLLM\'s flag; default \'["*"]\').'),
+    allowed_headers: str = typer.Option(
+        None, metavar="JSON", help='CORS: headers allowed, as a JSON list (vLLM\'s flag; default \'["*"]\').'),
+    allow_credentials: bool = typer.Option(
+        False, "--allow-credentials/--no-allow-credentials", help="CORS: allow credentials (vLLM's flag)."),
+    root_path: str = typer.Option(
+        None, metavar="PATH", help="The app's root_path behind a path-based routing proxy (vLLM's flag; e.g. /api): "
+        "routes answer under it as well as without it."),
+    disable_fastapi_docs: bool = typer.Option(
+        False, "--disable-fastapi-docs/--no-disable-fastapi-docs",
+        help="No /openapi.json, /docs or /redoc (vLLM's flag)."),
+    ssl_keyfile: str = typer.Option(None, metavar="FILE", help="TLS key file, passed to uvicorn (vLLM's flag)."),
+    ssl_certfile: str = typer.Option(None, metavar="FILE", help="TLS certificate file, passed to uvicorn (vLLM's flag)."),
+    max_logprobs: int = typer.Option(
+        20, help="Most log probabilities a request may ask for (logprobs, top_logprobs, prompt_logprobs); more is "
+        "a 400 (vLLM's flag and default; at most 20 here)."),
+    enable_force_include_usage: bool = typer.Option(
+        False, "--enable-force-include-usage/--no-enable-force-include-usage",
+        help="Every streamed completion reports usage, on each chunk and in a final chunk, as if it sent "
+        "stream_options include_usage and continuous_usage_stats (vLLM's flag)."),
+    response_role: str = typer.Option(
+        "assistant", help="The chat reply's role after a generation prompt (vLLM's flag); with "
+        "add_generation_prompt false, the role of the message it continues."),
+    kv_cache_dtype: str = typer.Option(
+        "auto", help="vLLM's flag, accepted as auto only: the KV cache is kept in the model's dtype (--dtype)."),
+    enable_prompt_tokens_details: bool = typer.Option(
+        True, "--enable-prompt-tokens-details/--no-enable-prompt-tokens-details",
+        help="vLLM's flag, accepted: usage always reports prompt_tokens_details (cached_tokens); turning it off "
+        "is an error."),
     disable_log_stats: bool = typer.Option(
         False, "--disable-log-stats", help="vLLM's flag, accepted: the engine logs no periodic stats "
         "(they are on /metrics)."),
@@ -226,6 +264,13 @@ def serve(
     if not enable_prefix_caching:
         raise ValueError("enable_prefix_caching: cannot be turned off: the KV cache policies manage the reused "
                          "cache (--policy vllm-apc is vLLM's own prefix caching)")
+    _check_frontend_flags(kv_cache_dtype=kv_cache_dtype, enable_prompt_tokens_details=enable_prompt_tokens_details,
+                          enable_log_requests=enable_log_requests, disable_log_requests=disable_log_requests)
+    frontend = _frontend_kwargs(allowed_origins=allowed_origins, allowed_methods=allowed_methods,
+                                allowed_headers=allowed_headers, allow_credentials=allow_credentials,
+                                root_path=root_path, disable_fastapi_docs=disable_fastapi_docs,
+                                max_logprobs=max_logprobs, enable_force_include_usage=enable_force_include_usage,
+                                enable_log_requests=enable_log_requests, response_role=response_role)
     if not enable_chunked_prefill:
         raise ValueError("enable_chunked_prefill: cannot be turned off: prompts are computed in chunks of "
                          "--max-num-batched-tokens (--admit-full-prompt reserves a prompt's blocks whole, as "
@@ -258,7 +303,35 @@ def serve(
                   default_chat_template_kwargs=template_kwargs,
                   trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                   reasoning_parser=reasoning_parser, responses_store_size=responses_store_size,
-                  log_level=uvicorn_log_level, access_log=not disable_uvicorn_access_log, **engine_args)
+                  log_level=uvicorn_log_level, access_log=not disable_uvicorn_access_log,
+                  ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, **frontend, **engine_args)
+
+
+def _check_frontend_flags(*, kv_cache_dtype: str, enable_prompt_tokens_details: bool, enable_log_requests: bool,
+                          disable_log_requests: bool) -> None:
+    """vLLM's flags accepted for the one value this server serves; any other is one line."""
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype: only 'auto' is served (the KV cache is kept in the model's dtype, "
+                         f"--dtype), got {kv_cache_dtype!r}")
+    if not enable_prompt_tokens_details:
+        raise ValueError("enable_prompt_tokens_details: cannot be turned off: usage always reports "
+                         "prompt_tokens_details (cached_tokens, what the cache policies are measured by)")
+    if enable_log_requests and disable_log_requests:
+        raise ValueError("enable_log_requests: given with --disable-log-requests; give one")
+
+
+def _frontend_kwargs(**given: Any) -> dict[str, Any]:
+    """vLLM's frontend flags as :class:`~agent_runtime.server.frontend.FrontendOptions`' keyword
+    arguments (the CORS lists read as vLLM reads them, JSON; those not given left out),
+    checked now: a bad one is one line before the model loads."""
+    from agent_runtime.server.frontend import FrontendOptions, json_list
+
+    kwargs = dict(given)
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        kwargs[name] = json_list(name, kwargs[name])
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    FrontendOptions(**kwargs)
+    return kwargs
 
 
 @app.command()

@@ -69,6 +69,7 @@ from agent_runtime.server.anthropic_system import (
 from agent_runtime.server.auth import MESSAGES_COUNT_PATH, MESSAGES_PATH
 from agent_runtime.server.body_parsing import base_request_id
 from agent_runtime.server.errors import APIError, from_value_error
+from agent_runtime.server.frontend import log_request
 from agent_runtime.server.request_fields import (
     JobId,
     PositiveInt,
@@ -409,6 +410,7 @@ async def create_message(request: Request) -> Response:
     rt = state.require_runtime()
     try:
         params = req.sampling_params(state.sampling_defaults)
+        log_request(state.frontend, f"msg_{base_id}", params, req)
         messages, tools, choice, parallel = req.chat(rt.renderer)
         thinking = req.thinking_settings(req.max_tokens, rt.reasoning_parser)
         streams, choice = await rt.start_chat_choices(

@@ -9,33 +9,29 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agent_runtime.reasoning import REASONING_PARSERS
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import admin, anthropic_messages, openai_responses, serving
+from agent_runtime.server.auth import route_path
 from agent_runtime.server.errors import APIError
+from agent_runtime.server.frontend import FrontendOptions, app_kwargs, apply_frontend
 from agent_runtime.server.generation_defaults import (
     check_generation_config,
     check_generation_config_source,
 )
+from agent_runtime.server.openapi_doc import openapi_with_bodies
 from agent_runtime.server.request_guard import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE_LEN,
     RequestGuard,
-)
-from agent_runtime.server.requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
 )
 from agent_runtime.server.response_store import DEFAULT_STORE_SIZE, ResponseStore
 from agent_runtime.server.state import AppState, RuntimeSource, app_state
@@ -57,8 +53,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    app_state(request).metrics.count(request.url.path, exc.status)
-    if anthropic_messages.is_messages_path(request.url.path):
+    path = route_path(request.scope)
+    app_state(request).metrics.count(path, exc.status)
+    if anthropic_messages.is_messages_path(path):
         return anthropic_messages.error_response(exc)
     return exc.response()
 
@@ -74,7 +71,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     else:
         message = str(exc.detail)
     error = APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None)
-    response = (anthropic_messages.error_response(error) if anthropic_messages.is_messages_path(request.url.path)
+    response = (anthropic_messages.error_response(error) if anthropic_messages.is_messages_path(route_path(request.scope))
                 else error.response())
     response.headers.update(exc.headers or {})  # 405's Allow
     return response
@@ -112,6 +109,7 @@ def create_app(
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
     trust_request_chat_template: bool = False,
     responses_store_size: int = DEFAULT_STORE_SIZE,
+    frontend: FrontendOptions | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible app.
 
@@ -142,6 +140,8 @@ def create_app(
             refuses them unless told to trust its clients).
         responses_store_size: Responses API responses kept for ``previous_response_id`` and
             ``GET /v1/responses/{id}`` (least recently used dropped first; 0: none stored).
+        frontend: vLLM's frontend flags (CORS, ``root_path``, the docs routes, ``max_logprobs``,
+            forced usage, request logging, the reply's role); None: vLLM's defaults.
 
     Returns:
         The FastAPI app; its :class:`AppState` is ``app.state.server``.
@@ -165,7 +165,8 @@ def create_app(
     state.attach(runtime_or_engine_factory)
     state.trust_request_chat_template = bool(trust_request_chat_template)
     state.responses = ResponseStore(responses_store_size)
-    app = FastAPI(title="AsymCache OpenAI-compatible server", lifespan=_lifespan)
+    state.frontend = frontend = frontend if frontend is not None else FrontendOptions()
+    app = FastAPI(title="AsymCache OpenAI-compatible server", lifespan=_lifespan, **app_kwargs(frontend))
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -194,90 +195,9 @@ def create_app(
     app.add_middleware(
         RequestGuard, state=state, max_body_bytes=max_request_body_bytes, max_queue_len=max_queue_len
     )
-    app.openapi = _openapi_with_bodies(app, names)  # type: ignore[method-assign]
+    apply_frontend(app, frontend)
+    app.openapi = openapi_with_bodies(app, names)  # type: ignore[method-assign]
     return app
-
-
-#: What a chat message looks like, for the OpenAPI document (the runtime checks it in depth).
-_TOOL_CALL_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "id": {"type": "string"},
-        "type": {"enum": ["function"]},
-        # NOTE: ``arguments`` is JSON text of an object, which a schema can only call a string
-        "function": {"type": "object", "required": ["name"],
-                     "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}},
-    },
-}
-#: A chat message as :func:`~agent_runtime.protocol.validate_messages` takes it: content is
-#: required but on an assistant turn, which alone makes tool calls.
-_MESSAGE_SCHEMA: dict[str, Any] = {
-    "oneOf": [
-        {
-            "type": "object",
-            "required": ["role", "content"],
-            "properties": {
-                "role": {"enum": ["system", "developer", "user", "tool"]},
-                "content": {"type": "string"},
-                "tool_call_id": {"type": "string"},
-                "name": {"type": "string"},
-            },
-        },
-        {
-            "type": "object",
-            "required": ["role"],
-            "properties": {
-                "role": {"enum": ["assistant"]},
-                "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-                "tool_calls": {"type": "array", "items": _TOOL_CALL_SCHEMA},
-                "name": {"type": "string"},
-            },
-        },
-    ],
-}
-
-
-def _openapi_with_bodies(app: FastAPI, model_names: Sequence[str]) -> Callable[[], dict[str, Any]]:
-    """FastAPI's OpenAPI document plus the completion routes' request bodies.
-
-    NOTE: the routes parse their bodies themselves (a bad body is an OpenAI-style 400, not
-    FastAPI's 422), so FastAPI cannot see them; the document names the request models so that
-    clients and schema fuzzers (schemathesis) know what to send: ``model`` is one of the served
-    names (optional but on the Messages routes, as in vLLM: left out it is the served model), and
-    chat messages have a role.
-    """
-    default = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        spec = default()
-        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        routes: tuple[tuple[str, type[BaseModel]], ...] = (
-            ("/v1/chat/completions", ChatCompletionRequest),
-            ("/v1/completions", CompletionRequest),
-            (openai_responses.PATH, openai_responses.ResponsesRequest),
-            (anthropic_messages.PATH, anthropic_messages.MessagesRequest),
-            (anthropic_messages.COUNT_PATH, anthropic_messages.CountTokensRequest),
-            ("/tokenize", TokenizeRequest),
-            ("/detokenize", DetokenizeRequest),
-        )
-        for path, model in routes:
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(body.pop("$defs", {}))
-            # NOTE: required where the body model requires it (Anthropic's Messages route)
-            body["properties"]["model"] = {"type": "string", "enum": list(model_names)}
-            if "messages" in body["properties"]:
-                body["properties"]["messages"] = {"type": "array", "minItems": 1, "items": _MESSAGE_SCHEMA}
-            schemas[model.__name__] = body
-            spec["paths"][path]["post"]["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
-            }
-        return spec
-
-    return openapi
 
 
 #: vLLM's ``--tool-call-parser`` names this server serves.
@@ -333,6 +253,10 @@ class ServeOptions:
             (None: unbounded).
         shutdown_timeout: on SIGTERM, seconds in-flight requests may finish before they are
             aborted (their clients get the end of the stream; the engine frees their blocks).
+        ssl_keyfile: TLS key file, passed to uvicorn (vLLM's ``--ssl-keyfile``).
+        ssl_certfile: TLS certificate file, passed to uvicorn (vLLM's ``--ssl-certfile``).
+        frontend: vLLM's frontend flags (:class:`~agent_runtime.server.frontend.FrontendOptions`;
+            :meth:`from_kwargs` takes their names as keywords).
         engine_settings: further ``EngineConfig`` fields (``device``, ``dtype``,
             ``max_num_batched_tokens``, ``chunking``, ``latency_profile``, ...), checked by
             :func:`~agent_runtime.commands.run_serve` before the model loads.
@@ -362,6 +286,9 @@ class ServeOptions:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)
     engine_settings: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -393,6 +320,8 @@ class ServeOptions:
             raise ValueError(f"responses_store_size: must be an integer >= 0, got {size!r}")
         if not isinstance(self.shutdown_timeout, int | float) or not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout!r}")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            _check_readable(name, getattr(self, name))
         # NOTE: a file is read once, here, so that a bad path fails before the model loads
         object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
         check_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
@@ -413,9 +342,12 @@ class ServeOptions:
             The options (checked).
         """
         own = {f.name for f in fields(cls)} - {"engine_settings"}
+        frontend = FrontendOptions.names()
         return cls(
             **{k: v for k, v in kwargs.items() if k in own},
-            engine_settings={k: v for k, v in kwargs.items() if k not in own},
+            **({"frontend": FrontendOptions(**{k: v for k, v in kwargs.items() if k in frontend})}
+               if frontend & kwargs.keys() else {}),
+            engine_settings={k: v for k, v in kwargs.items() if k not in own and k not in frontend},
         )
 
     def build_runtime(self) -> AgentRuntime:
@@ -447,8 +379,19 @@ class ServeOptions:
             override_generation_config=self.override_generation_config, generation_config=self.generation_config,
             max_request_body_bytes=self.max_request_body_bytes, max_queue_len=self.max_queue_len,
             trust_request_chat_template=self.trust_request_chat_template,
-            responses_store_size=self.responses_store_size,
+            responses_store_size=self.responses_store_size, frontend=self.frontend,
         )
+
+
+def _check_readable(option: str, path: str | None) -> None:
+    """A file option's path, checked before the model loads (uvicorn would fail after)."""
+    if path is None:
+        return
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option}: cannot read {path!r} ({e.strerror or e})") from None
 
 
 def freeze_startup_heap() -> int:
@@ -488,7 +431,8 @@ def serve(options: ServeOptions) -> None:
     freeze_startup_heap()
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
-                    access_log=options.access_log, timeout_graceful_shutdown=float(options.shutdown_timeout))
+                    access_log=options.access_log, timeout_graceful_shutdown=float(options.shutdown_timeout),
+                    ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile)
     finally:
         runtime.close_sync()
         gc.unfreeze()

@@ -22,6 +22,26 @@ GUARDED_PREFIX = "/v1/"
 GUARDED_PATHS = frozenset({"/reset_prefix_cache", "/flush_cache"})
 
 
+def route_path(scope: Mapping[str, object]) -> str:
+    """A request's path below the app's ``root_path`` (vLLM's ``--root-path``), as the routes see it.
+
+    NOTE: behind a proxy that keeps the prefix, ``scope["path"]`` is ``/prefix/v1/...``; the key
+    and the queue bound go by the route (vLLM's authentication strips ``root_path`` the same way),
+    so a prefix cannot take a request past them.
+
+    Args:
+        scope: the ASGI scope.
+
+    Returns:
+        The path with a leading ``root_path`` removed (the path as is without one).
+    """
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", "") or "")
+    if root and (path == root or path.startswith(root.rstrip("/") + "/")):
+        return path[len(root.rstrip("/")):] or "/"
+    return path
+
+
 def needs_key(path: str) -> bool:
     """Whether a request to ``path`` must carry the API key (when the server has one).
 
@@ -80,6 +100,7 @@ __all__ = [
     "MESSAGES_COUNT_PATH",
     "MESSAGES_PATH",
     "authorized",
+    "route_path",
     "key_matches",
     "needs_key",
 ]

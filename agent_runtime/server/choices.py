@@ -111,9 +111,11 @@ class ChatChunks(Chunks):
         report_logprobs: bool = True, report_prompt_logprobs: bool = False, raw_content: bool = False,
         call_format: str = "hermes", reasoning_parser: str | None = None, return_ids: bool = False,
         include_reasoning: bool = True, named_tool: bool = False, max_tool_calls: int | None = None,
-        forced_tool: bool = False,
+        forced_tool: bool = False, role: str = "assistant",
     ) -> None:
         super().__init__(stream, index, texts, report_logprobs, report_prompt_logprobs)
+        #: the reply's role (vLLM's --response-role, or the role of the message it continues)
+        self.role = role
         #: Hermes calls streamed as they are written (their arguments piece by piece, vLLM's
         #: streaming tool parser); other formats send their calls whole at the end
         self.calls = HermesCallStream(max_tool_calls) if tools_possible and call_format == "hermes" else None
@@ -162,7 +164,7 @@ class ChatChunks(Chunks):
         return fields | self.opening_fields()
 
     def opening(self) -> list[ChatCompletionStreamChoice]:
-        return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
+        return [ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(role=self.role, content=""))]
 
     def _deltas(self, reasoning: str, content: str, calls: list[CallPiece] | None = None) -> list[DeltaMessage]:
         return ([DeltaMessage(reasoning_content=reasoning)] if reasoning and self.include_reasoning else []) + (
@@ -209,7 +211,7 @@ class ChatChunks(Chunks):
 
     def final_choice(self, final: StreamEvent) -> ChatCompletionChoice:
         turn = build_turn(self.stream, final)
-        message = dict(turn.message)
+        message = dict(turn.message, role=self.role)
         if not self.include_reasoning:
             message.pop("reasoning_content", None)
         if self.raw_content and not turn.parsed.tool_calls:

@@ -61,6 +61,7 @@ from agent_runtime.reasoning import reasoning_tokens
 from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import responses_background as background
 from agent_runtime.server.errors import APIError, from_value_error
+from agent_runtime.server.frontend import check_logprobs, log_request
 from agent_runtime.server.job_router import response_digest, routing_key
 from agent_runtime.server.request_fields import with_reasoning_effort
 from agent_runtime.server.response_store import (
@@ -180,7 +181,9 @@ async def create_response(request: Request) -> Response:
     job_id = req.job_id or (previous.job_id if previous is not None else
                             None if rt.implicit_jobs or not stored else response_id)
     try:
+        check_logprobs(state.frontend, req.top_logprobs, None, "top_logprobs")
         params = req.sampling_params(state.max_tokens_default(), state.sampling_defaults)
+        log_request(state.frontend, response_id, params, req)
         input_messages(req.input)  # NOTE: its own items first, so that an error names input[i] as sent
         items = chain_items(previous, req.input)
         check_call_outputs(items, 1 if isinstance(req.input, str) else len(req.input))

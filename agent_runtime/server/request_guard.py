@@ -16,7 +16,7 @@ from typing import Any
 
 from agent_runtime.request_stream import RequestConstraintsUnsatisfiable
 from agent_runtime.server import anthropic_messages
-from agent_runtime.server.auth import authorized, needs_key
+from agent_runtime.server.auth import authorized, needs_key, route_path
 from agent_runtime.server.errors import APIError, failed_request_error
 from agent_runtime.server.request_fields import MAX_BATCH_SEQUENCES, MAX_CHOICES
 from agent_runtime.server.state import AppState
@@ -85,7 +85,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope.get("path", "")
+        path = route_path(scope)
         headers = dict(scope.get("headers") or [])
         key = self.state.api_key
         if key is not None and needs_key(path) and not authorized(path, headers, key):

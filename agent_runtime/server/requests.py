@@ -49,7 +49,6 @@ from asymcache_core.chat_template_options import (
     check_template_kwargs,
     check_template_source,
 )
-from asymcache_core.logprobs import MAX_LOGPROBS
 from asymcache_core.sampling_params import SamplingParams
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +93,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[Int] | None = None
     min_tokens: Annotated[Int, Field(ge=0)] | None = None
     include_stop_str_in_output: StrictBool | None = None
-    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=0)] | None = None
     allowed_token_ids: list[Int] | None = None
     truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
@@ -310,7 +309,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0)] | None = None
     #: vLLM's: close a reasoning model's thinking block once it holds this many tokens
     thinking_token_budget: Annotated[Int, Field(ge=0)] | None = None
     reasoning_effort: ReasoningEffort | None = None
@@ -365,7 +364,7 @@ class CompletionRequest(_GenerationRequest):
     #: start a text prompt
     add_special_tokens: StrictBool | None = None
     tool_name: StrictStr | None = None
-    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[Int, Field(ge=0)] | None = None
 
     @property
     def adds_special_tokens(self) -> bool:

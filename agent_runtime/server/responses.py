@@ -116,7 +116,8 @@ class ToolCallDelta(_Body):
 class ChatMessage(_Body):
     """The assistant message of a chat completion (``content`` null when it is only calls)."""
 
-    role: Literal["assistant"] = "assistant"
+    #: vLLM's --response-role (``assistant`` unless the server names another)
+    role: str = "assistant"
     content: str | None
     #: OpenAI's (null: the model refused nothing); vLLM's ``tool_calls`` is a list, empty
     #: when the reply calls no tool
@@ -128,7 +129,7 @@ class ChatMessage(_Body):
 class DeltaMessage(_Body):
     """What a streamed chat chunk adds to the message; unset fields are left out."""
 
-    role: Literal["assistant"] | None = _OMIT
+    role: str | None = _OMIT
     content: str | None = _OMIT
     reasoning_content: str | None = _OMIT
     tool_calls: list[ToolCallDelta] | None = _OMIT

@@ -44,6 +44,7 @@ from agent_runtime.server.completion_stream import (
     usage_of,
 )
 from agent_runtime.server.errors import APIError, from_value_error
+from agent_runtime.server.frontend import check_logprobs, log_request
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import CONTENT_TYPE
 from agent_runtime.server.request_fields import with_reasoning_effort
@@ -178,6 +179,11 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "prompt_logprobs: not served on a streamed chat completion (vLLM's body field); "
                        "use stream=false or /v1/completions", param="prompt_logprobs")
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
+    log_request(state.frontend, f"{CHAT.id_prefix}-{base_id}", params, req)
+    # NOTE: vLLM's get_chat_request_role: --response-role after a generation prompt, else the
+    # role of the message the reply continues
+    ending = chat_ending(req.add_generation_prompt, req.continue_final_message)
+    role = state.frontend.response_role if ending[0] else str(req.messages[-1].get("role") or "assistant")
     try:
         streams, choice = await rt.start_chat_choices(
             req.messages,  # validated in depth by the runtime (ValueError names the field)
@@ -189,7 +195,7 @@ async def chat_completions(request: Request) -> Response:
             job_id=req.job_id,
             is_last_step=req.last_step,
             parallel_tool_calls=req.parallel_tool_calls is not False,
-            add_generation_prompt=chat_ending(req.add_generation_prompt, req.continue_final_message)[0],
+            add_generation_prompt=ending[0],
             continue_final_message=bool(req.continue_final_message),
             thinking_token_budget=req.thinking_token_budget,
             # NOTE: a stated max_tokens past the context is a 400, as vLLM's (none: up to the limit)
@@ -206,7 +212,7 @@ async def chat_completions(request: Request) -> Response:
                    return_ids=req.return_token_ids is True,
                    include_reasoning=req.include_reasoning is not False, named_tool=choice == "named",
                    forced_tool=tools_possible and choice in ("required", "named"),
-                   max_tool_calls=None if req.parallel_tool_calls is not False else 1)
+                   max_tool_calls=None if req.parallel_tool_calls is not False else 1, role=role)
         for i, s in enumerate(streams)
     ]
     return await _respond(request, state, req, chunks, CHAT, base_id)
@@ -220,6 +226,7 @@ async def completions(request: Request) -> Response:
     params = _sampling_params(req, min(COMPLETION_DEFAULT_MAX_TOKENS, state.default_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS),
                               state)
     texts = _token_texts(state, params, req.return_tokens_as_token_ids)
+    log_request(state.frontend, f"{COMPLETION.id_prefix}-{base_id}", params, req)
     chunks: list[Chunks] = []
     n = req.num_choices
     try:
@@ -295,6 +302,10 @@ async def parse_body(request: Request, model: type[RequestT], model_required: bo
 
 def _sampling_params(req: ChatCompletionRequest | CompletionRequest, default_max_tokens: int,
                      state: AppState) -> SamplingParams:
+    # NOTE: vLLM's --max-logprobs (its message), named as the request sends it (a chat's is
+    # top_logprobs); before the sampling parameters, which allow at most MAX_LOGPROBS
+    check_logprobs(state.frontend, req.requested_logprobs(), req.requested_prompt_logprobs(),
+                   "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
     try:
         return req.sampling_params(default_max_tokens, state.sampling_defaults)
     except ValueError as e:
@@ -338,6 +349,7 @@ async def _respond(
     rid = f"{endpoint.id_prefix}-{base_id}"
     id_header = request_id_header(base_id)
     model, metrics = state.model_name, state.metrics
+    forced = state.frontend.enable_force_include_usage
     if not req.streaming:
         finals = await await_finals(request, [c.stream for c in chunks])
         for final in finals:
@@ -354,7 +366,9 @@ async def _respond(
         return JSONResponse(body.model_dump(), headers=id_header)
     metrics.count(endpoint.path, 200)
     return StreamingResponse(
-        sse_events(chunks, endpoint, rid, model, UsageReport(req.include_usage, req.continuous_usage, req.num_choices),
+        # NOTE: vLLM's should_include_usage: --enable-force-include-usage turns on both
+        sse_events(chunks, endpoint, rid, model, UsageReport(
+            req.include_usage or forced, req.continuous_usage or forced, req.num_choices),
                     metrics, not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
         headers={**SSE_HEADERS, **id_header},

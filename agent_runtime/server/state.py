@@ -12,8 +12,9 @@ from fastapi import Request
 
 from agent_runtime.presets import ServingPreset
 from agent_runtime.runtime import AgentRuntime
-from agent_runtime.server.auth import authorized, needs_key
+from agent_runtime.server.auth import authorized, needs_key, route_path
 from agent_runtime.server.errors import APIError
+from agent_runtime.server.frontend import FrontendOptions
 from agent_runtime.server.generation_defaults import sampling_defaults
 from agent_runtime.server.logprobs import TokenTexts
 from agent_runtime.server.metrics import ServerMetrics
@@ -84,6 +85,8 @@ class AppState:
             (vLLM's ``--trust-request-chat-template``; refused otherwise).
         responses: the Responses API's stored responses.
         background: the Responses API's background runs (``background: true``).
+        frontend: vLLM's frontend flags the handlers read (``max_logprobs``, forced usage,
+            request logging, the reply's role).
     """
 
     model_name: str
@@ -101,6 +104,7 @@ class AppState:
     trust_request_chat_template: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)
     background: BackgroundRuns = field(default_factory=BackgroundRuns)
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)
     _token_texts: TokenTexts | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -228,10 +232,11 @@ class AppState:
         Raises:
             APIError: 401.
         """
-        if self.api_key is None or not needs_key(request.url.path):
+        path = route_path(request.scope)
+        if self.api_key is None or not needs_key(path):
             return
         headers = {name.lower(): value for name, value in request.scope.get("headers", ())}
-        if not authorized(request.url.path, headers, self.api_key):
+        if not authorized(path, headers, self.api_key):
             raise APIError(401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key")
 
     def check_model(self, model: Any) -> None:
