@@ -16,6 +16,7 @@ from agent_runtime.server.responses_output import usage as responses_usage
 from agent_runtime.server.streamed_text import StreamedText
 from agent_runtime.types import StreamEvent
 from asymcache_core.request import RequestMetrics, RequestOutput
+from tests.agent_runtime.scripted_stream import ScriptedStream
 
 PROMPT = 43  # tokens: hits 16, writes 16, 11 more
 
@@ -25,23 +26,6 @@ def _event(text: str, finished: bool) -> StreamEvent:
     out = RequestOutput("r", [], [1] * len(text), text, finished, "stop" if finished else None, metrics, PROMPT)
     return StreamEvent(out, None, None, None)
 
-
-class _Stream:
-    """A scripted request stream that yields ``events``."""
-
-    def __init__(self, events: list[StreamEvent]) -> None:
-        self.events, self.request_id, self.prompt_token_ids = events, "r", [1] * PROMPT
-        self.final: StreamEvent | None = None
-        self.last: StreamEvent | None = None
-
-    def __aiter__(self) -> Any:
-        return self._run()
-
-    async def _run(self) -> Any:
-        for event in self.events:
-            self.last = event
-            self.final = event if event.output.finished else None
-            yield event
 
     def abort(self) -> None:
         raise AssertionError("a finished stream is not aborted")
@@ -54,7 +38,7 @@ def test_usage_splits_the_prompt_into_writes_reads_and_the_rest():
     metrics = SimpleNamespace(observe=lambda ev: None, count_abort=lambda ev=None: None)
 
     async def collect() -> list[dict[str, Any]]:
-        frames = message_events(_Stream(events), "msg_r", "m", StreamedText(True), metrics)  # type: ignore[arg-type]
+        frames = message_events(ScriptedStream(events, PROMPT), "msg_r", "m", StreamedText(True), metrics)  # type: ignore[arg-type]
         return [json.loads(f.split("data: ", 1)[1]) async for f in frames]
 
     sent = {ev["type"]: ev for ev in asyncio.run(collect())}

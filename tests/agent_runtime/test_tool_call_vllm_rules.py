@@ -36,6 +36,7 @@ from agent_runtime.server.streamed_text import StreamedText, without_cut_off_cal
 from agent_runtime.types import StreamEvent
 from asymcache_core.request import RequestMetrics, RequestOutput
 from asymcache_core.tool_call_stream import HermesCallStream
+from tests.agent_runtime.scripted_stream import ScriptedStream
 from tests.agent_runtime.test_tool_calling_audit import CALL, _reply
 
 #: a call whose head is complete and whose object is not JSON (a key without a value after it)
@@ -113,24 +114,6 @@ def _event(text: str, finish: str | None, cached: int = 0) -> StreamEvent:
     return StreamEvent(out, None, parsed, None)
 
 
-class _Stream:
-    """A scripted :class:`~agent_runtime.request_stream.RequestStream`."""
-
-    def __init__(self, events: list[StreamEvent]) -> None:
-        self.events, self.request_id, self.prompt_token_ids = events, "r", [1] * 40
-        self.final: StreamEvent | None = None
-        self.last: StreamEvent | None = None
-
-    def __aiter__(self) -> Any:
-        return self._run()
-
-    async def _run(self) -> Any:
-        for event in self.events:
-            self.last = event
-            if event.output.finished:
-                self.final = event
-            yield event
-
     def abort(self) -> None:
         raise AssertionError("a finished stream is not aborted")
 
@@ -141,13 +124,13 @@ def _messages_reply(text: str, finish: str, steps: int = 6) -> tuple[dict[str, A
     cuts = sorted({max(1, len(text) * k // steps) for k in range(1, steps)})
     events = [_event(text[:c], None, 32) for c in cuts] + [_event(text, finish, 32)]
     final = events[-1]
-    turn = build_turn(_Stream(events), final)  # type: ignore[arg-type]
+    turn = build_turn(ScriptedStream(events, 40), final)  # type: ignore[arg-type]
     kept = without_cut_off_call(turn.message.get("content") or "", finish == "length", True)
     body = {"content": content_blocks(turn, kept), "stop_reason": stop_reason(turn, final)[0], "usage": usage(final)}
     metrics = SimpleNamespace(observe=lambda ev: None, count_abort=lambda ev=None: None)
 
     async def collect() -> list[dict[str, Any]]:
-        frames = message_events(_Stream(events), "msg_r", "m", StreamedText(True), metrics,  # type: ignore[arg-type]
+        frames = message_events(ScriptedStream(events, 40), "msg_r", "m", StreamedText(True), metrics,  # type: ignore[arg-type]
                                 HermesCallStream())
         return [json.loads(f.split("data: ", 1)[1]) async for f in frames]
 

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 from vllm_plugin_fakes import (
-    Clock,
     Request,
     RequestStatus,
     fan_out,
     load_scheduler_module,
-    vllm_config,
+    make_scheduler,
 )
 
 JOB = {"job_id": "j", "pin_ttl_s": 60}
@@ -30,14 +29,7 @@ def sched_mod(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return load_scheduler_module(monkeypatch)
 
 
-def make(sched_mod: types.ModuleType, options: dict[str, Any] | None = None, num_blocks: int = 32) -> Any:
-    opts = {"implicit_jobs": False, **(options or {})}
-    sched = sched_mod.AsymCacheScheduler(vllm_config(opts), num_blocks=num_blocks)
-    clock = Clock()
-    sched.asymcache_clock = clock
-    sched.asymcache_controller.clock = clock
-    sched.asymcache_queue.clock = clock
-    return sched
+make = make_scheduler
 
 
 def start(sched: Any, requests: list[Request]) -> None:

@@ -10,7 +10,13 @@ import types
 from typing import Any
 
 import pytest
-from vllm_plugin_fakes import Clock, Request, RequestStatus, load_scheduler_module, vllm_config
+from vllm_plugin_fakes import (
+    Request,
+    RequestStatus,
+    load_scheduler_module,
+    make_scheduler,
+    vllm_config,
+)
 
 
 @pytest.fixture
@@ -19,14 +25,7 @@ def sched_mod(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     return load_scheduler_module(monkeypatch)
 
 
-def make(sched_mod: types.ModuleType, options: dict[str, Any] | None = None, num_blocks: int = 32) -> Any:
-    opts = {"implicit_jobs": False, **(options or {})}
-    sched = sched_mod.AsymCacheScheduler(vllm_config(opts), num_blocks=num_blocks)
-    clock = Clock()
-    sched.asymcache_clock = clock
-    sched.asymcache_controller.clock = clock
-    sched.asymcache_queue.clock = clock
-    return sched
+make = make_scheduler
 
 
 def run(sched: Any, req: Request, status: Any = RequestStatus.FINISHED_STOPPED) -> None:

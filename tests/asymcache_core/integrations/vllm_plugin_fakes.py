@@ -312,3 +312,15 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def make_scheduler(sched_mod: types.ModuleType, options: dict[str, Any] | None = None, num_blocks: int = 32) -> Any:
+    """The plugin's synchronous scheduler on the fake vLLM, its clocks one :class:`Clock`
+    (implicit jobs off unless ``options`` turn them on)."""
+    opts = {"implicit_jobs": False, **(options or {})}
+    sched = sched_mod.AsymCacheScheduler(vllm_config(opts), num_blocks=num_blocks)
+    clock = Clock()
+    sched.asymcache_clock = clock
+    sched.asymcache_controller.clock = clock
+    sched.asymcache_queue.clock = clock
+    return sched
