@@ -172,7 +172,10 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/health", serving.health, methods=["GET"])
     # vLLM's (SageMaker's liveness route): the health check under another name
-    app.add_api_route("/ping", serving.health, methods=["GET", "POST"])
+    # NOTE: one route a method, as vLLM registers them: a route of both methods gives both
+    # OpenAPI operations one id (FastAPI warns of the duplicate)
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", serving.health, methods=[method], name="ping")
     app.add_api_route("/v1/models", serving.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", serving.model, methods=["GET"])
     app.add_api_route("/version", serving.version, methods=["GET"])

@@ -25,3 +25,30 @@ def test_from_kwargs_splits_the_options_from_the_engine_settings():
 def test_bad_options_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         ServeOptions.from_kwargs(kwargs)
+
+
+def test_every_operation_has_its_own_id_and_ping_answers_get_and_post():
+    """vLLM registers ``GET /ping`` and ``POST /ping`` as two routes (``ping_ping_get``,
+    ``ping_ping_post``); one route of both methods gave both one operation id (a FastAPI
+    warning)."""
+    import warnings
+
+    from fastapi.testclient import TestClient
+
+    from agent_runtime.server import create_app
+
+    app = create_app(lambda: None, "m", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        paths = app.openapi()["paths"]
+    ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ids) == len(set(ids))
+    assert {m: op["operationId"] for m, op in paths["/ping"].items()} == {"get": "ping_ping_get",
+                                                                          "post": "ping_ping_post"}
+    # NOTE: no runtime attached (no lifespan): /ping answers as /health does, for either method
+    client = TestClient(app)
+    health = client.get("/health")
+    for method in ("GET", "POST"):
+        r = client.request(method, "/ping")
+        assert (r.status_code, r.json()) == (health.status_code, health.json()), method
+    assert client.put("/ping").status_code == 405
