@@ -102,7 +102,8 @@ def run_serve(replicas: int = 1, **options: Any) -> None:
         **options: the fields of :class:`~agent_runtime.server.app.ServeOptions` (``model``,
             ``host``, ``port``, ``api_key``, ``policy``, ``num_kv_blocks``, ``max_model_len``,
             ``served_model_name``, ``log_level``, ``max_request_body_bytes``, ``max_queue_len``,
-            ``shutdown_timeout``, ``ssl_keyfile``, ``ssl_certfile``), or of
+            ``shutdown_timeout``, ``ssl_keyfile``, ``ssl_certfile``, ``ssl_ca_certs``,
+            ``ssl_cert_reqs``), or of
             :class:`~agent_runtime.server.frontend.FrontendOptions` (vLLM's frontend flags:
             ``allowed_origins``, ``root_path``, ``max_logprobs``, ...); every other name is one of
             :data:`ENGINE_SETTINGS` (``EngineConfig`` fields, e.g. ``device``, ``dtype``,
@@ -121,7 +122,8 @@ def run_serve(replicas: int = 1, **options: Any) -> None:
     if replicas > 1 and importlib.util.find_spec("ray") is None:
         raise ValueError("replicas: more than one needs Ray Serve; install the ray extra (pip install 'asymcache[ray]')")
     opts = ServeOptions.from_kwargs(options)
-    if replicas > 1 and (opts.frontend.serves_http_differently or opts.ssl_keyfile or opts.ssl_certfile):
+    tls = (opts.ssl_keyfile, opts.ssl_certfile, opts.ssl_ca_certs, opts.ssl_cert_reqs)
+    if replicas > 1 and (opts.frontend.serves_http_differently or any(tls)):
         # NOTE: Ray Serve's proxy, not this app, takes the connections of a replicated server
         raise ValueError("replicas: CORS, --root-path, --disable-fastapi-docs and TLS are served by one replica "
                          "only (Ray Serve's proxy takes the connections of several)")

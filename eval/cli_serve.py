@@ -215,6 +215,9 @@ def serve(
         False, "--enable-log-requests/--no-enable-log-requests",
         help="vLLM's flag: log each received completion request at INFO (its id and sampling parameters; its "
         "body at DEBUG), on the logger agent_runtime.server.requests_log."),
+    max_log_len: int = typer.Option(
+        None, metavar="N", help="Most characters of a request's body its --enable-log-requests DEBUG line prints "
+        "(vLLM's flag; default: all)."),
     allowed_origins: str = typer.Option(
         None, metavar="JSON", help='CORS: origins allowed cross-origin access, as a JSON list (vLLM\'s flag; e.g. '
         '\'["*"]\'; default: none).'),
@@ -232,6 +235,12 @@ def serve(
         help="No /openapi.json, /docs or /redoc (vLLM's flag)."),
     ssl_keyfile: str = typer.Option(None, metavar="FILE", help="TLS key file, passed to uvicorn (vLLM's flag)."),
     ssl_certfile: str = typer.Option(None, metavar="FILE", help="TLS certificate file, passed to uvicorn (vLLM's flag)."),
+    ssl_ca_certs: str = typer.Option(
+        None, metavar="FILE", help="CA certificates that clients' certificates are checked against, passed to "
+        "uvicorn (vLLM's flag; needs --ssl-keyfile and --ssl-certfile)."),
+    ssl_cert_reqs: int = typer.Option(
+        0, metavar="0|1|2", help="Whether clients must show a certificate, as Python's ssl module's CERT_NONE (0), "
+        "CERT_OPTIONAL (1) or CERT_REQUIRED (2), passed to uvicorn (vLLM's flag; 1 and 2 need TLS)."),
     max_logprobs: int = typer.Option(
         20, help="Most log probabilities a request may ask for (logprobs, top_logprobs, prompt_logprobs); more is "
         "a 400 (vLLM's flag and default; at most 20 here)."),
@@ -270,7 +279,8 @@ def serve(
                                 allowed_headers=allowed_headers, allow_credentials=allow_credentials,
                                 root_path=root_path, disable_fastapi_docs=disable_fastapi_docs,
                                 max_logprobs=max_logprobs, enable_force_include_usage=enable_force_include_usage,
-                                enable_log_requests=enable_log_requests, response_role=response_role)
+                                enable_log_requests=enable_log_requests, max_log_len=max_log_len,
+                                response_role=response_role)
     if not enable_chunked_prefill:
         raise ValueError("enable_chunked_prefill: cannot be turned off: prompts are computed in chunks of "
                          "--max-num-batched-tokens (--admit-full-prompt reserves a prompt's blocks whole, as "
@@ -304,7 +314,8 @@ def serve(
                   trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                   reasoning_parser=reasoning_parser, responses_store_size=responses_store_size,
                   log_level=uvicorn_log_level, access_log=not disable_uvicorn_access_log,
-                  ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, **frontend, **engine_args)
+                  ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, ssl_ca_certs=ssl_ca_certs,
+                  ssl_cert_reqs=ssl_cert_reqs, **frontend, **engine_args)
 
 
 def _check_frontend_flags(*, kv_cache_dtype: str, enable_prompt_tokens_details: bool, enable_log_requests: bool,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -258,6 +259,11 @@ class ServeOptions:
             aborted (their clients get the end of the stream; the engine frees their blocks).
         ssl_keyfile: TLS key file, passed to uvicorn (vLLM's ``--ssl-keyfile``).
         ssl_certfile: TLS certificate file, passed to uvicorn (vLLM's ``--ssl-certfile``).
+        ssl_ca_certs: CA certificates that client certificates are checked against, passed to
+            uvicorn (vLLM's ``--ssl-ca-certs``; needs TLS).
+        ssl_cert_reqs: whether a client certificate is asked for, as the ``ssl`` module's
+            ``CERT_NONE`` (0, the default), ``CERT_OPTIONAL`` (1) or ``CERT_REQUIRED`` (2),
+            passed to uvicorn (vLLM's ``--ssl-cert-reqs``; other than 0, needs TLS).
         frontend: vLLM's frontend flags (:class:`~agent_runtime.server.frontend.FrontendOptions`;
             :meth:`from_kwargs` takes their names as keywords).
         engine_settings: further ``EngineConfig`` fields (``device``, ``dtype``,
@@ -291,6 +297,8 @@ class ServeOptions:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = int(ssl.CERT_NONE)
     frontend: FrontendOptions = field(default_factory=FrontendOptions)
     engine_settings: Mapping[str, Any] = field(default_factory=dict)
 
@@ -323,8 +331,9 @@ class ServeOptions:
             raise ValueError(f"responses_store_size: must be an integer >= 0, got {size!r}")
         if not isinstance(self.shutdown_timeout, int | float) or not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout!r}")
-        for name in ("ssl_keyfile", "ssl_certfile"):
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
             _check_readable(name, getattr(self, name))
+        _check_client_certs(self.ssl_ca_certs, self.ssl_cert_reqs, self.ssl_keyfile or self.ssl_certfile)
         # NOTE: a file is read once, here, so that a bad path fails before the model loads
         object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
         check_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
@@ -397,6 +406,20 @@ def _check_readable(option: str, path: str | None) -> None:
         raise ValueError(f"{option}: cannot read {path!r} ({e.strerror or e})") from None
 
 
+def _check_client_certs(ca_certs: str | None, cert_reqs: int, tls: str | None) -> None:
+    """vLLM's ``--ssl-cert-reqs`` (an ``ssl.VerifyMode``) and ``--ssl-ca-certs``, checked before
+    the model loads (uvicorn would fail on a bad mode after it)."""
+    modes = tuple(int(m) for m in ssl.VerifyMode)
+    if isinstance(cert_reqs, bool) or not isinstance(cert_reqs, int) or cert_reqs not in modes:
+        raise ValueError(f"ssl_cert_reqs: must be one of {', '.join(map(str, modes))} (ssl.CERT_NONE, "
+                         f"CERT_OPTIONAL, CERT_REQUIRED), got {cert_reqs!r}")
+    # NOTE: uvicorn (and so vLLM) ignores both without a certificate of the server's own: the
+    # server would take plain HTTP from anyone while it was asked to check its clients
+    if not tls and (ca_certs is not None or cert_reqs != ssl.CERT_NONE):
+        raise ValueError(f"{'ssl_ca_certs' if ca_certs is not None else 'ssl_cert_reqs'}: client certificates "
+                         "need TLS; give --ssl-keyfile and --ssl-certfile too")
+
+
 def freeze_startup_heap() -> int:
     """Moves every object the garbage collector tracks now (the model, the tokenizer, the
     imported libraries: the server's start-up heap) out of its view; a server calls it once its
@@ -435,7 +458,8 @@ def serve(options: ServeOptions) -> None:
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level,
                     access_log=options.access_log, timeout_graceful_shutdown=float(options.shutdown_timeout),
-                    ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile)
+                    ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile,
+                    ssl_ca_certs=options.ssl_ca_certs, ssl_cert_reqs=options.ssl_cert_reqs)
     finally:
         runtime.close_sync()
         gc.unfreeze()

@@ -49,6 +49,9 @@ class FrontendOptions:
             ``stream_options: {include_usage: true, continuous_usage_stats: true}``
             (``--enable-force-include-usage``; vLLM's ``should_include_usage``).
         enable_log_requests: log each received completion (``--enable-log-requests``).
+        max_log_len: most characters of a request's body the DEBUG request log line prints
+            (``--max-log-len``, vLLM's "max number of prompt characters ... printed in log";
+            None: all of it).
         response_role: the chat reply's role when the prompt ends with the generation prompt
             (``--response-role``; vLLM's ``get_chat_request_role``).
 
@@ -65,6 +68,7 @@ class FrontendOptions:
     max_logprobs: int = MAX_LOGPROBS
     enable_force_include_usage: bool = False
     enable_log_requests: bool = False
+    max_log_len: int | None = None
     response_role: str = "assistant"
 
     def __post_init__(self) -> None:
@@ -86,6 +90,10 @@ class FrontendOptions:
         if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs: must be an integer in [0, {MAX_LOGPROBS}] (this server reports at "
                              f"most {MAX_LOGPROBS} log probabilities a token), got {cap!r}")
+        length = self.max_log_len
+        # NOTE: vLLM slices with any int; a negative one would cut from the end, not cap
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+            raise ValueError(f"max_log_len: must be an integer >= 0 (characters), got {length!r}")
         if not isinstance(self.response_role, str) or not self.response_role.strip():
             raise ValueError(f"response_role: must be a non-empty role name, got {self.response_role!r}")
 
@@ -174,7 +182,8 @@ def check_logprobs(options: FrontendOptions, logprobs: int | None, prompt_logpro
 
 def log_request(options: FrontendOptions, request_id: str, params: Any, body: Any = None) -> None:
     """vLLM's ``RequestLogger.log_inputs`` line, with ``--enable-log-requests``: the id and the
-    sampling parameters at INFO; the body at DEBUG (vLLM's ``log_request_body``).
+    sampling parameters at INFO; the body at DEBUG, its first ``max_log_len`` characters (vLLM's
+    ``log_request_body``).
 
     Args:
         options: the options.
@@ -185,7 +194,10 @@ def log_request(options: FrontendOptions, request_id: str, params: Any, body: An
     if not options.enable_log_requests:
         return
     if body is not None and request_logger.isEnabledFor(logging.DEBUG):
-        request_logger.debug("Request %s JSON body: %s", request_id, body.model_dump_json(exclude_unset=True))
+        # NOTE: the body holds the prompt (vLLM's details line, which --max-log-len also cuts, is
+        # not logged here: the prompt is rendered after this line, by the runtime)
+        request_logger.debug("Request %s JSON body: %s", request_id,
+                             body.model_dump_json(exclude_unset=True)[:options.max_log_len])
     request_logger.info("Received request %s: params: %s.", request_id, params)
 
 
