@@ -121,13 +121,14 @@ async def sse_events(
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def so_far(stream: RequestStream, event: StreamEvent | None) -> Usage | None:
-        # NOTE: vLLM's continuous usage: the choice's prompt and its tokens so far
+        # NOTE: vLLM's continuous usage: the choice's prompt and its tokens so far (no
+        # prompt_tokens_details: vLLM sets them on the final usage chunk only)
         if not report.continuous:
             return None
         if event is None:
-            return Usage.of(len(stream.prompt_token_ids), 0, 0)
+            return Usage.so_far(len(stream.prompt_token_ids), 0)
         out = event.output
-        return Usage.of(out.num_prompt_tokens, len(out.token_ids) if generated else 0, out.metrics.cached_tokens)
+        return Usage.so_far(out.num_prompt_tokens, len(out.token_ids) if generated else 0)
 
     try:
         for chunk in chunks:

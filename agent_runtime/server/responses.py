@@ -49,12 +49,13 @@ class PromptTokensDetails(_Body):
 
 
 class Usage(_Body):
-    """Token counts of one completion."""
+    """Token counts of one completion (``prompt_tokens_details`` left out only on a stream's
+    running usage: :meth:`so_far`)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    prompt_tokens_details: PromptTokensDetails | None = _OMIT
 
     @classmethod
     def of(
@@ -78,6 +79,23 @@ class Usage(_Body):
             prompt_tokens_details=PromptTokensDetails(
                 cached_tokens=cached_tokens, created_cache_tokens=created_cache_tokens),
         )
+
+    @classmethod
+    def so_far(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        """A streamed choice's running usage (``continuous_usage_stats``): the counts only, as
+        vLLM 0.32's chat and completions chunks carry it; the cache's share is reported by the
+        final usage chunk (vLLM's ``chat_completion_stream_generator`` and
+        ``completion_stream_generator`` set ``prompt_tokens_details`` there only).
+
+        Args:
+            prompt_tokens: the choice's prompt's length.
+            completion_tokens: tokens it has generated so far.
+
+        Returns:
+            The usage.
+        """
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
 
 
 class FunctionCall(_Body):

@@ -173,3 +173,42 @@ def test_serve_options_route_the_frontend_flags_and_check_the_tls_files(tmp_path
     assert FrontendOptions(root_path="/api/").root_path == "/api" and FrontendOptions(root_path="/").root_path == ""
     with pytest.raises(ValueError, match="^ssl_keyfile: cannot read"):
         ServeOptions(ssl_keyfile=str(tmp_path / "missing.pem"))
+
+
+def test_max_log_len_cuts_the_logged_body_as_vllm_does(runtime, caplog):
+    caplog.set_level(logging.DEBUG, logger="agent_runtime.server.requests_log")
+    body = {"model": "m", "prompt": "Hi there, a prompt longer than the cap", "max_tokens": 1}
+    whole = ""
+    for max_log_len in (None, 12, 0):
+        caplog.clear()
+        with _client(runtime, enable_log_requests=True, max_log_len=max_log_len) as client:
+            client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc"})
+        lines = [r.getMessage() for r in caplog.records if r.name == "agent_runtime.server.requests_log"]
+        (logged,) = [line for line in lines if line.startswith("Request cmpl-abc JSON body: ")]
+        if max_log_len is None:
+            whole = logged.removeprefix("Request cmpl-abc JSON body: ")
+            assert json.loads(whole) == body
+        # vLLM's log_request_body: the body's JSON cut to its first max_log_len characters
+        assert logged == "Request cmpl-abc JSON body: " + whole[:max_log_len], logged
+        # the INFO line (the parameters) is not cut, as vLLM's log_inputs'
+        assert any(line.startswith("Received request cmpl-abc: params: ") and "max_tokens=1" in line
+                   for line in lines), lines
+    with pytest.raises(ValueError, match="^max_log_len: must be an integer >= 0"):
+        FrontendOptions(max_log_len=-1)
+
+
+def test_continuous_usage_chunks_carry_counts_and_the_final_chunk_the_cache_details(runtime):
+    """vLLM 0.32: a continuous-usage chunk's usage is the choice's prompt, tokens so far and
+    total; ``prompt_tokens_details`` only on the final usage chunk (chat and completions)."""
+    options = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with _client(runtime) as client:
+        for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "Hi"})):
+            chunks = _stream(client, path, {**body, **options})
+            *running, final = chunks
+            assert running and all(set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+                                   for c in running), running
+            assert running[-1]["usage"]["completion_tokens"] == 3
+            assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3
+            assert final["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0, final
+            r = client.post(path, json={"model": "m", "max_tokens": 1, **body})
+            assert "cached_tokens" in r.json()["usage"]["prompt_tokens_details"], r.text
