@@ -116,7 +116,7 @@ def test_serve_chat_and_agent_take_the_engine_options(monkeypatch, argv, target)
                      "replicas", "served_model_name", "override_generation_config", "generation_config", "chat_template",
                      "default_chat_template_kwargs",
                      "trust_request_chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size",
-                     "log_level", "access_log", "ssl_keyfile", "ssl_certfile", "max_logprobs", "response_role",
+                     "log_level", "access_log", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "max_logprobs", "response_role",
                      "enable_log_requests", "enable_force_include_usage", "disable_fastapi_docs", "allow_credentials"},
            "chat": {"policy"},
            "agent": {"task", "workdir", "max_turns", "policy", "tool_choice", "parallel_tool_calls"}}[argv[0]]
