@@ -333,6 +333,10 @@ class ServeOptions:
             raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {self.shutdown_timeout!r}")
         for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
             _check_readable(name, getattr(self, name))
+        if self.ssl_keyfile is not None and self.ssl_certfile is None:
+            # NOTE: uvicorn asserts a certificate after the model has loaded; a certificate file
+            # alone is enough (a PEM holding the key too)
+            raise ValueError("ssl_keyfile: needs --ssl-certfile too (the server's certificate)")
         _check_client_certs(self.ssl_ca_certs, self.ssl_cert_reqs, self.ssl_keyfile or self.ssl_certfile)
         # NOTE: a file is read once, here, so that a bad path fails before the model loads
         object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))

@@ -53,6 +53,7 @@ def test_client_certificate_flags_reach_uvicorn(served, monkeypatch, pem):
     (["--ssl-cert-reqs", "1"], "ssl_cert_reqs: client certificates need TLS"),
     (["--replicas", "2", "--ssl-cert-reqs", "2", "--ssl-ca-certs", "CA", "--tls"], "replicas: CORS, --root-path"),
     (["--max-log-len", "-1"], "max_log_len: must be an integer >= 0"),
+    (["--ssl-keyfile", "CA"], "ssl_keyfile: needs --ssl-certfile too"),
 ])
 def test_a_value_that_cannot_be_honoured_is_one_line_and_exit_2(served, monkeypatch, pem, argv, message):
     # NOTE: Ray is not needed to refuse the flags that a replicated server cannot serve
