@@ -81,9 +81,88 @@ def stream_split(text: str, parser: str, final: bool = False) -> tuple[str | Non
     return text[begin:upto], None
 
 
+class ReasoningCount:
+    """How many of one reply's tokens are its thinking, as vLLM 0.32 reports them in
+    ``completion_tokens_details.reasoning_tokens`` (chat) and
+    ``output_tokens_details.reasoning_tokens`` (Responses): the tokens of the thinking block,
+    its ``<think>`` and ``</think>`` tokens left out (vLLM's reasoning parsers'
+    ``count_reasoning_tokens``: ``BaseThinkingReasoningParser``'s span counter, the qwen3
+    parser engine's reasoning chunks).
+
+    NOTE: vLLM's ``deepseek_r1`` counter opens the block only on a generated ``<think>``, so a
+    block opened by the chat template counts 0 there; here it counts as the split reads it
+    (the fix of vllm-project/vllm#49743): the reasoning sent is the reasoning counted.
+
+    NOTE: one per reply; it may be asked again as the reply grows (``continuous_usage_stats``
+    chunks): the marker tokens are looked up once per token id and once the block is closed its
+    count is kept.
+
+    Args:
+        parser: the reasoning parser (None: no thinking, 0).
+        decode: the tokenizer's decode (None: unknown, 0).
+        markers: a cache of which token ids are ``<think>`` or ``</think>``, shared by the
+            replies of one tokenizer.
+    """
+
+    def __init__(self, parser: str | None, decode: Callable[[Sequence[int]], str] | None,
+                 markers: dict[int, bool] | None = None) -> None:
+        self._parser, self._decode = parser, decode
+        self._markers: dict[int, bool] = {} if markers is None else markers
+        self._scanned = 0  # leading tokens whose markers are counted in _marks
+        self._marks = 0
+        self._closed: int | None = None
+        self._ids: Sequence[int] = ()
+
+    def _is_marker(self, token_id: int) -> bool:
+        known = self._markers.get(token_id)
+        if known is None:
+            known = self._markers[token_id] = self._decode([token_id]) in (THINK_OPEN, THINK_CLOSE)  # type: ignore[misc]
+        return known
+
+    def _marks_upto(self, n: int) -> int:
+        if n < self._scanned:
+            return sum(self._is_marker(t) for t in self._ids[:n])
+        self._marks += sum(self._is_marker(t) for t in self._ids[self._scanned : n])
+        self._scanned = n
+        return self._marks
+
+    def count(self, text: str, token_ids: Sequence[int]) -> int:
+        """The reasoning tokens of the reply so far.
+
+        Args:
+            text: the reply so far, as generated.
+            token_ids: its tokens.
+
+        Returns:
+            The tokens of its thinking block but the block's tags (all the reply's but the
+            tags while the block is open; 0 without thinking).
+        """
+        if self._closed is not None:
+            return self._closed
+        if self._parser is None or self._decode is None or not token_ids:
+            return 0
+        reasoning, start = stream_split(text, self._parser, final=True)
+        if reasoning is None:
+            return 0
+        self._ids = token_ids
+        if start is None:
+            return len(token_ids) - self._marks_upto(len(token_ids))
+        # NOTE: a binary search for the fewest leading tokens whose text reaches the content's
+        # start: the decoded prefix grows with the tokens it holds
+        lo, hi = 1, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(token_ids[:mid])) >= start:
+                hi = mid
+            else:
+                lo = mid + 1
+        self._closed = lo - self._marks_upto(lo)
+        return self._closed
+
+
 def reasoning_tokens(text: str, token_ids: Sequence[int], parser: str | None,
                      decode: Callable[[Sequence[int]], str] | None) -> int:
-    """How many of a finished reply's tokens are its thinking (up to and with ``</think>``).
+    """A finished reply's reasoning tokens (:class:`ReasoningCount`).
 
     Args:
         text: the reply as generated.
@@ -92,28 +171,12 @@ def reasoning_tokens(text: str, token_ids: Sequence[int], parser: str | None,
         decode: the tokenizer's decode (None: unknown, 0).
 
     Returns:
-        The fewest leading tokens whose text reaches the content's start (all of them while the
-        block is open; 0 without thinking).
+        Its thinking block's tokens but the block's tags.
     """
-    if parser is None or decode is None or not token_ids:
-        return 0
-    reasoning, start = stream_split(text, parser, final=True)
-    if reasoning is None:
-        return 0
-    if start is None:
-        return len(token_ids)
-    # NOTE: a binary search over prefixes: the decoded prefix grows with the tokens it holds
-    lo, hi = 1, len(token_ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(decode(token_ids[:mid])) >= start:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return ReasoningCount(parser, decode).count(text, token_ids)
 
 
 __all__ = [
-    "REASONING_PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningParser", "reasoning_tokens", "split_reasoning",
+    "REASONING_PARSERS", "THINK_CLOSE", "THINK_OPEN", "ReasoningCount", "ReasoningParser", "reasoning_tokens", "split_reasoning",
     "stream_split",
 ]

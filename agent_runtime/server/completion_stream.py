@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from agent_runtime.reasoning import ReasoningCount
 from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.choices import Chunks
 from agent_runtime.server.errors import stream_error_frame
@@ -91,11 +92,14 @@ class UsageReport(NamedTuple):
         final: a last chunk with the whole response's usage (``include_usage``).
         continuous: every chunk with its choice's usage so far (vLLM's ``continuous_usage_stats``).
         choices_per_prompt: ``n`` (each prompt's usage is counted once).
+        reasoning: one counter per choice where usage reports ``completion_tokens_details``
+            (chat with a reasoning parser); None: left out.
     """
 
     final: bool
     continuous: bool
     choices_per_prompt: int
+    reasoning: list[ReasoningCount] | None = None
 
 
 async def sse_events(
@@ -120,26 +124,29 @@ async def sse_events(
             body.setdefault("usage", None)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def so_far(stream: RequestStream, event: StreamEvent | None) -> Usage | None:
+    def so_far(index: int, event: StreamEvent | None) -> Usage | None:
         # NOTE: vLLM's continuous usage: the choice's prompt and its tokens so far (no
-        # prompt_tokens_details: vLLM sets them on the final usage chunk only)
+        # prompt_tokens_details: vLLM sets them on the final usage chunk only), and with a
+        # reasoning parser the thinking among them (0 on the opening chunks)
         if not report.continuous:
             return None
+        counters = report.reasoning
         if event is None:
-            return Usage.so_far(len(stream.prompt_token_ids), 0)
+            return Usage.so_far(len(streams[index].prompt_token_ids), 0, None if counters is None else 0)
         out = event.output
-        return Usage.so_far(out.num_prompt_tokens, len(out.token_ids) if generated else 0)
+        thinking = None if counters is None else counters[index].count(out.text, out.token_ids)
+        return Usage.so_far(out.num_prompt_tokens, len(out.token_ids) if generated else 0, thinking)
 
     try:
-        for chunk in chunks:
+        for index, chunk in enumerate(chunks):
             for choice in chunk.opening():
-                yield frame([choice], so_far(chunk.stream, None), **chunk.opening_fields())
+                yield frame([choice], so_far(index, None), **chunk.opening_fields())
         try:
             async for index, event in merged(streams):
                 if event.output.finished:
                     metrics.observe(event, one_choice=False)
                 for choice in chunks[index].on_event(event):
-                    yield frame([choice], so_far(streams[index], event))
+                    yield frame([choice], so_far(index, event))
         except Exception as exc:  # noqa: BLE001 - the request failed: say so, then end the stream
             yield stream_error_frame(exc)
             yield "data: [DONE]\n\n"
@@ -148,7 +155,7 @@ async def sse_events(
         metrics.observe_choices(finals, report.choices_per_prompt)  # type: ignore[arg-type]
         if report.final:
             yield frame([], usage=usage_of(finals, report.choices_per_prompt, generated,  # type: ignore[arg-type]
-                                           cache_writes=endpoint is CHAT))
+                                           cache_writes=endpoint is CHAT, reasoning=report.reasoning))
         yield "data: [DONE]\n\n"
     finally:
         # Client gone (the generator is cancelled or closed mid-stream), or a choice failed:
@@ -160,11 +167,13 @@ async def sse_events(
 
 
 def usage_of(
-    finals: list[StreamEvent], choices_per_prompt: int, generated: bool = True, cache_writes: bool = False
+    finals: list[StreamEvent], choices_per_prompt: int, generated: bool = True, cache_writes: bool = False,
+    reasoning: list[ReasoningCount] | None = None,
 ) -> Usage:
     """Usage of a response: each prompt once (its ``n`` choices, consecutive, share it), the
     choices' tokens summed (none where nothing generated is returned: ``echo`` with
-    ``max_tokens: 0``).
+    ``max_tokens: 0``), and with ``reasoning`` (one counter per choice) the choices' thinking
+    tokens summed (vLLM's ``completion_tokens_details``).
 
     NOTE: ``cache_writes``: the prompts' tokens written to the prefix cache as
     ``created_cache_tokens``, which vLLM's chat route reports beside ``cached_tokens`` and its
@@ -173,8 +182,41 @@ def usage_of(
     firsts = [f.output for f in finals[::choices_per_prompt]]
     completion = sum(len(f.output.token_ids) for f in finals) if generated else 0
     created = sum(o.metrics.cache_creation_tokens for o in firsts) if cache_writes else None
+    thinking = None if reasoning is None else sum(
+        counter.count(f.output.text, f.output.token_ids) for counter, f in zip(reasoning, finals, strict=True))
     return Usage.of(sum(o.num_prompt_tokens for o in firsts), completion, sum(o.metrics.cached_tokens for o in firsts),
-                    created)
+                    created, thinking)
 
 
-__all__ = ["CHAT", "COMPLETION", "Endpoint", "UsageReport", "merged", "sse_events", "usage_of"]
+def token_decoder(engine: Any) -> Callable[[Sequence[int]], str] | None:
+    """The decode of an engine's tokenizer (None when it has none)."""
+    decode = getattr(getattr(engine, "tokenizer", None), "decode", None)
+    return None if decode is None else lambda ids: decode(list(ids))
+
+
+def reasoning_counters(engine: Any, parser: str | None, choices: int, split: bool = True) -> list[ReasoningCount] | None:
+    """The thinking counters of a chat's choices (:class:`UsageReport`'s ``reasoning``).
+
+    NOTE: vLLM's ``_include_reasoning_tokens_details``: a server with a reasoning parser reports
+    ``completion_tokens_details`` on every chat usage; without one it is left out.
+
+    Args:
+        engine: the runtime's engine (its tokenizer decodes the tokens).
+        parser: the server's reasoning parser.
+        choices: how many.
+        split: False where the reply is not split into thinking and content (a continued
+            message): its count is 0.
+
+    Returns:
+        One counter per choice, or None without a reasoning parser.
+    """
+    if parser is None:
+        return None
+    decode, markers = token_decoder(engine), {}  # type: ignore[var-annotated]
+    return [ReasoningCount(parser if split else None, decode, markers) for _ in range(choices)]
+
+
+__all__ = [
+    "CHAT", "COMPLETION", "Endpoint", "UsageReport", "merged", "reasoning_counters", "sse_events", "token_decoder",
+    "usage_of",
+]

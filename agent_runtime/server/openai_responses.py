@@ -49,7 +49,7 @@ the clear), ``truncation: auto``, ``prompt``.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -58,8 +58,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import ContextLengthError
 from agent_runtime.reasoning import reasoning_tokens
-from agent_runtime.runtime import AgentRuntime
 from agent_runtime.server import responses_background as background
+from agent_runtime.server.completion_stream import token_decoder
 from agent_runtime.server.errors import APIError, from_value_error
 from agent_runtime.server.frontend import check_logprobs, log_request
 from agent_runtime.server.job_router import response_digest, routing_key
@@ -147,12 +147,6 @@ class _Chain:
             self.store.put(StoredResponse(body, (*self.items, *body["output"]), self.job_id))
 
 
-def _decoder(rt: AgentRuntime) -> Callable[[Sequence[int]], str] | None:
-    tokenizer = getattr(rt.engine, "tokenizer", None)
-    decode = getattr(tokenizer, "decode", None)
-    return None if decode is None else lambda ids: decode(list(ids))
-
-
 async def create_response(request: Request) -> Response:
     """``POST /v1/responses``."""
     state, req = await parse_body(request, ResponsesRequest)
@@ -207,7 +201,7 @@ async def create_response(request: Request) -> Response:
         )) from None
     except ValueError as e:
         raise _as_responses_error(from_value_error(e, "input")) from None
-    decode = _decoder(rt)
+    decode = token_decoder(rt.engine)
     thinking = None if continues else rt.reasoning_parser
     envelope = ResponseEnvelope(response_id, req, state.model_name, params, stored,
                                 lambda text, ids: reasoning_tokens(text, ids, thinking, decode),

@@ -48,18 +48,28 @@ class PromptTokensDetails(_Body):
     created_cache_tokens: int | None = _OMIT
 
 
+class CompletionTokensDetails(_Body):
+    """``usage.completion_tokens_details`` (chat, with a reasoning parser: vLLM's
+    ``CompletionTokenUsageInfo``): the generated tokens that were thinking."""
+
+    reasoning_tokens: int
+
+
 class Usage(_Body):
     """Token counts of one completion (``prompt_tokens_details`` left out only on a stream's
-    running usage: :meth:`so_far`)."""
+    running usage: :meth:`so_far`; ``completion_tokens_details`` only on the chat route of a
+    server with a reasoning parser, as vLLM's ``_include_reasoning_tokens_details``)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = _OMIT
+    completion_tokens_details: CompletionTokensDetails | None = _OMIT
 
     @classmethod
     def of(
-        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, created_cache_tokens: int | None = None
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int, created_cache_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
     ) -> Usage:
         """The usage of a completion (``total_tokens`` is the sum).
 
@@ -68,6 +78,7 @@ class Usage(_Body):
             completion_tokens: tokens it generated.
             cached_tokens: prompt tokens that were cache hits.
             created_cache_tokens: prompt tokens written to the prefix cache; None: left out.
+            reasoning_tokens: generated tokens that were thinking; None: left out.
 
         Returns:
             The usage.
@@ -78,10 +89,11 @@ class Usage(_Body):
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(
                 cached_tokens=cached_tokens, created_cache_tokens=created_cache_tokens),
+            completion_tokens_details=_details(reasoning_tokens),
         )
 
     @classmethod
-    def so_far(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def so_far(cls, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> Usage:
         """A streamed choice's running usage (``continuous_usage_stats``): the counts only, as
         vLLM 0.32's chat and completions chunks carry it; the cache's share is reported by the
         final usage chunk (vLLM's ``chat_completion_stream_generator`` and
@@ -90,12 +102,17 @@ class Usage(_Body):
         Args:
             prompt_tokens: the choice's prompt's length.
             completion_tokens: tokens it has generated so far.
+            reasoning_tokens: of them, those that were thinking; None: left out.
 
         Returns:
             The usage.
         """
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=_details(reasoning_tokens))
+
+
+def _details(reasoning_tokens: int | None) -> CompletionTokensDetails | None:
+    return None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
 
 
 class FunctionCall(_Body):
@@ -347,6 +364,7 @@ __all__ = [
     "ChatCompletionResponse",
     "ChatCompletionStreamChoice",
     "ChatLogprobs",
+    "CompletionTokensDetails",
     "ChatMessage",
     "ChatTokenLogprob",
     "CompletionChoice",

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import RequestError
+from agent_runtime.reasoning import ReasoningCount
 from agent_runtime.request_stream import RequestStream
 from agent_runtime.server.body_parsing import (
     REQUEST_ID_HEADER,
@@ -40,6 +41,7 @@ from agent_runtime.server.completion_stream import (
     COMPLETION,
     Endpoint,
     UsageReport,
+    reasoning_counters,
     sse_events,
     usage_of,
 )
@@ -215,7 +217,8 @@ async def chat_completions(request: Request) -> Response:
                    max_tool_calls=None if req.parallel_tool_calls is not False else 1, role=role)
         for i, s in enumerate(streams)
     ]
-    return await _respond(request, state, req, chunks, CHAT, base_id)
+    counters = reasoning_counters(rt.engine, rt.reasoning_parser, len(chunks), split=not req.continue_final_message)
+    return await _respond(request, state, req, chunks, CHAT, base_id, counters)
 
 
 async def completions(request: Request) -> Response:
@@ -342,10 +345,12 @@ async def _respond(
     chunks: list[Chunks],
     endpoint: Endpoint,
     base_id: str,
+    reasoning: list[ReasoningCount] | None = None,
 ) -> Response:
     """The response of a submitted completion (one stream per choice): one JSON body once every
     choice finished, or the SSE stream; either with ``base_id`` (:func:`~agent_runtime.server.body_parsing.base_request_id`) in
-    ``X-Request-Id``."""
+    ``X-Request-Id``; ``reasoning``: the chat choices' thinking counters (usage's
+    ``completion_tokens_details``; None leaves it out)."""
     rid = f"{endpoint.id_prefix}-{base_id}"
     id_header = request_id_header(base_id)
     model, metrics = state.model_name, state.metrics
@@ -359,7 +364,7 @@ async def _respond(
             id=rid, created=int(time.time()), model=model,
             choices=[c.final_choice(final) for c, final in zip(chunks, finals, strict=True)],
             usage=usage_of(finals, req.num_choices, generated=not getattr(req, "echo_only", False),
-                           cache_writes=endpoint is CHAT),
+                           cache_writes=endpoint is CHAT, reasoning=reasoning),
             **chunks[0].response_fields(finals[0]),
         )
         metrics.count(endpoint.path, 200)
@@ -368,7 +373,7 @@ async def _respond(
     return StreamingResponse(
         # NOTE: vLLM's should_include_usage: --enable-force-include-usage turns on both
         sse_events(chunks, endpoint, rid, model, UsageReport(
-            req.include_usage or forced, req.continuous_usage or forced, req.num_choices),
+            req.include_usage or forced, req.continuous_usage or forced, req.num_choices, reasoning),
                     metrics, not getattr(req, "echo_only", False)),
         media_type="text/event-stream",
         headers={**SSE_HEADERS, **id_header},

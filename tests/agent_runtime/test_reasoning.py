@@ -185,6 +185,8 @@ def test_responses_and_messages_return_the_thinking_as_their_own_items(smollm, p
         assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": thought}]
         assert resp["output"][0]["status"] == "incomplete"
         assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == generated == resp["usage"]["output_tokens"]
+        # the chat's usage counts the same thinking (vLLM's completion_tokens_details)
+        assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": generated}
         assert streamed == thought
         final = resp_events[-1]["response"]
         assert [i["type"] for i in final["output"]] == ["reasoning"]
@@ -208,6 +210,7 @@ def test_responses_and_messages_return_the_thinking_as_their_own_items(smollm, p
         assert [i["type"] for i in resp["output"]] == ["message"]
         assert resp["output"][0]["content"][0]["text"] == message["content"]
         assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+        assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
         assert [b["type"] for b in msg["content"]] == ["text"]
 
 
