@@ -24,6 +24,7 @@ from agent_runtime.protocol import (
     normalize_tool_choice,
     normalize_tools,
 )
+from agent_runtime.reasoning import reply_parser
 from agent_runtime.rendered_turns import RenderedTurns, previous_turn_chat
 from agent_runtime.request_stream import RequestStream
 from agent_runtime.structured_outputs import normalize_structured_outputs
@@ -295,7 +296,8 @@ class ChatTurns:
                                  "not both")
             fmt = constraint
         if options.get("thinking_token_budget") is not None:
-            params = self._with_thinking_budget(params, options["thinking_token_budget"], choice, fmt)
+            params = self._with_thinking_budget(params, options["thinking_token_budget"], choice, fmt,
+                                                options.get("chat_template_kwargs"))
         prompt = self.render_chat(
             messages, schemas, options.get("add_generation_prompt", True), options.get("continue_final_message", False),
             chat_template=options.get("chat_template"), chat_template_kwargs=options.get("chat_template_kwargs"),
@@ -308,7 +310,8 @@ class ChatTurns:
             params = [replace(p, skip_special_tokens=False) for p in params]
         # NOTE: a reply that continues the final message (a prefill) is that message's content,
         # not a thinking block: the reasoning parser would take it all for thinking
-        thinking = None if options.get("continue_final_message", False) else self.reasoning_parser
+        thinking = self.reply_reasoning_parser(options.get("continue_final_message", False),
+                                               options.get("chat_template_kwargs"))
         # NOTE: several choices without a job: the client goes on with one of them at most, so
         # none joins a conversation's job (an implicit job's pin or gate reservation would
         # outlive the choices it drops)
@@ -337,8 +340,31 @@ class ChatTurns:
             self.rendered_turns.remember(prompt, streams[0].job_id, params[0].cache_salt)
         return streams, choice if isinstance(choice, str) else "named"
 
+    def reply_reasoning_parser(self, continues: bool, chat_template_kwargs: Mapping[str, Any] | None) -> str | None:
+        """The reasoning parser that reads one chat reply (None: all content).
+
+        NOTE: explicit per request, as vLLM builds its parser per request: a reply that
+        continues the final message (a prefill) is that message's content, not a thinking block
+        (the parser would take it all for thinking); ``qwen3`` reads the template's
+        ``enable_thinking`` (:func:`~agent_runtime.reasoning.reply_parser`), the runtime's
+        default template variables under the request's own (vLLM's
+        ``_effective_chat_template_kwargs``).
+
+        Args:
+            continues: the reply continues the final message.
+            chat_template_kwargs: the request's template variables.
+
+        Returns:
+            The parser, or None.
+        """
+        if continues:
+            return None
+        defaults = self.templates.default_kwargs if self.templates is not None else {}
+        return reply_parser(self.reasoning_parser, {**defaults, **(chat_template_kwargs or {})})
+
     def _with_thinking_budget(self, params: Sequence[SamplingParams], budget: object, choice: object,
-                              fmt: Mapping[str, Any] | None) -> list[SamplingParams]:
+                              fmt: Mapping[str, Any] | None,
+                              chat_template_kwargs: Mapping[str, Any] | None = None) -> list[SamplingParams]:
         """Each choice's parameters with its own :class:`ThinkingBudget` (vLLM's
         ``thinking_token_budget``)."""
         budget = check_thinking_budget(budget)
@@ -348,6 +374,10 @@ class ChatTurns:
             # NOTE: such replies are constrained from their first token (Anthropic refuses a
             # forced tool choice with extended thinking too)
             raise ValueError("thinking_token_budget: not with a forced tool call or a JSON response format")
+        if self.reply_reasoning_parser(False, chat_template_kwargs) is None:
+            # NOTE: qwen3 with thinking off: the reply has no thinking to cap (vLLM's
+            # is_reasoning_end holds from the first token)
+            return list(params)
         return [replace(p, logits_processors=(
             *p.logits_processors, thinking_budget_processor(budget, self.reasoning_parser, self.engine.tokenizer)))
             for p in params]

@@ -7,8 +7,8 @@ processor that counts the tokens a reply spends inside its thinking block (as th
 reasoning parser reads the reply: :func:`~agent_runtime.reasoning.stream_split`) and, once they
 reach the budget without the block being closed, forces the closing text (``\\n</think>\\n\\n``,
 token by token); after it the model writes its answer as usual. A block the model closes itself
-is left alone, and a reply with no block (``qwen3`` when the model does not open one) is never
-touched. Greedy decoding stays deterministic: the forced tokens depend only on the tokens
+is left alone (``qwen3``: or ends with a tool call), and a reply with no block (``qwen3`` with
+the template's thinking off) is never touched. Greedy decoding stays deterministic: the forced tokens depend only on the tokens
 before them. Until the budget runs out the processor says it passes (``passes``), so the
 sampler keeps a greedy row's argmax on the device, as for a request without a budget: its
 tokens are those of the same request without one, and no row of logits is copied to the host.
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from agent_runtime.reasoning import THINK_CLOSE, stream_split
+from agent_runtime.reasoning import THINK_CLOSE, TOOL_OPEN, stream_split
 from asymcache_core.token_masks import keep_only
 
 #: What a reply that ran out of budget is made to write: the block's end, as models write it.
@@ -102,8 +102,8 @@ class ThinkingBudget:
 
     Args:
         budget: thinking tokens allowed.
-        parser: the runtime's reasoning parser (``deepseek_r1``: the prompt opened the block;
-            ``qwen3``: the reply opens it).
+        parser: the reply's reasoning parser (``deepseek_r1`` and ``qwen3``: the block may be
+            opened in the prompt or by the reply).
         decode: one token id to its text (the block's tags are plain text to every tokenizer).
         forced: the token ids that close the block (``FORCED_CLOSE`` encoded).
     """
@@ -138,7 +138,9 @@ class ThinkingBudget:
                 if self._opened:
                     # NOTE: only the text the new piece can complete a closing tag in: a scan
                     # of the whole thinking per token would be quadratic
-                    self._closed = THINK_CLOSE in self._text[-(len(piece) + len(THINK_CLOSE)):]
+                    window = self._text[-(len(piece) + len(TOOL_OPEN)):]
+                    # NOTE: a qwen3 reply's tool call ends its thinking too (vLLM's qwen3_config)
+                    self._closed = THINK_CLOSE in window or (self.parser == "qwen3" and TOOL_OPEN in window)
                 else:
                     _, content_start = stream_split(self._text, self.parser)
                     self._closed = content_start is not None

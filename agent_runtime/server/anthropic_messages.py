@@ -442,7 +442,7 @@ async def create_message(request: Request) -> Response:
                         stop_reason(turn, final), usage(final))
         return JSONResponse(body, headers=id_header)
     state.metrics.count(PATH, 200)
-    parser = None if req.prefilled else rt.reasoning_parser
+    parser = rt.reply_reasoning_parser(req.prefilled, req.template_kwargs(thinking))
     tools_possible = bool(tools) and choice != "none"
     calls = HermesCallStream(None if parallel else 1) if tools_possible and rt.tool_call_format == "hermes" else None
     events = message_events(stream, mid, state.model_name, StreamedText(tools_possible, rt.tool_call_format, parser),

@@ -202,7 +202,9 @@ async def create_response(request: Request) -> Response:
     except ValueError as e:
         raise _as_responses_error(from_value_error(e, "input")) from None
     decode = token_decoder(rt.engine)
-    thinking = None if continues else rt.reasoning_parser
+    # NOTE: a Responses request has no template variables of its own: the runtime's defaults
+    # decide qwen3's enable_thinking (vLLM's _effective_chat_template_kwargs)
+    thinking = rt.reply_reasoning_parser(continues, None)
     envelope = ResponseEnvelope(response_id, req, state.model_name, params, stored,
                                 lambda text, ids: reasoning_tokens(text, ids, thinking, decode),
                                 state.token_texts() if req.reports_logprobs else None)

@@ -207,17 +207,18 @@ async def chat_completions(request: Request) -> Response:
     except ValueError as e:
         raise from_value_error(e, "messages") from None
     tools_possible = bool(req.tools) and choice != "none"
+    thinking = rt.reply_reasoning_parser(bool(req.continue_final_message), req.chat_template_kwargs)
     chunks: list[Chunks] = [
         ChatChunks(s, i, texts, tools_possible, params.logprobs is not None, params.prompt_logprobs is not None,
                    raw_content=bool(req.continue_final_message), call_format=rt.tool_call_format,
-                   reasoning_parser=None if req.continue_final_message else rt.reasoning_parser,
+                   reasoning_parser=thinking,
                    return_ids=req.return_token_ids is True,
                    include_reasoning=req.include_reasoning is not False, named_tool=choice == "named",
                    forced_tool=tools_possible and choice in ("required", "named"),
                    max_tool_calls=None if req.parallel_tool_calls is not False else 1, role=role)
         for i, s in enumerate(streams)
     ]
-    counters = reasoning_counters(rt.engine, rt.reasoning_parser, len(chunks), split=not req.continue_final_message)
+    counters = reasoning_counters(rt.engine, rt.reasoning_parser, len(chunks), split=thinking is not None)
     return await _respond(request, state, req, chunks, CHAT, base_id, counters)
 
 

@@ -9,7 +9,7 @@ import re
 from typing import NamedTuple
 
 from agent_runtime.output_processor import build_turn
-from agent_runtime.reasoning import stream_split
+from agent_runtime.reasoning import reply_content, stream_split
 from agent_runtime.request_stream import RequestStream
 from agent_runtime.types import AssistantTurn, StreamEvent
 from asymcache_core.json_scan import arguments_span
@@ -142,7 +142,8 @@ class StreamedText:
     Args:
         tools_possible: tool calls are possible in this reply (what may become one is held).
         call_format: the runtime's tool-call format.
-        reasoning_parser: the runtime's reasoning parser (None: everything is content).
+        reasoning_parser: the reasoning parser that reads this reply (None: everything is
+            content; see :func:`~agent_runtime.reasoning.reply_parser`).
     """
 
     def __init__(self, tools_possible: bool, call_format: str = "hermes", reasoning_parser: str | None = None) -> None:
@@ -163,7 +164,7 @@ class StreamedText:
         if self.reasoning_parser is None:
             return "", text
         reasoning, start = stream_split(text, self.reasoning_parser, final)
-        return reasoning or "", "" if start is None else text[start:]
+        return reasoning or "", "" if start is None else reply_content(text, start, self.reasoning_parser, final)
 
     def pieces(self, event: StreamEvent) -> tuple[str, str]:
         """``(thinking, content)`` of a running reply's ``event`` safe to send now and not sent

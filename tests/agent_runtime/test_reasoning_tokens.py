@@ -11,7 +11,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from agent_runtime.reasoning import ReasoningCount, reasoning_tokens
+from agent_runtime.reasoning import ReasoningCount, reasoning_tokens, reply_parser
 from agent_runtime.server.choices import ChatChunks
 from agent_runtime.server.completion_stream import (
     CHAT,
@@ -53,8 +53,11 @@ def test_the_block_is_counted_without_its_tags():
     assert reasoning_tokens(_decode(THOUGHT[:3]), THOUGHT[:3], "qwen3", _decode) == 2  # still open: all but <think>
     # R1's template may open the block in the prompt: the reply's tokens up to </think>
     assert reasoning_tokens(_decode(THOUGHT[1:]), THOUGHT[1:], "deepseek_r1", _decode) == 2
-    # no block: qwen3 has no thinking; no parser or no tokenizer: 0
-    assert reasoning_tokens(_decode(PLAIN), PLAIN, "qwen3", _decode) == 0
+    # no tags: qwen3 (thinking on) starts in its thinking, as R1: all of it; thinking off: 0
+    assert reasoning_tokens(_decode(PLAIN), PLAIN, "qwen3", _decode) == 2
+    off = reply_parser("qwen3", {"enable_thinking": False})
+    assert reasoning_tokens(_decode(PLAIN), PLAIN, off, _decode) == 0
+    # no parser or no tokenizer: 0
     assert reasoning_tokens(_decode(THOUGHT), THOUGHT, None, _decode) == 0
     assert reasoning_tokens(_decode(THOUGHT), THOUGHT, "qwen3", None) == 0
 
@@ -70,7 +73,7 @@ def test_chat_usage_has_the_choices_reasoning_summed_only_with_a_parser():
     engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=_decode))
     counters = reasoning_counters(engine, "qwen3", 2)
     body = usage_of(finals, 2, cache_writes=True, reasoning=counters).model_dump()
-    assert body["completion_tokens_details"] == {"reasoning_tokens": 2}
+    assert body["completion_tokens_details"] == {"reasoning_tokens": 4}  # PLAIN: never closed, all thinking
     assert body["completion_tokens"] == 8 and body["prompt_tokens"] == PROMPT
     # no reasoning parser (and the completions route): the field is left out, as vLLM's
     assert reasoning_counters(engine, None, 2) is None
@@ -98,7 +101,7 @@ def _stream(parser: str | None, continuous: bool) -> list[dict[str, Any]]:
 def test_stream_chunks_carry_the_reasoning_so_far_and_the_final_chunk_the_sum():
     chunks = _stream("qwen3", continuous=True)
     *running, final = chunks
-    assert final["choices"] == [] and final["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    assert final["choices"] == [] and final["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
     # every running usage has the choice's count so far (0 on the opening chunks), never more
     # than its tokens so far
     by_choice: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
@@ -108,11 +111,11 @@ def test_stream_chunks_carry_the_reasoning_so_far_and_the_final_chunk_the_sum():
             (usage["completion_tokens_details"]["reasoning_tokens"], usage["completion_tokens"]))
     assert by_choice[0][0] == (0, 0) and by_choice[0][-1] == (2, 6)
     assert all(r <= c for r, c in by_choice[0]) and sorted(by_choice[0]) == by_choice[0]
-    assert {r for r, _ in by_choice[1]} == {0}
+    assert by_choice[1][-1] == (2, 2)  # never closed: all thinking
     # only the final usage chunk: the sum there, the other chunks' usage null
     *running, final = _stream("qwen3", continuous=False)
     assert all(c["usage"] is None for c in running)
-    assert final["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    assert final["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
 
 
 def test_stream_without_a_reasoning_parser_leaves_the_details_out():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent_runtime.reasoning import reasoning_tokens
+from agent_runtime.reasoning import reasoning_tokens, reply_parser
 from agent_runtime.server.errors import APIError
 from agent_runtime.server.openai_responses import input_messages
 from agent_runtime.server.response_store import (
@@ -89,5 +89,8 @@ def test_reasoning_tokens_are_the_blocks_but_its_tags():
     # NOTE: vLLM's count_reasoning_tokens leaves <think> and </think> out
     assert reasoning_tokens(text, ids, "qwen3", decode) == 1
     assert reasoning_tokens("<think>abc", ids[:2], "qwen3", decode) == 1  # never closed: all of them but the tag
-    assert reasoning_tokens("Blue.", ids[3:], "qwen3", lambda i: "".join(pieces[3 + k] for k in range(len(i)))) == 0
+    # no tags: all thinking with qwen3's thinking on (Thinking-2507 opens it in the prompt), 0 off
+    tail = lambda i: "".join(pieces[3 + k] for k in range(len(i)))  # noqa: E731
+    assert reasoning_tokens("Blue.", ids[3:], "qwen3", tail) == 2
+    assert reasoning_tokens("Blue.", ids[3:], reply_parser("qwen3", {"enable_thinking": False}), tail) == 0
     assert reasoning_tokens(text, ids, None, decode) == 0 and reasoning_tokens(text, ids, "qwen3", None) == 0

@@ -54,10 +54,15 @@ def test_the_block_is_closed_at_the_budget_and_only_then():
     # closed by the model within the budget: untouched
     natural = "ab</think>answer"
     assert _generate(_budget(12, "deepseek_r1"), natural, len(natural)) == natural
-    # qwen3: the reply opens the block itself (its tag counts), or writes no block at all
+    # qwen3 (thinking on): the reply opens the block itself (its tag counts), or the template
+    # opened it (Thinking-2507): the reply starts in its thinking either way
     assert _generate(_budget(10, "qwen3"), "<think>xyzxyzxyz", 24).startswith("<think>xyz" + FORCED_CLOSE)
     plain = "no thinking here at all"
-    assert _generate(_budget(2, "qwen3"), plain, len(plain)) == plain
+    assert _generate(_budget(2, "qwen3"), plain, len(plain)) == "no" + FORCED_CLOSE + plain[2 + len(FORCED_CLOSE):]
+    # a tool call written straight out of the thinking ends it (vLLM's qwen3_config): untouched
+    called = "ab<tool_call>xyzxyzxyz"
+    assert _generate(_budget(14, "qwen3"), called, len(called)) == called
+    assert _generate(_budget(14, "deepseek_r1"), called, len(called)) != called
     # budget 0: the reply closes the block at once
     assert _generate(_budget(0, "deepseek_r1"), "abc", len(FORCED_CLOSE)) == FORCED_CLOSE
 
