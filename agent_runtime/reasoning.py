@@ -97,13 +97,22 @@ def reply_content(text: str, start: int, parser: str, final: bool) -> str:
     return content.replace(THINK_CLOSE, "") if THINK_CLOSE in content else content
 
 
-def _held(text: str, end: int, tags: Sequence[str]) -> int:
-    """How many trailing characters of ``text[:end]`` may be the start of one of ``tags``."""
-    for k in range(min(max(map(len, tags)) - 1, end), 0, -1):
+def _held(text: str, end: int, tags: Sequence[str], begin: int = 0) -> int:
+    """How many trailing characters of ``text[begin:end]`` may be the start of one of ``tags``."""
+    for k in range(min(max(map(len, tags)) - 1, end - begin), 0, -1):
         tail = text[end - k : end]
         if any(tag.startswith(tail) for tag in tags):
             return k
     return 0
+
+
+def _sendable_end(text: str, begin: int, tags: Sequence[str]) -> int:
+    """Where the part of ``text[begin:]`` that may be streamed now ends: before a trailing
+    undecoded byte (``\ufffd``) and a trailing piece that may become one of ``tags``."""
+    end = len(text)
+    while end > begin and text[end - 1] == "\ufffd":
+        end -= 1
+    return end - _held(text, end, tags, begin)
 
 
 def _qwen3_split(text: str, final: bool) -> tuple[str, int | None]:
@@ -114,11 +123,7 @@ def _qwen3_split(text: str, final: bool) -> tuple[str, int | None]:
     elif call >= 0:
         end = start = call  # NOTE: the call is content, parsed as a call (vLLM: implicit end)
     else:
-        end, start = len(text), None
-        if not final:
-            while end and text[end - 1] == "\ufffd":
-                end -= 1
-            end -= _held(text, end, _QWEN3_TAGS)
+        end, start = (len(text) if final else _sendable_end(text, 0, _QWEN3_TAGS)), None
     reasoning = text[:end]
     if THINK_OPEN in reasoning:
         reasoning = reasoning.replace(THINK_OPEN, "")  # NOTE: vLLM absorbs <think> while reasoning
@@ -154,14 +159,7 @@ def stream_split(text: str, parser: str, final: bool = False) -> tuple[str | Non
     end = text.find(THINK_CLOSE, begin)
     if end >= 0:
         return text[begin:end], end + len(THINK_CLOSE)
-    upto = len(text)
-    if not final:
-        while upto > begin and text[upto - 1] == "\ufffd":
-            upto -= 1
-        for k in range(min(len(THINK_CLOSE) - 1, upto - begin), 0, -1):
-            if THINK_CLOSE.startswith(text[upto - k : upto]):
-                upto -= k
-                break
+    upto = len(text) if final else _sendable_end(text, begin, (THINK_CLOSE,))
     return text[begin:upto], None
 
 

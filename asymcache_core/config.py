@@ -467,10 +467,19 @@ def json_object_text(name: str, text: str) -> dict[str, Any]:
     Raises:
         ValueError: not JSON, or not an object (the message names ``name``).
     """
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name}: not valid JSON ({e.msg} at character {e.pos})") from None
+    value = json_text(name, text)
     if not isinstance(value, dict):
         raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def json_text(name: str, text: str) -> Any:
+    """A JSON value given as text (a command-line flag's value).
+
+    Raises:
+        ValueError: not JSON (one line naming ``name``).
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}: not valid JSON ({e.msg} at character {e.pos})") from None

@@ -9,7 +9,6 @@ vllm/entrypoints/serve/middleware/register.py); the handlers read the rest from 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -19,6 +18,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from agent_runtime.server.errors import APIError
+from asymcache_core.config import json_text
 from asymcache_core.logprobs import MAX_LOGPROBS
 
 #: vLLM's request logger's name is ``vllm.entrypoints.serve.utils.request_logger``; ours:
@@ -126,10 +126,7 @@ def json_list(option: str, text: str | None) -> list[str] | None:
     """
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{option}: not valid JSON ({e.msg}); give a list, e.g. '[\"*\"]'") from None
+    value = json_text(option, text)
     if not isinstance(value, list):
         raise ValueError(f"{option}: must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
     return list(_names(value, option))
