@@ -36,6 +36,7 @@ from agent_runtime.grammar_cache import GrammarCache, make_request_processor
 from agent_runtime.output_processor import OutputOptions, OutputProcessor
 from agent_runtime.prompt_encoder import PromptEncoder
 from agent_runtime.protocol import ToolChoice, check_fits_context
+from agent_runtime.reasoning_gate import gated_processor
 from agent_runtime.request_stream import (
     EventSink,
     RequestConstraintsUnsatisfiable,
@@ -88,6 +89,7 @@ class _Submit:
     sink: EventSink
     accepted: concurrent.futures.Future[tuple[str, list[int]]]
     strict_max_tokens: bool = False
+    constrain_thinking: bool = False
 
 
 @dataclass
@@ -220,6 +222,7 @@ class AsyncEngine:
         tool_choice: ToolChoice = None,
         response_format: Mapping[str, Any] | None = None,
         strict_max_tokens: bool = False,
+        constrain_thinking: bool = False,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -236,6 +239,9 @@ class AsyncEngine:
             strict_max_tokens: reject a request whose prompt and ``params.max_tokens`` together
                 pass the engine's ``max_model_len`` (the servers' rule, where the client gave
                 ``max_tokens``) instead of stopping it at the limit.
+            constrain_thinking: with ``options.reasoning_parser``, a constrained reply is
+                constrained from its first token, its thinking too (False: from the end of its
+                thinking on, vLLM's default: :mod:`agent_runtime.reasoning_gate`).
 
         Returns:
             The stream.
@@ -263,6 +269,7 @@ class AsyncEngine:
             sink,
             accepted,
             strict_max_tokens,
+            constrain_thinking,
         )
         self._commands.put(cmd)
         try:
@@ -345,6 +352,9 @@ class AsyncEngine:
                     call_format=opts.parse_format or "hermes", parallel=opts.max_tool_calls != 1,
                 )
                 if processor is not None:
+                    # NOTE: vLLM's structured outputs wait for the reply's reasoning to end
+                    gate = None if cmd.constrain_thinking else opts.reasoning_parser
+                    processor = gated_processor(processor, gate, engine.tokenizer)
                     params = replace(params, logits_processors=(*params.logits_processors, processor))
             ids = engine.encode(cmd.prompt)
             if cmd.strict_max_tokens:

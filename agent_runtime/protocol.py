@@ -255,6 +255,10 @@ class ChatSampling(TypedDict, total=False):
             it holds this many tokens (vLLM's field); left to the caller.
         parallel_tool_calls: OpenAI's flag (default True): a reply may make several calls
             (under ``"required"`` one or more); False keeps one; left to the caller.
+        constrain_thinking: with a reasoning parser, a constrained reply (a forced tool call,
+            JSON, ``structured_outputs``) is constrained from its first token, its thinking too
+            (default False: from where its thinking ends, as vLLM's structured outputs);
+            left to the caller.
     """
 
     max_tokens: int
@@ -268,6 +272,7 @@ class ChatSampling(TypedDict, total=False):
     documents: Sequence[Mapping[str, Any]] | None
     thinking_token_budget: int | None
     parallel_tool_calls: bool
+    constrain_thinking: bool
 
 
 def chat_sampling_params(sampling: ChatSampling) -> SamplingParams:

@@ -31,6 +31,13 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN = "<tool_call>"
 _BLANKS = re.compile(r"\s*")
 _QWEN3_TAGS = (THINK_OPEN, THINK_CLOSE, TOOL_OPEN)
+#: What ends each parser's thinking: ``(tag, implicit)``, implicit when the tag is the content's
+#: first text (a ``qwen3`` tool call), else the content starts after it (:func:`stream_split`'s
+#: start: the first of them in the reply).
+REASONING_ENDS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "deepseek_r1": ((THINK_CLOSE, False),),
+    "qwen3": ((THINK_CLOSE, False), (TOOL_OPEN, True)),
+}
 
 
 def reply_parser(parser: str | None, chat_template_kwargs: Mapping[str, Any] | None) -> str | None:
@@ -261,6 +268,6 @@ def reasoning_tokens(text: str, token_ids: Sequence[int], parser: str | None,
 
 
 __all__ = [
-    "REASONING_PARSERS", "THINK_CLOSE", "THINK_OPEN", "TOOL_OPEN", "ReasoningCount", "ReasoningParser", "reasoning_tokens",
+    "REASONING_ENDS", "REASONING_PARSERS", "THINK_CLOSE", "THINK_OPEN", "TOOL_OPEN", "ReasoningCount", "ReasoningParser", "reasoning_tokens",
     "reply_content", "reply_parser", "split_reasoning", "stream_split",
 ]

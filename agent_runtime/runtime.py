@@ -294,6 +294,7 @@ class AgentRuntime(ChatTurns):
         joins_conversation: bool = True,
         continues_job: str | None = None,
         strict_max_tokens: bool = False,
+        constrain_thinking: bool = False,
     ) -> RequestStream:
         """Queue one request and return its stream once the engine accepted it.
 
@@ -325,6 +326,11 @@ class AgentRuntime(ChatTurns):
             strict_max_tokens: reject (:class:`~agent_runtime.protocol.ContextLengthError`) a
                 prompt whose ``max_tokens`` reach past ``max_model_len``, as vLLM's server
                 does, instead of stopping it at the limit.
+            constrain_thinking: with ``reasoning_parser``, a constrained reply (``tool_choice``,
+                ``response_format``, ``structured_outputs``) is constrained from its first token,
+                its thinking too (vLLM's ``include_reasoning: false``); by default the
+                constraint starts where the thinking ends, as vLLM's structured outputs do
+                (:mod:`agent_runtime.reasoning_gate`).
 
         Returns:
             The stream.
@@ -347,7 +353,7 @@ class AgentRuntime(ChatTurns):
         return await self._client.submit(
             prompt, params, options=options, request_id=request_id,
             tools=tools, tool_choice=tool_choice, response_format=response_format,
-            strict_max_tokens=strict_max_tokens,
+            strict_max_tokens=strict_max_tokens, constrain_thinking=constrain_thinking,
         )
 
     async def finish_job(self, job_id: str, num_turns: int | None = None) -> None:

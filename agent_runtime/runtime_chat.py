@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Unpack
 
+from agent_runtime.constrained import needs_constraint
 from agent_runtime.engine_client import AsyncEngine
 from agent_runtime.output_processor import build_turn
 from agent_runtime.protocol import (
@@ -39,7 +40,7 @@ from asymcache_core.tool_parsing import ToolCallFormat
 _CHAT_OPTIONS = frozenset({
     "tools", "tool_choice", "response_format", "structured_outputs", "job_id", "is_last_step", "pinning", "ttl_rule",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template",
-    "chat_template_kwargs", "documents", "thinking_token_budget", "strict_max_tokens",
+    "chat_template_kwargs", "documents", "thinking_token_budget", "strict_max_tokens", "constrain_thinking",
 })
 
 #: Errors of the chat's rendering that name a field of their own (the rest name ``messages``).
@@ -205,6 +206,7 @@ class ChatTurns:
         documents: Sequence[Mapping[str, Any]] | None = None,
         thinking_token_budget: int | None = None,
         strict_max_tokens: bool = False,
+        constrain_thinking: bool = False,
     ) -> tuple[RequestStream, str]:
         """Validate, render and submit one chat turn.
 
@@ -236,10 +238,16 @@ class ChatTurns:
             documents: the ``documents`` variable of retrieval templates.
             thinking_token_budget: with a reasoning parser, the reply's thinking block is
                 closed once it holds this many tokens (vLLM's field;
-                :mod:`agent_runtime.thinking_budget`; not with a forced tool call or JSON).
+                :mod:`agent_runtime.thinking_budget`; not with ``constrain_thinking`` and a
+                constrained reply).
             strict_max_tokens: reject (:class:`~agent_runtime.protocol.ContextLengthError`) a
                 chat whose prompt and ``params.max_tokens`` pass ``max_model_len``, as the
                 servers do, instead of stopping the reply at the limit.
+            constrain_thinking: with a reasoning parser, a constrained reply (a forced tool
+                call, ``response_format``, ``structured_outputs``) is constrained from its first
+                token, its thinking too (vLLM's ``include_reasoning: false``); by default from
+                where its thinking ends (vLLM's structured outputs:
+                :mod:`agent_runtime.reasoning_gate`).
 
         Returns:
             The stream and the normalised tool choice.
@@ -255,6 +263,7 @@ class ChatTurns:
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, documents=documents,
             thinking_token_budget=thinking_token_budget, strict_max_tokens=strict_max_tokens,
+            constrain_thinking=constrain_thinking,
         )
         return streams[0], choice
 
@@ -295,9 +304,11 @@ class ChatTurns:
                 raise ValueError("structured_outputs: set either structured_outputs or a JSON response_format, "
                                  "not both")
             fmt = constraint
+        constrain_thinking = _flag(options.get("constrain_thinking", False), "constrain_thinking")
         if options.get("thinking_token_budget") is not None:
-            params = self._with_thinking_budget(params, options["thinking_token_budget"], choice, fmt,
-                                                options.get("chat_template_kwargs"))
+            constrained = needs_constraint(choice) or fmt is not None
+            params = self._with_thinking_budget(params, options["thinking_token_budget"], constrained,
+                                                constrain_thinking, options.get("chat_template_kwargs"))
         prompt = self.render_chat(
             messages, schemas, options.get("add_generation_prompt", True), options.get("continue_final_message", False),
             chat_template=options.get("chat_template"), chat_template_kwargs=options.get("chat_template_kwargs"),
@@ -330,6 +341,7 @@ class ChatTurns:
                     max_tool_calls=None if options.get("parallel_tool_calls", True) else 1,
                     reasoning_parser=thinking, joins_conversation=joins, continues_job=continues,
                     strict_max_tokens=options.get("strict_max_tokens", False),
+                    constrain_thinking=constrain_thinking,
                 ))
         except BaseException:
             # NOTE: rejected, or the caller cancelled between two submits: none runs on alone
@@ -362,25 +374,26 @@ class ChatTurns:
         defaults = self.templates.default_kwargs if self.templates is not None else {}
         return reply_parser(self.reasoning_parser, {**defaults, **(chat_template_kwargs or {})})
 
-    def _with_thinking_budget(self, params: Sequence[SamplingParams], budget: object, choice: object,
-                              fmt: Mapping[str, Any] | None,
+    def _with_thinking_budget(self, params: Sequence[SamplingParams], budget: object, constrained: bool,
+                              constrain_thinking: bool,
                               chat_template_kwargs: Mapping[str, Any] | None = None) -> list[SamplingParams]:
         """Each choice's parameters with its own :class:`ThinkingBudget` (vLLM's
-        ``thinking_token_budget``)."""
+        ``thinking_token_budget``); ``constrained``: a grammar takes the reply over where its
+        thinking ends."""
         budget = check_thinking_budget(budget)
         if self.reasoning_parser is None or self.engine.tokenizer is None:
             raise ValueError("thinking_token_budget: needs a reasoning parser (serve --reasoning-parser)")
-        if choice not in ("auto", "none") or fmt is not None:
-            # NOTE: such replies are constrained from their first token (Anthropic refuses a
-            # forced tool choice with extended thinking too)
-            raise ValueError("thinking_token_budget: not with a forced tool call or a JSON response format")
+        if constrained and constrain_thinking:
+            # NOTE: the grammar holds from the first token: the thinking it would close is
+            # none the grammar allows (the forced close would leave no token to sample)
+            raise ValueError("thinking_token_budget: not with a reply constrained from its first token "
+                             "(constrain_thinking, include_reasoning false)")
         if self.reply_reasoning_parser(False, chat_template_kwargs) is None:
             # NOTE: qwen3 with thinking off: the reply has no thinking to cap (vLLM's
             # is_reasoning_end holds from the first token)
             return list(params)
-        return [replace(p, logits_processors=(
-            *p.logits_processors, thinking_budget_processor(budget, self.reasoning_parser, self.engine.tokenizer)))
-            for p in params]
+        return [replace(p, logits_processors=(*p.logits_processors, thinking_budget_processor(
+            budget, self.reasoning_parser, self.engine.tokenizer, grammar_follows=constrained))) for p in params]
 
     def _continued_job(self, messages: Sequence[Mapping[str, Any]], schemas: Sequence[Mapping[str, Any]] | None,
                        options: Mapping[str, Any], salt: str | None = None) -> str | None:
@@ -422,8 +435,8 @@ class ChatTurns:
             ttl_rule: per-request TTL rule override.
             **sampling: ``max_tokens``, ``temperature``, ``seed``, ``stop``, ``logprobs``,
                 ``response_format``, ``structured_outputs``, ``chat_template_kwargs``,
-                ``documents``, ``thinking_token_budget``, ``parallel_tool_calls``
-                (:class:`~agent_runtime.protocol.ChatSampling`).
+                ``documents``, ``thinking_token_budget``, ``parallel_tool_calls``,
+                ``constrain_thinking`` (:class:`~agent_runtime.protocol.ChatSampling`).
 
         Returns:
             The assistant turn.
@@ -439,6 +452,7 @@ class ChatTurns:
             chat_template_kwargs=sampling.get("chat_template_kwargs"), documents=sampling.get("documents"),
             thinking_token_budget=sampling.get("thinking_token_budget"),
             parallel_tool_calls=_flag(sampling.get("parallel_tool_calls", True), "parallel_tool_calls"),
+            constrain_thinking=sampling.get("constrain_thinking", False),
         )
         try:
             final = await stream.result()

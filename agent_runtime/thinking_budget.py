@@ -27,6 +27,9 @@ from asymcache_core.token_masks import keep_only
 
 #: What a reply that ran out of budget is made to write: the block's end, as models write it.
 FORCED_CLOSE = f"\n{THINK_CLOSE}\n\n"
+#: The same where a grammar takes the reply over after the block (a JSON reply, a forced tool
+#: call): the blank line is the grammar's to allow, or not.
+FORCED_CLOSE_BEFORE_GRAMMAR = f"\n{THINK_CLOSE}"
 
 
 def check_thinking_budget(budget: object, field: str = "thinking_token_budget") -> int:
@@ -172,8 +175,8 @@ class ThinkingBudget:
         NOTE: a processor that says so only masks: its row is masked and sampled where the
         logits are, and keeps async scheduling's overlap (a processor without it makes its
         step wait for the one before). Combined with other masks, the forced token is kept
-        only where they keep it too (a grammar is not combined with a budget: the server
-        refuses a forced tool call with one).
+        only where they keep it too (a grammar waits for the block's end:
+        :mod:`agent_runtime.reasoning_gate`).
         """
         token = self._forced_token(output_token_ids)
         return None if token is None else keep_only((token,), vocab)
@@ -188,15 +191,18 @@ class ThinkingBudget:
         return masked
 
 
-def thinking_budget_processor(budget: int, parser: str, tokenizer: object) -> ThinkingBudget:
-    """A :class:`ThinkingBudget` for ``tokenizer`` (an HF tokenizer: ``encode``/``decode``)."""
+def thinking_budget_processor(budget: int, parser: str, tokenizer: object,
+                              grammar_follows: bool = False) -> ThinkingBudget:
+    """A :class:`ThinkingBudget` for ``tokenizer`` (an HF tokenizer: ``encode``/``decode``);
+    ``grammar_follows``: a grammar constrains the reply from the block's end on
+    (:mod:`agent_runtime.reasoning_gate`), so the forced text ends at the tag."""
     encode = tokenizer.encode  # type: ignore[attr-defined]
     decode = tokenizer.decode  # type: ignore[attr-defined]
-    forced = encode(FORCED_CLOSE, add_special_tokens=False)
+    forced = encode(FORCED_CLOSE_BEFORE_GRAMMAR if grammar_follows else FORCED_CLOSE, add_special_tokens=False)
     return ThinkingBudget(budget, parser, lambda t: decode([t], skip_special_tokens=False), forced)
 
 
 __all__ = [
-    "FORCED_CLOSE", "AnthropicThinking", "ThinkingBudget", "anthropic_thinking", "check_thinking_budget",
+    "FORCED_CLOSE", "FORCED_CLOSE_BEFORE_GRAMMAR", "AnthropicThinking", "ThinkingBudget", "anthropic_thinking", "check_thinking_budget",
     "thinking_budget_processor",
 ]

@@ -202,6 +202,9 @@ async def chat_completions(request: Request) -> Response:
             thinking_token_budget=req.thinking_token_budget,
             # NOTE: a stated max_tokens past the context is a 400, as vLLM's (none: up to the limit)
             strict_max_tokens=req.requested_max_tokens() is not None,
+            # NOTE: vLLM's resolve_reasoning_ended: without the reasoning in the reply, the
+            # constraint holds from the first token
+            constrain_thinking=req.include_reasoning is False,
             **with_reasoning_effort(req.template_options(), req.reasoning_effort),
         )
     except ValueError as e:

@@ -142,7 +142,7 @@ def test_smollm2s_thinking_is_capped_everywhere(smollm):
             errors = {
                 "forced call": httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
                     "model": MODEL, "messages": ask, "max_tokens": 24, "thinking_token_budget": 5, "tools": TOOLS,
-                    "tool_choice": "required"}).json()["error"],
+                    "tool_choice": "required", "include_reasoning": False}).json()["error"],
                 "negative": httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
                     "model": MODEL, "messages": ask, "thinking_token_budget": -1}).json()["error"],
                 "over max_tokens": httpx.post(f"{base}/v1/messages", timeout=60, json={
