@@ -16,6 +16,7 @@ from kernels.cpu_linear import few_row_forms, linear_cpu
 from kernels.metadata import MSAMetadata
 from kernels.msa_tiled import msa_tiled, prepare_msa_tiled
 from kernels.reference import (
+    QKNorm,
     msa_naive,
     msa_torch,
     prepare_msa_torch,
@@ -37,7 +38,7 @@ AddNormFn = Callable[
 ]
 ActFn = Callable[[torch.Tensor], torch.Tensor]
 RopeStoreFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, "QKNorm | None"],
     torch.Tensor,
 ]
 
@@ -85,17 +86,19 @@ class AttentionBackend:
         slot_mapping: torch.Tensor,
         num_q_heads: int,
         num_kv_heads: int,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
         """Rotates the q and k heads of a fused projection ``qkv [T, (HQ + 2 * HKV) * D]``,
         stores k and v at ``slot_mapping``; returns ``q [T, HQ, D]``.
 
         ``cos, sin [T, 1, D]`` are the step's rotary tables (``cat(cos, cos)``,
-        ``cat(-sin, sin)``).
+        ``cat(-sin, sin)``); ``qk_norm`` (``(q_weight, k_weight, eps)``, Qwen3's per-head
+        RMSNorm) normalises each query and key head before the rotation.
         """
         if self.rope_store is not None:
-            return self.rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+            return self.rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, qk_norm)
         return rope_store_torch(
-            qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, self.store_kv
+            qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, self.store_kv, qk_norm
         )
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference import QKNorm
+
 try:
     import triton
     import triton.language as tl
@@ -43,6 +45,9 @@ if triton is not None:
         k_cache,
         v_cache,
         slot_mapping,
+        q_norm,
+        k_norm,
+        eps,
         s_qkv_t,
         s_cos_t,
         s_sin_t,
@@ -61,6 +66,7 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_KV: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
+        HAS_NORM: tl.constexpr,
     ):
         # One program per token: its query and key heads as one [BLOCK_H, BLOCK_HALF] tile of
         # each half, then its value heads.
@@ -75,6 +81,16 @@ if triton is not None:
         p_x = qkv + i_t * s_qkv_t + o_h[:, None] * D + o_d[None, :]
         b_x1 = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)
         b_x2 = tl.load(p_x + half, mask=m_x, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            # each head's RMSNorm over both halves, its query or key weight (Qwen3's q/k norm)
+            b_rstd = tl.rsqrt((tl.sum(b_x1 * b_x1, axis=1) + tl.sum(b_x2 * b_x2, axis=1)) / D + eps)
+            m_isq = (o_h < HQ)[:, None]
+            b_w1 = tl.where(m_isq, tl.load(q_norm + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :],
+                            tl.load(k_norm + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :])
+            b_w2 = tl.where(m_isq, tl.load(q_norm + half + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :],
+                            tl.load(k_norm + half + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :])
+            b_x1 = b_x1 * b_rstd[:, None] * b_w1
+            b_x2 = b_x2 * b_rstd[:, None] * b_w2
         b_o1 = b_x1 * b_cos[None, :] - b_x2 * b_sin[None, :]
         b_o2 = b_x2 * b_cos[None, :] + b_x1 * b_sin[None, :]
         m_q = (o_h[:, None] < HQ) & m_d[None, :]
@@ -153,6 +169,7 @@ def rope_store_triton(
     slot_mapping: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
     """Rotates q and k of a fused projection, stores k and v, returns q, in one launch.
 
@@ -168,6 +185,8 @@ def rope_store_triton(
             slot (padding) stores nothing.
         num_q_heads: ``HQ``.
         num_kv_heads: ``HKV``.
+        qk_norm: ``(q_weight [D], k_weight [D], eps)``: each query and key head is
+            RMS-normalised first, in float32 with the rotation (Qwen3); None: none.
 
     Returns:
         ``q [T, HQ, D]``, contiguous, in ``qkv``'s dtype.
@@ -181,14 +200,15 @@ def rope_store_triton(
         qkv = qkv.contiguous()
     cos = cos.reshape(num_tokens, head_dim)
     sin = sin.reshape(num_tokens, head_dim)
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _rope_store_kernel[(num_tokens,)](
-        qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
+        qkv, cos, sin, q, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PAGE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_q_heads + num_kv_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), HAS_NORM=qk_norm is not None,
         num_warps=4,
     )
     return q

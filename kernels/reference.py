@@ -44,6 +44,21 @@ def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + swapped * sin
 
 
+#: A per-head RMSNorm of the query and key heads before the rotary embedding (Qwen3's
+#: ``q_norm``/``k_norm``): ``(q_weight [D], k_weight [D], eps)``.
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def qk_norm_torch(qk: torch.Tensor, num_q_heads: int, qk_norm: QKNorm) -> torch.Tensor:
+    """``qk [T, HQ + HKV, D]`` with each query head normalised by ``q_weight`` and each key
+    head by ``k_weight`` (an RMSNorm over ``D``, per head)."""
+    q_weight, k_weight, eps = qk_norm
+    head_dim = qk.shape[-1]
+    q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
+    return torch.cat((F.rms_norm(q, (head_dim,), q_weight.to(qk.dtype), eps),
+                      F.rms_norm(k, (head_dim,), k_weight.to(qk.dtype), eps)), dim=1)
+
+
 def rope_store_torch(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -54,15 +69,20 @@ def rope_store_torch(
     num_q_heads: int,
     num_kv_heads: int,
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None],
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
-    """The unfused twin of :func:`rope_store_triton`; ``store_kv`` is the backend's KV store.
+    """The unfused twin of :func:`rope_store_triton`; ``store_kv`` is the backend's KV store;
+    ``qk_norm`` normalises each query and key head first (:func:`qk_norm_torch`).
 
     Returns:
         ``q [T, HQ, D]`` (a view of the rotated projection).
     """
     head_dim = cos.shape[-1]
     heads = num_q_heads + num_kv_heads
-    qk = rotate_torch(qkv[:, : heads * head_dim].reshape(-1, heads, head_dim), cos, sin)
+    qk = qkv[:, : heads * head_dim].reshape(-1, heads, head_dim)
+    if qk_norm is not None:
+        qk = qk_norm_torch(qk, num_q_heads, qk_norm)
+    qk = rotate_torch(qk, cos, sin)
     q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
     v = qkv[:, heads * head_dim :].reshape(-1, num_kv_heads, head_dim)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
