@@ -329,7 +329,9 @@ def _init_dummy(model: LlamaForCausalLM, seed: int, tensor_parallel: TensorParal
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            # NOTE: every norm (the layers', the final one, Qwen3's per-head q/k norms) starts
+            # at one; a norm weight near zero would scale its rows to nothing.
+            if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif tensor_parallel is None:
                 param.uniform_(-0.05, 0.05, generator=gen)

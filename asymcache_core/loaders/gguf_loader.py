@@ -21,9 +21,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+#: llama.cpp's ``general.architecture`` -> the HF architecture it converts to.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -46,23 +50,31 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def gguf_hf_config(path: Path, reader: GGUFFile | None = None) -> dict[str, Any]:
-    """Translates a llama-architecture GGUF's metadata into an HF ``config.json`` dict."""
+    """Translates a llama, qwen2 or qwen3 GGUF's metadata into an HF ``config.json`` dict.
+
+    Raises:
+        ValueError: another architecture (``qwen3moe`` included).
+    """
     reader = reader if reader is not None else _reader(path)
     arch = reader.field("general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if arch not in _ARCHITECTURES:
         raise ValueError(f"architectures: GGUF architecture {arch!r} is not supported")
     p = f"{arch}."
     heads = int(reader.field(p + "attention.head_count"))
+    hidden = int(reader.field(p + "embedding_length"))
     tokens = reader.field("tokenizer.ggml.tokens") or []
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     return {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [_ARCHITECTURES[arch]],
         "vocab_size": int(reader.field(p + "vocab_size", len(tokens))),
-        "hidden_size": int(reader.field(p + "embedding_length")),
+        "hidden_size": hidden,
         "intermediate_size": int(reader.field(p + "feed_forward_length")),
         "num_hidden_layers": int(reader.field(p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(reader.field(p + "attention.head_count_kv", heads)),
+        # NOTE: llama.cpp writes key_length where head_dim is not hidden / heads (Qwen3-4B:
+        # 2560 / 32 heads, 128 a head); absent, the quotient.
+        "head_dim": int(reader.field(p + "attention.key_length", hidden // heads)),
         "rms_norm_eps": float(reader.field(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(reader.field(p + "rope.freq_base", 10000.0)),
         "max_position_embeddings": int(reader.field(p + "context_length", 8192)),
@@ -87,6 +99,10 @@ def gguf_state_dict(path: Path, cfg: dict[str, Any], reader: GGUFFile | None = N
     from gguf.quants import dequantize
 
     reader = reader if reader is not None else _reader(path)
+    # NOTE: only llama's q/k rows are permuted (llama.cpp's convert_hf_to_gguf permutes them in
+    # LlamaModel for its interleaved rope); qwen2 and qwen3 run llama.cpp's NeoX rope on rows
+    # in HF's order, as transformers reads them (modeling_gguf_pytorch_utils.TENSOR_PROCESSORS
+    # reverses the permutation for "llama" alone).
     is_llama = cfg["architectures"][0] == "LlamaForCausalLM"
     out: dict[str, torch.Tensor] = {}
     label = f"converting {path.name}"

@@ -5,14 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: Architectures with a per-head RMSNorm on q and on k before the rotary embedding (vLLM 0.32's
+#: ``model_executor/models/qwen3.py`` ``Qwen3Attention``: ``q_norm``/``k_norm`` over head_dim).
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama-family decoder.
 
-    Attributes mirror HF's names; ``attention_bias`` is True for Qwen2 (biases on q/k/v).
+    Attributes mirror HF's names; ``attention_bias`` is True for Qwen2 (biases on q/k/v);
+    ``qk_norm`` is True for Qwen3 (a per-head RMSNorm of ``head_dim`` on q and on k, derived
+    from the architecture). ``head_dim`` need not be ``hidden_size / num_attention_heads``
+    (Qwen3-4B: 2560 / 32 heads, head_dim 128).
     """
 
     architecture: str
@@ -29,6 +35,7 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -73,6 +80,7 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                qk_norm=arch in QK_NORM_ARCHITECTURES,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 raw=dict(cfg),
@@ -87,6 +95,10 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers * per_layer + emb + h
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2; GQA; tied embeddings).
+"""Llama-family decoder in plain PyTorch (Llama 2/3, Mistral, Qwen2, Qwen3; GQA; tied embeddings).
 
 Attention goes through an explicit :class:`~kernels.dispatch.AttentionBackend` and
 :class:`~kernels.metadata.MSAMetadata` passed to ``forward``: no global state. Linear layers and
@@ -24,6 +24,8 @@ from kernels.metadata import MSAMetadata
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, through the backend's dense ops."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -97,6 +99,31 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # NOTE: Qwen3's per-head norms (vLLM 0.32 model_executor/models/qwen3.py,
+        # Qwen3Attention.__init__): one weight of head_dim shared by every head, so replicated
+        # on every tensor-parallel rank. Absent (None) for the other families.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def norm_qk(self, qkv: torch.Tensor, ops: DenseOps = DEFAULT_DENSE_OPS) -> torch.Tensor:
+        """Normalises each q head and each k head of a fused projection (Qwen3's q/k norm).
+
+        Args:
+            qkv: ``[T, (HQ + 2 * HKV) * D]`` projection.
+            ops: the dense ops; their ``rms_norm`` runs on ``[T * HQ, D]`` and ``[T * HKV, D]``
+                rows, each alone, so the batch-invariant mode stays batch-invariant.
+
+        Returns:
+            The packed ``qkv`` with q and k normalised, v as it was.
+        """
+        assert self.q_norm is not None and self.k_norm is not None
+        # NOTE: as vLLM 0.32's Qwen3Attention.forward: q and k viewed by head, normed over
+        # head_dim, before the rotary embedding.
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim), ops).reshape(tokens, self.q_size)
+        k = self.k_norm(k.reshape(-1, self.head_dim), ops).reshape(tokens, self.kv_size)
+        return torch.cat((q, k, v), dim=-1)
 
     def project(
         self,
@@ -113,6 +140,8 @@ class Attention(nn.Module):
             ``q [T, HQ, D]``.
         """
         qkv = _linear(self.qkv_proj, x, ops)
+        if self.q_norm is not None:
+            qkv = self.norm_qk(qkv, ops)
         # NOTE: every new K/V of the step is stored before any query attends, so holes and
         # suffixes computed in the same step see each other at their absolute positions.
         return backend.rotate_and_store(

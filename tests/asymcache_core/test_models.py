@@ -36,6 +36,10 @@ FAMILIES = {
     ),
     "mistral": ("MistralForCausalLM", {"rope_theta": 1000000.0, "sliding_window": None}),
     "qwen2-tied": ("Qwen2ForCausalLM", {"rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    # q/k norms, and a head_dim (24) that is not hidden / heads (16): o_proj reads 4 * 24
+    "qwen3-tied": (
+        "Qwen3ForCausalLM", {"rope_theta": 1000000.0, "tie_word_embeddings": True, "head_dim": 24},
+    ),
 }
 
 
@@ -50,8 +54,10 @@ def _hf_checkpoint(tmp_path, family: str):
     torch.manual_seed(0)
     model = getattr(transformers, arch)(cfg).eval()
     with torch.no_grad():  # larger weights than the default init, so that errors would show
-        for p in model.parameters():
-            p.normal_(0, 0.08)
+        for name, p in model.named_parameters():
+            # q/k norms near one, as trained ones are: unit-RMS heads give the attention
+            # scores of order one, so that a missing or misplaced norm would show
+            p.normal_(1.0, 0.3) if name.endswith(("q_norm.weight", "k_norm.weight")) else p.normal_(0, 0.08)
     folder = tmp_path / family
     model.save_pretrained(folder, safe_serialization=True)
     saved = json.loads((folder / "config.json").read_text())
@@ -89,10 +95,14 @@ def test_dummy_configs_ship_and_build():
     from asymcache_core.models import ModelConfig
 
     names = shipped_dummy_configs()
-    for name in ("llama-3.1-8b", "qwen2.5-7b", "smollm2-135m", "tiny"):
+    for name in ("llama-3.1-8b", "qwen2.5-7b", "qwen3-8b", "smollm2-135m", "tiny", "tiny-qwen3"):
         assert name in names
     cfg = ModelConfig.from_hf(resolve_hf_config("dummy:llama-3.1-8b")[0])
     assert 7.9e9 < cfg.num_params < 8.1e9
     assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
     qwen = ModelConfig.from_hf(resolve_hf_config("dummy:qwen2.5-7b")[0])
     assert qwen.attention_bias and 7.0e9 < qwen.num_params < 7.8e9
+    qwen3 = ModelConfig.from_hf(resolve_hf_config("dummy:qwen3-8b")[0])
+    # Qwen3-8B has 8.19B parameters (untied head, q/k norms, no q/k/v bias)
+    assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.head_dim == 128
+    assert qwen3.num_params == pytest.approx(8.19e9, rel=0.005)
