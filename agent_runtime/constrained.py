@@ -32,7 +32,9 @@ and the tool-call grammar, so neither the answer nor the tool call is ruled out.
 ``tool_choice`` and a JSON ``response_format`` contradict each other (a 400). vLLM's
 ``structured_outputs`` (:mod:`agent_runtime.structured_outputs`) normalises to the same JSON
 formats, or to a ``regex``, ``choice`` or ``grammar`` constraint
-(:func:`text_constraint_grammar`), under the same rules.
+(:func:`text_constraint_grammar`), under the same rules. A structural tag (``response_format``'s
+or ``structured_outputs``' ``structural_tag``) is built by :mod:`agent_runtime.structural_tag`:
+its text outside the triggers is free, so with tools under ``"auto"`` it stands alone.
 
 xgrammar is the ``constrained`` extra: it is imported on the first grammar a request needs, so
 the runtime and unconstrained requests work without it, and a constrained request without it

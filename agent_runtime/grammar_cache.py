@@ -3,7 +3,7 @@ owned by the caller) compiles the grammars :mod:`agent_runtime.constrained` buil
 tokenizer; :func:`make_request_processor` gives a request the
 :class:`~agent_runtime.grammar_processor.GrammarLogitsProcessor` of what it constrains (a forced
 tool call, a JSON reply, ``structured_outputs``' regex, choice or grammar, or, with tools under
-``"auto"``, either the reply or a call).
+``"auto"``, either the reply or a call; a structural tag, whose text outside its triggers is free).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from agent_runtime.constrained import (
     tool_choice_name,
 )
 from agent_runtime.grammar_processor import GrammarLogitsProcessor
+from agent_runtime.structural_tag import TYPE as STRUCTURAL_TAG
+from agent_runtime.structural_tag import structural_tag_grammar
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -105,6 +107,8 @@ class GrammarCache:
                     grammar = load_xgrammar("structured_outputs").Grammar.union(
                         grammar, tool_call_grammar(schema["tool_call"], call_format, parallel))
                 compiled = entry.compiler.compile_grammar(grammar)
+            elif kind == STRUCTURAL_TAG:
+                compiled = entry.compiler.compile_grammar(structural_tag_grammar(schema))
             else:
                 compiled = entry.compiler.compile_json_schema(schema_key, any_whitespace=False)
             if len(self._grammars) >= self._max_grammars:
@@ -221,6 +225,24 @@ class GrammarCache:
         return self._compiled(tokenizer, vocab_size, "text", {"reply": dict(constraint), "tool_call": call},
                               call_format, parallel)
 
+    def structural_tag_grammar(
+        self, tokenizer: Any, spec: Mapping[str, Any], vocab_size: int | None = None
+    ) -> xgr.CompiledGrammar:
+        """Compiled grammar of a structural tag (see :mod:`agent_runtime.structural_tag`).
+
+        Args:
+            tokenizer: HF tokenizer.
+            spec: the normalised structural tag (``{"type": "structural_tag", ...}``).
+            vocab_size: the model's vocabulary size.
+
+        Returns:
+            The compiled grammar (cached).
+
+        Raises:
+            ValueError: xgrammar is not installed, or cannot build the tag.
+        """
+        return self._compiled(tokenizer, vocab_size, STRUCTURAL_TAG, spec)
+
     def __len__(self) -> int:
         return len(self._grammars)
 
@@ -275,7 +297,9 @@ def make_request_processor(
 ) -> GrammarLogitsProcessor | None:
     """A fresh processor for what a request constrains: a forced tool call, a reply (JSON, or
     ``structured_outputs``' regex, choice or grammar), or (tools offered under ``"auto"`` and a
-    constrained reply) either of the two.
+    constrained reply) either of the two; or a structural tag, alone whatever the tools: as vLLM
+    0.32's (its tool parser's ``adjust_request`` leaves a request with a structural tag as it is),
+    the reply outside the tag's triggers is free text, a tool call included.
 
     Args:
         cache: the caller's grammar cache.
@@ -299,6 +323,18 @@ def make_request_processor(
     """
     if response_format is None:
         return make_tool_call_processor(cache, tokenizer, tools, tool_choice, vocab_size, call_format, parallel)
+    if response_format.get("type") == STRUCTURAL_TAG:
+        if needs_constraint(tool_choice):
+            # NOTE: vLLM 0.32 would let the tag alone constrain a reply it then parses as a forced
+            # call; refused here as every other constrained reply is
+            raise ValueError("response_format: a structural tag cannot be combined with a tool_choice that forces a "
+                             "tool call")
+        try:
+            compiled = cache.structural_tag_grammar(tokenizer, response_format, vocab_size)
+        except RuntimeError as exc:
+            raise ValueError(f"response_format: constrained decoding cannot use this structural tag: "
+                             f"{str(exc)[:300]}") from None
+        return GrammarLogitsProcessor(compiled, vocab_size=vocab_size)
     if response_format.get("type") in TEXT_CONSTRAINTS:
         if needs_constraint(tool_choice):
             raise ValueError("structured_outputs: a constrained reply cannot be combined with a tool_choice that "

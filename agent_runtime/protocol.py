@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict, get_args
 
 from agent_runtime.constrained import check_schema_compiles, needs_constraint, tool_choice_name
+from agent_runtime.structural_tag import normalize_structural_tag_format
 from agent_runtime.tool_schema import validate_tool_schema
 from agent_runtime.tools import Tool, ToolRegistry
 from asymcache_core.chat_messages import ROLES, validate_messages
@@ -185,6 +186,9 @@ def normalize_response_format(response_format: Any, tool_choice: ToolChoice = No
     "description"?}}`` for JSON matching the schema, which must be one constrained decoding can
     compile (checked here when xgrammar is installed, so a bad schema is a client error before
     anything runs). The schema is enforced whatever ``strict`` says (vLLM does the same).
+    ``{"type": "structural_tag", ...}`` (vLLM's: ``structures`` and ``triggers``, or xgrammar's
+    ``format``) leaves the reply free but where a trigger starts a structure
+    (:func:`agent_runtime.structural_tag.normalize_structural_tag_format`).
 
     Args:
         response_format: the value given.
@@ -192,7 +196,8 @@ def normalize_response_format(response_format: Any, tool_choice: ToolChoice = No
             JSON reply.
 
     Returns:
-        None for free text, else the normalised format (unknown keys dropped).
+        None for free text, else the normalised format (unknown keys dropped, but a structural
+        tag's, which xgrammar reads as vLLM passes them on).
 
     Raises:
         ValueError: naming ``response_format`` or the offending key below it.
@@ -204,10 +209,14 @@ def normalize_response_format(response_format: Any, tool_choice: ToolChoice = No
     kind = response_format.get("type")
     if kind == "text":
         return None
-    if kind not in ("json_object", "json_schema"):
-        raise ValueError(f"response_format.type: must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if kind not in ("json_object", "json_schema", "structural_tag"):
+        raise ValueError("response_format.type: must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+                         f"got {kind!r}")
     if needs_constraint(tool_choice):
-        raise ValueError("response_format: a JSON reply cannot be combined with a tool_choice that forces a tool call")
+        what = "a structural tag" if kind == "structural_tag" else "a JSON reply"
+        raise ValueError(f"response_format: {what} cannot be combined with a tool_choice that forces a tool call")
+    if kind == "structural_tag":
+        return normalize_structural_tag_format(response_format)
     if kind == "json_object":
         return {"type": "json_object"}
     spec = response_format.get("json_schema")

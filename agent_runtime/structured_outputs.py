@@ -1,25 +1,28 @@
 """vLLM's ``structured_outputs``: a reply constrained to a JSON schema, a regular expression, one
-of a list of strings, or an EBNF grammar, validated the same way for the server and the runtime.
+of a list of strings, an EBNF grammar or a structural tag, validated the same way for the server
+and the runtime.
 
 vLLM's request field (``extra_body={"structured_outputs": {"choice": ["yes", "no"]}}``) takes
 exactly one of ``json`` (a schema, as an object or as JSON text), ``regex``, ``choice``,
-``grammar`` (xgrammar's EBNF, the GBNF dialect of llama.cpp: ``root ::= ...``) and
-``json_object: true``. Its older top-level spellings ``guided_json``, ``guided_regex``,
-``guided_choice`` and ``guided_grammar`` (removed from vLLM, still in many clients) are read as
-the same (:func:`lift_guided_fields`).
+``grammar`` (xgrammar's EBNF, the GBNF dialect of llama.cpp: ``root ::= ...``),
+``json_object: true`` and ``structural_tag`` (the JSON text of a structural tag: free text, with
+a structure enforced where a trigger starts it; :mod:`agent_runtime.structural_tag`). Its older
+top-level spellings ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``
+(removed from vLLM, still in many clients) are read as the same (:func:`lift_guided_fields`).
 
 :func:`normalize_structured_outputs` returns the constraint in the form
 :func:`agent_runtime.protocol.normalize_response_format` gives a ``response_format`` (a JSON
-schema is ``{"type": "json_schema", ...}``, any object ``{"type": "json_object"}``), or as
-``{"type": "regex", "regex": ...}``, ``{"type": "choice", "choice": [...]}`` and
-``{"type": "grammar", "grammar": ...}``; :func:`agent_runtime.grammar_cache.make_request_processor`
-builds the grammar of each. The text is checked to compile when xgrammar is installed, so a bad
-pattern is a client error before anything runs.
+schema is ``{"type": "json_schema", ...}``, any object ``{"type": "json_object"}``, a structural
+tag ``{"type": "structural_tag", ...}``), or as ``{"type": "regex", "regex": ...}``,
+``{"type": "choice", "choice": [...]}`` and ``{"type": "grammar", "grammar": ...}``;
+:func:`agent_runtime.grammar_cache.make_request_processor` builds the grammar of each. The text
+is checked to compile when xgrammar is installed, so a bad pattern is a client error before
+anything runs.
 
 vLLM's two JSON options are accepted as booleans: this server's JSON grammars already have no
 free whitespace and no properties a schema does not name (xgrammar's strict mode), which is what
 ``disable_any_whitespace`` and ``disable_additional_properties`` ask for. Its
-``whitespace_pattern`` and ``structural_tag`` are not served (a 400, never ignored).
+``whitespace_pattern`` is not served (a 400, never ignored).
 
 Every error is a :class:`ValueError` whose text starts with the field
 (``"structured_outputs.regex: ..."``).
@@ -31,15 +34,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent_runtime.constrained import check_compiles, check_schema_compiles, needs_constraint
+from agent_runtime.structural_tag import normalize_structural_tag_text
 from asymcache_core.config import json_object_text
 
 FIELD = "structured_outputs"
 #: The constraints: exactly one is set.
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 #: Options that name no constraint: the JSON grammars already are what they ask for.
 _BOOLEAN_OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
 #: vLLM's options this server does not serve (a 400 when set).
-_UNSERVED_OPTIONS = ("whitespace_pattern", "structural_tag")
+_UNSERVED_OPTIONS = ("whitespace_pattern",)
 #: vLLM's older top-level fields, each one constraint of ``structured_outputs``.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -158,7 +162,8 @@ def _choice(choices: Any, field: str) -> dict[str, Any]:
     return {"type": "choice", "choice": list(dict.fromkeys(choices))}
 
 
-_NORMALIZERS = {"json": _json, "json_object": _json_object, "regex": _regex, "choice": _choice, "grammar": _grammar}
+_NORMALIZERS = {"json": _json, "json_object": _json_object, "regex": _regex, "choice": _choice, "grammar": _grammar,
+                "structural_tag": normalize_structural_tag_text}
 
 
 __all__ = [
