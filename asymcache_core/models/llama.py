@@ -105,26 +105,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def norm_qk(self, qkv: torch.Tensor, ops: DenseOps = DEFAULT_DENSE_OPS) -> torch.Tensor:
-        """Normalises each q head and each k head of a fused projection (Qwen3's q/k norm).
-
-        Args:
-            qkv: ``[T, (HQ + 2 * HKV) * D]`` projection.
-            ops: the dense ops; their ``rms_norm`` runs on ``[T * HQ, D]`` and ``[T * HKV, D]``
-                rows, each alone, so the batch-invariant mode stays batch-invariant.
-
-        Returns:
-            The packed ``qkv`` with q and k normalised, v as it was.
-        """
-        assert self.q_norm is not None and self.k_norm is not None
-        # NOTE: as vLLM 0.32's Qwen3Attention.forward: q and k viewed by head, normed over
-        # head_dim, before the rotary embedding.
-        tokens = qkv.shape[0]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = self.q_norm(q.reshape(-1, self.head_dim), ops).reshape(tokens, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.head_dim), ops).reshape(tokens, self.kv_size)
-        return torch.cat((q, k, v), dim=-1)
-
     def project(
         self,
         x: torch.Tensor,
@@ -140,12 +120,17 @@ class Attention(nn.Module):
             ``q [T, HQ, D]``.
         """
         qkv = _linear(self.qkv_proj, x, ops)
-        if self.q_norm is not None:
-            qkv = self.norm_qk(qkv, ops)
+        # NOTE: Qwen3's q/k norms (vLLM 0.32 Qwen3Attention.forward: q and k viewed by head,
+        # normed over head_dim, before the rotary embedding) run inside the rotary + KV store:
+        # one launch on the GPU (kernels.fused), the torch twin elsewhere; each head alone,
+        # so the batch-invariant mode stays batch-invariant
+        qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None:
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         # NOTE: every new K/V of the step is stored before any query attends, so holes and
         # suffixes computed in the same step see each other at their absolute positions.
         return backend.rotate_and_store(
-            qkv, *rope, kv_cache[0], kv_cache[1], slot_mapping, self.num_heads, self.num_kv_heads
+            qkv, *rope, kv_cache[0], kv_cache[1], slot_mapping, self.num_heads, self.num_kv_heads, qk_norm
         )
 
 
