@@ -112,10 +112,15 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         self.clock = clock or time.monotonic
         device, dtype = config.torch_device, config.torch_dtype
         #: steps are planned while the one before runs (``config.async_scheduling`` resolved)
+        speculative = config.speculative()
+        if speculative is not None and runner_factory is not None:
+            raise ValueError("speculative_config: needs the model runner (a simulated step samples no token)")
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
             else runner_factory is None and device.type == "cuda" and config.tensor_parallel_size == 1
+            # NOTE: a draft follows the token before it: speculating steps are synchronous
+            and speculative is None
         )
 
         self.loaded = None

@@ -297,6 +297,7 @@ def build_scheduler(
         job_admission=stack.job_admission,
         async_output=async_output,
         jump_forward=config.jump_forward,
+        speculative=config.speculative(),
     )
 
 

@@ -171,6 +171,12 @@ class EngineStats:
     engine_reload_tokens_total: int = 0
     #: output tokens a constraint forced, appended without a decode step each (jump-forward)
     engine_jump_forward_tokens_total: int = 0
+    #: speculative decoding (vLLM's ``vllm:spec_decode_*``): drafts proposed at most per step
+    #: (0: off), verified steps with drafts, drafts computed, drafts kept
+    spec_decode_num_speculative_tokens: int = 0
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
     host_kv_blocks_total: int = 0
     host_kv_blocks_cached: int = 0
     host_offloaded_blocks_total: int = 0
@@ -236,6 +242,7 @@ class GenerationOutput:
 def collect_stats(engine: Engine) -> EngineStats:
     """The engine's gauges and counters now (:meth:`Engine.stats <asymcache_core.engine.Engine.stats>`)."""
     c, pool, pins, target = engine.counters, engine.pool, engine.pins, engine.continuum.ttft_target
+    spec = engine.scheduler.speculation
     return EngineStats(
         kv_blocks_total=engine.num_blocks,
         kv_blocks_in_use=pool.num_in_use,
@@ -263,6 +270,12 @@ def collect_stats(engine: Engine) -> EngineStats:
         job_gate_capacity_tokens=engine.job_admission.capacity_tokens if engine.job_admission is not None else 0,
         engine_reload_tokens_total=c.reload_tokens,
         engine_jump_forward_tokens_total=engine.scheduler.num_jump_forward_tokens,
+        spec_decode_num_speculative_tokens=(
+            engine.scheduler.proposer.config.num_speculative_tokens if engine.scheduler.proposer is not None else 0
+        ),
+        spec_decode_num_drafts_total=spec.num_drafts,
+        spec_decode_num_draft_tokens_total=spec.num_draft_tokens,
+        spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens,
         kv_block_size=engine.block_size,
         order_slack_seconds=target.slack_s if target is not None else math.inf,
         **(engine.host_driver.stats() if engine.host_driver is not None else {}),

@@ -22,7 +22,7 @@ from asymcache_core.engine_outputs import (
 from asymcache_core.engine_stats import EngineCounters, StepStats
 from asymcache_core.errors import EngineDeadError
 from asymcache_core.request import Request, RequestOutput, RequestStatus
-from asymcache_core.scheduler import RequestUpdate, SchedulerOutput
+from asymcache_core.scheduler_output import RequestUpdate, SchedulerOutput
 from asymcache_core.step_faults import StepResult, execute_isolating_faults
 
 if TYPE_CHECKING:
@@ -97,7 +97,9 @@ class StepPhases:
         if take_prompt_logprobs is not None:
             # NOTE: before the updates: a request they finish leaves ``self.requests``
             attach_prompt_logprobs(self.requests, take_prompt_logprobs())
-        updates = self.scheduler.update_from_output(ran, sampled, end)
+        take_draft_samples = getattr(self.runner, "take_draft_samples", None)
+        drafts = take_draft_samples() if take_draft_samples is not None else None
+        updates = self.scheduler.update_from_output(ran, sampled, end, drafts)
         take_logprobs = getattr(self.runner, "take_logprobs", None)
         attach_logprobs(updates, take_logprobs() if take_logprobs is not None else {})
         self._last_end = end

@@ -463,6 +463,23 @@ class KVCacheManager:
             room = prompt // bs * bs - metrics.cached_tokens
             metrics.cache_creation_tokens = min(metrics.cache_creation_tokens + bs, room)
 
+    def drop_tail(self, request: Request) -> None:
+        """Frees the blocks past a running request's frontier: those its rejected drafts were
+        written to (speculative decoding). The block the frontier is in stays.
+
+        NOTE: a block past the frontier in the table is a cache hit to the scheduler (it skips
+        it): these hold rejected drafts' KV, never registered (no block of a draft is full of
+        the request's tokens before it is kept).
+        """
+        keep = -(-request.num_computed_tokens // self.block_size)
+        tail = request.block_ids[keep:]
+        if tail:
+            del request.block_ids[keep:]
+            # NOTE: the model runner's row of the table still holds them: blocks appended here
+            # later must be written over them
+            request.table_dirty_from = min(request.table_dirty_from, keep)
+            self.pool.free(b for b in reversed(tail) if b != HOLE)
+
     def free(self, request: Request) -> None:
         """Drops ``request``'s references, tail first (vLLM's order)."""
         if request.kv_ticket is not None and not self.ready(request):

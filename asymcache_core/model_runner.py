@@ -21,6 +21,7 @@ from asymcache_core.logprobs import (
 )
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
+from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.scheduler import SchedulerOutput
 from kernels.dispatch import AttentionBackend
 from kernels.metadata import build_msa_metadata, table_width
@@ -49,6 +50,9 @@ class StepInputs(NamedTuple):
             in their order.
         prompt_targets: each prompt row's next prompt token (whose log probability it gives).
         prompt_num_top: alternatives each prompt row reports.
+        draft_spans: ``(sequence, drafts)`` of each sampled sequence with drafts (speculative
+            decoding), in order: its rows after each draft follow the sampled rows in
+            ``logits_rows`` (their first token's row is the sequence's own sampled row).
     """
 
     input_ids: list[int]
@@ -65,6 +69,7 @@ class StepInputs(NamedTuple):
     prompt_spans: tuple[tuple[int, int, int], ...] = ()
     prompt_targets: tuple[int, ...] = ()
     prompt_num_top: tuple[int, ...] = ()
+    draft_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def all_logits_rows(self) -> list[int]:
@@ -110,10 +115,13 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
     prompt_spans: list[tuple[int, int, int]] = []
     prompt_targets: list[int] = []
     prompt_num_top: list[int] = []
+    draft_rows: list[int] = []
+    draft_spans: list[tuple[int, int]] = []
     for seq, item in enumerate(plan.scheduled):
         request = item.request
         table = request.block_ids
         tokens = request.all_token_ids
+        drafts = request.draft_token_ids
         logits_from = request.prompt_logits_from
         for start, end in item.segments:
             if logits_from is not None:
@@ -127,7 +135,11 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
                     prompt_num_top.extend([request.params.prompt_logprobs or 0] * (hi - lo))
             segments.append((seq, len(input_ids), end - start, start))
             input_ids.extend(tokens[start:end])
-            if end > len(tokens):
+            if drafts and end > len(tokens):
+                # NOTE: the positions past the context are the drafts' (never in flight too:
+                # drafts need synchronous steps)
+                input_ids.extend(drafts[max(0, start - len(tokens)) : end - len(tokens)])
+            elif end > len(tokens):
                 # NOTE: only a request's last position can be in flight: a step computes the
                 # token its previous step sampled, never two ahead.
                 assert end == len(tokens) + 1 and start <= len(tokens), "two tokens ahead of the context"
@@ -137,14 +149,21 @@ def pack_step(plan: SchedulerOutput, block_size: int, rows: BlockTableRows | Non
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         tables.append(table)
         if item.sample:
-            logits_rows.append(len(input_ids) - 1)
+            # NOTE: with drafts, the sampled row is the context's last token's; the rows after
+            # the drafts come after every sampled row
+            first = len(input_ids) - 1 - len(drafts)
+            logits_rows.append(first)
             sample_index.append(seq)
+            if drafts:
+                draft_rows.extend(range(first + 1, first + 1 + len(drafts)))
+                draft_spans.append((seq, len(drafts)))
     array = None
     if rows is not None and tables:
         array = rows.build([item.request for item in plan.scheduled], table_width(tables))
     return StepInputs(
-        input_ids, positions, slots, segments, tables, logits_rows, sample_index, plan.is_decode_only, array,
-        tuple(pending), tuple(prompt_rows), tuple(prompt_spans), tuple(prompt_targets), tuple(prompt_num_top),
+        input_ids, positions, slots, segments, tables, logits_rows + draft_rows, sample_index, plan.is_decode_only,
+        array, tuple(pending), tuple(prompt_rows), tuple(prompt_spans), tuple(prompt_targets), tuple(prompt_num_top),
+        tuple(draft_spans),
     )
 
 
@@ -222,6 +241,8 @@ class ModelRunner(LaunchPath):
         #: request id -> ``(first position, entries)`` of the prompt log probabilities computed
         #: since :meth:`take_prompt_logprobs` was last called
         self.prompt_logprobs: dict[str, list[tuple[int, list[TokenLogprob]]]] = {}
+        #: request id -> the tokens sampled after its drafts (:meth:`take_draft_samples`)
+        self.draft_samples: dict[str, list[int]] = {}
         self.mixed_graphs: PiecewiseGraphs | None = None
         if cuda_graphs and mixed_graph_tokens > 0:
             self.mixed_graphs = PiecewiseGraphs(
@@ -264,6 +285,8 @@ class ModelRunner(LaunchPath):
         prompt = self._pending_prompt_logprobs(plan, inputs, out)
         if prompt is not None:
             self._record_prompt_logprobs(prompt)
+        if inputs.draft_spans:
+            return self._sample(plan, inputs.sample_index, out.logits, draft_spans=inputs.draft_spans)
         return self._sample(plan, inputs.sample_index, out.logits)
 
     def _pending_prompt_logprobs(
@@ -343,11 +366,19 @@ class ModelRunner(LaunchPath):
         logits = self.model.compute_logits(h[:n], residual[:n], None, self.backend.dense)
         return ForwardOutput(logits, self._prompt_tensors(h[n:], residual[n:], inputs))
 
-    def _sample(self, plan: SchedulerOutput, sample_index: list[int], logits: torch.Tensor) -> dict[str, int]:
-        """Samples one token per row of ``logits`` for ``plan.scheduled[sample_index[row]]``."""
+    def _sample(
+        self, plan: SchedulerOutput, sample_index: list[int], logits: torch.Tensor,
+        draft_spans: tuple[tuple[int, int], ...] = (),
+    ) -> dict[str, int]:
+        """Samples one token per row of ``logits`` for ``plan.scheduled[sample_index[row]]``
+        (its first ``len(sample_index)`` rows; the rows after drafts follow:
+        :meth:`_sample_drafts`)."""
         if not sample_index:
             return {}
         requests = [plan.scheduled[i].request for i in sample_index]
+        if draft_spans:
+            self._sample_drafts(plan, draft_spans, logits[len(sample_index):])
+            logits = logits[: len(sample_index)]
         tokens = self.sampler.sample(
             logits,
             [r.request_id for r in requests],
@@ -358,6 +389,42 @@ class ModelRunner(LaunchPath):
         )
         # NOTE: a row whose sampling failed is left out; the engine fails its request alone.
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True) if t != FAILED}
+
+    def _sample_drafts(self, plan: SchedulerOutput, spans: tuple[tuple[int, int], ...], logits: torch.Tensor) -> None:
+        """Samples the rows after each draft as the decodes of their positions would: the
+        request's parameters, its output with the drafts before the row, the draw index of the
+        output token the row samples (:mod:`asymcache_core.speculative`). Kept for
+        :meth:`take_draft_samples`."""
+        ids: list[str] = []
+        params: list[SamplingParams] = []
+        outputs: list[list[int]] = []
+        prompts: list[list[int]] = []
+        draws: list[int] = []
+        for seq, count in spans:
+            request = plan.scheduled[seq].request
+            for i in range(count):
+                ids.append(request.request_id)
+                params.append(request.params)
+                outputs.append([*request.output_token_ids, *request.draft_token_ids[: i + 1]])
+                prompts.append(request.prompt_token_ids)
+                draws.append(request.draw_index + 1 + i)
+        failures = dict(self.sampler.failures)
+        tokens = self.sampler.sample(logits, ids, params, outputs, prompts, draws)
+        # NOTE: a draft row that failed leaves its request without samples after its drafts:
+        # the scheduler keeps the first token alone (its own row decides whether it fails)
+        self.sampler.failures.clear()
+        self.sampler.failures.update(failures)
+        row = 0
+        for seq, count in spans:
+            got = tokens[row : row + count]
+            row += count
+            if FAILED not in got:
+                self.draft_samples[plan.scheduled[seq].request.request_id] = got
+
+    def take_draft_samples(self) -> dict[str, list[int]]:
+        """The tokens sampled after each sequence's drafts since the last call."""
+        taken, self.draft_samples = self.draft_samples, {}
+        return taken
 
     def take_failures(self) -> dict[str, str]:
         """Requests whose sampling failed since the last call: id -> error text."""

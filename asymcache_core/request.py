@@ -137,6 +137,10 @@ class Request:
         #: samples of the step in flight to drop: a jump-forward appended the token at the
         #: position it samples (async scheduling; :mod:`asymcache_core.jump_forward`)
         self.skip_samples = 0
+        #: tokens proposed to follow the context (speculative decoding,
+        #: :mod:`asymcache_core.speculative`): the next step computes them after its last token
+        #: and keeps those its rows would have sampled
+        self.draft_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         #: why the request failed alone (sampling or detokenizing raised); None otherwise
         self.error: str | None = None
@@ -184,8 +188,8 @@ class Request:
     @property
     def num_planned_tokens(self) -> int:
         """Its context once the tokens of the steps in flight arrive (``num_tokens`` without
-        async scheduling)."""
-        return len(self.all_token_ids) + self.num_pending
+        async scheduling), and its drafts (speculative decoding)."""
+        return len(self.all_token_ids) + self.num_pending + len(self.draft_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -444,10 +444,14 @@ class Sampler:
         return out
 
     def _take(self, rows: list[int], drawn: SampledRows, request_ids: list[str], tokens: list[int]) -> None:
-        failed = drawn.failed.tolist() if drawn.failed is not None else None
-        picked = self.take_drawn(drawn.tokens.tolist(), failed, [request_ids[i] for i in rows])
-        for i in rows:
-            tokens[i] = picked.get(request_ids[i], FAILED)
+        # NOTE: by row, not by request id: the rows after a request's drafts share its id
+        # (speculative decoding)
+        failed = drawn.failed.tolist() if drawn.failed is not None else [False] * len(rows)
+        for i, token, bad in zip(rows, drawn.tokens.tolist(), failed, strict=True):
+            if bad:
+                rid = request_ids[i]
+                self.failures[rid] = NOTHING_ALLOWED if rid in self._constrained else NON_FINITE
+            tokens[i] = FAILED if bad else token
 
     def _sample_on_host(
         self,

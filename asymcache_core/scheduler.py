@@ -27,11 +27,16 @@ import time
 from collections.abc import Callable, Collection
 
 from asymcache_core.job_admission import JobAdmission
-from asymcache_core.jump_forward import forced_tokens
 from asymcache_core.kv_cache_manager import CacheHit, KVCacheManager
 from asymcache_core.request import HOLE, Request, RequestStatus
-from asymcache_core.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
-from asymcache_core.stop_conditions import check_stop, ends_on_length
+from asymcache_core.scheduler_output import ScheduledRequest, SchedulerOutput
+from asymcache_core.scheduler_updates import StepUpdates
+from asymcache_core.speculative import (
+    NgramProposer,
+    SpeculationStats,
+    SpeculativeConfig,
+)
+from asymcache_core.stop_conditions import ends_on_length
 from asymcache_core.waiting_hits import WaitingHits
 
 PriorityKey = Callable[[Request], tuple]
@@ -46,7 +51,7 @@ def fcfs_key(request: Request) -> tuple:
 
 
 
-class Scheduler:
+class Scheduler(StepUpdates):
     """Plans steps over the waiting and running queues.
 
     Args:
@@ -90,6 +95,8 @@ class Scheduler:
         jump_forward: after a sampled token, append at once the tokens a request's constraint
             forces (:func:`~asymcache_core.jump_forward.forced_tokens`): the next step computes
             them together, as the rest of a prompt, instead of one decode step each.
+        speculative: propose n-gram drafts after each sampled token, verified by the next step
+            (:mod:`asymcache_core.speculative`; synchronous steps only); None: none.
     """
 
     def __init__(
@@ -114,9 +121,14 @@ class Scheduler:
         job_admission: JobAdmission | None = None,
         async_output: bool = False,
         jump_forward: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if least_work_patience is not None and (not least_work_first or work_seconds is None):
             raise ValueError("least_work_patience: needs least_work_first and a work_seconds estimate")
+        if speculative is not None and async_output:
+            raise ValueError("speculative_config: not with async scheduling (a draft follows the token before it)")
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.speculation = SpeculationStats()
         self.align_chunks = align_chunks
         self.least_work_first = least_work_first
         self.least_work_patience = least_work_patience
@@ -212,6 +224,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         self._seq.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if self.waiting_hits is not None:
             self.waiting_hits.leave(request)
 
@@ -271,6 +285,9 @@ class Scheduler:
             if request.num_pending and ends_on_length(request, self.max_model_len):
                 i += 1  # the token in flight ends it: a step past it would be thrown away
                 continue
+            if len(request.draft_token_ids) >= left:
+                # NOTE: the drafts the budget leaves room for, after the request's last token
+                del request.draft_token_ids[max(0, left - 1):]
             segments = self.plan_segments(request, left)
             if not segments:
                 i += 1
@@ -397,89 +414,9 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids.clear()
         request.status = RequestStatus.PREEMPTED
         request.metrics.num_preemptions += 1
         self.waiting.append(request)
         if self.waiting_hits is not None:
             self.waiting_hits.join(request)
-
-    # -- after the step ----------------------------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[RequestUpdate]:
-        """Appends the step's sampled tokens, stops the requests they end and frees those.
-
-        Args:
-            plan: the step's plan, as :meth:`schedule` returned it.
-            sampled: ``request_id -> token`` for every planned request that samples.
-            now: engine time at the end of the step (token and finish times).
-
-        Returns:
-            One update per sampled request, in batch order.
-        """
-        updates: list[RequestUpdate] = []
-        for item in plan.scheduled:
-            if not item.sample:
-                continue
-            request = item.request
-            if request.skip_samples:
-                # NOTE: a jump-forward already appended the token at the position this step
-                # sampled (and took this step's pending token off then)
-                request.skip_samples -= 1
-                continue
-            if request.num_pending:
-                request.num_pending -= 1
-            if request.finished:
-                # NOTE: failed alone during the step (the engine finished it with its error),
-                # or, with async scheduling, ended by the step before (its token is dropped)
-                continue
-            token = sampled[request.request_id]
-            request.append_output(token)
-            metrics = request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.token_times.append(now)
-            tokens = [token]
-            status = check_stop(request, token, self.eos_token_ids, self.max_model_len)
-            if status is None and self.jump_forward and (forced_run := forced_tokens(request, self.max_model_len)):
-                if request.num_pending:
-                    # NOTE: the step in flight (async scheduling) samples the position the
-                    # first forced token takes: its token is dropped, and is no longer pending
-                    request.num_pending -= 1
-                    request.skip_samples += 1
-                for forced in forced_run:
-                    request.append_output(forced)
-                    metrics.token_times.append(now)
-                    tokens.append(forced)
-                    self.num_jump_forward_tokens += 1
-                    status = check_stop(request, forced, self.eos_token_ids, self.max_model_len)
-                    if status is not None:
-                        break
-            stop_reason = tokens[-1] if status is RequestStatus.FINISHED_STOPPED else None
-            if status is not None:
-                self.finish_request(request, status, now, stop_reason)
-            updates.append(RequestUpdate(request, tokens, status, stop_reason))
-        return updates
-
-    def finish_request(
-        self, request: Request, status: RequestStatus, now: float, stop_reason: int | str | None = None
-    ) -> None:
-        """Ends ``request`` with ``status`` (a finished one) at ``now`` and frees its blocks.
-
-        A request that has already finished keeps its blocks freed and only takes the new
-        status and stop reason (a stop string found in the text of its last token).
-
-        Raises:
-            ValueError: ``status`` is not a finished status.
-        """
-        if not status.finished:
-            raise ValueError(f"status: {status.value!r} is not a finished status")
-        already = request.finished
-        request.status = status
-        request.stop_reason = stop_reason
-        if already:
-            return
-        request.metrics.finish_time = now
-        if self.job_admission is not None and request in self.running:
-            self.job_admission.on_released(request, now)
-        if self.on_finish is not None:
-            self.on_finish(request, now)
-        self._remove(request)

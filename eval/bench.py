@@ -44,7 +44,7 @@ ENGINE_FIELDS: tuple[str, ...] = (
     "model", "device", "dtype", "block_size", "max_num_batched_tokens", "max_num_seqs",
     "latency_profile", "tpot_slo_ms", "ttft_slo_ms", "attention_backend", "batch_invariant", "enforce_eager",
     "mixed_graph_max_tokens", "seed", "gpu_memory_utilization", "device_memory_gib", "cpu_offload_gb",
-    "num_host_kv_blocks", "async_scheduling", "jump_forward",
+    "num_host_kv_blocks", "async_scheduling", "jump_forward", "speculative_config",
 )
 
 
@@ -97,6 +97,7 @@ class BenchConfig:
             default, on for the real backend on one CUDA device).
         jump_forward: append the tokens a request's grammar forces at once (``None``: the
             engine's default, on).
+        speculative_config: vLLM's n-gram speculative decoding JSON (real backend only).
         mixed_graph_max_tokens: largest step replayed as piecewise CUDA graphs.
         step_log: also write every engine step (``StepStats``, with the latency model's
             prediction) to ``steps/<variant>.jsonl`` in the run folder.
@@ -142,6 +143,7 @@ class BenchConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     jump_forward: bool | None = None
+    speculative_config: str | None = None
     mixed_graph_max_tokens: int = 1024
     step_log: bool = False
     repeats: int = 1

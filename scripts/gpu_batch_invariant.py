@@ -51,10 +51,10 @@ def record_logits(engine: Engine) -> dict[str, list[torch.Tensor]]:
     # greedy rows take their argmax on the device and never reach _sample.
     sample = engine.runner._sample
 
-    def spy(plan, sample_index, logits):  # type: ignore[no-untyped-def]
+    def spy(plan, sample_index, logits, **kwargs):  # type: ignore[no-untyped-def]
         for row, index in enumerate(sample_index):
             log[plan.scheduled[index].request.request_id].append(logits[row].to("cpu", torch.float32, copy=True))
-        return sample(plan, sample_index, logits)
+        return sample(plan, sample_index, logits, **kwargs)
 
     engine.runner._sample = spy  # type: ignore[method-assign]
     return log

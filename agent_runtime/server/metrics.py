@@ -156,6 +156,18 @@ class EngineCollector(Collector):
         )
         preemptions.add_metric(labels, stats.preemptions_total)
         yield preemptions
+        if stats.spec_decode_num_speculative_tokens:
+            # NOTE: vLLM registers these with a speculative config only (v1/spec_decode/metrics.py)
+            for name, doc, value in (
+                ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", stats.spec_decode_num_drafts_total),
+                ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+                 stats.spec_decode_num_draft_tokens_total),
+                ("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+                 stats.spec_decode_num_accepted_tokens_total),
+            ):
+                counter = CounterMetricFamily(name, doc, labels=list(VLLM_LABELS))
+                counter.add_metric(labels, value)
+                yield counter
 
 
 #: vLLM's histograms: (name, documentation, the :class:`ServingStatsSnapshot` field).
