@@ -308,7 +308,8 @@ class AgentRuntime(ChatTurns):
             tool_choice: ``required`` or a named function constrains decoding.
             response_format: a normalised ``response_format`` (JSON replies are constrained).
             structured_outputs: vLLM's ``structured_outputs`` (a JSON schema, a regular
-                expression, a list of strings or an EBNF grammar: the reply is constrained to it;
+                expression, a list of strings, an EBNF grammar or a structural tag: the reply
+                is constrained to it;
                 :mod:`agent_runtime.structured_outputs`); not with ``response_format``.
             parse_format: parse tool calls out of the final text with this format (needed for
                 pinning); None: no parsing.

@@ -218,7 +218,8 @@ class ChatTurns:
             response_format: OpenAI's ``response_format`` (``text``, ``json_object`` or
                 ``json_schema``): JSON replies are constrained to it.
             structured_outputs: vLLM's ``structured_outputs`` (one of ``json``, ``regex``,
-                ``choice``, ``grammar``, ``json_object``): the reply is constrained to it
+                ``choice``, ``grammar``, ``json_object``, ``structural_tag``): the reply is
+                constrained to it
                 (:mod:`agent_runtime.structured_outputs`; not with a JSON ``response_format``).
             params: sampling parameters.
             job_id: the job.
