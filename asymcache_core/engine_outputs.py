@@ -95,23 +95,56 @@ def attach_prompt_logprobs(
             request.add_prompt_logprobs(start, entries)
 
 
-def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now: float) -> None:
+def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now: float, new_tokens: int = 1) -> int:
     """Extends ``request.text`` by its new tokens; a stop string found in it ends the request.
 
     NOTE: the scheduler has already applied the token-level stops; a stop string (text) is
     found only here, so its request is freed after the step's other finished requests (as
     vLLM's output processor aborts it), and it overrides an EOS or length finish of the
     same token (the text is cut at the stop string either way).
+
+    Args:
+        tokenizer: the engine's tokenizer.
+        request: a request the step gave tokens.
+        scheduler: finishes the request a stop string ends.
+        now: engine time.
+        new_tokens: the tokens the step appended (several: a run of drafts kept).
+
+    Returns:
+        The new tokens dropped: those after the one whose text completed a stop string (a
+        run is decoded one token at a time, as decoding without drafts would: the request
+        ends on the same token, with the same text).
     """
+    params = request.params
+    ids = request.output_token_ids
+    if new_tokens <= 1 or not params.stop:
+        _detokenize(tokenizer, request, scheduler, now, _text_token_ids(request), len(ids), request.finished)
+        return 0
+    for n in range(len(ids) - new_tokens + 1, len(ids) + 1):
+        last = n == len(ids)
+        text_ids = _text_token_ids(request) if last else ids[:n]
+        if _detokenize(tokenizer, request, scheduler, now, text_ids, n, last and request.finished) and not last:
+            # NOTE: the tokens after the stop's were never sampled without drafts
+            dropped = len(ids) - n
+            del request.output_token_ids[n:]
+            del request.all_token_ids[len(request.all_token_ids) - dropped :]
+            del request.metrics.token_times[len(request.metrics.token_times) - dropped :]
+            return dropped
+    return 0
+
+
+def _detokenize(
+    tokenizer: Any, request: Request, scheduler: Scheduler, now: float, ids: list[int], count: int, final: bool
+) -> bool:
+    """Decodes ``ids`` (the text's tokens of the first ``count`` output tokens) past what the
+    request's text holds; ends the request on a stop string (True)."""
     params = request.params
     detok = request.detok
     before = len(detok.text)
-    new = detokenize_incrementally(
-        tokenizer, _text_token_ids(request), detok, final=request.finished, skip_special_tokens=params.skip_special_tokens
-    )
+    new = detokenize_incrementally(tokenizer, ids, detok, final=final, skip_special_tokens=params.skip_special_tokens)
     request.text = detok.text
-    if not (new and params.stop) or len(request.output_token_ids) < params.min_tokens:
-        return
+    if not (new and params.stop) or count < params.min_tokens:
+        return False
     # NOTE: only text that can hold a stop string for the first time is searched: the new
     # piece and the longest stop string's length before it. The first stop string of the
     # list that occurs wins (vLLM's rule).
@@ -121,7 +154,8 @@ def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now:
         if idx >= 0:
             request.text = detok.text[: idx + len(stop) if params.include_stop_str_in_output else idx]
             scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, now, stop)
-            return
+            return True
+    return False
 
 
 def flush_text(tokenizer: Any, request: Request) -> None:

@@ -125,20 +125,23 @@ class StepPhases:
     def _process_output(self, update: RequestUpdate, now: float) -> RequestOutput:
         """Turns one scheduler update into the request's output: text, stop strings."""
         request = update.request
-        self.counters.generated_tokens += len(update.new_token_ids)
+        new_ids = update.new_token_ids
         if self.tokenizer is not None:
             # NOTE: a request the scheduler finished was counted under its reason then; its
             # last token's text may settle another (a stop string, a detokenizer failure)
             counted = self.serving_stats.finish_reason(request) if request.finished else None
             try:
-                detokenize_step(self.tokenizer, request, self.scheduler, now)
+                dropped = detokenize_step(self.tokenizer, request, self.scheduler, now, len(new_ids))
+                # NOTE: a run of kept drafts past a stop string ends on the stop's token
+                new_ids = new_ids[: len(new_ids) - dropped]
             except Exception as exc:  # noqa: BLE001 - the request fails, not the step
                 self._fail_request(
                     request, f"detokenizing failed: {type(exc).__name__}: {exc}", now
                 )
             if counted is not None:
                 self.serving_stats.on_reason_settled(request, counted)
-        return request_output(request, update.new_token_ids)
+        self.counters.generated_tokens += len(new_ids)
+        return request_output(request, new_ids)
 
     def _on_finish(self, request: Request, now: float) -> None:
         """The scheduler's finish hook: runs before the request's blocks are freed."""

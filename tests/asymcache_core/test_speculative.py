@@ -63,7 +63,7 @@ def test_drafts_follow_the_longest_earliest_match():
     with pytest.raises(ValueError, match="^sampled: 2 tokens for 2 drafts"):
         accepted_tokens([4, 5], [4, 5])
     assert can_speculate(SamplingParams(temperature=0.7, presence_penalty=0.5))
-    assert not can_speculate(SamplingParams(logprobs=1)) and not can_speculate(SamplingParams(stop=("x",)))
+    assert not can_speculate(SamplingParams(logprobs=1)) and can_speculate(SamplingParams(stop=("x",)))
 
 
 def _prompt(smollm) -> list[int]:
@@ -204,3 +204,20 @@ def test_the_same_tokens_on_the_gpu():
         runs[spec is not None] = [engine.generate([prompt], p)[0].token_ids for p in params]
         kept = engine.scheduler.speculation.num_accepted_tokens
     assert runs[True] == runs[False] and kept > 0
+
+
+def test_a_stop_string_inside_a_kept_run_ends_the_reply_on_its_token(smollm):
+    prompt = _prompt(smollm)
+    outs = {}
+    for spec in (None, SPEC):
+        engine = make_engine(smollm, num_kv_blocks=96, batch_invariant=True, speculative_config=spec)
+        free = engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+        # a stop string that ends inside the reply: the piece of text of tokens 14-16
+        stop = smollm.tokenizer.decode(free.token_ids[14:17])
+        outs[spec is not None] = [engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=s))[0]
+                                  for s in ((stop,), ("no such text",))]
+        generated = engine.counters.generated_tokens
+    for (plain, drafted) in zip(outs[False], outs[True], strict=True):
+        assert (drafted.token_ids, drafted.text, drafted.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+    assert outs[True][0].finish_reason == "stop" and len(outs[True][0].token_ids) < 20
+    assert generated == 40 + len(outs[True][0].token_ids) + 40  # the dropped tokens are not counted
