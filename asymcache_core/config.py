@@ -142,7 +142,7 @@ class EngineConfig:
             call's fixed text) are appended at once and computed in the next step together, as
             the rest of a prompt is, instead of one decode step each (SGLang's jump-forward
             decoding, at the token level: the tokens are those sampling would pick, so outputs
-            are unchanged). Not for rows with log probabilities or stop strings. With async
+            are unchanged). Not for rows with log probabilities. With async
             scheduling the step in flight sampled the position the first forced token takes;
             its token is dropped. ``None`` (the default) is on: on the CPU agent jobs with
             forced tool calls ran 1.15x faster with one in flight, 1.08x at 8; on an H100

@@ -29,9 +29,10 @@ def forced_tokens(request: Request, max_model_len: int | None) -> list[int]:
 
     NOTE: exact: with one token kept, every sampling setting picks it (greedy or not; a seeded
     row draws by its position, so later draws do not move). None where that may not hold or
-    cannot be reported: a row with log probabilities (the forced tokens would need theirs),
-    stop strings (the text is searched per step) or another processor (its mask could
-    differ), or more than one step in flight. With async scheduling the one step in flight
+    cannot be reported: a row with log probabilities (the forced tokens would need theirs) or
+    another processor (its mask could differ), or more than one step in flight. A stop string
+    is looked for token by token along the run (``engine_outputs.detokenize_step``): the
+    request ends on the same token as without the jump. With async scheduling the one step in flight
     samples the position the first forced token takes; the scheduler drops that token.
 
     Args:
@@ -42,7 +43,7 @@ def forced_tokens(request: Request, max_model_len: int | None) -> list[int]:
         The forced tokens, in order (often none).
     """
     params = request.params
-    if request.num_pending > 1 or params.logprobs is not None or params.stop or len(params.logits_processors) != 1:
+    if request.num_pending > 1 or params.logprobs is not None or len(params.logits_processors) != 1:
         return []
     ask = getattr(params.logits_processors[0], "forced_tokens", None)
     if ask is None:

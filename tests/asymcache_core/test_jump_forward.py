@@ -81,7 +81,6 @@ def test_jump_forward_is_lossless_under_eviction_preemption_and_random_sampling(
 
 @pytest.mark.parametrize(("extra", "why"), [
     ({"logprobs": 1}, "the forced tokens would need log probabilities"),
-    ({"stop": ["never said"]}, "stop strings are searched step by step"),
     ({"allowed_token_ids": list(range(900, 1100))}, "a second processor"),
 ])
 def test_rows_jump_forward_cannot_report_sample_every_token(smollm, stepwise, extra, why):
@@ -92,6 +91,19 @@ def test_rows_jump_forward_cannot_report_sample_every_token(smollm, stepwise, ex
     engine = make_engine(smollm)
     assert _run(engine, _params(**extra)) == reference, why
     assert engine.stats().engine_jump_forward_tokens_total == 0, why
+
+
+def test_a_stop_string_inside_a_jump_ends_the_reply_on_its_token(smollm):
+    # NOTE: the text of forced token 1002 as a stop string: the jump appends 1001-1003, the
+    # reply ends on 1002 as it does a step a token
+    stop = smollm.tokenizer.decode([1002])
+    reference = _run(make_engine(smollm, jump_forward=False), _params(stop=[stop]))
+    engine = make_engine(smollm)
+    got = _run(engine, _params(stop=[stop]))
+    assert got == reference and all(ids[-1] == 1002 and reason == "stop" for ids, reason in got)
+    assert engine.stats().engine_jump_forward_tokens_total > 0 and engine.stats().engine_generated_tokens_total == sum(
+        len(ids) for ids, _ in got)
+    engine.check_integrity()
 
 
 def test_a_jump_stops_at_max_tokens_and_at_a_stop_token(smollm):
