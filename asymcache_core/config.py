@@ -6,7 +6,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,10 +29,6 @@ class CliFlag:
     name: str
     help: str
     aliases: tuple[str, ...] = ()
-
-
-if TYPE_CHECKING:
-    from asymcache_core.speculative import SpeculativeConfig
 
 
 def _flag(name: str, help: str, *aliases: str) -> dict[str, Any]:
@@ -201,11 +197,9 @@ class EngineConfig:
             device pool and the host tier store and remove are published for KV-aware routers
             in vLLM's KV-events format (:mod:`asymcache_core.kv_events`, ``docs/kv-events.md``);
             ``None``: off. A dict of those keys is taken too (kept as its JSON).
-        speculative_config: vLLM's ``--speculative-config`` JSON for the ``ngram`` method
-            (``num_speculative_tokens``, ``prompt_lookup_min``/``max``): drafts from the
-            request's own context, verified by the next step, the same tokens as without
-            them (:mod:`asymcache_core.speculative`); needs synchronous steps (async
-            scheduling then resolves off). ``None``: off. A dict is taken too (kept as JSON).
+        speculative_config: vLLM's ``--speculative-config`` JSON, ``ngram`` method: drafts from
+            the request's context, the same tokens (:mod:`asymcache_core.speculative`); steps
+            are synchronous (async scheduling resolves off); ``None``: off; a dict is kept as JSON.
     """
 
     model: str = field(default="smollm2-135m", metadata=_flag(
@@ -296,10 +290,8 @@ class EngineConfig:
     kv_events_config: str | None = field(default=None, metadata=_flag(
         "--kv-events-config", "vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
         "\"tcp://*:5557\"}': publish stored/removed KV blocks for KV-aware routers (docs/kv-events.md)."))
-    speculative_config: str | None = field(default=None, metadata=_flag(
-        "--speculative-config", "vLLM's speculative decoding JSON, n-gram drafts from the request's own context: "
-        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (same tokens; "
-        "synchronous steps)."))
+    speculative_config: str | None = field(default=None, metadata=_flag("--speculative-config", "vLLM's n-gram "
+        "speculative decoding JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (same tokens)."))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -438,18 +430,10 @@ class EngineConfig:
                 object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"speculative_config: the dict is not JSON: {exc}") from None
-        if self.speculative() is not None and self.async_scheduling:
-            raise ValueError("speculative_config: not with async_scheduling (a draft follows the token before it)")
-
-    def speculative(self) -> SpeculativeConfig | None:
-        """The parsed ``speculative_config`` (``None``: off).
-
-        Raises:
-            ValueError: naming ``speculative_config`` or its key.
-        """
         from asymcache_core.speculative import SpeculativeConfig
 
-        return SpeculativeConfig.parse(self.speculative_config)
+        if SpeculativeConfig.parse(self.speculative_config) is not None and self.async_scheduling:
+            raise ValueError("speculative_config: not with async_scheduling (a draft follows the token before it)")
 
     def chunk_budget(self) -> int | None:
         """Fixed per-step token budget, or ``None`` when chunking is adaptive."""

@@ -64,10 +64,11 @@ from asymcache_core.kv_stack import build_kv_stack
 from asymcache_core.latency_model import LatencyFeedback, LatencyModel
 from asymcache_core.memory_budget import KVPoolPlan
 from asymcache_core.request import Request, RequestOutput, RequestStatus
-from asymcache_core.sampler import with_engine_processors
+from asymcache_core.request_masks import with_engine_processors
 from asymcache_core.sampling_params import SamplingParams
 from asymcache_core.serving_stats import ServingStats
 from asymcache_core.sim_runner import SimulatedRunner, VirtualClock
+from asymcache_core.speculative import SpeculativeConfig
 from asymcache_core.step_timeline import DeviceTimeline
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class Engine(AsyncSteps, StepPhases, JobControl, BlockingCalls):
         self.clock = clock or time.monotonic
         device, dtype = config.torch_device, config.torch_dtype
         #: steps are planned while the one before runs (``config.async_scheduling`` resolved)
-        speculative = config.speculative()
+        speculative = SpeculativeConfig.parse(config.speculative_config)
         if speculative is not None and runner_factory is not None:
             raise ValueError("speculative_config: needs the model runner (a simulated step samples no token)")
         self.async_scheduling = (

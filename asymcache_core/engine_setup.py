@@ -19,6 +19,7 @@ from asymcache_core.budget import AdaptiveBudget, FixedBudget
 from asymcache_core.config import EngineConfig
 from asymcache_core.memory_budget import GIB, KVPoolPlan, check_device_pool_fits, plan_for_device
 from asymcache_core.scheduler import Scheduler, fcfs_key
+from asymcache_core.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from asymcache_core.kv_stack import KVStack
@@ -297,7 +298,7 @@ def build_scheduler(
         job_admission=stack.job_admission,
         async_output=async_output,
         jump_forward=config.jump_forward,
-        speculative=config.speculative(),
+        speculative=SpeculativeConfig.parse(config.speculative_config),
     )
 
 
