@@ -128,9 +128,9 @@ def _runtime(smollm) -> AgentRuntime:
 def test_smollm2_thinks_freely_then_writes_the_constrained_reply(smollm):
     runtime = _runtime(smollm)
     try:
-        free = asyncio.run(runtime.chat(ASK, max_tokens=24))
+        free = asyncio.run(runtime.chat(ASK, max_tokens=12))
         # SmolLM2 never closes the block: its JSON-constrained reply is its free thinking
-        waiting = asyncio.run(runtime.chat(ASK, max_tokens=24, response_format=FORMAT))
+        waiting = asyncio.run(runtime.chat(ASK, max_tokens=12, response_format=FORMAT))
         # the budget closes the block after 6 tokens: from there the reply is the schema's
         capped = asyncio.run(runtime.chat(ASK, max_tokens=48, response_format=FORMAT, thinking_token_budget=6))
         called = asyncio.run(runtime.chat(ASK, max_tokens=64, tools=TOOLS, tool_choice="required",
@@ -148,9 +148,6 @@ def test_smollm2_thinks_freely_then_writes_the_constrained_reply(smollm):
             chat = httpx.post(f"{base}/v1/chat/completions", timeout=60, json=body).json()
             hidden = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
                 **body, "include_reasoning": False, "thinking_token_budget": None}).json()
-            forced = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
-                "model": MODEL, "messages": ASK, "max_tokens": 64, "tools": TOOLS, "tool_choice": "required",
-                "thinking_token_budget": 6}).json()
         idle = runtime.call_threadsafe(lambda e: e.has_unfinished()).result()
     finally:
         runtime.close_sync()
@@ -167,5 +164,4 @@ def test_smollm2_thinks_freely_then_writes_the_constrained_reply(smollm):
     # the server's include_reasoning false is constrain_thinking: the API's reply, its thinking left out
     assert hidden["choices"][0]["message"].get("reasoning_content") is None
     assert hidden["usage"]["completion_tokens"] == len(at_once.token_ids)
-    assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == called.parsed.tool_calls[0].name
     assert idle is False

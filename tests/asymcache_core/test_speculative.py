@@ -87,10 +87,10 @@ def _run(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["invariant", "library"])
 def test_the_tokens_are_those_of_decoding_without_drafts(smollm, batch_invariant):
     prompt = _prompt(smollm)
-    params = [SamplingParams(max_tokens=40, ignore_eos=True),
-              SamplingParams(max_tokens=33, temperature=0.8, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=25, temperature=0.9, top_p=0.9, repetition_penalty=1.2, ignore_eos=True),
-              SamplingParams(max_tokens=20, logprobs=2, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=28, ignore_eos=True),
+              SamplingParams(max_tokens=23, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=18, temperature=0.9, top_p=0.9, repetition_penalty=1.2, ignore_eos=True),
+              SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True)]
     prompts = [prompt, prompt[:-3], prompt[5:], prompt]
     runs = {}
     for spec in (None, SPEC):
@@ -102,7 +102,7 @@ def test_the_tokens_are_those_of_decoding_without_drafts(smollm, batch_invariant
         else:
             plain_steps = len(engine.step_log)
         assert engine.pool.num_free_blocks == engine.num_blocks  # nothing leaked
-    assert [len(t) for t in runs[True]] == [40, 33, 25, 20]
+    assert [len(t) for t in runs[True]] == [28, 23, 18, 12]
     if batch_invariant:
         assert runs[True] == runs[False]  # bit-equal logits: the same tokens, random rows too
     else:
@@ -211,13 +211,13 @@ def test_a_stop_string_inside_a_kept_run_ends_the_reply_on_its_token(smollm):
     outs = {}
     for spec in (None, SPEC):
         engine = make_engine(smollm, num_kv_blocks=96, batch_invariant=True, speculative_config=spec)
-        free = engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+        free = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
         # a stop string that ends inside the reply: the piece of text of tokens 14-16
         stop = smollm.tokenizer.decode(free.token_ids[14:17])
-        outs[spec is not None] = [engine.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=s))[0]
+        outs[spec is not None] = [engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=s))[0]
                                   for s in ((stop,), ("no such text",))]
         generated = engine.counters.generated_tokens
     for (plain, drafted) in zip(outs[False], outs[True], strict=True):
         assert (drafted.token_ids, drafted.text, drafted.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
     assert outs[True][0].finish_reason == "stop" and len(outs[True][0].token_ids) < 20
-    assert generated == 40 + len(outs[True][0].token_ids) + 40  # the dropped tokens are not counted
+    assert generated == 24 + len(outs[True][0].token_ids) + 24  # the dropped tokens are not counted
