@@ -66,8 +66,13 @@ def _stop_reason(request: Request) -> int | str | None:
     return reason
 
 
-def attach_logprobs(updates: Sequence[RequestUpdate], entries: Mapping[str, TokenLogprob]) -> None:
-    """Appends each update's token's log probabilities to its request (those that ask).
+def attach_logprobs(
+    updates: Sequence[RequestUpdate], entries: Mapping[str, TokenLogprob],
+    after_drafts: Mapping[str, list[TokenLogprob]] | None = None,
+) -> None:
+    """Appends each update's tokens' log probabilities to its request (those that ask): its
+    sampled token's, then those of the drafts its run kept (``after_drafts``: the rows after
+    each draft, in order; speculative decoding).
 
     NOTE: only tokens that were appended get their entry (a token dropped because its request
     ended meanwhile drops its log probabilities too), so ``request.logprobs`` stays aligned
@@ -76,9 +81,13 @@ def attach_logprobs(updates: Sequence[RequestUpdate], entries: Mapping[str, Toke
     if not entries:
         return
     for update in updates:
-        entry = entries.get(update.request.request_id)
+        rid = update.request.request_id
+        entry = entries.get(rid)
         if entry is not None and update.request.logprobs is not None:
             update.request.logprobs.append(entry)
+            kept = len(update.new_token_ids) - 1
+            if kept and after_drafts and rid in after_drafts:
+                update.request.logprobs.extend(after_drafts[rid][:kept])
 
 
 def attach_prompt_logprobs(
@@ -129,6 +138,8 @@ def detokenize_step(tokenizer: Any, request: Request, scheduler: Scheduler, now:
             del request.output_token_ids[n:]
             del request.all_token_ids[len(request.all_token_ids) - dropped :]
             del request.metrics.token_times[len(request.metrics.token_times) - dropped :]
+            if request.logprobs is not None:
+                del request.logprobs[n:]
             return dropped
     return 0
 

@@ -101,7 +101,9 @@ class StepPhases:
         drafts = take_draft_samples() if take_draft_samples is not None else None
         updates = self.scheduler.update_from_output(ran, sampled, end, drafts)
         take_logprobs = getattr(self.runner, "take_logprobs", None)
-        attach_logprobs(updates, take_logprobs() if take_logprobs is not None else {})
+        take_draft_logprobs = getattr(self.runner, "take_draft_logprobs", None)
+        attach_logprobs(updates, take_logprobs() if take_logprobs is not None else {},
+                        take_draft_logprobs() if take_draft_logprobs is not None else None)
         self._last_end = end
         return outputs + [self._process_output(update, end) for update in updates]
 

@@ -18,6 +18,7 @@ from asymcache_core.logprobs import (
     PendingPromptLogprobs,
     TokenLogprob,
     sliced_logprob_tensors,
+    token_logprobs,
 )
 from asymcache_core.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from asymcache_core.sampler import FAILED, Sampler
@@ -243,6 +244,7 @@ class ModelRunner(LaunchPath):
         self.prompt_logprobs: dict[str, list[tuple[int, list[TokenLogprob]]]] = {}
         #: request id -> the tokens sampled after its drafts (:meth:`take_draft_samples`)
         self.draft_samples: dict[str, list[int]] = {}
+        self.draft_logprobs: dict[str, list[TokenLogprob]] = {}
         self.mixed_graphs: PiecewiseGraphs | None = None
         if cuda_graphs and mixed_graph_tokens > 0:
             self.mixed_graphs = PiecewiseGraphs(
@@ -408,22 +410,33 @@ class ModelRunner(LaunchPath):
                 outputs.append([*request.output_token_ids, *request.draft_token_ids[: i + 1]])
                 prompts.append(request.prompt_token_ids)
                 draws.append(request.draw_index + 1 + i)
-        failures = dict(self.sampler.failures)
+        failures, logprobs = dict(self.sampler.failures), dict(self.sampler.logprobs)
         tokens = self.sampler.sample(logits, ids, params, outputs, prompts, draws)
         # NOTE: a draft row that failed leaves its request without samples after its drafts:
-        # the scheduler keeps the first token alone (its own row decides whether it fails)
-        self.sampler.failures.clear()
-        self.sampler.failures.update(failures)
+        # the scheduler keeps the first token alone (its own row decides whether it fails);
+        # the rows' log probabilities, keyed by request in the sampler, are taken by row here
+        self.sampler.failures, self.sampler.logprobs = failures, logprobs
+        want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != FAILED]
+        entries = dict(zip(want, token_logprobs(logits[want], [tokens[i] for i in want],
+                                                [params[i].logprobs or 0 for i in want]), strict=True)) if want else {}
         row = 0
         for seq, count in spans:
             got = tokens[row : row + count]
-            row += count
             if FAILED not in got:
-                self.draft_samples[plan.scheduled[seq].request.request_id] = got
+                rid = plan.scheduled[seq].request.request_id
+                self.draft_samples[rid] = got
+                if row in entries:
+                    self.draft_logprobs[rid] = [entries[row + j] for j in range(count)]
+            row += count
 
     def take_draft_samples(self) -> dict[str, list[int]]:
         """The tokens sampled after each sequence's drafts since the last call."""
         taken, self.draft_samples = self.draft_samples, {}
+        return taken
+
+    def take_draft_logprobs(self) -> dict[str, list[TokenLogprob]]:
+        """The log probabilities of those tokens, for requests that ask for them."""
+        taken, self.draft_logprobs = self.draft_logprobs, {}
         return taken
 
     def take_failures(self) -> dict[str, str]:

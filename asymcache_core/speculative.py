@@ -15,10 +15,10 @@ output), so a draft is kept exactly when that decode would have sampled it. Bit-
 make the tokens equal: the batch-invariant mode guarantees a position's logits do not depend
 on how its step is cut; the library kernels agree to rounding (greedy ties aside).
 
-Drafts are proposed for requests whose rows sample without a logits processor or log
-probabilities. A stop string is looked for token by token along a kept run, so the request
-ends on the same token as without drafts. The KV of rejected drafts is dropped: the frontier
-moves back and the blocks past it are freed.
+Drafts are proposed for requests whose rows sample without a logits processor (log
+probabilities are those of the row that sampled each token). A stop string is looked for token
+by token along a kept run, so the request ends on the same token as without drafts. The KV of
+rejected drafts is dropped: the frontier moves back and the blocks past it are freed.
 """
 
 from __future__ import annotations
@@ -98,9 +98,10 @@ class SpeculativeConfig:
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request with ``params`` gets drafts: its rows sample on their own (no logits
     processor: the engine's masks for ``min_tokens``, ``allowed_token_ids`` and ``bad_words``
-    are processors too) and no log probabilities are asked for. Stop strings are checked token
-    by token along a kept run (:func:`~asymcache_core.engine_outputs.detokenize_step`)."""
-    return not params.logits_processors and params.logprobs is None
+    are processors too). Stop strings are checked token by token along a kept run
+    (:func:`~asymcache_core.engine_outputs.detokenize_step`); each kept draft has the log
+    probabilities of the row that sampled it."""
+    return not params.logits_processors
 
 
 def ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

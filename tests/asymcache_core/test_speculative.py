@@ -63,7 +63,8 @@ def test_drafts_follow_the_longest_earliest_match():
     with pytest.raises(ValueError, match="^sampled: 2 tokens for 2 drafts"):
         accepted_tokens([4, 5], [4, 5])
     assert can_speculate(SamplingParams(temperature=0.7, presence_penalty=0.5))
-    assert not can_speculate(SamplingParams(logprobs=1)) and can_speculate(SamplingParams(stop=("x",)))
+    assert can_speculate(SamplingParams(logprobs=1)) and can_speculate(SamplingParams(stop=("x",)))
+    assert not can_speculate(SamplingParams(logits_processors=(lambda ids, row: row,)))
 
 
 def _prompt(smollm) -> list[int]:
@@ -221,3 +222,20 @@ def test_a_stop_string_inside_a_kept_run_ends_the_reply_on_its_token(smollm):
         assert (drafted.token_ids, drafted.text, drafted.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
     assert outs[True][0].finish_reason == "stop" and len(outs[True][0].token_ids) < 20
     assert generated == 24 + len(outs[True][0].token_ids) + 24  # the dropped tokens are not counted
+
+
+def test_kept_drafts_carry_the_log_probabilities_of_their_rows(smollm):
+    prompt = _prompt(smollm)
+    outs = {}
+    for spec in (None, SPEC):
+        engine = make_engine(smollm, num_kv_blocks=96, batch_invariant=True, speculative_config=spec)
+        outs[spec is not None] = engine.generate([prompt, prompt], [
+            SamplingParams(max_tokens=20, logprobs=2, ignore_eos=True),
+            SamplingParams(max_tokens=20, logprobs=1, temperature=0.8, seed=2, ignore_eos=True,
+                           stop=(smollm.tokenizer.decode([prompt[-30]]),)),
+        ])
+        kept = engine.scheduler.speculation.num_accepted_tokens
+    assert kept > 0
+    for plain, drafted in zip(outs[False], outs[True], strict=True):
+        assert drafted.token_ids == plain.token_ids and len(drafted.logprobs) == len(drafted.token_ids)
+        assert drafted.logprobs == plain.logprobs
