@@ -96,7 +96,7 @@ class StepUpdates:
             if status is not None:
                 self.finish_request(request, status, now, stop_reason)
             elif self.proposer is not None and not request.num_pending and can_speculate(request.params):
-                self.proposer.draft(request, self.max_model_len)
+                self.proposer.draft(request, self.max_model_len, len(plan.scheduled))
             updates.append(RequestUpdate(request, tokens, status, stop_reason))
         return updates
 

@@ -37,7 +37,10 @@ if TYPE_CHECKING:
 
 #: vLLM's defaults: both lookup bounds 5 when neither is given (``SpeculativeConfig``).
 DEFAULT_LOOKUP = 5
-_KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+_KEYS = frozenset({
+    "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "num_speculative_tokens_per_batch_size",
+})
+_SCHEDULE = "speculative_config.num_speculative_tokens_per_batch_size"
 
 
 def _positive(config: Mapping[str, Any], key: str) -> int | None:
@@ -57,11 +60,27 @@ class SpeculativeConfig:
         num_speculative_tokens: drafts proposed after each sampled token, at most.
         prompt_lookup_min: the shortest context suffix looked up.
         prompt_lookup_max: the longest one (the longest that matches wins).
+        per_batch_size: vLLM's ``num_speculative_tokens_per_batch_size``, inclusive
+            ``(first, last, k)`` batch-size ranges, sorted (empty: ``k`` at every size):
+            :meth:`drafts_at`.
     """
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
+    per_batch_size: tuple[tuple[int, int, int], ...] = ()
+
+    def drafts_at(self, batch_size: int) -> int:
+        """The drafts a request may get after a step of ``batch_size`` sequences: the range's
+        ``k`` (a gap between ranges, or the sizes past the last, carry the ``k`` before them,
+        as vLLM's ``build_dynamic_sd_schedule_lookup`` does), at most
+        ``num_speculative_tokens``."""
+        k = self.num_speculative_tokens
+        for first, _, ranged in self.per_batch_size:
+            if first > batch_size:
+                break
+            k = min(self.num_speculative_tokens, ranged)
+        return k
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -92,7 +111,35 @@ class SpeculativeConfig:
         low, high = low or high or DEFAULT_LOOKUP, high or low or DEFAULT_LOOKUP
         if low > high:
             raise ValueError(f"speculative_config.prompt_lookup_min: {low} is above prompt_lookup_max {high}")
-        return cls(k, low, high)
+        schedule = value.get("num_speculative_tokens_per_batch_size")
+        return cls(k, low, high, _batch_schedule(schedule) if schedule is not None else ())
+
+
+def _batch_schedule(value: Any) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` checked as its
+    ``validate_and_normalize_dynamic_sd_schedule`` checks it: a non-empty list of ``(first,
+    last, k)``, positive ranges, ``k >= 0``, sorted without overlap, the first from 1.
+
+    Raises:
+        ValueError: naming the field.
+    """
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{_SCHEDULE}: must be a non-empty list of [first, last, k] entries")
+    entries = []
+    for entry in value:
+        if (not isinstance(entry, list | tuple) or len(entry) != 3
+                or any(isinstance(x, bool) or not isinstance(x, int) for x in entry)):
+            raise ValueError(f"{_SCHEDULE}: each entry is [first, last, k] integers, got {entry!r}")
+        first, last, k = entry
+        if first <= 0 or last < first or k < 0:
+            raise ValueError(f"{_SCHEDULE}: {list(entry)} needs 1 <= first <= last and k >= 0")
+        entries.append((first, last, k))
+    entries.sort()
+    if entries[0][0] != 1:
+        raise ValueError(f"{_SCHEDULE}: the first range must start at batch size 1")
+    if any(b[0] <= a[1] for a, b in zip(entries, entries[1:], strict=False)):
+        raise ValueError(f"{_SCHEDULE}: the ranges overlap")
+    return tuple(entries)
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -163,10 +210,11 @@ class NgramProposer:
         self._contexts[request_id] = (buffer, total)
         return ngram_drafts(buffer[:total], self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
 
-    def draft(self, request: Request, max_model_len: int | None) -> None:
+    def draft(self, request: Request, max_model_len: int | None, batch_size: int = 1) -> None:
         """Gives ``request`` the drafts its limits leave room for (its next step appends at
-        most one token more than it has drafts)."""
-        room = request.params.max_tokens - len(request.output_token_ids) - 1
+        most one token more than it has drafts), after a step of ``batch_size`` sequences
+        (:meth:`SpeculativeConfig.drafts_at`)."""
+        room = min(request.params.max_tokens - len(request.output_token_ids) - 1, self.config.drafts_at(batch_size))
         if max_model_len is not None:
             room = min(room, max_model_len - request.num_tokens - 1)
         request.draft_token_ids = self.propose(request.request_id, request.all_token_ids, room)

@@ -40,6 +40,17 @@ def test_the_config_is_vllms():
     for text, message in bad.items():
         with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
             SpeculativeConfig.parse(text)
+    schedule = {**SPEC, "num_speculative_tokens_per_batch_size": [[9, 16, 2], [1, 4, 6], [5, 8, 3]]}
+    config = SpeculativeConfig.parse(schedule)
+    assert config.per_batch_size == ((1, 4, 6), (5, 8, 3), (9, 16, 2))
+    # capped by num_speculative_tokens; past the last range its k carries on
+    assert [config.drafts_at(b) for b in (1, 4, 5, 8, 9, 16, 17, 500)] == [4, 4, 3, 3, 2, 2, 2, 2]
+    field = "speculative_config.num_speculative_tokens_per_batch_size"
+    for schedule_value, message in (([], "must be a non-empty list"), ([[1, 4]], "each entry is"),
+                                    ([[2, 4, 1]], "the first range must start at batch size 1"),
+                                    ([[1, 4, 1], [4, 8, 2]], "the ranges overlap"), ([[1, 4, -1]], r"\[1, 4, -1\] needs 1 <= first")):
+        with pytest.raises(ValueError, match=f"^{field}: {message}"):
+            SpeculativeConfig.parse({**SPEC, "num_speculative_tokens_per_batch_size": schedule_value})
     with pytest.raises(ValueError, match="^speculative_config: not with async_scheduling"):
         EngineConfig(speculative_config=SPEC, async_scheduling=True)
     assert EngineConfig(speculative_config=SPEC).speculative_config == (
@@ -239,3 +250,15 @@ def test_kept_drafts_carry_the_log_probabilities_of_their_rows(smollm):
     for plain, drafted in zip(outs[False], outs[True], strict=True):
         assert drafted.token_ids == plain.token_ids and len(drafted.logprobs) == len(drafted.token_ids)
         assert drafted.logprobs == plain.logprobs
+
+
+def test_the_batch_size_schedule_sets_the_drafts(smollm):
+    """vLLM's ``num_speculative_tokens_per_batch_size``: drafts when one request runs, none
+    when two do (the k of the step's batch size)."""
+    prompt = _prompt(smollm)
+    spec = {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 1, 4], [2, 64, 0]]}
+    engine = make_engine(smollm, num_kv_blocks=96, speculative_config=spec)
+    _run(engine, [prompt, prompt[2:]], [SamplingParams(max_tokens=12, ignore_eos=True)] * 2)
+    assert engine.scheduler.speculation.num_drafts == 0
+    _run(engine, [prompt], [SamplingParams(max_tokens=12, ignore_eos=True)])
+    assert engine.scheduler.speculation.num_drafts > 0
