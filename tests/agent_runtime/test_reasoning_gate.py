@@ -133,7 +133,7 @@ def test_smollm2_thinks_freely_then_writes_the_constrained_reply(smollm):
         waiting = asyncio.run(runtime.chat(ASK, max_tokens=12, response_format=FORMAT))
         # the budget closes the block after 6 tokens: from there the reply is the schema's
         capped = asyncio.run(runtime.chat(ASK, max_tokens=48, response_format=FORMAT, thinking_token_budget=6))
-        called = asyncio.run(runtime.chat(ASK, max_tokens=64, tools=TOOLS, tool_choice="required",
+        called = asyncio.run(runtime.chat(ASK, max_tokens=40, tools=TOOLS, tool_choice="required",
                                           thinking_token_budget=6))
         # constrained in the thinking too (vLLM's include_reasoning false): JSON from the first token
         at_once = asyncio.run(runtime.chat(ASK, max_tokens=48, response_format=FORMAT, constrain_thinking=True))

@@ -262,3 +262,22 @@ def test_the_batch_size_schedule_sets_the_drafts(smollm):
     assert engine.scheduler.speculation.num_drafts == 0
     _run(engine, [prompt], [SamplingParams(max_tokens=12, ignore_eos=True)])
     assert engine.scheduler.speculation.num_drafts > 0
+
+
+def test_two_ranks_verify_the_drafts_as_one_decodes():
+    """Tensor parallelism (two CPU ranks, gloo): the drafts reach every rank with the step's
+    inputs, and the tokens are those of one rank without drafts."""
+    from asymcache_core import Engine
+
+    prompt = [5, 6, 7, 8, 9] * 3 + [5, 6, 7]
+    outs = {}
+    for ranks, spec in ((1, None), (2, {**SPEC, "prompt_lookup_min": 1})):
+        engine = Engine(model="dummy:tiny", num_kv_blocks=64, tensor_parallel_size=ranks, speculative_config=spec,
+                        batch_invariant=True)
+        try:
+            outs[ranks] = [o.token_ids for o in engine.generate([prompt, prompt[3:]],
+                                                                 SamplingParams(max_tokens=24, ignore_eos=True))]
+            kept = engine.scheduler.speculation.num_accepted_tokens
+        finally:
+            engine.close()
+    assert outs[2] == outs[1] and kept > 0
