@@ -34,9 +34,10 @@ def _median_step_ms(engine: Engine, steps: int) -> float:
 
 def _measure(engine: Engine, batch: int, context: int, k: int) -> float:
     vocab = engine.model_config.vocab_size
+    margin = min(1000, vocab // 8)  # clear of the special tokens at both ends of the vocabulary
     gen = torch.Generator().manual_seed(batch)
     for _ in range(batch):
-        prompt = torch.randint(1000, vocab - 1000, (context,), generator=gen).tolist()
+        prompt = torch.randint(margin, vocab - margin, (context,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=400, ignore_eos=True))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
         engine.step()
