@@ -378,17 +378,18 @@ class ModelRunner(LaunchPath):
         if not sample_index:
             return {}
         requests = [plan.scheduled[i].request for i in sample_index]
-        if draft_spans:
-            self._sample_drafts(plan, draft_spans, logits[len(sample_index):])
-            logits = logits[: len(sample_index)]
         tokens = self.sampler.sample(
-            logits,
+            logits[: len(sample_index)] if draft_spans else logits,
             [r.request_id for r in requests],
             [r.params for r in requests],
             [r.output_token_ids for r in requests],
             [r.prompt_token_ids for r in requests],
             [r.draw_index for r in requests],
         )
+        if draft_spans:
+            # NOTE: after the sampled rows: a stateful processor (a grammar) then sees each
+            # request's output grow, its own row's and then each draft's
+            self._sample_drafts(plan, draft_spans, logits[len(sample_index):])
         # NOTE: a row whose sampling failed is left out; the engine fails its request alone.
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True) if t != FAILED}
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from asymcache_core.jump_forward import forced_tokens
 from asymcache_core.request import Request, RequestStatus
 from asymcache_core.scheduler_output import RequestUpdate, SchedulerOutput
-from asymcache_core.speculative import NgramProposer, SpeculationStats, can_speculate, verified_run
+from asymcache_core.speculative import NgramProposer, SpeculationStats, verified_run
 from asymcache_core.stop_conditions import check_stop
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class StepUpdates:
             stop_reason = tokens[-1] if status is RequestStatus.FINISHED_STOPPED else None
             if status is not None:
                 self.finish_request(request, status, now, stop_reason)
-            elif self.proposer is not None and not request.num_pending and can_speculate(request.params):
+            elif self.proposer is not None and not request.num_pending:
                 self.proposer.draft(request, self.max_model_len, len(plan.scheduled))
             updates.append(RequestUpdate(request, tokens, status, stop_reason))
         return updates

@@ -15,9 +15,9 @@ output), so a draft is kept exactly when that decode would have sampled it. Bit-
 make the tokens equal: the batch-invariant mode guarantees a position's logits do not depend
 on how its step is cut; the library kernels agree to rounding (greedy ties aside).
 
-Drafts are proposed for requests whose rows sample without a logits processor (log
-probabilities are those of the row that sampled each token). A stop string is looked for token
-by token along a kept run, so the request ends on the same token as without drafts. The KV of
+A draft's row goes through the request's logits processors (a grammar sees the output with the
+drafts before the row), and its log probabilities are the row's. A stop string is looked for
+token by token along a kept run, so the request ends on the same token as without drafts. The KV of
 rejected drafts is dropped: the frontier moves back and the blocks past it are freed.
 """
 
@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from asymcache_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from asymcache_core.request import Request
@@ -140,15 +138,6 @@ def _batch_schedule(value: Any) -> tuple[tuple[int, int, int], ...]:
     if any(b[0] <= a[1] for a, b in zip(entries, entries[1:], strict=False)):
         raise ValueError(f"{_SCHEDULE}: the ranges overlap")
     return tuple(entries)
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request with ``params`` gets drafts: its rows sample on their own (no logits
-    processor: the engine's masks for ``min_tokens``, ``allowed_token_ids`` and ``bad_words``
-    are processors too). Stop strings are checked token by token along a kept run
-    (:func:`~asymcache_core.engine_outputs.detokenize_step`); each kept draft has the log
-    probabilities of the row that sampled it."""
-    return not params.logits_processors
 
 
 def ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -274,4 +263,4 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
 
 
-__all__ = ["NgramProposer", "SpeculationStats", "SpeculativeConfig", "accepted_tokens", "can_speculate", "ngram_drafts", "verified_run"]
+__all__ = ["NgramProposer", "SpeculationStats", "SpeculativeConfig", "accepted_tokens", "ngram_drafts", "verified_run"]

@@ -12,7 +12,6 @@ from asymcache_core import EngineConfig, SamplingParams
 from asymcache_core.speculative import (
     SpeculativeConfig,
     accepted_tokens,
-    can_speculate,
     ngram_drafts,
 )
 from tests.conftest import make_engine
@@ -73,9 +72,6 @@ def test_drafts_follow_the_longest_earliest_match():
     assert accepted_tokens([4, 5], [1, 5, 9]) == [1]
     with pytest.raises(ValueError, match="^sampled: 2 tokens for 2 drafts"):
         accepted_tokens([4, 5], [4, 5])
-    assert can_speculate(SamplingParams(temperature=0.7, presence_penalty=0.5))
-    assert can_speculate(SamplingParams(logprobs=1)) and can_speculate(SamplingParams(stop=("x",)))
-    assert not can_speculate(SamplingParams(logits_processors=(lambda ids, row: row,)))
 
 
 def _prompt(smollm) -> list[int]:
@@ -281,3 +277,29 @@ def test_two_ranks_verify_the_drafts_as_one_decodes():
         finally:
             engine.close()
     assert outs[2] == outs[1] and kept > 0
+
+
+def test_constrained_replies_speculate_through_their_grammar(smollm):
+    """A forced tool call and a JSON reply (xgrammar processors, jump-forward on): each draft's
+    row is masked by the grammar as its position's decode would be; the replies are those of
+    an engine without drafts."""
+    import asyncio
+
+    from agent_runtime.runtime import AgentRuntime
+    from tests.agent_runtime.live_server import TOOLS
+
+    ask = [{"role": "user", "content": "Read the file src/app/main.py and then src/app/util.py, please."}]
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    replies = {}
+    for spec in (None, {**SPEC, "prompt_lookup_min": 1}):
+        runtime = AgentRuntime(make_engine(smollm, max_model_len=1024, batch_invariant=True, speculative_config=spec))
+        try:
+            called = asyncio.run(runtime.chat(ask, max_tokens=40, tools=TOOLS, tool_choice="required"))
+            answer = asyncio.run(runtime.chat(ask, max_tokens=30, response_format={
+                "type": "json_schema", "json_schema": {"name": "f", "schema": schema}}))
+            replies[spec is not None] = (called.token_ids, answer.token_ids)
+            kept = runtime.engine.scheduler.speculation.num_accepted_tokens
+        finally:
+            runtime.close_sync()
+            runtime.engine.close()
+    assert replies[True] == replies[False] and kept > 0
