@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -405,21 +406,26 @@ class ModelRunner(LaunchPath):
         draws: list[int] = []
         for seq, count in spans:
             request = plan.scheduled[seq].request
+            row_params = request.params
+            if row_params.logprobs is not None:
+                # NOTE: the rows' log probabilities are taken below, by row: the sampler keys
+                # its own by request, which the rows share
+                row_params = dataclasses.replace(row_params, logprobs=None)
             for i in range(count):
                 ids.append(request.request_id)
-                params.append(request.params)
+                params.append(row_params)
                 outputs.append([*request.output_token_ids, *request.draft_token_ids[: i + 1]])
                 prompts.append(request.prompt_token_ids)
                 draws.append(request.draw_index + 1 + i)
-        failures, logprobs = dict(self.sampler.failures), dict(self.sampler.logprobs)
+        failures = dict(self.sampler.failures)
         tokens = self.sampler.sample(logits, ids, params, outputs, prompts, draws)
         # NOTE: a draft row that failed leaves its request without samples after its drafts:
-        # the scheduler keeps the first token alone (its own row decides whether it fails);
-        # the rows' log probabilities, keyed by request in the sampler, are taken by row here
-        self.sampler.failures, self.sampler.logprobs = failures, logprobs
-        want = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] != FAILED]
+        # the scheduler keeps the first token alone (its own row decides whether it fails)
+        self.sampler.failures = failures
+        asks = [plan.scheduled[seq].request.params.logprobs for seq, count in spans for _ in range(count)]
+        want = [i for i, n in enumerate(asks) if n is not None and tokens[i] != FAILED]
         entries = dict(zip(want, token_logprobs(logits[want], [tokens[i] for i in want],
-                                                [params[i].logprobs or 0 for i in want]), strict=True)) if want else {}
+                                                [asks[i] or 0 for i in want]), strict=True)) if want else {}
         row = 0
         for seq, count in spans:
             got = tokens[row : row + count]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -28,11 +27,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from agent_runtime.grammar_cache import GrammarCache, make_request_processor  # noqa: E402
 from agent_runtime.protocol import normalize_response_format  # noqa: E402
 from agent_runtime.runtime import AgentRuntime  # noqa: E402
-from agent_runtime.server import create_app  # noqa: E402
 from agent_runtime.structural_tag import MAX_NESTING  # noqa: E402
 from agent_runtime.structured_outputs import normalize_structured_outputs  # noqa: E402
+from tests.agent_runtime import test_response_format  # noqa: E402
 from tests.agent_runtime.test_response_format import _clean  # noqa: E402
-from tests.conftest import make_engine  # noqa: E402
 
 MODEL = "smollm2-135m"
 CHAT = "/v1/chat/completions"
@@ -228,20 +226,9 @@ def test_the_processor_frees_text_outside_the_trigger_and_holds_the_structure_in
 # The real model, over HTTP and in Python
 # ------------------------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def runtime(smollm) -> Iterator[AgentRuntime]:
-    rt = AgentRuntime(make_engine(smollm, num_kv_blocks=64, max_model_len=512))
-    try:
-        yield rt
-    finally:
-        rt.close_sync()
-
-
-@pytest.fixture(scope="module")
-def client(runtime: AgentRuntime) -> Iterator[TestClient]:
-    with TestClient(create_app(runtime, MODEL, override_generation_config={"temperature": 0})) as c:
-        yield c
+# NOTE: the greedy server of the response_format tests (module-scoped: one for this module)
+runtime = test_response_format.runtime
+client = test_response_format.client
 
 
 def _calls(text: str) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from asymcache_core.loaders import load_model
 from asymcache_core.models import ModelConfig, build_model, load_hf_state_dict
 from asymcache_core.parallel import TensorParallelGroup, plan_tensor_shards, shard_parameter
 from tests.conftest import make_engine
-from tests.tiny_gguf import CHAT_TEMPLATE, _byte_tokens
+from tests.tiny_gguf import TOKENS, gguf_writer
 
 CPU = torch.device("cpu")
 TINY = {
@@ -87,31 +87,13 @@ def test_a_checkpoint_without_its_q_k_norms_is_refused() -> None:
 def _write_qwen3_gguf(path, hf, arch: str = "qwen3") -> None:
     """``hf`` as llama.cpp's convert_hf_to_gguf writes a Qwen3: its tensor names, q/k rows in
     HF's order (no llama permutation), ``key_length`` for head_dim, a byte-level BPE tokenizer."""
-    import gguf
-
     cfg = hf.config
-    tokens = [*_byte_tokens(), "he", "ll", "<|im_start|>", "<|im_end|>"]
-    assert len(tokens) == cfg.vocab_size
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(1000000.0)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(["h e", "l l"])
-    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
-    writer.add_bos_token_id(len(tokens) - 2)
-    writer.add_eos_token_id(len(tokens) - 1)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    assert len(TOKENS) == cfg.vocab_size
+    writer = gguf_writer(path, arch, {
+        "context": cfg.max_position_embeddings, "hidden": cfg.hidden_size, "inter": cfg.intermediate_size,
+        "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads, "kv": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "eps": cfg.rms_norm_eps, "rope_base": 1000000.0,
+    }, pre="qwen2")
     names = {
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
